@@ -1,0 +1,3 @@
+from coconet.cli import main
+
+main()

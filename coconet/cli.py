@@ -1,0 +1,247 @@
+"""The ``coconet`` command line (DESIGN §9).
+
+Every command takes ``--json`` for a machine-readable answer on stdout. Errors
+are one line ``error: …`` on stderr with exit code 2 — never a traceback
+(``COCONET_DEBUG=1`` shows it for internal errors).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable, List, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from coconet.errors import CoconetError, NotAvailable
+
+app = typer.Typer(
+    name="coconet",
+    help="Co-optimise computation and communication of distributed ML programs, and tune their schedules.",
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+
+JSON_OPT = typer.Option(False, "--json", help="Answer in JSON on stdout.")
+SIZE_OPT = typer.Option(None, "--size", help="Size bindings, e.g. N=2^20 or B=8,S=1024,H=3072 (repeatable).")
+
+
+def _fail(message: str) -> None:
+    Console(stderr=True, highlight=False, soft_wrap=True).print(f"error: {message}", markup=False)
+    raise typer.Exit(2)
+
+
+def _guard(fn: Callable[..., Any]) -> Callable[..., Any]:
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except typer.Exit:
+            raise
+        except CoconetError as e:
+            _fail(" ".join(str(e).split("\n")))
+        except KeyboardInterrupt:
+            _fail("interrupted")
+        except Exception as e:
+            if os.environ.get("COCONET_DEBUG"):
+                raise
+            _fail(f"internal error: {type(e).__name__}: {e} (set COCONET_DEBUG=1 for the traceback)")
+
+    return wrapper
+
+
+def _echo_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2) + "\n")
+
+
+def _statement_row(s: Any, sizes: dict[str, int] | None) -> dict[str, Any]:
+    row: dict[str, Any] = {"name": s.name, "op": s.op, "args": list(s.args)}
+    attrs = {k: v for k, v in s.attrs if k not in ("shape", "layout", "dtype")}
+    if attrs:
+        row["attrs"] = {k: list(v) if isinstance(v, tuple) else v for k, v in attrs.items()}
+    if s.type is not None:
+        row["shape"] = [d.to_json() for d in s.type.shape]
+        if sizes is not None:
+            row["sizes"] = [d.evaluate(sizes) for d in s.type.shape]
+        row["dtype"] = s.type.dtype or "weak"
+        row["layout"] = str(s.type.layout)
+    return row
+
+
+@app.command()
+@_guard
+def check(
+    file: Path = typer.Argument(..., help="Program file: .py defining `program`, or exported .json."),
+    size: Optional[List[str]] = SIZE_OPT,
+    as_json: bool = JSON_OPT,
+) -> None:
+    """Parse and verify a program; print the typed listing (shape, dtype, layout per statement)."""
+    from coconet.loader import load_file
+    from coconet.schedules.dims import parse_sizes
+
+    prog = load_file(file)
+    sizes = parse_sizes(size, prog.dims) if size else None
+    rows = [_statement_row(s, sizes) for s in prog.stmts]
+    if as_json:
+        _echo_json({"program": prog.name, "hash": prog.hash, "dims": list(prog.dims), "statements": rows})
+        return
+    console = Console(highlight=False)
+    table = Table(title=f"{prog.name}  dims=({', '.join(prog.dims)})  hash={prog.hash}", title_justify="left")
+    for col in ("name", "op", "operands", "shape", "dtype", "layout"):
+        table.add_column(col, no_wrap=col != "operands")
+    for s, row in zip(prog.stmts, rows):
+        operands = ", ".join(s.args)
+        attrs = row.get("attrs")
+        if attrs:
+            operands = ", ".join([operands] * bool(operands) + [f"{k}={v}" for k, v in attrs.items()])
+        if s.type is None:
+            table.add_row(s.name, s.op, operands, "", "", "", style="bold")
+            continue
+        shape = row["sizes"] if sizes is not None else [str(d) for d in s.type.shape]
+        table.add_row(s.name, s.op, operands, "(" + ", ".join(map(str, shape)) + ")", row["dtype"], row["layout"])
+    console.print(table)
+
+
+@app.command()
+@_guard
+def export(
+    file: Path = typer.Argument(..., help="Program file: .py defining `program`, or .json."),
+    output: Optional[Path] = typer.Option(None, "-o", "--output", help="Write the JSON IR here instead of stdout."),
+    as_json: bool = JSON_OPT,
+) -> None:
+    """Write the program's JSON IR (the form the server accepts)."""
+    from coconet.loader import load_file
+    from coconet.schedules.serialize import export as to_json
+
+    prog = load_file(file)
+    text = to_json(prog) + "\n"
+    if output is None:
+        sys.stdout.write(text)
+        return
+    output.write_text(text)
+    if as_json:
+        _echo_json({"program": prog.name, "hash": prog.hash, "path": str(output)})
+    else:
+        Console(stderr=True, highlight=False).print(f"wrote {output} ({prog.name}, hash {prog.hash})")
+
+
+def _not_yet(command: str, arrives_with: str) -> None:
+    raise NotAvailable(f"`coconet {command}` is not available in this version of coconet; it arrives with {arrives_with}")
+
+
+@app.command()
+@_guard
+def schedules(
+    file: Path = typer.Argument(...),
+    depth: int = typer.Option(3, "--depth"),
+    as_json: bool = JSON_OPT,
+) -> None:
+    """List the legal schedules. Not available yet: arrives with the schedule space generator."""
+    _not_yet("schedules", "the schedule space generator")
+
+
+@app.command()
+@_guard
+def run(
+    file: Path = typer.Argument(...),
+    world: int = typer.Option(2, "--world"),
+    size: Optional[List[str]] = SIZE_OPT,
+    schedule: str = typer.Option("baseline", "--schedule"),
+    backend: str = typer.Option("gloo", "--backend"),
+    as_json: bool = JSON_OPT,
+) -> None:
+    """Execute schedules on R ranks, check, time. Not available yet: arrives with code generation."""
+    _not_yet("run", "code generation and the torch.distributed backend")
+
+
+@app.command()
+@_guard
+def tune(
+    file: Path = typer.Argument(...),
+    world: int = typer.Option(2, "--world"),
+    size: Optional[List[str]] = SIZE_OPT,
+    budget: Optional[int] = typer.Option(None, "--budget"),
+    topology: str = typer.Option("local", "--topology"),
+    db: Optional[str] = typer.Option(None, "--db"),
+    ray_address: Optional[str] = typer.Option(None, "--ray-address"),
+    as_json: bool = JSON_OPT,
+) -> None:
+    """Find the fastest schedule per size and topology. Not available yet: arrives with the tuner."""
+    _not_yet("tune", "the tuner")
+
+
+@app.command()
+@_guard
+def sweep(
+    config: Path = typer.Argument(...),
+    simulate: bool = typer.Option(False, "--simulate"),
+    db: Optional[str] = typer.Option(None, "--db"),
+    as_json: bool = JSON_OPT,
+) -> None:
+    """Offline sweep over programs x sizes x topologies. Not available yet: arrives with the tuner."""
+    _not_yet("sweep", "the tuner and its cost model")
+
+
+@app.command()
+@_guard
+def calibrate(
+    world: int = typer.Option(2, "--world"),
+    output: Optional[Path] = typer.Option(None, "-o", "--output"),
+    as_json: bool = JSON_OPT,
+) -> None:
+    """Measure alpha, beta and memory bandwidth here. Not available yet: arrives with the cost model."""
+    _not_yet("calibrate", "the cost model")
+
+
+@app.command()
+@_guard
+def bench(
+    workload: str = typer.Argument(...),
+    world: int = typer.Option(2, "--world"),
+    size: Optional[List[str]] = SIZE_OPT,
+    plot: Optional[Path] = typer.Option(None, "--plot"),
+    as_json: bool = JSON_OPT,
+) -> None:
+    """Benchmark schedules against the PyTorch baseline. Not available yet: arrives with the benchmarks."""
+    _not_yet("bench", "the fused kernels and benchmarks")
+
+
+@app.command()
+@_guard
+def serve(
+    host: str = typer.Option("127.0.0.1", "--host"),
+    port: int = typer.Option(8000, "--port"),
+    db: Optional[str] = typer.Option(None, "--db"),
+    as_json: bool = JSON_OPT,
+) -> None:
+    """Serve the REST API and the dashboard. Not available yet: arrives with the service."""
+    _not_yet("serve", "the results service")
+
+
+@app.command()
+@_guard
+def submit(
+    file: Path = typer.Argument(...),
+    server: str = typer.Option(..., "--server"),
+    world: int = typer.Option(2, "--world"),
+    size: Optional[List[str]] = SIZE_OPT,
+    token: Optional[str] = typer.Option(None, "--token"),
+    as_json: bool = JSON_OPT,
+) -> None:
+    """Submit a program to a coconet server and follow its tuning. Not available yet: arrives with the service."""
+    _not_yet("submit", "the results service")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

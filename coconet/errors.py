@@ -1,0 +1,94 @@
+"""The exception tree of coconet.
+
+Every error a user can cause is a ``CoconetError``. They pickle with their
+fields intact because they cross process boundaries (Ray actors, spawned ranks).
+"""
+
+from __future__ import annotations
+
+
+class CoconetError(Exception):
+    """Base of every error coconet raises on purpose."""
+
+    def __init__(self, message: str, **fields: object) -> None:
+        super().__init__(message)
+        self.message = message
+        for key, value in fields.items():
+            setattr(self, key, value)
+
+    def __reduce__(self):
+        # Exception's default pickling replays only ``args``; keep the fields too.
+        fields = {k: v for k, v in self.__dict__.items() if k != "message"}
+        return (_rebuild, (type(self), self.message, fields))
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _rebuild(cls: type, message: str, fields: dict) -> CoconetError:
+    err = cls.__new__(cls)
+    CoconetError.__init__(err, message, **fields)
+    return err
+
+
+class ProgramError(CoconetError):
+    """A program is malformed: bad shapes, layouts, dtypes, references or JSON.
+
+    ``statement`` names the offending statement (None when the error is about
+    the program as a whole), ``rule`` the rule it broke, ``location`` the user's
+    ``file:line`` when the program was built from Python.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        statement: str | None = None,
+        op: str | None = None,
+        rule: str | None = None,
+        location: str | None = None,
+    ) -> None:
+        super().__init__(message, statement=statement, op=op, rule=rule, location=location)
+
+    def __str__(self) -> str:
+        parts = []
+        if self.location:
+            parts.append(f"{self.location}: ")
+        if self.statement is not None:
+            what = f"statement {self.statement}"
+            if self.op:
+                what += f" ({self.op})"
+            parts.append(what + ": ")
+        parts.append(self.message)
+        if self.rule:
+            parts.append(f" [rule: {self.rule}]")
+        return "".join(parts)
+
+
+class SizeError(CoconetError):
+    """A size binding (``N=2^20``) is malformed, missing or out of range."""
+
+
+class IllegalTransform(CoconetError):
+    """A transform was asked to apply where its preconditions do not hold."""
+
+    def __init__(self, message: str, *, transform: str | None = None) -> None:
+        super().__init__(message, transform=transform)
+
+    def __str__(self) -> str:
+        return f"{self.transform}: {self.message}" if self.transform else self.message
+
+
+class ScheduleError(CoconetError):
+    """A schedule's text or JSON does not describe a schedule of its program."""
+
+
+class BackendError(CoconetError):
+    """A backend cannot run a schedule, or a run failed; ``kind`` classifies it."""
+
+    def __init__(self, message: str, *, kind: str = "runtime_error", rank: int | None = None) -> None:
+        super().__init__(message, kind=kind, rank=rank)
+
+
+class NotAvailable(CoconetError):
+    """A command or feature that this version of coconet does not provide yet."""

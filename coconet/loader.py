@@ -1,0 +1,63 @@
+"""Reading a program from a file: ``.py`` (defines ``program``) or ``.json`` (the IR).
+
+Running a ``.py`` file executes the user's Python: the CLI does that on the
+user's own machine; the server never does (it accepts JSON only).
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import traceback
+from pathlib import Path
+from typing import Any
+
+from coconet.errors import CoconetError, ProgramError
+from coconet.schedules.dsl import Program as DSLProgram
+from coconet.schedules.ir import Program
+from coconet.schedules.serialize import MAX_JSON_BYTES, load
+
+
+def load_file(path: str | os.PathLike, ops: Any = None) -> Program:
+    p = Path(path)
+    if not p.is_file():
+        raise ProgramError(f"{path}: no such file")
+    if p.suffix == ".json":
+        if p.stat().st_size > MAX_JSON_BYTES:
+            raise ProgramError(f"{path}: larger than {MAX_JSON_BYTES} bytes")
+        try:
+            return load(p.read_bytes(), ops=ops)
+        except ProgramError as err:
+            err.location = err.location or str(path)
+            raise
+    if p.suffix != ".py":
+        raise ProgramError(f"{path}: a program file is .py (defining `program`) or .json (exported IR)")
+    return _run_python(p)
+
+
+def _run_python(p: Path) -> Program:
+    try:
+        namespace = runpy.run_path(str(p), run_name="__coconet_program__")
+    except CoconetError:
+        raise
+    except SyntaxError as e:
+        raise ProgramError(f"{p}:{e.lineno}: syntax error: {e.msg}") from None
+    except Exception as e:  # the user's code failed: report where, without a traceback
+        raise ProgramError(f"{_user_frame(e, p)}: {type(e).__name__}: {e}") from None
+    if "program" not in namespace:
+        raise ProgramError(f"{p}: defines no `program` (end the file with `program = p`)")
+    prog = namespace["program"]
+    if isinstance(prog, DSLProgram):
+        return prog.ir
+    if isinstance(prog, Program):
+        return prog
+    raise ProgramError(f"{p}: `program` is a {type(prog).__name__}, not a coconet Program")
+
+
+def _user_frame(e: BaseException, p: Path) -> str:
+    target = os.path.abspath(p)
+    line = None
+    for frame in traceback.extract_tb(e.__traceback__):
+        if os.path.abspath(frame.filename) == target:
+            line = frame.lineno
+    return f"{p}:{line}" if line else str(p)

@@ -1,0 +1,530 @@
+"""Builds verified programs statement by statement (used by the DSL and by ``load``).
+
+Every statement is checked as it is added — attributes by schema, operands by
+the inference rules — so an error names the statement the user just wrote.
+Two things the semantics leave implicit are made explicit here, once, for
+both front ends: ``norm``/``sum`` of a Sliced value become a per-rank
+``partial_sum`` and an ``allreduce``; ``update`` of Replicated state from a
+Sliced value goes through an ``all_gather``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from coconet.errors import ProgramError
+from coconet.schedules import infer
+from coconet.schedules.custom import CustomOp
+from coconet.schedules.dims import IDENT, parse_dim
+from coconet.schedules.ir import (
+    BINARY,
+    BUILTIN_OPS,
+    COMPARE,
+    EFFECTS,
+    MAX_DIMS,
+    MAX_NAME,
+    MAX_RANK,
+    MAX_STATEMENTS,
+    NEXT_STAGE,
+    PREV_STAGE,
+    REDUCE_OPS,
+    UNARY,
+    Program,
+    Stmt,
+)
+from coconet.schedules.types import (
+    DTYPES,
+    FLOAT_DTYPES,
+    Replicated,
+    Sliced,
+    TensorType,
+    as_layout,
+    float_dtype,
+)
+
+PREFIX = {
+    "allreduce": "ar",
+    "reduce_scatter": "rs",
+    "all_gather": "ag",
+    "broadcast": "bc",
+    "matmul": "mm",
+    "dropout": "drop",
+    "const": "c",
+    "partial_sum": "psum",
+    "send": "send",
+}
+_CAMEL = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+
+
+# --- attribute schemas: each validator returns the canonical value or raises ValueError ---
+
+
+def _identifier(v: Any) -> str:
+    if not isinstance(v, str) or not _CAMEL.match(v) or len(v) > MAX_NAME:
+        raise ValueError(f"{v!r} is not an identifier of at most {MAX_NAME} characters")
+    return v
+
+
+def _dtype(v: Any) -> str:
+    return float_dtype(v)
+
+
+def _tensor_dtype(v: Any) -> str:
+    if v not in FLOAT_DTYPES:
+        raise ValueError(f"tensor dtype {v!r} is not one of {', '.join(FLOAT_DTYPES)}")
+    return v
+
+
+def _scalar_dtype(v: Any) -> str:
+    if v not in DTYPES or v == "bool":
+        raise ValueError(f"scalar dtype {v!r} is not one of {', '.join(d for d in DTYPES if d != 'bool')}")
+    return v
+
+
+def _layout(v: Any) -> str:
+    return str(as_layout(v))
+
+
+def _shape(v: Any) -> tuple:
+    if not isinstance(v, (list, tuple)):
+        raise ValueError(f"shape {v!r} must be a list of dims")
+    if len(v) > MAX_RANK:
+        raise ValueError(f"shape has {len(v)} dims; at most {MAX_RANK} are supported")
+    return tuple(parse_dim(d).to_json() for d in v)
+
+
+def _number(v: Any) -> int | float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"{v!r} is not a number")
+    if isinstance(v, float) and not math.isfinite(v):
+        raise ValueError(f"{v!r} is not finite")
+    if isinstance(v, int) and abs(v) >= 2**63:
+        raise ValueError(f"{v} does not fit in 64 bits")
+    return v
+
+
+def _prob(v: Any) -> float:
+    v = _number(v)
+    if not 0.0 <= v < 1.0:
+        raise ValueError(f"dropout probability {v} must be in [0, 1)")
+    return float(v)
+
+
+def _seed(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 2**63:
+        raise ValueError(f"seed {v!r} must be an int in [0, 2^63)")
+    return v
+
+
+def _int(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError(f"{v!r} is not an int")
+    return v
+
+
+def _nonneg(v: Any) -> int:
+    v = _int(v)
+    if v < 0:
+        raise ValueError(f"{v} must be >= 0")
+    return v
+
+
+def _reduce_op(v: Any) -> str:
+    if v not in REDUCE_OPS:
+        raise ValueError(f"reduction {v!r} is not one of {', '.join(REDUCE_OPS)}")
+    return v
+
+
+def _to(v: Any) -> str:
+    if v != NEXT_STAGE:
+        raise ValueError(f"send goes to NEXT_STAGE ({NEXT_STAGE!r}), not {v!r}")
+    return v
+
+
+def _frm(v: Any) -> str:
+    if v != PREV_STAGE:
+        raise ValueError(f"recv comes from PREV_STAGE ({PREV_STAGE!r}), not {v!r}")
+    return v
+
+
+Schema = dict[str, tuple[Callable[[Any], Any], Any]]  # attr -> (validator, default; ... = required)
+REQ = ...
+SCHEMAS: dict[str, Schema] = {
+    "input": {"shape": (_shape, REQ), "dtype": (_tensor_dtype, "float32"), "layout": (_layout, REQ)},
+    "scalar": {"dtype": (_scalar_dtype, "float32")},
+    "const": {"value": (_number, REQ)},
+    "recv": {
+        "shape": (_shape, REQ),
+        "dtype": (_tensor_dtype, "float32"),
+        "layout": (_layout, REQ),
+        "tag": (_identifier, "activation"),
+        "frm": (_frm, PREV_STAGE),
+    },
+    "cast": {"dtype": (_dtype, REQ)},
+    "dropout": {"p": (_prob, REQ), "seed": (_seed, None)},
+    "allreduce": {"op": (_reduce_op, "sum")},
+    "reduce_scatter": {"op": (_reduce_op, "sum"), "dim": (_int, 0)},
+    "broadcast": {"root": (_nonneg, 0)},
+    "output": {"name": (_identifier, REQ)},
+    "send": {"tag": (_identifier, "activation"), "to": (_to, NEXT_STAGE)},
+}
+ARITY: dict[str, tuple[int, int]] = {
+    **{op: (0, 0) for op in ("input", "scalar", "const", "recv")},
+    **{op: (1, 1) for op in UNARY},
+    **{op: (2, 2) for op in BINARY | COMPARE},
+    "where": (3, 3),
+    "dropout": (1, 2),
+    "sum": (1, 1),
+    "norm": (1, 1),
+    "partial_sum": (1, 1),
+    "matmul": (2, 2),
+    "allreduce": (1, 1),
+    "reduce_scatter": (1, 1),
+    "all_gather": (1, 1),
+    "broadcast": (1, 1),
+    "update": (2, 2),
+    "output": (1, 1),
+    "send": (1, 1),
+}
+
+
+@dataclass
+class _Node:
+    name: str
+    op: str
+    args: tuple[int, ...]
+    attrs: tuple[tuple[str, Any], ...]
+    type: TensorType | None
+
+
+class Builder:
+    """Mutable construction state; ``finish`` returns the immutable ``Program``."""
+
+    def __init__(self, name: str, dims: tuple[str, ...] | list[str] = (), custom_ops: Mapping[str, CustomOp] | None = None):
+        if not isinstance(name, str) or not IDENT.match(name) or len(name) > MAX_NAME:
+            raise ProgramError(f"program name {name!r} must be an identifier of at most {MAX_NAME} characters")
+        if isinstance(dims, str):
+            dims = tuple(dims.replace(",", " ").split())
+        dims = tuple(dims)
+        if len(dims) > MAX_DIMS:
+            raise ProgramError(f"program {name} declares {len(dims)} dims; at most {MAX_DIMS} are supported")
+        for d in dims:
+            if not isinstance(d, str) or not IDENT.match(d) or len(d) > MAX_NAME:
+                raise ProgramError(f"program {name}: dim {d!r} must be an identifier", rule="dims are names")
+        if len(set(dims)) != len(dims):
+            raise ProgramError(f"program {name}: dims {dims} repeat a name", rule="dims are names")
+        self.name = name
+        self.dims = dims
+        self.nodes: list[_Node] = []
+        self.index: dict[str, int] = {}
+        self.cons: dict[tuple, int] = {}
+        self.counters: dict[str, int] = {}
+        self.locations: dict[int, str] = {}
+        self.updated: set[int] = set()
+        self.custom_ops: dict[str, CustomOp] = dict(custom_ops or {})
+        self.used_ops: dict[str, CustomOp] = {}
+
+    # --- naming ---
+
+    def _auto_name(self, op: str, attrs: dict) -> str:
+        if op == "update":
+            return self._fresh(f"upd_{self.nodes[attrs['__target']].name}")
+        if op == "output":
+            return self._fresh(attrs["name"] if attrs["name"] not in self.index else f"out_{attrs['name']}")
+        prefix = PREFIX.get(op, op)
+        while True:
+            k = self.counters.get(prefix, 0)
+            self.counters[prefix] = k + 1
+            name = f"{prefix}{k}"
+            if name not in self.index:
+                return name
+
+    def _fresh(self, base: str) -> str:
+        name, k = base, 1
+        while name in self.index:
+            name, k = f"{base}_{k}", k + 1
+        return name
+
+    def _peek_name(self, op: str) -> str:
+        prefix = PREFIX.get(op, op)
+        k = self.counters.get(prefix, 0)
+        while f"{prefix}{k}" in self.index:
+            k += 1
+        return f"{prefix}{k}"
+
+    def rename(self, idx: int, new: str) -> None:
+        new = self._check_name(new, None)
+        old = self.nodes[idx].name
+        if new == old:
+            return
+        if new in self.index:
+            raise ProgramError(f"name {new!r} is already used by another statement", statement=old)
+        if self.nodes[idx].op in ("input", "scalar", "recv"):
+            raise ProgramError("inputs keep the name they were declared with", statement=old)
+        del self.index[old]
+        self.index[new] = idx
+        self.nodes[idx].name = new
+
+    def _check_name(self, name: str, op: str | None) -> str:
+        if not isinstance(name, str) or not IDENT.match(name) or len(name) > MAX_NAME:
+            raise ProgramError(f"statement name {name!r} must be an identifier of at most {MAX_NAME} characters", op=op)
+        return name
+
+    # --- adding statements ---
+
+    def type_of(self, idx: int) -> TensorType:
+        t = self.nodes[idx].type
+        assert t is not None
+        return t
+
+    def add(
+        self,
+        op: str,
+        args: tuple[int, ...] = (),
+        attrs: Mapping[str, Any] | None = None,
+        *,
+        name: str | None = None,
+        location: str | None = None,
+    ) -> int:
+        attrs = dict(attrs or {})
+        label = name or self._peek_name(op)
+        try:
+            return self._add(op, tuple(args), attrs, name, location, label)
+        except ProgramError as err:
+            if err.statement is None:
+                err.statement = label
+                err.op = op
+            if err.location is None:
+                err.location = location
+            raise
+
+    def _add(self, op: str, args: tuple[int, ...], attrs: dict, name: str | None, location: str | None, label: str) -> int:
+        if len(self.nodes) >= MAX_STATEMENTS:
+            raise ProgramError(f"program has more than {MAX_STATEMENTS} statements", rule="program size")
+        if name is not None:
+            self._check_name(name, op)
+            if name in self.index:
+                raise ProgramError(f"name {name!r} is defined twice", rule="statement names are unique")
+        custom = self.custom_ops.get(op) if op not in BUILTIN_OPS else None
+        if op not in BUILTIN_OPS and custom is None:
+            raise ProgramError(
+                f"unknown op {op!r}" + (" (a custom op must be passed to load via ops=...)" if op.isidentifier() else ""),
+                rule="ops are the built-in ones or registered custom ops",
+            )
+        lo, hi = (custom.arity, custom.arity) if custom else ARITY[op]
+        if not lo <= len(args) <= hi:
+            want = str(lo) if lo == hi else f"{lo} or {hi}"
+            raise ProgramError(f"{op} takes {want} operands, got {len(args)}", rule=f"arity of {op}")
+        canon = self._check_attrs(op, attrs, custom)
+
+        # Semantics made explicit (see module docstring).
+        if op in ("sum", "norm") and isinstance(self.type_of(args[0]).layout, Sliced):
+            x = args[0]
+            if op == "norm":
+                x = self.add("mul", (x, x), location=location)
+            part = self.add("partial_sum", (x,), location=location)
+            total = self.add("allreduce", (part,), {"op": "sum"}, location=location)
+            return self.add("sqrt", (total,), location=location, name=name) if op == "norm" else total
+        if op == "update":
+            self._check_update_target(args[0])
+            t, v = self.type_of(args[0]), self.type_of(args[1])
+            if isinstance(t.layout, Replicated) and isinstance(v.layout, Sliced):
+                args = (args[0], self.add("all_gather", (args[1],), location=location))
+
+        ty = self._infer(op, args, dict(canon), custom)
+
+        key = None
+        if op not in EFFECTS and op not in ("input", "scalar", "recv"):
+            # typed: the literals 2 and 2.0 compare equal in Python but promote differently
+            key = (op, args, tuple((k, type(v), v) for k, v in canon))
+            if key in self.cons:
+                return self.cons[key]
+        if op == "update":
+            self.updated.add(args[0])
+        if op == "output":
+            if any(n.op == "output" and dict(n.attrs)["name"] == canon_dict(canon)["name"] for n in self.nodes):
+                raise ProgramError(f"output {canon_dict(canon)['name']!r} is defined twice", rule="output names are unique")
+        if name is None:
+            name = self._auto_name(op, {"__target": args[0] if args else None, **dict(canon)})
+        idx = len(self.nodes)
+        self.nodes.append(_Node(name, op, args, canon, ty))
+        self.index[name] = idx
+        if key is not None:
+            self.cons[key] = idx
+        if location:
+            self.locations[idx] = location
+        if custom is not None:
+            self.used_ops[custom.name] = custom
+        return idx
+
+    def _check_attrs(self, op: str, attrs: dict, custom: CustomOp | None) -> tuple[tuple[str, Any], ...]:
+        if custom is not None:
+            unknown = sorted(set(attrs) - set(custom.attrs))
+            if unknown:
+                raise ProgramError(f"unknown attributes {unknown} for custom op {op}", rule=f"attributes of {op}")
+            for k, v in attrs.items():
+                if not isinstance(v, (int, float, str, bool)):
+                    raise ProgramError(f"attribute {k}={v!r} must be a number or a string", rule=f"attributes of {op}")
+            return tuple(sorted(attrs.items()))
+        schema = SCHEMAS.get(op, {})
+        unknown = sorted(set(attrs) - set(schema))
+        if unknown:
+            raise ProgramError(
+                f"unknown attributes {unknown} for {op}" + (f" (allowed: {sorted(schema)})" if schema else ""),
+                rule=f"attributes of {op}",
+            )
+        out = {}
+        for key, (check, default) in schema.items():
+            if key not in attrs or attrs[key] is None:
+                if default is REQ:
+                    raise ProgramError(f"{op} needs attribute {key!r}", rule=f"attributes of {op}")
+                if default is not None:
+                    out[key] = default
+                continue
+            try:
+                out[key] = check(attrs[key])
+            except ValueError as e:
+                raise ProgramError(f"attribute {key}: {e}", rule=f"attributes of {op}") from None
+        return tuple(sorted(out.items()))
+
+    def _check_update_target(self, target: int) -> None:
+        node = self.nodes[target]
+        if node.op not in ("input", "scalar"):
+            raise ProgramError(
+                f"update target {node.name} is a {node.op}, not a tensor or scalar declared with p.tensor/p.scalar",
+                rule="update(t, e): t is program state",
+            )
+        if target in self.updated:
+            raise ProgramError(f"{node.name} is updated twice", rule="each state is updated at most once")
+
+    def _infer(self, op: str, args: tuple[int, ...], attrs: dict, custom: CustomOp | None) -> TensorType | None:
+        types = [self.type_of(a) for a in args] if op not in ("update",) else []
+        names = [self.nodes[a].name for a in args]
+        weak = [dict(self.nodes[a].attrs).get("value") if self.nodes[a].op == "const" else None for a in args]
+        if op in ("input", "recv"):
+            shape = tuple(parse_dim_checked(d, self.dims) for d in attrs["shape"])
+            layout = as_layout(attrs["layout"])
+            if isinstance(layout, Sliced):
+                if not shape:
+                    raise ProgramError("a scalar cannot be Sliced", rule="Sliced(dim) indexes the shape")
+                dim = infer.normalize_dim(layout.dim, len(shape), "the tensor")
+                layout = Sliced(dim)
+            return TensorType(shape, attrs["dtype"], layout)
+        if op == "scalar":
+            return TensorType((), attrs["dtype"], Replicated())
+        if op == "const":
+            return TensorType((), None, Replicated())
+        if custom is not None:
+            return self._infer_custom(custom, types, names, weak, attrs)
+        if op == "cast":
+            return infer.cast(types[0], attrs["dtype"])
+        if op in UNARY or op in BINARY or op in COMPARE or op == "where":
+            return infer.pointwise(types, names, weak, op)
+        if op == "dropout":
+            if len(args) == 1 and "seed" not in attrs:
+                raise ProgramError("dropout needs a seed: an int or an int64 scalar", rule="dropout(x, p, seed)")
+            if len(args) == 2 and "seed" in attrs:
+                raise ProgramError("dropout has both a seed operand and a seed attribute", rule="dropout(x, p, seed)")
+            return infer.dropout(types[0], names, types[1] if len(types) > 1 else None)
+        if op in ("sum", "norm", "partial_sum"):
+            return infer.reduction(types[0], op, names)
+        if op == "matmul":
+            return infer.matmul(types[0], types[1], names)
+        if op == "allreduce":
+            return infer.allreduce(types[0], names)
+        if op == "reduce_scatter":
+            return infer.reduce_scatter(types[0], attrs["dim"], names)
+        if op == "all_gather":
+            return infer.all_gather(types[0], names)
+        if op == "broadcast":
+            return infer.broadcast(types[0], names)
+        if op == "update":
+            infer.update(self.type_of(args[0]), self.type_of(args[1]), names)
+            return None
+        if op in ("output", "send"):
+            if op == "send" and not types[0].shape:
+                raise ProgramError("send of a scalar; pipeline stages exchange tensors", rule="send(x: tensor)")
+            return None
+        raise AssertionError(op)
+
+    def _infer_custom(self, custom: CustomOp, types, names, weak, attrs) -> TensorType:
+        if custom.kind == "pointwise":
+            return infer.pointwise(types, names, weak, custom.name)
+        for n, t in zip(names, types):
+            if isinstance(t.layout, Sliced):
+                raise ProgramError(
+                    f"custom op {custom.name} is 'local' and cannot take Sliced {n}",
+                    rule="local custom ops take Replicated or Local operands",
+                )
+        try:
+            shape, dtype = custom.infer(types, attrs)
+            shape = tuple(parse_dim_checked(d, self.dims) for d in shape)
+            dtype = float_dtype(dtype)
+        except ProgramError:
+            raise
+        except Exception as e:  # a user's rule failing is the user's error, reported as such
+            raise ProgramError(f"the infer rule of custom op {custom.name} failed: {e}", rule=f"{custom.name}.infer") from None
+        layout = infer.pointwise_layout(types, shape, names) if types else Replicated()
+        return TensorType(shape, dtype, layout)
+
+    # --- finishing ---
+
+    def finish(self) -> Program:
+        live = [False] * len(self.nodes)
+        for i in range(len(self.nodes) - 1, -1, -1):
+            n = self.nodes[i]
+            if n.op in EFFECTS or n.op in ("input", "scalar", "recv"):
+                live[i] = True
+            if live[i]:
+                for a in n.args:
+                    live[a] = True
+        if not any(n.op in EFFECTS for n in self.nodes):
+            raise ProgramError(
+                f"program {self.name} has no effect: add p.update(...), p.output(...) or send(...)",
+                rule="a program updates state, outputs or sends",
+            )
+        self._check_channels()
+        stmts = []
+        locations = {}
+        for i, n in enumerate(self.nodes):
+            if not live[i]:
+                continue
+            stmts.append(Stmt(n.name, n.op, tuple(self.nodes[a].name for a in n.args), n.attrs, n.type))
+            if i in self.locations:
+                locations[n.name] = self.locations[i]
+        return Program(self.name, self.dims, tuple(stmts), dict(self.used_ops), locations)
+
+
+    def _check_channels(self) -> None:
+        """A recv and the send of the same tag carry the same type: stage s+1 receives what stage s sent."""
+        sends = {dict(n.attrs)["tag"]: n for n in self.nodes if n.op == "send"}
+        for n in self.nodes:
+            if n.op != "recv":
+                continue
+            tag = dict(n.attrs)["tag"]
+            if sends.get(tag) is None:
+                continue
+            sent = self.type_of(sends[tag].args[0])
+            if (sent.shape, sent.dtype, sent.layout) != (n.type.shape, n.type.dtype, n.type.layout):
+                raise ProgramError(
+                    f"receives {n.type} on tag {tag!r} but the stage sends {sent}",
+                    statement=n.name, op="recv", rule="recv and send of one tag carry one type",
+                    location=self.locations.get(self.index[n.name]),
+                )
+        tags = [dict(n.attrs)["tag"] for n in self.nodes if n.op == "send"]
+        if len(tags) != len(set(tags)):
+            raise ProgramError(f"two sends use one tag ({tags})", rule="one send per tag")
+
+
+def canon_dict(attrs: tuple[tuple[str, Any], ...]) -> dict:
+    return dict(attrs)
+
+
+def parse_dim_checked(spec: Any, dims: tuple[str, ...]):
+    try:
+        return parse_dim(spec, dims)
+    except ValueError as e:
+        raise ProgramError(str(e), rule="shapes use the program's dims") from None

@@ -1,0 +1,247 @@
+"""Shape, dtype and layout inference: the table of DESIGN §4, one rule per op kind.
+
+Each rule takes the operands' types and the statement's attributes and returns
+the result type or raises ``ProgramError`` naming the rule and the operands.
+The builder adds the statement's name and source location.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+from coconet.errors import ProgramError
+from coconet.schedules.dims import Dim
+from coconet.schedules.types import (
+    FLOAT_DTYPES,
+    Layout,
+    Local,
+    Replicated,
+    Sliced,
+    TensorType,
+    promote,
+)
+
+ONE = Dim.const(1)
+SCALAR_SHAPE: tuple[Dim, ...] = ()
+
+
+def _fmt(names: Sequence[str], types: Sequence[TensorType]) -> str:
+    return ", ".join(f"{n}: {t.shape_text()} {t.layout}" for n, t in zip(names, types))
+
+
+def broadcast_shapes(shapes: Sequence[tuple[Dim, ...]]) -> tuple[Dim, ...] | None:
+    ndim = max((len(s) for s in shapes), default=0)
+    out: list[Dim] = []
+    for i in range(ndim):
+        dim = ONE
+        for s in shapes:
+            k = i - (ndim - len(s))
+            if k < 0:
+                continue
+            d = s[k]
+            if d == ONE or d == dim:
+                continue
+            if dim == ONE:
+                dim = d
+            else:
+                return None
+        out.append(dim)
+    return tuple(out)
+
+
+def pointwise_layout(types: Sequence[TensorType], out_shape: tuple[Dim, ...], names: Sequence[str]) -> Layout:
+    """R⊕R→R · R⊕L→L · R⊕S→S · L⊕L→L · S⊕S→S (same dim) · L⊕S: error."""
+    ndim = len(out_shape)
+    has_local = any(isinstance(t.layout, Local) for t in types)
+    sliced_dims = set()
+    for t in types:
+        if isinstance(t.layout, Sliced):
+            d = t.layout.dim + (ndim - t.ndim)
+            if t.shape[t.layout.dim] != out_shape[d]:
+                raise ProgramError(
+                    f"a Sliced operand cannot be broadcast along its sliced dim ({_fmt(names, types)})",
+                    rule="pointwise: a sliced dim keeps its extent",
+                )
+            sliced_dims.add(d)
+    if sliced_dims and has_local:
+        raise ProgramError(
+            f"cannot combine Local and Sliced operands ({_fmt(names, types)}); "
+            "reduce the Local value first (reduce_scatter or allreduce)",
+            rule="pointwise L⊕S is an error",
+        )
+    if len(sliced_dims) > 1:
+        raise ProgramError(
+            f"operands are Sliced along different dims ({_fmt(names, types)})",
+            rule="pointwise S⊕S needs the same sliced dim",
+        )
+    if sliced_dims:
+        return Sliced(sliced_dims.pop())
+    if has_local:
+        return Local()
+    return Replicated()
+
+
+def pointwise(types: Sequence[TensorType], names: Sequence[str], weak: Sequence[Any], op: str) -> TensorType:
+    shape = broadcast_shapes([t.shape for t in types])
+    if shape is None:
+        raise ProgramError(
+            f"shapes do not broadcast ({', '.join(f'{n}: {t.shape_text()}' for n, t in zip(names, types))})",
+            rule="pointwise shapes broadcast (trailing dims equal or 1)",
+        )
+    layout = pointwise_layout(types, shape, names)
+    if op == "where":
+        cond, *vals = types
+        if cond.dtype != "bool":
+            raise ProgramError(
+                f"where's condition {names[0]} is {cond.dtype}, not a comparison",
+                rule="where(cond, a, b) takes a bool condition",
+            )
+        dtype = promote(list(zip(vals, weak[1:])))
+    else:
+        for n, t in zip(names, types):
+            if t.dtype == "bool":
+                raise ProgramError(
+                    f"operand {n} is a comparison result (bool); use where(...) or cast(...)",
+                    rule="arithmetic needs numbers",
+                )
+        dtype = promote(list(zip(types, weak)))
+        if op in ("lt", "le", "gt", "ge", "eq", "ne"):
+            dtype = "bool"
+        elif op in ("sqrt", "rsqrt", "exp", "log") and dtype not in FLOAT_DTYPES:
+            dtype = "float32"
+    return TensorType(shape, dtype, layout)
+
+
+def cast(t: TensorType, dtype: str) -> TensorType:
+    return TensorType(t.shape, dtype, t.layout)
+
+
+def dropout(x: TensorType, names: Sequence[str], seed: TensorType | None = None) -> TensorType:
+    if x.dtype not in FLOAT_DTYPES and x.dtype is not None:
+        raise ProgramError(f"dropout of {names[0]} ({x.dtype}) needs a float tensor", rule="dropout(x: float)")
+    if seed is not None:
+        if seed.dtype != "int64" or not seed.is_scalar or not isinstance(seed.layout, Replicated):
+            raise ProgramError(
+                f"dropout seed {names[1]} is {seed}; it must be an int64 Replicated scalar "
+                "(p.scalar(name, dtype='int64')) or an int",
+                rule="dropout seed is shared by all ranks",
+            )
+    return x
+
+
+def reduction(x: TensorType, op: str, names: Sequence[str]) -> TensorType:
+    if x.dtype == "bool":
+        raise ProgramError(f"{op} of a comparison result {names[0]}", rule=f"{op} needs numbers")
+    if op == "partial_sum":
+        if not isinstance(x.layout, Sliced):
+            raise ProgramError(
+                f"partial_sum of {names[0]} ({x.layout}) — partial sums are of Sliced values",
+                rule="partial_sum: S→L scalar",
+            )
+        return TensorType(SCALAR_SHAPE, x.dtype, Local())
+    if isinstance(x.layout, Sliced):  # the builder expands these into partials + allreduce
+        raise ProgramError(f"{op} of Sliced {names[0]} must be partial_sum + allreduce", rule=f"{op}: S→R via partials")
+    return TensorType(SCALAR_SHAPE, x.dtype, x.layout)
+
+
+def matmul(a: TensorType, b: TensorType, names: Sequence[str]) -> TensorType:
+    """R×R→R · L×R→L · S(d)×R→S(d) for a non-contracted d · R×S(last)→S(last) · S(last)×S(0)→L."""
+    if b.ndim != 2 or a.ndim < 1:
+        raise ProgramError(
+            f"matmul({_fmt(names, (a, b))}) needs a (..., K) and b (K, M)", rule="matmul shapes (..., K) x (K, M)"
+        )
+    if a.shape[-1] != b.shape[0]:
+        raise ProgramError(
+            f"contracted dims differ: {names[0]}{a.shape_text()} and {names[1]}{b.shape_text()}",
+            rule="matmul shapes (..., K) x (K, M)",
+        )
+    for n, t in zip(names, (a, b)):
+        if t.dtype == "bool":
+            raise ProgramError(f"matmul operand {n} is bool", rule="matmul needs numbers")
+    shape = a.shape[:-1] + (b.shape[1],)
+    dtype = promote([(a, None), (b, None)])
+    la, lb = a.layout, b.layout
+    last_a = a.ndim - 1
+    layout: Layout | None = None
+    if isinstance(la, Replicated) and isinstance(lb, Replicated):
+        layout = Replicated()
+    elif isinstance(la, Local) and isinstance(lb, Replicated):
+        layout = Local()
+    elif isinstance(la, Sliced) and la.dim != last_a and isinstance(lb, Replicated):
+        layout = Sliced(la.dim)
+    elif isinstance(la, Replicated) and isinstance(lb, Sliced) and lb.dim == 1:
+        layout = Sliced(len(shape) - 1)
+    elif isinstance(la, Sliced) and la.dim == last_a and isinstance(lb, Sliced) and lb.dim == 0:
+        layout = Local()
+    if layout is None:
+        raise ProgramError(
+            f"no matmul rule for {la} x {lb} ({_fmt(names, (a, b))}); allowed: R×R→R, L×R→L, "
+            "S(d)×R→S(d) for d not contracted, R×S(last)→S(last), S(last)×S(0)→L",
+            rule="matmul layouts",
+        )
+    return TensorType(shape, dtype, layout)
+
+
+def allreduce(x: TensorType, names: Sequence[str]) -> TensorType:
+    _need_local(x, names, "allreduce: L→R")
+    return TensorType(x.shape, x.dtype, Replicated())
+
+
+def reduce_scatter(x: TensorType, dim: int, names: Sequence[str]) -> TensorType:
+    _need_local(x, names, "reduce_scatter: L→S")
+    if x.is_scalar:
+        raise ProgramError(f"reduce_scatter of scalar {names[0]}: nothing to slice", rule="reduce_scatter: L→S")
+    return TensorType(x.shape, x.dtype, Sliced(normalize_dim(dim, x.ndim, names[0])))
+
+
+def all_gather(x: TensorType, names: Sequence[str]) -> TensorType:
+    if not isinstance(x.layout, Sliced):
+        raise ProgramError(
+            f"all_gather of {names[0]} ({x.layout}); only Sliced values are gathered", rule="all_gather: S→R"
+        )
+    return TensorType(x.shape, x.dtype, Replicated())
+
+
+def broadcast(x: TensorType, names: Sequence[str]) -> TensorType:
+    _need_local(x, names, "broadcast: L→R")
+    return TensorType(x.shape, x.dtype, Replicated())
+
+
+def _need_local(x: TensorType, names: Sequence[str], rule: str) -> None:
+    if not isinstance(x.layout, Local):
+        hint = " (it is already the same on every rank)" if isinstance(x.layout, Replicated) else ""
+        raise ProgramError(f"{rule.split(':')[0]} of {names[0]} ({x.layout}){hint}; the operand must be Local", rule=rule)
+
+
+def normalize_dim(dim: int, ndim: int, name: str) -> int:
+    if not -ndim <= dim < ndim:
+        raise ProgramError(f"dim {dim} is out of range for {name} with {ndim} dims", rule="dims index the shape")
+    return dim % ndim
+
+
+def update(target: TensorType, value: TensorType, names: Sequence[str]) -> None:
+    if target.shape != value.shape:
+        raise ProgramError(
+            f"shape of {names[1]}{value.shape_text()} differs from {names[0]}{target.shape_text()}",
+            rule="update(t, e): e has t's shape",
+        )
+    if value.dtype is not None and value.dtype != target.dtype:
+        raise ProgramError(
+            f"{names[1]} is {value.dtype} but {names[0]} is {target.dtype}; write cast({names[1]}, {target.dtype!r})",
+            rule="update(t, e): e has t's dtype",
+        )
+    if value.layout != target.layout:
+        raise ProgramError(
+            f"{names[0]} is {target.layout} but the new value {names[1]} is {value.layout}",
+            rule="update(t, e): e has t's layout, except Replicated t <- Sliced e (an implied all_gather)",
+        )
+
+
+def rule_table() -> dict[str, Callable]:
+    return {
+        "matmul": matmul,
+        "allreduce": allreduce,
+        "reduce_scatter": reduce_scatter,
+        "all_gather": all_gather,
+        "broadcast": broadcast,
+    }

@@ -1,0 +1,415 @@
+"""The reference interpreter: the oracle every schedule and backend is checked against.
+
+It runs a program for ``world`` simulated ranks (``stages × world`` for
+pipelines) in NumPy float64, statement by statement, holding for each rank the
+piece of each value its layout gives it: the whole value for Replicated and
+Local, rows ``[r·⌈n/R⌉, min((r+1)·⌈n/R⌉, n))`` along the sliced dim for
+Sliced (so the last ranks may hold fewer rows, or none). Inputs are rounded to
+their declared dtype first, so a float16 backend and the oracle start from
+identical values; after that everything is float64 except ``cast``, which
+rounds. Updates are simultaneous: every statement reads the state as it was
+before the step.
+
+Pipelines run stage after stage; a ``recv`` on stage 0 is an input, on stage
+s > 0 it is what stage s-1 sent with the same tag. What the last stage sends is
+the pipeline's result.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from coconet.errors import ProgramError, SizeError
+from coconet.schedules import rng
+from coconet.schedules.dsl import as_ir
+from coconet.schedules.ir import Program, Stmt
+from coconet.schedules.types import Local, Replicated, Sliced, TensorType
+
+Pieces = list[np.ndarray]  # one array per rank of the stage group
+
+
+def slice_bounds(n: int, world: int, rank: int) -> tuple[int, int]:
+    """Rows of a dim of extent ``n`` that ``rank`` holds when Sliced over ``world`` ranks."""
+    chunk = -(-n // world)
+    lo = min(rank * chunk, n)
+    return lo, min(lo + chunk, n)
+
+
+def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
+    """Round float64 values to ``dtype``'s precision (returned as float64)."""
+    x = np.asarray(x, dtype=np.float64)
+    if dtype == "float64":
+        return x
+    if dtype == "float32":
+        return x.astype(np.float32).astype(np.float64)
+    if dtype == "float16":
+        return x.astype(np.float16).astype(np.float64)
+    if dtype == "bfloat16":
+        # Round-to-nearest-even on the high 16 bits of the float32 pattern.
+        bits = np.ascontiguousarray(x.astype(np.float32)).view(np.uint32).astype(np.uint64)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.astype(np.uint32).view(np.float32).astype(np.float64)
+    if dtype == "int64":
+        return np.asarray(x).astype(np.int64)
+    if dtype == "bool":
+        return np.asarray(x).astype(bool)
+    raise ValueError(dtype)
+
+
+def concrete_shape(t: TensorType, sizes: Mapping[str, int]) -> tuple[int, ...]:
+    shape = tuple(d.evaluate(sizes) for d in t.shape)
+    for d, n in zip(t.shape, shape):
+        if n <= 0:
+            raise SizeError(f"dim {d} evaluates to {n} with sizes {dict(sizes)}; sizes must be positive")
+    return shape
+
+
+def local_region(t: TensorType, shape: tuple[int, ...], world: int, rank: int) -> tuple[slice, ...]:
+    """The region of the global value that ``rank`` holds."""
+    region = [slice(0, n) for n in shape]
+    if isinstance(t.layout, Sliced):
+        d = t.layout.dim
+        region[d] = slice(*slice_bounds(shape[d], world, rank))
+    return tuple(region)
+
+
+def distribute(t: TensorType, value: np.ndarray, shape: tuple[int, ...], world: int) -> Pieces:
+    """Global value → per-rank pieces (a Local value arrives as ``(world, *shape)``)."""
+    if isinstance(t.layout, Local):
+        return [np.array(value[r]) for r in range(world)]
+    return [np.array(value[local_region(t, shape, world, r)]) for r in range(world)]
+
+
+def assemble(t: TensorType, pieces: Pieces) -> np.ndarray:
+    """Per-rank pieces → the global value (Local: stacked as ``(world, *shape)``)."""
+    if isinstance(t.layout, Local):
+        return np.stack(pieces)
+    if isinstance(t.layout, Sliced):
+        return np.concatenate(pieces, axis=t.layout.dim)
+    return pieces[0]
+
+
+def make_inputs(program: Any, world: int, sizes: Mapping[str, int], seed: int = 0, stage: int = 0) -> dict[str, np.ndarray]:
+    """Deterministic global input values for ``program``: same (seed, stage, name) → same values.
+
+    Floats are drawn uniformly from [0.25, 1) — positive, so that sqrt, log and
+    division are defined in any program — and rounded to the declared dtype.
+    int64 scalars (seeds, counters) are drawn from [0, 2^31). Local tensors get
+    one value per rank, stacked as ``(world, *shape)``.
+    """
+    prog = as_ir(program)
+    out: dict[str, np.ndarray] = {}
+    for s in prog.inputs:
+        if s.op == "recv" and stage > 0:
+            continue
+        gen = np.random.default_rng([seed, stage, zlib.crc32(s.name.encode())])
+        shape = concrete_shape(s.type, sizes)
+        if isinstance(s.type.layout, Local):
+            shape = (world,) + shape
+        if s.type.dtype == "int64":
+            out[s.name] = gen.integers(0, 2**31, size=shape, dtype=np.int64)
+        else:
+            out[s.name] = round_to(gen.uniform(0.25, 1.0, size=shape), s.type.dtype)
+    return out
+
+
+@dataclass
+class StageResult:
+    state: dict[str, Pieces] = field(default_factory=dict)  # updated state, all inputs included
+    outputs: dict[str, Pieces] = field(default_factory=dict)
+    sent: dict[str, Pieces] = field(default_factory=dict)
+    values: dict[str, Pieces] = field(default_factory=dict)  # every statement's pieces
+
+
+@dataclass
+class Result:
+    program: Program
+    world: int
+    sizes: dict[str, int]
+    stages: list[StageResult]
+
+    def _type(self, name: str) -> TensorType:
+        return self.program[name].type
+
+    def state(self, name: str, stage: int = 0) -> np.ndarray:
+        return assemble(self._type(name), self.stages[stage].state[name])
+
+    def output(self, name: str, stage: int = -1) -> np.ndarray:
+        stmt = self.program[self.program.outputs[name]]
+        return assemble(stmt.type, self.stages[stage].outputs[name])
+
+    def sent(self, tag: str = "activation", stage: int = -1) -> np.ndarray:
+        stmt = next(self.program[s.args[0]] for s in self.program.effects if s.op == "send" and s.attr("tag") == tag)
+        return assemble(stmt.type, self.stages[stage].sent[tag])
+
+    def value(self, name: str, stage: int = 0) -> np.ndarray:
+        return assemble(self._type(name), self.stages[stage].values[name])
+
+    def observable(self) -> dict[str, np.ndarray]:
+        """Everything a step makes visible, as global values: the basis of equivalence."""
+        obs: dict[str, np.ndarray] = {}
+        for k, st in enumerate(self.stages):
+            for name in self.program.updates:
+                obs[f"stage{k}.state.{name}"] = assemble(self._type(name), st.state[name])
+            for name, src in self.program.outputs.items():
+                obs[f"stage{k}.output.{name}"] = assemble(self.program[src].type, st.outputs[name])
+            for s in self.program.effects:
+                if s.op == "send":
+                    tag = s.attr("tag")
+                    obs[f"stage{k}.sent.{tag}"] = assemble(self.program[s.args[0]].type, st.sent[tag])
+        return obs
+
+
+def run(
+    program: Any,
+    world: int,
+    sizes: Mapping[str, int] | None = None,
+    *,
+    seed: int = 0,
+    inputs: Mapping[str, Any] | list[Mapping[str, Any]] | None = None,
+    stages: int = 1,
+) -> Result:
+    """Run ``program`` on ``world`` simulated ranks (per stage); ``inputs`` override generated ones."""
+    prog = as_ir(program)
+    if not isinstance(world, int) or world < 1:
+        raise SizeError(f"world must be a positive number of ranks, got {world!r}")
+    if not isinstance(stages, int) or stages < 1:
+        raise SizeError(f"stages must be a positive int, got {stages!r}")
+    sizes = dict(sizes or {})
+    missing = [d for d in prog.dims if d not in sizes]
+    if missing:
+        raise SizeError(f"no size given for {', '.join(missing)}")
+    if isinstance(inputs, list) and len(inputs) != stages:
+        raise SizeError(f"inputs has {len(inputs)} entries for {stages} stages")
+    results: list[StageResult] = []
+    for k in range(stages):
+        given = inputs[k] if isinstance(inputs, list) else (inputs or {})
+        generated = make_inputs(prog, world, sizes, seed, stage=k)
+        results.append(_run_stage(prog, world, sizes, k, {**generated, **given}, results[-1] if results else None))
+    return Result(prog, world, sizes, results)
+
+
+class _Ctx:
+    def __init__(self, prog: Program, world: int, sizes: Mapping[str, int], stage: int):
+        self.prog, self.world, self.sizes, self.stage = prog, world, sizes, stage
+        self.vals: dict[str, Pieces] = {}
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return concrete_shape(self.prog[name].type, self.sizes)
+
+
+def _run_stage(prog: Program, world: int, sizes: Mapping[str, int], stage: int, inputs: Mapping[str, Any],
+               prev: StageResult | None) -> StageResult:
+    ctx = _Ctx(prog, world, sizes, stage)
+    out = StageResult(values=ctx.vals)
+    for s in prog.stmts:
+        try:
+            if s.op in ("input", "scalar") or (s.op == "recv" and prev is None):
+                ctx.vals[s.name] = _input_pieces(ctx, s, inputs)
+            elif s.op == "recv":
+                tag = s.attr("tag")
+                if tag not in prev.sent:
+                    raise ProgramError(f"stage {stage} receives tag {tag!r} that stage {stage - 1} never sent")
+                ctx.vals[s.name] = [np.array(p) for p in prev.sent[tag]]
+            elif s.op == "update":
+                out.state[s.args[0]] = ctx.vals[s.args[1]]
+            elif s.op == "output":
+                out.outputs[s.attr("name")] = ctx.vals[s.args[0]]
+            elif s.op == "send":
+                out.sent[s.attr("tag")] = ctx.vals[s.args[0]]
+            else:
+                ctx.vals[s.name] = _eval(ctx, s)
+        except ProgramError as err:
+            if err.statement is None:
+                err.statement, err.op, err.location = s.name, s.op, prog.location(s.name)
+            raise
+    for s in prog.inputs:
+        if s.op != "recv" and s.name not in out.state:
+            out.state[s.name] = ctx.vals[s.name]
+    return out
+
+
+def _input_pieces(ctx: _Ctx, s: Stmt, inputs: Mapping[str, Any]) -> Pieces:
+    if s.name not in inputs:
+        raise SizeError(f"no value for input {s.name}")
+    t = s.type
+    shape = ctx.shape(s.name)
+    value = np.asarray(inputs[s.name])
+    want = ((ctx.world,) if isinstance(t.layout, Local) else ()) + shape
+    if value.shape != want:
+        raise SizeError(
+            f"input {s.name} has shape {value.shape}, expected {want}"
+            + (" (a Local tensor is given as one value per rank)" if isinstance(t.layout, Local) else "")
+        )
+    value = round_to(value, t.dtype)
+    return distribute(t, value, shape, ctx.world)
+
+
+# --- evaluation rules, one per op ---
+
+def _operand_pieces(ctx: _Ctx, s: Stmt, arg: str) -> Pieces:
+    """An operand's pieces as a pointwise op consumes them: Replicated operands of a
+    Sliced result are cut to each rank's rows (the zero-copy view a backend takes)."""
+    pieces = ctx.vals[arg]
+    out_t, t = s.type, ctx.prog[arg].type
+    if not isinstance(out_t.layout, Sliced) or not isinstance(t.layout, Replicated):
+        return pieces
+    d = out_t.layout.dim - (out_t.ndim - t.ndim)
+    if d < 0 or t.shape[d] != out_t.shape[out_t.layout.dim]:
+        return pieces  # the operand broadcasts along the sliced dim
+    n = ctx.shape(s.name)[out_t.layout.dim]
+    cut = []
+    for r, p in enumerate(pieces):
+        lo, hi = slice_bounds(n, ctx.world, r)
+        cut.append(np.take(p, np.arange(lo, hi), axis=d))
+    return cut
+
+
+def _pointwise(fn: Callable[..., np.ndarray]) -> Callable[[_Ctx, Stmt], Pieces]:
+    def rule(ctx: _Ctx, s: Stmt) -> Pieces:
+        operands = [_operand_pieces(ctx, s, a) for a in s.args]
+        return [np.asarray(fn(*(op[r] for op in operands))) for r in range(ctx.world)]
+    return rule
+
+
+def _safe_pow(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    with np.errstate(all="ignore"):
+        return np.power(np.asarray(a, dtype=np.float64), b)
+
+
+def _quiet(fn: Callable) -> Callable:
+    def wrapped(*xs):
+        with np.errstate(all="ignore"):  # inf/nan are values like any other; the caller compares them
+            return fn(*xs)
+    return wrapped
+
+
+def _const(ctx: _Ctx, s: Stmt) -> Pieces:
+    v = np.asarray(s.attr("value"), dtype=np.int64 if isinstance(s.attr("value"), int) else np.float64)
+    return [v for _ in range(ctx.world)]
+
+
+def _cast(ctx: _Ctx, s: Stmt) -> Pieces:
+    return [round_to(p, s.attr("dtype")) for p in ctx.vals[s.args[0]]]
+
+
+def _dropout(ctx: _Ctx, s: Stmt) -> Pieces:
+    p = s.attr("p")
+    seed = s.attr("seed")
+    if seed is None:
+        seed = int(ctx.vals[s.args[1]][0])
+    t = s.type
+    shape = ctx.shape(s.name)
+    out = []
+    for r, x in enumerate(ctx.vals[s.args[0]]):
+        mask = rng.dropout_mask(seed, p, shape, local_region(t, shape, ctx.world, r))
+        out.append(np.where(mask, x / (1.0 - p), 0.0))
+    return out
+
+
+def _matmul(ctx: _Ctx, s: Stmt) -> Pieces:
+    a, b = ctx.vals[s.args[0]], ctx.vals[s.args[1]]
+    return [np.matmul(np.asarray(a[r], np.float64), np.asarray(b[r], np.float64)) for r in range(ctx.world)]
+
+
+def _sum(ctx: _Ctx, s: Stmt) -> Pieces:
+    return [np.asarray(np.sum(p, dtype=np.float64)) for p in ctx.vals[s.args[0]]]
+
+
+def _norm(ctx: _Ctx, s: Stmt) -> Pieces:
+    return [np.asarray(np.sqrt(np.sum(np.square(p, dtype=np.float64)))) for p in ctx.vals[s.args[0]]]
+
+
+_REDUCE = {
+    "sum": lambda xs: np.sum(xs, axis=0),
+    "prod": lambda xs: np.prod(xs, axis=0),
+    "max": lambda xs: np.max(xs, axis=0),
+    "min": lambda xs: np.min(xs, axis=0),
+    "avg": lambda xs: np.mean(xs, axis=0),
+}
+
+
+def _allreduce(ctx: _Ctx, s: Stmt) -> Pieces:
+    total = _REDUCE[s.attr("op")](np.stack(ctx.vals[s.args[0]]))
+    return [np.array(total) for _ in range(ctx.world)]
+
+
+def _reduce_scatter(ctx: _Ctx, s: Stmt) -> Pieces:
+    total = _REDUCE[s.attr("op")](np.stack(ctx.vals[s.args[0]]))
+    return distribute(s.type, total, total.shape, ctx.world)
+
+
+def _all_gather(ctx: _Ctx, s: Stmt) -> Pieces:
+    whole = assemble(ctx.prog[s.args[0]].type, ctx.vals[s.args[0]])
+    return [np.array(whole) for _ in range(ctx.world)]
+
+
+def _broadcast(ctx: _Ctx, s: Stmt) -> Pieces:
+    root = s.attr("root")
+    if root >= ctx.world:
+        raise ProgramError(f"broadcast root {root} is outside the world of {ctx.world} ranks", rule="0 <= root < world")
+    return [np.array(ctx.vals[s.args[0]][root]) for _ in range(ctx.world)]
+
+
+def _partial_sum(ctx: _Ctx, s: Stmt) -> Pieces:
+    return _sum(ctx, s)
+
+
+def _custom(ctx: _Ctx, s: Stmt) -> Pieces:
+    op = ctx.prog.custom_ops.get(s.op)
+    if op is None:
+        raise ProgramError(f"custom op {s.op} has no reference semantics in this program")
+    attrs = dict(s.attrs)
+    operands = [_operand_pieces(ctx, s, a) if op.kind == "pointwise" else ctx.vals[a] for a in s.args]
+    out = []
+    for r in range(ctx.world):
+        try:
+            v = np.asarray(op.reference(*(o[r] for o in operands), **attrs), dtype=np.float64)
+        except Exception as e:
+            raise ProgramError(f"the reference of custom op {s.op} failed: {e}") from None
+        out.append(v)
+    return out
+
+
+EVAL: dict[str, Callable[[_Ctx, Stmt], Pieces]] = {
+    "const": _const,
+    "neg": _pointwise(np.negative),
+    "sqrt": _pointwise(_quiet(np.sqrt)),
+    "rsqrt": _pointwise(_quiet(lambda x: 1.0 / np.sqrt(x))),
+    "exp": _pointwise(_quiet(np.exp)),
+    "log": _pointwise(_quiet(np.log)),
+    "abs": _pointwise(np.abs),
+    "cast": _cast,
+    "add": _pointwise(np.add),
+    "sub": _pointwise(np.subtract),
+    "mul": _pointwise(np.multiply),
+    "div": _pointwise(_quiet(np.true_divide)),
+    "pow": _pointwise(_safe_pow),
+    "maximum": _pointwise(np.maximum),
+    "minimum": _pointwise(np.minimum),
+    "lt": _pointwise(np.less),
+    "le": _pointwise(np.less_equal),
+    "gt": _pointwise(np.greater),
+    "ge": _pointwise(np.greater_equal),
+    "eq": _pointwise(np.equal),
+    "ne": _pointwise(np.not_equal),
+    "where": _pointwise(np.where),
+    "dropout": _dropout,
+    "sum": _sum,
+    "norm": _norm,
+    "partial_sum": _partial_sum,
+    "matmul": _matmul,
+    "allreduce": _allreduce,
+    "reduce_scatter": _reduce_scatter,
+    "all_gather": _all_gather,
+    "broadcast": _broadcast,
+}
+
+
+def _eval(ctx: _Ctx, s: Stmt) -> Pieces:
+    rule = EVAL.get(s.op, _custom)
+    return rule(ctx, s)

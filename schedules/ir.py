@@ -1,0 +1,150 @@
+"""The immutable IR: a program is a tuple of statements in dependency order.
+
+A statement names its operands by statement name, so the IR is a DAG that
+prints, serialises and diffs as a list. Values are single-assignment; effects
+(``update``, ``output``, ``send``) carry no value. Statements are hash-consed
+when built (identical op, operands and attributes give one statement) and the
+program's structural hash ignores the names of intermediate statements.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, Iterator, Mapping
+
+from coconet.schedules.types import TensorType
+
+SCHEMA_VERSION = 1
+
+SOURCES = frozenset({"input", "scalar", "const", "recv"})
+UNARY = frozenset({"neg", "sqrt", "rsqrt", "exp", "log", "abs", "cast"})
+BINARY = frozenset({"add", "sub", "mul", "div", "pow", "maximum", "minimum"})
+COMPARE = frozenset({"lt", "le", "gt", "ge", "eq", "ne"})
+POINTWISE = UNARY | BINARY | COMPARE | {"where", "dropout"}
+REDUCTIONS = frozenset({"sum", "norm", "partial_sum"})
+COLLECTIVES = frozenset({"allreduce", "reduce_scatter", "all_gather", "broadcast"})
+EFFECTS = frozenset({"update", "output", "send"})
+BUILTIN_OPS = SOURCES | POINTWISE | REDUCTIONS | COLLECTIVES | EFFECTS | {"matmul"}
+
+REDUCE_OPS = ("sum", "prod", "max", "min", "avg")
+NEXT_STAGE = "next"
+PREV_STAGE = "prev"
+
+# Bounds that keep a program from the outside (JSON, REST) from exhausting memory or time.
+MAX_STATEMENTS = 10_000
+MAX_NAME = 64
+MAX_DIMS = 16
+MAX_RANK = 8
+
+
+Attrs = tuple[tuple[str, Any], ...]
+
+
+@dataclass(frozen=True)
+class Stmt:
+    name: str
+    op: str
+    args: tuple[str, ...]
+    attrs: Attrs
+    type: TensorType | None  # None for effects
+
+    def attr(self, key: str, default: Any = None) -> Any:
+        for k, v in self.attrs:
+            if k == key:
+                return v
+        return default
+
+    @property
+    def is_effect(self) -> bool:
+        return self.op in EFFECTS
+
+
+@dataclass(frozen=True)
+class Program:
+    """A verified program. Build one with ``coconet.Program`` (the DSL) or ``load``."""
+
+    name: str
+    dims: tuple[str, ...]
+    stmts: tuple[Stmt, ...]
+    # Custom ops used by the program, by name; semantics live in Python, so not part of identity.
+    custom_ops: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
+    # Where each statement was written (file:line), for error messages only.
+    locations: Mapping[str, str] = field(default_factory=dict, compare=False, hash=False, repr=False)
+
+    @cached_property
+    def by_name(self) -> dict[str, Stmt]:
+        return {s.name: s for s in self.stmts}
+
+    def __getitem__(self, name: str) -> Stmt:
+        return self.by_name[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.by_name
+
+    def __iter__(self) -> Iterator[Stmt]:
+        return iter(self.stmts)
+
+    def __len__(self) -> int:
+        return len(self.stmts)
+
+    @cached_property
+    def users(self) -> dict[str, tuple[str, ...]]:
+        out: dict[str, list[str]] = {s.name: [] for s in self.stmts}
+        for s in self.stmts:
+            for a in s.args:
+                out[a].append(s.name)
+        return {k: tuple(v) for k, v in out.items()}
+
+    @property
+    def inputs(self) -> tuple[Stmt, ...]:
+        return tuple(s for s in self.stmts if s.op in ("input", "scalar", "recv"))
+
+    @property
+    def effects(self) -> tuple[Stmt, ...]:
+        return tuple(s for s in self.stmts if s.is_effect)
+
+    @property
+    def updates(self) -> dict[str, str]:
+        """target input name -> statement holding its new value"""
+        return {s.args[0]: s.args[1] for s in self.stmts if s.op == "update"}
+
+    @property
+    def outputs(self) -> dict[str, str]:
+        return {s.attr("name"): s.args[0] for s in self.stmts if s.op == "output"}
+
+    @property
+    def is_pipeline(self) -> bool:
+        return any(s.op in ("send", "recv") for s in self.stmts)
+
+    @cached_property
+    def stmt_hashes(self) -> dict[str, str]:
+        hashes: dict[str, str] = {}
+        for s in self.stmts:
+            ident = s.name if s.op in ("input", "scalar", "recv") else None
+            payload = [s.op, _jsonable(s.attrs), [hashes[a] for a in s.args], ident]
+            hashes[s.name] = _sha(payload)
+        return hashes
+
+    @cached_property
+    def hash(self) -> str:
+        """Structural hash: independent of statement order and intermediate names."""
+        h = self.stmt_hashes
+        roots = sorted(h[s.name] for s in self.stmts if s.is_effect or s.op in ("input", "scalar", "recv"))
+        return _sha([SCHEMA_VERSION, self.name, list(self.dims), roots])[:16]
+
+    def location(self, name: str) -> str | None:
+        return self.locations.get(name)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def _sha(payload: Any) -> str:
+    text = json.dumps(payload, separators=(",", ":"), sort_keys=True, allow_nan=False)
+    return hashlib.sha256(text.encode()).hexdigest()

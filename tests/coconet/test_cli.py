@@ -1,0 +1,114 @@
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[2]
+EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
+
+
+def coconet(*args, cwd=None):
+    env = {k: v for k, v in os.environ.items() if k != "COCONET_DEBUG"}
+    return subprocess.run([sys.executable, "-m", "coconet", *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd or ROOT, env=env, timeout=120)
+
+
+def assert_one_error(proc, *fragments):
+    assert proc.returncode == 2, proc
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+    for f in fragments:
+        assert f in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_check_examples(path):
+    proc = coconet("check", path.relative_to(ROOT), "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["program"] == path.stem and len(out["hash"]) == 16
+    for s in out["statements"]:
+        assert set(s) >= {"name", "op", "args"}
+        if s["op"] not in ("update", "output", "send"):
+            assert {"shape", "dtype", "layout"} <= set(s)
+
+
+def test_check_human_listing_and_sizes():
+    proc = coconet("check", "examples/megatron_mlp.py", "--size", "B=2,S=3,H=4")
+    assert proc.returncode == 0, proc.stderr
+    assert "Sliced(2)" in proc.stdout and "(2, 3, 16)" in proc.stdout and "allreduce" in proc.stdout
+    proc = coconet("check", "examples/megatron_mlp.py", "--size", "B=2,S=3")
+    assert_one_error(proc, "no size given for H")
+
+
+def test_export_round_trips_through_check(tmp_path):
+    out = tmp_path / "adam.json"
+    proc = coconet("export", "examples/adam.py", "-o", out)
+    assert proc.returncode == 0, proc.stderr
+    py = json.loads(coconet("check", "examples/adam.py", "--json").stdout)
+    js = json.loads(coconet("check", out, "--json").stdout)
+    assert py == js
+    stdout = coconet("export", "examples/adam.py").stdout
+    assert json.loads(stdout) == json.loads(out.read_text())
+
+
+def write(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+HEADER = "from coconet import *\np = Program('bad', dims=('N',))\n"
+BAD_PROGRAMS = {
+    "local_plus_sliced": (HEADER + "g = p.tensor('g', ('N',), layout=Local)\nx = p.tensor('x', ('N',), layout=Sliced(0))\n"
+                          "p.output('y', g + x)\nprogram = p\n", ["bad.py:5", "Local and Sliced"]),
+    "mismatched_shapes": ("from coconet import *\np = Program('bad', dims=('N', 'M'))\n"
+                          "a = p.tensor('a', ('N',), layout=Replicated)\nb = p.tensor('b', ('M',), layout=Replicated)\n"
+                          "p.output('y', a * b)\nprogram = p\n", ["bad.py:5", "do not broadcast"]),
+    "replicated_from_local": (HEADER + "w = p.tensor('w', ('N',), layout=Replicated)\ng = p.tensor('g', ('N',), layout=Local)\n"
+                              "p.update(w, w - g)\nprogram = p\n", ["bad.py:5", "w is Replicated", "Local"]),
+    "no_program": (HEADER + "x = p.tensor('x', ('N',), layout=Local)\n", ["defines no `program`"]),
+    "not_a_program": ("program = 3\n", ["not a coconet Program"]),
+    "syntax": ("program = (\n", ["syntax error"]),
+    "raises": ("import math\nprogram = math.sqrt(-1)\n", ["bad.py:2", "ValueError"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_PROGRAMS))
+def test_bad_programs_give_one_error_line(tmp_path, case):
+    text, fragments = BAD_PROGRAMS[case]
+    path = write(tmp_path, "bad.py", text)
+    assert_one_error(coconet("check", path), *fragments)
+    assert_one_error(coconet("export", path), *fragments)
+
+
+def test_json_with_unknown_op(tmp_path):
+    d = json.loads(coconet("export", "examples/sgd.py").stdout)
+    d["statements"][5]["op"] = "teleport"
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(d))
+    assert_one_error(coconet("check", path), "unknown op 'teleport'", d["statements"][5]["name"])
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["check", "nowhere.py"], "no such file"),
+    (["check", "README.md"], ".py"),
+    (["tune", "examples/adam.py", "--size", "N=2^10"], "not available"),
+    (["schedules", "examples/adam.py"], "not available"),
+    (["run", "examples/adam.py"], "not available"),
+])
+def test_other_errors(args, fragment):
+    assert_one_error(coconet(*args), fragment)
+
+
+def test_help_lists_every_command_and_says_what_is_missing():
+    proc = coconet("--help")
+    assert proc.returncode == 0
+    for cmd in ("check", "export", "schedules", "run", "tune", "sweep", "calibrate", "bench", "serve", "submit"):
+        assert cmd in proc.stdout
+    assert "Not available yet" in coconet("tune", "--help").stdout
