@@ -401,7 +401,7 @@ class Builder:
             raise ProgramError(f"{node.name} is updated twice", rule="each state is updated at most once")
 
     def _infer(self, op: str, args: tuple[int, ...], attrs: dict, custom: CustomOp | None) -> TensorType | None:
-        types = [self.type_of(a) for a in args] if op not in ("update",) else []
+        types = [self.type_of(a) for a in args]
         names = [self.nodes[a].name for a in args]
         weak = [dict(self.nodes[a].attrs).get("value") if self.nodes[a].op == "const" else None for a in args]
         if op in ("input", "recv"):
@@ -442,7 +442,7 @@ class Builder:
         if op == "broadcast":
             return infer.broadcast(types[0], names)
         if op == "update":
-            infer.update(self.type_of(args[0]), self.type_of(args[1]), names)
+            infer.update(types[0], types[1], names)
             return None
         if op in ("output", "send"):
             if op == "send" and not types[0].shape:

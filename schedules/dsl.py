@@ -31,7 +31,8 @@ def _caller() -> str | None:
     while frame is not None:
         fname = os.path.abspath(frame.f_code.co_filename)
         if not fname.startswith(_PKG_ROOTS):
-            return f"{os.path.relpath(fname) if not os.path.relpath(fname).startswith('..') else fname}:{frame.f_lineno}"
+            rel = os.path.relpath(fname)
+            return f"{fname if rel.startswith('..') else rel}:{frame.f_lineno}"
         frame = frame.f_back
     return None
 

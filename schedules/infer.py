@@ -7,7 +7,7 @@ The builder adds the statement's name and source location.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from coconet.errors import ProgramError
 from coconet.schedules.dims import Dim
@@ -235,13 +235,3 @@ def update(target: TensorType, value: TensorType, names: Sequence[str]) -> None:
             f"{names[0]} is {target.layout} but the new value {names[1]} is {value.layout}",
             rule="update(t, e): e has t's layout, except Replicated t <- Sliced e (an implied all_gather)",
         )
-
-
-def rule_table() -> dict[str, Callable]:
-    return {
-        "matmul": matmul,
-        "allreduce": allreduce,
-        "reduce_scatter": reduce_scatter,
-        "all_gather": all_gather,
-        "broadcast": broadcast,
-    }
