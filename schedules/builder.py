@@ -226,6 +226,7 @@ class Builder:
         self.updated: set[int] = set()
         self.custom_ops: dict[str, CustomOp] = dict(custom_ops or {})
         self.used_ops: dict[str, CustomOp] = {}
+        self.reserved: set[str] = set()
 
     # --- naming ---
 
@@ -239,19 +240,19 @@ class Builder:
             k = self.counters.get(prefix, 0)
             self.counters[prefix] = k + 1
             name = f"{prefix}{k}"
-            if name not in self.index:
+            if name not in self.index and name not in self.reserved:
                 return name
 
     def _fresh(self, base: str) -> str:
         name, k = base, 1
-        while name in self.index:
+        while name in self.index or name in self.reserved:
             name, k = f"{base}_{k}", k + 1
         return name
 
     def _peek_name(self, op: str) -> str:
         prefix = PREFIX.get(op, op)
         k = self.counters.get(prefix, 0)
-        while f"{prefix}{k}" in self.index:
+        while f"{prefix}{k}" in self.index or f"{prefix}{k}" in self.reserved:
             k += 1
         return f"{prefix}{k}"
 
@@ -472,7 +473,11 @@ class Builder:
 
     # --- finishing ---
 
-    def finish(self) -> Program:
+    def reserve(self, names) -> None:
+        """Keep auto-naming off ``names`` (a rewrite copies them in later)."""
+        self.reserved = set(names)
+
+    def finish(self, groups: tuple = ()) -> Program:
         live = [False] * len(self.nodes)
         for i in range(len(self.nodes) - 1, -1, -1):
             n = self.nodes[i]
@@ -495,7 +500,8 @@ class Builder:
             stmts.append(Stmt(n.name, n.op, tuple(self.nodes[a].name for a in n.args), n.attrs, n.type))
             if i in self.locations:
                 locations[n.name] = self.locations[i]
-        return Program(self.name, self.dims, tuple(stmts), dict(self.used_ops), locations)
+        return Program(self.name, self.dims, tuple(stmts), tuple(groups), custom_ops=dict(self.used_ops),
+                       locations=locations)
 
 
     def _check_channels(self) -> None:

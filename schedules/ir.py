@@ -62,6 +62,24 @@ class Stmt:
         return self.op in EFFECTS
 
 
+GROUP_KINDS = ("fuse", "fused_collective", "overlap", "bucket")
+
+
+@dataclass(frozen=True)
+class Group:
+    """Statements a schedule runs as one unit: a fused kernel, a fused collective,
+    an overlapped producer/collective pair or a bucket of collectives. Grouping
+    never changes what a program computes, only how a backend runs it; ``knobs``
+    names the schedule knobs (chunks, bucket_bytes) that tune the unit."""
+
+    kind: str
+    members: tuple[str, ...]
+    knobs: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        return f"{self.kind}({', '.join(self.members)})"
+
+
 @dataclass(frozen=True)
 class Program:
     """A verified program. Build one with ``coconet.Program`` (the DSL) or ``load``."""
@@ -69,6 +87,7 @@ class Program:
     name: str
     dims: tuple[str, ...]
     stmts: tuple[Stmt, ...]
+    groups: tuple[Group, ...] = ()
     # Custom ops used by the program, by name; semantics live in Python, so not part of identity.
     custom_ops: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
     # Where each statement was written (file:line), for error messages only.
@@ -133,7 +152,12 @@ class Program:
         """Structural hash: independent of statement order and intermediate names."""
         h = self.stmt_hashes
         roots = sorted(h[s.name] for s in self.stmts if s.is_effect or s.op in ("input", "scalar", "recv"))
-        return _sha([SCHEMA_VERSION, self.name, list(self.dims), roots])[:16]
+        groups = sorted([g.kind, sorted(h[m] for m in g.members), list(g.knobs)] for g in self.groups)
+        return _sha([SCHEMA_VERSION, self.name, list(self.dims), roots] + ([groups] if groups else []))[:16]
+
+    @cached_property
+    def group_of(self) -> dict[str, Group]:
+        return {m: g for g in self.groups for m in g.members}
 
     def location(self, name: str) -> str | None:
         return self.locations.get(name)

@@ -1,0 +1,190 @@
+"""A schedule: a program, an ordered tuple of transform instances, knob values.
+
+Canonical text ``split(ar0); reorder(ag0); fuse_collective(rs0); chunks=4``
+(``baseline`` for none) parses back to an equal schedule; ``hash`` is the
+database key (program hash + text, knobs included), ``structure`` the
+structural hash of the scheduled program (knobs excluded), by which the space
+generator dedupes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, Mapping
+
+from coconet.errors import CoconetError, IllegalTransform, ScheduleError
+from coconet.schedules.ir import Program
+from coconet.schedules.transforms import BY_NAME, Transform
+
+BASELINE = "baseline"
+_ITEM = re.compile(r"\s*([a-z_]+)\s*\((.*)\)\s*\Z")
+_KNOB = re.compile(r"\s*([a-z_]+)\s*=\s*(\d+)\s*\Z")
+MAX_TEXT = 8192
+
+
+@dataclass(frozen=True)
+class Schedule:
+    program: Program
+    transforms: tuple[Transform, ...] = ()
+    knobs: tuple[tuple[str, int], ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        declared = self.knob_domains
+        for k, v in self.knobs:
+            if k not in declared:
+                raise ScheduleError(f"knob {k!r} is not a knob of this schedule (knobs: {sorted(declared) or 'none'})")
+            if not isinstance(v, int) or v < 1:
+                raise ScheduleError(f"knob {k}={v!r} must be a positive integer")
+
+    @cached_property
+    def scheduled(self) -> Program:
+        """The program with every transform applied (raises IllegalTransform)."""
+        prog = self.program
+        for t in self.transforms:
+            prog = t.apply(prog)
+        return prog
+
+    @property
+    def knob_domains(self) -> dict[str, tuple[int, tuple[int, ...]]]:
+        out: dict[str, tuple[int, tuple[int, ...]]] = {}
+        for t in self.transforms:
+            out.update(t.knobs)
+        return out
+
+    @property
+    def knob_values(self) -> dict[str, int]:
+        """Every knob of the schedule: the given value, else the default."""
+        given = dict(self.knobs)
+        return {k: given.get(k, default) for k, (default, _) in self.knob_domains.items()}
+
+    def with_knobs(self, **values: int) -> "Schedule":
+        merged = {**dict(self.knobs), **values}
+        return Schedule(self.program, self.transforms, tuple(sorted(merged.items())))
+
+    @property
+    def text(self) -> str:
+        if not self.transforms:
+            return BASELINE
+        items = [t.text() for t in self.transforms] + [f"{k}={v}" for k, v in sorted(self.knobs)]
+        return "; ".join(items)
+
+    @property
+    def names(self) -> list[str]:
+        return [t.name for t in self.transforms]
+
+    @property
+    def hash(self) -> str:
+        return hashlib.sha256(f"{self.program.hash}\n{self.text}".encode()).hexdigest()[:16]
+
+    @property
+    def structure(self) -> str:
+        return self.scheduled.hash
+
+    def describe(self) -> str:
+        if not self.transforms:
+            return "the program as written"
+        parts, prog = [], self.program
+        for t in self.transforms:
+            parts.append(t.describe(prog))
+            prog = t.apply(prog)
+        knobs = self.knob_values
+        if knobs:
+            parts.append(", ".join(f"{k}={v}" for k, v in sorted(knobs.items())))
+        return "; ".join(parts)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "program": self.program.hash,
+            "text": self.text,
+            "hash": self.hash,
+            "transforms": self.names,
+            "knobs": self.knob_values,
+        }
+
+    @classmethod
+    def parse(cls, text: str, program: Program) -> "Schedule":
+        """Parse canonical text; every transform is applied, so an illegal one is refused here."""
+        if not isinstance(text, str) or len(text) > MAX_TEXT:
+            raise ScheduleError(f"schedule text must be a string of at most {MAX_TEXT} characters")
+        text = text.strip()
+        if text in (BASELINE, ""):
+            return cls(program)
+        transforms: list[Transform] = []
+        knobs: dict[str, int] = {}
+        for raw in text.split(";"):
+            if not raw.strip():
+                continue
+            m = _ITEM.match(raw)
+            if m:
+                if knobs:
+                    raise ScheduleError(f"{raw.strip()!r}: knobs come after every transform")
+                name, inner = m.groups()
+                if name not in BY_NAME:
+                    raise ScheduleError(f"unknown transform {name!r} (known: {', '.join(sorted(BY_NAME))})")
+                args, kwargs = [], {}
+                for a in (x.strip() for x in inner.split(",")):
+                    if not a:
+                        continue
+                    if "=" in a:
+                        k, v = (y.strip() for y in a.split("=", 1))
+                        kwargs[k] = v
+                    else:
+                        args.append(a)
+                try:
+                    transforms.append(BY_NAME[name].from_args(args, kwargs))
+                except IllegalTransform as e:
+                    raise ScheduleError(f"{raw.strip()!r}: {e.message}") from None
+                continue
+            k = _KNOB.match(raw)
+            if k:
+                knobs[k.group(1)] = int(k.group(2))
+                continue
+            raise ScheduleError(f"{raw.strip()!r} is neither a transform like split(ar0) nor a knob like chunks=4")
+        sched = cls(program, tuple(transforms), tuple(sorted(knobs.items())))
+        try:
+            sched.scheduled
+        except IllegalTransform as e:
+            raise ScheduleError(f"illegal schedule: {e}") from None
+        return sched
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], program: Program) -> "Schedule":
+        if not isinstance(data, Mapping) or not isinstance(data.get("text"), str):
+            raise ScheduleError("a schedule in JSON is an object with a 'text'")
+        if data.get("program") not in (None, program.hash):
+            raise ScheduleError(f"the schedule is for program {data['program']}, not {program.hash}")
+        sched = cls.parse(data["text"], program)
+        knobs = data.get("knobs") or {}
+        if knobs:
+            try:
+                sched = sched.with_knobs(**{str(k): v for k, v in knobs.items()})
+            except TypeError:
+                raise ScheduleError("knobs must be an object of integers") from None
+        return sched
+
+    def pretty(self) -> str:
+        """The scheduled program: each statement with its layout and the unit it runs in."""
+        prog = self.scheduled
+        lines = [f"# {prog.name}  schedule: {self.text}"]
+        width = max((len(s.name) for s in prog.stmts), default=4)
+        for s in prog.stmts:
+            group = prog.group_of.get(s.name)
+            where = f"  [{group.kind} {group.members[0]}…]" if group else ""
+            typ = f"{s.type.shape_text()} {s.type.dtype or 'weak'} {s.type.layout}" if s.type else ""
+            lines.append(f"{s.name:<{width}} = {s.op}({', '.join(s.args)})  {typ}{where}".rstrip())
+        return "\n".join(lines)
+
+
+def parse(text: str, program: Program) -> Schedule:
+    return Schedule.parse(text, program)
+
+
+def dumps(schedule: Schedule) -> str:
+    return json.dumps(schedule.to_json())
+
+
+__all__ = ["BASELINE", "CoconetError", "Schedule", "dumps", "parse"]

@@ -1,0 +1,93 @@
+"""The schedule space: every legal transform sequence up to a depth, deduplicated.
+
+Breadth-first from the untransformed program (always schedule 0, ``baseline``):
+each level applies every instance of every transform to every schedule of the
+level before, keeping a result only if its scheduled program's structural hash
+is new — so two orders that give the same program are one schedule, found by
+the shorter (then earlier) path. The order is deterministic: transforms in
+``TRANSFORMS`` order, instances in program order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+from coconet.errors import IllegalTransform
+from coconet.schedules.dsl import as_ir
+from coconet.schedules.schedule import Schedule
+from coconet.schedules.transforms import TRANSFORMS
+
+DEFAULT_DEPTH = 6
+MAX_SCHEDULES = 5000
+# Above this many instances of one transform, apply them together (plus the
+# class's own named subsets) instead of one by one: a program with k parameter
+# tensors would otherwise yield 2^k near-identical schedules per transform.
+MAX_SINGLE = 2
+
+
+@dataclass(frozen=True)
+class Space:
+    schedules: tuple[Schedule, ...]
+    depth: int
+    truncated: bool
+    # Instances that ``instances`` offered but ``apply`` refused: should be empty;
+    # kept as data so that a gap between the two is visible rather than hidden.
+    refused: tuple[tuple[str, str], ...] = ()
+
+    def __iter__(self) -> Iterator[Schedule]:
+        return iter(self.schedules)
+
+    def __len__(self) -> int:
+        return len(self.schedules)
+
+    def __getitem__(self, i: int) -> Schedule:
+        return self.schedules[i]
+
+    def find(self, text: str) -> Schedule | None:
+        return next((s for s in self.schedules if s.text == text), None)
+
+
+def generate(program, depth: int = DEFAULT_DEPTH, limit: int = MAX_SCHEDULES) -> Space:
+    prog = as_ir(program)
+    base = Schedule(prog)
+    seen = {prog.hash}
+    out = [base]
+    level = [(base, prog)]
+    truncated = False
+    refused: list[tuple[str, str]] = []
+    for _ in range(depth):
+        nxt = []
+        for sched, scheduled in level:
+            for cls in TRANSFORMS:
+                for step in _steps(cls, scheduled):
+                    try:
+                        result = scheduled
+                        for t in step:
+                            result = t.apply(result)
+                    except IllegalTransform as e:
+                        refused.append((f"{sched.text}; {'; '.join(t.text() for t in step)}", str(e)))
+                        continue
+                    if result.hash in seen:
+                        continue
+                    seen.add(result.hash)
+                    child = Schedule(prog, sched.transforms + step)
+                    child.__dict__["scheduled"] = result  # already computed; cached_property slot
+                    if len(out) >= limit:
+                        truncated = True
+                        break
+                    out.append(child)
+                    nxt.append((child, result))
+        level = nxt
+        if not level or truncated:
+            break
+    return Space(tuple(out), depth, truncated, tuple(refused))
+
+
+def _steps(cls, program) -> list[tuple]:
+    insts = cls.instances(program)
+    if len(insts) <= MAX_SINGLE:
+        return [(t,) for t in insts]
+    subsets = getattr(cls, "subsets", None)
+    extra = [tuple(s) for s in subsets(program, insts)] if subsets else []
+    return [tuple(insts)] + [s for s in extra if s and len(s) < len(insts)]

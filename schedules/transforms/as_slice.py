@@ -1,0 +1,91 @@
+"""as_slice(t): keep updated state Sliced instead of Replicated — ZeRO-style
+sharding of optimizer state (CoCoNet §4.2). The update no longer needs its
+all_gather; readers that cannot take slices get an all_gather of the state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from coconet.schedules.ir import Program
+from coconet.schedules.rewrite import Rewriter
+from coconet.schedules.transforms.base import Transform, consumes_slices
+from coconet.schedules.types import Replicated
+
+
+def _gathered_update(program: Program, tensor: str):
+    for s in program.stmts:
+        if s.op == "update" and s.args[0] == tensor:
+            value = program[s.args[1]]
+            return s, value if value.op == "all_gather" else None
+    return None, None
+
+
+def _ancestors(program: Program, name: str) -> set[str]:
+    seen, stack = set(), [name]
+    while stack:
+        for a in program[stack.pop()].args:
+            if a not in seen:
+                seen.add(a)
+                stack.append(a)
+    return seen
+
+
+@dataclass(frozen=True)
+class AsSlice(Transform):
+    tensor: str
+
+    name = "as_slice"
+
+    @classmethod
+    def instances(cls, program: Program) -> list[Transform]:
+        if program.groups:
+            return []
+        out = []
+        for s in program.stmts:
+            if s.op == "input" and isinstance(s.type.layout, Replicated):
+                _, ag = _gathered_update(program, s.name)
+                if ag is not None:
+                    out.append(cls(s.name))
+        return out
+
+    @classmethod
+    def subsets(cls, program: Program, insts: list["AsSlice"]) -> list[list["AsSlice"]]:
+        """Optimizer state alone (ZeRO-1): state whose new value reads no other updated
+        tensor — moments, not the parameters their update reads them into."""
+        targets = set(program.updates)
+        state = []
+        for t in insts:
+            value = program.updates[t.tensor]
+            if not (_ancestors(program, value) & (targets - {t.tensor})):
+                state.append(t)
+        return [state]
+
+    def apply(self, program: Program) -> Program:
+        self.no_groups(program)
+        t = self.need(program, self.tensor, ("input",), "a tensor input")
+        if not isinstance(t.type.layout, Replicated):
+            raise self.refuse(f"{t.name} is {t.type.layout}; only Replicated state can be kept sliced")
+        upd, ag = _gathered_update(program, t.name)
+        if upd is None:
+            raise self.refuse(f"{t.name} is not updated: only updated state is sharded")
+        if ag is None:
+            raise self.refuse(f"the new value of {t.name} is computed whole; reorder the update onto slices first")
+        sliced = program[ag.args[0]].type.layout
+        rw = Rewriter(program, self.text())
+        whole: list[int] = []
+        for s in program.stmts:
+            if s.name == t.name:
+                rw.copy(s, attrs={**dict(s.attrs), "layout": str(sliced)})
+            elif s.name == upd.name:
+                rw.copy(s, [rw[t.name], rw[ag.args[0]]])
+            elif t.name in s.args and not consumes_slices(program, s):
+                if not whole:
+                    whole.append(rw.add("all_gather", [rw[t.name]]))
+                rw.copy(s, [whole[0] if a == t.name else rw[a] for a in s.args])
+            else:
+                rw.copy(s)
+        return rw.finish()
+
+    def describe(self, program: Program) -> str:
+        return f"{self.tensor} kept sliced"

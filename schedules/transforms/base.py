@@ -1,0 +1,138 @@
+"""What every transform is: a frozen dataclass of its parameters with
+``instances(program)`` (every legal place to apply it) and ``apply(program)``
+(verified; raises ``IllegalTransform`` with the reason when it cannot apply).
+
+Two kinds: *rewrites* change the dataflow (split, reorder, as_slice,
+slice_send) and must come before *groupings* (fuse, fuse_collective, overlap,
+bucket), which only say which statements a backend runs as one unit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar, Iterable
+
+from coconet.errors import IllegalTransform
+from coconet.schedules.builder import ARITY
+from coconet.schedules.ir import COMPARE, BINARY, UNARY, Group, Program, Stmt
+from coconet.schedules.types import Local, Sliced
+
+POINTWISE_OPS = UNARY | BINARY | COMPARE | {"where", "dropout"}
+
+
+class Transform:
+    name: ClassVar[str]
+    kind: ClassVar[str] = "rewrite"  # or "group"
+    # knob name -> (default, domain); the values live in the Schedule
+    knobs: ClassVar[dict[str, tuple[int, tuple[int, ...]]]] = {}
+
+    @classmethod
+    def instances(cls, program: Program) -> list["Transform"]:
+        raise NotImplementedError
+
+    def apply(self, program: Program) -> Program:
+        raise NotImplementedError
+
+    def describe(self, program: Program) -> str:
+        return self.text()
+
+    # --- canonical text: name(a, b, key=value) ---
+
+    def text(self) -> str:
+        parts: list[str] = []
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, tuple):
+                parts.extend(v)
+            elif isinstance(v, str):
+                parts.append(v)
+            elif v != f.default:
+                parts.append(f"{f.name}={v}")
+        return f"{self.name}({', '.join(parts)})"
+
+    @classmethod
+    def from_args(cls, args: list[str], kwargs: dict[str, str]) -> "Transform":
+        values: dict[str, Any] = {}
+        rest = list(args)
+        for f in dataclasses.fields(cls):
+            if f.type in ("str",):
+                if not rest:
+                    raise IllegalTransform(f"missing operand {f.name!r}", transform=cls.name)
+                values[f.name] = rest.pop(0)
+            elif f.type.startswith("tuple"):
+                values[f.name], rest = tuple(rest), []
+            elif f.name in kwargs:
+                try:
+                    values[f.name] = int(kwargs.pop(f.name))
+                except ValueError:
+                    raise IllegalTransform(f"{f.name} must be an integer", transform=cls.name) from None
+        if rest or kwargs:
+            raise IllegalTransform(f"unexpected arguments {rest + [f'{k}={v}' for k, v in kwargs.items()]}", transform=cls.name)
+        return cls(**values)
+
+    def refuse(self, reason: str) -> IllegalTransform:
+        return IllegalTransform(reason, transform=self.text())
+
+    def need(self, program: Program, name: str, ops: Iterable[str], what: str) -> Stmt:
+        if name not in program:
+            raise self.refuse(f"the program has no statement {name!r}")
+        s = program[name]
+        if s.op not in ops:
+            raise self.refuse(f"{name} is a {s.op}, not {what}")
+        return s
+
+    def no_groups(self, program: Program) -> None:
+        if program.groups:
+            raise self.refuse("rewrites come before fuse/fuse_collective/overlap/bucket in a schedule")
+
+
+def is_pointwise(program: Program, s: Stmt) -> bool:
+    if s.op in POINTWISE_OPS:
+        return True
+    op = program.custom_ops.get(s.op)
+    return op is not None and op.kind == "pointwise" and s.op not in ARITY
+
+
+def consumes_slices(program: Program, s: Stmt) -> bool:
+    """Can ``s`` take a Sliced operand in place of a Replicated one? Pointwise work
+    and reductions can (reductions become partial sums + allreduce), unless a
+    Local operand would meet the slice."""
+    if not (is_pointwise(program, s) or s.op in ("sum", "norm")):
+        return False
+    return not any(isinstance(program[a].type.layout, Local) for a in s.args)
+
+
+def reaches(program: Program, sources: Iterable[str], targets: set[str], avoid: set[str]) -> str | None:
+    """A target reachable from ``sources`` along data edges through statements not in ``avoid``."""
+    users = program.users
+    stack = list(sources)
+    seen: set[str] = set()
+    while stack:
+        n = stack.pop()
+        for u in users[n]:
+            if u in targets:
+                return u
+            if u not in seen and u not in avoid:
+                seen.add(u)
+                stack.append(u)
+    return None
+
+
+def convex(program: Program, members: set[str]) -> str | None:
+    """None if running ``members`` as one unit creates no cycle; else a witness member."""
+    outside = [u for m in members for u in program.users[m] if u not in members]
+    return reaches(program, outside, members, set()) if outside else None
+
+
+def with_group(program: Program, group: Group) -> Program:
+    return dataclasses.replace(program, groups=program.groups + (group,))
+
+
+def ordered(program: Program, names: Iterable[str]) -> tuple[str, ...]:
+    pos = {s.name: i for i, s in enumerate(program.stmts)}
+    return tuple(sorted(set(names), key=pos.__getitem__))
+
+
+def sliced_dim(program: Program, name: str) -> int | None:
+    layout = program[name].type.layout if program[name].type else None
+    return layout.dim if isinstance(layout, Sliced) else None

@@ -1,0 +1,60 @@
+"""fuse_collective(rs): reduce_scatter + the computation on its slices + the
+all_gathers of the results → one fused collective (FusedAllReduce, CoCoNet §4.3):
+each rank reduces its slice, computes on it while it is in registers or
+cache, and the gathers send the results.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from coconet.schedules.ir import Group, Program
+from coconet.schedules.transforms.base import Transform, convex, is_pointwise, ordered, sliced_dim, with_group
+
+
+def region(program: Program, rs: str) -> tuple[str, ...]:
+    dim = sliced_dim(program, rs)
+    members = {rs}
+    for s in program.stmts:
+        if s.name in program.group_of or not any(a in members for a in s.args):
+            continue
+        ok = (is_pointwise(program, s) and sliced_dim(program, s.name) == dim) or s.op == "all_gather"
+        if ok and convex(program, members | {s.name}) is None:
+            members.add(s.name)
+    return ordered(program, members)
+
+
+@dataclass(frozen=True)
+class FuseCollective(Transform):
+    reduce_scatter: str
+
+    name = "fuse_collective"
+    kind = "group"
+
+    @classmethod
+    def instances(cls, program: Program) -> list[Transform]:
+        out = []
+        for s in program.stmts:
+            if s.op == "reduce_scatter" and s.name not in program.group_of:
+                members = region(program, s.name)
+                if any(program[m].op != "reduce_scatter" and program[m].op != "all_gather" for m in members):
+                    out.append(cls(s.name))
+        return out
+
+    def members(self, program: Program) -> tuple[str, ...]:
+        return region(program, self.reduce_scatter)
+
+    def apply(self, program: Program) -> Program:
+        rs = self.need(program, self.reduce_scatter, ("reduce_scatter",), "a reduce_scatter")
+        if rs.name in program.group_of:
+            raise self.refuse(f"{rs.name} already runs in {program.group_of[rs.name]}")
+        members = region(program, rs.name)
+        if not any(program[m].op not in ("reduce_scatter", "all_gather") for m in members):
+            raise self.refuse(f"no pointwise work runs on the slices of {rs.name}: reorder first")
+        return with_group(program, Group("fused_collective", members))
+
+    def describe(self, program: Program) -> str:
+        members = region(program, self.reduce_scatter)
+        work = sum(1 for m in members if program[m].op not in ("reduce_scatter", "all_gather"))
+        gathers = sum(1 for m in members if program[m].op == "all_gather")
+        return f"{self.reduce_scatter} fused with {work} statements and {gathers} all_gathers"

@@ -1,0 +1,83 @@
+"""reorder(ag): run the work that consumes an all_gather's output on the slices
+before it (CoCoNet §4.2). Replicated operands of that work become zero-copy
+slices; a norm or sum of a now-sliced value becomes a partial reduction plus an
+allreduce; values still needed whole are all-gathered after the work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from coconet.schedules.ir import Program
+from coconet.schedules.rewrite import Rewriter
+from coconet.schedules.transforms.base import Transform, consumes_slices, is_pointwise, ordered
+from coconet.schedules.types import Local, Sliced
+
+
+def region(program: Program, ag: str) -> tuple[str, ...]:
+    """The largest set of statements downstream of ``ag`` that can run on its slices."""
+    members: set[str] = set()
+    frontier = {ag}
+    for s in program.stmts:
+        if any(a in frontier for a in s.args) and consumes_slices(program, s):
+            members.add(s.name)
+            frontier.add(s.name)
+    return ordered(program, members)
+
+
+@dataclass(frozen=True)
+class Reorder(Transform):
+    all_gather: str
+    members: tuple[str, ...] = ()  # empty: the largest legal region
+
+    name = "reorder"
+
+    @classmethod
+    def instances(cls, program: Program) -> list[Transform]:
+        if program.groups:
+            return []
+        return [cls(s.name) for s in program.stmts if s.op == "all_gather" and region(program, s.name)]
+
+    def apply(self, program: Program) -> Program:
+        self.no_groups(program)
+        ag = self.need(program, self.all_gather, ("all_gather",), "an all_gather")
+        members = set(self.members) if self.members else set(region(program, ag.name))
+        if not members:
+            raise self.refuse(f"nothing consumes {ag.name} that could run on slices")
+        missing = sorted(m for m in members if m not in program)
+        if missing:
+            raise self.refuse(f"the program has no statement {missing[0]!r}")
+        reachable = set(region(program, ag.name))
+        for m in ordered(program, members):
+            s = program[m]
+            local = [a for a in s.args if isinstance(program[a].type.layout, Local)]
+            if local:
+                raise self.refuse(f"{m} reads Local {local[0]}: a per-rank value cannot be combined with slices")
+            if not (is_pointwise(program, s) or s.op in ("sum", "norm")):
+                raise self.refuse(f"{m} is a {s.op}; only pointwise work and reductions run on slices")
+            if not any(a in members or a == ag.name for a in s.args) or m not in reachable:
+                raise self.refuse(f"{m} does not consume {ag.name} or the work moved with it")
+        source = ag.args[0]
+        rw = Rewriter(program, self.text())
+        whole: dict[str, int] = {}
+
+        def replicated(name: str) -> int:
+            idx = rw[name]
+            if isinstance(rw.type(idx).layout, Sliced):
+                if name not in whole:
+                    whole[name] = rw.add("all_gather", [idx])
+                return whole[name]
+            return idx
+
+        for s in program.stmts:
+            if s.name in members:
+                rw.copy(s, [rw[source] if a == ag.name else rw[a] for a in s.args])
+            elif any(a in members for a in s.args):
+                rw.copy(s, [replicated(a) if a in members else rw[a] for a in s.args])
+            else:
+                rw.copy(s)
+        return rw.finish()
+
+    def describe(self, program: Program) -> str:
+        n = len(self.members) if self.members else len(region(program, self.all_gather))
+        return f"{n} statements after {self.all_gather} run on slices"
