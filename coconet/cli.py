@@ -31,8 +31,12 @@ JSON_OPT = typer.Option(False, "--json", help="Answer in JSON on stdout.")
 SIZE_OPT = typer.Option(None, "--size", help="Size bindings, e.g. N=2^20 or B=8,S=1024,H=3072 (repeatable).")
 
 
+def _print_error(message: str) -> None:
+    Console(stderr=True, highlight=False, soft_wrap=True).print(f"error: {' '.join(message.split())}", markup=False)
+
+
 def _fail(message: str) -> None:
-    Console(stderr=True, highlight=False, soft_wrap=True).print(f"error: {message}", markup=False)
+    _print_error(message)
     raise typer.Exit(2)
 
 
@@ -139,12 +143,22 @@ def _not_yet(command: str, arrives_with: str) -> None:
 @app.command()
 @_guard
 def schedules(
-    file: Path = typer.Argument(...),
-    depth: int = typer.Option(3, "--depth"),
+    file: Path = typer.Argument(..., help="Program file: .py defining `program`, or .json."),
+    depth: int = typer.Option(6, "--depth", min=0, max=12, help="Longest transform sequence to explore."),
     as_json: bool = JSON_OPT,
 ) -> None:
-    """List the legal schedules. Not available yet: arrives with the schedule space generator."""
-    _not_yet("schedules", "the schedule space generator")
+    """List the legal schedules: canonical text and what each one does."""
+    from coconet.loader import load_file
+    from coconet.schedules.space import generate
+
+    space = generate(load_file(file), depth=depth)
+    if space.refused:
+        text, reason = space.refused[0]
+        raise CoconetError(f"the space generator offered an illegal schedule {text!r}: {reason}")
+    if as_json:
+        _echo_json(space.to_json())
+    else:
+        sys.stdout.write(space.listing())
 
 
 @app.command()
@@ -240,7 +254,25 @@ def submit(
 
 
 def main() -> None:
-    app()
+    try:
+        code = app(standalone_mode=False)
+    except typer.Abort:
+        _print_error("interrupted")
+        code = 2
+    except Exception as e:
+        # Usage errors (click's, or typer's own in the versions that vendor click)
+        # carry format_message/exit_code; anything else escaped _guard: a bug.
+        if not (hasattr(e, "format_message") and hasattr(e, "exit_code")):
+            raise
+        ctx = getattr(e, "ctx", None)
+        if type(e).__name__ == "NoArgsIsHelpError" and ctx is not None:
+            sys.stdout.write(ctx.get_help() + "\n")
+            code = 0
+        else:
+            hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+            _print_error(f"{e.format_message()}{hint}")
+            code = 2
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

@@ -10,13 +10,12 @@ generator dedupes.
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Mapping
 
-from coconet.errors import CoconetError, IllegalTransform, ScheduleError
+from coconet.errors import IllegalTransform, ScheduleError
 from coconet.schedules.ir import Program
 from coconet.schedules.transforms import BY_NAME, Transform
 
@@ -37,8 +36,11 @@ class Schedule:
         for k, v in self.knobs:
             if k not in declared:
                 raise ScheduleError(f"knob {k!r} is not a knob of this schedule (knobs: {sorted(declared) or 'none'})")
-            if not isinstance(v, int) or v < 1:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ScheduleError(f"knob {k}={v!r} must be a positive integer")
+        # Every knob gets its value (the default unless given): a schedule is its effective configuration.
+        full = {k: default for k, (default, _) in declared.items()} | dict(self.knobs)
+        object.__setattr__(self, "knobs", tuple(sorted(full.items())))
 
     @cached_property
     def scheduled(self) -> Program:
@@ -57,9 +59,7 @@ class Schedule:
 
     @property
     def knob_values(self) -> dict[str, int]:
-        """Every knob of the schedule: the given value, else the default."""
-        given = dict(self.knobs)
-        return {k: given.get(k, default) for k, (default, _) in self.knob_domains.items()}
+        return dict(self.knobs)
 
     def with_knobs(self, **values: int) -> "Schedule":
         merged = {**dict(self.knobs), **values}
@@ -88,12 +88,19 @@ class Schedule:
         if not self.transforms:
             return "the program as written"
         parts, prog = [], self.program
-        for t in self.transforms:
-            parts.append(t.describe(prog))
+        run: list[Transform] = []
+        for t in self.transforms + (None,):  # type: ignore[operator]
+            if run and (t is None or type(t) is not type(run[0])):
+                parts.append(type(run[0]).describe_many(run, start))
+                run = []
+            if t is None:
+                break
+            if not run:
+                start = prog
+            run.append(t)
             prog = t.apply(prog)
-        knobs = self.knob_values
-        if knobs:
-            parts.append(", ".join(f"{k}={v}" for k, v in sorted(knobs.items())))
+        if self.knobs:
+            parts.append(", ".join(f"{k}={v}" for k, v in self.knobs))
         return "; ".join(parts)
 
     def to_json(self) -> dict[str, Any]:
@@ -177,14 +184,3 @@ class Schedule:
             typ = f"{s.type.shape_text()} {s.type.dtype or 'weak'} {s.type.layout}" if s.type else ""
             lines.append(f"{s.name:<{width}} = {s.op}({', '.join(s.args)})  {typ}{where}".rstrip())
         return "\n".join(lines)
-
-
-def parse(text: str, program: Program) -> Schedule:
-    return Schedule.parse(text, program)
-
-
-def dumps(schedule: Schedule) -> str:
-    return json.dumps(schedule.to_json())
-
-
-__all__ = ["BASELINE", "CoconetError", "Schedule", "dumps", "parse"]

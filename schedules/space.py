@@ -47,6 +47,34 @@ class Space:
     def find(self, text: str) -> Schedule | None:
         return next((s for s in self.schedules if s.text == text), None)
 
+    def listing(self) -> str:
+        """The human listing ``coconet schedules`` prints: id, text, one-line description."""
+        prog = self.schedules[0].program
+        head = f"{prog.name} (program {prog.hash}): {len(self)} schedules, depth {self.depth}"
+        if self.truncated:
+            head += f" (truncated at {len(self)})"
+        lines = [head]
+        for i, s in enumerate(self.schedules):
+            lines.append(f"[{i}] {s.text}")
+            lines.append(f"    {s.describe()}")
+        return "\n".join(lines) + "\n"
+
+    def to_json(self) -> dict:
+        prog = self.schedules[0].program
+        return {
+            "program": prog.name,
+            "program_hash": prog.hash,
+            "count": len(self),
+            "depth": self.depth,
+            "truncated": self.truncated,
+            "schedules": [
+                {"id": i, "text": s.text, "transforms": s.names, "hash": s.hash, "structure": s.structure,
+                 "knobs": {k: {"default": d, "domain": list(dom)} for k, (d, dom) in s.knob_domains.items()},
+                 "description": s.describe()}
+                for i, s in enumerate(self.schedules)
+            ],
+        }
+
 
 def generate(program, depth: int = DEFAULT_DEPTH, limit: int = MAX_SCHEDULES) -> Space:
     prog = as_ir(program)
@@ -62,16 +90,14 @@ def generate(program, depth: int = DEFAULT_DEPTH, limit: int = MAX_SCHEDULES) ->
             for cls in TRANSFORMS:
                 for step in _steps(cls, scheduled):
                     try:
-                        result = scheduled
-                        for t in step:
-                            result = t.apply(result)
+                        result, applied = _apply_step(scheduled, step)
                     except IllegalTransform as e:
-                        refused.append((f"{sched.text}; {'; '.join(t.text() for t in step)}", str(e)))
+                        refused.append((f"{sched.text}; {step[0].text()}", str(e)))
                         continue
                     if result.hash in seen:
                         continue
                     seen.add(result.hash)
-                    child = Schedule(prog, sched.transforms + step)
+                    child = Schedule(prog, sched.transforms + applied)
                     child.__dict__["scheduled"] = result  # already computed; cached_property slot
                     if len(out) >= limit:
                         truncated = True
@@ -82,6 +108,23 @@ def generate(program, depth: int = DEFAULT_DEPTH, limit: int = MAX_SCHEDULES) ->
         if not level or truncated:
             break
     return Space(tuple(out), depth, truncated, tuple(refused))
+
+
+def _apply_step(program, step: tuple):
+    """Apply a step's transforms in order. Instances of a batch were found on the
+    program before the step, so an earlier one may take what a later one
+    needed (two fused collectives sharing work): the later one is then left
+    out of the step, not an error. The first must apply."""
+    applied = []
+    for i, t in enumerate(step):
+        try:
+            program = t.apply(program)
+        except IllegalTransform:
+            if i == 0:
+                raise
+            continue
+        applied.append(t)
+    return program, tuple(applied)
 
 
 def _steps(cls, program) -> list[tuple]:

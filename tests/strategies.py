@@ -81,3 +81,50 @@ def programs(draw, max_ops: int = 12, collectives: bool = True, dtypes: bool = T
     if not effects:
         p.output("o", pool[0] * 2.0)
     return p
+
+
+POINTWISE_BINARY = BINARY + [lambda a, b: cc.where(a > b, a, b)]
+
+
+@st.composite
+def collective_programs(draw):
+    """A random pointwise DAG around one or more allreduces, with updates of
+    replicated state — the shape of an optimizer step or a layer epilogue."""
+    two_d = draw(st.booleans())
+    shape = ("N", "M") if two_d else ("N",)
+    p = cc.Program("randc", dims=("N", "M"))
+    pool, state = [], []
+    if draw(st.booleans()) and two_d:
+        x = p.tensor("x", ("N", "M"), layout=cc.Sliced(1))
+        w = p.tensor("wt", ("M", "M"), layout=cc.Sliced(0))
+        pool.append(cc.allreduce(cc.matmul(x, w)))
+    for i in range(draw(st.integers(1, 2))):
+        g = p.tensor(f"g{i}", shape, layout=cc.Local)
+        pool.append(cc.allreduce(g))
+    for i in range(draw(st.integers(1, 3))):
+        s = p.tensor(f"s{i}", shape, layout=cc.Replicated)
+        pool.append(s)
+        state.append(s)
+    scalars = list(p.scalars("a b"))
+    for _ in range(draw(st.integers(1, 10))):
+        kind = draw(st.sampled_from(["bin", "bin", "scal", "unary", "norm", "drop"]))
+        x = draw(st.sampled_from(pool))
+        y = draw(st.sampled_from(pool))
+        if kind == "bin":
+            e = draw(st.sampled_from(POINTWISE_BINARY))(x, y)
+        elif kind == "scal":
+            e = draw(st.sampled_from(scalars)) * x + draw(st.sampled_from([0.5, 1.0, 2.0]))
+        elif kind == "unary":
+            e = draw(st.sampled_from([cc.sqrt, cc.exp, cc.abs, lambda v: -v]))(x)
+        elif kind == "norm":
+            e = x / (draw(st.sampled_from([cc.norm, cc.sum]))(y) + 1.0)
+        else:
+            e = cc.dropout(x, 0.3, draw(st.integers(0, 2**31)))
+        pool.append(e)
+    state_ids = {id(s) for s in state}
+    derived = [e for e in pool if id(e) not in state_ids]
+    for s in draw(st.lists(st.sampled_from(state), unique_by=id, min_size=1, max_size=len(state))):
+        p.update(s, draw(st.sampled_from(derived)))
+    if draw(st.booleans()):
+        p.output("out", draw(st.sampled_from(derived)))
+    return p

@@ -87,5 +87,9 @@ class AsSlice(Transform):
                 rw.copy(s)
         return rw.finish()
 
+    @classmethod
+    def describe_many(cls, transforms, program) -> str:
+        return f"{', '.join(t.tensor for t in transforms)} kept sliced (sharded state)"
+
     def describe(self, program: Program) -> str:
         return f"{self.tensor} kept sliced"

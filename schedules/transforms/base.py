@@ -36,6 +36,15 @@ class Transform:
     def describe(self, program: Program) -> str:
         return self.text()
 
+    @classmethod
+    def describe_many(cls, transforms: list["Transform"], program: Program) -> str:
+        """One phrase for consecutive transforms of this class (``program`` is before the first)."""
+        parts = []
+        for t in transforms:
+            parts.append(t.describe(program))
+            program = t.apply(program)
+        return "; ".join(parts)
+
     # --- canonical text: name(a, b, key=value) ---
 
     def text(self) -> str:

@@ -88,5 +88,11 @@ class Fuse(Transform):
             raise self.refuse(f"fusing would create a cycle: a path leaves the group and comes back into {witness}")
         return with_group(program, Group("fuse", ordered(program, self.members)))
 
+    @classmethod
+    def describe_many(cls, transforms, program) -> str:
+        if len(transforms) == 1:
+            return transforms[0].describe(program)
+        return f"{len(transforms)} fused pointwise kernels"
+
     def describe(self, program: Program) -> str:
         return f"{len(self.members)} pointwise statements fused into one kernel"

@@ -53,8 +53,14 @@ class FuseCollective(Transform):
             raise self.refuse(f"no pointwise work runs on the slices of {rs.name}: reorder first")
         return with_group(program, Group("fused_collective", members))
 
+    @classmethod
+    def describe_many(cls, transforms, program) -> str:
+        if len(transforms) == 1:
+            return transforms[0].describe(program)
+        return f"{', '.join(t.reduce_scatter for t in transforms)} fused with the work on their slices"
+
     def describe(self, program: Program) -> str:
         members = region(program, self.reduce_scatter)
         work = sum(1 for m in members if program[m].op not in ("reduce_scatter", "all_gather"))
         gathers = sum(1 for m in members if program[m].op == "all_gather")
-        return f"{self.reduce_scatter} fused with {work} statements and {gathers} all_gathers"
+        return f"{self.reduce_scatter} fused with {work} statement{'s' * (work != 1)} and {gathers} all_gather{'s' * (gathers != 1)}"

@@ -72,11 +72,19 @@ class Reorder(Transform):
         for s in program.stmts:
             if s.name in members:
                 rw.copy(s, [rw[source] if a == ag.name else rw[a] for a in s.args])
+            elif s.op in ("all_gather", "partial_sum", "update"):
+                rw.copy(s)  # these take slices; an update gathers only into Replicated state
             elif any(a in members for a in s.args):
                 rw.copy(s, [replicated(a) if a in members else rw[a] for a in s.args])
             else:
                 rw.copy(s)
         return rw.finish()
+
+    @classmethod
+    def describe_many(cls, transforms, program) -> str:
+        if len(transforms) == 1:
+            return transforms[0].describe(program)
+        return f"work after {', '.join(t.all_gather for t in transforms)} runs on slices"
 
     def describe(self, program: Program) -> str:
         n = len(self.members) if self.members else len(region(program, self.all_gather))

@@ -38,5 +38,10 @@ class Split(Transform):
             rw.new[s.name] = rw.add("all_gather", [rs])
         return rw.finish()
 
+    @classmethod
+    def describe_many(cls, transforms, program) -> str:
+        names = ", ".join(t.allreduce for t in transforms)
+        return f"{names} split into reduce_scatter + all_gather"
+
     def describe(self, program: Program) -> str:
         return f"{self.allreduce} split into reduce_scatter + all_gather"

@@ -99,7 +99,6 @@ def test_json_with_unknown_op(tmp_path):
     (["check", "nowhere.py"], "no such file"),
     (["check", "README.md"], ".py"),
     (["tune", "examples/adam.py", "--size", "N=2^10"], "not available"),
-    (["schedules", "examples/adam.py"], "not available"),
     (["run", "examples/adam.py"], "not available"),
 ])
 def test_other_errors(args, fragment):
@@ -112,3 +111,17 @@ def test_help_lists_every_command_and_says_what_is_missing():
     for cmd in ("check", "export", "schedules", "run", "tune", "sweep", "calibrate", "bench", "serve", "submit"):
         assert cmd in proc.stdout
     assert "Not available yet" in coconet("tune", "--help").stdout
+
+
+def test_schedules_listing_and_json():
+    proc = coconet("schedules", "examples/megatron_mlp.py")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == (ROOT / "tests/schedules/golden/megatron_mlp.txt").read_text()
+    out = json.loads(coconet("schedules", "examples/adam.py", "--json").stdout)
+    assert out["program"] == "adam" and out["count"] == len(out["schedules"]) > 10
+    first = out["schedules"][0]
+    assert first["id"] == 0 and first["text"] == "baseline" and first["transforms"] == [] and len(first["hash"]) == 16
+    assert any(s["transforms"] == ["split", "reorder", "fuse_collective"] for s in out["schedules"])
+    shallow = json.loads(coconet("schedules", "examples/adam.py", "--json", "--depth", "1").stdout)
+    assert [s["text"] for s in shallow["schedules"]] == [s["text"] for s in out["schedules"][:shallow["count"]]]
+    assert_one_error(coconet("schedules", "examples/adam.py", "--depth", "99"), "--depth")

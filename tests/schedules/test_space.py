@@ -1,0 +1,157 @@
+"""Every schedule the generator yields computes what its program computes."""
+
+import os
+import runpy
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from coconet.schedules import interp
+from coconet.schedules.schedule import Schedule
+from coconet.schedules.space import generate
+from tests.strategies import collective_programs, programs
+
+ROOT = Path(__file__).parents[2]
+GOLDEN = Path(__file__).parent / "golden"
+SIZES = {
+    "adam": {"N": 7}, "sgd": {"N": 5}, "lamb": {"N": 9}, "adam_multi": {"H": 3},
+    "megatron_mlp": {"B": 2, "S": 3, "H": 5}, "gpt_pipeline": {"B": 2, "S": 1, "H": 3},
+}
+TOL = {"float64": 1e-9, "float32": 1e-9, "float16": 1e-9, "bfloat16": 1e-9}  # the oracle computes in float64
+
+
+def example(name):
+    return runpy.run_path(str(ROOT / "examples" / f"{name}.py"))["program"].ir
+
+
+def assert_equivalent(base, sched, world, sizes, stages=1, seed=1):
+    ref = interp.run(base, world, sizes, seed=seed, stages=stages).observable()
+    got = interp.run(sched.scheduled, world, sizes, seed=seed, stages=stages).observable()
+    assert set(got) == set(ref), sched.text
+    for k in ref:
+        np.testing.assert_allclose(got[k], ref[k], rtol=1e-9, atol=1e-12, err_msg=f"{sched.text}: {k} (R={world})")
+
+
+@pytest.mark.parametrize("name", sorted(SIZES))
+def test_every_example_schedule_is_equivalent(name):
+    prog = example(name)
+    space = generate(prog)
+    assert not space.refused and not space.truncated
+    stages = 2 if prog.is_pipeline else 1
+    for world in (1, 2, 3, 4):
+        for sched in space:
+            assert_equivalent(prog, sched, world, SIZES[name], stages)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(collective_programs())
+def test_random_collective_programs(p):
+    prog = p.ir
+    space = generate(prog, depth=4)
+    assert not space.refused
+    assert len({s.structure for s in space}) == len(space)
+    for world in (1, 2, 3, 4):
+        for sched in space:
+            assert_equivalent(prog, sched, world, {"N": 5, "M": 3})
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(programs(max_ops=8))
+def test_random_programs(p):
+    prog = p.ir
+    space = generate(prog, depth=3)
+    assert not space.refused
+    for world in (2, 3):
+        for sched in space:
+            assert_equivalent(prog, sched, world, {"N": 4, "M": 3})
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(collective_programs())
+def test_text_round_trip_random(p):
+    prog = p.ir
+    for sched in generate(prog, depth=4):
+        again = Schedule.parse(sched.text, prog)
+        assert again.text == sched.text and again.structure == sched.structure and again.hash == sched.hash
+
+
+@pytest.mark.parametrize("name", sorted(SIZES))
+def test_text_and_json_round_trip(name):
+    prog = example(name)
+    for sched in generate(prog):
+        again = Schedule.parse(sched.text, prog)
+        assert again.text == sched.text and again.structure == sched.structure
+        assert Schedule.from_json(sched.to_json(), prog).hash == sched.hash
+        tuned = sched.with_knobs(**{k: dom[-1] for k, (_, dom) in sched.knob_domains.items()})
+        if sched.knob_domains:
+            assert tuned.hash != sched.hash and tuned.structure == sched.structure
+            assert Schedule.parse(tuned.text, prog).knob_values == tuned.knob_values
+
+
+def texts(name):
+    """Schedule texts without their knob values."""
+    return ["; ".join(x for x in s.text.split("; ") if "(" in x or "=" not in x) for s in generate(example(name))]
+
+
+def test_the_space_contains_the_papers_schedules():
+    adam = texts("adam")
+    assert adam[0] == "baseline"
+    assert "split(ar0); reorder(ag0)" in adam
+    assert "split(ar0); reorder(ag0); as_slice(m); as_slice(v)" in adam
+    assert "split(ar0); reorder(ag0); fuse_collective(rs0)" in adam
+    assert "split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse_collective(rs0)" in adam
+    assert any(t.startswith("fuse(") for t in adam)
+    for opt in ("sgd", "lamb"):
+        t = texts(opt)
+        assert "split(ar0); reorder(ag0)" in t and "split(ar0); reorder(ag0); fuse_collective(rs0)" in t
+        assert any("as_slice" in x for x in t) and any(x.startswith("fuse(") for x in t)
+    multi = texts("adam_multi")
+    assert "bucket(ar0, ar1, ar2, ar3)" in multi
+    assert any("bucket(rs0, rs1, rs2, rs3)" in t for t in multi)
+    mega = texts("megatron_mlp")
+    assert {"overlap(mm0, ar0)", "split(ar0); reorder(ag0)", "fuse(add0, drop0, add1)",
+            "split(ar0); reorder(ag0); fuse_collective(rs0)", "split(ar0); reorder(ag0); overlap(mm0, rs0)",
+            "fuse(add0, drop0, add1); overlap(mm0, ar0)"} <= set(mega)
+    pipe = texts("gpt_pipeline")
+    assert {"split(ar0); reorder(ag0); slice_send(send0)",
+            "split(ar0); reorder(ag0); slice_send(send0); overlap(mm0, rs0)"} <= set(pipe)
+
+
+def test_lamb_on_slices_computes_partial_norms():
+    prog = example("lamb")
+    sched = Schedule.parse("split(ar0); reorder(ag0); as_slice(w); as_slice(m); as_slice(v)", prog)
+    ops = [s.op for s in sched.scheduled.stmts]
+    assert ops.count("partial_sum") == 2  # norm(w) and norm(u), both over slices now
+    assert ops.count("allreduce") == 2
+    for world in (2, 3, 4):
+        assert_equivalent(prog, sched, world, {"N": 10})
+
+
+def test_slice_send_gathers_only_where_needed():
+    prog = example("gpt_pipeline")
+    sched = Schedule.parse("split(ar0); reorder(ag0); slice_send(send0)", prog)
+    s = sched.scheduled
+    assert str(s["x"].type.layout) == "Sliced(0)"
+    send = next(x for x in s.stmts if x.op == "send")
+    assert str(s[send.args[0]].type.layout) == "Sliced(0)"
+    assert not any(x.op == "all_gather" for x in s.stmts)  # the residual is only used on slices
+    for world in (1, 3):
+        assert_equivalent(prog, sched, world, {"B": 3, "S": 2, "H": 2}, stages=3)
+
+
+def test_generation_is_deterministic_and_deduplicated():
+    a, b = generate(example("adam")), generate(example("adam"))
+    assert [s.text for s in a] == [s.text for s in b]
+    assert len({s.structure for s in a}) == len(a)
+    assert generate(example("adam"), depth=0).schedules[0].text == "baseline" and len(generate(example("adam"), depth=0)) == 1
+
+
+@pytest.mark.parametrize("name", ["adam", "megatron_mlp"])
+def test_golden_listing(name):
+    listing = generate(example(name)).listing()
+    path = GOLDEN / f"{name}.txt"
+    if os.environ.get("COCONET_UPDATE_GOLDEN"):
+        path.write_text(listing)
+    assert listing == path.read_text(), f"the {name} space changed; review and regenerate with COCONET_UPDATE_GOLDEN=1"

@@ -1,0 +1,215 @@
+"""Each transform's documented refusals, and the rewrites' exact effect."""
+
+import runpy
+from pathlib import Path
+
+import pytest
+
+import coconet as cc
+from coconet.errors import IllegalTransform, ScheduleError
+from coconet.schedules.schedule import Schedule
+from coconet.schedules.transforms import (
+    AsSlice, Bucket, Fuse, FuseCollective, Overlap, Reorder, SliceSend, Split, TRANSFORMS,
+)
+
+ROOT = Path(__file__).parents[2]
+
+
+def example(name):
+    return runpy.run_path(str(ROOT / "examples" / f"{name}.py"))["program"].ir
+
+
+def sched(name, text):
+    return Schedule.parse(text, example(name)).scheduled
+
+
+def refuses(transform, program, fragment):
+    with pytest.raises(IllegalTransform) as info:
+        transform.apply(program)
+    assert fragment in str(info.value), str(info.value)
+    assert str(info.value).startswith(transform.text())
+
+
+def test_split_rewrites_the_allreduce():
+    p = sched("adam", "split(ar0)")
+    ops = [s.op for s in p.stmts]
+    assert "allreduce" not in ops and ops.count("reduce_scatter") == 1 and ops.count("all_gather") == 1
+    assert str(p["rs0"].type.layout) == "Sliced(0)" and str(p["ag0"].type.layout) == "Replicated"
+
+
+def test_split_refusals():
+    adam = example("adam")
+    refuses(Split("mul0"), adam, "mul0 is a mul, not an allreduce")
+    refuses(Split("nothing"), adam, "no statement 'nothing'")
+    refuses(Split("ar0", dim=1), adam, "out of range")
+    p = cc.Program("s", dims=("N",))
+    g = p.tensor("g", ("N",), layout=cc.Local)
+    p.output("n", cc.allreduce(cc.sum(g)))
+    refuses(Split("ar0"), p.ir, "reduces a scalar")
+    assert Split.instances(p.ir) == []
+
+
+def test_reorder_moves_work_onto_slices():
+    p = sched("adam", "split(ar0); reorder(ag0)")
+    for name in ("add0", "add1", "sub4"):
+        assert str(p[name].type.layout) == "Sliced(0)"
+    # the Replicated state is read as slices, and the updates gather
+    ups = p.updates
+    assert all(p[v].op == "all_gather" for v in ups.values())
+
+
+def test_reorder_refuses_local_inputs():
+    p = cc.Program("r", dims=("N",))
+    g = p.tensor("g", ("N",), layout=cc.Local)
+    h = p.tensor("h", ("N",), layout=cc.Local)
+    w = p.tensor("w", ("N",), layout=cc.Replicated)
+    a = cc.allreduce(g)
+    p.output("y", a * w)
+    p.output("z", a + h)  # a Local operand: the sum cannot run on slices
+    prog = Schedule.parse("split(ar0)", p.ir).scheduled
+    assert [m for m in Reorder.instances(prog)] == [Reorder("ag0")]
+    add = next(s.name for s in prog.stmts if s.op == "add")
+    refuses(Reorder("ag0", (add,)), prog, f"{add} reads Local h")
+    refuses(Reorder("ag0", ("g",)), prog, "g is a input; only pointwise work")
+    refuses(Reorder("ag1"), prog, "no statement 'ag1'")
+
+
+def test_reorder_inserts_partial_norms_for_lamb():
+    p = sched("lamb", "split(ar0); reorder(ag0)")
+    ops = [s.op for s in p.stmts]
+    assert ops.count("partial_sum") == 1  # norm(u) is over slices; norm(w) still over the whole w
+    p = sched("lamb", "split(ar0); reorder(ag0); as_slice(w)")
+    assert [s.op for s in p.stmts].count("partial_sum") == 2
+
+
+def test_as_slice_shards_state():
+    p = sched("adam", "split(ar0); reorder(ag0); as_slice(m); as_slice(v)")
+    assert str(p["m"].type.layout) == "Sliced(0)" and str(p["v"].type.layout) == "Sliced(0)"
+    assert str(p["w"].type.layout) == "Replicated"
+    assert p[p.updates["m"]].op != "all_gather" and p[p.updates["w"]].op == "all_gather"
+
+
+def test_as_slice_refusals():
+    adam = example("adam")
+    refuses(AsSlice("m"), adam, "reorder the update onto slices first")
+    refuses(AsSlice("g"), adam, "is Local")
+    refuses(AsSlice("lr"), adam, "lr is a scalar, not a tensor input")
+    p = cc.Program("a", dims=("N",))
+    x = p.tensor("x", ("N",), layout=cc.Replicated)
+    p.output("y", x * 2.0)
+    refuses(AsSlice("x"), p.ir, "not updated")
+
+
+def test_as_slice_gathers_for_readers_that_need_the_whole_state():
+    p = cc.Program("a", dims=("N",))
+    g = p.tensor("g", ("N",), layout=cc.Local)
+    m = p.tensor("m", ("N",), layout=cc.Replicated)
+    wt = p.tensor("wt", ("N", "N"), layout=cc.Replicated)
+    p.update(m, m + cc.allreduce(g))
+    p.output("y", cc.matmul(m, wt))
+    prog = Schedule.parse("split(ar0); reorder(ag0); as_slice(m)", p.ir).scheduled
+    mm = next(s for s in prog.stmts if s.op == "matmul")
+    assert prog[mm.args[0]].op == "all_gather" and prog[prog[mm.args[0]].args[0]].name == "m"
+
+
+def test_fuse_refuses_a_cycle():
+    p = cc.Program("f", dims=("N",))
+    x = p.tensor("x", ("N",), layout=cc.Replicated)
+    a = (x * 2.0).named("a")
+    b = cc.norm(a)  # not pointwise: a -> norm -> c leaves and re-enters {a, c}
+    c = (a * b).named("c")
+    p.output("y", c)
+    refuses(Fuse(("a", "c")), p.ir, "cycle")
+    assert Fuse.instances(p.ir) == []
+
+
+def test_fuse_refusals():
+    adam = example("adam")
+    refuses(Fuse(("mul0",)), adam, "at least two")
+    refuses(Fuse(("ar0", "mul1")), adam, "ar0 is a allreduce")
+    refuses(Fuse(("sub0", "mul1")), adam, "computes a scalar")
+    meg = example("megatron_mlp")
+    refuses(Fuse(("mm0", "add0")), meg, "mm0 is a matmul")
+    fused = Fuse(("add0", "drop0", "add1")).apply(meg)
+    refuses(Fuse(("add0", "drop0")), fused, "already runs in fuse")
+
+
+def test_fuse_collective():
+    p = sched("adam", "split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse_collective(rs0)")
+    (group,) = p.groups
+    assert group.kind == "fused_collective" and group.members[0] == "rs0"
+    assert [p[m].op for m in group.members].count("all_gather") == 1  # only w is gathered
+    refuses(FuseCollective("rs0"), sched("adam", "split(ar0)"), "reorder first")
+    refuses(FuseCollective("ar0"), example("adam"), "not a reduce_scatter")
+
+
+def test_overlap_and_bucket():
+    meg = example("megatron_mlp")
+    p = Overlap("mm0", "ar0").apply(meg)
+    assert p.groups[0].knobs == ("chunks",)
+    refuses(Overlap("mm0", "add0"), meg, "not an allreduce or reduce_scatter")
+    refuses(Overlap("mm0", "ar0"), p, "already runs in overlap")
+    multi = example("adam_multi")
+    assert Bucket.instances(multi) == [Bucket(("ar0", "ar1", "ar2", "ar3"))]
+    refuses(Bucket(("ar0",)), multi, "at least two")
+    dep = cc.Program("d", dims=("N",))
+    g = dep.tensor("g", ("N",), layout=cc.Local)
+    h = dep.tensor("h", ("N",), layout=cc.Local)
+    a0 = cc.allreduce(g)
+    dep.output("y", cc.allreduce(h * a0))
+    refuses(Bucket(("ar0", "ar1")), dep.ir, "must be independent")
+
+
+def test_slice_send_refusals():
+    pipe = example("gpt_pipeline")
+    refuses(SliceSend("send0"), pipe, "split and reorder")
+    refuses(SliceSend("ar0"), pipe, "not a send")
+
+
+def test_rewrites_come_before_groupings():
+    fused = Fuse(("add0", "drop0", "add1")).apply(example("megatron_mlp"))
+    refuses(Split("ar0"), fused, "rewrites come before")
+    assert Split.instances(fused) == []
+
+
+@pytest.mark.parametrize("text,fragment", [
+    ("teleport(ar0)", "unknown transform 'teleport'"),
+    ("split(ar0); chunks=4", "not a knob of this schedule"),
+    ("overlap(mm0, ar0); chunks=0", "positive integer"),
+    ("split(", "neither a transform"),
+    ("chunks=4; overlap(mm0, ar0)", "knobs come after"),
+    ("split(ar0, ar1)", "unexpected arguments"),
+    ("split(ar0, dim=x)", "must be an integer"),
+    ("split(add0)", "illegal schedule: split(add0): add0 is a add"),
+    ("x" * 9000, "at most"),
+])
+def test_schedule_text_errors(text, fragment):
+    with pytest.raises(ScheduleError) as info:
+        Schedule.parse(text, example("megatron_mlp"))
+    assert fragment in str(info.value)
+
+
+def test_schedule_text_json_and_hash():
+    prog = example("megatron_mlp")
+    s = Schedule.parse("split(ar0);reorder(ag0) ;  overlap(mm0, rs0); chunks=8", prog)
+    assert s.text == "split(ar0); reorder(ag0); overlap(mm0, rs0); chunks=8"
+    assert s.knob_values == {"chunks": 8}
+    assert s.hash != s.with_knobs(chunks=4).hash and s.structure == s.with_knobs(chunks=4).structure
+    assert Schedule.from_json(s.to_json(), prog).text == s.text
+    with pytest.raises(ScheduleError, match="for program"):
+        Schedule.from_json({**s.to_json(), "program": "0" * 16}, prog)
+    assert Schedule(prog).text == "baseline" and Schedule.parse("baseline", prog).hash == Schedule(prog).hash
+
+
+def test_pretty_shows_layouts_and_units():
+    text = Schedule.parse("split(ar0); reorder(ag0); fuse_collective(rs0)", example("megatron_mlp")).pretty()
+    assert "Sliced(0)" in text and "[fused_collective rs0" in text
+    assert text.splitlines()[0].startswith("# megatron_mlp  schedule: split(ar0)")
+
+
+def test_every_transform_is_a_frozen_dataclass_with_a_unique_name():
+    import dataclasses
+
+    assert len({t.name for t in TRANSFORMS}) == len(TRANSFORMS)
+    for t in TRANSFORMS:
+        assert dataclasses.is_dataclass(t) and t.__dataclass_params__.frozen
