@@ -145,20 +145,51 @@ def _not_yet(command: str, arrives_with: str) -> None:
 def schedules(
     file: Path = typer.Argument(..., help="Program file: .py defining `program`, or .json."),
     depth: int = typer.Option(6, "--depth", min=0, max=12, help="Longest transform sequence to explore."),
+    show: Optional[str] = typer.Option(None, "--show", help="Print one schedule (its id or text) statement by statement."),
+    verify: bool = typer.Option(False, "--verify", help="Check every schedule against the reference interpreter "
+                                "on 1-4 simulated ranks."),
+    size: Optional[List[str]] = SIZE_OPT,
     as_json: bool = JSON_OPT,
 ) -> None:
     """List the legal schedules: canonical text and what each one does."""
     from coconet.loader import load_file
+    from coconet.schedules import equivalence
+    from coconet.schedules.dims import parse_sizes
+    from coconet.schedules.schedule import Schedule
     from coconet.schedules.space import generate
 
-    space = generate(load_file(file), depth=depth)
+    prog = load_file(file)
+    if show is not None:
+        space = generate(prog, depth=depth) if show.isdigit() else None
+        if space is not None and int(show) >= len(space):
+            raise CoconetError(f"there is no schedule {show}; the space has {len(space)} (0-{len(space) - 1})")
+        sched = space[int(show)] if space is not None else Schedule.parse(show, prog)
+        if as_json:
+            _echo_json({**sched.to_json(), "description": sched.describe(), "pretty": sched.pretty()})
+        else:
+            sys.stdout.write(sched.pretty() + "\n")
+        return
+    space = generate(prog, depth=depth)
     if space.refused:
         text, reason = space.refused[0]
         raise CoconetError(f"the space generator offered an illegal schedule {text!r}: {reason}")
+    if verify:
+        sizes = parse_sizes(size, prog.dims) if size else equivalence.small_sizes(prog)
+        for i, sched in enumerate(space):
+            for world in (1, 2, 3, 4):
+                bad = equivalence.check(sched, world, sizes)
+                if bad:
+                    raise CoconetError(f"schedule {i} ({sched.text}) is not equivalent at R={world}, "
+                                       f"sizes {sizes}: {bad[0]}")
     if as_json:
-        _echo_json(space.to_json())
+        out = space.to_json()
+        if verify:
+            out["verified"] = {"worlds": [1, 2, 3, 4], "sizes": sizes}
+        _echo_json(out)
     else:
         sys.stdout.write(space.listing())
+        if verify:
+            sys.stdout.write(f"all {len(space)} schedules equal the program on 1-4 ranks at {sizes}\n")
 
 
 @app.command()

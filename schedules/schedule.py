@@ -182,5 +182,6 @@ class Schedule:
             group = prog.group_of.get(s.name)
             where = f"  [{group.kind} {group.members[0]}…]" if group else ""
             typ = f"{s.type.shape_text()} {s.type.dtype or 'weak'} {s.type.layout}" if s.type else ""
-            lines.append(f"{s.name:<{width}} = {s.op}({', '.join(s.args)})  {typ}{where}".rstrip())
+            attrs = [f"{k}={v}" for k, v in s.attrs if k not in ("shape", "dtype", "layout")]
+            lines.append(f"{s.name:<{width}} = {s.op}({', '.join(list(s.args) + attrs)})  {typ}{where}".rstrip())
         return "\n".join(lines)

@@ -125,3 +125,14 @@ def test_schedules_listing_and_json():
     shallow = json.loads(coconet("schedules", "examples/adam.py", "--json", "--depth", "1").stdout)
     assert [s["text"] for s in shallow["schedules"]] == [s["text"] for s in out["schedules"][:shallow["count"]]]
     assert_one_error(coconet("schedules", "examples/adam.py", "--depth", "99"), "--depth")
+
+
+def test_schedules_show_and_verify():
+    proc = coconet("schedules", "examples/megatron_mlp.py", "--show", "split(ar0); reorder(ag0); fuse_collective(rs0)")
+    assert proc.returncode == 0, proc.stderr
+    assert "[fused_collective rs0" in proc.stdout and "dropout(add0, seed, p=0.1)" in proc.stdout
+    assert coconet("schedules", "examples/megatron_mlp.py", "--show", "9").stdout == proc.stdout
+    assert_one_error(coconet("schedules", "examples/megatron_mlp.py", "--show", "99"), "no schedule 99")
+    assert_one_error(coconet("schedules", "examples/megatron_mlp.py", "--show", "split(mm0)"), "mm0 is a matmul")
+    out = json.loads(coconet("schedules", "examples/sgd.py", "--verify", "--json").stdout)
+    assert out["verified"]["worlds"] == [1, 2, 3, 4]

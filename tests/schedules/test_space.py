@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from coconet.schedules import interp
+from coconet.schedules import equivalence
 from coconet.schedules.schedule import Schedule
 from coconet.schedules.space import generate
 from tests.strategies import collective_programs, programs
@@ -19,7 +19,6 @@ SIZES = {
     "adam": {"N": 7}, "sgd": {"N": 5}, "lamb": {"N": 9}, "adam_multi": {"H": 3},
     "megatron_mlp": {"B": 2, "S": 3, "H": 5}, "gpt_pipeline": {"B": 2, "S": 1, "H": 3},
 }
-TOL = {"float64": 1e-9, "float32": 1e-9, "float16": 1e-9, "bfloat16": 1e-9}  # the oracle computes in float64
 
 
 def example(name):
@@ -27,11 +26,20 @@ def example(name):
 
 
 def assert_equivalent(base, sched, world, sizes, stages=1, seed=1):
-    ref = interp.run(base, world, sizes, seed=seed, stages=stages).observable()
-    got = interp.run(sched.scheduled, world, sizes, seed=seed, stages=stages).observable()
-    assert set(got) == set(ref), sched.text
-    for k in ref:
-        np.testing.assert_allclose(got[k], ref[k], rtol=1e-9, atol=1e-12, err_msg=f"{sched.text}: {k} (R={world})")
+    assert sched.program is base
+    bad = equivalence.check(sched, world, sizes, stages=stages, seed=seed)
+    assert not bad, f"{sched.text} at R={world}: {bad[0]}"
+
+
+def test_the_check_finds_a_wrong_schedule():
+    prog = example("adam")
+    wrong = Schedule(prog)
+    wrong.__dict__["scheduled"] = example("sgd")  # a "transform" that changed the meaning
+    assert equivalence.check(wrong, 2, {"N": 5})
+    assert not equivalence.check(Schedule.parse("split(ar0)", prog), 3, {"N": 5})
+    assert equivalence.rel_err(np.array([1.0, 2.0]), np.array([1.0, 2.0 + 1e-6])) > equivalence.ORACLE_TOLERANCE
+    assert equivalence.rel_err(np.array([np.nan, np.inf]), np.array([np.nan, np.inf])) == 0.0
+    assert equivalence.rel_err(np.ones(2), np.ones(3)) == float("inf")
 
 
 @pytest.mark.parametrize("name", sorted(SIZES))
