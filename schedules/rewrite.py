@@ -14,6 +14,7 @@ from typing import Any, Iterable, Mapping
 from coconet.errors import IllegalTransform, ProgramError
 from coconet.schedules.builder import Builder
 from coconet.schedules.ir import Group, Program, Stmt
+from coconet.schedules.types import Sliced
 
 
 class Rewriter:
@@ -23,6 +24,7 @@ class Rewriter:
         self.b = Builder(program.name, program.dims, program.custom_ops)
         self.b.reserve(s.name for s in program.stmts)
         self.new: dict[str, int] = {}
+        self._whole: dict[str, int] = {}
 
     def __getitem__(self, old: str) -> int:
         return self.new[old]
@@ -41,6 +43,15 @@ class Rewriter:
             name=None if s.name in self.b.index else s.name, location=self.src.location(s.name)))
         self.new[s.name] = idx
         return idx
+
+    def whole(self, old: str) -> int:
+        """The rewritten value of ``old`` as a Replicated value: one all_gather, shared, if it is now Sliced."""
+        idx = self.new[old]
+        if not isinstance(self.type(idx).layout, Sliced):
+            return idx
+        if old not in self._whole:
+            self._whole[old] = self.add("all_gather", [idx])
+        return self._whole[old]
 
     def add(self, op: str, args: Iterable[int], attrs: Mapping[str, Any] | None = None) -> int:
         return self._guard(lambda: self.b.add(op, tuple(args), dict(attrs or {})))

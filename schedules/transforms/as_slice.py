@@ -73,16 +73,13 @@ class AsSlice(Transform):
             raise self.refuse(f"the new value of {t.name} is computed whole; reorder the update onto slices first")
         sliced = program[ag.args[0]].type.layout
         rw = Rewriter(program, self.text())
-        whole: list[int] = []
         for s in program.stmts:
             if s.name == t.name:
                 rw.copy(s, attrs={**dict(s.attrs), "layout": str(sliced)})
             elif s.name == upd.name:
                 rw.copy(s, [rw[t.name], rw[ag.args[0]]])
             elif t.name in s.args and not consumes_slices(program, s):
-                if not whole:
-                    whole.append(rw.add("all_gather", [rw[t.name]]))
-                rw.copy(s, [whole[0] if a == t.name else rw[a] for a in s.args])
+                rw.copy(s, [rw.whole(a) if a == t.name else rw[a] for a in s.args])
             else:
                 rw.copy(s)
         return rw.finish()

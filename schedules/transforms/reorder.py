@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from coconet.schedules.ir import Program
 from coconet.schedules.rewrite import Rewriter
 from coconet.schedules.transforms.base import Transform, consumes_slices, is_pointwise, ordered
-from coconet.schedules.types import Local, Sliced
+from coconet.schedules.types import Local
 
 
 def region(program: Program, ag: str) -> tuple[str, ...]:
@@ -59,23 +59,13 @@ class Reorder(Transform):
                 raise self.refuse(f"{m} does not consume {ag.name} or the work moved with it")
         source = ag.args[0]
         rw = Rewriter(program, self.text())
-        whole: dict[str, int] = {}
-
-        def replicated(name: str) -> int:
-            idx = rw[name]
-            if isinstance(rw.type(idx).layout, Sliced):
-                if name not in whole:
-                    whole[name] = rw.add("all_gather", [idx])
-                return whole[name]
-            return idx
-
         for s in program.stmts:
             if s.name in members:
                 rw.copy(s, [rw[source] if a == ag.name else rw[a] for a in s.args])
             elif s.op in ("all_gather", "partial_sum", "update"):
                 rw.copy(s)  # these take slices; an update gathers only into Replicated state
             elif any(a in members for a in s.args):
-                rw.copy(s, [replicated(a) if a in members else rw[a] for a in s.args])
+                rw.copy(s, [rw.whole(a) if a in members else rw[a] for a in s.args])
             else:
                 rw.copy(s)
         return rw.finish()

@@ -40,22 +40,14 @@ class SliceSend(Transform):
             if not isinstance(r.type.layout, Replicated):
                 raise self.refuse(f"{r.name} already receives {r.type.layout}")
         rw = Rewriter(program, self.text())
-        whole: dict[str, int] = {}
+        received = {r.name for r in recvs}
         for s in program.stmts:
             if s in recvs:
                 rw.copy(s, attrs={**dict(s.attrs), "layout": str(layout)})
             elif s.name == send.name:
                 rw.copy(s, [rw[ag.args[0]]])
-            elif any(r.name in s.args for r in recvs) and not consumes_slices(program, s):
-                args = []
-                for a in s.args:
-                    if any(r.name == a for r in recvs):
-                        if a not in whole:
-                            whole[a] = rw.add("all_gather", [rw[a]])
-                        args.append(whole[a])
-                    else:
-                        args.append(rw[a])
-                rw.copy(s, args)
+            elif received & set(s.args) and not consumes_slices(program, s):
+                rw.copy(s, [rw.whole(a) if a in received else rw[a] for a in s.args])
             else:
                 rw.copy(s)
         return rw.finish()
