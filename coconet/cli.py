@@ -16,6 +16,7 @@ from typing import Any, Callable, List, Optional
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from coconet.errors import CoconetError, NotAvailable
 
@@ -192,18 +193,125 @@ def schedules(
             sys.stdout.write(f"all {len(space)} schedules equal the program on 1-4 ranks at {sizes}\n")
 
 
+def _pick_schedules(prog: Any, picks: List[str], depth: int) -> list:
+    from coconet.schedules.schedule import Schedule
+    from coconet.schedules.space import generate
+
+    space = None
+    chosen: list = [Schedule(prog)]  # the baseline runs first: every speed-up is against it
+    for pick in picks:
+        pick = pick.strip()
+        if pick == "best":
+            raise NotAvailable("--schedule best reads the results store, which arrives with the tuner; "
+                               "pass a schedule's text, its id, `baseline` or `all`")
+        if pick == "all" or pick.isdigit():
+            space = space if space is not None else generate(prog, depth=depth)
+            if pick == "all":
+                chosen.extend(space)
+                continue
+            if int(pick) >= len(space):
+                raise CoconetError(f"there is no schedule {pick}; the space has {len(space)} (0-{len(space) - 1})")
+            chosen.append(space[int(pick)])
+            continue
+        chosen.append(Schedule.parse(pick, prog))
+    unique: dict[str, Any] = {}
+    for sched in chosen:
+        unique.setdefault(sched.hash, sched)
+    return list(unique.values())
+
+
+def _fmt_s(x: Optional[float]) -> str:
+    if x is None:
+        return ""
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if x >= scale:
+            return f"{x / scale:.3g} {unit}"
+    return f"{x * 1e9:.3g} ns"
+
+
 @app.command()
 @_guard
 def run(
-    file: Path = typer.Argument(...),
-    world: int = typer.Option(2, "--world"),
+    file: Path = typer.Argument(..., help="Program file: .py defining `program`, or .json."),
+    world: int = typer.Option(2, "--world", min=1, max=64, help="Ranks per pipeline stage."),
     size: Optional[List[str]] = SIZE_OPT,
-    schedule: str = typer.Option("baseline", "--schedule"),
-    backend: str = typer.Option("gloo", "--backend"),
+    schedule: List[str] = typer.Option(["baseline"], "--schedule", help="A schedule's text, its id in "
+                                       "`coconet schedules`, `baseline` or `all` (repeatable). The baseline "
+                                       "always runs too."),
+    backend: str = typer.Option("gloo", "--backend", help="gloo (CPU tensors) or nccl (CUDA tensors)."),
+    stages: Optional[int] = typer.Option(None, "--stages", min=1, max=16,
+                                         help="Pipeline stages for programs that send/recv (default 2)."),
+    repeats: int = typer.Option(20, "--repeats", min=1, help="Timed steps per schedule."),
+    warmup: int = typer.Option(3, "--warmup", min=0, help="Untimed steps first."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the inputs and of dropout."),
+    timeout: float = typer.Option(120.0, "--timeout", min=1.0, help="Seconds a schedule may take before "
+                                  "its ranks are stopped and reported."),
+    no_check: bool = typer.Option(False, "--no-check", help="Skip the check against the reference interpreter."),
+    depth: int = typer.Option(6, "--depth", min=0, max=12, help="Depth of the space for `all` and ids."),
+    emit: Optional[Path] = typer.Option(None, "--emit", help="Also write each schedule's generated module here."),
     as_json: bool = JSON_OPT,
 ) -> None:
-    """Execute schedules on R ranks, check, time. Not available yet: arrives with code generation."""
-    _not_yet("run", "code generation and the torch.distributed backend")
+    """Run schedules on R ranks of this machine: check every output against the reference interpreter and
+    time the step (median and 95% CI of the slowest rank per step)."""
+    from coconet.codegen.launch import Options, run_schedules
+    from coconet.codegen.lower import BACKENDS, lower
+    from coconet.loader import load_file
+    from coconet.schedules.dims import parse_sizes
+
+    if backend == "shm":
+        raise NotAvailable("the shm backend arrives with the performance work; use gloo or nccl")
+    if backend not in BACKENDS:
+        raise CoconetError(f"unknown backend {backend!r} (use {' or '.join(BACKENDS)})")
+    prog = load_file(file)
+    if not size:
+        raise CoconetError(f"--size is required: bind {', '.join(prog.dims)} (e.g. --size {prog.dims[0]}=2^20)"
+                           if prog.dims else "--size is required")
+    sizes = parse_sizes(size, prog.dims)
+    picked = _pick_schedules(prog, schedule, depth)
+    if emit is not None:
+        emit.mkdir(parents=True, exist_ok=True)
+        for sched in picked:
+            gen = lower(sched, backend)
+            (emit / f"{prog.name}_{sched.hash}_{backend}.py").write_text(gen.source)
+    opts = Options(world=world, sizes=sizes, backend=backend, stages=stages or 2, seed=seed, warmup=warmup,
+                   repeats=repeats, check=not no_check, timeout_s=timeout)
+    results = run_schedules(picked, opts, program_file=str(file) if str(file).endswith(".py") else None)
+    base = results[0].median_s
+    rows = []
+    for i, r in enumerate(results):
+        row = r.to_json()
+        row["speedup"] = base / r.median_s if base and r.median_s else None
+        rows.append(row)
+    failed = [r for r in results if r.status != "ok"]
+    if as_json:
+        _echo_json({"program": prog.name, "program_hash": prog.hash, "world": world, "backend": backend,
+                    "stages": opts.stages if prog.is_pipeline else 1, "sizes": sizes, "results": rows})
+    else:
+        _print_run_table(prog, world, backend, sizes, rows)
+    if failed:
+        raise typer.Exit(1)
+
+
+def _print_run_table(prog: Any, world: int, backend: str, sizes: dict, rows: list) -> None:
+    console = Console(highlight=False)
+    sizes_text = ",".join(f"{k}={v}" for k, v in sizes.items())
+    table = Table(title=f"{prog.name}  world={world}  backend={backend}  {sizes_text}", title_justify="left")
+    for col in ("status", "max rel err", "median", "95% CI", "vs baseline"):
+        table.add_column(col, no_wrap=True, justify="left" if col == "status" else "right")
+    table.add_column("schedule", ratio=1, overflow="fold")
+    for row in rows:
+        ci = row["ci95_s"]
+        err = row["max_rel_err"]
+        table.add_row(
+            row["status"] if row["status"] == "ok" else f"[red]{row['status']}[/red]",
+            "" if err is None else f"{err:.1e}", _fmt_s(row["median_s"]),
+            f"{_fmt_s(ci[0])}-{_fmt_s(ci[1])}" if ci else "",
+            f"{row['speedup']:.2f}x" if row["speedup"] else "", Text(row["schedule"]))
+    console.print(table)
+    for row in rows:
+        if row["error"]:
+            Console(stderr=True, highlight=False, soft_wrap=True).print(
+                f"{row['schedule']}: {row['status']}: {row['error']}", markup=False)
 
 
 @app.command()

@@ -12,31 +12,35 @@ from typing import Any
 
 import numpy as np
 
-from coconet.schedules.rng import M0, M1, ROUNDS, W0, W1, check_seed, global_index, threshold
+from coconet.schedules.rng import check_seed, global_index, threshold
 
-_LO = 0xFFFFFFFF
+def philox_words(seed: int, index):
+    """Philox4x32-10 word (int64 in [0, 2^32)) of each global flat index (int64 tensor) under a
+    64-bit ``seed``. Self-contained (torch only) so generated code can carry a copy of it."""
+    import torch
+
+    mask = 0xFFFFFFFF
+    block, lane = index >> 2, index & 3
+    c0, c1 = block & mask, (block >> 32) & mask
+    c2 = torch.zeros_like(block)
+    c3 = torch.zeros_like(block)
+    k0, k1 = seed & mask, seed >> 32
+    for r in range(10):
+        if r:
+            k0, k1 = (k0 + 0x9E3779B9) & mask, (k1 + 0xBB67AE85) & mask
+        p0, p1 = c0 * 0xD2511F53, c2 * 0xCD9E8D57
+        hi0, lo0 = (p0 >> 32) & mask, p0 & mask
+        hi1, lo1 = (p1 >> 32) & mask, p1 & mask
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+    words = torch.stack([c0, c1, c2, c3], dim=-1)
+    return torch.gather(words, -1, lane.unsqueeze(-1)).squeeze(-1)
 
 
 def random_bits(seed: int, index: Any):
     """The 32-bit word (as int64 in [0, 2^32)) of each global flat index; works on any device."""
     import torch
 
-    seed = check_seed(seed)
-    g = torch.as_tensor(index, dtype=torch.int64)
-    block, lane = g >> 2, g & 3
-    c0, c1 = block & _LO, (block >> 32) & _LO
-    c2 = torch.zeros_like(block)
-    c3 = torch.zeros_like(block)
-    k0, k1 = seed & _LO, seed >> 32
-    for r in range(ROUNDS):
-        if r:
-            k0, k1 = (k0 + W0) & _LO, (k1 + W1) & _LO
-        p0, p1 = c0 * M0, c2 * M1
-        hi0, lo0 = (p0 >> 32) & _LO, p0 & _LO
-        hi1, lo1 = (p1 >> 32) & _LO, p1 & _LO
-        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
-    words = torch.stack([c0, c1, c2, c3], dim=-1)
-    return torch.gather(words, -1, lane.unsqueeze(-1)).squeeze(-1)
+    return philox_words(check_seed(seed), torch.as_tensor(index, dtype=torch.int64))
 
 
 def keep_mask(seed: int, p: float, index: Any):

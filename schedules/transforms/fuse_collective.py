@@ -1,7 +1,9 @@
 """fuse_collective(rs): reduce_scatter + the computation on its slices + the
 all_gathers of the results → one fused collective (FusedAllReduce, CoCoNet §4.3):
 each rank reduces its slice, computes on it while it is in registers or
-cache, and the gathers send the results.
+cache, and the gathers send the results. ``fc_chunks`` pipelines it: the slice
+is cut in that many chunks, and chunk k+1 is reduced while chunk k computes
+and chunk k-1 is gathered.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class FuseCollective(Transform):
 
     name = "fuse_collective"
     kind = "group"
+    knobs = {"fc_chunks": (4, (1, 2, 4, 8))}
 
     @classmethod
     def instances(cls, program: Program) -> list[Transform]:
@@ -51,7 +54,7 @@ class FuseCollective(Transform):
         members = region(program, rs.name)
         if not any(program[m].op not in ("reduce_scatter", "all_gather") for m in members):
             raise self.refuse(f"no pointwise work runs on the slices of {rs.name}: reorder first")
-        return with_group(program, Group("fused_collective", members))
+        return with_group(program, Group("fused_collective", members, ("fc_chunks",)))
 
     @classmethod
     def describe_many(cls, transforms, program) -> str:

@@ -28,7 +28,8 @@ class Overlap(Transform):
         for s in program.stmts:
             if s.op in COLLECTIVES and s.name not in program.group_of:
                 src = program[s.args[0]]
-                if src.op == "matmul" and src.name not in program.group_of and src.type.ndim >= 2:
+                if (src.op == "matmul" and src.name not in program.group_of and src.type.ndim >= 2
+                        and program.users[src.name] == (s.name,)):
                     out.append(cls(src.name, s.name))
         return out
 
@@ -37,6 +38,8 @@ class Overlap(Transform):
         coll = self.need(program, self.collective, COLLECTIVES, "an allreduce or reduce_scatter")
         if coll.args[0] != mm.name:
             raise self.refuse(f"{coll.name} does not consume {mm.name}")
+        if program.users[mm.name] != (coll.name,):
+            raise self.refuse(f"{mm.name} is also read elsewhere: its chunks are reduced in place")
         for n in (mm.name, coll.name):
             if n in program.group_of:
                 raise self.refuse(f"{n} already runs in {program.group_of[n]}")

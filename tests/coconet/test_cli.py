@@ -99,7 +99,14 @@ def test_json_with_unknown_op(tmp_path):
     (["check", "nowhere.py"], "no such file"),
     (["check", "README.md"], ".py"),
     (["tune", "examples/adam.py", "--size", "N=2^10"], "not available"),
-    (["run", "examples/adam.py"], "not available"),
+    (["run", "examples/adam.py"], "--size is required"),
+    (["run", "examples/adam.py", "--size", "N=0"], "N"),
+    (["run", "examples/adam.py", "--size", "M=4"], "does not have"),
+    (["run", "examples/adam.py", "--size", "N=8", "--schedule", "best"], "tuner"),
+    (["run", "examples/adam.py", "--size", "N=8", "--schedule", "999"], "there is no schedule 999"),
+    (["run", "examples/adam.py", "--size", "N=8", "--schedule", "split(nope)"], "nope"),
+    (["run", "examples/adam.py", "--size", "N=8", "--backend", "mpi"], "unknown backend 'mpi'"),
+    (["run", "examples/adam.py", "--size", "N=8", "--backend", "shm"], "shm"),
 ])
 def test_other_errors(args, fragment):
     assert_one_error(coconet(*args), fragment)
@@ -136,3 +143,35 @@ def test_schedules_show_and_verify():
     assert_one_error(coconet("schedules", "examples/megatron_mlp.py", "--show", "split(mm0)"), "mm0 is a matmul")
     out = json.loads(coconet("schedules", "examples/sgd.py", "--verify", "--json").stdout)
     assert out["verified"]["worlds"] == [1, 2, 3, 4]
+
+
+def test_run_json_answers_as_documented(tmp_path):
+    proc = coconet("run", "examples/sgd.py", "--world", "3", "--size", "N=100", "--schedule", "all",
+                   "--repeats", "2", "--warmup", "0", "--json", "--emit", tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert (out["world"], out["backend"], out["sizes"], out["program"]) == (3, "gloo", {"N": 100}, "sgd")
+    space = json.loads(coconet("schedules", "examples/sgd.py", "--json").stdout)
+    assert [r["schedule"] for r in out["results"]] == [s["text"] for s in space["schedules"]]
+    for r in out["results"]:
+        assert r["status"] == "ok" and r["correct"] is True and r["max_rel_err"] < 1e-5
+        lo, hi = r["ci95_s"]
+        assert 0 < lo <= r["median_s"] <= hi and r["samples"] == 2 and r["speedup"] > 0
+    assert out["results"][0]["speedup"] == 1.0
+    emitted = sorted(p.name for p in tmp_path.glob("sgd_*_gloo.py"))
+    assert len(emitted) == space["count"]
+
+
+def test_run_table_and_failure_exit_code(tmp_path):
+    proc = coconet("run", "examples/adam.py", "--size", "N=2^10", "--schedule", "split(ar0)", "--repeats", "2")
+    assert proc.returncode == 0, proc.stderr
+    assert "baseline" in proc.stdout and "split(ar0)" in proc.stdout and "vs baseline" in proc.stdout
+    program = tmp_path / "faulty_prog.py"
+    program.write_text("from tests.codegen import faulty\nprogram = faulty.program(faulty.boom)\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "coconet", "run", str(program), "--size", "N=6", "--no-check"],
+                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+    assert proc.returncode == 1
+    assert "runtime_error" in proc.stdout
+    assert "rank 1 in statement boom0 (boom): RuntimeError: boom on purpose" in proc.stderr
+    assert "Traceback" not in proc.stderr

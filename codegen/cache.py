@@ -1,0 +1,35 @@
+"""Generated modules on disk, one file per (schedule hash, backend): readable, importable, reused.
+
+The directory is ``$COCONET_CACHE_DIR``, else ``$XDG_CACHE_HOME/coconet``, else
+``~/.cache/coconet``; files are written atomically, so concurrent ranks and
+runs never read half a module.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from coconet.codegen.lower import Generated
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("COCONET_CACHE_DIR")
+    if root:
+        return Path(root)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "coconet"
+
+
+def module_path(gen: Generated) -> Path:
+    """Write the module if it is not cached yet; return its path."""
+    path = cache_dir() / "codegen" / f"coconet_{gen.key}.py"
+    if path.exists() and path.read_text() == gen.source:
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        f.write(gen.source)
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,332 @@
+"""Running generated schedules on R ranks of this machine: check, then time.
+
+The parent lowers every schedule, writes a job file and starts ``stages ×
+world`` rank processes (``coconet.codegen.rank``: fresh interpreters, so the
+caller's ``__main__`` is never re-imported) joined by a torch.distributed group
+on a free loopback port; each reports over its own pipe. Each rank builds its
+pieces of the seeded inputs (the interpreter's ``make_inputs``: no data crosses
+processes), runs the step once and reports the values it holds — the parent
+assembles them and checks them against the reference interpreter — then times
+warm-up and repeated steps, each sample being the max over ranks after a
+barrier.
+
+A rank that raises reports the statement it was in; a rank that dies closes
+its pipe; a task that overruns its deadline has every rank dump its Python
+stack (SIGUSR1, faulthandler) so the error names where each one was. Either way
+the whole group is killed (its own process group) and the remaining schedules
+run on a fresh one. Ranks die with the parent (PR_SET_PDEATHSIG), so neither
+Ctrl-C nor a crash leaves a process behind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import pickle
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from coconet.codegen.cache import module_path
+from coconet.codegen.lower import Generated, lower
+from coconet.errors import BackendError, CoconetError
+from coconet.schedules import interp
+from coconet.schedules.equivalence import TOLERANCE, rel_err
+from coconet.schedules.schedule import Schedule
+from coconet.tuner.stats import summarize
+
+STARTUP_S = 60.0  # interpreter start, torch import and group formation, on a loaded machine
+HANG_DUMP_S = 1.0
+
+
+@dataclass
+class RunResult:
+    schedule: str
+    hash: str
+    status: str  # ok | wrong_result | runtime_error | compile_error | timeout
+    correct: bool | None = None
+    max_rel_err: float | None = None
+    samples: list[float] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def median_s(self) -> float | None:
+        return summarize(self.samples).median if self.samples else None
+
+    @property
+    def ci95_s(self) -> tuple[float, float] | None:
+        return summarize(self.samples).ci95 if self.samples else None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schedule": self.schedule, "hash": self.hash, "status": self.status, "correct": self.correct,
+            "max_rel_err": None if self.max_rel_err is None or not math.isfinite(self.max_rel_err) else self.max_rel_err,
+            "median_s": self.median_s, "ci95_s": list(self.ci95_s) if self.ci95_s else None,
+            "samples": len(self.samples), "error": self.error,
+        }
+
+
+@dataclass(frozen=True)
+class Options:
+    world: int
+    sizes: Mapping[str, int]
+    backend: str = "gloo"
+    stages: int = 1
+    seed: int = 0
+    warmup: int = 3
+    repeats: int = 20
+    check: bool = True
+    time: bool = True
+    timeout_s: float = 120.0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_schedules(schedules: Sequence[Schedule], opts: Options, program_file: str | None = None) -> list[RunResult]:
+    """Check and time ``schedules`` (of one program) on ``opts.world`` ranks per stage, in one launch
+    unless a schedule fails (the rest then run on a fresh group). ``program_file`` is where the
+    program's custom ops can be re-loaded by the ranks if their code does not pickle."""
+    if not schedules:
+        return []
+    program = schedules[0].program
+    if any(s.program.hash != program.hash for s in schedules):
+        raise CoconetError("schedules of one run must share their program")
+    if opts.world < 1 or opts.stages < 1:
+        raise CoconetError(f"world and stages must be positive, got world={opts.world}, stages={opts.stages}")
+    stages = opts.stages if program.is_pipeline else 1
+    opts = dataclasses.replace(opts, stages=stages, sizes=dict(opts.sizes))
+    custom = _custom_payload(program, program_file)
+    results: dict[int, RunResult] = {}
+    tasks: list[tuple[int, Generated]] = []
+    for i, sched in enumerate(schedules):
+        try:
+            gen = lower(sched, opts.backend)
+        except CoconetError as e:
+            results[i] = RunResult(sched.text, sched.hash, getattr(e, "kind", "compile_error"), error=str(e))
+            continue
+        tasks.append((i, gen))
+    reference = interp.run(program, opts.world, opts.sizes, seed=opts.seed, stages=stages).observable() \
+        if opts.check else {}
+    while tasks:
+        done = _launch(tasks, opts, reference, results, custom)
+        tasks = [t for t in tasks if t[0] not in done]
+    return [results[i] for i in range(len(schedules))]
+
+
+def _custom_payload(program, program_file: str | None):
+    ops = {k: op.torch for k, op in program.custom_ops.items() if op.torch is not None}
+    try:
+        pickle.dumps(ops)
+        return ("callables", ops)
+    except Exception as e:
+        if program_file:
+            return ("file", os.path.abspath(program_file))
+        raise BackendError(f"custom ops {', '.join(ops)}: their torch code cannot be sent to the ranks ({e}); "
+                           "define them in an importable module", kind="compile_error") from None
+
+
+def _launch(tasks, opts: Options, reference, results, custom) -> set[int]:
+    """One group of ranks runs the tasks in order until one fails; returns the task ids finished."""
+    nranks = opts.world * opts.stages
+    workdir = Path(tempfile.mkdtemp(prefix="coconet-run-"))
+    job = workdir / "job.pkl"
+    with open(job, "wb") as f:
+        pickle.dump(list(sys.path), f)
+        pickle.dump({"options": opts, "port": free_port(), "custom": custom,
+                     "threads": max(1, (os.cpu_count() or 1) // nranks),
+                     "tasks": [(i, gen.source, str(module_path(gen)), _strip(gen.schedule.scheduled))
+                               for i, gen in tasks]}, f)
+    procs, conns = [], {}
+    by_id = dict(tasks)
+    done: set[int] = set()
+    current = tasks[0][0]
+    try:
+        for r in range(nranks):
+            rfd, wfd = os.pipe()
+            log = open(workdir / f"rank{r}.log", "wb")
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "coconet.codegen.rank", str(job), str(r), str(wfd)],
+                pass_fds=(wfd,), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True))  # Ctrl-C reaches the parent only; it stops the ranks
+            os.close(wfd)
+            log.close()
+            conns[Connection(rfd, writable=False)] = r
+        pending: dict[int, dict] = {}
+        started: dict[int, set] = {}
+        # the first task also pays for starting the interpreters and the group
+        deadline = time.monotonic() + opts.timeout_s + STARTUP_S
+        while len(done) < len(tasks):
+            if not conns:
+                results[current] = _result(by_id[current], "runtime_error", "every rank exited before reporting")
+                done.add(current)
+                return done
+            ready = wait(list(conns), timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                gen = by_id[current]
+                results[current] = _result(gen, "timeout", f"no result within {opts.timeout_s:g} s"
+                                           + _hang_report(procs, workdir, gen))
+                done.add(current)
+                return done
+            for conn in ready:
+                rank = conns[conn]
+                try:
+                    kind, task, _, data = conn.recv()
+                except (EOFError, OSError):
+                    del conns[conn]
+                    code = procs[rank].wait(timeout=10)
+                    if code == 0:  # it finished every task; the others may still be on theirs
+                        continue
+                    gen = by_id[current]
+                    results[current] = _result(gen, "runtime_error", f"rank {rank} died (exit code {code})"
+                                               + _log_tail(workdir, rank))
+                    done.add(current)
+                    return done
+                if kind == "error":
+                    if task is None:  # the group never formed: every task fails alike
+                        for i, gen in tasks:
+                            results[i] = _result(gen, "runtime_error", f"rank {rank}: {data['error']}")
+                        return {i for i, _ in tasks}
+                    results[task] = _result(by_id[task], "runtime_error", _describe_error(rank, data, by_id[task]))
+                    done.add(task)
+                    return done
+                if kind == "started":
+                    started.setdefault(task, set()).add(rank)
+                    if len(started[task]) == 1:
+                        current = task
+                        deadline = time.monotonic() + opts.timeout_s
+                    continue
+                slot = pending.setdefault(task, {"check": {}, "time": None})
+                if kind == "check":
+                    slot["check"][rank] = data
+                elif kind == "time":
+                    slot["time"] = data
+                if (not opts.check or len(slot["check"]) == nranks) and (not opts.time or slot["time"] is not None):
+                    results[task] = _finish(by_id[task], slot, opts, reference)
+                    done.add(task)
+        return done
+    finally:
+        _stop(procs)
+        for conn in conns:
+            conn.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _strip(prog):
+    """The program as ranks need it: custom ops travel separately (their code may not pickle)."""
+    return dataclasses.replace(prog, custom_ops={}, locations={})
+
+
+def _result(gen: Generated, status: str, error: str) -> RunResult:
+    return RunResult(gen.schedule.text, gen.schedule.hash, status, error=error)
+
+
+def _stop(procs) -> None:
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    for p in procs:
+        p.wait()
+
+
+def _finish(gen: Generated, slot, opts: Options, reference) -> RunResult:
+    res = RunResult(gen.schedule.text, gen.schedule.hash, "ok")
+    if opts.check:
+        prog = gen.schedule.scheduled
+        got = _assemble(prog, slot["check"], opts)
+        worst, bad = 0.0, None
+        for key in sorted(set(reference) | set(got)):
+            if key not in got or key not in reference:
+                worst, bad = math.inf, key
+                break
+            e = rel_err(got[key], reference[key])
+            tol = TOLERANCE.get(_dtype_of(prog, key), 1e-4)
+            if e > worst:
+                worst = e
+            if not e <= tol and bad is None:
+                bad = f"{key} (relative error {e:.3g} > {tol:g})"
+        res.max_rel_err, res.correct = worst, bad is None
+        if bad is not None:
+            res.status, res.error = "wrong_result", f"{bad} differs from the reference interpreter"
+    if opts.time and slot["time"] is not None:
+        res.samples = list(slot["time"])
+    return res
+
+
+def _dtype_of(prog, key: str) -> str:
+    _, kind, name = key.split(".", 2)
+    if kind == "state":
+        return prog[name].type.dtype
+    if kind == "output":
+        return prog[prog.outputs[name]].type.dtype
+    send = next(s for s in prog.effects if s.op == "send" and s.attr("tag") == name)
+    return prog[send.args[0]].type.dtype
+
+
+def _assemble(prog, reports: Mapping[int, dict], opts: Options) -> dict[str, np.ndarray]:
+    out: dict[str, np.ndarray] = {}
+    for stage in range(opts.stages):
+        ranks = [reports[stage * opts.world + r] for r in range(opts.world)]
+        for key in ranks[0]:
+            _, kind, name = key.split(".", 2)
+            if kind == "state":
+                t = prog[name].type
+            elif kind == "output":
+                t = prog[prog.outputs[name]].type
+            else:
+                t = prog[next(s for s in prog.effects if s.op == "send" and s.attr("tag") == name).args[0]].type
+            out[key] = interp.assemble(t, [r[key] for r in ranks])
+    return out
+
+
+def _describe_error(rank: int, data: dict, gen: Generated) -> str:
+    stmt = None
+    for fname, line in reversed(data["frames"]):
+        if fname == data["module"]:
+            stmt = gen.statement_at(line)
+            if stmt:
+                break
+    where = f" in statement {stmt} ({gen.schedule.scheduled[stmt].op})" if stmt and stmt in gen.schedule.scheduled else ""
+    return f"rank {rank}{where}: {data['error']}"
+
+
+def _hang_report(procs, workdir: Path, gen: Generated) -> str:
+    """Where each live rank is: SIGUSR1 makes it dump its Python stacks (faulthandler)."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGUSR1)
+    time.sleep(HANG_DUMP_S)
+    found = []
+    for r in range(len(procs)):
+        path = workdir / f"rank{r}.stack"
+        text = path.read_text(errors="replace") if path.exists() else ""
+        stmt = None
+        for m in re.finditer(r'File "([^"]+)", line (\d+)', text):
+            if m.group(1).endswith(f"coconet_{gen.key}.py"):
+                stmt = gen.statement_at(int(m.group(2)))
+                if stmt:
+                    break  # faulthandler lists the innermost frame first
+        if stmt:
+            found.append(f"rank {r} in statement {stmt} ({gen.schedule.scheduled[stmt].op})")
+    return f": {'; '.join(found)}" if found else ""
+
+
+def _log_tail(workdir: Path, rank: int, lines: int = 5) -> str:
+    path = workdir / f"rank{rank}.log"
+    text = path.read_text(errors="replace").strip().splitlines() if path.exists() else []
+    return (": " + " | ".join(text[-lines:])) if text else ""

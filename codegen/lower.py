@@ -1,0 +1,432 @@
+"""Lowering a schedule to a readable Python module for torch.distributed.
+
+The module defines ``step(tensors, scalars, *, group=None, stage=0, stages=1,
+sizes=None)``: each rank passes its own pieces of the inputs (the whole value
+for Replicated and Local tensors, its rows for Sliced ones), updated state is
+written in place, and ``step`` returns ``{"outputs": …, "sent": …}``. Nothing
+else of the inputs is written. It needs torch only: the helpers it calls
+(``_reduce_scatter``, ``_dropout``, …) are pasted into the module.
+
+Groups of the schedule become units: a fused kernel is one function; a fused
+collective runs reduce_scatter → computation → all_gather as one function; an
+overlap runs the matmul in chunks with each chunk's collective in flight
+(async work handles) while the next is computed; a bucket issues its
+collectives together.
+"""
+
+from __future__ import annotations
+
+import keyword
+import re
+from dataclasses import dataclass
+
+from coconet.errors import BackendError
+from coconet.schedules.dims import Dim
+from coconet.schedules.ir import Group, Program, Stmt
+from coconet.schedules.schedule import Schedule
+from coconet.schedules.types import Local, Replicated, Sliced
+
+BACKENDS = ("gloo", "nccl")
+TORCH_DTYPE = {"float16": "torch.float16", "bfloat16": "torch.bfloat16", "float32": "torch.float32",
+               "float64": "torch.float64", "int64": "torch.int64", "bool": "torch.bool"}
+BINARY = {"add": "{} + {}", "sub": "{} - {}", "mul": "{} * {}", "div": "{} / {}", "pow": "{} ** {}",
+          "lt": "{} < {}", "le": "{} <= {}", "gt": "{} > {}", "ge": "{} >= {}", "eq": "{} == {}", "ne": "{} != {}",
+          "maximum": "torch.maximum(_t({}), _t({}))", "minimum": "torch.minimum(_t({}), _t({}))"}
+UNARY = {"neg": "-{}", "sqrt": "torch.sqrt({})", "rsqrt": "torch.rsqrt({})", "exp": "torch.exp({})",
+         "log": "torch.log({})", "abs": "torch.abs({})"}
+RESERVED = {"torch", "dist", "step", "tensors", "scalars", "group", "stage", "stages", "sizes", "math"}
+
+
+def ident(name: str) -> str:
+    if keyword.iskeyword(name) or name in RESERVED or name.startswith("_") or name.startswith("d_"):
+        return f"v_{name}"
+    return name
+
+
+def dim_expr(d: Dim) -> str:
+    terms = []
+    for mono, coeff in d.terms:
+        factors = ([str(coeff)] if coeff != 1 or not mono else []) + [f"d_{n}" for n in mono]
+        terms.append(" * ".join(factors))
+    return " + ".join(terms) if terms else "0"
+
+
+@dataclass(frozen=True)
+class Generated:
+    schedule: Schedule
+    backend: str
+    source: str
+    line_map: dict = None  # 1-based line of the module -> the statement it implements
+
+    def statement_at(self, line: int) -> str | None:
+        return (self.line_map or {}).get(line)
+
+    @property
+    def key(self) -> str:
+        return f"{self.schedule.hash}_{self.backend}"
+
+
+class _Emitter:
+    def __init__(self, schedule: Schedule, backend: str):
+        self.s = schedule
+        self.p: Program = schedule.scheduled
+        self.backend = backend
+        self.kernels: list[str] = []
+        self.chunked: set[str] | None = None  # members of the chunked unit being emitted
+
+    # --- expressions for one statement's local value ---
+
+    def operand(self, s: Stmt, a: str) -> str:
+        """``a`` as ``s`` consumes it: a Replicated operand of a Sliced pointwise result is cut to this rank's
+        rows; in a chunked unit, a slice computed outside it is cut to the chunk."""
+        out_t, t = s.type, self.p[a].type
+        name = ident(a)
+        if self.chunked is not None and a not in self.chunked and isinstance(t.layout, Sliced):
+            return f"_c.local({name}, {t.layout.dim})"
+        if self.chunked is not None and a in self.chunked and self.p[a].op == "all_gather":
+            # this rank's rows of a gather are the rows it sent: the chunk at hand, gathered or not
+            return ident(self.p[a].args[0])
+        if out_t is None or not isinstance(out_t.layout, Sliced) or not isinstance(t.layout, Replicated):
+            return name
+        d = out_t.layout.dim - (out_t.ndim - t.ndim)
+        if d < 0 or t.shape[d] != out_t.shape[out_t.layout.dim]:
+            return name
+        return f"_c.cut({name}, {d}, {dim_expr(t.shape[d])})"
+
+    def shape_expr(self, t) -> str:
+        return "(" + "".join(f"{dim_expr(d)}, " for d in t.shape) + ")"
+
+    def local_shape_expr(self, t) -> str:
+        dims = []
+        for k, d in enumerate(t.shape):
+            if isinstance(t.layout, Sliced) and t.layout.dim == k:
+                dims.append(f"_c.rows({dim_expr(d)})[1] - _c.rows({dim_expr(d)})[0]")
+            else:
+                dims.append(dim_expr(d))
+        return "(" + "".join(f"{x}, " for x in dims) + ")"
+
+    def stmt(self, s: Stmt) -> list[str]:
+        n, op = ident(s.name), s.op
+        args = [self.operand(s, a) for a in s.args]
+        if op == "input":
+            return [f"{n} = tensors[{s.name!r}]"]
+        if op == "scalar":
+            if s.type.dtype == "int64":
+                return [f"{n} = int(scalars[{s.name!r}])"]
+            return [f"{n} = torch.tensor(float(scalars[{s.name!r}]), dtype={TORCH_DTYPE[s.type.dtype]}, device=_c.device)"]
+        if op == "recv":
+            peer = "_c.global_rank - _c.world"
+            return [
+                f"if stage == 0:",
+                f"    {n} = tensors[{s.name!r}]",
+                f"else:",
+                f"    {n} = torch.empty({self.local_shape_expr(s.type)}, dtype={TORCH_DTYPE[s.type.dtype]}, device=_c.device)",
+                f"    dist.recv({n}, src={peer})",
+            ]
+        if op == "const":
+            return [f"{n} = {s.attr('value')!r}"]
+        if op in BINARY:
+            return [f"{n} = {BINARY[op].format(*args)}"]
+        if op in UNARY:
+            return [f"{n} = {UNARY[op].format(args[0] if op != 'neg' else _paren(args[0]))}"]
+        if op == "cast":
+            return [f"{n} = _t({args[0]}).to({TORCH_DTYPE[s.attr('dtype')]})"]
+        if op == "where":
+            return [f"{n} = torch.where({args[0]}, {args[1]}, {args[2]})"]
+        if op == "dropout":
+            seed = s.attr("seed") if s.attr("seed") is not None else ident(s.args[1])
+            dim = s.type.layout.dim if isinstance(s.type.layout, Sliced) else -1
+            return [f"{n} = _dropout(_c, {args[0]}, {s.attr('p')!r}, {seed}, {self.shape_expr(s.type)}, {dim})"]
+        if op in ("sum", "partial_sum"):
+            return [f"{n} = {args[0]}.sum()"]
+        if op == "norm":
+            return [f"{n} = torch.linalg.vector_norm({args[0]})"]
+        if op == "matmul":
+            return [f"{n} = torch.matmul({args[0]}, {args[1]})"]
+        if op == "allreduce":
+            copy = _needs_copy(self.p, s.name)
+            return [f"{n} = {args[0]}.clone()" if copy else f"{n} = {args[0]}",
+                    f"_allreduce(_c, {n}, {s.attr('op')!r})"]
+        if op == "reduce_scatter":
+            d = s.type.layout.dim
+            return [f"{n} = _reduce_scatter(_c, {args[0]}, {d}, {dim_expr(s.type.shape[d])}, {s.attr('op')!r})"]
+        if op == "all_gather":
+            t = self.p[s.args[0]].type
+            d = t.layout.dim
+            return [f"{n} = _all_gather(_c, {args[0]}, {d}, {dim_expr(t.shape[d])})"]
+        if op == "broadcast":
+            return [f"{n} = {args[0]}.clone()",
+                    f"dist.broadcast({n}, src=_c.global_rank - _c.rank + {s.attr('root')}, group=group)"]
+        if op == "send":
+            return [f"_sent[{s.attr('tag')!r}] = {args[0]}",
+                    f"if stage + 1 < stages:",
+                    f"    dist.send({args[0]}.contiguous(), dst=_c.global_rank + _c.world)"]
+        if op == "output":
+            return [f"_outputs[{s.attr('name')!r}] = {args[0]}"]
+        if op == "update":
+            return []  # written at the end: every statement reads the state from before the step
+        custom = self.p.custom_ops.get(op)
+        if custom is not None:
+            if custom.torch is None:
+                raise BackendError(f"custom op {op} has no torch implementation (custom_op(..., torch=fn))",
+                                   kind="compile_error")
+            attrs = "".join(f", {k}={v!r}" for k, v in s.attrs)
+            return [f"{n} = _custom[{op!r}]({', '.join(args)}{attrs})"]
+        raise BackendError(f"the torch backend cannot lower {op} ({s.name})", kind="compile_error")
+
+
+def _paren(x: str) -> str:
+    return x if x.isidentifier() else f"({x})"
+
+
+def lower(schedule: Schedule, backend: str = "gloo") -> Generated:
+    """The Python module for ``schedule`` on ``backend`` (gloo: CPU tensors, nccl: CUDA tensors)."""
+    if backend not in BACKENDS:
+        raise BackendError(f"unknown backend {backend!r} for torch.distributed (use {' or '.join(BACKENDS)})",
+                           kind="compile_error")
+    e = _Emitter(schedule, backend)
+    p = e.p
+    units = _units(p)
+    body: list[tuple[str, str]] = []  # (line, statement it implements)
+    for unit in units:
+        if isinstance(unit, Group):
+            body.extend((x, unit.members[0]) for x in _lower_group(e, unit))
+        else:
+            s = p[unit]
+            body.extend((x, s.name) for x in e.stmt(s))
+    updates = [f"{ident(t)}.copy_({ident(v)})" for t, v in p.updates.items()]
+    # a value that is itself (a view of) state must be copied before any state is written
+    aliased = [v for v in p.updates.values() if p[v].op in ("input", "scalar")]
+    src, line_map = _module(schedule, backend, e, body, updates, aliased)
+    compile(src, f"<coconet {schedule.hash}>", "exec")
+    return Generated(schedule, backend, src, line_map)
+
+
+def _units(p: Program) -> list:
+    """Statements in an order where each group is one contiguous unit (convex groups make this possible)."""
+    unit_of = {m: g for g in p.groups for m in g.members}
+    deps: dict[object, set] = {}
+    order: dict[object, int] = {}
+    for i, s in enumerate(p.stmts):
+        u = unit_of.get(s.name, s.name)
+        order.setdefault(u, i)
+        deps.setdefault(u, set())
+        for a in s.args:
+            ua = unit_of.get(a, a)
+            if ua is not u:
+                deps[u].add(ua)
+    done: set = set()
+    out: list = []
+    pending = sorted(deps, key=order.__getitem__)
+    while pending:
+        for u in pending:
+            if deps[u] <= done:
+                out.append(u)
+                done.add(u)
+                pending.remove(u)
+                break
+        else:
+            raise BackendError("the schedule's groups form a cycle", kind="compile_error")
+    return out
+
+
+def _group_io(p: Program, g: Group) -> tuple[list[str], list[str]]:
+    members = set(g.members)
+    ins: list[str] = []
+    for m in g.members:
+        for a in p[m].args:
+            if a not in members and a not in ins:
+                ins.append(a)
+    outs = [m for m in g.members if any(u not in members for u in p.users[m])]
+    return ins, outs
+
+
+def _lower_group(e: _Emitter, g: Group) -> list[str]:
+    p = e.p
+    knobs = e.s.knob_values
+    if g.kind == "overlap":
+        return _lower_overlap(e, g, knobs.get("chunks", 4))
+    if g.kind == "bucket":
+        return _lower_bucket(e, g, knobs.get("bucket_bytes", 2**22))
+    ins, outs = _group_io(p, g)
+    fname = f"_{g.kind}{len(e.kernels)}"
+    chunks = knobs.get("fc_chunks", 1) if g.kind == "fused_collective" else 1
+    ctx = "_rank" if chunks > 1 else "_c"
+    lines = [(f"def {fname}({ctx}, {', '.join(ident(a) for a in ins)}):", g.members[0])]
+    doc = {"fuse": "pointwise statements as one kernel (plain torch; compiled kernels plug in here)",
+           "fused_collective": "reduce_scatter, the computation on this rank's slice, the all_gathers, as one unit"}
+    lines.append((f'    """{g.kind}: {doc[g.kind]}."""', g.members[0]))
+    if chunks > 1:
+        lines += _chunked_body(e, g, outs, chunks)
+    else:
+        for m in g.members:
+            lines.extend(("    " + x, m) for x in e.stmt(p[m]))
+    lines.append((f"    return {', '.join(ident(o) for o in outs)}{',' if len(outs) == 1 else ''}", g.members[-1]))
+    e.kernels.append(lines)
+    return [f"{', '.join(ident(o) for o in outs)}{',' if len(outs) == 1 else ''} = {fname}(_c, "
+            f"{', '.join(ident(a) for a in ins)})"]
+
+
+def _chunked_body(e: _Emitter, g: Group, outs: list[str], chunks: int) -> list[tuple[str, str]]:
+    """A fused collective as a pipeline over chunks of this rank's slice: every chunk's reduce_scatter is
+    in flight from the start, chunk k computes as soon as its rows arrive, and its all_gathers start
+    while chunk k+1 computes. The statements of a chunk see a _Chunk as their context ``_c``."""
+    p = e.p
+    rs = p[g.members[0]]
+    d = rs.type.layout.dim
+    n = dim_expr(rs.type.shape[d])
+    gathers = [m for m in g.members if p[m].op == "all_gather"]
+    sliced_outs = [o for o in outs if p[o].op != "all_gather"]
+    lines = [(f"    # {chunks} chunks: chunk k+1 is reduced while chunk k computes and chunk k-1 is gathered",
+              rs.name)]
+    lines += [(f"    _{ident(m)} = _Gather(_rank, {d}, {n})", m) for m in gathers]
+    lines += [(f"    _{ident(o)} = []", o) for o in sliced_outs]
+    lines.append((f"    for _c, {ident(rs.name)} in _reduce_scatter_chunks(_rank, {ident(rs.args[0])}, {d}, {n}, "
+                  f"{chunks}, {rs.attr('op')!r}):", rs.name))
+    e.chunked = set(g.members)
+    try:
+        for m in g.members[1:]:
+            s = p[m]
+            if s.op == "all_gather":
+                lines.append((f"        _{ident(m)}.add(_c, {ident(s.args[0])})", m))
+                continue
+            lines.extend(("        " + x, m) for x in e.stmt(s))
+    finally:
+        e.chunked = None
+    lines += [(f"        _{ident(o)}.append({ident(o)})", o) for o in sliced_outs]
+    lines += [(f"    {ident(m)} = _{ident(m)}.result()", m) for m in gathers]
+    lines += [(f"    {ident(o)} = torch.cat(_{ident(o)}, dim={p[o].type.layout.dim})", o) for o in sliced_outs]
+    return lines
+
+
+def _lower_overlap(e: _Emitter, g: Group, chunks: int) -> list[str]:
+    p = e.p
+    mm, coll = p[g.members[0]], p[g.members[1]]
+    a, b = ident(mm.args[0]), ident(mm.args[1])
+    out = ident(coll.name)
+    lines = [f"# overlap({mm.name}, {coll.name}): {chunks} chunks, chunk k's collective in flight while k+1 multiplies"]
+    if coll.op == "allreduce":
+        lines += [
+            f"_a = {a}.reshape(-1, {a}.shape[-1])",
+            "_parts, _works = [], []",
+            f"for _ak in torch.tensor_split(_a, {chunks}, dim=0):",
+            f"    _yk = torch.matmul(_ak, {b})",
+            f"    _works.append(_allreduce(_c, _yk, {coll.attr('op')!r}, async_op=True))",
+            "    _parts.append(_yk)",
+            "for _w in _works:",
+            "    if _w is not None:",
+            "        _w.wait()",
+            f"{out} = torch.cat(_parts).reshape({a}.shape[:-1] + ({b}.shape[-1],))",
+        ]
+    else:
+        d = coll.type.layout.dim
+        n = dim_expr(coll.type.shape[d])
+        lines += [
+            "_pending = []",
+            f"for _bk in torch.tensor_split({b}, {chunks}, dim=1):",
+            f"    _pending.append(_reduce_scatter(_c, torch.matmul({a}, _bk), {d}, {n}, {coll.attr('op')!r}, async_op=True))",
+            f"{out} = torch.cat([_finish() for _finish in _pending], dim=-1)",
+        ]
+    return lines
+
+
+def _lower_bucket(e: _Emitter, g: Group, cap: int) -> list[str]:
+    """One launch per ``cap`` bytes for the bucket's collectives: NCCL groups them with no copy, gloo runs
+    its coalesced form, which flattens them in C++."""
+    p = e.p
+    first = p[g.members[0]]
+    names = ", ".join(ident(m) for m in g.members)
+    srcs = "[" + ", ".join(e.operand(p[m], p[m].args[0]) for m in g.members) + "]"
+    lines = [f"# bucket({', '.join(g.members)}): at most {cap} bytes per launch"]
+    if first.op == "allreduce":
+        copies = [f"{ident(m)} = {e.operand(p[m], p[m].args[0])}" + (".clone()" if _needs_copy(p, m) else "")
+                  for m in g.members]
+        return lines + copies + [f"_bucket_allreduce(_c, [{names}], {first.attr('op')!r}, {cap})"]
+    if first.op == "reduce_scatter":
+        dims = [p[m].type.layout.dim for m in g.members]
+        ns = [dim_expr(p[m].type.shape[d]) for m, d in zip(g.members, dims)]
+        return lines + [f"{names} = _bucket_reduce_scatter(_c, {srcs}, {dims}, [{', '.join(ns)}], "
+                        f"{first.attr('op')!r}, {cap})"]
+    dims = [p[p[m].args[0]].type.layout.dim for m in g.members]
+    ns = [dim_expr(p[p[m].args[0]].type.shape[d]) for m, d in zip(g.members, dims)]
+    return lines + [f"{names} = _bucket_all_gather(_c, {srcs}, {dims}, [{', '.join(ns)}], {cap})"]
+
+
+def _needs_copy(p: Program, name: str) -> bool:
+    """An allreduce works in place: on its own buffer unless its operand is dead after it."""
+    a = p[name].args[0]
+    return p[a].op in ("input", "recv") or len(p.users[a]) > 1
+
+
+def _dims_prologue(p: Program) -> list[str]:
+    lines = []
+    for dim in p.dims:
+        found = None
+        for s in p.inputs:
+            for k, d in enumerate(s.type.shape):
+                sliced = isinstance(s.type.layout, Sliced) and s.type.layout.dim == k
+                if d == Dim.var(dim) and not sliced:
+                    found = (s.name, k)
+                    break
+            if found:
+                break
+        if found:
+            lines.append(f"d_{dim} = tensors[{found[0]!r}].shape[{found[1]}] if sizes is None else int(sizes[{dim!r}])")
+        else:
+            lines.append(f"d_{dim} = _size(sizes, {dim!r})")
+    return lines
+
+
+def _module(schedule: Schedule, backend: str, e: _Emitter, body, updates: list[str], aliased):
+    from coconet import __version__
+    from coconet.codegen.prelude import prelude_source
+
+    p = e.p
+    layout_doc = ", ".join(f"{s.name}: {s.type.layout}" for s in p.inputs)
+    header = [
+        '"""Generated by coconet ' + __version__ + " for torch.distributed (" + backend + ").",
+        "",
+        f"program:  {p.name} (hash {schedule.program.hash})",
+        f"schedule: {schedule.text}",
+        f"          (hash {schedule.hash})",
+        f"inputs:   {layout_doc}",
+        "",
+        "Call step(tensors, scalars, group=...) on every rank of an initialised process group:",
+        "Replicated and Local tensors whole, Sliced ones as this rank's rows. Updated state is",
+        "written in place; nothing else of the inputs is. step returns the program's outputs",
+        "and what it sent to the next pipeline stage. Custom ops come in custom_ops={name: fn}.",
+        "Needs torch only.",
+        '"""',
+        "",
+        "import torch",
+        "import torch.distributed as dist",
+        "",
+        "",
+        "def _t(x):",
+        "    return x if isinstance(x, torch.Tensor) else torch.tensor(x)",
+        "",
+        "",
+    ]
+    device = "torch.device('cuda', torch.cuda.current_device())" if backend == "nccl" else "torch.device('cpu')"
+    lines: list[tuple[str, str | None]] = [(x, None) for x in [
+        "",
+        "def step(tensors, scalars, *, group=None, stage=0, stages=1, sizes=None, custom_ops=None):",
+        f"    _c = _Ctx(group, {device})",
+        "    _custom = custom_ops or {}",
+        "    _outputs, _sent = {}, {}",
+    ]]
+    rest = [("    " + x, m) for k in e.kernels for x, m in [("", None)] + k + [("", None)]]
+    rest += [("    " + x, m) for x, m in body]
+    text = "\n".join(x for x, _ in rest)
+    # a dim the step never reads needs no binding (kernels are nested: they read the dims too)
+    lines += [("    " + x, None) for x in _dims_prologue(p) if re.search(rf"\b{x.split(' ')[0]}\b", text)]
+    lines += rest
+    for v in aliased:
+        lines.append((f"    {ident(v)} = {ident(v)}.clone()", v))
+    lines += [("    " + x, t) for x, t in zip(updates, p.updates)]
+    lines.append(('    return {"outputs": _outputs, "sent": _sent}', None))
+    step = "\n".join(x.rstrip() for x, _ in lines) + "\n"
+    # only the helpers this step calls are pasted in, so the module reads top to bottom
+    head = header + prelude_source(step).split("\n") + ["", ""]
+    line_map = {len(head) + i + 1: m for i, (_, m) in enumerate(lines) if m is not None}
+    return "\n".join(head) + "\n" + step, line_map

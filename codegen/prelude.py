@@ -1,0 +1,284 @@
+"""Helpers every generated module carries, so that it runs with torch alone.
+
+The text of ``PRELUDE`` is pasted into each generated module; the functions
+here are also importable, which is how the tests exercise them directly.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import sys
+
+import torch
+import torch.distributed as dist
+
+from coconet.kernels.rng import philox_words
+
+
+class _Ctx:
+    """Where this rank stands: its group, rank and world within it, device."""
+
+    def __init__(self, group, device):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.global_rank = dist.get_rank()
+        self.device = device
+
+    def rows(self, n):
+        """Rows [lo, hi) of a dim of extent n that this rank holds when Sliced."""
+        chunk = -(-n // self.world)
+        lo = min(self.rank * chunk, n)
+        return lo, min(lo + chunk, n)
+
+    def cut(self, x, dim, n):
+        lo, hi = self.rows(n)
+        return x.narrow(dim, lo, hi - lo)
+
+
+_OPS = {"sum": "SUM", "prod": "PRODUCT", "max": "MAX", "min": "MIN", "avg": "SUM"}
+# torch >= 2.12 names the flat collectives *_single; older releases *_tensor
+_AG = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_RS = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _reduce_op(op):
+    return getattr(dist.ReduceOp, _OPS[op])
+
+
+def _allreduce(c, x, op, async_op=False):
+    """In place on x. gloo has no AVG: sum, then divide."""
+    work = dist.all_reduce(x, op=_reduce_op(op), group=c.group, async_op=async_op)
+    if op == "avg":
+        if work is not None:
+            work.wait()
+            work = None
+        x.div_(c.world)
+    return work
+
+
+def _padded(c, x, dim, n):
+    """x moved so that ``dim`` leads, padded to world * ceil(n / world) rows: collectives want equal parts."""
+    chunk = -(-n // c.world)
+    x = x.movedim(dim, 0)
+    if x.shape[0] == chunk * c.world:
+        return x.contiguous(), chunk
+    pad = x.new_zeros((chunk * c.world - x.shape[0],) + tuple(x.shape[1:]))
+    return torch.cat([x, pad]), chunk
+
+
+def _rows_of(c, out, dim, n, op):
+    """This rank's rows from a reduce_scatter's padded output."""
+    if op == "avg":
+        out.div_(c.world)
+    lo, hi = c.rows(n)
+    return out[: hi - lo].movedim(0, dim)
+
+
+def _reduce_scatter(c, x, dim, n, op="sum", async_op=False):
+    """The rows this rank holds of the reduction over ranks of x (uneven slices allowed).
+    With async_op, returns a function that waits and gives the rows (the collective is in flight)."""
+    full, chunk = _padded(c, x, dim, n)
+    out = full.new_empty((chunk,) + tuple(full.shape[1:]))
+    work = _RS(out, full, op=_reduce_op(op), group=c.group, async_op=async_op)
+
+    def finish():
+        if work is not None:
+            work.wait()
+        return _rows_of(c, out, dim, n, op)
+
+    return finish if async_op else finish()
+
+
+def _part(c, x, dim, n):
+    """This rank's rows of x with dim leading, padded to ceil(n / world): what an all_gather sends."""
+    chunk = -(-n // c.world)
+    part = x.movedim(dim, 0)
+    if part.shape[0] != chunk:
+        part = torch.cat([part, part.new_zeros((chunk - part.shape[0],) + tuple(part.shape[1:]))])
+    return part.contiguous()
+
+
+def _all_gather(c, x, dim, n):
+    """The whole value from every rank's rows along dim (uneven slices allowed)."""
+    part = _part(c, x, dim, n)
+    out = part.new_empty((part.shape[0] * c.world,) + tuple(part.shape[1:]))
+    _AG(out, part, group=c.group)
+    return out[:n].movedim(0, dim)
+
+
+def _coalesced(c):
+    """Collectives issued inside run as one launch when they leave: NCCL groups them (no copy), gloo runs
+    its coalesced form (it flattens them in C++). A private torch API; without it they run one by one."""
+    try:
+        from torch.distributed.distributed_c10d import _coalescing_manager
+    except ImportError:
+        import contextlib
+
+        return contextlib.nullcontext()
+    return _coalescing_manager(c.group)
+
+
+def _launches(xs, cap):
+    """Consecutive groups of the buffers xs of at most cap bytes each (a larger buffer goes alone)."""
+    groups, size = [[]], 0
+    for i, x in enumerate(xs):
+        nbytes = x.numel() * x.element_size()
+        if groups[-1] and size + nbytes > cap:
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
+        size += nbytes
+    return groups
+
+
+def _bucket_allreduce(c, xs, op, cap):
+    """One allreduce launch per cap bytes of the buffers xs, in place, without a flattening copy here."""
+    for launch in _launches(xs, cap):
+        with _coalesced(c):
+            for i in launch:
+                dist.all_reduce(xs[i], op=_reduce_op(op), group=c.group)
+    if op == "avg":
+        for x in xs:
+            x.div_(c.world)
+    return xs
+
+
+def _bucket_reduce_scatter(c, xs, dims, ns, op, cap):
+    padded = [_padded(c, x, d, n)[0] for x, d, n in zip(xs, dims, ns)]
+    outs = [f.new_empty((f.shape[0] // c.world,) + tuple(f.shape[1:])) for f in padded]
+    for launch in _launches(padded, cap):
+        with _coalesced(c):
+            for i in launch:
+                _RS(outs[i], padded[i], op=_reduce_op(op), group=c.group)
+    return [_rows_of(c, o, d, n, op) for o, d, n in zip(outs, dims, ns)]
+
+
+def _bucket_all_gather(c, xs, dims, ns, cap):
+    parts = [_part(c, x, d, n) for x, d, n in zip(xs, dims, ns)]
+    outs = [p.new_empty((p.shape[0] * c.world,) + tuple(p.shape[1:])) for p in parts]
+    for launch in _launches(outs, cap):
+        with _coalesced(c):
+            for i in launch:
+                _AG(outs[i], parts[i], group=c.group)
+    return [o[:n].movedim(0, d) for o, d, n in zip(outs, dims, ns)]
+
+
+class _Chunk:
+    """Rows [a, b) of the rows this rank holds of a dim of extent n: what one step of a chunked fused
+    collective computes on. Stands in for _Ctx in the statements of the chunk."""
+
+    def __init__(self, c, n, a, b):
+        self.group, self.rank, self.world, self.global_rank, self.device = c.group, c.rank, c.world, c.global_rank, c.device
+        self.n, self.span = n, (a, b)
+        self.lo, hi = c.rows(n)
+        self.a, self.b = min(a, hi - self.lo), min(b, hi - self.lo)
+
+    def rows(self, n):
+        if n != self.n:
+            raise ValueError(f"a chunk of a dim of extent {self.n} cannot cut one of extent {n}")
+        return self.lo + self.a, self.lo + self.b
+
+    def cut(self, x, dim, n):
+        lo, hi = self.rows(n)
+        return x.narrow(dim, lo, hi - lo)
+
+    def local(self, x, dim):
+        """The chunk's rows of a value this rank holds as its slice."""
+        return x.narrow(dim, self.a, self.b - self.a)
+
+
+def _reduce_scatter_chunks(c, x, dim, n, count, op):
+    """Yields (chunk, its reduced rows) for ``count`` chunks of the rows each rank holds. Every chunk's
+    reduce_scatter is issued up front, so chunk k+1's is in flight while chunk k computes."""
+    full, per = _padded(c, x, dim, n)
+    blocks = full.view((c.world, per) + tuple(full.shape[1:]))
+    size = max(1, -(-per // count))
+    started = []
+    for a in range(0, per, size):
+        b = min(a + size, per)
+        out = full.new_empty((b - a,) + tuple(full.shape[1:]))
+        send = blocks[:, a:b].reshape(((b - a) * c.world,) + tuple(full.shape[1:]))
+        started.append((_Chunk(c, n, a, b), out, _RS(out, send, op=_reduce_op(op), group=c.group, async_op=True)))
+    for k, out, work in started:
+        work.wait()
+        if op == "avg":
+            out.div_(c.world)
+        yield k, out[: k.b - k.a].movedim(0, dim)
+
+
+class _Gather:
+    """The all_gather of one value, chunk by chunk as the chunks are computed, into one buffer."""
+
+    def __init__(self, c, dim, n):
+        self.c, self.dim, self.n = c, dim, n
+        self.per = -(-n // c.world)
+        self.out, self.works = None, []
+
+    def add(self, k, x):
+        a, b = k.span
+        part = x.movedim(self.dim, 0)
+        if part.shape[0] != b - a:
+            part = torch.cat([part, part.new_zeros((b - a - part.shape[0],) + tuple(part.shape[1:]))])
+        if self.out is None:
+            self.out = part.new_empty((self.c.world, self.per) + tuple(part.shape[1:]))
+        views = list(self.out[:, a:b].unbind(0))
+        self.works.append(dist.all_gather(views, part.contiguous(), group=self.c.group, async_op=True))
+
+    def result(self):
+        for w in self.works:
+            w.wait()
+        flat = self.out.reshape((self.c.world * self.per,) + tuple(self.out.shape[2:]))
+        return flat[: self.n].movedim(0, self.dim)
+
+
+def _global_index(c, shape, dim, device):
+    """Row-major global flat indices of this rank's piece: rows of ``dim`` if sliced (dim >= 0)."""
+    index = torch.zeros((), dtype=torch.int64, device=device)
+    stride = 1
+    for k in range(len(shape) - 1, -1, -1):
+        lo, hi = c.rows(shape[k]) if k == dim else (0, shape[k])
+        axis = torch.arange(lo, hi, dtype=torch.int64, device=device) * stride
+        index = index + axis.reshape((-1,) + (1,) * (len(shape) - 1 - k))
+        stride *= shape[k]
+    return index
+
+
+def _dropout(c, x, p, seed, shape, dim):
+    """Inverted dropout with the counter-based mask of coconet.schedules.rng (Philox4x32-10)."""
+    if p == 0:
+        return x
+    words = philox_words(seed, _global_index(c, shape, dim, x.device))
+    keep = (words >> 8) >= int(p * 16777216 + 0.5)
+    return torch.where(keep, x / (1.0 - p), torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def _size(sizes, name):
+    if sizes is None or name not in sizes:
+        raise ValueError(f"dim {name} cannot be read off the inputs: pass sizes={{'{name}': ...}} to step()")
+    return int(sizes[name])
+
+
+HELPERS = (_Ctx, _reduce_op, _allreduce, _padded, _rows_of, _reduce_scatter, _part, _all_gather, _coalesced, _launches,
+           _bucket_allreduce, _bucket_reduce_scatter, _bucket_all_gather, _Chunk, _reduce_scatter_chunks, _Gather,
+           _global_index, philox_words, _dropout, _size)
+
+
+def prelude_source(code: str | None = None) -> str:
+    """The helpers ``code`` calls, and the ones they call (all of them without ``code``)."""
+    module = inspect.getsource(sys.modules[__name__])
+    # the module-level names the helpers use: from _OPS up to the first helper
+    parts = [module[module.index("_OPS = {"): module.index("\n\n\ndef _reduce_op")]]
+    # philox_words imports torch locally; the generated module imports it at the top already
+    sources = {obj.__name__: inspect.getsource(obj).replace("    import torch\n\n", "").rstrip() for obj in HELPERS}
+    wanted = set(sources) if code is None else set()
+    text = code or ""
+    while True:
+        more = {name for name in sources if name not in wanted and re.search(rf"\b{name}\b", text)}
+        if not more:
+            break
+        wanted |= more
+        text = "\n".join(sources[n] for n in more)
+    parts += [sources[name] for name in sources if name in wanted]
+    return "\n\n\n".join(parts)

@@ -1,0 +1,176 @@
+"""One rank of a ``coconet run`` launch: ``python -m coconet.codegen.rank JOB RANK FD``.
+
+The parent (``coconet.codegen.launch``) writes the job — generated sources,
+scheduled programs, options — to a file and starts one such process per rank
+with a pipe on file descriptor FD. The rank joins the torch.distributed group,
+then for each task runs the step once and reports what it holds (the parent
+checks it against the reference interpreter) and times warm-up and repeated
+steps. Messages are pickled tuples ``(kind, task, rank, data)``.
+
+A rank started as a fresh interpreter (not forked, not multiprocessing-spawned)
+never re-imports the user's ``__main__``. It dies with its parent
+(PR_SET_PDEATHSIG), and on SIGUSR1 dumps every thread's Python stack to
+``rankN.stack`` so the parent can say where a hung rank was.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import faulthandler
+import os
+import pickle
+import signal
+import sys
+import time
+import traceback
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def _die_with_parent() -> None:
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        return
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def main(argv: list[str]) -> int:
+    _die_with_parent()
+    job_path, rank, fd = argv[0], int(argv[1]), int(argv[2])
+    conn = Connection(fd, readable=False)
+    stack = open(Path(job_path).parent / f"rank{rank}.stack", "w")
+    faulthandler.register(signal.SIGUSR1, file=stack, all_threads=True)
+    with open(job_path, "rb") as f:
+        sys.path[:0] = [p for p in pickle.load(f) if p not in sys.path]
+        try:
+            job = pickle.load(f)
+        except Exception as e:  # a custom op that is not importable here
+            conn.send(("error", None, rank, _error(e, "")))
+            return 1
+    try:
+        return _run(job, rank, conn)
+    finally:
+        conn.close()
+
+
+def _error(e: BaseException, module: str) -> dict[str, Any]:
+    frames = [(f.filename, f.lineno) for f in traceback.extract_tb(e.__traceback__)]
+    return {"error": f"{type(e).__name__}: {e}", "frames": frames, "module": module}
+
+
+def _run(job: dict[str, Any], rank: int, conn: Connection) -> int:
+    import torch
+    import torch.distributed as dist
+
+    opts = job["options"]
+    world, stages = opts.world, opts.stages
+    torch.set_num_threads(job.get("threads", 1))
+    try:
+        custom = _custom_ops(job["custom"])
+        if opts.backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+            device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            device = torch.device("cpu")
+        dist.init_process_group(opts.backend, init_method=f"tcp://127.0.0.1:{job['port']}", rank=rank,
+                                world_size=world * stages, timeout=timedelta(seconds=max(30.0, opts.timeout_s)))
+        groups = [dist.new_group(list(range(s * world, (s + 1) * world))) for s in range(stages)]
+    except Exception as e:  # the group never formed: nothing of this launch can run
+        conn.send(("error", None, rank, _error(e, "")))
+        return 1
+    stage = rank // world
+    group = groups[stage]
+    for task, source, path, prog in job["tasks"]:
+        conn.send(("started", task, rank, None))
+        try:
+            ns: dict[str, Any] = {"__name__": f"coconet_generated_{task}"}
+            exec(compile(source, path, "exec"), ns)
+            step = ns["step"]
+            kwargs = dict(group=group, stage=stage, stages=stages, sizes=dict(opts.sizes), custom_ops=custom)
+            if opts.check:
+                tensors, scalars = inputs(prog, opts, stage, rank % world, device)
+                out = step(tensors, scalars, **kwargs)
+                conn.send(("check", task, rank, observe(prog, tensors, out, stage)))
+            if opts.time:
+                tensors, scalars = inputs(prog, opts, stage, rank % world, device)
+                samples = _time(step, tensors, scalars, kwargs, opts, device)
+                if rank == 0:
+                    conn.send(("time", task, rank, samples))
+        except Exception as e:
+            conn.send(("error", task, rank, _error(e, path)))
+            return 1
+    dist.destroy_process_group()
+    return 0
+
+
+def _custom_ops(spec) -> dict[str, Any]:
+    kind, value = spec
+    if kind == "callables":
+        return value
+    from coconet.loader import load_file
+
+    return {k: op.torch for k, op in load_file(value).custom_ops.items()}
+
+
+def inputs(prog, opts, stage: int, grank: int, device):
+    """This rank's pieces of the seeded inputs (the interpreter's values; its layouts decide the pieces)."""
+    import torch
+
+    from coconet.schedules import interp
+    from coconet.schedules.types import Local
+
+    values = interp.make_inputs(prog, opts.world, opts.sizes, opts.seed, stage)
+    tensors, scalars = {}, {}
+    for s in prog.inputs:
+        if s.name not in values:
+            continue
+        v = values[s.name]
+        if s.op == "scalar":
+            scalars[s.name] = int(v) if s.type.dtype == "int64" else float(v)
+            continue
+        shape = interp.concrete_shape(s.type, opts.sizes)
+        piece = v[grank] if isinstance(s.type.layout, Local) else interp.distribute(s.type, v, shape, opts.world)[grank]
+        tensors[s.name] = torch.tensor(np.ascontiguousarray(piece), dtype=getattr(torch, s.type.dtype), device=device)
+    return tensors, scalars
+
+
+def observe(prog, tensors, out, stage: int) -> dict[str, np.ndarray]:
+    obs = {}
+    for name in prog.updates:
+        obs[f"stage{stage}.state.{name}"] = tensors[name].detach().double().cpu().numpy()
+    for name, v in out["outputs"].items():
+        obs[f"stage{stage}.output.{name}"] = v.detach().double().cpu().numpy()
+    for tag, v in out["sent"].items():
+        obs[f"stage{stage}.sent.{tag}"] = v.detach().double().cpu().numpy()
+    return obs
+
+
+def _time(step, tensors, scalars, kwargs, opts, device) -> list[float]:
+    """Each sample: barrier, one step, the slowest rank's time (the step is as slow as its slowest rank)."""
+    import torch
+    import torch.distributed as dist
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    samples = []
+    for i in range(opts.warmup + opts.repeats):
+        dist.barrier()
+        sync()
+        t0 = time.perf_counter()
+        step(tensors, scalars, **kwargs)
+        sync()
+        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        if i >= opts.warmup:
+            samples.append(float(dt.item()))
+    return samples
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

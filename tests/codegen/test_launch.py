@@ -1,0 +1,188 @@
+"""Generated code on real worlds of gloo ranks, checked against the reference interpreter."""
+
+import os
+import runpy
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from coconet.codegen.launch import STARTUP_S, Options, run_schedules
+from coconet.schedules.schedule import Schedule
+from coconet.schedules.space import generate
+from tests.codegen import faulty
+from tests.strategies import collective_programs, programs
+
+ROOT = Path(__file__).parents[2]
+EXAMPLES = sorted(p.stem for p in (ROOT / "examples").glob("*.py"))
+# not divisible by 2 or 3: every slice of every rank is uneven somewhere
+SIZES = {"N": 7, "M": 5, "B": 2, "S": 3, "H": 5, "K": 3}
+
+
+def example(name):
+    return runpy.run_path(str(ROOT / "examples" / f"{name}.py"))["program"].ir
+
+
+def check_only(world, sizes, **kw):
+    return Options(world=world, sizes=sizes, time=False, timeout_s=60, **kw)
+
+
+def rank_processes() -> list[int]:
+    """Live rank processes of any launch (a zombie is already gone)."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().split(b"\0")
+            state = (d / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if b"coconet.codegen.rank" in cmd and state != "Z":
+            pids.append(int(d.name))
+    return pids
+
+
+def assert_all_ok(results):
+    bad = [(r.schedule, r.status, r.error) for r in results if r.status != "ok" or not r.correct]
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_every_schedule_of_every_example(name, world):
+    prog = example(name)
+    sizes = {d: SIZES[d] for d in prog.dims}
+    results = run_schedules(list(generate(prog)), check_only(world, sizes, stages=2))
+    assert_all_ok(results)
+    assert not rank_processes()
+
+
+def test_knob_values_run_correctly():
+    """Other chunk counts and bucket caps than the defaults: more chunks than rows, one-row chunks."""
+    adam, megatron = example("adam"), example("megatron_mlp")
+    scheds = [s.with_knobs(**{k: v})
+              for s in generate(adam) if s.knob_values
+              for k, (_, domain) in s.knob_domains.items() for v in domain]
+    results = run_schedules(scheds, check_only(3, {"N": 7}))
+    assert_all_ok(results)
+    scheds = [s.with_knobs(chunks=c) for s in generate(megatron) if "chunks" in s.knob_values for c in (2, 16)]
+    assert_all_ok(run_schedules(scheds, check_only(2, {"B": 3, "S": 2, "H": 5})))
+
+
+HEALTH = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
+# each example launches ranks (seconds): no shrinking, and the same examples on every run
+RANKS = dict(deadline=None, suppress_health_check=HEALTH, derandomize=True,
+             phases=[Phase.explicit, Phase.generate])
+
+
+@settings(max_examples=4, **RANKS)
+@given(collective_programs(), st.sampled_from([2, 3]))
+def test_unseen_collective_programs(p, world):
+    prog = p.ir
+    assert_all_ok(run_schedules(list(generate(prog, depth=4)), check_only(world, {"N": 5, "M": 7})))
+
+
+@settings(max_examples=3, **RANKS)
+@given(programs(max_ops=8, dtypes=False), st.sampled_from([2, 3]))
+def test_unseen_programs(p, world):
+    prog = p.ir
+    assert_all_ok(run_schedules(list(generate(prog, depth=3))[:12], check_only(world, {"N": 5, "M": 7})))
+
+
+def test_timing_samples_and_statistics():
+    prog = example("sgd")
+    (res,) = run_schedules([Schedule(prog)], Options(world=2, sizes={"N": 1000}, warmup=1, repeats=5))
+    assert res.status == "ok" and res.correct
+    assert len(res.samples) == 5 and all(s > 0 for s in res.samples)
+    lo, hi = res.ci95_s
+    assert lo <= res.median_s <= hi
+    out = res.to_json()
+    assert out["samples"] == 5 and out["ci95_s"] == [lo, hi]
+
+
+def test_a_raising_rank_names_rank_and_statement_and_the_rest_still_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("COCONET_TEST_ONCE", str(tmp_path / "once"))
+    prog = faulty.program(faulty.boom)
+    first, second = Schedule(prog), Schedule.parse("split(ar0)", prog)
+    bad, good = run_schedules([first, second], check_only(2, {"N": 6}))
+    assert bad.status == "runtime_error" and bad.correct is None
+    assert "rank 1 in statement boom0 (boom)" in bad.error and "boom on purpose" in bad.error
+    assert good.status == "ok" and good.correct
+    assert not rank_processes()
+
+
+def test_a_hanging_rank_is_stopped_and_located():
+    prog = faulty.program(faulty.hang)
+    t0 = time.monotonic()
+    (res,) = run_schedules([Schedule(prog)], Options(world=2, sizes={"N": 6}, time=False, timeout_s=3))
+    elapsed = time.monotonic() - t0
+    assert res.status == "timeout"
+    assert "no result within 3 s" in res.error
+    assert "rank 1 in statement hang0 (hang)" in res.error
+    assert elapsed < 3 + STARTUP_S + 20
+    assert not rank_processes()
+
+
+def test_a_dying_rank_is_reported_with_its_exit_code():
+    prog = faulty.program(faulty.die)
+    (res,) = run_schedules([Schedule(prog)], check_only(2, {"N": 6}))
+    assert res.status == "runtime_error" and "rank 1 died (exit code 3)" in res.error
+    assert not rank_processes()
+
+
+def test_wrong_results_are_caught(monkeypatch):
+    """A backend bug must show up as wrong_result: break the generated code on purpose."""
+    import coconet.codegen.launch as launch
+
+    real = launch.lower
+
+    def broken(sched, backend):
+        gen = real(sched, backend)
+        return gen.__class__(gen.schedule, gen.backend, gen.source.replace("w.copy_(sub0)", "w.copy_(sub0 * 1.5)"),
+                             gen.line_map)
+
+    monkeypatch.setattr(launch, "lower", broken)
+    (res,) = run_schedules([Schedule(example("sgd"))], check_only(2, {"N": 7}))
+    assert res.status == "wrong_result" and res.correct is False
+    assert "stage0.state.w" in res.error and res.max_rel_err > 0.1
+
+
+def _wait_for_ranks(n, timeout=60):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if len(rank_processes()) >= n:
+            return
+        time.sleep(0.2)
+    raise AssertionError("the ranks never started")
+
+
+def _cli(*args):
+    return subprocess.Popen([sys.executable, "-m", "coconet", "run", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def test_ctrl_c_stops_every_rank():
+    proc = _cli("examples/adam.py", "--world", "2", "--size", "N=2^16", "--repeats", "100000")
+    _wait_for_ranks(2)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and "error: interrupted" in err and "Traceback" not in err
+    assert not rank_processes()
+
+
+def test_ranks_die_with_a_killed_parent():
+    proc = _cli("examples/adam.py", "--world", "2", "--size", "N=2^16", "--repeats", "100000")
+    _wait_for_ranks(2)
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 20
+    while rank_processes() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not rank_processes()

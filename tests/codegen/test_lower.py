@@ -1,0 +1,109 @@
+import os
+import runpy
+from pathlib import Path
+
+import pytest
+
+from coconet import __version__
+from coconet.codegen.cache import module_path
+from coconet.codegen.lower import lower
+from coconet.errors import BackendError
+from coconet.schedules.schedule import Schedule
+from coconet.schedules.space import generate
+from tests.codegen import faulty
+
+ROOT = Path(__file__).parents[2]
+GOLDEN = Path(__file__).parent / "golden"
+EXAMPLES = sorted(p.stem for p in (ROOT / "examples").glob("*.py"))
+
+
+def example(name):
+    return runpy.run_path(str(ROOT / "examples" / f"{name}.py"))["program"].ir
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_every_schedule_lowers_for_both_backends(name):
+    prog = example(name)
+    for sched in generate(prog):
+        for backend in ("gloo", "nccl"):
+            gen = lower(sched, backend)
+            assert f"schedule: {sched.text}" in gen.source
+            assert f"program:  {prog.name} (hash {prog.hash})" in gen.source
+            assert f"coconet {__version__}" in gen.source
+            compile(gen.source, "<test>", "exec")
+            # every statement is implemented on lines of its own or of its group
+            mapped = set(gen.line_map.values())
+            scheduled = sched.scheduled
+            for s in scheduled.stmts:
+                group = scheduled.group_of.get(s.name)
+                members = group.members if group else (s.name,)
+                if s.op not in ("input", "scalar", "update"):
+                    assert mapped & set(members), (sched.text, s.name)
+
+
+def test_backend_device_and_unknown_backend():
+    sched = Schedule(example("adam"))
+    assert "torch.device('cuda'" in lower(sched, "nccl").source
+    assert "torch.device('cpu')" in lower(sched, "gloo").source
+    with pytest.raises(BackendError, match="unknown backend 'mpi'"):
+        lower(sched, "mpi")
+
+
+def test_custom_op_without_torch_code_is_refused_up_front():
+    with pytest.raises(BackendError, match="custom op twice has no torch implementation") as e:
+        lower(Schedule(faulty.reference_only()), "gloo")
+    assert e.value.kind == "compile_error"
+
+
+def test_line_map_points_at_statements():
+    sched = Schedule.parse("split(ar0); reorder(ag0); fuse_collective(rs0)", example("adam"))
+    gen = lower(sched)
+    lines = gen.source.split("\n")
+    at = {gen.statement_at(i + 1) for i, line in enumerate(lines) if "in _reduce_scatter_chunks(" in line}
+    assert at == {"rs0"}
+    assert gen.statement_at(1) is None
+
+
+def test_fused_collective_chunks_knob():
+    prog = example("adam")
+    base = Schedule.parse("split(ar0); reorder(ag0); as_slice(w); as_slice(m); as_slice(v); fuse_collective(rs0)",
+                          prog)
+    assert base.knob_values["fc_chunks"] == 4
+    assert "_reduce_scatter_chunks(_rank, g, 0, d_N, 4, 'sum')" in lower(base).source
+    one = lower(base.with_knobs(fc_chunks=1)).source
+    assert "in _reduce_scatter_chunks(" not in one and "_reduce_scatter(_c, g, 0, d_N, 'sum')" in one
+
+
+def test_bucket_is_one_coalesced_launch_per_cap():
+    sched = Schedule.parse("split(ar0); reorder(ag0); bucket(ag1, ag2, ag3)", example("adam"))
+    src = lower(sched.with_knobs(bucket_bytes=2**20)).source
+    assert "ag1, ag2, ag3 = _bucket_all_gather(_c, [add0, add1, sub4], [0, 0, 0], [d_N, d_N, d_N], 1048576)" in src
+    assert "torch.cat([x.reshape(-1)" not in src  # no flattening copy in the generated code
+
+
+def test_module_cache_is_keyed_by_schedule_and_backend(tmp_path, monkeypatch):
+    monkeypatch.setenv("COCONET_CACHE_DIR", str(tmp_path))
+    prog = example("sgd")
+    a, b = lower(Schedule(prog), "gloo"), lower(Schedule.parse("split(ar0)", prog), "gloo")
+    pa, pb = module_path(a), module_path(b)
+    assert pa != pb and pa.parent == pb.parent == tmp_path / "codegen"
+    assert pa.read_text() == a.source and module_path(a) == pa
+    assert module_path(lower(Schedule(prog), "nccl")) != pa
+
+
+GOLDENS = {
+    "adam_baseline": ("adam", "baseline"),
+    "adam_fused_collective": ("adam", "split(ar0); reorder(ag0); as_slice(w); as_slice(m); as_slice(v); "
+                                      "fuse_collective(rs0)"),
+    "megatron_overlap": ("megatron_mlp", "split(ar0); overlap(mm0, rs0)"),
+}
+
+
+@pytest.mark.parametrize("golden", sorted(GOLDENS))
+def test_generated_code_golden(golden):
+    name, text = GOLDENS[golden]
+    source = lower(Schedule.parse(text, example(name)), "gloo").source.replace(__version__, "VERSION")
+    path = GOLDEN / f"{golden}.py"
+    if os.environ.get("COCONET_UPDATE_GOLDEN"):
+        path.write_text(source)
+    assert source == path.read_text(), f"generated code for {golden} changed; review and regenerate with COCONET_UPDATE_GOLDEN=1"
