@@ -8,20 +8,48 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from coconet.schedules.ir import Program
+from coconet.schedules.ir import Program, Stmt
 from coconet.schedules.rewrite import Rewriter
 from coconet.schedules.transforms.base import Transform, consumes_slices, is_pointwise, ordered
-from coconet.schedules.types import Local
+from coconet.schedules.types import Local, Sliced
+
+
+def slices_align(program: Program, s: Stmt, sliced: dict[str, int]) -> tuple[bool, int | None]:
+    """Can ``s`` run on slices when the values in ``sliced`` are sliced along the dims given? Every
+    sliced operand must land on one dim of the result (broadcasting aligns trailing dims), and that
+    dim must not be a broadcast one. Returns (ok, the result's sliced dim or None)."""
+    out = s.type
+    dims = set()
+    for a in s.args:
+        t = program[a].type
+        d = sliced.get(a, t.layout.dim if isinstance(t.layout, Sliced) else None)
+        if d is None:
+            continue
+        if s.op in ("sum", "norm"):
+            continue  # a partial reduction of any slicing
+        od = d + out.ndim - t.ndim
+        if od < 0 or t.shape[d] != out.shape[od]:
+            return False, None
+        dims.add(od)
+    if len(dims) > 1:
+        return False, None
+    return True, (dims.pop() if dims else None)
 
 
 def region(program: Program, ag: str) -> tuple[str, ...]:
     """The largest set of statements downstream of ``ag`` that can run on its slices."""
     members: set[str] = set()
     frontier = {ag}
+    sliced = {ag: program[program[ag].args[0]].type.layout.dim}
     for s in program.stmts:
         if any(a in frontier for a in s.args) and consumes_slices(program, s):
+            ok, dim = slices_align(program, s, sliced)
+            if not ok:
+                continue
             members.add(s.name)
             frontier.add(s.name)
+            if dim is not None:
+                sliced[s.name] = dim
     return ordered(program, members)
 
 
@@ -48,8 +76,14 @@ class Reorder(Transform):
         if missing:
             raise self.refuse(f"the program has no statement {missing[0]!r}")
         reachable = set(region(program, ag.name))
+        sliced = {ag.name: program[ag.args[0]].type.layout.dim}
         for m in ordered(program, members):
             s = program[m]
+            ok, dim = slices_align(program, s, sliced)
+            if not ok:
+                raise self.refuse(f"{m} would combine slices along different dims")
+            if dim is not None:
+                sliced[m] = dim
             local = [a for a in s.args if isinstance(program[a].type.layout, Local)]
             if local:
                 raise self.refuse(f"{m} reads Local {local[0]}: a per-rank value cannot be combined with slices")

@@ -31,6 +31,8 @@ def test_every_schedule_lowers_for_both_backends(name):
             assert f"program:  {prog.name} (hash {prog.hash})" in gen.source
             assert f"coconet {__version__}" in gen.source
             compile(gen.source, "<test>", "exec")
+            imports = [x for x in gen.source.split("\n") if x.startswith(("import ", "from "))]
+            assert imports == ["import torch", "import torch.distributed as dist"], imports  # torch only
             # every statement is implemented on lines of its own or of its group
             mapped = set(gen.line_map.values())
             scheduled = sched.scheduled
