@@ -162,23 +162,26 @@ def _wait_for_ranks(n, timeout=60):
     raise AssertionError("the ranks never started")
 
 
-def _cli(*args):
+def _cli(tmp_path, *args):
+    # a killed parent cannot remove its work directory: keep it in the test's
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
     return subprocess.Popen([sys.executable, "-m", "coconet", "run", *args], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, env=env)
 
 
-def test_ctrl_c_stops_every_rank():
-    proc = _cli("examples/adam.py", "--world", "2", "--size", "N=2^16", "--repeats", "100000")
+def test_ctrl_c_stops_every_rank(tmp_path):
+    proc = _cli(tmp_path, "examples/adam.py", "--world", "2", "--size", "N=2^16", "--repeats", "100000")
     _wait_for_ranks(2)
     time.sleep(1.0)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 2 and "error: interrupted" in err and "Traceback" not in err
     assert not rank_processes()
+    assert not list(tmp_path.glob("coconet-run-*"))  # the interrupted parent cleaned up
 
 
-def test_ranks_die_with_a_killed_parent():
-    proc = _cli("examples/adam.py", "--world", "2", "--size", "N=2^16", "--repeats", "100000")
+def test_ranks_die_with_a_killed_parent(tmp_path):
+    proc = _cli(tmp_path, "examples/adam.py", "--world", "2", "--size", "N=2^16", "--repeats", "100000")
     _wait_for_ranks(2)
     proc.kill()
     proc.wait()
