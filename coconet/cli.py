@@ -239,6 +239,8 @@ def run(
                                        "`coconet schedules`, `baseline` or `all` (repeatable). The baseline "
                                        "always runs too."),
     backend: str = typer.Option("gloo", "--backend", help="gloo (CPU tensors) or nccl (CUDA tensors)."),
+    kernels: str = typer.Option("compiled", "--kernels", help="compiled: fused groups compiled by Inductor "
+                                "(the first call compiles; cached on disk); eager: plain torch statements."),
     stages: Optional[int] = typer.Option(None, "--stages", min=1, max=16,
                                          help="Pipeline stages for programs that send/recv (default 2)."),
     repeats: int = typer.Option(20, "--repeats", min=1, help="Timed steps per schedule."),
@@ -254,7 +256,7 @@ def run(
     """Run schedules on R ranks of this machine: check every output against the reference interpreter and
     time the step (median and 95% CI of the slowest rank per step)."""
     from coconet.codegen.launch import Options, run_schedules
-    from coconet.codegen.lower import BACKENDS, lower
+    from coconet.codegen.lower import BACKENDS, KERNELS, lower
     from coconet.loader import load_file
     from coconet.schedules.dims import parse_sizes
 
@@ -262,6 +264,8 @@ def run(
         raise NotAvailable("the shm backend arrives with the performance work; use gloo or nccl")
     if backend not in BACKENDS:
         raise CoconetError(f"unknown backend {backend!r} (use {' or '.join(BACKENDS)})")
+    if kernels not in KERNELS:
+        raise CoconetError(f"unknown --kernels {kernels!r} (use {' or '.join(KERNELS)})")
     prog = load_file(file)
     if not size:
         raise CoconetError(f"--size is required: bind {', '.join(prog.dims)} (e.g. --size {prog.dims[0]}=2^20)"
@@ -271,9 +275,9 @@ def run(
     if emit is not None:
         emit.mkdir(parents=True, exist_ok=True)
         for sched in picked:
-            gen = lower(sched, backend)
+            gen = lower(sched, backend, kernels)
             (emit / f"{prog.name}_{sched.hash}_{backend}.py").write_text(gen.source)
-    opts = Options(world=world, sizes=sizes, backend=backend, stages=stages or 2, seed=seed, warmup=warmup,
+    opts = Options(world=world, sizes=sizes, backend=backend, kernels=kernels, stages=stages or 2, seed=seed, warmup=warmup,
                    repeats=repeats, check=not no_check, timeout_s=timeout)
     results = run_schedules(picked, opts, program_file=str(file) if str(file).endswith(".py") else None)
     base = results[0].median_s

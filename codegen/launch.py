@@ -83,6 +83,7 @@ class Options:
     world: int
     sizes: Mapping[str, int]
     backend: str = "gloo"
+    kernels: str = "compiled"  # or "eager": see coconet.codegen.lower.lower
     stages: int = 1
     seed: int = 0
     warmup: int = 3
@@ -116,7 +117,7 @@ def run_schedules(schedules: Sequence[Schedule], opts: Options, program_file: st
     tasks: list[tuple[int, Generated]] = []
     for i, sched in enumerate(schedules):
         try:
-            gen = lower(sched, opts.backend)
+            gen = lower(sched, opts.backend, opts.kernels)
         except CoconetError as e:
             results[i] = RunResult(sched.text, sched.hash, getattr(e, "kind", "compile_error"), error=str(e))
             continue

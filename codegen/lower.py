@@ -57,21 +57,25 @@ class Generated:
     backend: str
     source: str
     line_map: dict = None  # 1-based line of the module -> the statement it implements
+    kernels: str = "compiled"
 
     def statement_at(self, line: int) -> str | None:
         return (self.line_map or {}).get(line)
 
     @property
     def key(self) -> str:
-        return f"{self.schedule.hash}_{self.backend}"
+        return f"{self.schedule.hash}_{self.backend}_{self.kernels}"
 
 
 class _Emitter:
-    def __init__(self, schedule: Schedule, backend: str):
+    def __init__(self, schedule: Schedule, backend: str, kernels: str):
         self.s = schedule
         self.p: Program = schedule.scheduled
         self.backend = backend
-        self.kernels: list[str] = []
+        self.compile = kernels == "compiled"
+        self.kernels: list[str] = []  # nested in step: they read its dims
+        self.toplevel: list[tuple[str, str | None]] = []  # fused pointwise kernels, at module level
+        self.written: set[str] = set()  # state a kernel writes in place
         self.chunked: set[str] | None = None  # members of the chunked unit being emitted
 
     # --- expressions for one statement's local value ---
@@ -179,12 +183,19 @@ def _paren(x: str) -> str:
     return x if x.isidentifier() else f"({x})"
 
 
-def lower(schedule: Schedule, backend: str = "gloo") -> Generated:
-    """The Python module for ``schedule`` on ``backend`` (gloo: CPU tensors, nccl: CUDA tensors)."""
+KERNELS = ("compiled", "eager")
+
+
+def lower(schedule: Schedule, backend: str = "gloo", kernels: str = "compiled") -> Generated:
+    """The Python module for ``schedule`` on ``backend`` (gloo: CPU tensors, nccl: CUDA tensors).
+    ``kernels``: fused pointwise groups compiled by Inductor on first call (``compiled``) or run as
+    plain torch statements (``eager``: no compile time, one kernel per statement)."""
     if backend not in BACKENDS:
         raise BackendError(f"unknown backend {backend!r} for torch.distributed (use {' or '.join(BACKENDS)})",
                            kind="compile_error")
-    e = _Emitter(schedule, backend)
+    if kernels not in KERNELS:
+        raise BackendError(f"unknown kernels {kernels!r} (use {' or '.join(KERNELS)})", kind="compile_error")
+    e = _Emitter(schedule, backend, kernels)
     p = e.p
     units = _units(p)
     body: list[tuple[str, str]] = []  # (line, statement it implements)
@@ -194,12 +205,12 @@ def lower(schedule: Schedule, backend: str = "gloo") -> Generated:
         else:
             s = p[unit]
             body.extend((x, s.name) for x in e.stmt(s))
-    updates = [f"{ident(t)}.copy_({ident(v)})" for t, v in p.updates.items()]
+    updates = [(f"{ident(t)}.copy_({ident(v)})", t) for t, v in p.updates.items() if t not in e.written]
     # a value that is itself (a view of) state must be copied before any state is written
     aliased = [v for v in p.updates.values() if p[v].op in ("input", "scalar")]
     src, line_map = _module(schedule, backend, e, body, updates, aliased)
     compile(src, f"<coconet {schedule.hash}>", "exec")
-    return Generated(schedule, backend, src, line_map)
+    return Generated(schedule, backend, src, line_map, kernels)
 
 
 def _units(p: Program) -> list:
@@ -248,13 +259,14 @@ def _lower_group(e: _Emitter, g: Group) -> list[str]:
         return _lower_overlap(e, g, knobs.get("chunks", 4))
     if g.kind == "bucket":
         return _lower_bucket(e, g, knobs.get("bucket_bytes", 2**22))
+    if g.kind == "fuse":
+        return _lower_fuse(e, g)
     ins, outs = _group_io(p, g)
     fname = f"_{g.kind}{len(e.kernels)}"
     chunks = knobs.get("fc_chunks", 1) if g.kind == "fused_collective" else 1
     ctx = "_rank" if chunks > 1 else "_c"
     lines = [(f"def {fname}({ctx}, {', '.join(ident(a) for a in ins)}):", g.members[0])]
-    doc = {"fuse": "pointwise statements as one kernel (plain torch; compiled kernels plug in here)",
-           "fused_collective": "reduce_scatter, the computation on this rank's slice, the all_gathers, as one unit"}
+    doc = {"fused_collective": "reduce_scatter, the computation on this rank's slice, the all_gathers, as one unit"}
     lines.append((f'    """{g.kind}: {doc[g.kind]}."""', g.members[0]))
     if chunks > 1:
         lines += _chunked_body(e, g, outs, chunks)
@@ -265,6 +277,62 @@ def _lower_group(e: _Emitter, g: Group) -> list[str]:
     e.kernels.append(lines)
     return [f"{', '.join(ident(o) for o in outs)}{',' if len(outs) == 1 else ''} = {fname}(_c, "
             f"{', '.join(ident(a) for a in ins)})"]
+
+
+def _in_place(p: Program, g: Group, outs: list[str]) -> dict[str, str]:
+    """Outputs of a pointwise group that can be written straight into the state they update: the
+    value feeds only that update and every reader of the state is in the group (each element is
+    read before it is written, by the same kernel)."""
+    members = set(g.members)
+    found = {}
+    for o in outs:
+        targets = [t for t, v in p.updates.items() if v == o]
+        if len(targets) != 1 or any(u not in members and p[u].op != "update" for u in p.users[o]):
+            continue
+        t = targets[0]
+        if p[t].type.shape != p[o].type.shape or p[t].type.layout != p[o].type.layout:
+            continue
+        if all(u in members or p[u].op == "update" for u in p.users[t]):
+            found[o] = t
+    return found
+
+
+def _lower_fuse(e: _Emitter, g: Group) -> list[str]:
+    """A pointwise group as one module-level function; compiled, Inductor fuses it into one loop (C++ on
+    CPU, Triton on CUDA) that writes updated state in place."""
+    p = e.p
+    ins, outs = _group_io(p, g)
+    inplace = _in_place(p, g, outs)
+    e.written.update(inplace.values())
+    rest = [o for o in outs if o not in inplace]
+    body = []
+    for m in g.members:
+        body.extend(("    " + x, m) for x in e.stmt(p[m]))
+    body += [(f"    {ident(t)}.copy_({ident(o)})", o) for o, t in inplace.items()]
+    if rest:
+        body.append((f"    return {', '.join(ident(o) for o in rest)}{',' if len(rest) == 1 else ''}", g.members[-1]))
+    text = "\n".join(x for x, _ in body)
+    dims = [f"d_{d}" for d in p.dims if re.search(rf"\bd_{d}\b", text)]
+    custom = any(p[m].op in p.custom_ops for m in g.members)
+    params = ["_c"] + dims + (["_custom"] if custom else []) + [ident(a) for a in ins]
+    params += [ident(t) for t in inplace.values() if t not in ins]
+    fname = f"_fuse{len([x for x in e.toplevel if x[0].startswith('def ')])}"
+    head = [(f"def {fname}({', '.join(params)}):", g.members[0]),
+            (f'    """fuse({", ".join(g.members)}): one pointwise kernel'
+             + (", state written in place" if inplace else "") + '."""', g.members[0])]
+    e.toplevel += head + body + [("", None), ("", None)]
+    compiled = e.compile and not custom  # a custom op's torch code may not trace; it runs as written
+    if compiled:
+        e.toplevel += [(f"{fname} = _kernel({fname})", g.members[0]), ("", None)]
+    args = list(params)
+    if compiled:
+        # an int argument would be baked into the compiled code: a new seed would recompile it
+        ints = {ident(a) for a in ins if p[a].op == "scalar" and p[a].type.dtype == "int64"}
+        args = [f"_int64(_c, {a})" if a in ints else a for a in args]
+    call = f"{fname}({', '.join(args)})"
+    if not rest:
+        return [call]
+    return [f"{', '.join(ident(o) for o in rest)}{',' if len(rest) == 1 else ''} = {call}"]
 
 
 def _chunked_body(e: _Emitter, g: Group, outs: list[str], chunks: int) -> list[tuple[str, str]]:
@@ -423,10 +491,11 @@ def _module(schedule: Schedule, backend: str, e: _Emitter, body, updates: list[s
     lines += rest
     for v in aliased:
         lines.append((f"    {ident(v)} = {ident(v)}.clone()", v))
-    lines += [("    " + x, t) for x, t in zip(updates, p.updates)]
+    lines += [("    " + x, t) for x, t in updates]
     lines.append(('    return {"outputs": _outputs, "sent": _sent}', None))
-    step = "\n".join(x.rstrip() for x, _ in lines) + "\n"
-    # only the helpers this step calls are pasted in, so the module reads top to bottom
-    head = header + prelude_source(step).split("\n") + ["", ""]
+    lines = e.toplevel + lines
+    code = "\n".join(x.rstrip() for x, _ in lines) + "\n"
+    # only the helpers the code calls are pasted in, so the module reads top to bottom
+    head = header + prelude_source(code).split("\n") + ["", ""]
     line_map = {len(head) + i + 1: m for i, (_, m) in enumerate(lines) if m is not None}
-    return "\n".join(head) + "\n" + step, line_map
+    return "\n".join(head) + "\n" + code, line_map

@@ -254,6 +254,17 @@ def _dropout(c, x, p, seed, shape, dim):
     return torch.where(keep, x / (1.0 - p), torch.zeros((), dtype=x.dtype, device=x.device))
 
 
+def _int64(c, x):
+    """An int as a 0-d int64 tensor (two's complement for seeds of 2^63 and up)."""
+    return torch.tensor(x - (1 << 64) if x >= 1 << 63 else x, dtype=torch.int64, device=c.device)
+
+
+def _kernel(fn):
+    """A fused pointwise kernel, compiled by Inductor on its first call (vectorised C++ on CPU, Triton
+    on CUDA) and loaded from Inductor's on-disk cache by later processes."""
+    return torch.compile(fn, dynamic=False, fullgraph=True)
+
+
 def _size(sizes, name):
     if sizes is None or name not in sizes:
         raise ValueError(f"dim {name} cannot be read off the inputs: pass sizes={{'{name}': ...}} to step()")
@@ -262,7 +273,7 @@ def _size(sizes, name):
 
 HELPERS = (_Ctx, _reduce_op, _allreduce, _padded, _rows_of, _reduce_scatter, _part, _all_gather, _coalesced, _launches,
            _bucket_allreduce, _bucket_reduce_scatter, _bucket_all_gather, _Chunk, _reduce_scatter_chunks, _Gather,
-           _global_index, philox_words, _dropout, _size)
+           _global_index, philox_words, _dropout, _int64, _kernel, _size)
 
 
 def prelude_source(code: str | None = None) -> str:

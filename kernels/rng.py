@@ -24,7 +24,7 @@ def philox_words(seed: int, index):
     c0, c1 = block & mask, (block >> 32) & mask
     c2 = torch.zeros_like(block)
     c3 = torch.zeros_like(block)
-    k0, k1 = seed & mask, seed >> 32
+    k0, k1 = seed & mask, (seed >> 32) & mask  # seed: an int, or an int64 tensor (two's complement)
     for r in range(10):
         if r:
             k0, k1 = (k0 + 0x9E3779B9) & mask, (k1 + 0xBB67AE85) & mask
@@ -32,8 +32,8 @@ def philox_words(seed: int, index):
         hi0, lo0 = (p0 >> 32) & mask, p0 & mask
         hi1, lo1 = (p1 >> 32) & mask, p1 & mask
         c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
-    words = torch.stack([c0, c1, c2, c3], dim=-1)
-    return torch.gather(words, -1, lane.unsqueeze(-1)).squeeze(-1)
+    # a select, not a stack + gather: a compiler fuses it into the one loop
+    return torch.where(lane < 2, torch.where(lane == 0, c0, c1), torch.where(lane == 2, c2, c3))
 
 
 def random_bits(seed: int, index: Any):

@@ -107,6 +107,7 @@ def test_json_with_unknown_op(tmp_path):
     (["run", "examples/adam.py", "--size", "N=8", "--schedule", "split(nope)"], "nope"),
     (["run", "examples/adam.py", "--size", "N=8", "--backend", "mpi"], "unknown backend 'mpi'"),
     (["run", "examples/adam.py", "--size", "N=8", "--backend", "shm"], "shm"),
+    (["run", "examples/adam.py", "--size", "N=8", "--kernels", "numba"], "unknown --kernels 'numba'"),
 ])
 def test_other_errors(args, fragment):
     assert_one_error(coconet(*args), fragment)
@@ -147,7 +148,7 @@ def test_schedules_show_and_verify():
 
 def test_run_json_answers_as_documented(tmp_path):
     proc = coconet("run", "examples/sgd.py", "--world", "3", "--size", "N=100", "--schedule", "all",
-                   "--repeats", "2", "--warmup", "0", "--json", "--emit", tmp_path)
+                   "--repeats", "2", "--warmup", "0", "--json", "--emit", tmp_path, "--kernels", "eager")
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert (out["world"], out["backend"], out["sizes"], out["program"]) == (3, "gloo", {"N": 100}, "sgd")

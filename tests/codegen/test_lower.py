@@ -76,6 +76,28 @@ def test_fused_collective_chunks_knob():
     assert "in _reduce_scatter_chunks(" not in one and "_reduce_scatter(_c, g, 0, d_N, 'sum')" in one
 
 
+def test_fused_kernel_writes_state_in_place_and_compiles():
+    prog = example("adam")
+    fuse = next(s for s in generate(prog) if s.text.startswith("fuse("))
+    src = lower(fuse).source
+    assert "_fuse0 = _kernel(_fuse0)" in src
+    kernel = src[src.index("def _fuse0("):src.index("_fuse0 = _kernel")]
+    for state in ("w", "m", "v"):
+        assert f"    {state}.copy_(" in kernel  # inside the kernel, not after it
+    step = src[src.index("def step("):]
+    assert ".copy_(" not in step and "_fuse0(_c, " in step
+    eager = lower(fuse, kernels="eager").source
+    assert "_kernel(" not in eager and "torch.compile" not in eager
+    with pytest.raises(BackendError, match="unknown kernels"):
+        lower(fuse, kernels="fast")
+
+
+def test_int_scalars_reach_compiled_kernels_as_tensors():
+    sched = Schedule.parse("fuse(add0, drop0, add1)", example("megatron_mlp"))
+    assert "_fuse0(_c, d_B, d_S, d_H, ar0, b, _int64(_c, seed), r)" in lower(sched).source
+    assert "_fuse0(_c, d_B, d_S, d_H, ar0, b, seed, r)" in lower(sched, kernels="eager").source
+
+
 def test_bucket_is_one_coalesced_launch_per_cap():
     sched = Schedule.parse("split(ar0); reorder(ag0); bucket(ag1, ag2, ag3)", example("adam"))
     src = lower(sched.with_knobs(bucket_bytes=2**20)).source

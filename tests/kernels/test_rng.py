@@ -50,3 +50,12 @@ def test_cuda_matches_numpy():
         assert np.array_equal(trng.cuda_random_bits(seed, index), want)
         got = trng.random_bits(seed, torch.from_numpy(index).cuda()).cpu().numpy()
         assert np.array_equal(got, want.astype(np.int64))
+
+
+def test_seed_as_twos_complement_int64_tensor():
+    """Compiled kernels take the seed as a 0-d int64 tensor; seeds of 2^63 and up wrap to negative."""
+    index = torch.arange(0, 4096, dtype=torch.int64)
+    for seed in (0, 7, 2**32 + 3, 2**63 - 1, 2**63, 2**64 - 1):
+        as_tensor = torch.tensor(seed - 2**64 if seed >= 2**63 else seed, dtype=torch.int64)
+        assert torch.equal(trng.philox_words(as_tensor, index), trng.philox_words(seed, index))
+        assert np.array_equal(trng.philox_words(seed, index).numpy(), rng.random_bits(seed, index.numpy()))
