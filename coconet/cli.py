@@ -238,7 +238,8 @@ def run(
     schedule: List[str] = typer.Option(["baseline"], "--schedule", help="A schedule's text, its id in "
                                        "`coconet schedules`, `baseline` or `all` (repeatable). The baseline "
                                        "always runs too."),
-    backend: str = typer.Option("gloo", "--backend", help="gloo (CPU tensors) or nccl (CUDA tensors)."),
+    backend: str = typer.Option("gloo", "--backend", help="gloo (CPU tensors), nccl (CUDA tensors) or shm (CPU "
+                                "tensors, collectives in shared memory)."),
     kernels: str = typer.Option("compiled", "--kernels", help="compiled: fused groups compiled by Inductor "
                                 "(the first call compiles; cached on disk); eager: plain torch statements."),
     stages: Optional[int] = typer.Option(None, "--stages", min=1, max=16,
@@ -251,6 +252,9 @@ def run(
     no_check: bool = typer.Option(False, "--no-check", help="Skip the check against the reference interpreter."),
     depth: int = typer.Option(6, "--depth", min=0, max=12, help="Depth of the space for `all` and ids."),
     emit: Optional[Path] = typer.Option(None, "--emit", help="Also write each schedule's generated module here."),
+    trace: Optional[Path] = typer.Option(None, "--trace", help="Profile one more step per rank and write its "
+                                         "Chrome trace here (chrome://tracing, Perfetto); `coconet.tuner.trace` "
+                                         "reads off how much communication ran under compute."),
     as_json: bool = JSON_OPT,
 ) -> None:
     """Run schedules on R ranks of this machine: check every output against the reference interpreter and
@@ -260,10 +264,8 @@ def run(
     from coconet.loader import load_file
     from coconet.schedules.dims import parse_sizes
 
-    if backend == "shm":
-        raise NotAvailable("the shm backend arrives with the performance work; use gloo or nccl")
     if backend not in BACKENDS:
-        raise CoconetError(f"unknown backend {backend!r} (use {' or '.join(BACKENDS)})")
+        raise CoconetError(f"unknown backend {backend!r} (use {', '.join(BACKENDS)})")
     if kernels not in KERNELS:
         raise CoconetError(f"unknown --kernels {kernels!r} (use {' or '.join(KERNELS)})")
     prog = load_file(file)
@@ -278,7 +280,8 @@ def run(
             gen = lower(sched, backend, kernels)
             (emit / f"{prog.name}_{sched.hash}_{backend}.py").write_text(gen.source)
     opts = Options(world=world, sizes=sizes, backend=backend, kernels=kernels, stages=stages or 2, seed=seed, warmup=warmup,
-                   repeats=repeats, check=not no_check, timeout_s=timeout)
+                   repeats=repeats, check=not no_check, timeout_s=timeout,
+                   trace=str(trace.resolve()) if trace is not None else None)
     results = run_schedules(picked, opts, program_file=str(file) if str(file).endswith(".py") else None)
     base = results[0].median_s
     rows = []
@@ -357,17 +360,105 @@ def calibrate(
     _not_yet("calibrate", "the cost model")
 
 
+def _workload_file(workload: str) -> Path:
+    path = Path(workload)
+    if path.suffix in (".py", ".json"):
+        return path
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    candidate = examples / f"{workload}.py"
+    if not candidate.exists():
+        known = ", ".join(sorted(p.stem for p in examples.glob("*.py"))) or "none here"
+        raise CoconetError(f"no workload {workload!r}: name an example ({known}) or a program file")
+    return candidate
+
+
 @app.command()
 @_guard
 def bench(
-    workload: str = typer.Argument(...),
-    world: int = typer.Option(2, "--world"),
-    size: Optional[List[str]] = SIZE_OPT,
-    plot: Optional[Path] = typer.Option(None, "--plot"),
+    workload: str = typer.Argument(..., help="An example's name (adam, megatron_mlp, …) or a program file."),
+    world: int = typer.Option(2, "--world", min=1, max=64),
+    size: List[str] = typer.Option(..., "--size", help="One point per --size, e.g. --size N=2^20 --size N=2^22."),
+    backend: List[str] = typer.Option(["gloo", "shm"], "--backend", help="gloo, shm or nccl (repeatable: every "
+                                      "schedule runs on each)."),
+    kernels: str = typer.Option("compiled", "--kernels", help="compiled or eager."),
+    repeats: int = typer.Option(10, "--repeats", min=1),
+    warmup: int = typer.Option(3, "--warmup", min=0),
+    timeout: float = typer.Option(600.0, "--timeout", min=1.0),
+    schedule: List[str] = typer.Option(["all"], "--schedule", help="Which schedules (as `coconet run`: text, id "
+                                       "or `all`); the program as written always runs first."),
+    output: Optional[Path] = typer.Option(None, "-o", "--output", help="Write the JSON here too."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG: time vs size, speed-up, distance to the floor."),
     as_json: bool = JSON_OPT,
 ) -> None:
-    """Benchmark schedules against the PyTorch baseline. Not available yet: arrives with the benchmarks."""
-    _not_yet("bench", "the fused kernels and benchmarks")
+    """Every schedule against the hand-written PyTorch baseline and the memory-bandwidth floor, per size."""
+    from coconet.codegen.baselines import BASELINES
+    from coconet.codegen.launch import Options, run_schedules
+    from coconet.codegen.lower import BACKENDS
+    from coconet.loader import load_file
+    from coconet.schedules.dims import parse_sizes
+    from coconet.tuner.roofline import bytes_moved_once, copy_bandwidth
+
+    for b in backend:
+        if b not in BACKENDS:
+            raise CoconetError(f"unknown backend {b!r} (use {', '.join(BACKENDS)})")
+    backends = list(dict.fromkeys(backend))
+    file = _workload_file(workload)
+    prog = load_file(file)
+    points_sizes = [parse_sizes(spec, prog.dims) for spec in size]
+    baseline = BASELINES.get(prog.name)
+    space = _pick_schedules(prog, schedule, 6)
+    bandwidth = copy_bandwidth()
+    report: dict[str, Any] = {
+        "workload": prog.name, "program_hash": prog.hash, "world": world, "backends": backends, "kernels": kernels,
+        "torch_baseline": baseline.doc if baseline else None, "copy_bandwidth_GBps": bandwidth / 1e9,
+        "cpus": os.cpu_count(), "points": []}
+    for sizes in points_sizes:
+        rows, torch_row = [], None
+        for k, b in enumerate(backends):  # the baseline runs once, in the first launch, side by side with it
+            opts = Options(world=world, sizes=sizes, backend=b, kernels=kernels, repeats=repeats, warmup=warmup,
+                           timeout_s=timeout, stages=2)
+            results = run_schedules(space, opts, program_file=str(file) if file.suffix == ".py" else None,
+                                    baselines=[baseline] if baseline and k == 0 else [])
+            got = [dict(r.to_json(), backend=b) for r in results]
+            if baseline and k == 0:
+                torch_row = got.pop(0)
+            rows += got
+        ok = [r for r in rows if r["status"] == "ok" and r["median_s"]]
+        best = min(ok, key=lambda r: r["median_s"]) if ok else None
+        moved = bytes_moved_once(prog, sizes, world)
+        point = {"sizes": sizes, "bytes_moved_once": moved, "floor_s": moved / bandwidth, "torch": torch_row,
+                 "results": rows, "best": best}
+        ref = torch_row["median_s"] if torch_row and torch_row["median_s"] else rows[0]["median_s"]
+        for b in backends:
+            mine = [r for r in ok if r["backend"] == b]
+            point[f"best_{b}"] = min(mine, key=lambda r: r["median_s"]) if mine else None
+        point["best_speedup"] = ref / best["median_s"] if best and ref else None
+        point["best_over_floor"] = best["median_s"] / point["floor_s"] if best else None
+        report["points"].append(point)
+    if output is not None:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(json.dumps(report, indent=2) + "\n")
+    if plot is not None:
+        from coconet.tuner.plots import bench_plot
+
+        bench_plot(report, plot)
+    if as_json:
+        _echo_json(report)
+        return
+    console = Console(highlight=False)
+    table = Table(title=f"{prog.name}  world={world}  backends={','.join(backends)}  kernels={kernels}  "
+                  f"copy {bandwidth / 1e9:.1f} GB/s", title_justify="left")
+    for col in ("sizes", "torch", "as written", "best", "speed-up", "floor", "best/floor"):
+        table.add_column(col, justify="left" if col == "sizes" else "right", no_wrap=True)
+    table.add_column("best schedule", ratio=1, overflow="fold")
+    for pt in report["points"]:
+        t = pt["torch"]
+        table.add_row(",".join(f"{k}={v}" for k, v in pt["sizes"].items()), _fmt_s(t["median_s"]) if t else "",
+                      _fmt_s(pt["results"][0]["median_s"]), _fmt_s(pt["best"]["median_s"]) if pt["best"] else "",
+                      f"{pt['best_speedup']:.2f}x" if pt["best_speedup"] else "", _fmt_s(pt["floor_s"]),
+                      f"{pt['best_over_floor']:.2f}x" if pt["best_over_floor"] else "",
+                      Text(f"{pt['best']['backend']}: {pt['best']['schedule']}") if pt["best"] else "")
+    console.print(table)
 
 
 @app.command()

@@ -39,6 +39,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from coconet.codegen.baselines import Baseline, TorchTask
 from coconet.codegen.cache import module_path
 from coconet.codegen.lower import Generated, lower
 from coconet.errors import BackendError, CoconetError
@@ -91,6 +92,7 @@ class Options:
     check: bool = True
     time: bool = True
     timeout_s: float = 120.0
+    trace: str | None = None  # a directory: each rank profiles one more step there (Chrome trace JSON)
 
 
 def free_port() -> int:
@@ -99,13 +101,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_schedules(schedules: Sequence[Schedule], opts: Options, program_file: str | None = None) -> list[RunResult]:
+def run_schedules(schedules: Sequence[Schedule], opts: Options, program_file: str | None = None,
+                  baselines: Sequence[Baseline] = ()) -> list[RunResult]:
     """Check and time ``schedules`` (of one program) on ``opts.world`` ranks per stage, in one launch
     unless a schedule fails (the rest then run on a fresh group). ``program_file`` is where the
-    program's custom ops can be re-loaded by the ranks if their code does not pickle."""
+    program's custom ops can be re-loaded by the ranks if their code does not pickle. Hand-written
+    ``baselines`` of the same program run first, their results first."""
     if not schedules:
         return []
     program = schedules[0].program
+    for b in baselines:
+        if b.program != program.name:
+            raise CoconetError(f"baseline {b.name} computes {b.program}, not {program.name}")
     if any(s.program.hash != program.hash for s in schedules):
         raise CoconetError("schedules of one run must share their program")
     if opts.world < 1 or opts.stages < 1:
@@ -114,8 +121,8 @@ def run_schedules(schedules: Sequence[Schedule], opts: Options, program_file: st
     opts = dataclasses.replace(opts, stages=stages, sizes=dict(opts.sizes))
     custom = _custom_payload(program, program_file)
     results: dict[int, RunResult] = {}
-    tasks: list[tuple[int, Generated]] = []
-    for i, sched in enumerate(schedules):
+    tasks: list[tuple[int, Any]] = [(i, TorchTask(b, Schedule(program))) for i, b in enumerate(baselines)]
+    for i, sched in enumerate(schedules, start=len(baselines)):
         try:
             gen = lower(sched, opts.backend, opts.kernels)
         except CoconetError as e:
@@ -127,7 +134,7 @@ def run_schedules(schedules: Sequence[Schedule], opts: Options, program_file: st
     while tasks:
         done = _launch(tasks, opts, reference, results, custom)
         tasks = [t for t in tasks if t[0] not in done]
-    return [results[i] for i in range(len(schedules))]
+    return [results[i] for i in range(len(baselines) + len(schedules))]
 
 
 def _custom_payload(program, program_file: str | None):
@@ -151,7 +158,7 @@ def _launch(tasks, opts: Options, reference, results, custom) -> set[int]:
         pickle.dump(list(sys.path), f)
         pickle.dump({"options": opts, "port": free_port(), "custom": custom,
                      "threads": max(1, (os.cpu_count() or 1) // nranks),
-                     "tasks": [(i, gen.source, str(module_path(gen)), _strip(gen.schedule.scheduled))
+                     "tasks": [(i, gen.source, _task_path(gen), _strip(gen.schedule.scheduled))
                                for i, gen in tasks]}, f)
     procs, conns = [], {}
     by_id = dict(tasks)
@@ -219,6 +226,7 @@ def _launch(tasks, opts: Options, reference, results, custom) -> set[int]:
                     slot["time"] = data
                 if (not opts.check or len(slot["check"]) == nranks) and (not opts.time or slot["time"] is not None):
                     results[task] = _finish(by_id[task], slot, opts, reference)
+                    del pending[task]  # the ranks' copies of the state: at large sizes, GBs per task
                     done.add(task)
         return done
     finally:
@@ -228,13 +236,22 @@ def _launch(tasks, opts: Options, reference, results, custom) -> set[int]:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+def _task_path(task) -> str:
+    """Where a rank finds the task's code: a generated module's file, or ``torch:NAME`` for a baseline."""
+    return f"torch:{task.baseline.name}" if isinstance(task, TorchTask) else str(module_path(task))
+
+
 def _strip(prog):
     """The program as ranks need it: custom ops travel separately (their code may not pickle)."""
     return dataclasses.replace(prog, custom_ops={}, locations={})
 
 
+def _text(task) -> str:
+    return task.text if isinstance(task, TorchTask) else task.schedule.text
+
+
 def _result(gen: Generated, status: str, error: str) -> RunResult:
-    return RunResult(gen.schedule.text, gen.schedule.hash, status, error=error)
+    return RunResult(_text(gen), gen.schedule.hash, status, error=error)
 
 
 def _stop(procs) -> None:
@@ -243,11 +260,14 @@ def _stop(procs) -> None:
             os.killpg(p.pid, signal.SIGKILL)
     for p in procs:
         p.wait()
+        # shm segments are unlinked once mapped; a rank killed in between leaves its file behind
+        for leftover in Path("/dev/shm").glob(f"coconet-{p.pid}-*"):
+            leftover.unlink(missing_ok=True)
 
 
 def _finish(gen: Generated, slot, opts: Options, reference) -> RunResult:
-    res = RunResult(gen.schedule.text, gen.schedule.hash, "ok")
-    if opts.check:
+    res = RunResult(_text(gen), gen.schedule.hash, "ok")
+    if opts.check and not (isinstance(gen, TorchTask) and not gen.baseline.checked):
         prog = gen.schedule.scheduled
         got = _assemble(prog, slot["check"], opts)
         worst, bad = 0.0, None

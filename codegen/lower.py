@@ -26,7 +26,8 @@ from coconet.schedules.ir import Group, Program, Stmt
 from coconet.schedules.schedule import Schedule
 from coconet.schedules.types import Local, Replicated, Sliced
 
-BACKENDS = ("gloo", "nccl")
+BACKENDS = ("gloo", "nccl", "shm")
+ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int64": 8, "bool": 1}
 TORCH_DTYPE = {"float16": "torch.float16", "bfloat16": "torch.bfloat16", "float32": "torch.float32",
                "float64": "torch.float64", "int64": "torch.int64", "bool": "torch.bool"}
 BINARY = {"add": "{} + {}", "sub": "{} - {}", "mul": "{} * {}", "div": "{} / {}", "pow": "{} ** {}",
@@ -77,6 +78,7 @@ class _Emitter:
         self.toplevel: list[tuple[str, str | None]] = []  # fused pointwise kernels, at module level
         self.written: set[str] = set()  # state a kernel writes in place
         self.chunked: set[str] | None = None  # members of the chunked unit being emitted
+        self.absorbed: dict[Group, tuple[str, ...]] = {}  # see _absorbed
 
     # --- expressions for one statement's local value ---
 
@@ -159,8 +161,7 @@ class _Emitter:
             d = t.layout.dim
             return [f"{n} = _all_gather(_c, {args[0]}, {d}, {dim_expr(t.shape[d])})"]
         if op == "broadcast":
-            return [f"{n} = {args[0]}.clone()",
-                    f"dist.broadcast({n}, src=_c.global_rank - _c.rank + {s.attr('root')}, group=group)"]
+            return [f"{n} = _broadcast(_c, {args[0]}.clone(), {s.attr('root')})"]
         if op == "send":
             return [f"_sent[{s.attr('tag')!r}] = {args[0]}",
                     f"if stage + 1 < stages:",
@@ -187,19 +188,24 @@ KERNELS = ("compiled", "eager")
 
 
 def lower(schedule: Schedule, backend: str = "gloo", kernels: str = "compiled") -> Generated:
-    """The Python module for ``schedule`` on ``backend`` (gloo: CPU tensors, nccl: CUDA tensors).
+    """The Python module for ``schedule`` on ``backend`` (gloo: CPU tensors, nccl: CUDA tensors, shm: CPU
+    tensors, the collectives computed in shared memory by the ranks of one node).
     ``kernels``: fused pointwise groups compiled by Inductor on first call (``compiled``) or run as
     plain torch statements (``eager``: no compile time, one kernel per statement)."""
     if backend not in BACKENDS:
-        raise BackendError(f"unknown backend {backend!r} for torch.distributed (use {' or '.join(BACKENDS)})",
+        raise BackendError(f"unknown backend {backend!r} (use {', '.join(BACKENDS)})",
                            kind="compile_error")
     if kernels not in KERNELS:
         raise BackendError(f"unknown kernels {kernels!r} (use {' or '.join(KERNELS)})", kind="compile_error")
     e = _Emitter(schedule, backend, kernels)
     p = e.p
     units = _units(p)
+    e.absorbed = _absorbed(p) if e.compile else {}
+    skip = {m for ms in e.absorbed.values() for m in ms}
     body: list[tuple[str, str]] = []  # (line, statement it implements)
     for unit in units:
+        if unit in skip:
+            continue
         if isinstance(unit, Group):
             body.extend((x, unit.members[0]) for x in _lower_group(e, unit))
         else:
@@ -241,10 +247,10 @@ def _units(p: Program) -> list:
     return out
 
 
-def _group_io(p: Program, g: Group) -> tuple[list[str], list[str]]:
-    members = set(g.members)
+def _group_io(p: Program, g: Group, absorbed=()) -> tuple[list[str], list[str]]:
+    members = set(g.members) | set(absorbed)
     ins: list[str] = []
-    for m in g.members:
+    for m in (*absorbed, *g.members):
         for a in p[m].args:
             if a not in members and a not in ins:
                 ins.append(a)
@@ -261,22 +267,73 @@ def _lower_group(e: _Emitter, g: Group) -> list[str]:
         return _lower_bucket(e, g, knobs.get("bucket_bytes", 2**22))
     if g.kind == "fuse":
         return _lower_fuse(e, g)
-    ins, outs = _group_io(p, g)
+    return _lower_fused_collective(e, g, knobs.get("fc_chunks", 1))
+
+
+def _lower_fused_collective(e: _Emitter, g: Group, chunks: int) -> list[str]:
+    p = e.p
+    absorbed = e.absorbed.get(g, ())
+    ins, outs = _group_io(p, g, absorbed)
+    inplace = _fc_in_place(p, g, outs, absorbed) if e.compile else {}
+    e.written.update(inplace.values())
+    outs = [o for o in outs if o not in inplace]
     fname = f"_{g.kind}{len(e.kernels)}"
-    chunks = knobs.get("fc_chunks", 1) if g.kind == "fused_collective" else 1
-    ctx = "_rank" if chunks > 1 else "_c"
-    lines = [(f"def {fname}({ctx}, {', '.join(ident(a) for a in ins)}):", g.members[0])]
-    doc = {"fused_collective": "reduce_scatter, the computation on this rank's slice, the all_gathers, as one unit"}
-    lines.append((f'    """{g.kind}: {doc[g.kind]}."""', g.members[0]))
-    if chunks > 1:
-        lines += _chunked_body(e, g, outs, chunks)
-    else:
-        for m in g.members:
-            lines.extend(("    " + x, m) for x in e.stmt(p[m]))
-    lines.append((f"    return {', '.join(ident(o) for o in outs)}{',' if len(outs) == 1 else ''}", g.members[-1]))
+    lines = [(f"def {fname}(_rank, {', '.join(ident(a) for a in ins)}):", g.members[0]),
+             (f'    """fused_collective: reduce_scatter, the computation on this rank\'s slice, the all_gathers, as '
+              f'one unit."""', g.members[0])]
+    lines += _chunked_body(e, g, outs, chunks, absorbed, inplace)
+    if outs:
+        lines.append((f"    return {', '.join(ident(o) for o in outs)}{',' if len(outs) == 1 else ''}", g.members[-1]))
     e.kernels.append(lines)
-    return [f"{', '.join(ident(o) for o in outs)}{',' if len(outs) == 1 else ''} = {fname}(_c, "
-            f"{', '.join(ident(a) for a in ins)})"]
+    call = f"{fname}(_c, {', '.join(ident(a) for a in ins)})"
+    return [f"{', '.join(ident(o) for o in outs)}{',' if len(outs) == 1 else ''} = {call}" if outs else call]
+
+
+POINTWISE = set(BINARY) | set(UNARY) | {"cast", "where", "const"}
+
+
+def _absorbed(p: Program) -> dict[Group, tuple[str, ...]]:
+    """Per fused collective, the ungrouped pointwise statements on this rank's slice whose only readers are
+    the group (Adam's ``beta1 * m`` on sharded m): computed chunk by chunk inside it rather than as a
+    full pass of their own before it, which also lets the group write the state they read in place."""
+    out = {}
+    for g in p.groups:
+        if g.kind != "fused_collective":
+            continue
+        rs = p[g.members[0]]
+        n = rs.type.shape[rs.type.layout.dim]
+        inside, taken = set(g.members), set()
+        for s in reversed(p.stmts):  # readers before what they read: one pass reaches a fixpoint
+            t = s.type
+            if s.name in p.group_of or s.op not in POINTWISE or s.op == "const" or t is None:
+                continue
+            if not isinstance(t.layout, Sliced) or t.shape[t.layout.dim] != n:
+                continue
+            if p.users[s.name] and all(u in inside or u in taken for u in p.users[s.name]):
+                taken.add(s.name)
+        if taken:
+            out[g] = tuple(s.name for s in p.stmts if s.name in taken)
+    return out
+
+
+def _fc_in_place(p: Program, g: Group, outs: list[str], absorbed) -> dict[str, str]:
+    """Values a fused collective computes on this rank's slice of sharded state that it can write straight
+    into that state, chunk by chunk: every reader of the state is inside it (each chunk is read before
+    it is written, by the same kernel)."""
+    inside = set(g.members) | set(absorbed)
+    found = {}
+    for o in outs:
+        targets = [t for t, v in p.updates.items() if v == o]
+        if p[o].op == "all_gather" or len(targets) != 1:
+            continue
+        t = targets[0]
+        if p[t].type != p[o].type or not isinstance(p[t].type.layout, Sliced):
+            continue
+        readers = [u for u in p.users[t] if p[u].op != "update"]
+        if all(u in inside or p[u].op == "update" for u in p.users[o]) and \
+                all(u in inside and p[u].op in POINTWISE for u in readers):
+            found[o] = t
+    return found
 
 
 def _in_place(p: Program, g: Group, outs: list[str]) -> dict[str, str]:
@@ -335,36 +392,110 @@ def _lower_fuse(e: _Emitter, g: Group) -> list[str]:
     return [f"{', '.join(ident(o) for o in rest)}{',' if len(rest) == 1 else ''} = {call}"]
 
 
-def _chunked_body(e: _Emitter, g: Group, outs: list[str], chunks: int) -> list[tuple[str, str]]:
-    """A fused collective as a pipeline over chunks of this rank's slice: every chunk's reduce_scatter is
-    in flight from the start, chunk k computes as soon as its rows arrive, and its all_gathers start
-    while chunk k+1 computes. The statements of a chunk see a _Chunk as their context ``_c``."""
+def _chunked_body(e: _Emitter, g: Group, outs: list[str], chunks: int, absorbed=(), inplace=None) -> list:
+    """A fused collective as a pipeline over chunks of this rank's slice: chunk k computes as soon as its
+    rows are reduced, its all_gathers start while chunk k+1 computes. The statements of a chunk see a
+    _Chunk as their context ``_c``; compiled, its pointwise statements are one kernel."""
     p = e.p
+    inplace = inplace or {}
     rs = p[g.members[0]]
     d = rs.type.layout.dim
     n = dim_expr(rs.type.shape[d])
     gathers = [m for m in g.members if p[m].op == "all_gather"]
     sliced_outs = [o for o in outs if p[o].op != "all_gather"]
-    lines = [(f"    # {chunks} chunks: chunk k+1 is reduced while chunk k computes and chunk k-1 is gathered",
-              rs.name)]
+    how = ("published once, each chunk reduced out of the peers' segments just before it computes"
+           if e.backend == "shm" else "chunk k+1 is reduced while chunk k computes and chunk k-1 is gathered")
+    lines = [(f"    # {chunks} chunk{'s' if chunks > 1 else ''}: {how}", rs.name)]
     lines += [(f"    _{ident(m)} = _Gather(_rank, {d}, {n})", m) for m in gathers]
     lines += [(f"    _{ident(o)} = []", o) for o in sliced_outs]
-    lines.append((f"    for _c, {ident(rs.name)} in _reduce_scatter_chunks(_rank, {ident(rs.args[0])}, {d}, {n}, "
-                  f"{chunks}, {rs.attr('op')!r}):", rs.name))
-    e.chunked = set(g.members)
+    compute = [m for m in (*absorbed, *g.members[1:]) if p[m].op != "all_gather"]
+    needed = {p[m].args[0] for m in gathers} | set(sliced_outs)
+    e.chunked = set(g.members) | set(absorbed)
     try:
-        for m in g.members[1:]:
-            s = p[m]
-            if s.op == "all_gather":
-                lines.append((f"        _{ident(m)}.add(_c, {ident(s.args[0])})", m))
-                continue
-            lines.extend(("        " + x, m) for x in e.stmt(s))
+        # shm: the kernel sums the chunk's rows on every rank as it reads them (sum, avg)
+        parts = e.backend == "shm" and rs.attr("op") in ("sum", "avg") and rs.name not in needed
+        kernel = _chunk_kernel(e, g, compute, inplace, needed, rs if parts else None) if e.compile else None
+        if kernel is not None and parts:
+            lines.append((f"    for _c, {ident(rs.name)}_parts in _reduce_scatter_parts(_rank, {ident(rs.args[0])}, "
+                          f"{d}, {n}, {chunks}):", rs.name))
+        else:
+            lines.append((f"    for _c, {ident(rs.name)} in _reduce_scatter_chunks(_rank, {ident(rs.args[0])}, {d}, "
+                          f"{n}, {chunks}, {rs.attr('op')!r}):", rs.name))
+        if kernel is not None:
+            lines += kernel
+        else:
+            for m in (*absorbed, *g.members[1:]):
+                if p[m].op != "all_gather":
+                    lines.extend(("        " + x, m) for x in e.stmt(p[m]))
+            for o, t in inplace.items():
+                lines.append((f"        {e.operand(p[o], t)}.copy_({ident(o)})", o))
+        for m in gathers:
+            lines.append((f"        _{ident(m)}.add(_c, {ident(p[m].args[0])})", m))
     finally:
         e.chunked = None
     lines += [(f"        _{ident(o)}.append({ident(o)})", o) for o in sliced_outs]
     lines += [(f"    {ident(m)} = _{ident(m)}.result()", m) for m in gathers]
     lines += [(f"    {ident(o)} = torch.cat(_{ident(o)}, dim={p[o].type.layout.dim})", o) for o in sliced_outs]
     return lines
+
+
+_CUT = re.compile(r"_c\.(?:local|cut)\((\w+), [^()]*\)")
+
+
+def _chunk_kernel(e: _Emitter, g: Group, compute: list[str], inplace: dict[str, str], needed: set,
+                  parts: Stmt | None = None) -> list | None:
+    """The pointwise statements of a fused collective's chunk as one module-level function compiled by
+    Inductor, called once per chunk with the chunk's rows of what it reads (cut at the call: the chunk's
+    position stays out of the compiled code). None when a statement needs the chunk itself (dropout's
+    counters) or is not pointwise: the chunk then runs statement by statement."""
+    p = e.p
+    if not compute or any(p[m].op not in POINTWISE for m in compute):
+        return None
+    body: list[tuple[str, str]] = []
+    if parts is not None:  # the reduce_scatter's sum, fused: its rows on every rank come in unreduced
+        rs = ident(parts.name)
+        body.append((f"    {rs} = _add_all({rs}_parts)" + (f" / len({rs}_parts)" if parts.attr("op") == "avg" else ""),
+                     parts.name))
+    for m in compute:
+        body.extend(("    " + x, m) for x in e.stmt(p[m]))
+    for o, t in inplace.items():
+        body.append((f"    {e.operand(p[o], t)}.copy_({ident(o)})", o))
+    args: dict[str, str] = {}  # argument at the call -> parameter of the kernel
+
+    def param(match: re.Match) -> str:
+        expr = match.group(0)
+        if expr not in args:
+            name = f"{match.group(1)}_k"
+            taken = set(args.values())
+            args[expr] = name if name not in taken else f"{name}{len(taken)}"
+        return args[expr]
+
+    body = [(_CUT.sub(param, x), m) for x, m in body]
+    text = "\n".join(x for x, _ in body)
+    if re.search(r"\b_c\b", text):
+        return None
+    defined = {ident(m) for m in compute} | ({ident(parts.name)} if parts is not None else set())
+    if parts is not None:
+        args[f"{ident(parts.name)}_parts"] = f"{ident(parts.name)}_parts"
+    raw = [ident(a) for m in compute for a in p[m].args if ident(a) not in defined]
+    for name in dict.fromkeys(raw):
+        if re.search(rf"\b{name}\b", text):
+            args.setdefault(name, name)
+    dims = [f"d_{x}" for x in p.dims if re.search(rf"\bd_{x}\b", text)]
+    results = [m for m in compute if m in needed]
+    if results:
+        body.append((f"    return {', '.join(ident(r) for r in results)}{',' if len(results) == 1 else ''}", compute[-1]))
+    fname = f"_chunk{len([x for x in e.toplevel if x[0].startswith('def ')])}"
+    params = dims + list(args.values())
+    doc = f"{len(compute)} statements of {g} on one chunk" + (", state written in place" if inplace else "")
+    e.toplevel += [(f"def {fname}({', '.join(params)}):", g.members[0]), (f'    """{doc}."""', g.members[0])]
+    e.toplevel += body + [("", None), ("", None), (f"{fname} = _kernel({fname})", g.members[0]), ("", None)]
+    ints = {ident(a) for m in compute for a in p[m].args if p[a].op == "scalar" and p[a].type.dtype == "int64"}
+    call_args = dims + [f"_int64(_c, {a})" if a in ints else a for a in args]
+    call = f"{fname}({', '.join(call_args)})"
+    if results:
+        call = f"{', '.join(ident(r) for r in results)}{',' if len(results) == 1 else ''} = {call}"
+    return [(f"        {call}", compute[0])]
 
 
 def _lower_overlap(e: _Emitter, g: Group, chunks: int) -> list[str]:
@@ -426,6 +557,37 @@ def _needs_copy(p: Program, name: str) -> bool:
     return p[a].op in ("input", "recv") or len(p.users[a]) > 1
 
 
+SHM_DOC = "the shm backend (collectives in shared memory; a gloo group bootstraps it and carries send/recv)"
+SHM_IMPORTS = ["import math", "import os", "import platform", "import time", "import uuid",
+               "from concurrent.futures import ThreadPoolExecutor", ""]
+
+
+def _nbytes_expr(t) -> str:
+    return " * ".join([str(ITEMSIZE.get(t.dtype or "float32", 4))] + [f"({dim_expr(d)})" for d in t.shape])
+
+
+def _shm_segments(p: Program) -> list[str]:
+    """The line mapping the group's shared segments: a slot holds the largest collective's buffer (a
+    bucket's buffers together); a chunked fused collective keeps its gathers live while it reduces."""
+    sizes = []
+    for s in p.stmts:
+        if s.op in ("allreduce", "reduce_scatter", "broadcast"):
+            sizes.append(_nbytes_expr(p[s.args[0]].type))
+        elif s.op == "all_gather":
+            sizes.append(_nbytes_expr(s.type))
+    for g in p.groups:
+        if g.kind == "bucket":
+            full = [p[m].type if p[m].op == "all_gather" else p[p[m].args[0]].type for m in g.members]
+            sizes.append(" + ".join(f"{_nbytes_expr(t)} + 64" for t in full))
+    if not sizes:
+        return []
+    gathers = max([sum(p[m].op == "all_gather" for m in g.members) for g in p.groups if g.kind == "fused_collective"],
+                  default=0)
+    sizes = list(dict.fromkeys(sizes))
+    need = sizes[0] if len(sizes) == 1 else f"max({', '.join(sizes)})"
+    return [f"_c.shm = _Shm.of(group, {gathers + 2}, {need})"]
+
+
 def _dims_prologue(p: Program) -> list[str]:
     lines = []
     for dim in p.dims:
@@ -451,8 +613,9 @@ def _module(schedule: Schedule, backend: str, e: _Emitter, body, updates: list[s
 
     p = e.p
     layout_doc = ", ".join(f"{s.name}: {s.type.layout}" for s in p.inputs)
+    target = SHM_DOC if backend == "shm" else f"torch.distributed ({backend})"
     header = [
-        '"""Generated by coconet ' + __version__ + " for torch.distributed (" + backend + ").",
+        '"""Generated by coconet ' + __version__ + " for " + target + ".",
         "",
         f"program:  {p.name} (hash {schedule.program.hash})",
         f"schedule: {schedule.text}",
@@ -464,8 +627,11 @@ def _module(schedule: Schedule, backend: str, e: _Emitter, body, updates: list[s
         "written in place; nothing else of the inputs is. step returns the program's outputs",
         "and what it sent to the next pipeline stage. Custom ops come in custom_ops={name: fn}.",
         "Needs torch only.",
+        *(["The group's ranks must share this node's memory: its first step maps their segments",
+           "of /dev/shm (the files are gone once mapped)."] if backend == "shm" else []),
         '"""',
         "",
+        *(SHM_IMPORTS if backend == "shm" else []),
         "import torch",
         "import torch.distributed as dist",
         "",
@@ -483,7 +649,8 @@ def _module(schedule: Schedule, backend: str, e: _Emitter, body, updates: list[s
         "    _custom = custom_ops or {}",
         "    _outputs, _sent = {}, {}",
     ]]
-    rest = [("    " + x, m) for k in e.kernels for x, m in [("", None)] + k + [("", None)]]
+    rest = [("    " + x, None) for x in _shm_segments(p)] if backend == "shm" else []
+    rest += [("    " + x, m) for k in e.kernels for x, m in [("", None)] + k + [("", None)]]
     rest += [("    " + x, m) for x, m in body]
     text = "\n".join(x for x, _ in rest)
     # a dim the step never reads needs no binding (kernels are nested: they read the dims too)
@@ -496,6 +663,6 @@ def _module(schedule: Schedule, backend: str, e: _Emitter, body, updates: list[s
     lines = e.toplevel + lines
     code = "\n".join(x.rstrip() for x, _ in lines) + "\n"
     # only the helpers the code calls are pasted in, so the module reads top to bottom
-    head = header + prelude_source(code).split("\n") + ["", ""]
+    head = header + prelude_source(code, backend).split("\n") + ["", ""]
     line_map = {len(head) + i + 1: m for i, (_, m) in enumerate(lines) if m is not None}
     return "\n".join(head) + "\n" + code, line_map

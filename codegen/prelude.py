@@ -19,8 +19,8 @@ from coconet.kernels.rng import philox_words
 class _Ctx:
     """Where this rank stands: its group, rank and world within it, device."""
 
-    def __init__(self, group, device):
-        self.group = group
+    def __init__(self, group, device, shm=None):
+        self.group, self.shm = group, shm
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.global_rank = dist.get_rank()
@@ -56,6 +56,12 @@ def _allreduce(c, x, op, async_op=False):
             work = None
         x.div_(c.world)
     return work
+
+
+def _broadcast(c, x, root):
+    """In place on x: the value of group rank ``root``."""
+    dist.broadcast(x, src=c.global_rank - c.rank + root, group=c.group)
+    return x
 
 
 def _padded(c, x, dim, n):
@@ -171,6 +177,7 @@ class _Chunk:
 
     def __init__(self, c, n, a, b):
         self.group, self.rank, self.world, self.global_rank, self.device = c.group, c.rank, c.world, c.global_rank, c.device
+        self.shm = c.shm
         self.n, self.span = n, (a, b)
         self.lo, hi = c.rows(n)
         self.a, self.b = min(a, hi - self.lo), min(b, hi - self.lo)
@@ -271,18 +278,26 @@ def _size(sizes, name):
     return int(sizes[name])
 
 
-HELPERS = (_Ctx, _reduce_op, _allreduce, _padded, _rows_of, _reduce_scatter, _part, _all_gather, _coalesced, _launches,
+HELPERS = (_Ctx, _reduce_op, _allreduce, _broadcast, _padded, _rows_of, _reduce_scatter, _part, _all_gather, _coalesced, _launches,
            _bucket_allreduce, _bucket_reduce_scatter, _bucket_all_gather, _Chunk, _reduce_scatter_chunks, _Gather,
            _global_index, philox_words, _dropout, _int64, _kernel, _size)
 
 
-def prelude_source(code: str | None = None) -> str:
-    """The helpers ``code`` calls, and the ones they call (all of them without ``code``)."""
+def prelude_source(code: str | None = None, backend: str = "gloo") -> str:
+    """The helpers ``code`` calls, and the ones they call (all of them without ``code``). For the shm
+    backend, the collectives of ``coconet.codegen.shm`` replace the torch.distributed ones."""
+    from coconet.codegen import shm
+
     module = inspect.getsource(sys.modules[__name__])
     # the module-level names the helpers use: from _OPS up to the first helper
     parts = [module[module.index("_OPS = {"): module.index("\n\n\ndef _reduce_op")]]
+    helpers = HELPERS
+    if backend == "shm":
+        text = inspect.getsource(shm)
+        parts.append(text[text.index("_GROUPS = {"): text.index("\n\n\nclass _Shm")])
+        helpers = HELPERS + shm.HELPERS
     # philox_words imports torch locally; the generated module imports it at the top already
-    sources = {obj.__name__: inspect.getsource(obj).replace("    import torch\n\n", "").rstrip() for obj in HELPERS}
+    sources = {obj.__name__: inspect.getsource(obj).replace("    import torch\n\n", "").rstrip() for obj in helpers}
     wanted = set(sources) if code is None else set()
     text = code or ""
     while True:
@@ -292,4 +307,6 @@ def prelude_source(code: str | None = None) -> str:
         wanted |= more
         text = "\n".join(sources[n] for n in more)
     parts += [sources[name] for name in sources if name in wanted]
+    if not re.search(r"\b(_OPS|_AG|_RS)\b", "\n".join(parts[1:])):
+        parts.pop(0)  # shm code that never calls torch.distributed's collectives
     return "\n\n\n".join(parts)

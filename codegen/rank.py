@@ -79,7 +79,7 @@ def _run(job: dict[str, Any], rank: int, conn: Connection) -> int:
             device = torch.device("cuda", torch.cuda.current_device())
         else:
             device = torch.device("cpu")
-        dist.init_process_group(opts.backend, init_method=f"tcp://127.0.0.1:{job['port']}", rank=rank,
+        dist.init_process_group("gloo" if opts.backend == "shm" else opts.backend, init_method=f"tcp://127.0.0.1:{job['port']}", rank=rank,
                                 world_size=world * stages, timeout=timedelta(seconds=max(30.0, opts.timeout_s)))
         groups = [dist.new_group(list(range(s * world, (s + 1) * world))) for s in range(stages)]
     except Exception as e:  # the group never formed: nothing of this launch can run
@@ -89,23 +89,34 @@ def _run(job: dict[str, Any], rank: int, conn: Connection) -> int:
     group = groups[stage]
     for task, source, path, prog in job["tasks"]:
         conn.send(("started", task, rank, None))
+        ns: dict[str, Any] = {"__name__": f"coconet_generated_{task}"}
         try:
-            ns: dict[str, Any] = {"__name__": f"coconet_generated_{task}"}
-            exec(compile(source, path, "exec"), ns)
-            step = ns["step"]
+            if source is None:  # a hand-written baseline
+                from coconet.codegen.baselines import BASELINES
+
+                step = BASELINES[path.split(":", 1)[1]].make()
+            else:
+                exec(compile(source, path, "exec"), ns)
+                step = ns["step"]
             kwargs = dict(group=group, stage=stage, stages=stages, sizes=dict(opts.sizes), custom_ops=custom)
             if opts.check:
                 tensors, scalars = inputs(prog, opts, stage, rank % world, device)
                 out = step(tensors, scalars, **kwargs)
                 conn.send(("check", task, rank, observe(prog, tensors, out, stage)))
+            samples = None
             if opts.time:
                 tensors, scalars = inputs(prog, opts, stage, rank % world, device)
                 samples = _time(step, tensors, scalars, kwargs, opts, device)
-                if rank == 0:
-                    conn.send(("time", task, rank, samples))
+            if opts.trace:  # before the last report: the parent stops the ranks once it has every result
+                tensors, scalars = inputs(prog, opts, stage, rank % world, device)
+                _trace(step, tensors, scalars, kwargs, Path(opts.trace) / f"{Path(path).stem}_rank{rank}.json")
+            if opts.time and rank == 0:
+                conn.send(("time", task, rank, samples))
         except Exception as e:
             conn.send(("error", task, rank, _error(e, path)))
             return 1
+        for shm in list(ns.get("_GROUPS", {}).values()):  # the next task maps its own segments
+            shm.close()
     dist.destroy_process_group()
     return 0
 
@@ -150,6 +161,21 @@ def observe(prog, tensors, out, stage: int) -> dict[str, np.ndarray]:
     for tag, v in out["sent"].items():
         obs[f"stage{stage}.sent.{tag}"] = v.detach().double().cpu().numpy()
     return obs
+
+
+def _trace(step, tensors, scalars, kwargs, out: Path) -> None:
+    """One step under torch.profiler: collectives in flight show on the threads that carry them (gloo's
+    workers, the shm communication thread) beside the compute on the main thread."""
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    step(tensors, scalars, **kwargs)
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step(tensors, scalars, **kwargs)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(out))
+    dist.barrier()  # every rank's trace is written before rank 0 reports
 
 
 def _time(step, tensors, scalars, kwargs, opts, device) -> list[float]:

@@ -106,7 +106,7 @@ def test_json_with_unknown_op(tmp_path):
     (["run", "examples/adam.py", "--size", "N=8", "--schedule", "999"], "there is no schedule 999"),
     (["run", "examples/adam.py", "--size", "N=8", "--schedule", "split(nope)"], "nope"),
     (["run", "examples/adam.py", "--size", "N=8", "--backend", "mpi"], "unknown backend 'mpi'"),
-    (["run", "examples/adam.py", "--size", "N=8", "--backend", "shm"], "shm"),
+    (["bench", "adam", "--size", "N=8", "--backend", "mpi"], "unknown backend 'mpi'"),
     (["run", "examples/adam.py", "--size", "N=8", "--kernels", "numba"], "unknown --kernels 'numba'"),
 ])
 def test_other_errors(args, fragment):
@@ -176,3 +176,33 @@ def test_run_table_and_failure_exit_code(tmp_path):
     assert "runtime_error" in proc.stdout
     assert "rank 1 in statement boom0 (boom): RuntimeError: boom on purpose" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_bench_compares_with_torch_and_the_floor(tmp_path):
+    out, png = tmp_path / "adam.json", tmp_path / "adam.png"
+    proc = coconet("bench", "adam", "--world", "2", "--size", "N=2^10", "--size", "N=3000", "--kernels", "eager",
+                   "--repeats", "2", "--warmup", "1", "-o", out, "--plot", png, "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report == json.loads(out.read_text())
+    assert report["torch_baseline"].startswith("dist.all_reduce + torch.optim.Adam(fused=True)")
+    assert report["copy_bandwidth_GBps"] > 0 and len(report["points"]) == 2
+    assert report["backends"] == ["gloo", "shm"]
+    for point, n in zip(report["points"], (1024, 3000)):
+        assert point["sizes"] == {"N": n}
+        assert {r["backend"] for r in point["results"]} == {"gloo", "shm"}
+        for b in ("gloo", "shm"):
+            assert point[f"best_{b}"] == min((r for r in point["results"] if r["backend"] == b),
+                                             key=lambda r: r["median_s"])
+        assert point["bytes_moved_once"] == (2 * 4 + 6 * 4) * n  # g on 2 ranks; w, m, v read and written
+        assert point["torch"]["status"] == "ok" and point["torch"]["correct"] is True
+        assert all(r["status"] == "ok" for r in point["results"])
+        best = min(point["results"], key=lambda r: r["median_s"])
+        assert point["best"] == best
+        assert point["best_speedup"] == point["torch"]["median_s"] / best["median_s"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_errors():
+    assert_one_error(coconet("bench", "nosuch", "--size", "N=4"), "no workload 'nosuch'", "adam")
+    assert_one_error(coconet("bench", "adam", "--size", "M=4"), "does not have")

@@ -73,7 +73,24 @@ def test_fused_collective_chunks_knob():
     assert base.knob_values["fc_chunks"] == 4
     assert "_reduce_scatter_chunks(_rank, g, 0, d_N, 4, 'sum')" in lower(base).source
     one = lower(base.with_knobs(fc_chunks=1)).source
-    assert "in _reduce_scatter_chunks(" not in one and "_reduce_scatter(_c, g, 0, d_N, 'sum')" in one
+    assert "_reduce_scatter_chunks(_rank, g, 0, d_N, 1, 'sum')" in one
+
+
+def test_fused_collective_kernel_absorbs_sharded_state_and_writes_it_in_place():
+    """Adam on sharded state: beta1 * m joins the chunk kernel, which writes m, v, w in place; on shm the
+    kernel also sums the chunk's rows of every rank (no reduced copy is written)."""
+    sched = Schedule.parse("split(ar0); reorder(ag0); as_slice(w); as_slice(m); as_slice(v); fuse_collective(rs0)",
+                           example("adam"))
+    gloo = lower(sched, "gloo").source
+    assert "def _chunk0(m_k, v_k, w_k, beta1, beta2, sub0, rs0," in gloo and "    mul0 = beta1 * m_k" in gloo
+    assert "m_k.copy_(add0)" in gloo and "m.copy_(" not in gloo.split("def step")[1]
+    assert "_chunk0(_c.local(m, 0), _c.local(v, 0), _c.local(w, 0), beta1" in gloo
+    step = gloo.split("def step")[1]
+    assert "mul0 = beta1 * m" not in step  # no full pass of its own
+    shm = lower(sched, "shm").source
+    assert "    rs0 = _add_all(rs0_parts)" in shm and "in _reduce_scatter_parts(_rank, g, 0, d_N, 4):" in shm
+    eager = lower(sched, "shm", kernels="eager").source
+    assert "_chunk0" not in eager and "mul0 = beta1 * m" in eager.split("def step")[1]
 
 
 def test_fused_kernel_writes_state_in_place_and_compiles():
@@ -115,18 +132,20 @@ def test_module_cache_is_keyed_by_schedule_and_backend(tmp_path, monkeypatch):
     assert module_path(lower(Schedule(prog), "nccl")) != pa
 
 
+ADAM_FC = "split(ar0); reorder(ag0); as_slice(w); as_slice(m); as_slice(v); fuse_collective(rs0)"
 GOLDENS = {
-    "adam_baseline": ("adam", "baseline"),
-    "adam_fused_collective": ("adam", "split(ar0); reorder(ag0); as_slice(w); as_slice(m); as_slice(v); "
-                                      "fuse_collective(rs0)"),
-    "megatron_overlap": ("megatron_mlp", "split(ar0); overlap(mm0, rs0)"),
+    "adam_baseline": ("adam", "baseline", "gloo"),
+    "adam_fused_collective": ("adam", ADAM_FC, "gloo"),
+    "megatron_overlap": ("megatron_mlp", "split(ar0); overlap(mm0, rs0)", "gloo"),
+    "adam_fused_collective_shm": ("adam", ADAM_FC, "shm"),
+    "megatron_fused_collective_shm": ("megatron_mlp", "split(ar0); reorder(ag0); fuse_collective(rs0)", "shm"),
 }
 
 
 @pytest.mark.parametrize("golden", sorted(GOLDENS))
 def test_generated_code_golden(golden):
-    name, text = GOLDENS[golden]
-    source = lower(Schedule.parse(text, example(name)), "gloo").source.replace(__version__, "VERSION")
+    name, text, backend = GOLDENS[golden]
+    source = lower(Schedule.parse(text, example(name)), backend).source.replace(__version__, "VERSION")
     path = GOLDEN / f"{golden}.py"
     if os.environ.get("COCONET_UPDATE_GOLDEN"):
         path.write_text(source)

@@ -29,8 +29,8 @@ _RS = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 class _Ctx:
     """Where this rank stands: its group, rank and world within it, device."""
 
-    def __init__(self, group, device):
-        self.group = group
+    def __init__(self, group, device, shm=None):
+        self.group, self.shm = group, shm
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.global_rank = dist.get_rank()

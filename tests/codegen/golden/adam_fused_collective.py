@@ -29,8 +29,8 @@ _RS = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 class _Ctx:
     """Where this rank stands: its group, rank and world within it, device."""
 
-    def __init__(self, group, device):
-        self.group = group
+    def __init__(self, group, device, shm=None):
+        self.group, self.shm = group, shm
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.global_rank = dist.get_rank()
@@ -67,6 +67,7 @@ class _Chunk:
 
     def __init__(self, c, n, a, b):
         self.group, self.rank, self.world, self.global_rank, self.device = c.group, c.rank, c.world, c.global_rank, c.device
+        self.shm = c.shm
         self.n, self.span = n, (a, b)
         self.lo, hi = c.rows(n)
         self.a, self.b = min(a, hi - self.lo), min(b, hi - self.lo)
@@ -104,6 +105,35 @@ def _reduce_scatter_chunks(c, x, dim, n, count, op):
         yield k, out[: k.b - k.a].movedim(0, dim)
 
 
+def _kernel(fn):
+    """A fused pointwise kernel, compiled by Inductor on its first call (vectorised C++ on CPU, Triton
+    on CUDA) and loaded from Inductor's on-disk cache by later processes."""
+    return torch.compile(fn, dynamic=False, fullgraph=True)
+
+
+def _chunk0(m_k, v_k, w_k, beta1, beta2, sub0, rs0, sub1, sub2, sub3, lr, eps):
+    """14 statements of fused_collective(rs0, mul1, add0, mul3, mul4, add1, div0, div1, mul5, sqrt0, add2, div2, sub4) on one chunk, state written in place."""
+    mul0 = beta1 * m_k
+    mul2 = beta2 * v_k
+    mul1 = sub0 * rs0
+    add0 = mul0 + mul1
+    mul3 = sub1 * rs0
+    mul4 = mul3 * rs0
+    add1 = mul2 + mul4
+    div0 = add0 / sub2
+    div1 = add1 / sub3
+    mul5 = lr * div0
+    sqrt0 = torch.sqrt(div1)
+    add2 = sqrt0 + eps
+    div2 = mul5 / add2
+    sub4 = w_k - div2
+    m_k.copy_(add0)
+    v_k.copy_(add1)
+    w_k.copy_(sub4)
+
+
+_chunk0 = _kernel(_chunk0)
+
 
 def step(tensors, scalars, *, group=None, stage=0, stages=1, sizes=None, custom_ops=None):
     _c = _Ctx(group, torch.device('cpu'))
@@ -111,32 +141,11 @@ def step(tensors, scalars, *, group=None, stage=0, stages=1, sizes=None, custom_
     _outputs, _sent = {}, {}
     d_N = tensors['g'].shape[0] if sizes is None else int(sizes['N'])
 
-    def _fused_collective0(_rank, g, sub0, mul0, sub1, mul2, sub2, sub3, lr, eps, w):
+    def _fused_collective0(_rank, beta1, m, beta2, v, g, sub0, sub1, sub2, sub3, lr, eps, w):
         """fused_collective: reduce_scatter, the computation on this rank's slice, the all_gathers, as one unit."""
         # 4 chunks: chunk k+1 is reduced while chunk k computes and chunk k-1 is gathered
-        _add0 = []
-        _add1 = []
-        _sub4 = []
         for _c, rs0 in _reduce_scatter_chunks(_rank, g, 0, d_N, 4, 'sum'):
-            mul1 = sub0 * rs0
-            add0 = _c.local(mul0, 0) + mul1
-            mul3 = sub1 * rs0
-            mul4 = mul3 * rs0
-            add1 = _c.local(mul2, 0) + mul4
-            div0 = add0 / sub2
-            div1 = add1 / sub3
-            mul5 = lr * div0
-            sqrt0 = torch.sqrt(div1)
-            add2 = sqrt0 + eps
-            div2 = mul5 / add2
-            sub4 = _c.local(w, 0) - div2
-            _add0.append(add0)
-            _add1.append(add1)
-            _sub4.append(sub4)
-        add0 = torch.cat(_add0, dim=0)
-        add1 = torch.cat(_add1, dim=0)
-        sub4 = torch.cat(_sub4, dim=0)
-        return add0, add1, sub4
+            _chunk0(_c.local(m, 0), _c.local(v, 0), _c.local(w, 0), beta1, beta2, sub0, rs0, sub1, sub2, sub3, lr, eps)
 
     g = tensors['g']
     w = tensors['w']
@@ -147,17 +156,12 @@ def step(tensors, scalars, *, group=None, stage=0, stages=1, sizes=None, custom_
     beta2 = torch.tensor(float(scalars['beta2']), dtype=torch.float32, device=_c.device)
     eps = torch.tensor(float(scalars['eps']), dtype=torch.float32, device=_c.device)
     t = torch.tensor(float(scalars['t']), dtype=torch.float32, device=_c.device)
-    mul0 = beta1 * m
     c0 = 1
     sub0 = c0 - beta1
-    mul2 = beta2 * v
     sub1 = c0 - beta2
     pow0 = beta1 ** t
     sub2 = c0 - pow0
     pow1 = beta2 ** t
     sub3 = c0 - pow1
-    add0, add1, sub4 = _fused_collective0(_c, g, sub0, mul0, sub1, mul2, sub2, sub3, lr, eps, w)
-    m.copy_(add0)
-    v.copy_(add1)
-    w.copy_(sub4)
+    _fused_collective0(_c, beta1, m, beta2, v, g, sub0, sub1, sub2, sub3, lr, eps, w)
     return {"outputs": _outputs, "sent": _sent}

@@ -1,0 +1,372 @@
+"""Collectives of the shm backend: the ranks of one node reducing in shared memory.
+
+Like ``coconet.codegen.prelude``, the text of these helpers is pasted into the
+generated modules that call them; for the shm backend they take the place of
+the torch.distributed collectives of the same names, so the lowering is one.
+
+Each rank of a process group owns a segment of ``/dev/shm`` that every rank of
+the group maps (``torch.from_file(shared=True)``); the file is unlinked as soon
+as all have mapped it, so nothing outlives the processes. A collective copies
+each rank's buffer into its segment — the rows its peers need, not its own —
+then meets the others at a barrier of per-rank flags in the segments; each rank
+then reduces the rows it owns straight out of its peers' segments (its own
+rows from its private buffer), and a gather copies every rank's rows out of
+theirs. A fused collective computes on each chunk of reduced rows as it comes.
+gloo only bootstraps the group (segment names) and carries pipeline send/recv.
+
+A collective writes into the next of ``slots`` rotating slots of its segment.
+A slot is reused ``slots`` collectives later, and must by then have been read
+by every rank: a rank's reads of a collective end before it enters the next
+one's barrier, and it writes a collective after passing the barrier of the one
+before, so two slots suffice for collectives that run one after the other. A
+chunked fused collective takes its reduce_scatter's slot, then one per gather
+at its first chunk, and writes the gathers before their barriers: G gathers
+need G + 2 slots. Slots are taken in program order on every rank (async
+collectives take theirs on the communication thread, in the order queued).
+Peers see a rank's data once they see its flag because x86-64 keeps stores in
+order; elsewhere the backend refuses to start.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+import torch.distributed as dist
+
+_GROUPS = {}  # process group -> its _Shm, made on the group's first step
+
+
+class _Shm:
+    """The shared segments of one process group: a flag, then ``slots`` slots of ``nbytes``, per rank."""
+
+    HEADER = 128  # the flag, on its own cache lines
+    PATIENCE_S = 300.0
+
+    def __init__(self, group, slots):
+        if platform.machine().lower() not in ("x86_64", "amd64"):
+            raise RuntimeError(f"the shm backend relies on x86-64 store ordering; this is {platform.machine()}")
+        self.group, self.slots = group, slots
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        first = dist.get_process_group_ranks(group)[0] if group is not None else 0
+        name = [f"/dev/shm/coconet-{os.getpid()}-{uuid.uuid4().hex[:12]}" if self.rank == 0 else None]
+        dist.broadcast_object_list(name, src=first, group=group)
+        self.prefix, self.generation = name[0], 0
+        self.epoch, self.next, self.slot_bytes = 0, 0, 0
+        self.segments, self.flags = [], []
+        self.pool, self.last = None, None
+
+    @staticmethod
+    def of(group, slots, nbytes):
+        """The group's segments, grown to ``nbytes`` per slot (every rank asks for the same, at the same step)."""
+        shm = _GROUPS.get(group)
+        if shm is None:
+            shm = _GROUPS[group] = _Shm(group, slots)
+        if shm.slot_bytes < nbytes or shm.slots < slots:
+            shm.slots = max(shm.slots, slots)
+            shm._map(-(-nbytes // 64) * 64)
+        return shm
+
+    def _map(self, slot_bytes):
+        self.generation += 1
+        size = self.HEADER + self.slots * slot_bytes
+        paths = [f"{self.prefix}-{self.generation}-{r}" for r in range(self.world)]
+        mine = torch.from_file(paths[self.rank], shared=True, size=size, dtype=torch.uint8)
+        mine[:8].view(torch.int64).fill_(self.epoch)
+        dist.barrier(group=self.group)  # every segment exists
+        self.segments = [mine if r == self.rank else torch.from_file(p, shared=True, size=size, dtype=torch.uint8)
+                         for r, p in enumerate(paths)]
+        dist.barrier(group=self.group)  # every rank has mapped them: the names can go
+        os.unlink(paths[self.rank])
+        self.flags = [s[:8].view(torch.int64) for s in self.segments]
+        self.slot_bytes = slot_bytes
+
+    def take(self):
+        slot = self.next
+        self.next = (self.next + 1) % self.slots
+        return slot
+
+    def at(self, rank, slot, offset, dtype, shape):
+        """Rank ``rank``'s slot as a tensor of ``shape``, from byte ``offset`` of the slot."""
+        start = self.HEADER + slot * self.slot_bytes + offset
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        return self.segments[rank][start:start + nbytes].view(dtype).view(shape)
+
+    def barrier(self):
+        self.epoch += 1
+        self.flags[self.rank].fill_(self.epoch)
+        deadline, spins = None, 0
+        for r, flag in enumerate(self.flags):
+            while int(flag) < self.epoch:
+                spins += 1
+                if spins < 2000:
+                    os.sched_yield()  # ranks may outnumber cores: let the late one run
+                    continue
+                time.sleep(5e-5)
+                deadline = deadline or time.monotonic() + self.PATIENCE_S
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"shm barrier: rank {r} of the group did not arrive within {self.PATIENCE_S:.0f} s")
+
+    def call(self, fn, *args, async_op=False):
+        """Runs a collective now, or on the group's one communication thread (async_op, or while earlier async
+        ones are queued there: every rank must meet the collectives in the same order)."""
+        if not async_op and (self.last is None or self.last.done()):
+            return fn(*args)
+        if self.pool is None:
+            self.pool = ThreadPoolExecutor(1, thread_name_prefix="coconet-shm")
+        self.last = self.pool.submit(fn, *args)
+        return self.last if async_op else self.last.result()
+
+    def close(self):
+        if self.pool is not None:
+            self.pool.shutdown()
+        self.segments, self.flags = [], []
+        _GROUPS.pop(self.group, None)
+
+
+class _Done:
+    """What an async shm collective returns: ``wait()`` like a torch.distributed work handle."""
+
+    def __init__(self, future):
+        self.future = future
+
+    def wait(self):
+        self.future.result()
+
+
+def _flat_rows(c, n, r):
+    """Rows [lo, hi) of a dim of extent n that rank r owns (the split of _Ctx.rows)."""
+    chunk = -(-n // c.world)
+    lo = min(r * chunk, n)
+    return lo, min(lo + chunk, n)
+
+
+def _offsets(nbytes):
+    """Byte offsets of buffers of ``nbytes`` packed in one slot, each on its own cache line."""
+    offsets, at = [], 0
+    for n in nbytes:
+        offsets.append(at)
+        at += -(-n // 64) * 64
+    return offsets
+
+
+def _publish(c, slot, offset, rows, lo, hi):
+    """Copies ``rows`` (dim 0 leading) into this rank's slot, all but rows [lo, hi): no peer reads those."""
+    mine = c.shm.at(c.rank, slot, offset, rows.dtype, tuple(rows.shape))
+    mine[:lo].copy_(rows[:lo])
+    mine[hi:].copy_(rows[hi:])
+    return mine
+
+
+def _shm_reduce(c, own, peers, op, out):
+    """out = the reduction over ranks of rows whose copy on this rank is ``own`` and on the others ``peers``."""
+    combine = {"sum": torch.add, "avg": torch.add, "prod": torch.mul, "max": torch.maximum, "min": torch.minimum}[op]
+    if not peers:
+        out.copy_(own)
+    else:
+        combine(own, peers[0], out=out)
+    for p in peers[1:]:
+        combine(out, p, out=out)
+    if op == "avg":
+        out.div_(c.world)
+    return out
+
+
+def _shm_reduce_scatter(c, xs, dims, ns, op):
+    s = c.shm
+    slot = s.take()
+    rows = [x.movedim(d, 0) for x, d in zip(xs, dims)]
+    offsets = _offsets([x.numel() * x.element_size() for x in xs])
+    lo, hi = zip(*[c.rows(n) for n in ns])
+    for k in range(len(xs)):
+        _publish(c, slot, offsets[k], rows[k], lo[k], hi[k])
+    s.barrier()
+    outs = []
+    for k, x in enumerate(rows):
+        peers = [s.at(r, slot, offsets[k], x.dtype, tuple(x.shape))[lo[k]:hi[k]] for r in range(c.world) if r != c.rank]
+        out = x.new_empty((hi[k] - lo[k],) + tuple(x.shape[1:]))
+        outs.append(_shm_reduce(c, x[lo[k]:hi[k]], peers, op, out).movedim(0, dims[k]))
+    return outs
+
+
+def _shm_all_gather(c, xs, dims, ns):
+    s = c.shm
+    slot = s.take()
+    parts = [x.movedim(d, 0) for x, d in zip(xs, dims)]
+    full = [(n,) + tuple(p.shape[1:]) for p, n in zip(parts, ns)]
+    offsets = _offsets([math.prod(f) * p.element_size() for p, f in zip(parts, full)])
+    for p, f, o, n in zip(parts, full, offsets, ns):
+        lo, hi = c.rows(n)
+        s.at(c.rank, slot, o, p.dtype, f)[lo:hi].copy_(p)
+    s.barrier()
+    outs = []
+    for p, f, o, n, d in zip(parts, full, offsets, ns, dims):
+        out = p.new_empty(f)
+        for r in range(c.world):
+            lo, hi = _flat_rows(c, n, r)
+            out[lo:hi].copy_(p if r == c.rank else s.at(r, slot, o, p.dtype, f)[lo:hi])
+        outs.append(out.movedim(0, d))
+    return outs
+
+
+def _shm_allreduce(c, xs, op):
+    s = c.shm
+    slot = s.take()
+    flat = [x.reshape(-1) for x in xs]  # a copy if x is not contiguous: written back at the end
+    offsets = _offsets([x.numel() * x.element_size() for x in xs])
+    mine = []
+    for f, o in zip(flat, offsets):
+        lo, hi = c.rows(f.numel())
+        mine.append(_publish(c, slot, o, f, lo, hi))
+    s.barrier()
+    for f, o, m in zip(flat, offsets, mine):
+        lo, hi = c.rows(f.numel())
+        peers = [s.at(r, slot, o, f.dtype, (f.numel(),))[lo:hi] for r in range(c.world) if r != c.rank]
+        _shm_reduce(c, f[lo:hi], peers, op, m[lo:hi])
+    s.barrier()
+    for x, f, o in zip(xs, flat, offsets):
+        for r in range(c.world):
+            lo, hi = _flat_rows(c, f.numel(), r)
+            f[lo:hi].copy_(s.at(r, slot, o, f.dtype, (f.numel(),))[lo:hi])
+        if f.data_ptr() != x.data_ptr():
+            x.copy_(f.view(x.shape))
+    return xs
+
+
+def _allreduce(c, x, op, async_op=False):
+    """In place on x, reduced in shared memory."""
+    done = c.shm.call(_shm_allreduce, c, [x], op, async_op=async_op)
+    return _Done(done) if async_op else None
+
+
+def _reduce_scatter(c, x, dim, n, op="sum", async_op=False):
+    """The rows this rank holds of the reduction over ranks of x, read out of the peers' segments.
+    With async_op, returns a function that waits and gives the rows."""
+    done = c.shm.call(_shm_reduce_scatter, c, [x], [dim], [n], op, async_op=async_op)
+    return (lambda: done.result()[0]) if async_op else done[0]
+
+
+def _all_gather(c, x, dim, n):
+    return c.shm.call(_shm_all_gather, c, [x], [dim], [n])[0]
+
+
+def _shm_broadcast(c, x, root):
+    s = c.shm
+    slot = s.take()
+    if c.rank == root:
+        s.at(c.rank, slot, 0, x.dtype, tuple(x.shape)).copy_(x)
+    s.barrier()
+    if c.rank != root:
+        x.copy_(s.at(root, slot, 0, x.dtype, tuple(x.shape)))
+    return x
+
+
+def _broadcast(c, x, root):
+    """In place on x: the value of group rank ``root``."""
+    return c.shm.call(_shm_broadcast, c, x, root)
+
+
+def _bucket_allreduce(c, xs, op, cap):
+    """One publish and two barriers per ``cap`` bytes of the buffers xs, reduced in place."""
+    for launch in _launches(xs, cap):
+        c.shm.call(_shm_allreduce, c, [xs[i] for i in launch], op)
+    return xs
+
+
+def _bucket_reduce_scatter(c, xs, dims, ns, op, cap):
+    outs = [None] * len(xs)
+    for launch in _launches(xs, cap):
+        got = c.shm.call(_shm_reduce_scatter, c, [xs[i] for i in launch], [dims[i] for i in launch],
+                         [ns[i] for i in launch], op)
+        for i, y in zip(launch, got):
+            outs[i] = y
+    return outs
+
+
+def _bucket_all_gather(c, xs, dims, ns, cap):
+    outs = [None] * len(xs)
+    for launch in _launches(xs, cap):
+        got = c.shm.call(_shm_all_gather, c, [xs[i] for i in launch], [dims[i] for i in launch], [ns[i] for i in launch])
+        for i, y in zip(launch, got):
+            outs[i] = y
+    return outs
+
+
+def _scatter_parts(c, x, dim, n, count):
+    """Publishes x once, then yields, for ``count`` chunks of the rows this rank holds: the chunk, its rows
+    on this rank (from x), on every peer (from their segments), and where this rank may write them."""
+    s = c.shm
+    slot = s.call(s.take)  # after the async collectives still queued: every rank takes slots in one order
+    rows = x.movedim(dim, 0)
+    lo, hi = c.rows(n)
+    s.call(_publish, c, slot, 0, rows, lo, hi)
+    s.call(s.barrier)
+    per = -(-n // c.world)
+    size = max(1, -(-per // count))
+    for a in range(0, per, size):
+        k = _Chunk(c, n, a, a + size)
+        span = slice(lo + k.a, lo + k.b)
+        peers = [s.at(r, slot, 0, rows.dtype, tuple(rows.shape))[span] for r in range(c.world) if r != c.rank]
+        # this rank's own rows of its slot: nobody reads them, and they stay mapped from step to step
+        yield k, rows[span], peers, s.at(c.rank, slot, 0, rows.dtype, tuple(rows.shape))[span]
+
+
+def _reduce_scatter_chunks(c, x, dim, n, count, op):
+    """Yields (chunk, its reduced rows) for ``count`` chunks of the rows this rank holds, each reduced out
+    of the peers' segments just before it is computed on, while it is still in cache."""
+    for k, own, peers, out in _scatter_parts(c, x, dim, n, count):
+        yield k, _shm_reduce(c, own, peers, op, out).movedim(0, dim)
+
+
+def _reduce_scatter_parts(c, x, dim, n, count):
+    """Yields (chunk, its rows on every rank, unreduced): the kernel computing on the chunk sums them as it
+    reads them, so the reduced rows are never written out."""
+    for k, own, peers, _ in _scatter_parts(c, x, dim, n, count):
+        yield k, [p.movedim(0, dim) for p in [own] + peers]
+
+
+def _add_all(parts):
+    total = parts[0]
+    for p in parts[1:]:
+        total = total + p
+    return total
+
+
+class _Gather:
+    """The all_gather of one value, chunk by chunk as the chunks are computed: each chunk goes into this
+    rank's slot as it comes; one barrier, then every rank's rows are copied out. Its slot is taken at the
+    first chunk, after the reduce_scatter's: slots are then reused in the order their reads end."""
+
+    def __init__(self, c, dim, n):
+        self.c, self.dim, self.n = c, dim, n
+        self.slot = None
+
+    def add(self, k, x):
+        if self.slot is None:
+            self.slot = self.c.shm.call(self.c.shm.take)
+        part = x.movedim(self.dim, 0)
+        self.shape, self.dtype = (self.n,) + tuple(part.shape[1:]), part.dtype
+        lo, _ = self.c.rows(self.n)
+        self.c.shm.at(self.c.rank, self.slot, 0, part.dtype, self.shape)[lo + k.a:lo + k.b].copy_(part)
+
+    def result(self):
+        s = self.c.shm
+        s.call(s.barrier)
+        out = torch.empty(self.shape, dtype=self.dtype, device=self.c.device)
+        for r in range(self.c.world):
+            lo, hi = _flat_rows(self.c, self.n, r)
+            out[lo:hi].copy_(s.at(r, self.slot, 0, self.dtype, self.shape)[lo:hi])
+        return out.movedim(0, self.dim)
+
+
+from coconet.codegen.prelude import _Chunk, _launches  # noqa: E402  (shared with the torch backend)
+
+HELPERS = (_Shm, _Done, _flat_rows, _offsets, _publish, _shm_reduce, _shm_reduce_scatter, _shm_all_gather,
+           _shm_allreduce, _allreduce, _reduce_scatter, _all_gather, _shm_broadcast, _broadcast, _bucket_allreduce,
+           _bucket_reduce_scatter, _bucket_all_gather, _scatter_parts, _reduce_scatter_chunks, _reduce_scatter_parts, _add_all,
+           _Gather)

@@ -1,0 +1,78 @@
+"""The shm backend on real worlds of ranks: every schedule correct, and no segment left behind."""
+
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from coconet.codegen.launch import Options, run_schedules
+from coconet.codegen.lower import lower
+from coconet.schedules.schedule import Schedule
+from coconet.schedules.space import generate
+from tests.codegen import faulty
+from tests.codegen.test_launch import EXAMPLES, RANKS, SIZES, assert_all_ok, example, rank_processes
+from tests.strategies import collective_programs
+
+
+def shm_only(world, sizes, **kw):
+    return Options(world=world, sizes=sizes, backend="shm", time=False, timeout_s=60, kernels="eager", **kw)
+
+
+def segments() -> list[Path]:
+    return list(Path("/dev/shm").glob("coconet-*"))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_every_schedule_of_every_example_on_shm(name, world):
+    prog = example(name)
+    sizes = {d: SIZES[d] for d in prog.dims}
+    assert_all_ok(run_schedules(list(generate(prog)), shm_only(world, sizes, stages=2)))
+    assert not segments() and not rank_processes()
+
+
+@pytest.mark.parametrize("name", ["adam", "megatron_mlp"])
+def test_four_ranks(name):
+    prog = example(name)
+    sizes = {d: SIZES[d] for d in prog.dims}
+    assert_all_ok(run_schedules(list(generate(prog)), shm_only(4, sizes)))
+
+
+def test_knob_values_on_shm():
+    """More chunks than rows, bucket caps that split a bucket into several launches."""
+    adam = example("adam")
+    scheds = [s.with_knobs(**{k: v}) for s in generate(adam) if s.knob_values
+              for k, (_, domain) in s.knob_domains.items() for v in domain]
+    assert_all_ok(run_schedules(scheds, shm_only(3, {"N": 7})))
+    megatron = example("megatron_mlp")
+    scheds = [s.with_knobs(chunks=c) for s in generate(megatron) if "chunks" in s.knob_values for c in (2, 16)]
+    assert_all_ok(run_schedules(scheds, shm_only(2, {"B": 3, "S": 2, "H": 5})))
+
+
+@settings(max_examples=3, **RANKS)
+@given(collective_programs(), st.sampled_from([2, 3]))
+def test_unseen_collective_programs_on_shm(p, world):
+    assert_all_ok(run_schedules(list(generate(p.ir, depth=4)), shm_only(world, {"N": 5, "M": 7})))
+
+
+def test_compiled_kernels_and_timing_on_shm():
+    adam = example("adam")
+    fused = [s for s in generate(adam) if "fuse" in s.text and "as_slice(w)" in s.text]
+    results = run_schedules(fused, Options(world=2, sizes={"N": 1001}, backend="shm", warmup=1, repeats=3))
+    assert_all_ok(results)
+    assert all(len(r.samples) == 3 for r in results)
+
+
+def test_a_dying_rank_on_shm_is_reported_and_leaves_nothing():
+    (res,) = run_schedules([Schedule(faulty.program(faulty.die))], shm_only(2, {"N": 6}))
+    assert res.status == "runtime_error" and "rank 1 died (exit code 3)" in res.error
+    assert not segments() and not rank_processes()
+
+
+def test_shm_module_reduces_in_shared_memory():
+    adam = example("adam")
+    src = lower(Schedule.parse("split(ar0); reorder(ag0); fuse_collective(rs0)", adam), "shm").source
+    assert "for the shm backend" in src
+    assert "_c.shm = _Shm.of(group, 5, 4 * (d_N))" in src  # three gathers live while chunks are reduced
+    assert "dist.all_reduce(" not in src and "_RS(" not in src and "_AG(" not in src

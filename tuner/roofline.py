@@ -1,0 +1,56 @@
+"""The floor under a step's time: the bytes it must move once, at the machine's memory bandwidth.
+
+Every input is read once (a Local input once per rank: each rank holds its own), every updated
+state and every output written once. Collectives, padding and temporaries are what a schedule adds
+on top; a perfect single-node schedule approaches this floor, none goes under it.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from typing import Mapping
+
+from coconet.schedules import interp
+from coconet.schedules.ir import Program
+from coconet.schedules.types import Local
+
+ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int64": 8, "bool": 1}
+
+
+def _nbytes(t, sizes: Mapping[str, int]) -> int:
+    return math.prod(interp.concrete_shape(t, sizes)) * ITEMSIZE.get(t.dtype or "float32", 4)
+
+
+def bytes_moved_once(program: Program, sizes: Mapping[str, int], world: int) -> int:
+    total = 0
+    for s in program.inputs:
+        if s.op == "input":
+            total += _nbytes(s.type, sizes) * (world if isinstance(s.type.layout, Local) else 1)
+    for target in program.updates:
+        total += _nbytes(program[target].type, sizes)
+    for value in program.outputs.values():
+        total += _nbytes(program[value].type, sizes)
+    return total
+
+
+def copy_bandwidth(nbytes: int = 2**28, threads: int | None = None, repeats: int = 5) -> float:
+    """Bytes per second read plus written by a large tensor copy on this machine's CPU, all threads."""
+    import torch
+
+    old = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        src = torch.ones(nbytes // 4, dtype=torch.float32)
+        dst = torch.empty_like(src)
+        dst.copy_(src)
+        samples = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            samples.append(time.perf_counter() - t0)
+        return 2 * nbytes / statistics.median(samples)
+    finally:
+        torch.set_num_threads(old)
