@@ -24,10 +24,9 @@ from coconet.errors import BackendError
 from coconet.schedules.dims import Dim
 from coconet.schedules.ir import Group, Program, Stmt
 from coconet.schedules.schedule import Schedule
-from coconet.schedules.types import Local, Replicated, Sliced
+from coconet.schedules.types import ITEMSIZE, Local, Replicated, Sliced
 
 BACKENDS = ("gloo", "nccl", "shm")
-ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int64": 8, "bool": 1}
 TORCH_DTYPE = {"float16": "torch.float16", "bfloat16": "torch.bfloat16", "float32": "torch.float32",
                "float64": "torch.float64", "int64": "torch.int64", "bool": "torch.bool"}
 BINARY = {"add": "{} + {}", "sub": "{} - {}", "mul": "{} * {}", "div": "{} / {}", "pow": "{} ** {}",

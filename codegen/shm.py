@@ -139,13 +139,6 @@ class _Done:
         self.future.result()
 
 
-def _flat_rows(c, n, r):
-    """Rows [lo, hi) of a dim of extent n that rank r owns (the split of _Ctx.rows)."""
-    chunk = -(-n // c.world)
-    lo = min(r * chunk, n)
-    return lo, min(lo + chunk, n)
-
-
 def _offsets(nbytes):
     """Byte offsets of buffers of ``nbytes`` packed in one slot, each on its own cache line."""
     offsets, at = [], 0
@@ -208,7 +201,7 @@ def _shm_all_gather(c, xs, dims, ns):
     for p, f, o, n, d in zip(parts, full, offsets, ns, dims):
         out = p.new_empty(f)
         for r in range(c.world):
-            lo, hi = _flat_rows(c, n, r)
+            lo, hi = c.rows(n, r)
             out[lo:hi].copy_(p if r == c.rank else s.at(r, slot, o, p.dtype, f)[lo:hi])
         outs.append(out.movedim(0, d))
     return outs
@@ -231,7 +224,7 @@ def _shm_allreduce(c, xs, op):
     s.barrier()
     for x, f, o in zip(xs, flat, offsets):
         for r in range(c.world):
-            lo, hi = _flat_rows(c, f.numel(), r)
+            lo, hi = c.rows(f.numel(), r)
             f[lo:hi].copy_(s.at(r, slot, o, f.dtype, (f.numel(),))[lo:hi])
         if f.data_ptr() != x.data_ptr():
             x.copy_(f.view(x.shape))
@@ -359,14 +352,14 @@ class _Gather:
         s.call(s.barrier)
         out = torch.empty(self.shape, dtype=self.dtype, device=self.c.device)
         for r in range(self.c.world):
-            lo, hi = _flat_rows(self.c, self.n, r)
+            lo, hi = self.c.rows(self.n, r)
             out[lo:hi].copy_(s.at(r, self.slot, 0, self.dtype, self.shape)[lo:hi])
         return out.movedim(0, self.dim)
 
 
 from coconet.codegen.prelude import _Chunk, _launches  # noqa: E402  (shared with the torch backend)
 
-HELPERS = (_Shm, _Done, _flat_rows, _offsets, _publish, _shm_reduce, _shm_reduce_scatter, _shm_all_gather,
+HELPERS = (_Shm, _Done, _offsets, _publish, _shm_reduce, _shm_reduce_scatter, _shm_all_gather,
            _shm_allreduce, _allreduce, _reduce_scatter, _all_gather, _shm_broadcast, _broadcast, _bucket_allreduce,
            _bucket_reduce_scatter, _bucket_all_gather, _scatter_parts, _reduce_scatter_chunks, _reduce_scatter_parts, _add_all,
            _Gather)

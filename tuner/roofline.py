@@ -14,9 +14,8 @@ from typing import Mapping
 
 from coconet.schedules import interp
 from coconet.schedules.ir import Program
-from coconet.schedules.types import Local
+from coconet.schedules.types import ITEMSIZE, Local
 
-ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int64": 8, "bool": 1}
 
 
 def _nbytes(t, sizes: Mapping[str, int]) -> int:

@@ -36,10 +36,10 @@ class _Ctx:
         self.global_rank = dist.get_rank()
         self.device = device
 
-    def rows(self, n):
-        """Rows [lo, hi) of a dim of extent n that this rank holds when Sliced."""
+    def rows(self, n, rank=None):
+        """Rows [lo, hi) of a dim of extent n that this rank (or ``rank``) holds when Sliced."""
         chunk = -(-n // self.world)
-        lo = min(self.rank * chunk, n)
+        lo = min((self.rank if rank is None else rank) * chunk, n)
         return lo, min(lo + chunk, n)
 
     def cut(self, x, dim, n):

@@ -42,10 +42,10 @@ class _Ctx:
         self.global_rank = dist.get_rank()
         self.device = device
 
-    def rows(self, n):
-        """Rows [lo, hi) of a dim of extent n that this rank holds when Sliced."""
+    def rows(self, n, rank=None):
+        """Rows [lo, hi) of a dim of extent n that this rank (or ``rank``) holds when Sliced."""
         chunk = -(-n // self.world)
-        lo = min(self.rank * chunk, n)
+        lo = min((self.rank if rank is None else rank) * chunk, n)
         return lo, min(lo + chunk, n)
 
     def cut(self, x, dim, n):
@@ -107,7 +107,7 @@ class _Gather:
         s.call(s.barrier)
         out = torch.empty(self.shape, dtype=self.dtype, device=self.c.device)
         for r in range(self.c.world):
-            lo, hi = _flat_rows(self.c, self.n, r)
+            lo, hi = self.c.rows(self.n, r)
             out[lo:hi].copy_(s.at(r, self.slot, 0, self.dtype, self.shape)[lo:hi])
         return out.movedim(0, self.dim)
 
@@ -238,13 +238,6 @@ class _Shm:
             self.pool.shutdown()
         self.segments, self.flags = [], []
         _GROUPS.pop(self.group, None)
-
-
-def _flat_rows(c, n, r):
-    """Rows [lo, hi) of a dim of extent n that rank r owns (the split of _Ctx.rows)."""
-    chunk = -(-n // c.world)
-    lo = min(r * chunk, n)
-    return lo, min(lo + chunk, n)
 
 
 def _publish(c, slot, offset, rows, lo, hi):
