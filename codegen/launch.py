@@ -210,7 +210,7 @@ def _launch(tasks, opts: Options, reference, results, custom) -> set[int]:
                         for i, gen in tasks:
                             results[i] = _result(gen, "runtime_error", f"rank {rank}: {data['error']}")
                         return {i for i, _ in tasks}
-                    results[task] = _result(by_id[task], "runtime_error", _describe_error(rank, data, by_id[task]))
+                    results[task] = _result(by_id[task], "runtime_error", describe_error(rank, data, by_id[task]))
                     done.add(task)
                     return done
                 if kind == "started":
@@ -268,25 +268,29 @@ def _stop(procs) -> None:
 def _finish(gen: Generated, slot, opts: Options, reference) -> RunResult:
     res = RunResult(_text(gen), gen.schedule.hash, "ok")
     if opts.check and not (isinstance(gen, TorchTask) and not gen.baseline.checked):
-        prog = gen.schedule.scheduled
-        got = _assemble(prog, slot["check"], opts)
-        worst, bad = 0.0, None
-        for key in sorted(set(reference) | set(got)):
-            if key not in got or key not in reference:
-                worst, bad = math.inf, key
-                break
-            e = rel_err(got[key], reference[key])
-            tol = TOLERANCE.get(_dtype_of(prog, key), 1e-4)
-            if e > worst:
-                worst = e
-            if not e <= tol and bad is None:
-                bad = f"{key} (relative error {e:.3g} > {tol:g})"
-        res.max_rel_err, res.correct = worst, bad is None
+        res.max_rel_err, bad = compare(gen.schedule.scheduled, slot["check"], opts, reference)
+        res.correct = bad is None
         if bad is not None:
-            res.status, res.error = "wrong_result", f"{bad} differs from the reference interpreter"
+            res.status, res.error = "wrong_result", bad
     if opts.time and slot["time"] is not None:
         res.samples = list(slot["time"])
     return res
+
+
+def compare(prog, reports: Mapping[int, dict], opts: Options, reference) -> tuple[float, str | None]:
+    """The largest relative error of what the ranks reported (rank → observed values) against the
+    reference interpreter's, and what differs beyond its dtype's tolerance (None when nothing does)."""
+    got = _assemble(prog, reports, opts)
+    worst, bad = 0.0, None
+    for key in sorted(set(reference) | set(got)):
+        if key not in got or key not in reference:
+            return math.inf, f"{key} is missing from {'the ranks' if key not in got else 'the reference'}"
+        e = rel_err(got[key], reference[key])
+        tol = TOLERANCE.get(_dtype_of(prog, key), 1e-4)
+        worst = max(worst, e)
+        if not e <= tol and bad is None:
+            bad = f"{key} (relative error {e:.3g} > {tol:g}) differs from the reference interpreter"
+    return worst, bad
 
 
 def _dtype_of(prog, key: str) -> str:
@@ -315,7 +319,7 @@ def _assemble(prog, reports: Mapping[int, dict], opts: Options) -> dict[str, np.
     return out
 
 
-def _describe_error(rank: int, data: dict, gen: Generated) -> str:
+def describe_error(rank: int, data: dict, gen: Generated) -> str:
     stmt = None
     for fname, line in reversed(data["frames"]):
         if fname == data["module"]:
@@ -335,16 +339,22 @@ def _hang_report(procs, workdir: Path, gen: Generated) -> str:
     found = []
     for r in range(len(procs)):
         path = workdir / f"rank{r}.stack"
-        text = path.read_text(errors="replace") if path.exists() else ""
-        stmt = None
-        for m in re.finditer(r'File "([^"]+)", line (\d+)', text):
-            if m.group(1).endswith(f"coconet_{gen.key}.py"):
-                stmt = gen.statement_at(int(m.group(2)))
-                if stmt:
-                    break  # faulthandler lists the innermost frame first
-        if stmt:
-            found.append(f"rank {r} in statement {stmt} ({gen.schedule.scheduled[stmt].op})")
+        where = stuck_at(path.read_text(errors="replace") if path.exists() else "", gen, f"coconet_{gen.key}.py")
+        if where:
+            found.append(f"rank {r} {where}")
     return f": {'; '.join(found)}" if found else ""
+
+
+def stuck_at(stacks: str, gen: Generated, module: str) -> str | None:
+    """Where in the generated module a faulthandler dump (innermost frame first) says a rank was."""
+    line = None
+    for m in re.finditer(r'File "([^"]+)", line (\d+)', stacks):
+        if m.group(1).endswith(module):
+            stmt = gen.statement_at(int(m.group(2)))
+            if stmt and stmt in gen.schedule.scheduled:
+                return f"in statement {stmt} ({gen.schedule.scheduled[stmt].op})"
+            line = line or int(m.group(2))
+    return f"at line {line} of the generated module" if line else None
 
 
 def _log_tail(workdir: Path, rank: int, lines: int = 5) -> str:

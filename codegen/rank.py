@@ -179,13 +179,27 @@ def _trace(step, tensors, scalars, kwargs, out: Path) -> None:
 
 
 def _time(step, tensors, scalars, kwargs, opts, device) -> list[float]:
-    """Each sample: barrier, one step, the slowest rank's time (the step is as slow as its slowest rank)."""
+    return time_steps(step, tensors, scalars, kwargs, device, warmup=opts.warmup, repeats=opts.repeats)
+
+
+def time_steps(step, tensors, scalars, kwargs, device, *, warmup: int, repeats: int, max_repeats: int | None = None,
+               rel_ci: float | None = None, max_s: float | None = None) -> list[float]:
+    """Each sample: barrier, one step, the slowest rank's time (the step is as slow as its slowest rank).
+
+    ``repeats`` samples at least; with ``rel_ci``, more until the 95% CI of the median is within
+    ±rel_ci of it, ``max_repeats`` samples or ``max_s`` seconds of samples. Every rank holds the same
+    samples (all-reduced), so every rank takes the same decision to stop without another message.
+    """
     import torch
     import torch.distributed as dist
 
+    from coconet.tuner.stats import summarize
+
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    samples = []
-    for i in range(opts.warmup + opts.repeats):
+    cap = max(repeats, max_repeats or repeats)
+    samples: list[float] = []
+    i = 0
+    while True:
         dist.barrier()
         sync()
         t0 = time.perf_counter()
@@ -193,9 +207,16 @@ def _time(step, tensors, scalars, kwargs, opts, device) -> list[float]:
         sync()
         dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
         dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-        if i >= opts.warmup:
-            samples.append(float(dt.item()))
-    return samples
+        i += 1
+        if i <= warmup:
+            continue
+        samples.append(float(dt.item()))
+        if len(samples) < repeats:
+            continue
+        if rel_ci is None or len(samples) >= cap or (max_s is not None and sum(samples) >= max_s):
+            return samples
+        if summarize(samples).rel_halfwidth <= rel_ci:
+            return samples
 
 
 if __name__ == "__main__":

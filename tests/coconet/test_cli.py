@@ -186,7 +186,10 @@ def test_bench_compares_with_torch_and_the_floor(tmp_path):
     report = json.loads(proc.stdout)
     assert report == json.loads(out.read_text())
     assert report["torch_baseline"].startswith("dist.all_reduce + torch.optim.Adam(fused=True)")
-    assert report["copy_bandwidth_GBps"] > 0 and len(report["points"]) == 2
+    assert report["memory_bandwidth_GBps"] > 0 and len(report["points"]) == 2
+    # measured before each point and after the last; the floor uses the best of them
+    assert report["memory_bandwidth_GBps"] == max(report["memory_bandwidth_samples_GBps"])
+    assert len(report["memory_bandwidth_samples_GBps"]) == 3
     assert report["backends"] == ["gloo", "shm"]
     for point, n in zip(report["points"], (1024, 3000)):
         assert point["sizes"] == {"N": n}
@@ -195,6 +198,7 @@ def test_bench_compares_with_torch_and_the_floor(tmp_path):
             assert point[f"best_{b}"] == min((r for r in point["results"] if r["backend"] == b),
                                              key=lambda r: r["median_s"])
         assert point["bytes_moved_once"] == (2 * 4 + 6 * 4) * n  # g on 2 ranks; w, m, v read and written
+        assert point["floor_s"] == pytest.approx(point["bytes_moved_once"] / (report["memory_bandwidth_GBps"] * 1e9))
         assert point["torch"]["status"] == "ok" and point["torch"]["correct"] is True
         assert all(r["status"] == "ok" for r in point["results"])
         best = min(point["results"], key=lambda r: r["median_s"])

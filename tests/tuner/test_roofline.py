@@ -1,7 +1,7 @@
 import runpy
 from pathlib import Path
 
-from coconet.tuner.roofline import bytes_moved_once, copy_bandwidth
+from coconet.tuner.roofline import bytes_moved_once, memory_bandwidth
 
 ROOT = Path(__file__).parents[2]
 
@@ -19,5 +19,5 @@ def test_bytes_moved_once():
     assert bytes_moved_once(example("megatron_mlp"), {"B": B, "S": S, "H": H}, 2) == want
 
 
-def test_copy_bandwidth_is_a_rate():
-    assert copy_bandwidth(nbytes=2**22, repeats=2) > 1e8
+def test_memory_bandwidth_is_a_rate():
+    assert memory_bandwidth(nbytes=2**22, repeats=2) > 1e8

@@ -1,0 +1,111 @@
+"""Candidates measured on Ray actors: correct ones timed, bad ones classified, the group rebuilt."""
+
+import dataclasses
+import runpy
+from pathlib import Path
+
+import pytest
+
+from coconet.codegen.lower import lower
+from coconet.errors import BackendError
+from coconet.schedules.schedule import Schedule
+from coconet.schedules.space import generate
+from coconet.tuner.runner import Protocol, Runner
+
+ROOT = Path(__file__).parents[2]
+FAST = Protocol(warmup=1, min_repeats=5, max_repeats=12, max_time_s=2.0, kernels="eager", timeout_s=60.0)
+
+
+def example(name):
+    return runpy.run_path(str(ROOT / "examples" / f"{name}.py"))["program"].ir
+
+
+def wrapped(prelude: str, body: str):
+    """A lowering whose step runs ``body`` around the generated one (``out = _generated(...)``)."""
+    def lowering(schedule, backend, kernels):
+        gen = lower(schedule, backend, kernels)
+        source = gen.source.replace("\ndef step(", "\ndef _generated(", 1) + f"""
+
+{prelude}
+
+def step(tensors, scalars, **kw):
+    import os, time
+    import torch.distributed as dist
+    rank = dist.get_rank()
+{body}
+    return out
+"""
+        return dataclasses.replace(gen, source=source)
+    return lowering
+
+
+def _shm_files():
+    return {p.name for p in Path("/dev/shm").glob("coconet-*")}
+
+
+@pytest.mark.parametrize("backend", ["gloo", "shm"])
+def test_correct_schedules_are_checked_and_timed(ray_local, backend):
+    prog = example("adam")
+    space = generate(prog)
+    before = _shm_files()
+    with Runner(prog, world=2, sizes={"N": 1000}, backend=backend, protocol=FAST) as r:
+        for s in (space[0], space[len(space) - 1]):
+            res = r.measure(s)
+            assert res.status == "ok", res.error
+            assert res.correct is True and res.max_rel_err <= 1e-5
+            assert FAST.min_repeats <= len(res.samples) <= FAST.max_repeats
+            assert res.median_s > 0
+    assert _shm_files() <= before
+
+
+BAD = {
+    "compile_error": wrapped(
+        "import torch\n\ndef _broken(gm, example_inputs):\n    raise RuntimeError('this kernel does not compile')\n\n"
+        "_kernel = torch.compile(lambda x: x * 2, backend=_broken)",
+        "    _kernel(tensors['w'])\n    out = _generated(tensors, scalars, **kw)"),
+    "runtime_error": wrapped("", "    if rank == 1:\n        raise RuntimeError('boom on purpose')\n"
+                                 "    out = _generated(tensors, scalars, **kw)"),
+    "wrong_result": wrapped("", "    out = _generated(tensors, scalars, **kw)\n    tensors['w'].add_(1.0)"),
+    "timeout": wrapped("", "    if rank == 1:\n        time.sleep(3600)\n    out = _generated(tensors, scalars, **kw)"),
+}
+
+
+def test_bad_candidates_are_classified_and_the_next_one_runs(ray_local):
+    prog = example("adam")
+    good = generate(prog)[1]
+    for status, lowering in BAD.items():
+        protocol = dataclasses.replace(FAST, timeout_s=15.0 if status == "timeout" else 60.0)
+        with Runner(prog, world=2, sizes={"N": 1000}, protocol=protocol, lowering=lowering) as bad:
+            res = bad.measure(Schedule(prog))
+            assert res.status == status, (status, res.error)
+            assert res.error and res.samples == []
+        if status == "compile_error":
+            assert "this kernel does not compile" in res.error
+        if status == "runtime_error":
+            assert res.error.startswith("rank 1") and "boom on purpose" in res.error
+        if status == "wrong_result":
+            assert "state.w" in res.error and res.correct is False
+        if status == "timeout":  # each rank's stack says where it was: rank 1 asleep, rank 0 waiting for it
+            assert "rank 1 at line" in res.error and "rank 0 in statement ar0 (allreduce)" in res.error
+    # one runner, a failing candidate between good ones: the group is rebuilt and the next one runs
+    lowerings = iter([lower, BAD["runtime_error"], lower])
+    with Runner(prog, world=2, sizes={"N": 1000}, protocol=FAST,
+                lowering=lambda *a: next(lowerings)(*a)) as r:
+        assert r.measure(good).status == "ok"
+        assert r.measure(good).status == "runtime_error"
+        assert r.measure(good).status == "ok"
+
+
+def test_a_dying_rank_and_a_refused_lowering(ray_local):
+    prog = example("adam")
+    die = wrapped("", "    if rank == 1:\n        os._exit(3)\n    out = _generated(tensors, scalars, **kw)")
+    with Runner(prog, world=2, sizes={"N": 1000}, protocol=FAST, lowering=die) as r:
+        res = r.measure(Schedule(prog))
+    assert res.status == "runtime_error" and "rank 1 died" in res.error
+
+    def refuse(schedule, backend, kernels):
+        raise BackendError("no code for this", kind="compile_error")
+
+    with Runner(prog, world=2, sizes={"N": 1000}, protocol=FAST, lowering=refuse) as r:
+        res = r.measure(Schedule(prog))
+    assert res.status == "compile_error" and "no code for this" in res.error

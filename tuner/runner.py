@@ -1,0 +1,353 @@
+"""Measuring candidates on a real world of ranks: one Ray actor per rank, a torch.distributed group
+among them.
+
+The driver lowers each schedule (a lowering error is a ``compile_error``), has every rank run the
+generated step once on small inputs and checks what they hold against the reference interpreter
+(``wrong_result``), then times it at the real sizes: warm-up, then repeats until the 95% CI of the
+median is within ±3% or a cap, each sample the slowest rank's time after a barrier. A rank that
+raises gives ``runtime_error`` — or ``compile_error`` when what raised was the kernel compiler — and
+a group that does not answer within the timeout gives ``timeout``. After either the actors are
+killed and the next candidate runs on a fresh group: a rank left inside a collective would take
+every later candidate down with it. Failures are results; nothing here raises for a bad candidate.
+
+Workers compile and time; they never see the database.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import faulthandler
+import os
+import signal
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from coconet.codegen.launch import HANG_DUMP_S, RunResult, compare, describe_error, stuck_at
+from coconet.codegen.lower import BACKENDS, Generated, lower
+from coconet.errors import BackendError, CoconetError
+from coconet.schedules import interp
+from coconet.schedules.ir import Program
+from coconet.schedules.schedule import Schedule
+
+Lowering = Callable[[Schedule, str, str], Generated]
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """How one candidate is checked and timed (DESIGN §7)."""
+
+    warmup: int = 3
+    min_repeats: int = 10
+    max_repeats: int = 100
+    rel_ci: float = 0.03  # stop once the 95% CI of the median is within ±3% of it
+    max_time_s: float = 20.0  # or once the samples add up to this
+    check: bool = True
+    check_size: int = 97  # every dim at most this in the check: small, and prime so nothing divides evenly
+    timeout_s: float = 300.0  # per call to the ranks (one check, or one timing)
+    kernels: str = "compiled"
+    seed: int = 0
+
+
+def check_sizes(sizes: Mapping[str, int], cap: int) -> dict[str, int]:
+    return {k: min(v, cap) for k, v in sizes.items()}
+
+
+class _Rank:
+    """A rank: joins the group once, then runs tasks the driver sends (wrapped by ray.remote)."""
+
+    def __init__(self, rank: int, world: int, stages: int, backend: str, threads: int, custom) -> None:
+        import torch
+
+        from coconet.codegen.rank import _custom_ops
+
+        self.rank, self.world, self.stages, self.backend = rank, world, stages, backend
+        torch.set_num_threads(threads)
+        # on SIGUSR1 (a timeout), every thread's stack goes here so the driver can say where this rank was
+        self.stack_path = Path(tempfile.gettempdir()) / f"coconet-rank-{os.getpid()}.stack"
+        self._stack = open(self.stack_path, "w")
+        faulthandler.register(signal.SIGUSR1, file=self._stack, all_threads=True)
+        self.custom = _custom_ops(custom)
+        self.group = None
+
+    def where(self) -> tuple[str, int, int, str]:
+        import ray
+
+        from coconet.codegen.launch import free_port
+
+        return ray.util.get_node_ip_address(), free_port(), os.getpid(), str(self.stack_path)
+
+    def join(self, addr: str, port: int, timeout_s: float) -> None:
+        from datetime import timedelta
+
+        import torch
+        import torch.distributed as dist
+
+        if self.backend == "nccl":
+            torch.cuda.set_device(0)  # Ray gives each actor its own GPU as device 0
+        dist.init_process_group("nccl" if self.backend == "nccl" else "gloo", init_method=f"tcp://{addr}:{port}",
+                                rank=self.rank, world_size=self.world * self.stages,
+                                timeout=timedelta(seconds=max(30.0, timeout_s)))
+        groups = [dist.new_group(list(range(s * self.world, (s + 1) * self.world))) for s in range(self.stages)]
+        self.group = groups[self.rank // self.world]
+
+    def run(self, source: str, filename: str, prog: Program, sizes: dict, seed: int, protocol: Protocol | None):
+        """Check (``protocol`` None) or time the step; returns what the driver needs, or the error."""
+        import torch
+
+        from coconet.codegen.rank import inputs, observe, time_steps
+
+        device = torch.device("cuda", 0) if self.backend == "nccl" else torch.device("cpu")
+        stage = self.rank // self.world
+        opts = _RankOpts(self.world, sizes, seed)
+        ns: dict[str, Any] = {"__name__": "coconet_generated"}
+        try:
+            try:
+                exec(compile(source, filename, "exec"), ns)
+            except SyntaxError as e:
+                return {"error": _error(e, filename), "kind": "compile_error"}
+            step = ns["step"]
+            kwargs = dict(group=self.group, stage=stage, stages=self.stages, sizes=dict(sizes),
+                          custom_ops=self.custom)
+            tensors, scalars = inputs(prog, opts, stage, self.rank % self.world, device)
+            if protocol is None:
+                out = step(tensors, scalars, **kwargs)
+                return {"check": observe(prog, tensors, out, stage)}
+            samples = time_steps(step, tensors, scalars, kwargs, device, warmup=protocol.warmup,
+                                 repeats=protocol.min_repeats, max_repeats=protocol.max_repeats,
+                                 rel_ci=protocol.rel_ci, max_s=protocol.max_time_s)
+            return {"samples": samples}
+        except Exception as e:
+            return {"error": _error(e, filename), "kind": _kind(e)}
+        finally:
+            for shm in list(ns.get("_GROUPS", {}).values()):
+                shm.close()
+
+
+@dataclass(frozen=True)
+class _RankOpts:  # what coconet.codegen.rank.inputs reads of a launch's options
+    world: int
+    sizes: Mapping[str, int]
+    seed: int
+
+
+def _error(e: BaseException, filename: str) -> dict[str, Any]:
+    frames = [(f.filename, f.lineno) for f in traceback.extract_tb(e.__traceback__)]
+    return {"error": f"{type(e).__name__}: {e}".strip()[:2000], "frames": frames, "module": filename}
+
+
+def _kind(e: BaseException) -> str:
+    # Inductor compiles a fused kernel on its first call: its failures are the kernel's, not the step's
+    for cls in type(e).__mro__:
+        mod = cls.__module__ or ""
+        if mod.startswith(("torch._inductor", "torch._dynamo.exc")) or cls.__name__ == "BackendCompilerFailed":
+            return "compile_error"
+    return "runtime_error"
+
+
+class Runner:
+    """Candidates of one program, measured at one size on ``world`` ranks (per pipeline stage) over
+    Ray. ``lowering`` turns a schedule into code (``coconet.codegen.lower.lower``; tests inject
+    faulty code through it). Use as a context manager, or call ``close``."""
+
+    def __init__(self, program: Program, *, world: int, sizes: Mapping[str, int], backend: str = "gloo",
+                 protocol: Protocol = Protocol(), stages: int = 2, program_file: str | None = None,
+                 lowering: Lowering = lower) -> None:
+        from coconet.codegen.launch import _custom_payload
+
+        if backend not in BACKENDS:
+            raise BackendError(f"unknown backend {backend!r} (use {', '.join(BACKENDS)})", kind="compile_error")
+        if world < 1:
+            raise CoconetError(f"world must be a positive number of ranks, got {world}")
+        self.program, self.world, self.backend, self.protocol = program, world, backend, protocol
+        self.sizes = dict(sizes)
+        self.stages = stages if program.is_pipeline else 1
+        self.lowering = lowering
+        self._custom = _custom_payload(program, program_file)
+        self._check_sizes = check_sizes(self.sizes, protocol.check_size)
+        self._reference = None
+        self._actors: list = []
+        self._pg = None
+        self._pids: list[int] = []
+        self._stacks: list[tuple[str, int, str]] = []
+
+    def __enter__(self) -> "Runner":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def nranks(self) -> int:
+        return self.world * self.stages
+
+    def measure(self, schedule: Schedule) -> RunResult:
+        if schedule.program.hash != self.program.hash:
+            raise CoconetError(f"schedule of {schedule.program.name}, runner of {self.program.name}")
+        try:
+            gen = self.lowering(schedule, self.backend, self.protocol.kernels)
+        except CoconetError as e:
+            return RunResult(schedule.text, schedule.hash, getattr(e, "kind", "compile_error"), error=str(e))
+        prog = dataclasses.replace(gen.schedule.scheduled, custom_ops={}, locations={})
+        filename = f"<coconet {schedule.hash} {self.backend}>"
+        res = RunResult(schedule.text, schedule.hash, "ok")
+        if self.protocol.check:
+            got = self._call(gen, filename, prog, self._check_sizes, None)
+            if isinstance(got, RunResult):
+                return got
+            opts = _CompareOpts(self.world, self.stages)
+            res.max_rel_err, bad = compare(prog, {r: g["check"] for r, g in enumerate(got)}, opts, self._ref())
+            res.correct = bad is None
+            if bad is not None:
+                res.status, res.error = "wrong_result", bad
+                return res
+        got = self._call(gen, filename, prog, self.sizes, self.protocol)
+        if isinstance(got, RunResult):
+            return dataclasses.replace(got, correct=res.correct, max_rel_err=res.max_rel_err)
+        res.samples = list(got[0]["samples"])
+        return res
+
+    def _ref(self):
+        if self._reference is None:
+            self._reference = interp.run(self.program, self.world, self._check_sizes, seed=self.protocol.seed,
+                                         stages=self.stages).observable()
+        return self._reference
+
+    def _call(self, gen: Generated, filename: str, prog, sizes, protocol) -> list[dict] | RunResult:
+        """Every rank runs the step; their answers in rank order, or the failure as a result."""
+        import ray
+
+        def failed(status: str, error: str) -> RunResult:
+            self._reset()  # a rank may be stuck in a collective: the next candidate gets a fresh group
+            return RunResult(gen.schedule.text, gen.schedule.hash, status, error=error)
+
+        try:
+            actors = self._group()
+        except CoconetError as e:
+            return failed("runtime_error", str(e))
+        refs = [a.run.remote(gen.source, filename, prog, sizes, self.protocol.seed, protocol) for a in actors]
+        rank_of = {ref: r for r, ref in enumerate(refs)}
+        answers: dict[int, dict] = {}
+        deadline = time.monotonic() + self.protocol.timeout_s
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                late = sorted(rank_of[r] for r in pending)
+                return failed("timeout", f"no result within {self.protocol.timeout_s:g} s from rank"
+                              f"{'s' if len(late) > 1 else ''} {', '.join(map(str, late))}"
+                              + self._hang_report(late, gen, filename))
+            rank = rank_of[ready[0]]
+            try:
+                answer = ray.get(ready[0])
+            except ray.exceptions.RayError as e:
+                return failed("runtime_error", f"rank {rank} died: {_first_line(e)}")
+            if "error" in answer:
+                return failed(answer["kind"], describe_error(rank, answer["error"], gen))
+            answers[rank] = answer
+        return [answers[r] for r in range(len(refs))]
+
+    def _hang_report(self, ranks: list[int], gen: Generated, filename: str) -> str:
+        """Where the ranks on this node are stuck: SIGUSR1 has each dump its stacks (faulthandler)."""
+        import ray
+
+        here = ray.util.get_node_ip_address()
+        asked = []
+        for r in ranks:
+            ip, pid, path = self._stacks[r]
+            if ip == here:
+                try:
+                    os.kill(pid, signal.SIGUSR1)
+                    asked.append((r, Path(path)))
+                except ProcessLookupError:
+                    pass
+        time.sleep(HANG_DUMP_S if asked else 0)
+        found = []
+        for r, path in asked:
+            where = stuck_at(path.read_text(errors="replace") if path.exists() else "", gen, filename)
+            if where:
+                found.append(f"rank {r} {where}")
+        return f": {'; '.join(found)}" if found else ""
+
+    def _group(self) -> list:
+        if self._actors:
+            return self._actors
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        gpu = self.backend == "nccl"
+        bundle = {"CPU": 1, "GPU": 1} if gpu else {"CPU": 1}
+        # shm ranks must share one node's memory; the others may spread
+        pg = placement_group([bundle] * self.nranks, strategy="STRICT_PACK" if self.backend == "shm" else "PACK")
+        try:
+            ray.get(pg.ready(), timeout=self.protocol.timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            ray.util.remove_placement_group(pg)
+            raise CoconetError(f"the Ray cluster cannot place {self.nranks} ranks of {bundle} "
+                               f"within {self.protocol.timeout_s:g} s") from None
+        self._pg = pg
+        threads = max(1, (os.cpu_count() or 1) // self.nranks)
+        cls = ray.remote(_Rank)
+        self._actors = [
+            cls.options(num_cpus=1, num_gpus=1 if gpu else 0, max_concurrency=1,
+                        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r))
+            .remote(r, self.world, self.stages, self.backend, threads, self._custom)
+            for r in range(self.nranks)]
+        try:
+            where = ray.get([a.where.remote() for a in self._actors], timeout=self.protocol.timeout_s)
+            self._pids = [pid for _, _, pid, _ in where]
+            self._stacks = [(ip, pid, path) for ip, _, pid, path in where]
+            addr, port, _, _ = where[0]
+            ray.get([a.join.remote(addr, port, self.protocol.timeout_s) for a in self._actors],
+                    timeout=self.protocol.timeout_s + 30)
+        except Exception as e:
+            self._reset()
+            raise CoconetError(f"the ranks did not form a group: {_first_line(e)}") from None
+        return self._actors
+
+    def _reset(self) -> None:
+        import ray
+
+        for a in self._actors:
+            ray.kill(a, no_restart=True)
+        if self._pg is not None:
+            ray.util.remove_placement_group(self._pg)
+        # shm segments are unlinked once mapped; a rank killed in between leaves its file behind
+        for pid in self._pids:
+            for leftover in Path("/dev/shm").glob(f"coconet-{pid}-*"):
+                leftover.unlink(missing_ok=True)
+            Path(tempfile.gettempdir(), f"coconet-rank-{pid}.stack").unlink(missing_ok=True)
+        self._actors, self._pg, self._pids, self._stacks = [], None, [], []
+
+    def close(self) -> None:
+        if self._actors or self._pg is not None:
+            self._reset()
+
+
+@dataclass(frozen=True)
+class _CompareOpts:  # what coconet.codegen.launch.compare reads of a launch's options
+    world: int
+    stages: int
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
+
+
+def connect(address: str | None = None, *, ranks: int = 1) -> None:
+    """Join the Ray cluster at ``address``, or start a local one with room for ``ranks`` one-CPU
+    actors (more than this machine's cores if need be: ranks may share a core, slower but correct)."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    if address:
+        ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+    else:
+        ray.init(num_cpus=max(os.cpu_count() or 1, ranks), include_dashboard=False, logging_level="ERROR",
+                 log_to_driver=False)

@@ -1,0 +1,272 @@
+"""Search over a program's schedules with Optuna: one study per (program, sizes, topology, world).
+
+The parameters are the backend, the schedule (categorical, by its transforms) and the knobs of
+that schedule (categorical over each knob's domain, asked only when the schedule has it). Where
+the whole space fits the budget the study is exhaustive (BruteForceSampler); otherwise TPE. The
+baseline and any prior candidates (the cost model's top-k, the neighbouring sizes' winners) are
+enqueued first. A candidate measured once in a study is never measured again: a repeated
+suggestion, or a study resumed after the tuner was killed, reuses the trial that has it. A failed
+candidate scores infinity and carries its reason. At the end the two fastest are timed again, one
+after the other, and the faster becomes the winner.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+from coconet.codegen.launch import RunResult
+from coconet.errors import CoconetError
+from coconet.schedules.dims import format_sizes
+from coconet.schedules.ir import Program
+from coconet.schedules.schedule import BASELINE, Schedule
+from coconet.schedules.space import generate
+
+STATUSES = ("ok", "compile_error", "runtime_error", "wrong_result", "timeout")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    schedule: Schedule
+    backend: str
+
+    @property
+    def key(self) -> str:
+        return f"{self.backend}:{self.schedule.hash}"
+
+    @property
+    def text(self) -> str:
+        return self.schedule.text
+
+
+def structure_text(s: Schedule) -> str:
+    """A schedule's transforms without its knob values: the categorical the study chooses from."""
+    return "; ".join(t.text() for t in s.transforms) if s.transforms else BASELINE
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """Every (backend, schedule, knob values) of a program the study may suggest."""
+
+    program: Program
+    backends: tuple[str, ...]
+    schedules: tuple[Schedule, ...]
+
+    @classmethod
+    def of(cls, program: Program, backends: Sequence[str], depth: int = 6) -> "SearchSpace":
+        if not backends:
+            raise CoconetError("no backend to tune on")
+        return cls(program, tuple(dict.fromkeys(backends)), generate(program, depth).schedules)
+
+    @property
+    def by_structure(self) -> dict[str, Schedule]:
+        return {structure_text(s): s for s in self.schedules}
+
+    @property
+    def knob_domains(self) -> dict[str, tuple[int, ...]]:
+        out: dict[str, tuple[int, ...]] = {}
+        for s in self.schedules:
+            for k, (_, dom) in s.knob_domains.items():
+                if out.setdefault(k, tuple(dom)) != tuple(dom):
+                    raise CoconetError(f"knob {k} has domains {out[k]} and {tuple(dom)} in one space")
+        return out
+
+    @property
+    def size(self) -> int:
+        return len(self.backends) * sum(math.prod(len(d) for _, d in s.knob_domains.values()) for s in self.schedules)
+
+    def params(self, c: Candidate) -> dict[str, Any]:
+        return {"backend": c.backend, "schedule": structure_text(c.schedule), **c.schedule.knob_values}
+
+    def suggest(self, trial) -> Candidate:
+        backend = trial.suggest_categorical("backend", list(self.backends))
+        base = self.by_structure[trial.suggest_categorical("schedule", list(self.by_structure))]
+        domains = self.knob_domains
+        knobs = {k: trial.suggest_categorical(k, list(domains[k])) for k in sorted(base.knob_domains)}
+        return Candidate(base.with_knobs(**knobs), backend)
+
+
+@dataclass
+class Progress:
+    """What a study has done so far; handed to the progress callback after every trial."""
+
+    trials: int = 0
+    budget: int = 0
+    measured: int = 0
+    reused: int = 0
+    failed: int = 0
+    best: tuple[str, float] | None = None  # (candidate key, median s)
+    last: str = ""
+
+
+@dataclass(frozen=True)
+class Trial:
+    candidate: Candidate
+    result: RunResult
+    record_id: Any = None
+    reused: bool = False
+
+
+@dataclass
+class Outcome:
+    study: str
+    sizes: dict[str, int]
+    trials: list[Trial]
+    winner: Trial | None
+    runner_up: Trial | None
+    baseline: Trial | None
+    retimed: list[Trial] = field(default_factory=list)
+
+    @property
+    def speedup(self) -> float | None:
+        if not (self.winner and self.baseline and self.baseline.result.median_s and self.winner.result.median_s):
+            return None
+        return self.baseline.result.median_s / self.winner.result.median_s
+
+    @property
+    def failed(self) -> list[Trial]:
+        return [t for t in self.trials if t.result.status != "ok"]
+
+
+Measure = Callable[[Candidate], RunResult]
+Record = Callable[[Candidate, RunResult, str], Any]  # (candidate, result, role) -> record id
+
+
+def study_name(program: Program, sizes: Mapping[str, int], topology: str, world: int) -> str:
+    return f"coconet:{program.hash}:{format_sizes(sizes)}:{topology}:w{world}"
+
+
+def search(space: SearchSpace, sizes: Mapping[str, int], *, storage, study: str, budget: int,
+           measure: Measure, record: Record | None = None, prior: Iterable[Candidate] = (),
+           seed: int = 0, on_progress: Callable[[Progress], None] | None = None) -> Outcome:
+    """Run (or resume) the study ``study`` in Optuna ``storage`` until ``budget`` trials are done or
+    the space is exhausted; ``measure`` times a candidate, ``record`` stores each new result."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    exhaustive = space.size <= budget
+    with warnings.catch_warnings():  # BruteForceSampler is "experimental" since Optuna 3.1
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        sampler = optuna.samplers.BruteForceSampler(seed=seed) if exhaustive \
+            else optuna.samplers.TPESampler(seed=seed)
+    st = optuna.create_study(study_name=study, storage=storage, sampler=sampler, direction="minimize",
+                             load_if_exists=True)
+    _fail_orphans(st)
+    done = {t.user_attrs["candidate"]: t for t in st.get_trials(deepcopy=False)
+            if t.state == optuna.trial.TrialState.COMPLETE and "candidate" in t.user_attrs}
+    trials: dict[str, Trial] = {k: _trial_from(space, t) for k, t in done.items()}
+    queued = {t.user_attrs.get("candidate") for t in st.get_trials(deepcopy=False,
+                                                                  states=(optuna.trial.TrialState.WAITING,))}
+    # A trial cut short (the tuner killed or interrupted in it) finished as FAIL without a result:
+    # the exhaustive sampler counts it as visited, so its candidate goes back in the queue.
+    cut = [_trial_from(space, t).candidate for t in st.get_trials(deepcopy=False)
+           if t.state == optuna.trial.TrialState.FAIL and "schedule" in t.params]
+    base = Candidate(Schedule(space.program), space.backends[0])
+    for c in [base, *prior, *cut]:
+        if c.backend in space.backends and c.key not in trials and c.key not in queued:
+            st.enqueue_trial(space.params(c), user_attrs={"candidate": c.key})
+            queued.add(c.key)
+    progress = Progress(trials=len(trials), budget=min(budget, space.size),
+                        failed=sum(t.result.status != "ok" for t in trials.values()))
+    _update_best(progress, trials.values())
+
+    def objective(trial) -> float:
+        c = space.suggest(trial)
+        trial.set_user_attr("candidate", c.key)
+        trial.set_user_attr("schedule", c.text)
+        if c.key in trials:  # suggested again, or measured before a restart: never twice
+            t = trials[c.key]
+            progress.reused += 1
+            _attrs(trial, t.result)
+            trial.set_user_attr("reused", True)
+            return _value(t.result)
+        res = measure(c)
+        rid = record(c, res, "trial") if record else None
+        trials[c.key] = Trial(c, res, rid)
+        _attrs(trial, res)
+        if rid is not None:
+            trial.set_user_attr("record_id", rid)
+        progress.measured += 1
+        progress.failed += res.status != "ok"
+        return _value(res)
+
+    def complete(study) -> int:
+        return len(study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)))
+
+    def after(study, frozen) -> None:
+        progress.trials = complete(study)
+        progress.last = frozen.user_attrs.get("schedule", "")
+        _update_best(progress, trials.values())
+        if on_progress:
+            on_progress(progress)
+        if progress.trials >= budget:
+            study.stop()
+
+    remaining = budget - complete(st)
+    if on_progress:
+        on_progress(progress)
+    if remaining > 0:
+        st.optimize(objective, n_trials=remaining, callbacks=[after], gc_after_trial=False)
+    return _finish(st.study_name, dict(sizes), list(trials.values()), base, measure, record)
+
+
+def _finish(study: str, sizes, trials: list[Trial], base: Candidate, measure: Measure,
+            record: Record | None) -> Outcome:
+    ok = sorted((t for t in trials if t.result.status == "ok" and t.result.median_s),
+                key=lambda t: t.result.median_s)
+    baseline = next((t for t in trials if t.candidate.key == base.key), None)
+    retimed: list[Trial] = []
+    for t in ok[:2]:  # timed again, back to back: the winner must win on the same machine state
+        res = measure(t.candidate)
+        retimed.append(Trial(t.candidate, res, record(t.candidate, res, "retime") if record else None))
+    good = sorted((t for t in retimed if t.result.status == "ok" and t.result.median_s),
+                  key=lambda t: t.result.median_s)
+    winner = good[0] if good else (ok[0] if ok else None)
+    runner_up = good[1] if len(good) > 1 else None
+    if baseline is not None and winner is not None and baseline.candidate.key == winner.candidate.key:
+        baseline = winner
+    return Outcome(study, sizes, trials, winner, runner_up, baseline, retimed)
+
+
+def _value(res: RunResult) -> float:
+    return res.median_s if res.status == "ok" and res.median_s else math.inf
+
+
+def _attrs(trial, res: RunResult) -> None:
+    trial.set_user_attr("status", res.status)
+    trial.set_user_attr("samples", list(res.samples))
+    if res.max_rel_err is not None and math.isfinite(res.max_rel_err):
+        trial.set_user_attr("max_rel_err", res.max_rel_err)
+    if res.error:
+        trial.set_user_attr("error", res.error[:4000])
+
+
+def _trial_from(space: SearchSpace, t) -> Trial:
+    """A finished trial of an earlier run of the study, as this run's record of it."""
+    p = dict(t.params)
+    base = space.by_structure[p.pop("schedule")]
+    backend = p.pop("backend")
+    sched = base.with_knobs(**{k: v for k, v in p.items() if k in base.knob_domains})
+    a = t.user_attrs
+    res = RunResult(sched.text, sched.hash, a.get("status", "ok"), correct=a.get("status") != "wrong_result",
+                    max_rel_err=a.get("max_rel_err"), samples=list(a.get("samples", [])), error=a.get("error"))
+    return Trial(Candidate(sched, backend), res, a.get("record_id"), reused=True)
+
+
+def _update_best(progress: Progress, trials: Iterable[Trial]) -> None:
+    ok = [t for t in trials if t.result.status == "ok" and t.result.median_s]
+    if ok:
+        b = min(ok, key=lambda t: t.result.median_s)
+        progress.best = (f"{b.candidate.backend}: {b.candidate.text}", b.result.median_s)
+
+
+def _fail_orphans(study) -> None:
+    """Trials left RUNNING by a tuner that was killed: failed, so that their candidates are suggested
+    again. One tuner per study at a time (the service runs one job per key): a second one started
+    beside a live one would fail the first one's running trial."""
+    import optuna
+
+    for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+        study._storage.set_trial_state_values(t._trial_id, optuna.trial.TrialState.FAIL)
