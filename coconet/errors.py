@@ -92,3 +92,7 @@ class BackendError(CoconetError):
 
 class NotAvailable(CoconetError):
     """A command or feature that this version of coconet does not provide yet."""
+
+
+class StoreError(CoconetError):
+    """The results store cannot be opened or reached, or refused a record (unknown program, bad key)."""

@@ -1,0 +1,182 @@
+"""The plain records the store hands out and takes in: frozen dataclasses, never ORM objects."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Sequence
+
+if TYPE_CHECKING:
+    from coconet.schedules.schedule import Schedule
+
+
+@dataclass(frozen=True)
+class ProgramRecord:
+    hash: str
+    name: str
+    ir: dict[str, Any]
+    created_at: datetime
+
+
+@dataclass(frozen=True)
+class TopologyRecord:
+    name: str
+    fingerprint: dict[str, Any]
+    source: str
+    created_at: datetime
+
+
+@dataclass(frozen=True)
+class Progress:
+    done: int = 0
+    total: int | None = None
+    failed: int = 0
+    best_s: float | None = None
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    id: int
+    program_hash: str
+    sizes: dict[str, int]
+    sizes_key: str
+    topology: str
+    world: int
+    budget: int | None
+    backends: list[str]
+    state: str
+    progress: Progress
+    error: str | None
+    result: dict[str, Any] | None
+    created_at: datetime
+    updated_at: datetime
+    heartbeat_at: datetime | None
+
+
+@dataclass(frozen=True)
+class NewMeasurement:
+    """One measurement to record: a timed candidate, a classified failure, or a model prediction."""
+
+    program_hash: str
+    sizes: Mapping[str, int]
+    topology: str
+    world: int
+    backend: str
+    schedule: str
+    schedule_hash: str
+    schedule_json: Mapping[str, Any] | None = None
+    knobs: Mapping[str, int] = field(default_factory=dict)
+    status: str = "ok"
+    error: str | None = None
+    samples: Sequence[float] = ()
+    n: int | None = None
+    median_s: float | None = None
+    ci_lo_s: float | None = None
+    ci_hi_s: float | None = None
+    max_rel_err: float | None = None
+    source: str = "measured"
+    versions: Mapping[str, str] = field(default_factory=dict)
+    job_id: int | None = None
+
+    @classmethod
+    def of(cls, schedule: Schedule, **fields: Any) -> NewMeasurement:
+        """Fill the program and schedule fields from a ``Schedule``."""
+        return cls(
+            program_hash=schedule.program.hash,
+            schedule=schedule.text,
+            schedule_hash=schedule.hash,
+            schedule_json=schedule.to_json(),
+            knobs=schedule.knob_values,
+            **fields,
+        )
+
+
+@dataclass(frozen=True)
+class MeasurementRecord:
+    id: int
+    job_id: int | None
+    program_hash: str
+    sizes: dict[str, int]
+    sizes_key: str
+    topology: str
+    world: int
+    backend: str
+    schedule: str
+    schedule_hash: str
+    schedule_json: dict[str, Any] | None
+    knobs: dict[str, int]
+    status: str
+    error: str | None
+    samples: list[float]
+    n: int
+    median_s: float | None
+    ci_lo_s: float | None
+    ci_hi_s: float | None
+    max_rel_err: float | None
+    source: str
+    versions: dict[str, str]
+    created_at: datetime
+
+
+@dataclass(frozen=True)
+class WinnerRecord:
+    id: int
+    program_hash: str
+    sizes: dict[str, int]
+    sizes_key: str
+    topology: str
+    world: int
+    backend: str
+    measurement_id: int
+    runner_up_id: int | None
+    baseline_id: int | None
+    speedup: float | None
+    source: str
+    job_id: int | None
+    created_at: datetime
+
+
+@dataclass(frozen=True)
+class Best:
+    """The answer to "best schedule for (program, sizes, topology)".
+
+    ``exact`` is False when no winner exists for the asked sizes and this is the
+    winner of the nearest tuned sizes (``distance``: sum of |log2| differences).
+    """
+
+    exact: bool
+    distance: float
+    winner: WinnerRecord
+    measurement: MeasurementRecord
+    runner_up: MeasurementRecord | None
+    baseline: MeasurementRecord | None
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return self.winner.sizes
+
+    @property
+    def schedule(self) -> str:
+        return self.measurement.schedule
+
+    @property
+    def median_s(self) -> float | None:
+        return self.measurement.median_s
+
+    @property
+    def source(self) -> str:
+        return self.winner.source
+
+    @property
+    def speedup(self) -> float | None:
+        return self.winner.speedup
+
+
+class DoneKey(NamedTuple):
+    program_hash: str
+    sizes_key: str
+    topology: str
+    world: int
+    backend: str
+    schedule_hash: str
+    source: str

@@ -1,0 +1,689 @@
+"""The results store: programs, topologies, tuning jobs, measurements and winners (DESIGN §8).
+
+``Store.open(url)`` takes any SQLAlchemy URL (SQLite by default, PostgreSQL at
+scale), upgrades the schema to head and hands back plain frozen records, never
+ORM objects. Measurements and winners are append-only: a newer tuning adds a
+winner and ``best`` takes the newest one whose measurement is valid.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import os
+from contextlib import contextmanager
+from dataclasses import fields
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Mapping, Sequence, TypeVar
+
+from sqlalchemy import Engine, create_engine, event, inspect, select, text
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import ArgumentError, NoSuchModuleError, SQLAlchemyError
+from sqlalchemy.orm import Session
+
+from coconet import __version__
+from coconet.errors import StoreError
+from coconet.schedules.dsl import Program as DslProgram
+from coconet.schedules.ir import Program
+from coconet.schedules.serialize import to_dict
+from coconet.server.keys import parse_sizes_key, size_distance, sizes_key
+from coconet.server.models import (
+    JOB_STATES,
+    SOURCES,
+    STATUSES,
+    VERSION_TABLE,
+    Base,
+    JobRow,
+    MeasurementRow,
+    ProgramRow,
+    TopologyRow,
+    WinnerRow,
+    utcnow,
+)
+from coconet.server.records import (
+    Best,
+    DoneKey,
+    JobRecord,
+    MeasurementRecord,
+    NewMeasurement,
+    ProgramRecord,
+    Progress,
+    TopologyRecord,
+    WinnerRecord,
+)
+
+ENV_URL = "COCONET_DATABASE_URL"
+# The newest migration in server/migrations/versions (a test keeps the two equal). Knowing it here
+# lets an up-to-date database open without importing Alembic, which costs half a second per CLI call.
+SCHEMA_HEAD = "0001"
+SQLITE_BUSY_S = 30
+MIGRATIONS = Path(__file__).resolve().parent / "migrations"
+
+# Which job states may follow which; "done" is final, a failed or interrupted job may be queued again.
+NEXT_STATES: dict[str, frozenset[str]] = {
+    "queued": frozenset({"running", "failed", "interrupted"}),
+    "running": frozenset({"running", "done", "failed", "interrupted"}),
+    "interrupted": frozenset({"queued", "running", "failed"}),
+    "failed": frozenset({"queued"}),
+    "done": frozenset(),
+}
+_WRITE = "coconet_write"
+
+
+def default_url() -> str:
+    """``$COCONET_DATABASE_URL``, else ``sqlite:///<user data dir>/coconet.db``."""
+    env = os.environ.get(ENV_URL)
+    if env:
+        return env
+    import platformdirs
+
+    return f"sqlite:///{Path(platformdirs.user_data_dir('coconet')) / 'coconet.db'}"
+
+
+class Store:
+    """A results store on one database. Open with ``Store.open(url)``; close with ``close()`` or ``with``."""
+
+    def __init__(self, engine: Engine, url: str) -> None:
+        self._engine = engine
+        self.url = url
+
+    @classmethod
+    def open(cls, url: str | None = None) -> Store:
+        """Open (and create or migrate) the store; ``url`` beats ``$COCONET_DATABASE_URL`` beats the default."""
+        engine, shown = _engine(url or default_url())
+        store = cls(engine, shown)
+        try:
+            store._upgrade()
+        except BaseException:
+            engine.dispose()
+            raise
+        return store
+
+    def close(self) -> None:
+        self._engine.dispose()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def dialect(self) -> str:
+        return self._engine.dialect.name
+
+    # -- programs and topologies
+
+    def add_program(self, program: Program | DslProgram) -> str:
+        """Record a program (IR, or a DSL ``Program``); returns its hash. Idempotent."""
+        ir = program.ir if isinstance(program, DslProgram) else program
+        if not isinstance(ir, Program):
+            raise StoreError(f"add_program takes a Program, not {type(program).__name__} (JSON: coconet.load it first)")
+        values = {"hash": ir.hash, "name": ir.name, "ir": to_dict(ir), "created_at": utcnow()}
+        with self._tx("add_program", write=True) as s:
+            _insert_missing(s, ProgramRow, values)
+        return ir.hash
+
+    def program(self, program_hash: str) -> ProgramRecord | None:
+        with self._tx("program") as s:
+            row = s.get(ProgramRow, program_hash)
+            return _record(ProgramRecord, row) if row else None
+
+    def add_topology(self, name: str, fingerprint: Mapping[str, Any], source: str = "config") -> str:
+        """Record a topology; the same name again must come with the same fingerprint (records are not overwritten)."""
+        # As it will read back from JSON (tuples become lists), so that equal fingerprints compare equal.
+        try:
+            fingerprint = json.loads(json.dumps(dict(fingerprint)))
+        except (TypeError, ValueError) as err:
+            raise StoreError(f"the fingerprint of topology {name!r} is not JSON: {err}", topology=name) from None
+        values = {"name": name, "fingerprint": fingerprint, "source": source, "created_at": utcnow()}
+        with self._tx("add_topology", write=True) as s:
+            _insert_missing(s, TopologyRow, values)
+            if s.get(TopologyRow, name).fingerprint != values["fingerprint"]:
+                raise StoreError(
+                    f"topology {name!r} is already recorded with another fingerprint; record it under a new name",
+                    topology=name,
+                )
+        return name
+
+    def topology(self, name: str) -> TopologyRecord | None:
+        with self._tx("topology") as s:
+            row = s.get(TopologyRow, name)
+            return _record(TopologyRecord, row) if row else None
+
+    # -- jobs
+
+    def create_job(
+        self,
+        program_hash: str,
+        sizes: Mapping[str, int],
+        topology: str,
+        world: int,
+        *,
+        budget: int | None = None,
+        backends: Sequence[str] = (),
+    ) -> int:
+        key = sizes_key(sizes)
+        _check_world(world)
+        now = utcnow()
+        with self._tx("create_job", write=True) as s:
+            _require_programs(s, {program_hash})
+            row = JobRow(
+                program_hash=program_hash, sizes=_sorted(sizes), sizes_key=key, topology=topology, world=world,
+                budget=budget, backends=list(backends), state="queued", trials_done=0, trials_total=budget,
+                trials_failed=0, created_at=now, updated_at=now,
+            )
+            s.add(row)
+            s.flush()
+            return row.id
+
+    def update_job(
+        self,
+        job_id: int,
+        *,
+        state: str | None = None,
+        progress: Progress | None = None,
+        result: Mapping[str, Any] | None = None,
+        error: str | None = None,
+    ) -> JobRecord:
+        """Move a job on (see ``NEXT_STATES``) and/or record its progress; every call is also a heartbeat."""
+        if state is not None and state not in JOB_STATES:
+            raise StoreError(f"job state {state!r} is not one of {', '.join(JOB_STATES)}")
+        with self._tx("update_job", write=True) as s:
+            row = s.get(JobRow, job_id, with_for_update=True)
+            if row is None:
+                raise StoreError(f"no job {job_id}", job_id=job_id)
+            if row.state == "done":
+                raise StoreError(f"job {job_id} is done; its record is final", job_id=job_id)
+            if state is not None:
+                if state not in NEXT_STATES[row.state]:
+                    raise StoreError(f"job {job_id} cannot go from {row.state} to {state}", job_id=job_id)
+                row.state = state
+            if progress is not None:
+                row.trials_done, row.trials_total = progress.done, progress.total
+                row.trials_failed, row.best_s = progress.failed, progress.best_s
+            if result is not None:
+                row.result = dict(result)
+            if error is not None:
+                row.error = error
+            row.updated_at = row.heartbeat_at = utcnow()
+            s.flush()
+            return _job(row)
+
+    def claim_job(self, job_id: int | None = None) -> JobRecord | None:
+        """Atomically take a queued job (the given one, else the oldest) and mark it running; None if there is none."""
+        with self._tx("claim_job", write=True) as s:
+            q = select(JobRow).where(JobRow.state == "queued")
+            if job_id is not None:
+                q = q.where(JobRow.id == job_id)
+            row = s.scalars(q.order_by(JobRow.id).limit(1).with_for_update(skip_locked=True)).first()
+            if row is None:
+                return None
+            row.state = "running"
+            row.updated_at = row.heartbeat_at = utcnow()
+            s.flush()
+            return _job(row)
+
+    def job(self, job_id: int) -> JobRecord | None:
+        with self._tx("job") as s:
+            row = s.get(JobRow, job_id)
+            return _job(row) if row else None
+
+    def jobs(self, state: str | None = None) -> list[JobRecord]:
+        with self._tx("jobs") as s:
+            q = select(JobRow).order_by(JobRow.id)
+            if state is not None:
+                q = q.where(JobRow.state == state)
+            return [_job(r) for r in s.scalars(q)]
+
+    # -- measurements
+
+    def add_measurement(self, measurement: NewMeasurement | None = None, /, **fields: Any) -> int:
+        """Record one measurement, given as a ``NewMeasurement`` or as its fields; returns its id."""
+        return self.add_measurements([measurement if measurement is not None else NewMeasurement(**fields)])[0]
+
+    def add_measurements(self, rows: Iterable[NewMeasurement]) -> list[int]:
+        """Record many measurements in one transaction (an offline sweep's predictions); ids in order."""
+        values = [_measurement_values(m) for m in rows]
+        if not values:
+            return []
+        table = MeasurementRow.__table__
+        with self._tx("add_measurements", write=True) as s:
+            _require_programs(s, {v["program_hash"] for v in values})
+            _require_jobs(s, {v["job_id"] for v in values if v["job_id"] is not None})
+            # Core executemany: the ORM's per-object bookkeeping would dominate a 10,000-row sweep.
+            conn = s.connection()
+            if conn.dialect.name == "postgresql":
+                # psycopg parses a multi-row INSERT … RETURNING in Python (5 s for 10,000 rows); ids drawn from the
+                # sequence first let the rows go as a plain pipelined executemany (under 1 s).
+                draw = text("SELECT nextval(pg_get_serial_sequence(:t, 'id')) FROM generate_series(1, :n)")
+                ids = list(conn.execute(draw, {"t": table.name, "n": len(values)}).scalars())
+                conn.execute(table.insert(), [{**v, "id": i} for v, i in zip(values, ids)])
+                return ids
+            result = conn.execute(table.insert().returning(table.c.id, sort_by_parameter_order=True), values)
+            return list(result.scalars())
+
+    def measurement(self, measurement_id: int) -> MeasurementRecord | None:
+        with self._tx("measurement") as s:
+            row = s.get(MeasurementRow, measurement_id)
+            return _record(MeasurementRecord, row) if row else None
+
+    def measurements(
+        self,
+        program_hash: str,
+        sizes: Mapping[str, int] | None = None,
+        topology: str | None = None,
+        job_id: int | None = None,
+        *,
+        world: int | None = None,
+        backend: str | None = None,
+        source: str | None = None,
+    ) -> list[MeasurementRecord]:
+        with self._tx("measurements") as s:
+            q = _key_filter(select(MeasurementRow), MeasurementRow, program_hash, sizes, topology, world, backend)
+            if job_id is not None:
+                q = q.where(MeasurementRow.job_id == job_id)
+            if source is not None:
+                q = q.where(MeasurementRow.source == source)
+            return [_record(MeasurementRecord, r) for r in s.scalars(q.order_by(MeasurementRow.id))]
+
+    def done_keys(
+        self,
+        program_hash: str,
+        sizes: Mapping[str, int] | None = None,
+        topology: str | None = None,
+        *,
+        world: int | None = None,
+        backend: str | None = None,
+        source: str | None = None,
+    ) -> set[DoneKey]:
+        """The (program, sizes, topology, world, backend, schedule, source) that already have a record, any status:
+        a failure is a result too, so a resumed sweep or study does not run it again."""
+        m = MeasurementRow
+        cols = (m.program_hash, m.sizes_key, m.topology, m.world, m.backend, m.schedule_hash, m.source)
+        with self._tx("done_keys") as s:
+            q = _key_filter(select(*cols).distinct(), m, program_hash, sizes, topology, world, backend)
+            if source is not None:
+                q = q.where(m.source == source)
+            return {DoneKey(*r) for r in s.execute(q)}
+
+    # -- winners
+
+    def add_winner(
+        self,
+        measurement_id: int,
+        *,
+        runner_up_id: int | None = None,
+        baseline_id: int | None = None,
+        speedup: float | None = None,
+        job_id: int | None = None,
+    ) -> int:
+        """Record a measurement as the winner of its (program, sizes, topology, world, backend); returns the id.
+
+        The key and source come from the measurement; ``speedup`` defaults to baseline median / winner median.
+        """
+        with self._tx("add_winner", write=True) as s:
+            win = s.get(MeasurementRow, measurement_id)
+            if win is None:
+                raise StoreError(f"no measurement {measurement_id}", measurement_id=measurement_id)
+            if win.status != "ok" or win.median_s is None:
+                raise StoreError(
+                    f"measurement {measurement_id} is {win.status} without a time; only a valid one can win",
+                    measurement_id=measurement_id,
+                )
+            others = {}
+            for role, other_id in (("runner-up", runner_up_id), ("baseline", baseline_id)):
+                if other_id is None:
+                    continue
+                other = s.get(MeasurementRow, other_id)
+                if other is None:
+                    raise StoreError(f"no {role} measurement {other_id}", measurement_id=other_id)
+                if _problem(other) != _problem(win):
+                    raise StoreError(
+                        f"{role} measurement {other_id} is for another program, sizes, topology or world than "
+                        f"measurement {measurement_id}",
+                        measurement_id=other_id,
+                    )
+                others[role] = other
+            base = others.get("baseline")
+            speedup = _optional_float("speedup", speedup)
+            if speedup is None and base is not None and base.median_s and win.median_s > 0:
+                speedup = base.median_s / win.median_s
+            if job_id is not None:
+                _require_jobs(s, {job_id})
+            row = WinnerRow(
+                program_hash=win.program_hash, sizes=win.sizes, sizes_key=win.sizes_key, topology=win.topology,
+                world=win.world, backend=win.backend, measurement_id=win.id, runner_up_id=runner_up_id,
+                baseline_id=baseline_id, speedup=speedup, source=win.source,
+                job_id=job_id if job_id is not None else win.job_id, created_at=utcnow(),
+            )
+            s.add(row)
+            s.flush()
+            return row.id
+
+    def winners(
+        self, program_hash: str, sizes: Mapping[str, int] | None = None, topology: str | None = None
+    ) -> list[WinnerRecord]:
+        """Every winner recorded, oldest first: the tuning history behind ``best``."""
+        with self._tx("winners") as s:
+            q = _key_filter(select(WinnerRow), WinnerRow, program_hash, sizes, topology, None, None)
+            return [_record(WinnerRecord, r) for r in s.scalars(q.order_by(WinnerRow.created_at, WinnerRow.id))]
+
+    def best(
+        self,
+        program_hash: str,
+        sizes: Mapping[str, int],
+        topology: str,
+        world: int | None = None,
+        *,
+        backend: str | None = None,
+    ) -> Best | None:
+        """The newest valid winner for these exact sizes; else, flagged ``exact=False``, the one of the nearest
+        tuned sizes (same program, topology and dim names); None when nothing comparable was tuned.
+        ``world`` and ``backend`` narrow the search; left out, any world or backend counts."""
+        key = sizes_key(sizes)
+        with self._tx("best") as s:
+            row = _newest_winner(s, program_hash, topology, key, world, backend)
+            if row is not None:
+                return _best(s, [row], exact=True, distance=0.0)[0]
+            q = select(WinnerRow.sizes_key).distinct().where(
+                WinnerRow.program_hash == program_hash, WinnerRow.topology == topology
+            )
+            q = _world_backend(q, WinnerRow, world, backend)
+            near = []
+            for other in s.scalars(q):
+                d = size_distance(sizes, parse_sizes_key(other))
+                if d is not None:
+                    near.append((d, other))
+            for d, other in sorted(near):
+                row = _newest_winner(s, program_hash, topology, other, world, backend)
+                if row is not None:
+                    return _best(s, [row], exact=False, distance=d)[0]
+            return None
+
+    def results(self, program_hash: str, topology: str | None = None) -> list[Best]:
+        """The current winner of every (sizes, topology, world, backend) tuned for a program, smallest sizes first."""
+        with self._tx("results") as s:
+            q = _valid_winners().where(WinnerRow.program_hash == program_hash)
+            if topology is not None:
+                q = q.where(WinnerRow.topology == topology)
+            newest: dict[tuple, WinnerRow] = {}
+            for row in s.scalars(q.order_by(WinnerRow.created_at.desc(), WinnerRow.id.desc())):
+                newest.setdefault((row.sizes_key, row.topology, row.world, row.backend), row)
+            rows = sorted(
+                newest.values(), key=lambda r: (r.topology, r.backend, r.world, sorted(r.sizes.items()))
+            )
+            return _best(s, rows, exact=True, distance=0.0)
+
+    # -- plumbing
+
+    @contextmanager
+    def _tx(self, what: str, write: bool = False) -> Iterator[Session]:
+        """One transaction; SQLAlchemy's errors leave as a StoreError naming the operation and the cause."""
+        try:
+            with self._engine.connect() as conn:
+                if write:
+                    conn.execution_options(**{_WRITE: True})
+                with Session(bind=conn, expire_on_commit=False) as session, session.begin():
+                    yield session
+        except SQLAlchemyError as err:
+            raise StoreError(f"{what} on {self.url}: {_cause(err)}", url=self.url) from err
+
+    def _upgrade(self) -> None:
+        try:
+            with self._engine.connect() as conn:
+                if _revision(conn) == SCHEMA_HEAD:
+                    return
+                conn.rollback()
+                conn.execution_options(**{_WRITE: True})
+                from alembic import command
+                from alembic.util import CommandError
+
+                config = alembic_config()
+                config.attributes["connection"] = conn
+                try:
+                    command.upgrade(config, "head")
+                except CommandError as err:
+                    raise StoreError(
+                        f"the database at {self.url} has a schema this coconet does not know ({err}); "
+                        "is it from a newer coconet?",
+                        url=self.url,
+                    ) from err
+        except SQLAlchemyError as err:
+            raise StoreError(f"cannot open the store at {self.url}: {_cause(err)}", url=self.url) from err
+
+
+def alembic_config() -> Any:
+    """An Alembic config for the store's migrations, no alembic.ini needed; set ``attributes["connection"]``."""
+    from alembic.config import Config
+
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    return config
+
+
+def _engine(url_text: str) -> tuple[Engine, str]:
+    try:
+        url = make_url(url_text)
+    except ArgumentError:
+        raise StoreError(
+            f"{url_text!r} is not a database URL (e.g. sqlite:////path/coconet.db or postgresql://user@host/db)"
+        ) from None
+    if url.drivername == "postgresql":
+        # psycopg 3 is the driver coconet declares; SQLAlchemy would otherwise look for psycopg2.
+        url = url.set(drivername="postgresql+psycopg")
+    shown = url.render_as_string(hide_password=True)
+    is_sqlite = url.get_backend_name() == "sqlite"
+    if is_sqlite:
+        _make_parent_dir(url)
+    try:
+        engine = create_engine(url, pool_pre_ping=not is_sqlite)
+    except (ArgumentError, NoSuchModuleError, ImportError) as err:
+        raise StoreError(f"cannot open the store at {shown}: {err}", url=shown) from err
+    if is_sqlite:
+        event.listen(engine, "connect", _sqlite_connect)
+        event.listen(engine, "begin", _sqlite_begin)
+    return engine, shown
+
+
+def _make_parent_dir(url: URL) -> None:
+    db = url.database or ""
+    if db and db != ":memory:" and not db.startswith("file:"):
+        try:
+            Path(db).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise StoreError(f"cannot create the directory of {db}: {err.strerror}") from None
+
+
+def _sqlite_connect(dbapi_conn: Any, _record: Any) -> None:
+    # We emit BEGIN ourselves (below), so sqlite3's own transaction handling is turned off.
+    dbapi_conn.isolation_level = None
+    cur = dbapi_conn.cursor()
+    cur.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_S * 1000}")
+    cur.execute("PRAGMA journal_mode = WAL")  # readers never wait for the writer
+    cur.execute("PRAGMA synchronous = NORMAL")  # durable enough under WAL, and much faster per commit
+    cur.execute("PRAGMA foreign_keys = ON")
+    cur.close()
+
+
+def _sqlite_begin(conn: Any) -> None:
+    # A deferred transaction that reads and then writes fails at once with "database is locked" when another
+    # process wrote in between (busy_timeout cannot help); writers take the lock up front and wait for it instead.
+    conn.exec_driver_sql("BEGIN IMMEDIATE" if conn.get_execution_options().get(_WRITE) else "BEGIN")
+
+
+def _revision(conn: Any) -> str | None:
+    if not inspect(conn).has_table(VERSION_TABLE):
+        return None
+    return conn.execute(text(f"SELECT version_num FROM {VERSION_TABLE}")).scalar()
+
+
+def _cause(err: SQLAlchemyError) -> str:
+    cause = getattr(err, "orig", None) or err
+    message = " ".join(str(cause).split())
+    if "database is locked" in message:
+        message += f" (another process kept the SQLite file locked; busy timeout {SQLITE_BUSY_S} s)"
+    return message[:500]
+
+
+_R = TypeVar("_R")
+
+
+def _utc(value: Any) -> Any:
+    # SQLite keeps no zone; every time we write is UTC.
+    if isinstance(value, datetime) and value.tzinfo is None:
+        return value.replace(tzinfo=timezone.utc)
+    return value
+
+
+def _record(cls: type[_R], row: Base) -> _R:
+    return cls(**{f.name: _utc(getattr(row, f.name)) for f in fields(cls)})  # type: ignore[arg-type]
+
+
+def _job(row: JobRow) -> JobRecord:
+    values = {f.name: _utc(getattr(row, f.name)) for f in fields(JobRecord) if f.name != "progress"}
+    progress = Progress(row.trials_done, row.trials_total, row.trials_failed, row.best_s)
+    return JobRecord(progress=progress, **values)
+
+
+def _sorted(sizes: Mapping[str, int]) -> dict[str, int]:
+    return {k: sizes[k] for k in sorted(sizes)}
+
+
+def _check_world(world: Any) -> None:
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise StoreError(f"world {world!r} must be a positive integer")
+
+
+def _optional_float(name: str, value: Any) -> float | None:
+    if value is None:
+        return None
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        raise StoreError(f"{name} {value!r} is not a number") from None
+    if not math.isfinite(out):
+        raise StoreError(f"{name} {value!r} is not finite")
+    return out
+
+
+def _measurement_values(m: NewMeasurement) -> dict[str, Any]:
+    if not isinstance(m, NewMeasurement):
+        raise StoreError(f"a measurement is a NewMeasurement, not {type(m).__name__}")
+    if m.status not in STATUSES:
+        raise StoreError(f"measurement status {m.status!r} is not one of {', '.join(STATUSES)}")
+    if m.source not in SOURCES:
+        raise StoreError(f"measurement source {m.source!r} is not one of {', '.join(SOURCES)}")
+    _check_world(m.world)
+    samples = [_optional_float("sample", x) for x in m.samples]
+    median = _optional_float("median_s", m.median_s)
+    if m.status == "ok" and median is None:
+        raise StoreError(f"an ok measurement of {m.schedule!r} needs median_s")
+    return {
+        "job_id": m.job_id,
+        "program_hash": m.program_hash,
+        "sizes": _sorted(m.sizes),
+        "sizes_key": sizes_key(m.sizes),
+        "topology": m.topology,
+        "world": m.world,
+        "backend": m.backend,
+        "schedule": m.schedule,
+        "schedule_hash": m.schedule_hash,
+        "schedule_json": dict(m.schedule_json) if m.schedule_json is not None else None,
+        "knobs": dict(m.knobs),
+        "status": m.status,
+        "error": m.error,
+        "samples": samples,
+        "n": m.n if m.n is not None else len(samples),
+        "median_s": median,
+        "ci_lo_s": _optional_float("ci_lo_s", m.ci_lo_s),
+        "ci_hi_s": _optional_float("ci_hi_s", m.ci_hi_s),
+        "max_rel_err": _optional_float("max_rel_err", m.max_rel_err),
+        "source": m.source,
+        "versions": {"coconet": __version__, **m.versions},
+        "created_at": utcnow(),
+    }
+
+
+def _insert_missing(s: Session, model: type[Base], values: dict[str, Any]) -> None:
+    """Insert unless the primary key exists, without a race between two writers (PostgreSQL does not lock as
+    SQLite's BEGIN IMMEDIATE does)."""
+    name = s.get_bind().dialect.name
+    if name in ("postgresql", "sqlite"):
+        dialect = importlib.import_module(f"sqlalchemy.dialects.{name}")
+        s.execute(dialect.insert(model).values(**values).on_conflict_do_nothing())
+    elif s.get(model, values[inspect(model).primary_key[0].name]) is None:
+        s.add(model(**values))
+
+
+def _require_programs(s: Session, hashes: set[str]) -> None:
+    known = set(s.scalars(select(ProgramRow.hash).where(ProgramRow.hash.in_(hashes))))
+    missing = sorted(hashes - known)
+    if missing:
+        raise StoreError(
+            f"unknown program {missing[0]}: record the program (add_program) before its jobs and measurements",
+            program_hash=missing[0],
+        )
+
+
+def _require_jobs(s: Session, ids: set[int]) -> None:
+    known = set(s.scalars(select(JobRow.id).where(JobRow.id.in_(ids)))) if ids else set()
+    missing = sorted(ids - known)
+    if missing:
+        raise StoreError(f"no job {missing[0]}", job_id=missing[0])
+
+
+def _problem(m: MeasurementRow) -> tuple:
+    return (m.program_hash, m.sizes_key, m.topology, m.world)
+
+
+def _world_backend(q: Any, model: Any, world: int | None, backend: str | None) -> Any:
+    if world is not None:
+        q = q.where(model.world == world)
+    if backend is not None:
+        q = q.where(model.backend == backend)
+    return q
+
+
+def _key_filter(q: Any, model: Any, program_hash: str, sizes: Mapping[str, int] | None, topology: str | None,
+                world: int | None, backend: str | None) -> Any:
+    q = q.where(model.program_hash == program_hash)
+    if sizes is not None:
+        q = q.where(model.sizes_key == sizes_key(sizes))
+    if topology is not None:
+        q = q.where(model.topology == topology)
+    return _world_backend(q, model, world, backend)
+
+
+def _valid_winners() -> Any:
+    return select(WinnerRow).join(MeasurementRow, WinnerRow.measurement_id == MeasurementRow.id).where(
+        MeasurementRow.status == "ok", MeasurementRow.median_s.is_not(None)
+    )
+
+
+def _newest_winner(s: Session, program_hash: str, topology: str, key: str, world: int | None,
+                   backend: str | None) -> WinnerRow | None:
+    q = _valid_winners().where(
+        WinnerRow.program_hash == program_hash, WinnerRow.topology == topology, WinnerRow.sizes_key == key
+    )
+    q = _world_backend(q, WinnerRow, world, backend)
+    return s.scalars(q.order_by(WinnerRow.created_at.desc(), WinnerRow.id.desc()).limit(1)).first()
+
+
+def _best(s: Session, rows: Sequence[WinnerRow], *, exact: bool, distance: float) -> list[Best]:
+    ids = {i for r in rows for i in (r.measurement_id, r.runner_up_id, r.baseline_id) if i is not None}
+    found = s.scalars(select(MeasurementRow).where(MeasurementRow.id.in_(ids)))
+    by_id = {m.id: _record(MeasurementRecord, m) for m in found}
+    return [
+        Best(
+            exact=exact,
+            distance=distance,
+            winner=_record(WinnerRecord, r),
+            measurement=by_id[r.measurement_id],
+            runner_up=by_id.get(r.runner_up_id) if r.runner_up_id is not None else None,
+            baseline=by_id.get(r.baseline_id) if r.baseline_id is not None else None,
+        )
+        for r in rows
+    ]

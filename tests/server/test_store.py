@@ -1,0 +1,449 @@
+"""The results store, the same tests on SQLite and on PostgreSQL (see conftest.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from sqlalchemy import create_engine, inspect
+
+from coconet import Program, Replicated
+from coconet.errors import StoreError
+from coconet.loader import load_file
+from coconet.schedules.serialize import load, to_dict
+from coconet.schedules.space import generate
+from coconet.server.keys import parse_sizes_key, size_distance, sizes_key
+from coconet.server.models import VERSION_TABLE, Base, include_name
+from coconet.server.store import (
+    ENV_URL,
+    SCHEMA_HEAD,
+    DoneKey,
+    NewMeasurement,
+    Progress,
+    Store,
+    alembic_config,
+    default_url,
+)
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+@pytest.fixture(scope="module")
+def adam():
+    return load_file(EXAMPLES / "adam.py")
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    return load_file(EXAMPLES / "megatron_mlp.py")
+
+
+@pytest.fixture
+def store(db_url):
+    with Store.open(db_url) as s:
+        yield s
+
+
+def measure(program_hash: str, sizes: dict, schedule: str = "baseline", median_s: float | None = 1e-3,
+            **fields) -> NewMeasurement:
+    defaults = dict(topology="local", world=2, backend="gloo", schedule_hash=f"h-{schedule}", samples=[median_s] * 3)
+    return NewMeasurement(program_hash=program_hash, sizes=sizes, schedule=schedule, median_s=median_s,
+                          **{**defaults, **fields})
+
+
+def win(store: Store, program_hash: str, sizes: dict, median_s: float, **fields) -> int:
+    mid = store.add_measurement(measure(program_hash, sizes, f"s{median_s}", median_s, **fields))
+    return store.add_winner(mid)
+
+
+# -- keys
+
+
+def test_sizes_key_is_canonical():
+    assert sizes_key({"S": 512, "B": 4, "H": 1024}) == "B=4,H=1024,S=512"
+    assert parse_sizes_key("B=4,H=1024,S=512") == {"B": 4, "H": 1024, "S": 512}
+    assert size_distance({"B": 4, "S": 512}, {"B": 8, "S": 128}) == 3.0
+    assert size_distance({"N": 4}, {"M": 4}) is None
+    for bad in ({"N": 0}, {"N": 2.5}, {"N": True}, {"a,b": 1}):
+        with pytest.raises(StoreError):
+            sizes_key(bad)
+
+
+# -- programs, topologies
+
+
+def test_programs_are_idempotent_and_round_trip(store, adam):
+    h = store.add_program(adam)
+    assert h == adam.hash
+    assert store.add_program(adam) == h
+    rec = store.program(h)
+    assert rec.name == "adam" and rec.ir == to_dict(adam)
+    assert load(rec.ir).hash == h
+    assert store.program("0" * 16) is None
+
+    dsl = Program("scale", dims="N")
+    x = dsl.tensor("x", "N", layout=Replicated)
+    dsl.update(x, 2 * x)
+    assert store.add_program(dsl) == dsl.ir.hash and store.program(dsl.ir.hash).name == "scale"
+    with pytest.raises(StoreError, match="takes a Program"):
+        store.add_program(to_dict(adam))
+
+
+def test_topology_is_never_overwritten(store):
+    fp = {"cpu": "x86", "cores": 16, "backends": ["gloo", "shm"], "links": {"intra": {"alpha_s": 1e-6}}}
+    assert store.add_topology("local", fp, source="calibrate") == "local"
+    store.add_topology("local", {**fp, "backends": ("gloo", "shm")}, source="calibrate")
+    assert store.topology("local").fingerprint == fp
+    with pytest.raises(StoreError, match="another fingerprint"):
+        store.add_topology("local", {**fp, "cores": 8})
+    assert store.topology("nowhere") is None
+
+
+def test_unknown_program_hash_is_a_store_error(store, adam):
+    with pytest.raises(StoreError, match="unknown program ffff") as err:
+        store.add_measurement(measure("ffff", {"N": 1024}))
+    assert err.value.program_hash == "ffff"
+    with pytest.raises(StoreError, match="unknown program"):
+        store.create_job("ffff", {"N": 1024}, "local", 2)
+    h = store.add_program(adam)
+    with pytest.raises(StoreError, match="no job 99"):
+        store.add_measurement(measure(h, {"N": 1024}, job_id=99))
+    with pytest.raises(StoreError, match="needs median_s"):
+        store.add_measurement(measure(h, {"N": 1024}, median_s=None))
+    with pytest.raises(StoreError, match="status"):
+        store.add_measurement(measure(h, {"N": 1024}, status="slow"))
+    assert store.measurements(h) == []
+
+
+# -- jobs
+
+
+def test_job_state_transitions(store, adam):
+    h = store.add_program(adam)
+    a = store.create_job(h, {"N": 2**20}, "local", 4, budget=16, backends=["gloo", "shm"])
+    b = store.create_job(h, {"N": 2**22}, "local", 4)
+    job = store.job(a)
+    assert (job.state, job.sizes, job.backends) == ("queued", {"N": 2**20}, ["gloo", "shm"])
+    assert job.progress == Progress(done=0, total=16)
+    assert job.heartbeat_at is None
+
+    with pytest.raises(StoreError, match="cannot go from queued to done"):
+        store.update_job(a, state="done")
+    assert store.claim_job().id == a  # oldest first
+    assert store.claim_job(a) is None  # already taken
+    running = store.update_job(a, progress=Progress(done=3, total=16, failed=1, best_s=2.5e-4))
+    assert running.state == "running" and running.progress.best_s == 2.5e-4 and running.heartbeat_at is not None
+    assert running.updated_at >= job.created_at
+
+    done = store.update_job(a, state="done", result={"best": {"schedule": "baseline", "median_s": 2.5e-4}})
+    assert done.result == {"best": {"schedule": "baseline", "median_s": 2.5e-4}}
+    with pytest.raises(StoreError, match="is done"):
+        store.update_job(a, progress=Progress(done=4))
+
+    store.update_job(b, state="running")
+    store.update_job(b, state="failed", error="worker group died")
+    assert store.job(b).error == "worker group died"
+    store.update_job(b, state="queued")  # retried
+    assert [j.id for j in store.jobs(state="queued")] == [b]
+    assert [j.id for j in store.jobs()] == [a, b]
+    with pytest.raises(StoreError, match="not one of"):
+        store.update_job(b, state="paused")
+    with pytest.raises(StoreError, match="no job 404"):
+        store.update_job(404, state="running")
+    assert store.job(404) is None
+
+
+# -- measurements
+
+
+def test_measurement_json_round_trips(store, adam):
+    h = store.add_program(adam)
+    schedule = max(generate(adam, depth=2), key=lambda s: len(s.transforms))
+    samples = [1.2345678901234567e-05, 0.1 + 0.2, 3e-300]
+    job = store.create_job(h, {"N": 2**20}, "local", 4)
+    mid = store.add_measurement(NewMeasurement.of(
+        schedule, sizes={"N": 2**20}, topology="local", world=4, backend="shm", samples=samples,
+        median_s=samples[0], ci_lo_s=1e-5, ci_hi_s=1.3e-5, max_rel_err=2e-7, versions={"torch": "2.4.0"}, job_id=job,
+    ))
+    m = store.measurement(mid)
+    assert m.samples == samples and m.n == 3
+    assert m.sizes == {"N": 2**20} and m.sizes_key == "N=1048576"
+    assert m.schedule == schedule.text and m.schedule_hash == schedule.hash
+    assert m.schedule_json == json.loads(json.dumps(schedule.to_json()))
+    assert m.knobs == schedule.knob_values
+    assert m.versions == {"coconet": "0.1.0", "torch": "2.4.0"}
+    assert (m.source, m.status, m.job_id) == ("measured", "ok", job)
+    assert m.created_at.tzinfo is not None
+
+    failed = store.add_measurement(measure(h, {"N": 2**20}, "x", median_s=None, status="compile_error",
+                                           error="no kernel", samples=[]))
+    assert store.measurement(failed).error == "no kernel"
+    assert [x.id for x in store.measurements(h, job_id=job)] == [mid]
+    assert [x.id for x in store.measurements(h, {"N": 2**20}, "local")] == [mid, failed]
+    assert store.measurements(h, {"N": 2**20}, "dgx") == []
+
+
+def test_bulk_insert_of_ten_thousand_rows(store, mlp):
+    h = store.add_program(mlp)
+    rows = [
+        measure(h, {"B": 2 ** (i % 4), "S": 512, "H": 2 ** (10 + i % 5)}, f"s{i}", 1e-4 * (1 + i % 97),
+                source="model", samples=[], topology="dgx-a100", world=8, backend="nccl")
+        for i in range(10_000)
+    ]
+    ids = store.add_measurements(rows)
+    assert len(ids) == len(set(ids)) == 10_000 and ids == sorted(ids)
+    assert store.measurement(ids[1234]).schedule == "s1234"
+    assert len(store.measurements(h, topology="dgx-a100")) == 10_000
+    assert len(store.measurements(h, {"B": 1, "S": 512, "H": 1024}, "dgx-a100")) == 500
+    assert len(store.done_keys(h, source="model")) == 10_000
+    assert store.add_measurements([]) == []
+
+
+def test_done_keys_let_a_sweep_resume(store, adam):
+    h = store.add_program(adam)
+    store.add_measurement(measure(h, {"N": 1024}, "a"))
+    store.add_measurement(measure(h, {"N": 1024}, "b", median_s=None, status="timeout"))
+    store.add_measurement(measure(h, {"N": 1024}, "a", source="model"))
+    store.add_measurement(measure(h, {"N": 2048}, "a"))
+    store.add_measurement(measure(h, {"N": 1024}, "c", topology="dgx"))
+    done = store.done_keys(h, {"N": 1024}, "local")
+    assert done == {
+        DoneKey(h, "N=1024", "local", 2, "gloo", "h-a", "measured"),
+        DoneKey(h, "N=1024", "local", 2, "gloo", "h-b", "measured"),
+        DoneKey(h, "N=1024", "local", 2, "gloo", "h-a", "model"),
+    }
+    todo = [s for s in ("a", "b", "c", "d") if f"h-{s}" not in {k.schedule_hash for k in store.done_keys(
+        h, {"N": 1024}, "local", source="measured")}]
+    assert todo == ["c", "d"]
+    assert len(store.done_keys(h)) == 5
+    assert store.done_keys(h, world=8) == set()
+
+
+# -- winners
+
+
+def test_winners_are_append_only(store, adam):
+    h = store.add_program(adam)
+    sizes = {"N": 2**20}
+    base = store.add_measurement(measure(h, sizes, "baseline", 4e-3))
+    first = store.add_measurement(measure(h, sizes, "split(ar0)", 2e-3))
+    w1 = store.add_winner(first, baseline_id=base)
+    best = store.best(h, sizes, "local")
+    assert best.exact and best.distance == 0 and best.winner.id == w1
+    assert best.speedup == pytest.approx(2.0)
+    assert best.baseline.id == base and best.runner_up is None
+
+    second = store.add_measurement(measure(h, sizes, "split(ar0); fuse_collective(rs0)", 1e-3))
+    w2 = store.add_winner(second, runner_up_id=first, baseline_id=base, speedup=3.9)
+    best = store.best(h, sizes, "local")
+    assert (best.winner.id, best.median_s, best.speedup) == (w2, 1e-3, 3.9)
+    assert best.schedule == "split(ar0); fuse_collective(rs0)"
+    assert best.runner_up.id == first and best.source == "measured"
+    assert [w.id for w in store.winners(h, sizes, "local")] == [w1, w2]  # the old row is still there
+    assert [r.winner.id for r in store.results(h)] == [w2]
+
+
+def test_only_valid_measurements_of_the_same_problem_win(store, adam):
+    h = store.add_program(adam)
+    failed = store.add_measurement(measure(h, {"N": 1024}, "x", median_s=None, status="wrong_result"))
+    with pytest.raises(StoreError, match="only a valid one can win"):
+        store.add_winner(failed)
+    ok = store.add_measurement(measure(h, {"N": 1024}, "y"))
+    other_size = store.add_measurement(measure(h, {"N": 2048}, "baseline"))
+    with pytest.raises(StoreError, match="baseline measurement .* another program, sizes"):
+        store.add_winner(ok, baseline_id=other_size)
+    with pytest.raises(StoreError, match="no measurement 12345"):
+        store.add_winner(12345)
+    assert store.winners(h) == []
+
+
+def test_best_falls_back_to_the_nearest_tuned_size(store, mlp, adam):
+    h = store.add_program(mlp)
+    store.add_program(adam)
+    near = win(store, h, {"B": 4, "S": 512, "H": 1024}, 1e-3)
+    far = win(store, h, {"B": 16, "S": 4096, "H": 1024}, 5e-3)
+    win(store, h, {"B": 4, "S": 512, "H": 1024}, 2e-3, topology="dgx")
+
+    exact = store.best(h, {"B": 4, "S": 512, "H": 1024}, "local")
+    assert exact.exact and exact.winner.id == near
+
+    got = store.best(h, {"B": 4, "S": 1024, "H": 1024}, "local")  # |log2 512 - log2 1024| = 1
+    assert not got.exact and got.distance == 1.0 and got.winner.id == near
+    assert got.sizes == {"B": 4, "H": 1024, "S": 512} and got.median_s == 1e-3 and got.source == "measured"
+
+    got = store.best(h, {"B": 16, "S": 2048, "H": 1024}, "local")  # 1 from far, 2 + 2 from near
+    assert not got.exact and got.distance == 1.0 and got.winner.id == far
+
+    got = store.best(h, {"B": 8, "S": 1448, "H": 1024}, "local")
+    assert got.winner.id == near and got.distance == pytest.approx(1 + size_distance({"S": 512}, {"S": 1448}))
+
+    # Never across topologies, programs, dim names or worlds.
+    assert store.best(h, {"B": 4, "S": 512, "H": 1024}, "dgx").winner.topology == "dgx"
+    assert store.best(h, {"B": 4, "S": 1024, "H": 1024}, "dgx").winner.topology == "dgx"
+    assert store.best(h, {"B": 4, "S": 512, "H": 1024}, "nowhere") is None
+    assert store.best(adam.hash, {"B": 4, "S": 512, "H": 1024}, "local") is None
+    assert store.best(h, {"B": 4, "S": 512}, "local") is None
+    assert store.best(h, {"B": 4, "S": 512, "H": 1024}, "local", world=8) is None
+    assert store.best(h, {"B": 4, "S": 512, "H": 1024}, "local", world=2, backend="gloo").winner.id == near
+
+
+def test_results_list_the_current_winner_per_key(store, adam):
+    h = store.add_program(adam)
+    win(store, h, {"N": 2**22}, 4e-3)
+    old = win(store, h, {"N": 2**20}, 2e-3)
+    new = win(store, h, {"N": 2**20}, 1e-3)
+    model = win(store, h, {"N": 2**20}, 3e-3, topology="dgx", source="model", samples=[])
+    results = store.results(h)
+    assert [(r.winner.topology, r.sizes["N"], r.winner.id) for r in results][:3] == [
+        ("dgx", 2**20, model), ("local", 2**20, new), ("local", 2**22, results[2].winner.id)
+    ]
+    assert old not in {r.winner.id for r in results}
+    assert results[0].source == "model"
+    assert [r.winner.id for r in store.results(h, topology="dgx")] == [model]
+    assert store.results("nothing") == []
+
+
+# -- opening, migrations, neighbours
+
+
+def test_migrated_schema_matches_the_models(db_url):
+    from alembic import command
+    from alembic.autogenerate import compare_metadata
+    from alembic.migration import MigrationContext
+    from alembic.script import ScriptDirectory
+
+    assert ScriptDirectory.from_config(alembic_config()).get_current_head() == SCHEMA_HEAD
+    Store.open(db_url).close()
+    engine = create_engine(db_url)
+    try:
+        with engine.connect() as conn:
+            ctx = MigrationContext.configure(conn, opts={"include_name": include_name, "version_table": VERSION_TABLE})
+            assert ctx.get_current_revision() == SCHEMA_HEAD
+            assert compare_metadata(ctx, Base.metadata) == []
+        with engine.begin() as conn:
+            config = alembic_config()
+            config.attributes["connection"] = conn
+            command.downgrade(config, "base")
+        assert [t for t in inspect(engine).get_table_names() if t.startswith("coconet_")] == [VERSION_TABLE]
+    finally:
+        engine.dispose()
+    Store.open(db_url).close()  # and up again
+
+
+def test_optuna_shares_the_database(db_url, adam):
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    storage = optuna.storages.RDBStorage(db_url)
+    study = optuna.create_study(storage=storage, study_name="adam-N=1048576-local")
+    study.optimize(lambda t: t.suggest_float("x", 0, 1), n_trials=2)
+    with Store.open(db_url) as store:
+        h = store.add_program(adam)
+        win(store, h, {"N": 2**20}, 1e-3)
+        study.optimize(lambda t: t.suggest_float("x", 0, 1), n_trials=1)
+    with Store.open(db_url) as store:
+        assert store.best(h, {"N": 2**20}, "local").exact
+    assert len(optuna.load_study(study_name=study.study_name, storage=storage).trials) == 3
+    tables = set(inspect(storage.engine).get_table_names())
+    assert {"studies", "trials", "alembic_version", VERSION_TABLE, "coconet_winners"} <= tables
+    storage.engine.dispose()
+
+
+WRITER = """
+import json, sys
+from coconet.loader import load_file
+from coconet.server.store import NewMeasurement, Progress, Store
+
+url, tag, example = sys.argv[1], sys.argv[2], sys.argv[3]
+with Store.open(url) as store:
+    h = store.add_program(load_file(example))
+    jobs = [store.create_job(h, {"N": 2**20}, "local", 2) for _ in range(5)]
+    for i in range(100):
+        store.add_measurement(NewMeasurement(program_hash=h, sizes={"N": 1024}, topology="local", world=2,
+                              backend="gloo", schedule=f"{tag}{i}", schedule_hash=f"{tag}{i}", median_s=1e-3))
+        store.update_job(jobs[i % 5], progress=Progress(done=i))
+    claimed = []
+    while (job := store.claim_job()) is not None:
+        claimed.append(job.id)
+print(json.dumps(claimed))
+"""
+
+
+def test_two_processes_write_one_database(db_url):
+    # Both open a fresh database at once, so they race on creating the schema too.
+    procs = [
+        subprocess.Popen([sys.executable, "-c", WRITER, db_url, tag, str(EXAMPLES / "adam.py")],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for tag in ("a", "b")
+    ]
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err
+        assert "locked" not in err
+    claimed = [json.loads(out) for out, _ in outs]
+    assert not set(claimed[0]) & set(claimed[1])
+    with Store.open(db_url) as store:
+        assert sorted(claimed[0] + claimed[1]) == [j.id for j in store.jobs()] == list(range(1, 11))
+        assert {j.state for j in store.jobs()} == {"running"}
+        assert len(store.measurements(load_file(EXAMPLES / "adam.py").hash)) == 200
+
+
+def test_default_url_and_its_overrides(tmp_path, monkeypatch):
+    import platformdirs
+
+    monkeypatch.delenv(ENV_URL, raising=False)
+    monkeypatch.setattr(platformdirs, "user_data_dir", lambda app: str(tmp_path / "data" / app))
+    assert default_url() == f"sqlite:///{tmp_path / 'data' / 'coconet' / 'coconet.db'}"
+    Store.open().close()
+    assert (tmp_path / "data" / "coconet" / "coconet.db").exists()
+
+    monkeypatch.setenv(ENV_URL, f"sqlite:///{tmp_path / 'env.db'}")
+    Store.open().close()
+    assert (tmp_path / "env.db").exists()
+    with Store.open(f"sqlite:///{tmp_path / 'explicit' / 'x.db'}") as store:
+        assert store.url.endswith("explicit/x.db") and store.dialect == "sqlite"
+    assert (tmp_path / "explicit" / "x.db").exists()
+
+
+def test_sqlite_pragmas(tmp_path):
+    with Store.open(f"sqlite:///{tmp_path / 'p.db'}") as store, store._engine.connect() as conn:
+        assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+        assert conn.exec_driver_sql("PRAGMA foreign_keys").scalar() == 1
+        assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == 30_000
+
+
+def test_bad_or_unreachable_databases_are_store_errors(tmp_path):
+    with pytest.raises(StoreError, match="is not a database URL"):
+        Store.open("not a url")
+    with pytest.raises(StoreError, match="cannot open the store at nosuchdb://"):
+        Store.open("nosuchdb://host/db")
+    with pytest.raises(StoreError, match="cannot open the store at postgresql\\+psycopg://postgres:\\*\\*\\*@") as err:
+        Store.open(f"postgresql://postgres:secret@/x?host={tmp_path / 'nowhere'}&port=1")
+    assert "secret" not in str(err.value) and "\n" not in str(err.value)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(StoreError, match="cannot create the directory"):
+        Store.open(f"sqlite:///{tmp_path / 'file' / 'sub' / 'x.db'}")
+    (tmp_path / "junk.db").write_bytes(b"this is not a database" * 100)
+    with pytest.raises(StoreError, match="not a database"):
+        Store.open(f"sqlite:///{tmp_path / 'junk.db'}")
+
+
+def test_lookups_use_indexes(tmp_path):
+    """best, measurements and done_keys stay index lookups at a million rows: SQLite's planner says so."""
+    with Store.open(f"sqlite:///{tmp_path / 'plan.db'}") as store, store._engine.connect() as conn:
+        plans = {
+            "measurements": "SELECT * FROM coconet_measurements "
+                            "WHERE program_hash='a' AND sizes_key='N=1' AND topology='t'",
+            "done_keys": "SELECT DISTINCT schedule_hash FROM coconet_measurements "
+                         "WHERE program_hash='a' AND sizes_key='N=1'",
+            "job": "SELECT * FROM coconet_measurements WHERE job_id=1",
+            "nearest": "SELECT DISTINCT sizes_key FROM coconet_winners WHERE program_hash='a' AND topology='t'",
+            "best": "SELECT * FROM coconet_winners WHERE program_hash='a' AND topology='t' AND sizes_key='N=1' "
+                    "ORDER BY created_at DESC",
+        }
+        for name, sql in plans.items():
+            plan = " ".join(r[-1] for r in conn.exec_driver_sql("EXPLAIN QUERY PLAN " + sql))
+            assert "USING" in plan and "SCAN coconet" not in plan, (name, plan)
