@@ -324,17 +324,121 @@ def _print_run_table(prog: Any, world: int, backend: str, sizes: dict, rows: lis
 @app.command()
 @_guard
 def tune(
-    file: Path = typer.Argument(...),
-    world: int = typer.Option(2, "--world"),
+    file: Path = typer.Argument(..., help="The program: a .py file defining `program`, or its JSON IR."),
+    world: int = typer.Option(2, "--world", min=1, help="Ranks (per pipeline stage)."),
     size: Optional[List[str]] = SIZE_OPT,
-    budget: Optional[int] = typer.Option(None, "--budget"),
-    topology: str = typer.Option("local", "--topology"),
-    db: Optional[str] = typer.Option(None, "--db"),
-    ray_address: Optional[str] = typer.Option(None, "--ray-address"),
+    budget: int = typer.Option(64, "--budget", min=1, help="Trials per size; the whole space when it is smaller "
+                               "(then the search is exhaustive)."),
+    topology: str = typer.Option("local", "--topology", help="`local` (this machine); another name only with "
+                                 "--ray-address, on a cluster that is that topology."),
+    backend: List[str] = typer.Option([], "--backend", help="Restrict the backends tried (repeatable); default: "
+                                      "every one this machine runs (gloo and shm on CPU, nccl on GPUs)."),
+    db: Optional[str] = typer.Option(None, "--db", help="Store URL (default $COCONET_DATABASE_URL, else SQLite in "
+                                     "the user data dir)."),
+    ray_address: Optional[str] = typer.Option(None, "--ray-address", help="Join this Ray cluster instead of "
+                                              "starting a local one."),
+    kernels: str = typer.Option("compiled", "--kernels", help="compiled or eager."),
+    depth: int = typer.Option(6, "--depth", min=0),
+    timeout: float = typer.Option(300.0, "--timeout", min=1.0, help="Seconds a candidate's check or timing may "
+                                  "take before its ranks are killed (timeout)."),
+    seed: int = typer.Option(0, "--seed"),
     as_json: bool = JSON_OPT,
 ) -> None:
-    """Find the fastest schedule per size and topology. Not available yet: arrives with the tuner."""
-    _not_yet("tune", "the tuner")
+    """Find the fastest schedule per size on this topology: measured on Ray, searched by Optuna, recorded in the
+    store. With one --size the JSON is one result; with several, a list (smallest sizes first)."""
+    from coconet.codegen.lower import KERNELS
+    from coconet.loader import load_file
+    from coconet.schedules.dims import parse_sizes
+    from coconet.server.store import Store
+    from coconet.tuner.runner import Protocol
+    from coconet.tuner.tune import Request
+
+    if kernels not in KERNELS:
+        raise CoconetError(f"unknown --kernels {kernels!r} (use {' or '.join(KERNELS)})")
+    prog = load_file(file)
+    if not size:
+        raise CoconetError(f"--size is required: bind {', '.join(prog.dims)} (e.g. --size {prog.dims[0]}=2^20)"
+                           if prog.dims else "--size is required")
+    points = [parse_sizes(spec, prog.dims) for spec in size]
+    request = Request(prog, tuple(points), world, topology, budget, tuple(dict.fromkeys(backend)),
+                      Protocol(timeout_s=timeout, kernels=kernels), depth, seed=seed, ray_address=ray_address,
+                      program_file=str(file) if file.suffix == ".py" else None)
+    with Store.open(db) as store:
+        results = _tune_with_progress(request, store, quiet=as_json)
+    docs = [r.to_json(prog, topology, world) for r in results]
+    if as_json:
+        _echo_json(docs[0] if len(docs) == 1 else docs)
+        return
+    for r, doc in zip(results, docs):
+        _print_tune_table(prog, doc, r)
+
+
+def _tune_with_progress(request: Any, store: Any, quiet: bool) -> list:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from coconet.tuner.tune import tune as run_tune
+
+    if quiet:
+        return run_tune(request, store, prior=_cost_prior)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("{task.fields[status]}"))
+    with Progress(*columns, console=Console(stderr=True), transient=False) as bar:
+        tasks: dict[str, Any] = {}
+
+        def show(sizes: dict, p: Any) -> None:
+            key = ",".join(f"{k}={v}" for k, v in sizes.items())
+            if key not in tasks:
+                tasks[key] = bar.add_task(key, total=p.budget, status="")
+            best = f"best {_fmt_s(p.best[1])} {p.best[0]}" if p.best else "no result yet"
+            bar.update(tasks[key], completed=p.trials, total=p.budget,
+                       status=f"failed {p.failed}  {best}"[:100])
+
+        return run_tune(request, store, on_progress=show, prior=_cost_prior)
+
+
+def _cost_prior(space: Any, sizes: dict, topology: str, world: int) -> list:
+    """The cost model's favourites, tried right after the baseline; none where the topology has no
+    description (an uncalibrated `local`: `coconet calibrate` writes it)."""
+    from coconet.tuner.cost import predict
+    from coconet.tuner.search import Candidate
+    from coconet.tuner.topology import load_topology, topology_path
+
+    if topology_path(topology) is None:
+        return []
+    topo = load_topology(topology)
+    ranked = [(predict(s, sizes, topo, b, world=world).seconds, i, Candidate(s, b))
+              for b in space.backends if b in topo.backends for i, s in enumerate(space.schedules)]
+    return [c for *_, c in sorted(ranked, key=lambda x: x[:2])]
+
+
+def _print_tune_table(prog: Any, doc: dict, tuned: Any) -> None:
+    console = Console(highlight=False)
+    sizes_text = ",".join(f"{k}={v}" for k, v in doc["sizes"].items())
+    table = Table(title=f"{prog.name}  world={doc['world']}  {sizes_text}  topology={doc['topology']}  "
+                  f"{doc['trials']} trials, {doc['failed']} failed", title_justify="left")
+    for col in ("status", "backend", "median", "95% CI", "vs baseline"):
+        table.add_column(col, no_wrap=True, justify="left" if col in ("status", "backend") else "right")
+    table.add_column("schedule", ratio=1, overflow="fold")
+    base = doc["baseline"]["median_s"] if doc["baseline"] else None
+    trials = sorted(tuned.outcome.trials, key=lambda t: (t.result.status != "ok", t.result.median_s or 0))
+    for t in trials:
+        r = t.result
+        ci = r.ci95_s
+        win = doc["best"] and t.candidate.schedule.hash == doc["best"]["hash"] \
+            and t.candidate.backend == doc["best"]["backend"]
+        table.add_row(r.status if r.status == "ok" else f"[red]{r.status}[/red]", t.candidate.backend,
+                      _fmt_s(r.median_s), f"{_fmt_s(ci[0])}-{_fmt_s(ci[1])}" if ci else "",
+                      f"{base / r.median_s:.2f}x" if base and r.median_s else "",
+                      Text(("* " if win else "") + t.candidate.text))
+    console.print(table)
+    if doc["best"]:
+        b = doc["best"]
+        console.print(f"winner (timed again against the runner-up): {b['backend']}: {b['schedule']}  "
+                      f"{_fmt_s(b['median_s'])} [{_fmt_s(b['ci95_s'][0])}, {_fmt_s(b['ci95_s'][1])}]"
+                      + (f"  {doc['speedup']:.2f}x over the baseline" if doc["speedup"] else "")
+                      + f"  record {doc['record_id']}", markup=False)
+    else:
+        console.print("no schedule ran correctly: nothing recorded as the winner", markup=False)
 
 
 @app.command()

@@ -110,6 +110,14 @@ class Store:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def optuna_storage(self) -> Any:
+        """Optuna's RDB storage on this store's database: studies live beside the results they led to."""
+        import optuna
+
+        url = self._engine.url.render_as_string(hide_password=False)
+        kwargs = {"connect_args": {"timeout": 30}} if self.dialect == "sqlite" else {"pool_pre_ping": True}
+        return optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
+
     @property
     def dialect(self) -> str:
         return self._engine.dialect.name

@@ -164,8 +164,10 @@ def search(space: SearchSpace, sizes: Mapping[str, int], *, storage, study: str,
     cut = [_trial_from(space, t).candidate for t in st.get_trials(deepcopy=False)
            if t.state == optuna.trial.TrialState.FAIL and "schedule" in t.params]
     base = Candidate(Schedule(space.program), space.backends[0])
+    known = space.by_structure
     for c in [base, *prior, *cut]:
-        if c.backend in space.backends and c.key not in trials and c.key not in queued:
+        if c.backend in space.backends and structure_text(c.schedule) in known and c.key not in trials \
+                and c.key not in queued:
             st.enqueue_trial(space.params(c), user_attrs={"candidate": c.key})
             queued.add(c.key)
     progress = Progress(trials=len(trials), budget=min(budget, space.size),

@@ -1,0 +1,222 @@
+"""``coconet tune``: the study of one program at one or more sizes, measured on Ray, recorded in the
+store. Only this driver writes the database; the ranks measure.
+
+Per size, one Optuna study (in the store's database) over the backends this topology allows, the
+schedules and their knobs. The baseline goes first, then the winners of the sizes already tuned —
+in this call (smallest sizes first) or earlier ones (the store's nearest) — then the cost model's
+top-k. Every trial's measurement is recorded as it finishes, so a killed tuner loses at most the
+trial it was in; the two fastest are timed again and the faster is recorded as the winner, with
+the runner-up and the baseline beside it.
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+from coconet.codegen.launch import RunResult
+from coconet.codegen.lower import Generated, lower
+from coconet.errors import CoconetError
+from coconet.schedules.ir import Program
+from coconet.schedules.schedule import Schedule
+from coconet.tuner.runner import Protocol, Runner, connect
+from coconet.tuner.search import Candidate, Outcome, Progress, SearchSpace, search, study_name
+from coconet.tuner.stats import summarize
+
+LOCAL = "local"
+
+
+@dataclass(frozen=True)
+class Request:
+    program: Program
+    sizes: tuple[Mapping[str, int], ...]
+    world: int
+    topology: str = LOCAL
+    budget: int = 64
+    backends: tuple[str, ...] = ()  # empty: every backend the topology allows
+    protocol: Protocol = Protocol()
+    depth: int = 6
+    top_k: int = 3
+    seed: int = 0
+    ray_address: str | None = None
+    program_file: str | None = None
+
+
+@dataclass
+class Tuned:
+    """One size's outcome, as recorded."""
+
+    sizes: dict[str, int]
+    outcome: Outcome
+    job_id: int
+    record_id: int | None  # the winner's record
+    measurement_ids: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self, program: Program, topology: str, world: int) -> dict[str, Any]:
+        o = self.outcome
+
+        def stats(t) -> dict[str, Any] | None:
+            if t is None or not t.result.samples:
+                return None
+            s = summarize(t.result.samples)
+            return {"schedule": t.candidate.text, "backend": t.candidate.backend, "median_s": s.median,
+                    "ci95_s": list(s.ci95), "n": s.n, "hash": t.candidate.schedule.hash}
+
+        return {"program_hash": program.hash, "program": program.name, "sizes": self.sizes, "topology": topology,
+                "world": world, "best": stats(o.winner), "runner_up": stats(o.runner_up),
+                "baseline": stats(o.baseline), "speedup": o.speedup, "trials": len(o.trials),
+                "failed": len(o.failed), "record_id": self.record_id, "job_id": self.job_id, "study": o.study}
+
+
+def local_backends(world: int) -> tuple[str, ...]:
+    """What this machine can run ``world`` ranks on: NCCL with a GPU per rank, else gloo, and shm on
+    x86-64 (its barriers rely on the x86 memory order)."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.device_count() >= world:
+        return ("nccl",)
+    return ("gloo", "shm") if platform.machine() in ("x86_64", "AMD64") else ("gloo",)
+
+
+def versions(backend: str) -> dict[str, str]:
+    import torch
+
+    import coconet
+
+    out = {"coconet": coconet.__version__, "torch": torch.__version__, "backend": backend,
+           "python": platform.python_version()}
+    if backend == "nccl" and torch.cuda.is_available():
+        out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        out["driver"] = f"cuda {torch.version.cuda}; {torch.cuda.get_device_name(0)}"
+    else:
+        out["driver"] = platform.processor() or platform.machine()
+    return out
+
+
+def fingerprint() -> dict[str, Any]:
+    """What makes this machine this topology: a store keeps results of one fingerprint per name."""
+    import os
+
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] \
+        if torch.cuda.is_available() else []
+    return {"machine": platform.machine(), "cpu": cpu, "cpus": os.cpu_count(), "gpus": gpus}
+
+
+def tune(request: Request, store, *, on_progress: Callable[[dict, Progress], None] | None = None,
+         lowering: Callable[[Schedule, str, str], Generated] = lower,
+         prior: Callable[[SearchSpace, Mapping[str, int], str, int], Sequence[Candidate]] | None = None) -> list[Tuned]:
+    """Tune every size of ``request`` into ``store``; ``prior`` gives the cost model's top-k."""
+    from coconet.server.records import NewMeasurement, Progress as JobProgress
+
+    prog = request.program
+    if request.topology != LOCAL and not request.ray_address:
+        raise CoconetError(f"coconet tune measures: topology {request.topology!r} needs its cluster "
+                           "(--ray-address); for a prediction use coconet sweep")
+    allowed = local_backends(request.world)
+    backends = tuple(request.backends) or allowed
+    unusable = [b for b in backends if b not in allowed and request.topology == LOCAL]
+    if unusable:
+        raise CoconetError(f"backend {', '.join(unusable)} cannot run here (this machine: {', '.join(allowed)})")
+    if request.budget < 1:
+        raise CoconetError(f"budget must be at least 1 trial, got {request.budget}")
+    space = SearchSpace.of(prog, backends, request.depth)
+    store.add_program(prog)
+    if request.topology == LOCAL:
+        store.add_topology(LOCAL, fingerprint(), source="measured")
+    stages = 2 if prog.is_pipeline else 1
+    connect(request.ray_address, ranks=request.world * stages * len(backends))
+    storage = store.optuna_storage()
+    order = sorted(request.sizes, key=lambda s: math.prod(s.values()))
+    done: list[Tuned] = []
+    for sizes in order:
+        sizes = dict(sizes)
+        job = store.create_job(prog.hash, sizes, request.topology, request.world, budget=request.budget,
+                               backends=list(backends))
+        store.claim_job(job)
+        runners: dict[str, Runner] = {}
+
+        def measure(c: Candidate) -> RunResult:
+            if c.backend not in runners:
+                runners[c.backend] = Runner(prog, world=request.world, sizes=sizes, backend=c.backend,
+                                            protocol=request.protocol, program_file=request.program_file,
+                                            lowering=lowering)
+            return runners[c.backend].measure(c.schedule)
+
+        def record(c: Candidate, res: RunResult, role: str) -> int:
+            s = summarize(res.samples) if res.samples else None
+            err = res.max_rel_err if res.max_rel_err is not None and math.isfinite(res.max_rel_err) else None
+            return store.add_measurement(NewMeasurement.of(
+                c.schedule, sizes=sizes, topology=request.topology, world=request.world, backend=c.backend,
+                status=res.status, error=res.error, samples=list(res.samples), n=len(res.samples),
+                median_s=s.median if s else None, ci_lo_s=s.ci95[0] if s else None,
+                ci_hi_s=s.ci95[1] if s else None, max_rel_err=err, source="measured",
+                versions=versions(c.backend), job_id=job))
+
+        def progress(p: Progress) -> None:
+            store.update_job(job, progress=JobProgress(done=p.trials, total=p.budget, failed=p.failed,
+                                                       best_s=p.best[1] if p.best else None))
+            if on_progress:
+                on_progress(sizes, p)
+
+        seeds = _neighbours(store, space, prog, sizes, request, done)
+        if prior is not None:
+            seeds += list(prior(space, sizes, request.topology, request.world))[:request.top_k]
+        try:
+            outcome = search(space, sizes, storage=storage, study=study_name(prog, sizes, request.topology,
+                                                                             request.world),
+                             budget=request.budget, measure=measure, record=record, prior=seeds,
+                             seed=request.seed, on_progress=progress)
+        except BaseException as e:
+            store.update_job(job, state="interrupted" if isinstance(e, KeyboardInterrupt) else "failed",
+                             error=f"{type(e).__name__}: {e}"[:2000])
+            raise
+        finally:
+            for r in runners.values():
+                r.close()
+        winner_id = None
+        if outcome.winner is not None:
+            base_id = _record_id(outcome.baseline, record)
+            winner_id = store.add_winner(_record_id(outcome.winner, record),
+                                         runner_up_id=_record_id(outcome.runner_up, record),
+                                         baseline_id=base_id, job_id=job)
+        tuned = Tuned(sizes, outcome, job, winner_id)
+        store.update_job(job, state="done", result=tuned.to_json(prog, request.topology, request.world))
+        done.append(tuned)
+    return done
+
+
+def _record_id(trial, record) -> int | None:
+    """The store id of a trial's measurement; a trial reused from a study whose records are gone
+    (an Optuna study kept in another database) is recorded again from the study's values."""
+    if trial is None:
+        return None
+    if trial.record_id is not None:
+        return int(trial.record_id)
+    return record(trial.candidate, trial.result, "trial")
+
+
+def _neighbours(store, space: SearchSpace, prog: Program, sizes, request: Request, done: list[Tuned]) -> list[Candidate]:
+    """Winners worth trying first: those of the sizes tuned in this call, then the store's nearest."""
+    out: list[Candidate] = []
+    for t in reversed(done):
+        for trial in (t.outcome.winner, t.outcome.runner_up):
+            if trial is not None:
+                out.append(trial.candidate)
+    best = store.best(prog.hash, sizes, request.topology, request.world)
+    if best is not None and best.measurement.schedule_json is not None and best.measurement.backend in space.backends:
+        try:
+            sched = Schedule.from_json(best.measurement.schedule_json, prog)
+            out.append(Candidate(sched, best.measurement.backend))
+        except CoconetError:
+            pass  # a schedule of an older coconet that this one no longer offers: nothing to seed
+    return out
