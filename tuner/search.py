@@ -24,6 +24,7 @@ from coconet.schedules.ir import Program
 from coconet.schedules.schedule import BASELINE, Schedule
 from coconet.schedules.space import generate
 
+SUGGESTIONS_PER_CANDIDATE = 10
 STATUSES = ("ok", "compile_error", "runtime_error", "wrong_result", "timeout")
 
 
@@ -141,7 +142,7 @@ def study_name(program: Program, sizes: Mapping[str, int], topology: str, world:
 def search(space: SearchSpace, sizes: Mapping[str, int], *, storage, study: str, budget: int,
            measure: Measure, record: Record | None = None, prior: Iterable[Candidate] = (),
            seed: int = 0, on_progress: Callable[[Progress], None] | None = None) -> Outcome:
-    """Run (or resume) the study ``study`` in Optuna ``storage`` until ``budget`` trials are done or
+    """Run (or resume) the study ``study`` in Optuna ``storage`` until ``budget`` candidates have results or
     the space is exhausted; ``measure`` times a candidate, ``record`` stores each new result."""
     import optuna
 
@@ -194,23 +195,24 @@ def search(space: SearchSpace, sizes: Mapping[str, int], *, storage, study: str,
         progress.failed += res.status != "ok"
         return _value(res)
 
-    def complete(study) -> int:
-        return len(study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)))
+    # The budget counts candidates, not suggestions: TPE repeats itself in a small categorical
+    # space, and a repeat costs nothing. The cap on suggestions keeps it from circling forever.
+    goal = min(budget, space.size)
+    cap = len(st.get_trials(deepcopy=False)) + SUGGESTIONS_PER_CANDIDATE * goal
 
     def after(study, frozen) -> None:
-        progress.trials = complete(study)
+        progress.trials = len(trials)
         progress.last = frozen.user_attrs.get("schedule", "")
         _update_best(progress, trials.values())
         if on_progress:
             on_progress(progress)
-        if progress.trials >= budget:
+        if len(trials) >= goal or frozen.number + 1 >= cap:
             study.stop()
 
-    remaining = budget - complete(st)
     if on_progress:
         on_progress(progress)
-    if remaining > 0:
-        st.optimize(objective, n_trials=remaining, callbacks=[after], gc_after_trial=False)
+    if len(trials) < goal:
+        st.optimize(objective, callbacks=[after], gc_after_trial=False)
     return _finish(st.study_name, dict(sizes), list(trials.values()), base, measure, record)
 
 

@@ -1,0 +1,86 @@
+"""coconet tune end to end on Ray into a fresh store: the winner recorded and served by the store,
+an interrupted tuning resumed without measuring anything twice."""
+
+import runpy
+from pathlib import Path
+
+import pytest
+
+from coconet.codegen.lower import lower
+from coconet.server.store import Store
+from coconet.tuner.runner import Protocol
+from coconet.tuner.tune import Request, tune
+
+ROOT = Path(__file__).parents[2]
+FAST = Protocol(warmup=1, min_repeats=5, max_repeats=10, max_time_s=1.0, kernels="eager", timeout_s=60.0)
+
+
+def example(name):
+    return runpy.run_path(str(ROOT / "examples" / f"{name}.py"))["program"].ir
+
+
+def trial_rows(store, prog):
+    return [m for m in store.measurements(prog.hash) if m.job_id is not None]
+
+
+def test_tune_records_the_winner_the_store_serves(ray_local, tmp_path):
+    prog = example("adam")
+    sizes = {"N": 3000}
+    with Store.open(f"sqlite:///{tmp_path / 'coconet.db'}") as store:
+        request = Request(prog, (sizes,), world=2, budget=5, backends=("gloo", "shm"), protocol=FAST)
+        [tuned] = tune(request, store)
+        o = tuned.outcome
+        assert len(o.trials) == 5 and o.winner is not None and o.baseline is not None
+        assert o.baseline.candidate.schedule.transforms == ()
+        assert all(t.result.status == "ok" and t.result.correct for t in o.trials)
+        best = store.best(prog.hash, sizes, "local", 2)
+        assert best.exact and best.winner.id == tuned.record_id
+        assert best.measurement.schedule_hash == o.winner.candidate.schedule.hash
+        assert best.measurement.backend == o.winner.candidate.backend
+        assert best.baseline.schedule == "baseline" and best.speedup == pytest.approx(o.speedup)
+        rows = store.measurements(prog.hash, sizes, "local")
+        assert len(rows) == 5 + 2  # every trial, then the two fastest timed again
+        assert {r.source for r in rows} == {"measured"} and all(r.versions["torch"] for r in rows)
+        job = store.job(tuned.job_id)
+        assert job.state == "done" and job.result["best"]["hash"] == best.measurement.schedule_hash
+        assert job.progress.done == 5
+        # the same tuning again: the study is complete, nothing is measured but the final re-timing,
+        # and the new winner is a new record the lookup prefers
+        [again] = tune(request, store)
+        assert len(store.measurements(prog.hash, sizes, "local")) == 7 + 2
+        assert store.best(prog.hash, sizes, "local", 2).winner.id == again.record_id != tuned.record_id
+        assert len(store.winners(prog.hash, sizes, "local")) == 2
+
+
+def test_an_interrupted_tuning_resumes_where_it_stopped(ray_local, tmp_path):
+    prog = example("adam")
+    sizes = {"N": 2000}
+    calls = []
+
+    def interrupting(schedule, backend, kernels):
+        calls.append((schedule.hash, backend))
+        if len(calls) == 4:
+            raise KeyboardInterrupt  # Ctrl-C in the middle of the fourth trial
+        return lower(schedule, backend, kernels)
+
+    url = f"sqlite:///{tmp_path / 'coconet.db'}"
+    request = Request(prog, (sizes,), world=2, budget=6, backends=("gloo",), protocol=FAST)
+    with Store.open(url) as store:
+        with pytest.raises(KeyboardInterrupt):
+            tune(request, store, lowering=interrupting)
+        first = trial_rows(store, prog)
+        assert len(first) == 3
+        assert store.jobs()[0].state == "interrupted"
+    measured_again = []
+
+    def counting(schedule, backend, kernels):
+        measured_again.append((schedule.hash, backend))
+        return lower(schedule, backend, kernels)
+
+    with Store.open(url) as store:
+        [tuned] = tune(request, store, lowering=counting)
+        trials = measured_again[:-2]  # the last two lowerings: the final re-timing
+        assert not {(m.schedule_hash, m.backend) for m in first} & set(trials)
+        assert len(trials) == 6 - 3
+        assert len(tuned.outcome.trials) == 6
+        assert store.best(prog.hash, sizes, "local", 2).winner.id == tuned.record_id
