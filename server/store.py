@@ -332,44 +332,35 @@ class Store:
 
         The key and source come from the measurement; ``speedup`` defaults to baseline median / winner median.
         """
-        with self._tx("add_winner", write=True) as s:
-            win = s.get(MeasurementRow, measurement_id)
-            if win is None:
-                raise StoreError(f"no measurement {measurement_id}", measurement_id=measurement_id)
-            if win.status != "ok" or win.median_s is None:
-                raise StoreError(
-                    f"measurement {measurement_id} is {win.status} without a time; only a valid one can win",
-                    measurement_id=measurement_id,
-                )
-            others = {}
-            for role, other_id in (("runner-up", runner_up_id), ("baseline", baseline_id)):
-                if other_id is None:
-                    continue
-                other = s.get(MeasurementRow, other_id)
-                if other is None:
-                    raise StoreError(f"no {role} measurement {other_id}", measurement_id=other_id)
-                if _problem(other) != _problem(win):
-                    raise StoreError(
-                        f"{role} measurement {other_id} is for another program, sizes, topology or world than "
-                        f"measurement {measurement_id}",
-                        measurement_id=other_id,
-                    )
-                others[role] = other
-            base = others.get("baseline")
-            speedup = _optional_float("speedup", speedup)
-            if speedup is None and base is not None and base.median_s and win.median_s > 0:
-                speedup = base.median_s / win.median_s
+        return self.add_winners([(measurement_id, runner_up_id, baseline_id)], speedups=[speedup], job_id=job_id)[0]
+
+    def add_winners(
+        self,
+        rows: Sequence[tuple[int, int | None, int | None]],
+        *,
+        speedups: Sequence[float | None] | None = None,
+        job_id: int | None = None,
+    ) -> list[int]:
+        """Many winners in one transaction (an offline sweep's): (winner, runner-up, baseline) measurement ids."""
+        if not rows:
+            return []
+        speedups = list(speedups) if speedups is not None else [None] * len(rows)
+        with self._tx("add_winners", write=True) as s:
+            wanted = {i for r in rows for i in r if i is not None}
+            by_id = {m.id: m for m in s.scalars(select(MeasurementRow).where(MeasurementRow.id.in_(wanted)))}
             if job_id is not None:
                 _require_jobs(s, {job_id})
-            row = WinnerRow(
-                program_hash=win.program_hash, sizes=win.sizes, sizes_key=win.sizes_key, topology=win.topology,
-                world=win.world, backend=win.backend, measurement_id=win.id, runner_up_id=runner_up_id,
-                baseline_id=baseline_id, speedup=speedup, source=win.source,
-                job_id=job_id if job_id is not None else win.job_id, created_at=utcnow(),
-            )
-            s.add(row)
-            s.flush()
-            return row.id
+            now = utcnow()
+            values = [_winner_values(by_id, *r, speedup, job_id, now) for r, speedup in zip(rows, speedups)]
+            table = WinnerRow.__table__
+            conn = s.connection()
+            if conn.dialect.name == "postgresql":  # as in add_measurements: ids first, then a plain executemany
+                draw = text("SELECT nextval(pg_get_serial_sequence(:t, 'id')) FROM generate_series(1, :n)")
+                ids = list(conn.execute(draw, {"t": table.name, "n": len(values)}).scalars())
+                conn.execute(table.insert(), [{**v, "id": i} for v, i in zip(values, ids)])
+                return ids
+            result = conn.execute(table.insert().returning(table.c.id, sort_by_parameter_order=True), values)
+            return list(result.scalars())
 
     def winners(
         self, program_hash: str, sizes: Mapping[str, int] | None = None, topology: str | None = None
@@ -663,6 +654,39 @@ def _key_filter(q: Any, model: Any, program_hash: str, sizes: Mapping[str, int] 
     if topology is not None:
         q = q.where(model.topology == topology)
     return _world_backend(q, model, world, backend)
+
+
+def _winner_values(by_id: Mapping[int, MeasurementRow], measurement_id: int, runner_up_id: int | None,
+                   baseline_id: int | None, speedup: float | None, job_id: int | None, now: datetime) -> dict:
+    win = by_id.get(measurement_id)
+    if win is None:
+        raise StoreError(f"no measurement {measurement_id}", measurement_id=measurement_id)
+    if win.status != "ok" or win.median_s is None:
+        raise StoreError(
+            f"measurement {measurement_id} is {win.status} without a time; only a valid one can win",
+            measurement_id=measurement_id,
+        )
+    for role, other_id in (("runner-up", runner_up_id), ("baseline", baseline_id)):
+        if other_id is None:
+            continue
+        other = by_id.get(other_id)
+        if other is None:
+            raise StoreError(f"no {role} measurement {other_id}", measurement_id=other_id)
+        if _problem(other) != _problem(win):
+            raise StoreError(
+                f"{role} measurement {other_id} is for another program, sizes, topology or world than "
+                f"measurement {measurement_id}",
+                measurement_id=other_id,
+            )
+    base = by_id.get(baseline_id) if baseline_id is not None else None
+    if speedup is None and base is not None and base.median_s and win.median_s > 0:
+        speedup = base.median_s / win.median_s
+    return dict(
+        program_hash=win.program_hash, sizes=win.sizes, sizes_key=win.sizes_key, topology=win.topology,
+        world=win.world, backend=win.backend, measurement_id=win.id, runner_up_id=runner_up_id,
+        baseline_id=baseline_id, speedup=speedup, source=win.source,
+        job_id=job_id if job_id is not None else win.job_id, created_at=now,
+    )
 
 
 def _valid_winners() -> Any:

@@ -1,0 +1,61 @@
+"""coconet sweep: keys expanded from a config, predicted by the cost model into the store, resumed."""
+
+import pytest
+
+from coconet.errors import CoconetError
+from coconet.server.store import Store
+from coconet.tuner.sweep import SweepConfig, expand_sizes, sweep
+
+
+def test_expand_sizes():
+    assert expand_sizes("N=2^10..2^12", ("N",)) == [{"N": 1024}, {"N": 2048}, {"N": 4096}]
+    assert [s["N"] for s in expand_sizes("N=1024..2048:2", ("N",))] == [1024, 1448, 2048]
+    got = expand_sizes("B=2,S=4..8,H=16..32", ("B", "S", "H"))
+    assert got == [{"B": 2, "S": 4, "H": 16}, {"B": 2, "S": 4, "H": 32}, {"B": 2, "S": 8, "H": 16},
+                   {"B": 2, "S": 8, "H": 32}]
+    with pytest.raises(CoconetError, match="must go up"):
+        expand_sizes("N=2^12..2^10", ("N",))
+
+
+def write(tmp_path, text):
+    path = tmp_path / "sweep.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_a_simulated_sweep_lands_in_the_store_and_resumes(tmp_path):
+    cfg = SweepConfig.load(write(tmp_path, """
+programs:
+  - example: adam
+    sizes: ["N=2^10..2^14"]
+  - example: megatron_mlp
+    sizes: ["B=2,S=64,H=64..128"]
+topologies: [dgx-h100-8, cpu-25gbe, local]
+worlds: {dgx-h100-8: [2, 8], local: [2]}
+"""))
+    with Store.open(f"sqlite:///{tmp_path / 'c.db'}") as store:
+        report = sweep(cfg, store, simulate=True)
+        # adam: 5 sizes, megatron: 2; dgx-h100-8 at 2 worlds, cpu-25gbe at its full world, local at 2
+        assert report.keys == report.predicted == (5 + 2) * (2 + 1 + 1)
+        prog = cfg.entries[0].program
+        winners = store.winners(prog.hash)
+        assert len(winners) == 5 * 4 and {w.source for w in winners} == {"model"}
+        best = store.best(prog.hash, {"N": 4096}, "dgx-h100-8", 8)
+        assert best.exact and best.source == "model" and best.winner.backend == "nccl"
+        assert best.baseline.schedule == "baseline" and best.speedup >= 1.0
+        assert best.runner_up.median_s >= best.median_s
+        again = sweep(cfg, store, simulate=True)
+        assert again.skipped == report.keys and again.predicted == 0
+        assert len(store.winners(prog.hash)) == 5 * 4
+
+
+@pytest.mark.parametrize("text, message", [
+    ("programs: []\ntopologies: [local]\n", "programs must be a non-empty list"),
+    ("programs:\n  - example: nope\n    sizes: [N=4]\ntopologies: [local]\n", "no example 'nope'"),
+    ("programs:\n  - example: adam\n    sizes: [N=4]\ntopologies: [local]\nbudget: 0\n", "budget"),
+    ("programs:\n  - example: adam\n    sizes: [N=4]\ntopologies: [local]\ncolour: red\n", "unknown key 'colour'"),
+    ("programs:\n  - example: adam\n    sizes: [Q=4]\ntopologies: [local]\n", "Q"),
+])
+def test_bad_configs_name_the_cause(tmp_path, text, message):
+    with pytest.raises(CoconetError, match=message):
+        SweepConfig.load(write(tmp_path, text))

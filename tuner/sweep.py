@@ -1,0 +1,257 @@
+"""``coconet sweep``: programs × sizes × topologies × worlds, offline.
+
+Keys on the local topology are tuned (measured, as ``coconet tune``) unless the sweep is simulated;
+every other key is predicted by the cost model over the whole space (every backend the topology
+has, every schedule, every knob value) and recorded with ``source: model`` — the prediction of the
+winner, of the runner-up and of the baseline, and a winner record. A key that already has a winner
+of that source is skipped, so a sweep that was stopped picks up where it was.
+
+The config (YAML)::
+
+    programs:
+      - example: adam                 # an example's name, or
+      - file: ../../examples/adam.py  # a program file (relative to the config) ...
+        sizes: ["N=2^10..2^30:4"]     # 2^10 to 2^30, 4 points per doubling
+    topologies: [dgx-h100-8, h100-4node-ib, local]
+    worlds: {dgx-h100-8: [2, 4, 8], local: [2]}   # ranks per stage; default: every rank of the topology
+    budget: 16                                    # trials per measured key
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import yaml
+
+from coconet.errors import CoconetError
+from coconet.schedules.dims import parse_sizes
+from coconet.schedules.ir import Program
+from coconet.schedules.schedule import Schedule
+from coconet.schedules.space import generate
+
+LOCAL = "local"
+STAGES = 2  # a pipeline program's stages in a sweep, as in coconet run and tune
+BATCH = 500  # keys per transaction: a stopped sweep loses at most this many
+
+
+@dataclass(frozen=True)
+class Entry:
+    program: Program
+    file: str | None
+    sizes: tuple[dict[str, int], ...]
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    entries: tuple[Entry, ...]
+    topologies: tuple[str, ...]
+    worlds: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    budget: int = 16
+    depth: int = 6
+
+    @classmethod
+    def load(cls, path: str | Path) -> "SweepConfig":
+        from coconet.loader import load_file
+
+        path = Path(path)
+        try:
+            data = yaml.safe_load(path.read_text())
+        except OSError as e:
+            raise CoconetError(f"cannot read sweep config {path}: {e.strerror}") from None
+        except yaml.YAMLError as e:
+            raise CoconetError(f"sweep config {path} is not YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise CoconetError(f"sweep config {path}: expected a mapping with programs and topologies")
+        unknown = set(data) - {"programs", "topologies", "worlds", "budget", "depth"}
+        if unknown:
+            raise CoconetError(f"sweep config {path}: unknown key {sorted(unknown)[0]!r}")
+        entries = []
+        for i, item in enumerate(_list(data, "programs", path)):
+            where = f"sweep config {path}: programs[{i}]"
+            if not isinstance(item, dict) or ("example" in item) == ("file" in item):
+                raise CoconetError(f"{where}: give `example: NAME` or `file: PATH`")
+            if "file" in item:
+                file = (path.parent / str(item["file"])).resolve()
+            else:
+                file = Path(__file__).resolve().parents[1] / "examples" / f"{item['example']}.py"
+                if not file.exists():
+                    raise CoconetError(f"{where}: no example {item['example']!r}")
+            prog = load_file(file)
+            specs = item.get("sizes")
+            if not isinstance(specs, list) or not specs:
+                raise CoconetError(f"{where}: sizes must be a non-empty list such as ['N=2^10..2^20']")
+            sizes = tuple(s for spec in specs for s in expand_sizes(str(spec), prog.dims, where))
+            entries.append(Entry(prog, str(file), sizes))
+        topologies = tuple(str(t) for t in _list(data, "topologies", path))
+        worlds_raw = data.get("worlds") or {}
+        if not isinstance(worlds_raw, dict):
+            raise CoconetError(f"sweep config {path}: worlds must map topology names to lists of ranks")
+        worlds = {}
+        for name, ws in worlds_raw.items():
+            ws = ws if isinstance(ws, list) else [ws]
+            if not ws or not all(isinstance(w, int) and w >= 1 for w in ws):
+                raise CoconetError(f"sweep config {path}: worlds.{name} must be positive ints, got {ws!r}")
+            worlds[str(name)] = tuple(ws)
+        budget, depth = data.get("budget", 16), data.get("depth", 6)
+        for name, v in (("budget", budget), ("depth", depth)):
+            if not isinstance(v, int) or v < (1 if name == "budget" else 0):
+                raise CoconetError(f"sweep config {path}: {name} must be a positive int, got {v!r}")
+        return cls(tuple(entries), topologies, worlds, budget, depth)
+
+
+def _list(data: dict, key: str, path: Path) -> list:
+    v = data.get(key)
+    if not isinstance(v, list) or not v:
+        raise CoconetError(f"sweep config {path}: {key} must be a non-empty list")
+    return v
+
+
+def expand_sizes(spec: str, dims: Sequence[str], where: str = "sizes") -> list[dict[str, int]]:
+    """``B=8,H=2^10..2^14`` → one binding per combination; ``a..b`` runs over powers of two from a to
+    b, ``a..b:k`` with k points per doubling (rounded to integers)."""
+    axes: list[list[tuple[str, str]]] = []
+    for part in spec.split(","):
+        name, sep, value = part.partition("=")
+        if not sep:
+            raise CoconetError(f"{where}: {part!r} is not NAME=VALUE")
+        name, value = name.strip(), value.strip()
+        if ".." not in value:
+            axes.append([(name, value)])
+            continue
+        lo_s, hi_s = value.split("..", 1)
+        hi_s, _, per = hi_s.partition(":")
+        lo = parse_sizes(f"{name}={lo_s}")[name]
+        hi = parse_sizes(f"{name}={hi_s}")[name]
+        steps = int(per) if per else 1
+        if lo < 1 or hi < lo or steps < 1:
+            raise CoconetError(f"{where}: range {value!r} must go up from a positive size")
+        n = int(round(math.log2(hi / lo) * steps))
+        values = sorted({int(round(lo * 2 ** (i / steps))) for i in range(n + 1)})
+        axes.append([(name, str(v)) for v in values])
+    out = []
+    for combo in itertools.product(*axes):
+        out.append(parse_sizes(",".join(f"{k}={v}" for k, v in combo), tuple(dims)))
+    return out
+
+
+@dataclass
+class SweepReport:
+    keys: int = 0
+    skipped: int = 0
+    unfit: int = 0  # (program, world) pairs that need more ranks than the topology has
+    predicted: int = 0
+    measured: int = 0
+    predictions: int = 0
+    seconds: float = 0.0
+    by_topology: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def keys_per_s(self) -> float | None:
+        done = self.predicted + self.measured
+        return done / self.seconds if self.seconds > 0 and done else None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"keys": self.keys, "skipped": self.skipped, "unfit": self.unfit, "predicted": self.predicted, "measured": self.measured,
+                "predictions": self.predictions, "seconds": self.seconds, "keys_per_s": self.keys_per_s,
+                "by_topology": self.by_topology}
+
+
+def _candidates(program: Program, depth: int) -> list[Schedule]:
+    """Every schedule of the space with every value of its knobs."""
+    out = []
+    for s in generate(program, depth).schedules:
+        doms = s.knob_domains
+        names = sorted(doms)
+        for values in itertools.product(*(doms[k][1] for k in names)):
+            out.append(s.with_knobs(**dict(zip(names, values))) if names else s)
+    return out
+
+
+def sweep(config: SweepConfig, store, *, simulate: bool = False,
+          on_progress: Callable[[SweepReport], None] | None = None,
+          tune_key: Callable[[Entry, dict, int], Any] | None = None) -> SweepReport:
+    """Run the sweep into ``store``; ``tune_key(entry, sizes, world)`` measures a local key."""
+    from coconet.server.keys import sizes_key
+    from coconet.tuner.topology import load_topology
+
+    t0 = time.perf_counter()
+    report = SweepReport()
+    topos = {name: load_topology(name) for name in config.topologies}
+    for entry in config.entries:
+        prog = entry.program
+        store.add_program(prog)
+        cands = _candidates(prog, config.depth)
+        base = Schedule(prog)
+        stages = STAGES if prog.is_pipeline else 1
+        for name, topo in topos.items():
+            model = simulate or name != LOCAL
+            worlds = config.worlds.get(name) or ((2,) if name == LOCAL else (max(1, topo.world // stages),))
+            done = {(w.sizes_key, w.world) for w in store.winners(prog.hash, topology=name)
+                    if w.source == ("model" if model else "measured")}
+            backends = [b for b in topo.backends if not (prog.is_pipeline and b == "shm")] or list(topo.backends)
+            pending = []
+            for world in worlds:
+                if world * stages > topo.world and name != LOCAL:  # a pipeline's stages need more ranks
+                    report.unfit += len(entry.sizes)
+                    continue
+                for sizes in entry.sizes:
+                    report.keys += 1
+                    if (sizes_key(sizes), world) in done:
+                        report.skipped += 1
+                        continue
+                    pending.append((sizes, world))
+            if not model:
+                if tune_key is None:
+                    raise CoconetError("a measured sweep needs the tuner")
+                for sizes, world in pending:
+                    tune_key(entry, sizes, world)
+                    report.measured += 1
+                    report.by_topology[name] = report.by_topology.get(name, 0) + 1
+                    if on_progress:
+                        on_progress(report)
+                continue
+            for i in range(0, len(pending), BATCH):
+                batch = pending[i:i + BATCH]
+                _predict_batch(store, prog, cands, base, topo, name, backends, batch, stages, report)
+                report.predicted += len(batch)
+                report.by_topology[name] = report.by_topology.get(name, 0) + len(batch)
+                report.seconds = time.perf_counter() - t0
+                if on_progress:
+                    on_progress(report)
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def _predict_batch(store, prog: Program, cands: list[Schedule], base: Schedule, topo, name: str,
+                   backends: Sequence[str], batch, stages: int, report: SweepReport) -> None:
+    import coconet
+    from coconet.server.records import NewMeasurement
+    from coconet.tuner.cost import predict
+
+    versions = {"coconet": coconet.__version__, "model": "alpha-beta roofline", "topology": topo.digest}
+    rows, triples = [], []
+    for sizes, world in batch:
+        scored = []
+        for b in backends:
+            for s in cands:
+                scored.append((predict(s, sizes, topo, b, world=world * stages, stages=stages).seconds, b, s))
+        report.predictions += len(scored)
+        scored.sort(key=lambda x: x[0])
+        base_t = next(t for t, b, s in scored if b == backends[0] and s.hash == base.hash)
+        picks = [scored[0], scored[1] if len(scored) > 1 else None, (base_t, backends[0], base)]
+        k = len(rows)
+        for p in picks:
+            if p is None:
+                continue
+            t, b, s = p
+            rows.append(NewMeasurement.of(s, sizes=sizes, topology=name, world=world, backend=b, status="ok",
+                                          n=0, median_s=t, source="model", versions=versions))
+        triples.append((k, 1 if picks[1] is not None else None, len(rows) - 1 - k))
+    ids = store.add_measurements(rows)
+    store.add_winners([(ids[k], ids[k + ru] if ru is not None else None, ids[k + bl])
+                       for k, ru, bl in triples])
