@@ -456,12 +456,69 @@ def sweep(
 @app.command()
 @_guard
 def calibrate(
-    world: int = typer.Option(2, "--world"),
-    output: Optional[Path] = typer.Option(None, "-o", "--output"),
+    world: int = typer.Option(2, "--world", min=2, max=64, help="Ranks to time collectives among."),
+    output: Optional[Path] = typer.Option(None, "-o", "--output", help="Where to write the topology YAML. Default: "
+                                          "configs/topologies/local.yaml inside the coconet package when that is "
+                                          "writable (a source checkout), else local.yaml under the user's config "
+                                          "dir (COCONET_CONFIG_DIR/topologies, or the platform's, e.g. "
+                                          "~/.config/coconet/topologies); `--topology local` reads either."),
+    max_log2: int = typer.Option(24, "--max-log2", min=6, max=30, hidden=True,
+                                 help="Largest collective timed: 2^K bytes."),
+    repeats: int = typer.Option(10, "--repeats", min=1, hidden=True, help="Samples per size."),
+    quick: bool = typer.Option(False, "--quick", hidden=True, help="Small buffers, no compiled kernels (tests)."),
     as_json: bool = JSON_OPT,
 ) -> None:
-    """Measure alpha, beta and memory bandwidth here. Not available yet: arrives with the cost model."""
-    _not_yet("calibrate", "the cost model")
+    """Measure this machine for the cost model: alpha and beta of gloo's allreduce, reduce_scatter and
+    all_gather over R local ranks (2^8..2^24 bytes, least squares on the medians), the shm backend's
+    collectives (reported; the model prices them as memory traffic plus barriers), memory and cache
+    bandwidth, page faults of fresh buffers, dispatch, elementwise and matmul throughput, and overlap.
+    Writes the `local` topology."""
+    from coconet.tuner.calibrate import Settings, calibrate as run_calibration, default_output
+    from coconet.tuner.topology import save_topology, to_dict
+
+    settings = Settings(world=world, max_log2=max_log2, repeats=repeats,
+                        **({"memory_bytes": 2**22, "compiled": False, "min_log2": min(8, max_log2)} if quick else {}))
+    result = run_calibration(settings)
+    path = output if output is not None else default_output()
+    try:
+        save_topology(result.topology, path, header="# Written by `coconet calibrate`: figures measured on this "
+                      "machine (see coconet.tuner.calibrate for how each is taken).")
+    except OSError as e:
+        raise CoconetError(f"cannot write {path}: {e.strerror or e}") from None
+    t = result.topology
+    if as_json:
+        _echo_json({"path": str(path), "seconds": result.seconds, "topology": to_dict(t),
+                    "shm_measured": result.extras,
+                    "samples": {b: {op: [[n, s] for n, s in pts] for op, pts in ops.items()}
+                                for b, ops in result.samples.items()}})
+        return
+    rows = [("gloo link (ring step)", f"alpha {_fmt_s(t.intra.alpha_s)}", f"{t.intra.bandwidth_GBps:.3g} GB/s")]
+    for op, fit in t.measured.get("gloo", {}).items():
+        rows.append((f"gloo {op}", f"alpha {_fmt_s(fit.alpha_s)}",
+                     f"{1e-9 / fit.beta_s_per_byte:.3g} GB/s" if fit.beta_s_per_byte else "-"))
+    for op in ("allreduce", "reduce_scatter", "all_gather"):
+        x = result.extras
+        if f"shm_{op}_bytes" in x:  # the model prices shm collectives as memory traffic: side by side
+            rows.append((f"shm {op}, 2^{int(x[f'shm_{op}_bytes']).bit_length() - 1} B",
+                         f"measured {_fmt_s(x[f'shm_{op}_measured_s'])}", f"model {_fmt_s(x[f'shm_{op}_model_s'])}"))
+    rows += [("shm barrier", _fmt_s(t.shm_barrier_s), ""),
+             ("memory (per rank, all streaming)", "", f"{t.memory_bandwidth_GBps:.3g} GB/s"),
+             ("cache (per rank)", f"{t.cache_bytes / 2**20:.3g} MiB", f"{t.cache_bandwidth_GBps or 0:.3g} GB/s"),
+             ("fresh buffer (largest)", "", f"{1e-9 / t.fresh_cost[-1][1]:.3g} GB/s" if t.fresh_cost and
+              t.fresh_cost[-1][1] else "-"),
+             ("matmul float32", "", f"{t.matmul_TFLOPS['float32'] * 1e3:.3g} GFLOP/s"),
+             ("eager op dispatch", _fmt_s(t.launch_s), ""),
+             ("compiled kernel call", _fmt_s(t.compiled_launch_s), ""),
+             ("elementwise (compiled / eager)", "", f"{t.elementwise_Gops or 0:.3g} / {t.eager_elementwise_Gops or 0:.3g} Gop/s"),
+             ("overlap of comm and compute", f"{t.overlap:.2f}", "")]
+    console = Console(highlight=False)
+    table = Table(title=f"local topology: {world} ranks, measured in {result.seconds:.0f} s", title_justify="left")
+    for col in ("figure", "latency / measured", "rate / model"):
+        table.add_column(col, no_wrap=True)
+    for r in rows:
+        table.add_row(*r)
+    console.print(table)
+    Console(stderr=True, highlight=False).print(f"wrote {path}")
 
 
 def _workload_file(workload: str) -> Path:

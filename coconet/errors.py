@@ -96,3 +96,11 @@ class NotAvailable(CoconetError):
 
 class StoreError(CoconetError):
     """The results store cannot be opened or reached, or refused a record (unknown program, bad key)."""
+
+
+class TopologyError(CoconetError):
+    """A topology (``configs/topologies/*.yaml``) is missing, malformed, or cannot run what was asked;
+    ``field`` names the offending field (``links.intra.bandwidth_GBps``), None when it is the whole file."""
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message, field=field)

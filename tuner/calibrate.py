@@ -1,0 +1,471 @@
+"""``coconet calibrate``: the figures of the ``local`` topology, measured on this machine.
+
+The parent starts R rank processes (``python -m coconet.tuner.calibrate JOB RANK FD``: fresh
+interpreters, in their own session, dying with the parent) joined by a gloo group on a free loopback
+port, each with the torch threads a ``coconet run`` rank gets. Together they time:
+
+- gloo allreduce, reduce_scatter and all_gather from 2^8 to 2^24 bytes: each sample is the slowest
+  rank's time after a barrier, as ``coconet run`` times a step; α and β are fitted by least squares on
+  the medians, relative to each median so that small sizes weigh as much as large ones;
+- the same collectives of the shm backend (the helpers of ``coconet.codegen.shm``) and one shm barrier;
+- memory bandwidth: an in-place ``a.add_(b)`` (three streams), every rank at once, the best of several,
+  from tensors that fit the cache to 256 MiB ones: DRAM's rate, the cache's rate and where it ends;
+- what a fresh buffer costs over a reused one, by size (page faults), an eager op's dispatch, a
+  compiled kernel's call, dropout's Philox rounds as eager int64 ops and compiled, float32 matmul;
+- overlap: an allreduce in flight while the rank multiplies matrices, and while it streams memory,
+  against each alone.
+
+The shm collectives are measured and reported, but the model prices them from the bytes their helpers
+copy, at memory bandwidth, plus barriers (``coconet.tuner.cost.shm_collective``), so that the shm
+backend can be predicted where nothing was measured; the report puts the two side by side.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import math
+import os
+import pickle
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any, Sequence
+
+from coconet.errors import CoconetError
+from coconet.tuner.cost import DROPOUT_EAGER_OPS, DROPOUT_FUSED_OPS, shm_collective
+from coconet.tuner.topology import Fit, Link, Topology, package_dir, user_dir
+
+OPS = ("allreduce", "reduce_scatter", "all_gather")
+STARTUP_S = 60.0
+
+
+@dataclass(frozen=True)
+class Settings:
+    world: int = 2
+    min_log2: int = 8
+    max_log2: int = 24
+    repeats: int = 10
+    memory_bytes: int = 2**28  # per tensor of the bandwidth kernel
+    compiled: bool = True  # time a compiled kernel's call (compiles one on first use)
+    timeout_s: float = 600.0
+
+
+@dataclass(frozen=True)
+class Calibration:
+    topology: Topology
+    # bytes -> median seconds, per backend and collective, as measured
+    samples: dict[str, dict[str, list[tuple[int, float]]]] = field(default_factory=dict)
+    extras: dict[str, float] = field(default_factory=dict)
+    # (bytes, figure) curves behind the cache and page-fault figures
+    sweeps: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def fit_alpha_beta(points: Sequence[tuple[float, float]]) -> Fit:
+    """α, β ≥ 0 minimising the squared error of ``α + β·n`` relative to each measured time. The loss
+    is soft beyond 10%: on a shared machine one median in a sweep can be another process's doing."""
+    import numpy as np
+    from scipy.optimize import least_squares, nnls
+
+    n = np.array([p[0] for p in points], dtype=float)
+    t = np.array([p[1] for p in points], dtype=float)
+    if len(points) == 1:
+        return Fit(0.0, float(t[0] / n[0]))
+    a = np.stack([1.0 / t, n / t], axis=1)
+    (alpha, beta), _ = nnls(a, np.ones_like(t))  # the plain fit starts the robust one
+    scale = np.array([max(alpha, 1e-9), max(beta, 1e-15)])
+    got = least_squares(lambda x: a @ (x * scale) - 1.0, x0=np.ones(2), bounds=(0.0, np.inf), loss="soft_l1",
+                        f_scale=0.1)
+    alpha, beta = got.x * scale
+    return Fit(float(alpha), float(beta))
+
+
+def default_output() -> Path:
+    """The package's ``configs/topologies/local.yaml`` when it is writable (a source checkout), else
+    ``local.yaml`` in the user's config dir (``coconet.tuner.topology.user_dir``)."""
+    pkg = package_dir()
+    if pkg.is_dir() and os.access(pkg, os.W_OK):
+        return pkg / "local.yaml"
+    return user_dir() / "local.yaml"
+
+
+def calibrate(settings: Settings = Settings()) -> Calibration:
+    if settings.world < 2:
+        raise CoconetError("calibrate needs at least 2 ranks (--world 2 or more) to time collectives")
+    if not 4 <= settings.min_log2 <= settings.max_log2 <= 30:
+        raise CoconetError(f"sizes 2^{settings.min_log2}..2^{settings.max_log2} bytes: need 4 <= min <= max <= 30")
+    started = time.monotonic()
+    results = _launch(settings)
+    return _build(settings, results, time.monotonic() - started)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(settings: Settings) -> dict[str, Any]:
+    workdir = Path(tempfile.mkdtemp(prefix="coconet-calibrate-"))
+    job = workdir / "job.pkl"
+    threads = max(1, (os.cpu_count() or 1) // settings.world)
+    with open(job, "wb") as f:
+        pickle.dump({"settings": settings, "port": _free_port(), "threads": threads, "path": list(sys.path)}, f)
+    procs: list[subprocess.Popen] = []
+    conns: dict[Connection, int] = {}
+    try:
+        for r in range(settings.world):
+            rfd, wfd = os.pipe()
+            log = open(workdir / f"rank{r}.log", "wb")
+            procs.append(subprocess.Popen([sys.executable, "-m", "coconet.tuner.calibrate", str(job), str(r), str(wfd)],
+                                          pass_fds=(wfd,), stdin=subprocess.DEVNULL, stdout=log,
+                                          stderr=subprocess.STDOUT, start_new_session=True))
+            os.close(wfd)
+            log.close()
+            conns[Connection(rfd, writable=False)] = r
+        deadline = time.monotonic() + settings.timeout_s + STARTUP_S
+        while conns:
+            ready = wait(list(conns), timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise CoconetError(f"calibration did not finish within {settings.timeout_s:g} s")
+            for conn in ready:
+                rank = conns[conn]
+                try:
+                    kind, data = conn.recv()
+                except (EOFError, OSError):
+                    del conns[conn]
+                    code = procs[rank].wait(timeout=10)
+                    if code != 0:
+                        tail = (workdir / f"rank{rank}.log").read_text(errors="replace").strip().splitlines()[-3:]
+                        raise CoconetError(f"calibration rank {rank} died (exit code {code})"
+                                           + (f": {' | '.join(tail)}" if tail else ""))
+                    continue
+                if kind == "error":
+                    raise CoconetError(f"calibration rank {rank}: {data}")
+                if kind == "result":
+                    return data
+        raise CoconetError("calibration ranks exited without a result")
+    finally:
+        for p in procs:  # each rank leads its own session: this stops it and anything it started
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            p.wait()
+        for c in conns:
+            c.close()
+        import shutil
+
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _build(settings: Settings, res: dict[str, Any], seconds: float) -> Calibration:
+    R = settings.world
+    samples = res["collectives"]
+    fits = {b: {op: fit_alpha_beta(points) for op, points in ops.items()} for b, ops in samples.items()}
+    ar = fits["gloo"]["allreduce"]
+    # the loopback link as a ring sees it: T = 2(R-1)·α + 2(R-1)/R·n·β
+    alpha = ar.alpha_s / (2 * (R - 1))
+    beta = ar.beta_s_per_byte * R / (2 * (R - 1))
+    link = Link(alpha, 1.0 / (max(beta, 1e-15) * 1e9), "loopback")
+    fingerprint = {
+        "cpu": _cpu_model(), "cpus": os.cpu_count() or 0, "machine": platform.machine(),
+        "system": platform.platform(terse=True), "python": platform.python_version(), "torch": res["torch"],
+        "ranks": R, "threads_per_rank": res["threads"],
+        "calibrated": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "calibration_s": round(seconds, 1),
+    }
+    mem = res["memory_bandwidth"]
+    cache_bytes = res["cache_bytes"]
+    extras_sweeps = {"memory_sweep": res["memory_sweep"], "alloc_sweep": res["alloc_sweep"]}
+    topo = Topology(
+        name="local",
+        description=f"this machine: {R} ranks over gloo loopback and shared memory, measured by coconet calibrate",
+        device="cpu", nodes=1, ranks_per_node=R, intra=link, inter=None,
+        memory_bandwidth_GBps=mem / 1e9, matmul_TFLOPS={"float32": res["matmul_flops"] / 1e12},
+        backends=("gloo", "shm"), launch_s=res["launch_s"], compiled_launch_s=res.get("compiled_launch_s"),
+        elementwise_Gops=res["elementwise_ops"] / 1e9, cache_bytes=cache_bytes,
+        cache_bandwidth_GBps=res["cache_bandwidth"] / 1e9 if cache_bytes else None,
+        fresh_cost=tuple(res["alloc_sweep"]),
+        eager_elementwise_Gops=res["eager_ops"] / 1e9,
+        overlap=res["overlap"], overlap_memory=res["overlap_memory"], shm_barrier_s=res["shm_barrier_s"],
+        algorithms={"gloo": {"allreduce": ("ring",), "reduce_scatter": ("allreduce",), "all_gather": ("ring",),
+                             "broadcast": ("direct",), "send": ("direct",)}},
+        measured={"gloo": fits["gloo"]}, fingerprint=fingerprint)
+    extras = {f"shm_{op}_alpha_s": f.alpha_s for op, f in fits["shm"].items()}
+    extras |= {f"shm_{op}_GBps": 1e-9 / f.beta_s_per_byte for op, f in fits["shm"].items() if f.beta_s_per_byte}
+    for op, points in samples["shm"].items():  # the largest size: measured, and as the model prices it
+        n, measured = points[-1]
+        moved, fresh, barriers = shm_collective(op, n, R)
+        extras[f"shm_{op}_bytes"] = n
+        extras[f"shm_{op}_measured_s"] = measured
+        extras[f"shm_{op}_model_s"] = (moved * topo.memory_beta + fresh * topo.fresh_s_per_byte(fresh)
+                                       + barriers * topo.shm_barrier_s + topo.launch_s)
+    return Calibration(topology=topo, samples=samples, extras=extras, sweeps=extras_sweeps, seconds=seconds)
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+# --- the rank processes ---
+
+def _die_with_parent() -> None:
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        return
+    if os.getppid() == 1:
+        os._exit(1)
+
+
+def _rank_main(argv: list[str]) -> int:
+    _die_with_parent()
+    job_path, rank, fd = argv[0], int(argv[1]), int(argv[2])
+    conn = Connection(fd, readable=False)
+    try:
+        with open(job_path, "rb") as f:
+            job = pickle.load(f)
+        result = _measure(job, rank)
+        if rank == 0:
+            conn.send(("result", result))
+        return 0
+    except Exception as e:  # reported to the parent, which stops every rank
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+        return 1
+    finally:
+        conn.close()
+
+
+class _Timer:
+    """Samples that every rank takes together: barrier, run, this rank's time; the slowest rank's
+    time per sample once the run is over (one all-reduce for the lot)."""
+
+    def __init__(self, dist, torch):
+        self.dist, self.torch = dist, torch
+
+    def samples(self, fn, repeats: int, warmup: int = 2) -> list[float]:
+        local = []
+        for i in range(warmup + repeats):
+            self.dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            dt = time.perf_counter() - t0
+            if i >= warmup:
+                local.append(dt)
+        t = self.torch.tensor(local, dtype=self.torch.float64)
+        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX)
+        return t.tolist()
+
+    def median(self, fn, repeats: int, warmup: int = 2) -> float:
+        s = sorted(self.samples(fn, repeats, warmup))
+        return s[len(s) // 2] if len(s) % 2 else (s[len(s) // 2 - 1] + s[len(s) // 2]) / 2
+
+    def best(self, fn, repeats: int, warmup: int = 1) -> float:
+        return min(self.samples(fn, repeats, warmup))
+
+
+def _measure(job: dict[str, Any], rank: int) -> dict[str, Any]:
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    s: Settings = job["settings"]
+    R = s.world
+    torch.set_num_threads(job["threads"])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{job['port']}", rank=rank, world_size=R,
+                            timeout=timedelta(seconds=max(60.0, s.timeout_s)))
+    try:
+        return _measure_all(s, R, rank, job["threads"], dist, torch)
+    finally:
+        dist.destroy_process_group()
+
+
+def _reps(nbytes: int, repeats: int) -> int:
+    # large sizes take long and vary less: fewer samples there keep calibration within a minute or two
+    return max(3, repeats if nbytes <= 2**20 else repeats // 2)
+
+
+def _measure_all(s: Settings, R: int, rank: int, threads: int, dist, torch) -> dict[str, Any]:
+    from coconet.codegen import shm as shm_mod
+    from coconet.codegen.prelude import _AG, _RS, _Ctx
+
+    timer = _Timer(dist, torch)
+    sizes = [2**k for k in range(s.min_log2, s.max_log2 + 1)]
+    out: dict[str, Any] = {"torch": str(torch.__version__), "threads": threads, "collectives": {"gloo": {}, "shm": {}}}
+
+    def gloo_op(op, n):
+        elems = max(R, (n // 4) // R * R)
+        if op == "allreduce":
+            x = torch.ones(elems)
+            return lambda: dist.all_reduce(x)
+        if op == "reduce_scatter":
+            x, y = torch.ones(elems), torch.empty(elems // R)
+            return lambda: _RS(y, x)
+        x, y = torch.ones(elems // R), torch.empty(elems)
+        return lambda: _AG(y, x)
+
+    c = _Ctx(None, torch.device("cpu"))
+    c.shm = shm_mod._Shm.of(None, 2, sizes[-1] + 4 * R)
+
+    def shm_op(op, n):
+        elems = max(R, (n // 4) // R * R)
+        if op == "allreduce":
+            x = torch.ones(elems)
+            return lambda: shm_mod._allreduce(c, x, "sum")
+        if op == "reduce_scatter":
+            x = torch.ones(elems)
+            return lambda: shm_mod._reduce_scatter(c, x, 0, elems, "sum")
+        x = torch.ones(elems // R)
+        return lambda: shm_mod._all_gather(c, x, 0, elems)
+
+    for backend, make in (("gloo", gloo_op), ("shm", shm_op)):
+        for op in OPS:
+            points = []
+            for n in sizes:
+                nbytes = max(R, (n // 4) // R * R) * 4
+                points.append((nbytes, timer.median(make(op, n), _reps(n, s.repeats))))
+            out["collectives"][backend][op] = points
+    out["shm_barrier_s"] = timer.median(c.shm.barrier, s.repeats * 5)
+    c.shm.close()
+
+    # memory: every rank streams at once, as the ranks of a step do; from tensors that fit the cache
+    # to ones that do not. DRAM's figure is the largest size's, the cache's the best small one's, and
+    # the cache ends where the rate falls below the geometric mean of the two.
+    sweep = []
+    for k in range(16, int(math.log2(s.memory_bytes)) + 1, 2):
+        a, b = torch.ones(2**k // 4), torch.ones(2**k // 4)
+        reps = max(1, 2**24 // 2**k)
+
+        def stream():
+            for _ in range(reps):
+                a.add_(b)
+
+        sweep.append((3 * 2**k, 3 * 2**k * reps / timer.best(stream, 5)))
+    dram = sweep[-1][1]
+    top = max(rate for _, rate in sweep[:-1]) if len(sweep) > 1 else dram
+    edge = math.sqrt(top * dram)
+    fits = [n for n, rate in sweep[:-1] if rate >= edge]
+    out["memory_bandwidth"] = dram
+    out["cache_bandwidth"] = top
+    out["cache_bytes"] = max(fits) if fits and top > 1.2 * dram else 0
+    out["memory_sweep"] = sweep
+    # fresh buffers: eager ops whose results stay alive a while, as a program's temporaries do, against
+    # the same ops writing into buffers made once: the excess per byte, by buffer size.
+    excess = []
+    for k in range(20, int(math.log2(s.memory_bytes)) - 1):
+        x = torch.ones(2**k // 4)
+        bufs = [torch.empty_like(x) for _ in range(8)]
+
+        def fresh():
+            keep = []
+            y = x
+            for _ in range(8):
+                y = y + x
+                keep.append(y)
+                if len(keep) > 4:
+                    keep.pop(0)
+
+        def reused():
+            y = x
+            for i in range(8):
+                torch.add(y, x, out=bufs[i])
+                y = bufs[i]
+
+        extra = (timer.best(fresh, 5) - timer.best(reused, 5)) / 8
+        excess.append((2**k, max(extra, 0.0) / 2**k))
+    # per byte, the cost cannot fall as buffers grow (more of them are fresh pages, not fewer): a
+    # running maximum smooths the sweep's noise
+    smooth, top = [], 0.0
+    for n, e in excess:
+        top = max(top, e)
+        smooth.append((n, top))
+    out["alloc_sweep"] = smooth
+    # dispatch: an eager op on one element
+    one, two = torch.ones(1), torch.ones(1)
+
+    def tiny():
+        for _ in range(1000):
+            one.add_(two)
+
+    out["launch_s"] = timer.best(tiny, 5) / 1000
+    # dropout's RNG as the generated code runs it unfused: Philox rounds in eager int64 ops
+    from coconet.kernels.rng import philox_words
+
+    idx = torch.arange(2**18, dtype=torch.int64)
+    # the median: interference from other work on the machine slows these long runs of ops as it slows
+    # a step's (a best-of would credit the eager ops with a quiet machine the steps never see)
+    per = timer.median(lambda: philox_words(1234, idx), 5)
+    out["eager_ops"] = 2**18 * DROPOUT_EAGER_OPS / per
+    if s.compiled:
+        kernel = torch.compile(lambda u, v: u * v + 1.0, dynamic=False, fullgraph=True)
+        kernel(one, two)
+
+        def calls():
+            for _ in range(200):
+                kernel(one, two)
+
+        out["compiled_launch_s"] = timer.best(calls, 5) / 200
+        # the same rounds compiled into one loop, as a fused group with dropout runs them
+        philox = torch.compile(lambda i: philox_words(1234, i), dynamic=False, fullgraph=True)
+        philox(idx)
+        out["elementwise_ops"] = 2**18 * DROPOUT_FUSED_OPS / timer.best(lambda: philox(idx), 5)
+    else:  # no compiler run: in-cache eager ops, with their dispatch taken off, stand in for it
+        n = 2**16
+        x, y, z = (torch.ones(n, dtype=torch.int64) for _ in range(3))
+
+        def xor():
+            for _ in range(200):
+                torch.bitwise_xor(x, y, out=z)
+
+        per = timer.best(xor, 5) / 200
+        out["elementwise_ops"] = n / max(per - out["launch_s"], per / 10)
+    # matmul
+    m = 1024
+    ma, mb = torch.randn(m, m), torch.randn(m, m)
+    out["matmul_flops"] = 2 * m**3 / timer.best(lambda: torch.matmul(ma, mb), 5)
+    # overlap: an allreduce in flight while the rank multiplies, against each alone; and while it streams
+    # memory (over loopback, gloo's transfer is itself memory traffic on the same cores)
+    g = torch.ones(2**22 // 4)
+    comm = timer.median(lambda: dist.all_reduce(g), 7)
+
+    def hidden(work) -> float:
+        alone = timer.median(work, 7)
+
+        def both():
+            handle = dist.all_reduce(g, async_op=True)
+            work()
+            handle.wait()
+
+        together = timer.median(both, 7)
+        return min(1.0, max(0.0, (comm + alone - together) / min(comm, alone)))
+
+    per_mm = 2 * m**3 / out["matmul_flops"]
+    k = max(1, round(comm / per_mm))
+    out["overlap"] = hidden(lambda: [torch.matmul(ma, mb) for _ in range(k)])
+    sa, sb = torch.ones(2**24 // 4), torch.ones(2**24 // 4)
+    per_add = 3 * 2**24 / out["memory_bandwidth"]
+    j = max(1, round(comm / per_add))
+    out["overlap_memory"] = hidden(lambda: [sa.add_(sb) for _ in range(j)])
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(_rank_main(sys.argv[1:]))

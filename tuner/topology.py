@@ -1,0 +1,450 @@
+"""Topologies: the machine a cost-model prediction is for, as figures an α-β model needs.
+
+A topology is ``nodes × ranks_per_node`` ranks joined by two kinds of link (inside a node, between
+nodes), each an α (seconds per message step) and a bandwidth (GB/s that one step of a ring gets),
+plus what one rank can do on its own: stream memory, multiply matrices, launch a kernel. Which
+algorithm a backend runs for each collective (ring, tree, direct) is part of the topology because
+it is a property of the library on that machine, not of the program.
+
+A topology may also carry ``measured`` fits: ``T(n) = α + β·n`` of a collective on a backend at this
+topology's world, as ``coconet calibrate`` measures them on the local machine. Where a fit exists the
+model uses it instead of composing the links, so that gloo's loopback collectives cost what they were
+seen to cost.
+
+Figures live in YAML files (``configs/topologies/*.yaml``, each number with its source in a comment);
+``load_topology`` reads one by name or path, validating every field with an error that names it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from functools import cached_property
+from importlib import resources
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Mapping
+
+import yaml
+
+from coconet.errors import TopologyError
+
+DEVICES = ("cpu", "cuda")
+BACKENDS = ("gloo", "nccl", "shm")
+# The collectives the model prices, and the algorithms each may run as (see coconet.tuner.cost).
+ALGORITHMS: Mapping[str, tuple[str, ...]] = MappingProxyType({
+    "allreduce": ("ring", "tree", "direct"),
+    "reduce_scatter": ("ring", "direct", "allreduce"),
+    "all_gather": ("ring", "direct"),
+    "broadcast": ("ring", "tree", "direct"),
+    "send": ("direct",),
+})
+# What a backend runs when a topology does not say: NCCL picks the faster of ring and tree for an
+# allreduce (its tuner models both); gloo runs rings, broadcasts from the root to each peer, and runs
+# reduce_scatter_tensor as an allreduce of the whole buffer of which each rank keeps its rows (a
+# profile of a gloo reduce_scatter shows one gloo:all_reduce).
+DEFAULT_ALGORITHMS: Mapping[str, Mapping[str, tuple[str, ...]]] = MappingProxyType({
+    "nccl": MappingProxyType({"allreduce": ("ring", "tree"), "reduce_scatter": ("ring",), "all_gather": ("ring",),
+                              "broadcast": ("ring",), "send": ("direct",)}),
+    "gloo": MappingProxyType({"allreduce": ("ring",), "reduce_scatter": ("allreduce",), "all_gather": ("ring",),
+                              "broadcast": ("direct",), "send": ("direct",)}),
+    "shm": MappingProxyType({"allreduce": ("direct",), "reduce_scatter": ("direct",), "all_gather": ("direct",),
+                             "broadcast": ("direct",), "send": ("direct",)}),
+})
+USER_DIR_ENV = "COCONET_CONFIG_DIR"
+
+
+@dataclass(frozen=True)
+class Link:
+    """One step over a link: ``alpha_s`` of latency, then bytes at ``bandwidth_GBps`` (1 GB = 1e9 B)."""
+
+    alpha_s: float
+    bandwidth_GBps: float
+    kind: str = ""
+
+    @property
+    def beta(self) -> float:
+        """Seconds per byte."""
+        return 1.0 / (self.bandwidth_GBps * 1e9)
+
+
+@dataclass(frozen=True)
+class Fit:
+    """A measured collective: ``alpha_s + beta_s_per_byte · n`` for a buffer of n bytes (the whole
+    buffer: an allreduce's tensor, a reduce_scatter's input, an all_gather's output)."""
+
+    alpha_s: float
+    beta_s_per_byte: float
+
+    def time(self, nbytes: float) -> float:
+        return self.alpha_s + self.beta_s_per_byte * nbytes
+
+
+@dataclass(frozen=True)
+class Topology:
+    name: str
+    device: str
+    nodes: int
+    ranks_per_node: int
+    intra: Link
+    inter: Link | None
+    # per rank, while every rank of the node streams at once: an in-place read-modify-write's bytes/s
+    memory_bandwidth_GBps: float
+    # per rank: dense matmul FLOP/s by dtype (float32 at least)
+    matmul_TFLOPS: Mapping[str, float]
+    backends: tuple[str, ...]
+    # per kernel or eager op: what a launch (CUDA) or a dispatch (CPU) costs before any byte moves
+    launch_s: float = 5e-6
+    # per call of a compiled (fused) kernel, where it differs: Inductor's guards on CPU; None: launch_s
+    compiled_launch_s: float | None = None
+    # per rank: elementwise operations per second of a fused kernel when it is compute-bound (dropout's
+    # Philox rounds); None: never compute-bound
+    elementwise_Gops: float | None = None
+    # the same for one eager torch op (dropout's Philox rounds run unfused as int64 ops); None: never
+    eager_elementwise_Gops: float | None = None
+    # the cache a rank has to itself (bytes: the working set of an op's three streams that still runs
+    # fast) and its bandwidth: a temporary of at most a third of it streams from there
+    cache_bytes: int = 0
+    cache_bandwidth_GBps: float | None = None
+    # what a freshly allocated buffer costs per byte over a reused one, by its size: (bytes, s/byte)
+    # points, log-linear between them, nothing below the first, the last beyond it. On CPU a large
+    # block is new pages the writing kernel faults in (glibc hands large freed blocks back to the OS);
+    # empty for a caching allocator (CUDA), where a fresh buffer is a reused one.
+    fresh_cost: tuple[tuple[int, float], ...] = ()
+    # fraction of the shorter of computation and communication that overlapping hides: 1 where the
+    # network moves bytes without the compute units (DMA, NVLink copy engines), less where the same
+    # cores do both (gloo over loopback)
+    overlap: float = 1.0
+    # the same while the computation is memory-bound; None: as ``overlap``. Below it where moving bytes
+    # over the link takes the memory bandwidth the computation streams with (gloo over loopback)
+    overlap_memory: float | None = None
+    # shared-memory collectives (the shm backend): α of one barrier; their bytes move at memory bandwidth
+    shm_barrier_s: float = 2e-6
+    algorithms: Mapping[str, Mapping[str, tuple[str, ...]]] = field(default_factory=dict)
+    measured: Mapping[str, Mapping[str, Fit]] = field(default_factory=dict)
+    fingerprint: Mapping[str, Any] = field(default_factory=dict)
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        # read-only views: a topology is a value, shared by every prediction made with it
+        for name in ("matmul_TFLOPS", "fingerprint"):
+            object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name))))
+        object.__setattr__(self, "algorithms", MappingProxyType(
+            {b: MappingProxyType({op: tuple(a) for op, a in ops.items()}) for b, ops in self.algorithms.items()}))
+        object.__setattr__(self, "measured", MappingProxyType(
+            {b: MappingProxyType(dict(ops)) for b, ops in self.measured.items()}))
+        object.__setattr__(self, "backends", tuple(self.backends))
+        object.__setattr__(self, "fresh_cost", tuple((int(n), float(c)) for n, c in self.fresh_cost))
+
+    def __hash__(self) -> int:
+        return hash(self.digest)
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+    @property
+    def fused_launch_s(self) -> float:
+        return self.launch_s if self.compiled_launch_s is None else self.compiled_launch_s
+
+    @property
+    def memory_beta(self) -> float:
+        return 1.0 / (self.memory_bandwidth_GBps * 1e9)
+
+    def flops(self, dtype: str) -> float:
+        """Matmul FLOP/s of one rank in ``dtype`` (float32's figure where the dtype has none)."""
+        tf = self.matmul_TFLOPS.get(dtype) or self.matmul_TFLOPS["float32"]
+        return tf * 1e12
+
+    def algorithms_for(self, backend: str, op: str) -> tuple[str, ...]:
+        got = self.algorithms.get(backend, {}).get(op)
+        return got if got else DEFAULT_ALGORITHMS[backend][op]
+
+    def fresh_s_per_byte(self, nbytes: float) -> float:
+        pts = self.fresh_cost
+        if not pts or nbytes < pts[0][0]:
+            return 0.0
+        if nbytes >= pts[-1][0]:
+            return pts[-1][1]
+        for (n0, c0), (n1, c1) in zip(pts, pts[1:]):
+            if nbytes < n1:
+                return c0 + (c1 - c0) * math.log2(nbytes / n0) / math.log2(n1 / n0)
+        return pts[-1][1]
+
+    def fit(self, backend: str, op: str) -> Fit | None:
+        return self.measured.get(backend, {}).get(op)
+
+    def check_backend(self, backend: str) -> None:
+        if backend not in self.backends:
+            raise TopologyError(f"topology {self.name} does not run backend {backend!r} "
+                                f"(it allows {', '.join(self.backends)})", field="backends")
+
+    @cached_property
+    def digest(self) -> str:
+        """A hash of every figure: two topologies with one name but other numbers differ here."""
+        text = json.dumps(to_dict(self), sort_keys=True, separators=(",", ":"), default=str)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(to_dict(self), sort_keys=False, default_flow_style=None, width=100)
+
+
+# --- (de)serialisation ---
+
+def to_dict(t: Topology) -> dict[str, Any]:
+    def link(l: Link | None) -> dict | None:
+        if l is None:
+            return None
+        return {"kind": l.kind, "alpha_s": l.alpha_s, "bandwidth_GBps": l.bandwidth_GBps}
+
+    out: dict[str, Any] = {
+        "name": t.name, "description": t.description, "device": t.device, "nodes": t.nodes,
+        "ranks_per_node": t.ranks_per_node, "backends": list(t.backends),
+        "links": {"intra": link(t.intra), "inter": link(t.inter)},
+        "memory_bandwidth_GBps": t.memory_bandwidth_GBps, "matmul_TFLOPS": dict(t.matmul_TFLOPS),
+        "launch_s": t.launch_s, "compiled_launch_s": t.compiled_launch_s, "elementwise_Gops": t.elementwise_Gops,
+        "eager_elementwise_Gops": t.eager_elementwise_Gops, "cache_bytes": t.cache_bytes,
+        "cache_bandwidth_GBps": t.cache_bandwidth_GBps,
+        "fresh_cost": [[n, c] for n, c in t.fresh_cost], "overlap": t.overlap,
+        "overlap_memory": t.overlap_memory, "shm_barrier_s": t.shm_barrier_s,
+        "algorithms": {b: {op: list(a) for op, a in ops.items()} for b, ops in t.algorithms.items()},
+        "measured": {b: {op: {"alpha_s": f.alpha_s, "beta_s_per_byte": f.beta_s_per_byte} for op, f in ops.items()}
+                     for b, ops in t.measured.items()},
+        "fingerprint": {k: str(v) if isinstance(v, str) else v for k, v in t.fingerprint.items()},
+    }
+    if t.inter is None:
+        del out["links"]["inter"]
+    return out
+
+
+_TOP_KEYS = {"name", "description", "device", "nodes", "ranks_per_node", "backends", "links",
+             "memory_bandwidth_GBps", "matmul_TFLOPS", "launch_s", "compiled_launch_s", "elementwise_Gops", "eager_elementwise_Gops", "cache_bytes",
+             "cache_bandwidth_GBps", "fresh_cost", "overlap", "overlap_memory", "shm_barrier_s",
+             "algorithms", "measured", "fingerprint"}
+
+
+class _Reader:
+    """Typed access to a parsed YAML mapping, with errors that name the field and the file."""
+
+    def __init__(self, source: str):
+        self.source = source
+
+    def fail(self, path: str, message: str) -> TopologyError:
+        return TopologyError(f"topology {self.source}: {path}: {message}", field=path)
+
+    def mapping(self, value: Any, path: str, keys: set[str] | None = None) -> dict:
+        if not isinstance(value, dict):
+            raise self.fail(path, f"must be a mapping, got {type(value).__name__}")
+        if keys is not None:
+            unknown = sorted(str(k) for k in value if k not in keys)
+            if unknown:
+                raise self.fail(f"{path}.{unknown[0]}" if path else unknown[0],
+                                f"unknown field (known: {', '.join(sorted(keys))})")
+        return value
+
+    def number(self, d: dict, key: str, path: str, *, default: Any = ..., positive: bool = True,
+               allow_zero: bool = False, none_ok: bool = False, upper: float | None = None) -> Any:
+        where = f"{path}.{key}" if path else key
+        if key not in d:
+            if default is ...:
+                raise self.fail(where, "is required")
+            return default
+        v = d[key]
+        if v is None and none_ok:
+            return None
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise self.fail(where, f"must be a number, got {v!r}")
+        if positive and (v < 0 or (v == 0 and not allow_zero)):
+            raise self.fail(where, f"must be {'non-negative' if allow_zero else 'positive'}, got {v!r}")
+        if upper is not None and v > upper:
+            raise self.fail(where, f"must be at most {upper}, got {v!r}")
+        return float(v) if isinstance(v, float) else v
+
+    def integer(self, d: dict, key: str, path: str, default: Any = ...) -> int:
+        v = self.number(d, key, path, default=default, allow_zero=False)
+        if isinstance(v, float):
+            raise self.fail(f"{path}.{key}" if path else key, f"must be an integer, got {v!r}")
+        return v
+
+    def string(self, d: dict, key: str, path: str, default: Any = ..., choices: tuple[str, ...] | None = None) -> str:
+        where = f"{path}.{key}" if path else key
+        if key not in d:
+            if default is ...:
+                raise self.fail(where, "is required")
+            return default
+        v = d[key]
+        if not isinstance(v, str):
+            raise self.fail(where, f"must be a string, got {v!r}")
+        if choices is not None and v not in choices:
+            raise self.fail(where, f"must be one of {', '.join(choices)}, got {v!r}")
+        return v
+
+    def curve(self, value: Any, path: str) -> tuple[tuple[int, float], ...]:
+        if not isinstance(value, list):
+            raise self.fail(path, f"must be a list of [bytes, seconds_per_byte] pairs, got {value!r}")
+        out: list[tuple[int, float]] = []
+        for i, pt in enumerate(value):
+            where = f"{path}[{i}]"
+            if (not isinstance(pt, list) or len(pt) != 2 or any(isinstance(x, bool) for x in pt)
+                    or not isinstance(pt[0], int) or pt[0] <= 0 or not isinstance(pt[1], (int, float))
+                    or not math.isfinite(pt[1]) or pt[1] < 0):
+                raise self.fail(where, f"must be [bytes > 0, seconds_per_byte >= 0], got {pt!r}")
+            if out and pt[0] <= out[-1][0]:
+                raise self.fail(where, "sizes must increase")
+            out.append((pt[0], float(pt[1])))
+        return tuple(out)
+
+    def link(self, value: Any, path: str) -> Link:
+        d = self.mapping(value, path, {"kind", "alpha_s", "bandwidth_GBps", "beta_s_per_byte"})
+        alpha = self.number(d, "alpha_s", path, allow_zero=True)
+        if ("bandwidth_GBps" in d) == ("beta_s_per_byte" in d):
+            raise self.fail(f"{path}.bandwidth_GBps", "give exactly one of bandwidth_GBps and beta_s_per_byte")
+        if "bandwidth_GBps" in d:
+            bw = self.number(d, "bandwidth_GBps", path)
+        else:
+            bw = 1.0 / (self.number(d, "beta_s_per_byte", path) * 1e9)
+        return Link(alpha, bw, self.string(d, "kind", path, default=""))
+
+
+def from_dict(data: Any, source: str = "<dict>") -> Topology:
+    r = _Reader(source)
+    d = r.mapping(data, "", _TOP_KEYS)
+    name = r.string(d, "name", "")
+    device = r.string(d, "device", "", choices=DEVICES)
+    nodes = r.integer(d, "nodes", "")
+    rpn = r.integer(d, "ranks_per_node", "")
+    backends = d.get("backends")
+    if not isinstance(backends, list) or not backends or any(b not in BACKENDS for b in backends):
+        raise r.fail("backends", f"must be a non-empty list of {', '.join(BACKENDS)}, got {backends!r}")
+    if "shm" in backends and nodes != 1:
+        raise r.fail("backends", "shm runs within one node only (nodes must be 1)")
+    if "nccl" in backends and device != "cuda":
+        raise r.fail("backends", "nccl needs device cuda")
+    if device == "cuda" and ("gloo" in backends or "shm" in backends):
+        raise r.fail("backends", "gloo and shm run on CPU tensors (device cpu)")
+    links = r.mapping(d.get("links"), "links", {"intra", "inter"})
+    if "intra" not in links:
+        raise r.fail("links.intra", "is required")
+    intra = r.link(links["intra"], "links.intra")
+    inter = r.link(links["inter"], "links.inter") if links.get("inter") is not None else None
+    if nodes > 1 and inter is None:
+        raise r.fail("links.inter", "is required when nodes > 1")
+    flops = r.mapping(d.get("matmul_TFLOPS"), "matmul_TFLOPS")
+    if "float32" not in flops:
+        raise r.fail("matmul_TFLOPS.float32", "is required")
+    for k in flops:
+        if not isinstance(k, str):
+            raise r.fail(f"matmul_TFLOPS.{k}", "keys are dtype names")
+        r.number(flops, k, "matmul_TFLOPS")
+    algorithms: dict[str, dict[str, tuple[str, ...]]] = {}
+    for b, ops in r.mapping(d.get("algorithms", {}) or {}, "algorithms", set(BACKENDS)).items():
+        ops = r.mapping(ops, f"algorithms.{b}", set(ALGORITHMS))
+        algorithms[b] = {}
+        for op, algs in ops.items():
+            if isinstance(algs, str):
+                algs = [algs]
+            if not isinstance(algs, list) or not algs or any(a not in ALGORITHMS[op] for a in algs):
+                raise r.fail(f"algorithms.{b}.{op}", f"must be a list of {', '.join(ALGORITHMS[op])}, got {algs!r}")
+            algorithms[b][op] = tuple(algs)
+    measured: dict[str, dict[str, Fit]] = {}
+    for b, ops in r.mapping(d.get("measured", {}) or {}, "measured", set(BACKENDS)).items():
+        ops = r.mapping(ops, f"measured.{b}", set(ALGORITHMS))
+        measured[b] = {}
+        for op, fit in ops.items():
+            path = f"measured.{b}.{op}"
+            fit = r.mapping(fit, path, {"alpha_s", "beta_s_per_byte"})
+            measured[b][op] = Fit(r.number(fit, "alpha_s", path, allow_zero=True),
+                                  r.number(fit, "beta_s_per_byte", path, allow_zero=True))
+    fingerprint = r.mapping(d.get("fingerprint", {}) or {}, "fingerprint")
+    for k, v in fingerprint.items():
+        if not isinstance(v, (str, int, float, bool)) and v is not None:
+            raise r.fail(f"fingerprint.{k}", f"must be a string or a number, got {type(v).__name__}")
+    description = d.get("description", "") or ""
+    if not isinstance(description, str):
+        raise r.fail("description", "must be a string")
+    return Topology(
+        name=name, device=device, nodes=nodes, ranks_per_node=rpn, intra=intra, inter=inter,
+        memory_bandwidth_GBps=r.number(d, "memory_bandwidth_GBps", ""),
+        matmul_TFLOPS={str(k): v for k, v in flops.items()}, backends=tuple(backends),
+        launch_s=r.number(d, "launch_s", "", default=5e-6, allow_zero=True),
+        compiled_launch_s=r.number(d, "compiled_launch_s", "", default=None, none_ok=True, allow_zero=True),
+        elementwise_Gops=r.number(d, "elementwise_Gops", "", default=None, none_ok=True),
+        eager_elementwise_Gops=r.number(d, "eager_elementwise_Gops", "", default=None, none_ok=True),
+        cache_bytes=int(r.number(d, "cache_bytes", "", default=0, allow_zero=True)),
+        cache_bandwidth_GBps=r.number(d, "cache_bandwidth_GBps", "", default=None, none_ok=True),
+        fresh_cost=r.curve(d.get("fresh_cost", []) or [], "fresh_cost"),
+        overlap=r.number(d, "overlap", "", default=1.0, allow_zero=True, upper=1.0),
+        overlap_memory=r.number(d, "overlap_memory", "", default=None, none_ok=True, allow_zero=True, upper=1.0),
+        shm_barrier_s=r.number(d, "shm_barrier_s", "", default=2e-6, allow_zero=True),
+        algorithms=algorithms, measured=measured, fingerprint=fingerprint, description=description)
+
+
+def from_yaml(text: str, source: str = "<yaml>") -> Topology:
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise TopologyError(f"topology {source}: not valid YAML: {' '.join(str(e).split())}", field=None) from None
+    return from_dict(data, source)
+
+
+# --- where topologies live ---
+
+def user_dir() -> Path:
+    """Where a user's own topologies live (``COCONET_CONFIG_DIR``, else the platform's config dir)."""
+    env = os.environ.get(USER_DIR_ENV)
+    if env:
+        return Path(env) / "topologies"
+    import platformdirs
+
+    return Path(platformdirs.user_config_dir("coconet")) / "topologies"
+
+
+def package_dir() -> Path:
+    return Path(str(resources.files("coconet.configs"))) / "topologies"
+
+
+def _search_dirs() -> list[Path]:
+    # the user's first: a `coconet calibrate` that could not write into the package wrote there
+    return [user_dir(), package_dir()]
+
+
+def list_topologies() -> list[str]:
+    names: set[str] = set()
+    for d in _search_dirs():
+        if d.is_dir():
+            names.update(p.stem for p in d.glob("*.yaml"))
+    return sorted(names)
+
+
+def topology_path(name: str) -> Path | None:
+    for d in _search_dirs():
+        p = d / f"{name}.yaml"
+        if p.is_file():
+            return p
+    return None
+
+
+def load_topology(name_or_path: str | os.PathLike) -> Topology:
+    """A topology by name (``dgx-h100-8``: the user's config dir, then the shipped ones) or by path."""
+    text = str(name_or_path)
+    path = Path(text)
+    if text.endswith((".yaml", ".yml")) or os.sep in text or path.is_file():
+        if not path.is_file():
+            raise TopologyError(f"no topology file {text}", field=None)
+        return from_yaml(path.read_text(), str(path))
+    found = topology_path(text)
+    if found is None:
+        known = ", ".join(list_topologies()) or "none"
+        raise TopologyError(f"no topology named {text!r} (known: {known})", field=None)
+    return from_yaml(found.read_text(), found.name)
+
+
+def save_topology(topology: Topology, path: str | os.PathLike, header: str = "") -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    body = topology.to_yaml()
+    path.write_text((header.rstrip("\n") + "\n" if header else "") + body)
+    return path
