@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any, Callable, List, Optional
@@ -193,7 +194,7 @@ def schedules(
             sys.stdout.write(f"all {len(space)} schedules equal the program on 1-4 ranks at {sizes}\n")
 
 
-def _pick_schedules(prog: Any, picks: List[str], depth: int) -> list:
+def _pick_schedules(prog: Any, picks: List[str], depth: int, best: Optional[Callable[[], Any]] = None) -> list:
     from coconet.schedules.schedule import Schedule
     from coconet.schedules.space import generate
 
@@ -202,8 +203,10 @@ def _pick_schedules(prog: Any, picks: List[str], depth: int) -> list:
     for pick in picks:
         pick = pick.strip()
         if pick == "best":
-            raise NotAvailable("--schedule best reads the results store, which arrives with the tuner; "
-                               "pass a schedule's text, its id, `baseline` or `all`")
+            if best is None:
+                raise CoconetError("--schedule best is for coconet run (it reads the results store)")
+            chosen.append(best())
+            continue
         if pick == "all" or pick.isdigit():
             space = space if space is not None else generate(prog, depth=depth)
             if pick == "all":
@@ -218,6 +221,26 @@ def _pick_schedules(prog: Any, picks: List[str], depth: int) -> list:
     for sched in chosen:
         unique.setdefault(sched.hash, sched)
     return list(unique.values())
+
+
+def _tuned_best(prog: Any, sizes: dict, world: int, backend: str, db: Optional[str]) -> Any:
+    """The store's winner for this program, sizes and world on this machine with this backend (or of the
+    nearest tuned sizes, said on stderr)."""
+    from coconet.schedules.schedule import Schedule
+    from coconet.server.store import Store
+
+    with Store.open(db) as store:
+        found = store.best(prog.hash, sizes, "local", world, backend=backend)
+        url = store.url
+    if found is None or found.measurement.schedule_json is None:
+        size_text = ",".join(f"{k}={v}" for k, v in sizes.items())
+        raise CoconetError(f"no tuned schedule of {prog.name} on {backend} at world {world} in {url}: run "
+                           f"`coconet tune FILE --world {world} --size {size_text} --backend {backend}` first")
+    if not found.exact:
+        Console(stderr=True, highlight=False).print(
+            f"note: {','.join(f'{k}={v}' for k, v in sizes.items())} was not tuned; using the winner of "
+            f"{found.winner.sizes_key}", markup=False)
+    return Schedule.from_json(found.measurement.schedule_json, prog)
 
 
 def _fmt_s(x: Optional[float]) -> str:
@@ -252,6 +275,8 @@ def run(
     no_check: bool = typer.Option(False, "--no-check", help="Skip the check against the reference interpreter."),
     depth: int = typer.Option(6, "--depth", min=0, max=12, help="Depth of the space for `all` and ids."),
     emit: Optional[Path] = typer.Option(None, "--emit", help="Also write each schedule's generated module here."),
+    db: Optional[str] = typer.Option(None, "--db", help="Store that `--schedule best` reads (default "
+                                     "$COCONET_DATABASE_URL, else SQLite in the user data dir)."),
     trace: Optional[Path] = typer.Option(None, "--trace", help="Profile one more step per rank and write its "
                                          "Chrome trace here (chrome://tracing, Perfetto); `coconet.tuner.trace` "
                                          "reads off how much communication ran under compute."),
@@ -273,7 +298,7 @@ def run(
         raise CoconetError(f"--size is required: bind {', '.join(prog.dims)} (e.g. --size {prog.dims[0]}=2^20)"
                            if prog.dims else "--size is required")
     sizes = parse_sizes(size, prog.dims)
-    picked = _pick_schedules(prog, schedule, depth)
+    picked = _pick_schedules(prog, schedule, depth, best=lambda: _tuned_best(prog, sizes, world, backend, db))
     if emit is not None:
         emit.mkdir(parents=True, exist_ok=True)
         for sched in picked:
@@ -327,8 +352,8 @@ def tune(
     file: Path = typer.Argument(..., help="The program: a .py file defining `program`, or its JSON IR."),
     world: int = typer.Option(2, "--world", min=1, help="Ranks (per pipeline stage)."),
     size: Optional[List[str]] = SIZE_OPT,
-    budget: int = typer.Option(64, "--budget", min=1, help="Trials per size; the whole space when it is smaller "
-                               "(then the search is exhaustive)."),
+    budget: int = typer.Option(32, "--budget", min=1, help="Candidates measured per size; the whole space when "
+                               "it is smaller (then the search is exhaustive)."),
     topology: str = typer.Option("local", "--topology", help="`local` (this machine); another name only with "
                                  "--ray-address, on a cluster that is that topology."),
     backend: List[str] = typer.Option([], "--backend", help="Restrict the backends tried (repeatable); default: "
@@ -351,7 +376,7 @@ def tune(
     from coconet.schedules.dims import parse_sizes
     from coconet.server.store import Store
     from coconet.tuner.runner import Protocol
-    from coconet.tuner.tune import Request
+    from coconet.tuner.tune import Request, check
 
     if kernels not in KERNELS:
         raise CoconetError(f"unknown --kernels {kernels!r} (use {' or '.join(KERNELS)})")
@@ -363,6 +388,7 @@ def tune(
     request = Request(prog, tuple(points), world, topology, budget, tuple(dict.fromkeys(backend)),
                       Protocol(timeout_s=timeout, kernels=kernels), depth, seed=seed, ray_address=ray_address,
                       program_file=str(file) if file.suffix == ".py" else None)
+    check(request)
     with Store.open(db) as store:
         results = _tune_with_progress(request, store, quiet=as_json)
     docs = [r.to_json(prog, topology, world) for r in results]
@@ -444,13 +470,51 @@ def _print_tune_table(prog: Any, doc: dict, tuned: Any) -> None:
 @app.command()
 @_guard
 def sweep(
-    config: Path = typer.Argument(...),
-    simulate: bool = typer.Option(False, "--simulate"),
-    db: Optional[str] = typer.Option(None, "--db"),
+    config: Path = typer.Argument(..., help="Sweep definition (YAML): programs and sizes, topologies, worlds, "
+                                  "budget; see configs/sweeps/."),
+    simulate: bool = typer.Option(False, "--simulate", help="Predict every key with the cost model, the local "
+                                  "topology's too."),
+    db: Optional[str] = typer.Option(None, "--db", help="Store URL (default $COCONET_DATABASE_URL, else SQLite in "
+                                     "the user data dir)."),
+    ray_address: Optional[str] = typer.Option(None, "--ray-address"),
     as_json: bool = JSON_OPT,
 ) -> None:
-    """Offline sweep over programs x sizes x topologies. Not available yet: arrives with the tuner."""
-    _not_yet("sweep", "the tuner and its cost model")
+    """Offline sweep over programs x sizes x topologies: measured (tuned) on the local topology, predicted by the
+    cost model elsewhere (recorded as source: model). Keys already done are skipped, so a stopped sweep resumes."""
+    from rich.progress import Progress, TextColumn, TimeElapsedColumn
+
+    from coconet.server.store import Store
+    from coconet.tuner.runner import Protocol
+    from coconet.tuner.sweep import SweepConfig
+    from coconet.tuner.sweep import sweep as run_sweep
+    from coconet.tuner.tune import Request, tune as run_tune
+
+    cfg = SweepConfig.load(config)
+    with Store.open(db) as store:
+        def tune_key(entry: Any, sizes: dict, world: int) -> None:
+            request = Request(entry.program, (sizes,), world, budget=cfg.budget, protocol=Protocol(),
+                              depth=cfg.depth, ray_address=ray_address, program_file=entry.file)
+            run_tune(request, store, prior=_cost_prior)
+
+        if as_json:
+            report = run_sweep(cfg, store, simulate=simulate, tune_key=tune_key)
+        else:
+            with Progress(TextColumn("{task.description}"), TimeElapsedColumn(), console=Console(stderr=True)) as bar:
+                task = bar.add_task("sweep")
+
+                def show(r: Any) -> None:
+                    bar.update(task, description=f"{r.predicted} predicted, {r.measured} measured, "
+                                                 f"{r.skipped} skipped of {r.keys} keys so far")
+
+                report = run_sweep(cfg, store, simulate=simulate, on_progress=show, tune_key=tune_key)
+    doc = report.to_json()
+    if as_json:
+        _echo_json(doc)
+        return
+    rate = f"{doc['keys_per_s']:.0f} keys/s" if doc["keys_per_s"] else ""
+    Console(highlight=False).print(
+        f"{doc['keys']} keys: {doc['predicted']} predicted ({doc['predictions']} schedule predictions), "
+        f"{doc['measured']} measured, {doc['skipped']} already done; {doc['seconds']:.1f} s {rate}", markup=False)
 
 
 @app.command()
@@ -655,7 +719,14 @@ def submit(
     _not_yet("submit", "the results service")
 
 
+def _terminated(signum: int, frame: Any) -> None:
+    # SIGTERM (kill, a scheduler) unwinds like Ctrl-C: finally blocks run, a local Ray cluster is shut
+    # down at exit and running jobs are marked interrupted, rather than the process vanishing mid-write.
+    raise KeyboardInterrupt
+
+
 def main() -> None:
+    signal.signal(signal.SIGTERM, _terminated)
     try:
         code = app(standalone_mode=False)
     except typer.Abort:

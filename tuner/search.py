@@ -141,18 +141,23 @@ def study_name(program: Program, sizes: Mapping[str, int], topology: str, world:
 
 def search(space: SearchSpace, sizes: Mapping[str, int], *, storage, study: str, budget: int,
            measure: Measure, record: Record | None = None, prior: Iterable[Candidate] = (),
-           seed: int = 0, on_progress: Callable[[Progress], None] | None = None) -> Outcome:
+           seed: int = 0, on_progress: Callable[[Progress], None] | None = None,
+           sampler: str | None = None) -> Outcome:
     """Run (or resume) the study ``study`` in Optuna ``storage`` until ``budget`` candidates have results or
-    the space is exhausted; ``measure`` times a candidate, ``record`` stores each new result."""
+    the space is exhausted; ``measure`` times a candidate, ``record`` stores each new result.
+    ``sampler`` (``brute``, ``tpe``, ``random``) overrides the choice by budget (for benchmarks)."""
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    exhaustive = space.size <= budget
+    kind = sampler or ("brute" if space.size <= budget else "tpe")
     with warnings.catch_warnings():  # BruteForceSampler is "experimental" since Optuna 3.1
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        sampler = optuna.samplers.BruteForceSampler(seed=seed) if exhaustive \
-            else optuna.samplers.TPESampler(seed=seed)
-    st = optuna.create_study(study_name=study, storage=storage, sampler=sampler, direction="minimize",
+        samplers = {"brute": optuna.samplers.BruteForceSampler, "tpe": optuna.samplers.TPESampler,
+                    "random": optuna.samplers.RandomSampler}
+        if kind not in samplers:
+            raise CoconetError(f"unknown sampler {kind!r} (use {', '.join(samplers)})")
+        chosen = samplers[kind](seed=seed)
+    st = optuna.create_study(study_name=study, storage=storage, sampler=chosen, direction="minimize",
                              load_if_exists=True)
     _fail_orphans(st)
     done = {t.user_attrs["candidate"]: t for t in st.get_trials(deepcopy=False)
@@ -273,4 +278,4 @@ def _fail_orphans(study) -> None:
     import optuna
 
     for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
-        study._storage.set_trial_state_values(t._trial_id, optuna.trial.TrialState.FAIL)
+        study.tell(t.number, state=optuna.trial.TrialState.FAIL)

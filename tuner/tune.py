@@ -34,7 +34,7 @@ class Request:
     sizes: tuple[Mapping[str, int], ...]
     world: int
     topology: str = LOCAL
-    budget: int = 64
+    budget: int = 32
     backends: tuple[str, ...] = ()  # empty: every backend the topology allows
     protocol: Protocol = Protocol()
     depth: int = 6
@@ -112,23 +112,40 @@ def fingerprint() -> dict[str, Any]:
     return {"machine": platform.machine(), "cpu": cpu, "cpus": os.cpu_count(), "gpus": gpus}
 
 
-def tune(request: Request, store, *, on_progress: Callable[[dict, Progress], None] | None = None,
-         lowering: Callable[[Schedule, str, str], Generated] = lower,
-         prior: Callable[[SearchSpace, Mapping[str, int], str, int], Sequence[Candidate]] | None = None) -> list[Tuned]:
-    """Tune every size of ``request`` into ``store``; ``prior`` gives the cost model's top-k."""
-    from coconet.server.records import NewMeasurement, Progress as JobProgress
-
-    prog = request.program
+def check(request: Request) -> tuple[str, ...]:
+    """Refuse a request that cannot run here, before anything is started or written; its backends."""
     if request.topology != LOCAL and not request.ray_address:
         raise CoconetError(f"coconet tune measures: topology {request.topology!r} needs its cluster "
                            "(--ray-address); for a prediction use coconet sweep")
-    allowed = local_backends(request.world)
+    if request.topology == LOCAL:
+        allowed = local_backends(request.world)
+    else:  # a cluster that is this topology: its backends, shm only where every rank shares one node
+        from coconet.tuner.topology import load_topology
+
+        topo = load_topology(request.topology)
+        allowed = tuple(b for b in topo.backends if b != "shm" or topo.nodes == 1)
     backends = tuple(request.backends) or allowed
-    unusable = [b for b in backends if b not in allowed and request.topology == LOCAL]
+    unusable = [b for b in backends if b not in allowed]
     if unusable:
-        raise CoconetError(f"backend {', '.join(unusable)} cannot run here (this machine: {', '.join(allowed)})")
+        raise CoconetError(f"backend {', '.join(unusable)} cannot run on {request.topology} "
+                           f"(it runs {', '.join(allowed)})")
     if request.budget < 1:
         raise CoconetError(f"budget must be at least 1 trial, got {request.budget}")
+    return backends
+
+
+def tune(request: Request, store, *, on_progress: Callable[[dict, Progress], None] | None = None,
+         lowering: Callable[[Schedule, str, str], Generated] = lower,
+         prior: Callable[[SearchSpace, Mapping[str, int], str, int], Sequence[Candidate]] | None = None,
+         job_id: int | None = None) -> list[Tuned]:
+    """Tune every size of ``request`` into ``store``; ``prior`` gives the cost model's top-k. ``job_id``: a job
+    the caller created and claimed (the service's worker) to run instead of a new one; one size only."""
+    from coconet.server.records import NewMeasurement, Progress as JobProgress
+
+    prog = request.program
+    backends = check(request)
+    if job_id is not None and len(request.sizes) != 1:
+        raise CoconetError(f"job {job_id} tunes one size; the request has {len(request.sizes)}")
     space = SearchSpace.of(prog, backends, request.depth)
     store.add_program(prog)
     if request.topology == LOCAL:
@@ -140,9 +157,12 @@ def tune(request: Request, store, *, on_progress: Callable[[dict, Progress], Non
     done: list[Tuned] = []
     for sizes in order:
         sizes = dict(sizes)
-        job = store.create_job(prog.hash, sizes, request.topology, request.world, budget=request.budget,
-                               backends=list(backends))
-        store.claim_job(job)
+        if job_id is not None:
+            job = job_id
+        else:
+            job = store.create_job(prog.hash, sizes, request.topology, request.world, budget=request.budget,
+                                   backends=list(backends))
+            store.claim_job(job)
         runners: dict[str, Runner] = {}
 
         def measure(c: Candidate) -> RunResult:

@@ -98,11 +98,15 @@ def test_json_with_unknown_op(tmp_path):
 @pytest.mark.parametrize("args,fragment", [
     (["check", "nowhere.py"], "no such file"),
     (["check", "README.md"], ".py"),
-    (["tune", "examples/adam.py", "--size", "N=2^10"], "not available"),
+    (["tune", "examples/adam.py"], "--size is required"),
+    (["tune", "examples/adam.py", "--size", "N=8", "--backend", "nccl"], "cannot run on local"),
+    (["tune", "examples/adam.py", "--size", "N=8", "--topology", "dgx-h100-8"], "needs its cluster"),
+    (["sweep", "no/such/sweep.yaml"], "cannot read sweep config"),
     (["run", "examples/adam.py"], "--size is required"),
     (["run", "examples/adam.py", "--size", "N=0"], "N"),
     (["run", "examples/adam.py", "--size", "M=4"], "does not have"),
-    (["run", "examples/adam.py", "--size", "N=8", "--schedule", "best"], "tuner"),
+    (["run", "examples/adam.py", "--size", "N=8", "--schedule", "best", "--db", "sqlite:///:memory:"],
+     "no tuned schedule of adam"),
     (["run", "examples/adam.py", "--size", "N=8", "--schedule", "999"], "there is no schedule 999"),
     (["run", "examples/adam.py", "--size", "N=8", "--schedule", "split(nope)"], "nope"),
     (["run", "examples/adam.py", "--size", "N=8", "--backend", "mpi"], "unknown backend 'mpi'"),
@@ -118,7 +122,7 @@ def test_help_lists_every_command_and_says_what_is_missing():
     assert proc.returncode == 0
     for cmd in ("check", "export", "schedules", "run", "tune", "sweep", "calibrate", "bench", "serve", "submit"):
         assert cmd in proc.stdout
-    assert "Not available yet" in coconet("tune", "--help").stdout
+    assert "Not available yet" in coconet("serve", "--help").stdout
 
 
 def test_schedules_listing_and_json():
@@ -210,3 +214,22 @@ def test_bench_compares_with_torch_and_the_floor(tmp_path):
 def test_bench_errors():
     assert_one_error(coconet("bench", "nosuch", "--size", "N=4"), "no workload 'nosuch'", "adam")
     assert_one_error(coconet("bench", "adam", "--size", "M=4"), "does not have")
+
+
+def test_tune_json_then_run_the_best(tmp_path):
+    db = f"sqlite:///{tmp_path / 'coconet.db'}"
+    proc = coconet("tune", "examples/adam.py", "--world", "2", "--size", "N=2^10", "--budget", "2",
+                   "--kernels", "eager", "--backend", "gloo", "--db", db, "--json")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["program"] == "adam" and doc["sizes"] == {"N": 1024} and doc["topology"] == "local"
+    assert doc["trials"] == 2 and doc["failed"] == 0 and doc["record_id"] >= 1
+    for part in ("best", "baseline"):
+        assert doc[part]["median_s"] > 0 and doc[part]["ci95_s"][0] <= doc[part]["median_s"] <= doc[part]["ci95_s"][1]
+    assert doc["speedup"] == pytest.approx(doc["baseline"]["median_s"] / doc["best"]["median_s"])
+    # what tune recorded is what `run --schedule best` runs (the baseline always runs beside it)
+    proc = coconet("run", "examples/adam.py", "--world", "2", "--size", "N=2^10", "--schedule", "best",
+                   "--kernels", "eager", "--repeats", "3", "--db", db, "--json")
+    assert proc.returncode == 0, proc.stderr
+    ran = [r["schedule"] for r in json.loads(proc.stdout)["results"]]
+    assert ran[0] == "baseline" and ran[-1] == doc["best"]["schedule"]
