@@ -1,15 +1,23 @@
-"""The dashboard: one static page at ``/`` plus its assets, all served from the package (no CDN)."""
+"""The dashboard: one static page at ``/`` plus its assets, all served from the package (no CDN), and the
+read-only JSON it plots under ``/api/v1/dashboard`` (shaped in ``dashboard_data``)."""
+
 from __future__ import annotations
 
 from importlib import resources
+from typing import Any
 
-from fastapi import FastAPI
-from fastapi.responses import FileResponse, HTMLResponse, Response
+from fastapi import APIRouter, FastAPI, HTTPException, Query, Request
+from fastapi.responses import FileResponse, HTMLResponse, PlainTextResponse, Response
 
+from coconet.errors import CoconetError, StoreError
+
+PREFIX = "/api/v1/dashboard"
 _ASSETS = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
 
 
 def mount(app: FastAPI) -> None:
+    """Serve the page at ``/``, its assets under ``/static``, and its data under ``/api/v1/dashboard``.
+    The data routes read ``app.state.store`` (a ``coconet.server.store.Store``)."""
     static = resources.files("coconet.server") / "static"
 
     @app.get("/", include_in_schema=False)
@@ -24,5 +32,52 @@ def mount(app: FastAPI) -> None:
     @app.get("/static/{name}", include_in_schema=False)
     def asset(name: str) -> Response:
         if name not in _ASSETS:
-            return Response("not found", status_code=404, media_type="text/plain")
+            raise HTTPException(404, f"no asset {name!r}")
         return Response((static / name).read_bytes(), media_type=_ASSETS[name])
+
+    app.include_router(_data_router())
+
+
+def _data_router() -> APIRouter:
+    from coconet.server import dashboard_data as data
+
+    router = APIRouter(prefix=PREFIX, tags=["dashboard"])
+
+    @router.get("/programs")
+    def programs(request: Request) -> list[dict[str, Any]]:
+        return _guard(lambda: data.program_list(_store(request)))
+
+    @router.get("/programs/{program_hash}")
+    def program(request: Request, program_hash: str) -> dict[str, Any]:
+        view = _guard(lambda: data.program_view(_store(request), program_hash))
+        if view is None:
+            raise HTTPException(404, f"no program {program_hash}")
+        return view
+
+    @router.get("/programs/{program_hash}/code", response_class=PlainTextResponse)
+    def code(request: Request, program_hash: str, measurement: int = Query(ge=1),
+             backend: str | None = Query(default=None, pattern="^(gloo|nccl|shm)$")) -> str:
+        source = _guard(lambda: data.winner_code(_store(request), program_hash, measurement, backend))
+        if source is None:
+            raise HTTPException(404, f"no schedule recorded as measurement {measurement} of program {program_hash}")
+        return source
+
+    return router
+
+
+def _store(request: Request) -> Any:
+    store = getattr(request.app.state, "store", None)
+    if store is None:
+        raise HTTPException(503, "the server has no results store attached")
+    return store
+
+
+def _guard(read: Any) -> Any:
+    # A database that is down or a record that no longer lowers is the server's state, not the
+    # client's mistake: a message the page can show, never a bare 500.
+    try:
+        return read()
+    except StoreError as e:
+        raise HTTPException(503, f"results store: {e}") from e
+    except CoconetError as e:
+        raise HTTPException(422, str(e)) from e
