@@ -708,15 +708,117 @@ def serve(
 @app.command()
 @_guard
 def submit(
-    file: Path = typer.Argument(...),
-    server: str = typer.Option(..., "--server"),
-    world: int = typer.Option(2, "--world"),
+    file: Path = typer.Argument(..., help="The program: a .py file defining `program` (run here; only its JSON IR "
+                                "is sent), or its JSON IR."),
+    server: str = typer.Option(..., "--server", help="The coconet server, e.g. http://127.0.0.1:8000."),
+    world: int = typer.Option(2, "--world", min=1, help="Ranks to tune on."),
     size: Optional[List[str]] = SIZE_OPT,
-    token: Optional[str] = typer.Option(None, "--token"),
+    token: Optional[str] = typer.Option(None, "--token", help="The server's write token (default "
+                                        "$COCONET_API_TOKEN)."),
+    topology: str = typer.Option("local", "--topology", help="The topology the server tunes on."),
+    budget: int = typer.Option(32, "--budget", min=1, help="Candidates measured per size."),
+    poll: float = typer.Option(1.0, "--poll", min=0.05, help="Seconds between progress checks."),
+    timeout: Optional[float] = typer.Option(None, "--timeout", min=1.0, help="Stop following after this many "
+                                            "seconds (the jobs go on on the server)."),
+    code: bool = typer.Option(True, "--code/--no-code", help="Print the winner's generated code."),
     as_json: bool = JSON_OPT,
 ) -> None:
-    """Submit a program to a coconet server and follow its tuning. Not available yet: arrives with the service."""
-    _not_yet("submit", "the results service")
+    """Submit a program to a coconet server, tune it there (one job per --size), follow the jobs and print each
+    winner with its generated code. With one --size the JSON is one result; with several, a list."""
+    from coconet.client import ENV_TOKEN, Client, ServiceError
+    from coconet.loader import load_file
+    from coconet.schedules.dims import parse_sizes
+    from coconet.schedules.serialize import export as to_json
+
+    prog = load_file(file)
+    if not size:
+        raise CoconetError(f"--size is required: bind {', '.join(prog.dims)} (e.g. --size {prog.dims[0]}=2^20)"
+                           if prog.dims else "--size is required")
+    points = [parse_sizes(spec, prog.dims) for spec in size]
+    with Client.open(server, token or os.environ.get(ENV_TOKEN) or None) as client:
+        program = client.post_program(to_json(prog, indent=None))["hash"]
+        if program != prog.hash:  # the server would tune something other than what this file says
+            raise ServiceError(f"the server hashed {prog.name} as {program}, this coconet as {prog.hash}: "
+                               "are the versions the same?")
+        jobs = [client.post_job(program, sizes, topology=topology, world=world, budget=budget)["id"]
+                for sizes in points]
+        try:
+            final = _follow_jobs(client, jobs, poll, timeout, quiet=as_json)
+        except KeyboardInterrupt:
+            raise ServiceError(f"stopped following; job{'s' if len(jobs) > 1 else ''} "
+                               f"{', '.join(map(str, jobs))} go on on the server") from None
+        docs = [_submitted(client, final[j], code) for j in jobs]
+    failed = [d for d in docs if d["state"] != "done"]
+    if as_json:
+        _echo_json(docs[0] if len(docs) == 1 else docs)
+    else:
+        for d in docs:
+            _print_submitted(prog.name, d)
+    if failed:
+        raise ServiceError("; ".join(f"job {d['job']} {d['state']}: {d['error'] or 'no reason given'}"
+                                     for d in failed))
+
+
+def _follow_jobs(client: Any, jobs: list[int], poll: float, timeout: Optional[float], quiet: bool) -> dict:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from coconet.client import follow
+
+    if quiet:
+        return follow(client, jobs, poll_s=poll, timeout_s=timeout)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("{task.fields[status]}"))
+    with Progress(*columns, console=Console(stderr=True), transient=False) as bar:
+        tasks = {j: bar.add_task(f"job {j}", total=None, status="submitted") for j in jobs}
+
+        def show(job: dict) -> None:
+            p = job["progress"]
+            sizes = ",".join(f"{k}={v}" for k, v in job["sizes"].items())
+            best = f"best {_fmt_s(p['best_s'])}" if p.get("best_s") else "no result yet"
+            bar.update(tasks[job["id"]], description=f"job {job['id']} {sizes}", completed=p["done"],
+                       total=p["total"], status=f"{job['state']}  failed {p['failed']}  {best}")
+
+        return follow(client, jobs, poll_s=poll, timeout_s=timeout, on_update=show)
+
+
+def _submitted(client: Any, job: dict, with_code: bool) -> dict:
+    """A finished job as `submit` reports it: the winner from GET /best (the server's public answer) and its code."""
+    doc: dict[str, Any] = {"job": job["id"], "state": job["state"], "error": job.get("error"),
+                           "program_hash": job["program"], "sizes": job["sizes"], "topology": job["topology"],
+                           "world": job["world"], "best": None, "baseline": None, "speedup": None, "code": None}
+    if job["state"] != "done":
+        return doc
+    best = client.best(job["program"], job["sizes"], topology=job["topology"], world=job["world"])
+    if not best.get("exact"):
+        doc["error"] = "the job finished without a winner (no schedule ran correctly)"
+        return doc
+    stats, base = best["stats"], best.get("baseline")
+    doc["best"] = {"schedule": best["schedule"], "backend": best["backend"], "hash": best["schedule_hash"],
+                   "median_s": stats["median_s"], "ci95_s": stats["ci95_s"], "source": best["source"]}
+    if base:
+        doc["baseline"] = {"schedule": base["schedule"], "backend": base["backend"],
+                           "median_s": base["stats"]["median_s"], "ci95_s": base["stats"]["ci95_s"]}
+    doc["speedup"] = best.get("speedup")
+    if with_code:
+        doc["code"] = client.code(best["schedule_hash"], program=job["program"], backend=best["backend"])["source"]
+    return doc
+
+
+def _print_submitted(name: str, d: dict) -> None:
+    console = Console(highlight=False, soft_wrap=True)  # a schedule's text is copied from here: never wrapped
+    sizes = ",".join(f"{k}={v}" for k, v in d["sizes"].items())
+    head = f"{name}  world={d['world']}  {sizes}  topology={d['topology']}  job {d['job']}"
+    b = d["best"]
+    if b is None:
+        console.print(f"{head}: {d['state']}, no winner", markup=False)
+        return
+    ci = b["ci95_s"]
+    console.print(f"{head}\nwinner: {b['backend']}: {b['schedule']}  {_fmt_s(b['median_s'])}"
+                  + (f" [{_fmt_s(ci[0])}, {_fmt_s(ci[1])}]" if ci else "")
+                  + (f"  {d['speedup']:.2f}x over the baseline" if d["speedup"] else ""), markup=False)
+    if d["code"] is not None:
+        console.rule(f"generated code ({b['backend']})")
+        sys.stdout.write(d["code"] if d["code"].endswith("\n") else d["code"] + "\n")
 
 
 def _terminated(signum: int, frame: Any) -> None:

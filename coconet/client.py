@@ -1,0 +1,116 @@
+"""A client of the coconet REST API (DESIGN §9), for ``coconet submit``: send a program's JSON IR, start
+tuning jobs, follow them, fetch the winner and its generated code. Every failure is a ``ServiceError``."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import httpx
+
+from coconet.errors import CoconetError
+
+API = "/api/v1"
+ENV_TOKEN = "COCONET_API_TOKEN"
+FINAL_STATES = ("done", "failed")
+
+
+class ServiceError(CoconetError):
+    """The server could not be reached, or refused or failed a request."""
+
+
+@dataclass
+class Client:
+    http: httpx.Client
+
+    @classmethod
+    def open(cls, server: str, token: str | None = None, *, timeout_s: float = 30.0,
+             transport: httpx.BaseTransport | None = None) -> Client:
+        if not server.startswith(("http://", "https://")):
+            raise ServiceError(f"--server {server!r} is not an http:// or https:// URL")
+        headers = {"Accept": "application/json"}
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        return cls(httpx.Client(base_url=server.rstrip("/"), headers=headers, timeout=timeout_s,
+                                transport=transport))
+
+    def close(self) -> None:
+        self.http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def post_program(self, ir_json: str) -> dict[str, Any]:
+        return self._call("POST", "/programs", content=ir_json, headers={"Content-Type": "application/json"})
+
+    def post_job(self, program: str, sizes: Mapping[str, int], *, topology: str, world: int,
+                 budget: int) -> dict[str, Any]:
+        body = {"program": program, "sizes": dict(sizes), "topology": topology, "world": world, "budget": budget}
+        return self._call("POST", "/jobs", json=body)
+
+    def job(self, job_id: int) -> dict[str, Any]:
+        return self._call("GET", f"/jobs/{job_id}")
+
+    def best(self, program: str, sizes: Mapping[str, int], *, topology: str, world: int) -> dict[str, Any]:
+        params = {"program": program, "sizes": _sizes_text(sizes), "topology": topology, "world": world}
+        return self._call("GET", "/best", params=params)
+
+    def code(self, schedule_hash: str, *, program: str, backend: str) -> dict[str, Any]:
+        params = {"program": program, "backend": backend}
+        return self._call("GET", f"/schedules/{schedule_hash}/code", params=params)
+
+    def _call(self, method: str, path: str, **kwargs: Any) -> Any:
+        where = f"{method} {self.http.base_url}{API}{path}"
+        try:
+            resp = self.http.request(method, API + path, **kwargs)
+        except httpx.TimeoutException as e:
+            raise ServiceError(f"{where}: no answer in time ({type(e).__name__})") from e
+        except httpx.HTTPError as e:
+            raise ServiceError(f"cannot reach {self.http.base_url}: {e or type(e).__name__}") from e
+        if resp.status_code >= 400:
+            raise ServiceError(f"{where}: HTTP {resp.status_code}: {_detail(resp)}")
+        try:
+            return resp.json()
+        except ValueError as e:
+            raise ServiceError(f"{where}: the answer is not JSON ({resp.text[:80]!r})") from e
+
+
+def follow(client: Client, job_ids: list[int], *, poll_s: float = 1.0, timeout_s: float | None = None,
+           on_update: Callable[[dict[str, Any]], None] | None = None,
+           sleep: Callable[[float], None] = time.sleep) -> dict[int, dict[str, Any]]:
+    """Poll the jobs until each is done or failed; ``on_update`` sees every answer. ``interrupted`` is not
+    final: the server queues such a job again (it was cut short by a restart)."""
+    start = time.monotonic()
+    last: dict[int, dict[str, Any]] = {}
+    while True:
+        for job_id in job_ids:
+            if last.get(job_id, {}).get("state") in FINAL_STATES:
+                continue
+            last[job_id] = client.job(job_id)
+            if on_update:
+                on_update(last[job_id])
+        if all(j["state"] in FINAL_STATES for j in last.values()):
+            return last
+        if timeout_s is not None and time.monotonic() - start > timeout_s:
+            waiting = [str(i) for i, j in last.items() if j["state"] not in FINAL_STATES]
+            raise ServiceError(f"job{'s' if len(waiting) > 1 else ''} {', '.join(waiting)} not finished after "
+                               f"{timeout_s:g} s (still running on the server)")
+        sleep(poll_s)
+
+
+def _sizes_text(sizes: Mapping[str, int]) -> str:
+    return ",".join(f"{k}={v}" for k, v in sizes.items())
+
+
+def _detail(resp: httpx.Response) -> str:
+    try:
+        body = resp.json()
+    except ValueError:
+        return " ".join(resp.text.split())[:300] or resp.reason_phrase
+    detail = body.get("detail", body) if isinstance(body, dict) else body
+    return detail if isinstance(detail, str) else json.dumps(detail)[:300]

@@ -1,0 +1,153 @@
+"""`coconet submit` end to end: the CLI in a subprocess against the real API (create_app) served by uvicorn.
+
+The server runs no tuning workers here (Ray is not needed): a thread in the test plays the worker, claiming
+each queued job and recording SYNTHETIC results through the store API (made-up timings of real schedules of
+examples/adam.py). What is tested is the client: IR sent, jobs followed, winner and code fetched, errors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from coconet.loader import load_file
+from coconet.schedules.space import generate
+from coconet.server.records import NewMeasurement, Progress
+from coconet.server.store import Store
+
+ROOT = Path(__file__).resolve().parents[2]
+ADAM = ROOT / "examples" / "adam.py"
+TOKEN = "s3cret"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _FakeWorker(threading.Thread):
+    """Claims queued jobs and finishes them with synthetic timings: the baseline 2x slower than the winner.
+    A job for N=8 fails, so the failure path is exercised too."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.url = url
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        store = Store.open(self.url)
+        schedules = list(generate(load_file(ADAM)))
+        try:
+            while not self.stop.is_set():
+                job = store.claim_job()
+                if job is None:
+                    time.sleep(0.02)
+                    continue
+                if job.sizes == {"N": 8}:
+                    store.update_job(job.id, state="failed", error="synthetic failure: ranks timed out")
+                    continue
+                ids = []
+                for i, (s, t) in enumerate(((schedules[0], 2e-3), (schedules[3], 1e-3))):
+                    ids.append(store.add_measurement(NewMeasurement.of(
+                        s, sizes=job.sizes, topology=job.topology, world=job.world, backend="gloo",
+                        samples=[t] * 5, n=5, median_s=t, ci_lo_s=t * 0.9, ci_hi_s=t * 1.1, job_id=job.id)))
+                    store.update_job(job.id, progress=Progress(done=i + 1, total=2, best_s=t))
+                    time.sleep(0.1)  # slow enough that the client sees progress
+                store.add_winner(ids[1], baseline_id=ids[0], job_id=job.id)
+                store.update_job(job.id, state="done", result={"synthetic": True})
+        finally:
+            store.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    import uvicorn
+
+    from coconet.server.app import create_app
+
+    url = f"sqlite:///{tmp_path_factory.mktemp('submit') / 'store.db'}"
+    app = create_app(url, token=TOKEN, workers=0, start_workers=False)
+    port = _free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    worker = _FakeWorker(url)
+    worker.start()
+    deadline = time.monotonic() + 20
+    while not srv.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.05)
+    try:
+        yield {"url": f"http://127.0.0.1:{port}", "schedules": [s.text for s in generate(load_file(ADAM))]}
+    finally:
+        worker.stop.set()
+        srv.should_exit = True
+        thread.join(10)
+        worker.join(10)
+
+
+def coconet(*args: Any, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if k not in ("COCONET_DEBUG", "COCONET_API_TOKEN")}
+    return subprocess.run([sys.executable, "-m", "coconet", *map(str, args)], capture_output=True, text=True,
+                          cwd=ROOT, env={**base, **(env or {})}, timeout=120)
+
+
+def assert_one_error(proc: subprocess.CompletedProcess, *fragments: str) -> None:
+    assert proc.returncode == 2, proc
+    lines = [ln for ln in proc.stderr.strip().splitlines() if ln.startswith("error: ")]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    for f in fragments:
+        assert f in lines[0], lines[0]
+
+
+def test_submit_json(server: dict[str, Any]) -> None:
+    proc = coconet("submit", ADAM, "--server", server["url"], "--world", "2", "--size", "N=2^10",
+                   "--size", "N=2^12", "--budget", "2", "--poll", "0.05", "--json", env={"COCONET_API_TOKEN": TOKEN})
+    assert proc.returncode == 0, proc.stderr
+    docs = json.loads(proc.stdout)
+    assert [d["sizes"] for d in docs] == [{"N": 1024}, {"N": 4096}]
+    for d in docs:
+        assert d["state"] == "done" and d["program_hash"] == load_file(ADAM).hash
+        assert d["best"]["schedule"] == server["schedules"][3] and d["best"]["median_s"] == pytest.approx(1e-3)
+        assert d["best"]["ci95_s"] == pytest.approx([0.9e-3, 1.1e-3])
+        assert d["baseline"]["schedule"] == "baseline" and d["speedup"] == pytest.approx(2.0)
+        assert "def step(" in d["code"]
+    assert proc.stderr == ""  # --json: no progress bar
+
+
+def test_submit_human_output(server: dict[str, Any]) -> None:
+    proc = coconet("submit", ADAM, "--server", server["url"], "--size", "N=2^14", "--token", TOKEN, "--poll", "0.05")
+    assert proc.returncode == 0, proc.stderr
+    assert f"winner: gloo: {server['schedules'][3]}" in proc.stdout and "2.00x over the baseline" in proc.stdout
+    assert "def step(" in proc.stdout
+    assert "job" in proc.stderr and "N=16384" in proc.stderr  # the progress bar
+
+
+def test_failed_job_is_one_error(server: dict[str, Any]) -> None:
+    proc = coconet("submit", ADAM, "--server", server["url"], "--size", "N=8", "--token", TOKEN, "--poll", "0.05",
+                   "--json")
+    assert_one_error(proc, "failed", "synthetic failure: ranks timed out")
+    assert json.loads(proc.stdout)["state"] == "failed"  # the answer is still printed for scripts
+
+
+def test_wrong_token_and_unreachable_server(server: dict[str, Any]) -> None:
+    proc = coconet("submit", ADAM, "--server", server["url"], "--size", "N=2^10", "--token", "wrong")
+    assert_one_error(proc, "POST", "/api/v1/programs", "HTTP 401")
+    proc = coconet("submit", ADAM, "--server", server["url"], "--size", "N=2^10")
+    assert_one_error(proc, "HTTP 401")
+    proc = coconet("submit", ADAM, "--server", f"http://127.0.0.1:{_free_port()}", "--size", "N=2^10")
+    assert_one_error(proc, "cannot reach http://127.0.0.1:")
+    proc = coconet("submit", ADAM, "--server", "127.0.0.1:8000", "--size", "N=2^10")
+    assert_one_error(proc, "not an http:// or https:// URL")
+    proc = coconet("submit", ADAM, "--server", server["url"], "--size", "M=4", "--token", TOKEN)
+    assert_one_error(proc, "M")
