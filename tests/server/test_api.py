@@ -1,0 +1,312 @@
+"""The REST API: a held-out program posted and tuned end to end by the server's worker, /best and its
+nearest-size fallback, generated code, a corpus of bad requests (each a 4xx with a message, the server
+still serving after it), restart recovery, and Schemathesis against the OpenAPI schema."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+from fastapi.testclient import TestClient
+
+from coconet.server.app import create_app
+from coconet.server.limits import BodyLimit, json_depth
+from coconet.server.records import NewMeasurement
+from coconet.server.store import Store
+from coconet.tuner.runner import Protocol
+
+TOKEN = "t0ken-for-tests"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+FAST = Protocol(warmup=1, min_repeats=5, max_repeats=10, max_time_s=1.0, kernels="eager", timeout_s=60.0)
+API = "/api/v1"
+
+
+def held_out_program() -> Any:
+    """Not one of the examples: SGD on an exponential moving average of the averaged gradient."""
+    from coconet import Local, Program, Replicated, allreduce
+
+    p = Program("ema_sgd", dims=("N",))
+    g = p.tensor("g", ("N",), layout=Local)
+    w = p.tensor("w", ("N",), layout=Replicated)
+    avg = p.tensor("avg", ("N",), layout=Replicated)
+    lr, beta = p.scalars("lr beta")
+    avg1 = beta * avg + (1 - beta) * allreduce(g)
+    p.update(avg, avg1)
+    p.update(w, w - lr * avg1)
+    return p.ir
+
+
+def ir_of(program: Any) -> dict[str, Any]:
+    from coconet.schedules.serialize import to_dict
+
+    return to_dict(program)
+
+
+@pytest.fixture
+def client(db_url: str) -> Iterator[TestClient]:
+    with TestClient(create_app(db_url, token=TOKEN, start_workers=False)) as c:
+        yield c
+
+
+def _seed_winner(store: Store, prog: Any, n: int) -> tuple[str, str]:
+    """Baseline and a transformed schedule measured at N=n, the transformed one the winner; their hashes."""
+    from coconet.schedules.space import generate
+
+    base, other = list(generate(prog, depth=1))[:2]
+    common = dict(sizes={"N": n}, topology="local", world=2, backend="gloo", samples=[1e-3] * 5, n=5)
+    ids = store.add_measurements([
+        NewMeasurement.of(base, median_s=2e-3, ci_lo_s=1.9e-3, ci_hi_s=2.1e-3, **common),
+        NewMeasurement.of(other, median_s=1e-3, ci_lo_s=0.9e-3, ci_hi_s=1.1e-3, **common),
+    ])
+    store.add_winner(ids[1], runner_up_id=ids[0], baseline_id=ids[0])
+    return base.hash, other.hash
+
+
+# -- end to end: posted, tuned by the server's worker on Ray, served
+
+
+@pytest.mark.slow
+def test_a_posted_program_is_tuned_by_a_job_and_served(ray_local, tmp_path: Path) -> None:
+    app = create_app(f"sqlite:///{tmp_path / 'api.db'}", token=TOKEN, workers=1, protocol=FAST)
+    prog = held_out_program()
+    with TestClient(app) as c:
+        r = c.post(f"{API}/programs", json=ir_of(prog), headers=AUTH)
+        assert r.status_code == 201, r.text
+        h = r.json()["hash"]
+        assert h == prog.hash
+        r = c.post(f"{API}/jobs", json={"program": h, "sizes": {"N": 2000}, "topology": "local", "world": 2,
+                                        "budget": 2, "backends": ["gloo"]}, headers=AUTH)
+        assert r.status_code == 202, r.text
+        job_id = r.json()["id"]
+        deadline = time.monotonic() + 240
+        while True:
+            job = c.get(f"{API}/jobs/{job_id}").json()
+            if job["state"] in ("done", "failed") or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert job["state"] == "done", job
+        assert job["progress"]["done"] == 2
+        result = job["result"]
+
+        best = c.get(f"{API}/best", params={"program": h, "sizes": "N=2000", "topology": "local", "world": 2})
+        assert best.status_code == 200, best.text
+        b = best.json()
+        assert b["exact"] is True and b["distance"] == 0
+        assert (b["schedule_hash"], b["backend"]) == (result["best"]["hash"], result["best"]["backend"])
+        assert b["schedule"] == result["best"]["schedule"]
+        assert b["stats"]["n"] >= 5 and b["stats"]["ci95_s"][0] <= b["stats"]["median_s"] <= b["stats"]["ci95_s"][1]
+        assert b["baseline"] is not None and b["source"] == "measured"
+
+        near = c.get(f"{API}/best", params={"program": h, "sizes": "N=8000", "world": 2}).json()
+        assert near["exact"] is False and near["distance"] == pytest.approx(2.0)
+        assert near["tuned_sizes"] == {"N": 2000} and near["schedule_hash"] == b["schedule_hash"]
+
+        code = c.get(f"{API}/schedules/{b['schedule_hash']}/code", params={"backend": "gloo"})
+        assert code.status_code == 200, code.text
+        assert "def step(" in code.json()["source"]
+
+        assert [w["schedule_hash"] for w in c.get(f"{API}/results", params={"program": h}).json()["winners"]] \
+            == [b["schedule_hash"]]
+        assert len(c.get(f"{API}/measurements", params={"program": h}).json()) >= 2
+        assert [j["id"] for j in c.get(f"{API}/jobs", params={"program": h}).json()] == [job_id]
+
+
+# -- /best and code on both backends, without Ray
+
+
+def test_best_exact_nearest_and_code(client: TestClient) -> None:
+    prog = held_out_program()
+    h = client.post(f"{API}/programs", json=ir_of(prog), headers=AUTH).json()["hash"]
+    base_hash, win_hash = _seed_winner(client.app.state.store, prog, 1024)
+
+    b = client.get(f"{API}/best", params={"program": h, "sizes": "N=1024", "topology": "local"}).json()
+    assert (b["exact"], b["schedule_hash"], b["backend"], b["source"]) == (True, win_hash, "gloo", "measured")
+    assert b["stats"] == {"median_s": 1e-3, "ci95_s": [0.9e-3, 1.1e-3], "n": 5}
+    assert b["speedup"] == pytest.approx(2.0)
+    assert b["runner_up"]["schedule_hash"] == b["baseline"]["schedule_hash"] == base_hash
+
+    near = client.get(f"{API}/best", params={"program": h, "sizes": "N=2^14", "world": 2}).json()
+    assert (near["exact"], near["distance"], near["sizes"], near["tuned_sizes"]) == (False, 4.0, {"N": 16384},
+                                                                                      {"N": 1024})
+    missing = client.get(f"{API}/best", params={"program": h, "sizes": "N=1024", "world": 4})
+    assert missing.status_code == 404 and "nothing tuned" in missing.json()["detail"]
+
+    started = client.get(f"{API}/best", params={"program": h, "sizes": "N=4096", "world": 2, "tune": "true",
+                                               "budget": 2}, headers=AUTH)
+    assert started.status_code == 202, started.text
+    assert started.json()["nearest"]["exact"] is False
+    again = client.get(f"{API}/best", params={"program": h, "sizes": "N=4096", "world": 2, "tune": "true"},
+                       headers=AUTH)
+    assert again.json()["job"] == started.json()["job"]  # asked twice, tuned once
+    assert client.get(f"{API}/jobs/{started.json()['job']}").json()["state"] == "queued"
+
+    code = client.get(f"{API}/schedules/{win_hash}/code", params={"backend": "gloo"})
+    assert code.status_code == 200 and "def step(" in code.json()["source"]
+    shm = client.get(f"{API}/schedules/{win_hash}/code", params={"backend": "shm", "kernels": "eager"})
+    assert shm.status_code == 200 and "def step(" in shm.json()["source"]
+
+
+# -- bad requests
+
+
+def _corpus(h: str) -> list[tuple[str, str, str, dict[str, Any], int]]:
+    good_ir = ir_of(held_out_program())
+    unknown_op = json.loads(json.dumps(good_ir))
+    unknown_op["statements"][-1]["op"] = "teleport"
+    deep = "[" * 10_000 + "]" * 10_000
+    deep_ir = json.loads(json.dumps(good_ir))
+    deep_ir["statements"][0]["attrs"]["shape"] = "@@"
+    deep_text = json.dumps(deep_ir).replace('"@@"', "[" * 5000 + "]" * 5000)
+    job = {"program": h, "sizes": {"N": 1024}, "world": 2, "budget": 2}
+    post, get = "POST", "GET"
+    big = b"x" * (64 * 2**20)
+    return [
+        ("no token", post, "/programs", dict(json=good_ir), 401),
+        ("wrong token", post, "/programs", dict(json=good_ir, headers={"Authorization": "Bearer nope"}), 401),
+        ("basic auth", post, "/programs", dict(json=good_ir, headers={"Authorization": f"Basic {TOKEN}"}), 401),
+        ("no token for a job", post, "/jobs", dict(json=job), 401),
+        ("no token to tune", get, "/best", dict(params={"program": h, "sizes": "N=4096", "world": 2,
+                                                        "tune": "true"}), 401),
+        ("broken JSON", post, "/programs", dict(content=b'{"version": 1, "name": ', headers=AUTH), 422),
+        ("not JSON at all", post, "/programs", dict(content=b"\xff\xfe\x00garbage", headers=AUTH), 422),
+        ("unknown op", post, "/programs", dict(json=unknown_op, headers=AUTH), 422),
+        ("wrong types", post, "/programs", dict(json={**good_ir, "statements": "x"}, headers=AUTH), 422),
+        ("wrong version", post, "/programs", dict(json={**good_ir, "version": 99}, headers=AUTH), 422),
+        ("extra key", post, "/programs", dict(json={**good_ir, "exec": "rm -rf /"}, headers=AUTH), 422),
+        ("huge name", post, "/programs", dict(json={**good_ir, "name": "a" * 5000}, headers=AUTH), 422),
+        ("too many statements", post, "/programs",
+         dict(json={**good_ir, "statements": good_ir["statements"] * 200}, headers=AUTH), 422),
+        ("64 MiB body", post, "/programs", dict(content=big, headers=AUTH), 413),
+        ("10,000 levels", post, "/programs", dict(content=deep.encode(), headers=AUTH), 400),
+        ("deep attrs", post, "/programs", dict(content=deep_text.encode(), headers=AUTH), 400),
+        ("job wrong types", post, "/jobs", dict(json={**job, "world": "two"}, headers=AUTH), 422),
+        ("job sizes 2^80", post, "/jobs", dict(json={**job, "sizes": {"N": 2**80}}, headers=AUTH), 422),
+        ("job size 0", post, "/jobs", dict(json={**job, "sizes": {"N": 0}}, headers=AUTH), 422),
+        ("job size negative", post, "/jobs", dict(json={**job, "sizes": {"N": -4}}, headers=AUTH), 422),
+        ("job wrong dim", post, "/jobs", dict(json={**job, "sizes": {"M": 4}}, headers=AUTH), 422),
+        ("job 9 dims", post, "/jobs", dict(json={**job, "sizes": {f"D{i}": 2 for i in range(9)}}, headers=AUTH), 422),
+        ("world 0", post, "/jobs", dict(json={**job, "world": 0}, headers=AUTH), 422),
+        ("world 10^6", post, "/jobs", dict(json={**job, "world": 10**6}, headers=AUTH), 422),
+        ("budget 10^9", post, "/jobs", dict(json={**job, "budget": 10**9}, headers=AUTH), 422),
+        ("remote topology", post, "/jobs", dict(json={**job, "topology": "dgx2"}, headers=AUTH), 400),
+        ("missing backend", post, "/jobs", dict(json={**job, "backends": ["nccl"]}, headers=AUTH), 400),
+        ("job of an unknown program", post, "/jobs", dict(json={**job, "program": "0" * 16}, headers=AUTH), 404),
+        ("best N=2^80", get, "/best", dict(params={"program": h, "sizes": "N=2^80"}), 422),
+        ("best N huge", get, "/best", dict(params={"program": h, "sizes": f"N={2**80}"}), 422),
+        ("best N negative", get, "/best", dict(params={"program": h, "sizes": "N=-5"}), 422),
+        ("best N=0", get, "/best", dict(params={"program": h, "sizes": "N=0"}), 422),
+        ("best garbage sizes", get, "/best", dict(params={"program": h, "sizes": "N==;DROP"}), 422),
+        ("best world 10^6", get, "/best", dict(params={"program": h, "sizes": "N=4", "world": 10**6}), 422),
+        ("best unknown program", get, "/best", dict(params={"program": "f" * 16, "sizes": "N=4"}), 404),
+        ("best not a hash", get, "/best", dict(params={"program": "../etc", "sizes": "N=4"}), 422),
+        ("unknown program", get, f"/programs/{'a' * 16}", {}, 404),
+        ("unknown job", get, "/jobs/987654", {}, 404),
+        ("job id 0", get, "/jobs/0", {}, 422),
+        ("job id 2^70", get, f"/jobs/{2**70}", {}, 422),
+        ("job id text", get, "/jobs/abc", {}, 422),
+        ("unknown schedule", get, f"/schedules/{'b' * 16}/code", {}, 404),
+        ("unknown backend", get, f"/schedules/{'b' * 16}/code", dict(params={"backend": "mpi"}), 422),
+        ("results of an unknown program", get, "/results", dict(params={"program": "c" * 16}), 404),
+    ]
+
+
+def test_bad_requests_get_a_4xx_with_a_message_and_the_server_goes_on(client: TestClient) -> None:
+    h = client.post(f"{API}/programs", json=ir_of(held_out_program()), headers=AUTH).json()["hash"]
+    wrong = []
+    for name, method, path, kwargs, status in _corpus(h):
+        r = client.request(method, API + path, **kwargs)
+        detail = r.json().get("detail") if r.headers.get("content-type") == "application/json" else None
+        if r.status_code != status or not detail:
+            wrong.append(f"{name}: {r.status_code} {r.text[:200]}")
+        ok = client.get(f"{API}/programs/{h}")
+        assert ok.status_code == 200, f"after {name}: {ok.status_code}"
+    assert not wrong, "\n".join(wrong)
+
+
+def test_unknown_schedule_backend_is_refused_for_a_known_schedule(client: TestClient) -> None:
+    prog = held_out_program()
+    client.post(f"{API}/programs", json=ir_of(prog), headers=AUTH)
+    _, win = _seed_winner(client.app.state.store, prog, 64)
+    r = client.get(f"{API}/schedules/{win}/code", params={"backend": "mpi"})
+    assert r.status_code == 422 and "mpi" in r.json()["detail"]
+
+
+def test_a_streamed_body_is_cut_off_at_the_limit() -> None:
+    import asyncio
+
+    reached = []
+    sent: list[dict] = []
+
+    async def app(scope, receive, send):  # pragma: no cover - must not be reached
+        reached.append(scope)
+
+    chunks = iter([{"type": "http.request", "body": b"x" * 2**20, "more_body": True}] * 64)
+    pulled = 0
+
+    async def receive():
+        nonlocal pulled
+        pulled += 1
+        return next(chunks)
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "headers": [(b"content-type", b"application/json")]}
+    asyncio.run(BodyLimit(app, max_body=2**20)(scope, receive, send))
+    assert sent[0]["status"] == 413 and not reached
+    assert pulled == 2  # one chunk at the limit, one past it: the other 62 MiB never read
+    assert json_depth(b'{"a": "[[[[", "b": [[1], {"c": []}]}') == 4
+
+
+# -- restart
+
+
+def test_a_job_left_running_is_requeued_when_the_server_starts(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'restart.db'}"
+    prog = held_out_program()
+    with Store.open(url) as store:
+        store.add_program(prog)
+        left = store.create_job(prog.hash, {"N": 1024}, "local", 2, budget=2)
+        store.claim_job(left)
+    with TestClient(create_app(url, token=TOKEN, start_workers=False, stale_s=0)) as c:
+        job = c.get(f"{API}/jobs/{left}").json()
+        assert job["state"] == "queued" and "stopped" in job["error"]
+    # With the default staleness a job whose driver beat recently (e.g. `coconet tune` sharing the database)
+    # is left alone.
+    with Store.open(url) as store:
+        store.claim_job(left)
+    with TestClient(create_app(url, token=TOKEN, start_workers=False)) as c:
+        assert c.get(f"{API}/jobs/{left}").json()["state"] == "running"
+
+
+# -- Schemathesis
+
+
+def test_no_generated_request_makes_a_server_error(tmp_path: Path) -> None:
+    """Every operation of the OpenAPI schema, 20 examples each, derandomized. (Schemathesis' pytest
+    plugin cannot load a schema from a fixture under pytest 9, so the operations are walked here.)"""
+    import schemathesis
+    from hypothesis import HealthCheck, given, settings
+    from schemathesis.checks import not_a_server_error
+
+    app = create_app(f"sqlite:///{tmp_path / 'fuzz.db'}", token=TOKEN, start_workers=False)
+    prog = held_out_program()
+    app.state.store.add_program(prog)
+    _seed_winner(app.state.store, prog, 1024)
+    schema = schemathesis.openapi.from_asgi("/openapi.json", app)
+    labels = []
+    for result in schema.get_all_operations():
+        operation = result.ok()
+        labels.append(operation.label)
+
+        @given(case=operation.as_strategy())
+        @settings(max_examples=20, derandomize=True, deadline=None, database=None,
+                  suppress_health_check=list(HealthCheck))
+        def fuzz(case: Any) -> None:
+            case.call_and_validate(headers=AUTH, checks=[not_a_server_error])
+
+        fuzz()
+    assert {"POST /api/v1/programs", "POST /api/v1/jobs", "GET /api/v1/best"} <= set(labels)
