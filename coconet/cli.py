@@ -696,13 +696,52 @@ def bench(
 @app.command()
 @_guard
 def serve(
-    host: str = typer.Option("127.0.0.1", "--host"),
-    port: int = typer.Option(8000, "--port"),
-    db: Optional[str] = typer.Option(None, "--db"),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on; other than loopback only with "
+                             "a token in $COCONET_API_TOKEN."),
+    port: int = typer.Option(8000, "--port", min=0, max=65535),
+    db: Optional[str] = typer.Option(None, "--db", help="Store URL (default $COCONET_DATABASE_URL, else SQLite in "
+                                     "the user data dir)."),
+    workers: int = typer.Option(1, "--workers", min=0, max=64, help="Tuning jobs run at once (threads driving "
+                                "Ray); 0: serve results only."),
+    ray_address: Optional[str] = typer.Option(None, "--ray-address", help="Join this Ray cluster instead of "
+                                              "starting a local one."),
     as_json: bool = JSON_OPT,
 ) -> None:
-    """Serve the REST API and the dashboard. Not available yet: arrives with the service."""
-    _not_yet("serve", "the results service")
+    """Serve the REST API (/api/v1, OpenAPI at /docs) and the dashboard (/); tuning jobs run in the server.
+    Writes need `Authorization: Bearer $COCONET_API_TOKEN`. Ctrl-C or SIGTERM stop it after the trial in
+    progress; a job cut short is queued again and resumes on the next start."""
+    import uvicorn
+
+    from coconet.server.app import ENV_TOKEN, create_app
+
+    token = os.environ.get(ENV_TOKEN) or None
+    if token is None and not _is_loopback(host):
+        raise CoconetError(f"--host {host} is reachable from other machines: set {ENV_TOKEN} to the token that "
+                           "writes must carry (or serve on 127.0.0.1)")
+    app_ = create_app(db, token=token, workers=workers, ray_address=ray_address)
+    if as_json:
+        _echo_json({"url": f"http://{host}:{port}", "api": "/api/v1", "docs": "/docs", "store": app_.state.store.url,
+                    "workers": workers, "auth": token is not None})
+        sys.stdout.flush()
+    server = uvicorn.Server(uvicorn.Config(app_, host=host, port=port, log_level="info", access_log=not as_json,
+                                           timeout_graceful_shutdown=30))
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass  # uvicorn stopped cleanly and re-raised the signal it caught: that is how serve ends
+    if not server.started and not server.should_exit:
+        raise CoconetError(f"could not serve on {host}:{port} (see the log above)")
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 @app.command()
