@@ -310,3 +310,68 @@ def test_no_generated_request_makes_a_server_error(tmp_path: Path) -> None:
 
         fuzz()
     assert {"POST /api/v1/programs", "POST /api/v1/jobs", "GET /api/v1/best"} <= set(labels)
+
+
+# -- workers, without Ray: tune replaced by a stand-in that behaves as tune does with its job row
+
+
+def _fake_tune(behaviour: str):
+    def fake(request: Any, store: Store, *, job_id: int, on_progress: Any, prior: Any) -> list:
+        from coconet.errors import CoconetError
+        from coconet.server.records import Progress
+
+        if behaviour == "refused":
+            raise CoconetError("backend nccl cannot run here")  # before the search: the job is still running
+        try:
+            for i in range(2000):
+                store.update_job(job_id, progress=Progress(done=min(i, 1), total=2))
+                on_progress(dict(request.sizes[0]), None)
+                time.sleep(0.01)
+        except BaseException as e:  # as tune does: the job is recorded interrupted, then re-raised
+            store.update_job(job_id, state="interrupted" if isinstance(e, KeyboardInterrupt) else "failed",
+                             error=f"{type(e).__name__}: {e}")
+            raise
+        return []
+
+    return fake
+
+
+def _worker_store(tmp_path: Path) -> tuple[Store, int]:
+    store = Store.open(f"sqlite:///{tmp_path / 'workers.db'}")
+    prog = held_out_program()
+    store.add_program(prog)
+    return store, store.create_job(prog.hash, {"N": 1024}, "local", 2, budget=2)
+
+
+def _wait_for(store: Store, job_id: int, state: str, timeout: float = 20.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while (job := store.job(job_id)).state != state and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return job
+
+
+def test_a_stopping_server_puts_its_running_job_back_in_the_queue(tmp_path: Path, monkeypatch) -> None:
+    from coconet.server.jobs import WorkerSettings, Workers
+
+    monkeypatch.setattr("coconet.tuner.tune.tune", _fake_tune("runs"))
+    store, job_id = _worker_store(tmp_path)
+    pool = Workers(store, WorkerSettings(workers=1, poll_s=0.05, protocol=FAST))
+    pool.start()
+    assert _wait_for(store, job_id, "running").state == "running"
+    pool.stop(timeout=20)
+    job = store.job(job_id)
+    assert job.state == "queued" and job.progress.done == 1
+    store.close()
+
+
+def test_a_job_the_tuner_refuses_is_failed_with_its_reason(tmp_path: Path, monkeypatch) -> None:
+    from coconet.server.jobs import WorkerSettings, Workers
+
+    monkeypatch.setattr("coconet.tuner.tune.tune", _fake_tune("refused"))
+    store, job_id = _worker_store(tmp_path)
+    pool = Workers(store, WorkerSettings(workers=1, poll_s=0.05, protocol=FAST))
+    pool.start()
+    job = _wait_for(store, job_id, "failed")
+    pool.stop(timeout=5)
+    assert job.state == "failed" and job.error == "backend nccl cannot run here"
+    store.close()
