@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from datetime import timezone
 from typing import Any, Iterable
 
 from sqlalchemy import select
@@ -26,6 +27,8 @@ def program_list(store: Store) -> list[dict[str, Any]]:
     out = []
     for h, name, created in rows:
         results = store.results(h)
+        if created.tzinfo is None:  # SQLite keeps no zone; the store writes UTC
+            created = created.replace(tzinfo=timezone.utc)
         out.append({"hash": h, "name": name, "created_at": created.isoformat(), "results": len(results)})
     return out
 

@@ -151,3 +151,32 @@ def test_wrong_token_and_unreachable_server(server: dict[str, Any]) -> None:
     assert_one_error(proc, "not an http:// or https:// URL")
     proc = coconet("submit", ADAM, "--server", server["url"], "--size", "M=4", "--token", TOKEN)
     assert_one_error(proc, "M")
+
+
+class _Jobs:
+    """A stand-in for Client.job: each job answers its states in turn, then stays in the last."""
+
+    def __init__(self, states: dict[int, list[str]]) -> None:
+        self.states = states
+        self.asked: list[int] = []
+
+    def job(self, job_id: int) -> dict[str, Any]:
+        self.asked.append(job_id)
+        seq = self.states[job_id]
+        return {"id": job_id, "state": seq.pop(0) if len(seq) > 1 else seq[0]}
+
+
+def test_follow_waits_through_interrupted_and_stops_polling_finished_jobs() -> None:
+    from coconet.client import follow
+
+    jobs = _Jobs({1: ["queued", "running", "interrupted", "queued", "done"], 2: ["failed"]})
+    final = follow(jobs, [1, 2], poll_s=0, sleep=lambda s: None)  # type: ignore[arg-type]
+    assert {k: v["state"] for k, v in final.items()} == {1: "done", 2: "failed"}
+    assert jobs.asked.count(2) == 1 and jobs.asked.count(1) == 5
+
+
+def test_follow_timeout_names_the_jobs_still_running() -> None:
+    from coconet.client import ServiceError, follow
+
+    with pytest.raises(ServiceError, match=r"job 7 not finished after 0.05 s \(still running on the server\)"):
+        follow(_Jobs({7: ["running"]}), [7], poll_s=0.01, timeout_s=0.05)  # type: ignore[arg-type]

@@ -121,6 +121,14 @@ def test_code_and_errors(client: TestClient, filled: dict[str, Any]) -> None:
     assert bare.status_code == 503 and "store" in bare.json()["detail"]
 
 
+def test_mounted_by_the_api(filled: dict[str, Any]) -> None:
+    from coconet.server.app import create_app
+
+    with TestClient(create_app(filled["url"], token="t", workers=0, start_workers=False)) as c:
+        assert c.get("/").status_code == 200
+        assert [p["hash"] for p in c.get(f"{PREFIX}/programs").json()] == [filled["hash"]]
+
+
 # -- in a browser
 
 
