@@ -4,14 +4,16 @@ read-only JSON it plots under ``/api/v1/dashboard`` (shaped in ``dashboard_data`
 from __future__ import annotations
 
 from importlib import resources
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from fastapi import APIRouter, FastAPI, HTTPException, Query, Request
 from fastapi.responses import FileResponse, HTMLResponse, PlainTextResponse, Response
 
 from coconet.errors import CoconetError, StoreError
+from coconet.server.store import Store
 
 PREFIX = "/api/v1/dashboard"
+T = TypeVar("T")
 _ASSETS = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
 
 
@@ -65,14 +67,14 @@ def _data_router() -> APIRouter:
     return router
 
 
-def _store(request: Request) -> Any:
+def _store(request: Request) -> Store:
     store = getattr(request.app.state, "store", None)
     if store is None:
         raise HTTPException(503, "the server has no results store attached")
     return store
 
 
-def _guard(read: Any) -> Any:
+def _guard(read: Callable[[], T]) -> T:
     # A database that is down or a record that no longer lowers is the server's state, not the
     # client's mistake: a message the page can show, never a bare 500.
     try:

@@ -16,6 +16,7 @@ from coconet.server.store import Store
 # A sweep records model predictions for hundreds of schedules; a plot with that many lines says nothing.
 MAX_SCHEDULES_PER_PLOT = 12
 BASELINE = "baseline"
+_Series = tuple[str, str]  # (backend, schedule text)
 
 
 def program_list(store: Store) -> list[dict[str, Any]]:
@@ -100,13 +101,12 @@ def _result(b: Best) -> dict[str, Any]:
 def _timings(measured: list[MeasurementRecord], results: list[Best]) -> list[dict[str, Any]]:
     """Per (topology, world): time vs size, one series per (backend, schedule) with its newest timing per size.
     Backends share a plot because the tuner races them against each other (a shm winner vs the gloo baseline)."""
-    Key = tuple[str, str]
-    points: dict[str, dict[Key, dict[str, tuple[int, float, str]]]] = defaultdict(lambda: defaultdict(dict))
+    points: dict[str, dict[_Series, dict[str, tuple[int, float, str]]]] = defaultdict(lambda: defaultdict(dict))
     for m in measured:  # oldest first: a later timing (a re-time) replaces an earlier one
         if m.status == "ok" and m.median_s:
             points[plot_context(m.topology, m.world)][(m.backend, m.schedule)][m.sizes_key] = (
                 elements(m.sizes), m.median_s, m.source)
-    winners: dict[str, set[Key]] = defaultdict(set)
+    winners: dict[str, set[_Series]] = defaultdict(set)
     for b in results:
         winners[plot_context(b.winner.topology, b.winner.world)].add((b.winner.backend, b.schedule))
     out = []
@@ -123,8 +123,7 @@ def _timings(measured: list[MeasurementRecord], results: list[Best]) -> list[dic
     return out
 
 
-def _pick(by_series: dict[tuple[str, str], dict[str, tuple[int, float, str]]],
-          winners: set[tuple[str, str]]) -> list[tuple[str, str]]:
+def _pick(by_series: dict[_Series, dict[str, tuple[int, float, str]]], winners: set[_Series]) -> list[_Series]:
     """The baselines and the winners first, then the fastest others, up to MAX_SCHEDULES_PER_PLOT."""
     first = sorted(k for k in by_series if k[1] == BASELINE) + sorted(
         k for k in winners if k in by_series and k[1] != BASELINE)
