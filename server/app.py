@@ -234,7 +234,7 @@ def _router(settings: Settings) -> Any:
              authorization: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)] = None) -> Any:
         store = _store(request)
         asked = _parse_sizes(sizes)
-        found = store.best(program, asked, topology, world, backend=backend)
+        found = queries.best_or_nearest(store, program, asked, topology, world, backend)
         if found is not None and found.exact:
             return _best_out(found, asked)
         prog = _loaded(store, program)  # a miss: say why (unknown program, wrong dims, nothing tuned)
