@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from coconet.errors import CoconetError, NotAvailable
+from coconet.errors import CoconetError
 
 app = typer.Typer(
     name="coconet",
@@ -138,10 +138,6 @@ def export(
         Console(stderr=True, highlight=False).print(f"wrote {output} ({prog.name}, hash {prog.hash})")
 
 
-def _not_yet(command: str, arrives_with: str) -> None:
-    raise NotAvailable(f"`coconet {command}` is not available in this version of coconet; it arrives with {arrives_with}")
-
-
 @app.command()
 @_guard
 def schedules(
@@ -192,6 +188,12 @@ def schedules(
         sys.stdout.write(space.listing())
         if verify:
             sys.stdout.write(f"all {len(space)} schedules equal the program on 1-4 ranks at {sizes}\n")
+
+
+def _require_sizes(prog: Any, size: Optional[List[str]]) -> None:
+    if not size:
+        raise CoconetError(f"--size is required: bind {', '.join(prog.dims)} (e.g. --size {prog.dims[0]}=2^20)"
+                           if prog.dims else "--size is required")
 
 
 def _pick_schedules(prog: Any, picks: List[str], depth: int, best: Optional[Callable[[], Any]] = None) -> list:
@@ -294,9 +296,7 @@ def run(
     if kernels not in KERNELS:
         raise CoconetError(f"unknown --kernels {kernels!r} (use {' or '.join(KERNELS)})")
     prog = load_file(file)
-    if not size:
-        raise CoconetError(f"--size is required: bind {', '.join(prog.dims)} (e.g. --size {prog.dims[0]}=2^20)"
-                           if prog.dims else "--size is required")
+    _require_sizes(prog, size)
     sizes = parse_sizes(size, prog.dims)
     picked = _pick_schedules(prog, schedule, depth, best=lambda: _tuned_best(prog, sizes, world, backend, db))
     if emit is not None:
@@ -381,9 +381,7 @@ def tune(
     if kernels not in KERNELS:
         raise CoconetError(f"unknown --kernels {kernels!r} (use {' or '.join(KERNELS)})")
     prog = load_file(file)
-    if not size:
-        raise CoconetError(f"--size is required: bind {', '.join(prog.dims)} (e.g. --size {prog.dims[0]}=2^20)"
-                           if prog.dims else "--size is required")
+    _require_sizes(prog, size)
     points = [parse_sizes(spec, prog.dims) for spec in size]
     request = Request(prog, tuple(points), world, topology, budget, tuple(dict.fromkeys(backend)),
                       Protocol(timeout_s=timeout, kernels=kernels), depth, seed=seed, ray_address=ray_address,
@@ -402,10 +400,11 @@ def tune(
 def _tune_with_progress(request: Any, store: Any, quiet: bool) -> list:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from coconet.tuner.tune import cost_prior
     from coconet.tuner.tune import tune as run_tune
 
     if quiet:
-        return run_tune(request, store, prior=_cost_prior)
+        return run_tune(request, store, prior=cost_prior)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TextColumn("{task.fields[status]}"))
     with Progress(*columns, console=Console(stderr=True), transient=False) as bar:
@@ -419,22 +418,7 @@ def _tune_with_progress(request: Any, store: Any, quiet: bool) -> list:
             bar.update(tasks[key], completed=p.trials, total=p.budget,
                        status=f"failed {p.failed}  {best}"[:100])
 
-        return run_tune(request, store, on_progress=show, prior=_cost_prior)
-
-
-def _cost_prior(space: Any, sizes: dict, topology: str, world: int) -> list:
-    """The cost model's favourites, tried right after the baseline; none where the topology has no
-    description (an uncalibrated `local`: `coconet calibrate` writes it)."""
-    from coconet.tuner.cost import predict
-    from coconet.tuner.search import Candidate
-    from coconet.tuner.topology import load_topology, topology_path
-
-    if topology_path(topology) is None:
-        return []
-    topo = load_topology(topology)
-    ranked = [(predict(s, sizes, topo, b, world=world).seconds, i, Candidate(s, b))
-              for b in space.backends if b in topo.backends for i, s in enumerate(space.schedules)]
-    return [c for *_, c in sorted(ranked, key=lambda x: x[:2])]
+        return run_tune(request, store, on_progress=show, prior=cost_prior)
 
 
 def _print_tune_table(prog: Any, doc: dict, tuned: Any) -> None:
@@ -487,14 +471,15 @@ def sweep(
     from coconet.tuner.runner import Protocol
     from coconet.tuner.sweep import SweepConfig
     from coconet.tuner.sweep import sweep as run_sweep
-    from coconet.tuner.tune import Request, tune as run_tune
+    from coconet.tuner.tune import Request, cost_prior
+    from coconet.tuner.tune import tune as run_tune
 
     cfg = SweepConfig.load(config)
     with Store.open(db) as store:
         def tune_key(entry: Any, sizes: dict, world: int) -> None:
             request = Request(entry.program, (sizes,), world, budget=cfg.budget, protocol=Protocol(),
                               depth=cfg.depth, ray_address=ray_address, program_file=entry.file)
-            run_tune(request, store, prior=_cost_prior)
+            run_tune(request, store, prior=cost_prior)
 
         if as_json:
             report = run_sweep(cfg, store, simulate=simulate, tune_key=tune_key)
@@ -770,9 +755,7 @@ def submit(
     from coconet.schedules.serialize import export as to_json
 
     prog = load_file(file)
-    if not size:
-        raise CoconetError(f"--size is required: bind {', '.join(prog.dims)} (e.g. --size {prog.dims[0]}=2^20)"
-                           if prog.dims else "--size is required")
+    _require_sizes(prog, size)
     points = [parse_sizes(spec, prog.dims) for spec in size]
     with Client.open(server, token or os.environ.get(ENV_TOKEN) or None) as client:
         program = client.post_program(to_json(prog, indent=None))["hash"]

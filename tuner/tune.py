@@ -215,6 +215,21 @@ def tune(request: Request, store, *, on_progress: Callable[[dict, Progress], Non
     return done
 
 
+def cost_prior(space: SearchSpace, sizes: Mapping[str, int], topology: str, world: int) -> list[Candidate]:
+    """The cost model's favourites, best first: tried right after the baseline. None where the
+    topology has no description (an uncalibrated `local`: `coconet calibrate` writes it)."""
+    from coconet.tuner.cost import predict
+    from coconet.tuner.topology import load_topology, topology_path
+
+    if topology_path(topology) is None:
+        return []
+    topo = load_topology(topology)
+    stages = 2 if space.program.is_pipeline else 1  # the model's world counts every stage's ranks
+    ranked = [(predict(s, sizes, topo, b, world=world * stages, stages=stages).seconds, i, Candidate(s, b))
+              for b in space.backends if b in topo.backends for i, s in enumerate(space.schedules)]
+    return [c for *_, c in sorted(ranked, key=lambda x: x[:2])]
+
+
 def _record_id(trial, record) -> int | None:
     """The store id of a trial's measurement; a trial reused from a study whose records are gone
     (an Optuna study kept in another database) is recorded again from the study's values."""

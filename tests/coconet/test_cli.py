@@ -117,12 +117,12 @@ def test_other_errors(args, fragment):
     assert_one_error(coconet(*args), fragment)
 
 
-def test_help_lists_every_command_and_says_what_is_missing():
+def test_help_lists_every_command():
     proc = coconet("--help")
     assert proc.returncode == 0
     for cmd in ("check", "export", "schedules", "run", "tune", "sweep", "calibrate", "bench", "serve", "submit"):
         assert cmd in proc.stdout
-    assert "Not available yet" in coconet("serve", "--help").stdout
+    assert "Not available yet" not in proc.stdout
 
 
 def test_schedules_listing_and_json():
