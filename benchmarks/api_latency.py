@@ -4,7 +4,8 @@ about 1,000 and 1,000,000 measurement rows.
 The server is ``coconet serve`` (uvicorn, one process, no tuning workers) in a subprocess on a free port;
 the load is open-loop: request i is due at t0 + i/rate and its latency counts from then, so a server that
 falls behind is charged for the queue it builds (no coordinated omission). 90% of the requests hit a tuned
-key exactly, 10% ask for untuned sizes and get the nearest tuned ones.
+key exactly, 10% ask for untuned sizes and get the nearest tuned ones. Before the load, 300 requests one at a
+time give the server's own latency (serial_p50_ms, serial_p99_ms), apart from any queue.
 
     nice -n 19 python benchmarks/api_latency.py [--rate 300] [--seconds 10] [--rows 1000 1000000]
 
@@ -192,6 +193,13 @@ async def load(base: str, triples: list, rate: float, seconds: float) -> dict[st
     async with httpx.AsyncClient(base_url=base, limits=limits, timeout=10) as client:
         for _ in range(50):  # warm-up: connections, the server's caches
             await client.get("/api/v1/best", params=next(q))
+        # One at a time first: the server's own cost, apart from any queue the load builds.
+        serial = []
+        for _ in range(300):
+            t = time.perf_counter()
+            await client.get("/api/v1/best", params=next(q))
+            serial.append(time.perf_counter() - t)
+        serial.sort()
 
         async def one(due: float, params: dict) -> None:
             nonlocal errors
@@ -219,7 +227,8 @@ async def load(base: str, triples: list, rate: float, seconds: float) -> dict[st
     return {"requests": n, "ok": statuses.get(200, 0), "statuses": statuses, "errors": errors,
             "target_rate": rate, "achieved_rate": round(len(latencies) / elapsed, 1),
             "p50_ms": round(pct(0.50), 2), "p90_ms": round(pct(0.90), 2), "p99_ms": round(pct(0.99), 2),
-            "max_ms": round(latencies[-1] * 1e3, 2)}
+            "max_ms": round(latencies[-1] * 1e3, 2),
+            "serial_p50_ms": round(serial[150] * 1e3, 2), "serial_p99_ms": round(serial[296] * 1e3, 2)}
 
 
 def run_one(backend: str, rows: int, url: str, rate: float, seconds: float) -> dict[str, Any]:
@@ -267,6 +276,7 @@ def main() -> None:
     doc = {"benchmark": "GET /api/v1/best latency, open loop", "rate": args.rate, "seconds": args.seconds,
            "machine": {"cpus": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version()},
            "note": "client and server share this machine's cores (and other benchmarks may run beside them)",
+           "load_average_after": os.getloadavg(),
            "results": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=2) + "\n")
