@@ -10,7 +10,7 @@ import logging
 import threading
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
-from typing import Any, Mapping
+from typing import Any
 
 from coconet.errors import CoconetError, StoreError
 from coconet.server.records import JobRecord
@@ -58,21 +58,6 @@ def requeue_orphans(store: Store, stale_s: float = STALE_S) -> list[int]:
     if out:
         log.warning("requeued jobs %s, left running by a server that stopped", out)
     return out
-
-
-def cost_prior(space: Any, sizes: Mapping[str, int], topology: str, world: int) -> list:
-    # As `coconet tune` seeds its studies (cli._cost_prior): the cost model's favourites right after the
-    # baseline, none where the topology has no description.
-    from coconet.tuner.cost import predict
-    from coconet.tuner.search import Candidate
-    from coconet.tuner.topology import load_topology, topology_path
-
-    if topology_path(topology) is None:
-        return []
-    topo = load_topology(topology)
-    ranked = [(predict(s, sizes, topo, b, world=world).seconds, i, Candidate(s, b))
-              for b in space.backends if b in topo.backends for i, s in enumerate(space.schedules)]
-    return [c for *_, c in sorted(ranked, key=lambda x: x[:2])]
 
 
 class Workers:
@@ -134,7 +119,7 @@ class Workers:
 
     def _run(self, job: JobRecord) -> None:
         from coconet.schedules.serialize import load
-        from coconet.tuner.tune import Request, tune
+        from coconet.tuner.tune import Request, cost_prior, tune
 
         beat = threading.Event()
         beating = threading.Thread(target=self._heartbeat, args=(job.id, beat), daemon=True)
