@@ -34,6 +34,7 @@ from coconet.schedules.ir import Program
 from coconet.schedules.schedule import Schedule
 
 Lowering = Callable[[Schedule, str, str], Generated]
+DEATH_NOTICE_S = 5.0  # how long Ray may take to report a dead actor after its peers saw the connection drop
 
 
 @dataclass(frozen=True)
@@ -246,6 +247,10 @@ class Runner:
             except ray.exceptions.RayError as e:
                 return failed("runtime_error", f"rank {rank} died: {_first_line(e)}")
             if "error" in answer:
+                # a peer that died makes the others' collectives fail at once; the death is the cause
+                dead = _dead_rank(pending, rank_of)
+                if dead is not None:
+                    return failed("runtime_error", dead)
                 return failed(answer["kind"], describe_error(rank, answer["error"], gen))
             answers[rank] = answer
         return [answers[r] for r in range(len(refs))]
@@ -332,6 +337,20 @@ class Runner:
 class _CompareOpts:  # what coconet.codegen.launch.compare reads of a launch's options
     world: int
     stages: int
+
+
+def _dead_rank(pending: list, rank_of: dict, wait_s: float = DEATH_NOTICE_S) -> str | None:
+    import ray
+
+    ready, _ = ray.wait(pending, num_returns=len(pending), timeout=wait_s)
+    for ref in ready:
+        try:
+            ray.get(ref)
+        except ray.exceptions.RayActorError as e:
+            return f"rank {rank_of[ref]} died: {_first_line(e)}"
+        except ray.exceptions.RayError:
+            continue
+    return None
 
 
 def _first_line(e: BaseException) -> str:
