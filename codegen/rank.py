@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -42,7 +42,7 @@ def _die_with_parent() -> None:
 
 
 def main(argv: list[str]) -> int:
-    _die_with_parent()
+    die_with_parent()
     job_path, rank, fd = argv[0], int(argv[1]), int(argv[2])
     conn = Connection(fd, readable=False)
     stack = open(Path(job_path).parent / f"rank{rank}.stack", "w")

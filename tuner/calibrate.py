@@ -22,7 +22,6 @@ backend can be predicted where nothing was measured; the report puts the two sid
 
 from __future__ import annotations
 
-import ctypes
 import datetime
 import math
 import os
@@ -225,18 +224,10 @@ def _cpu_model() -> str:
 
 # --- the rank processes ---
 
-def _die_with_parent() -> None:
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        return
-    if os.getppid() == 1:
-        os._exit(1)
-
-
 def _rank_main(argv: list[str]) -> int:
-    _die_with_parent()
+    from coconet.codegen.rank import die_with_parent
+
+    die_with_parent()
     job_path, rank, fd = argv[0], int(argv[1]), int(argv[2])
     conn = Connection(fd, readable=False)
     try:
