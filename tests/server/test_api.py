@@ -378,6 +378,9 @@ def test_a_stopping_server_puts_its_running_job_back_in_the_queue(tmp_path: Path
     pool = Workers(store, WorkerSettings(workers=1, poll_s=0.05, protocol=FAST))
     pool.start()
     assert _wait_for(store, job_id, "running").state == "running"
+    deadline = time.monotonic() + 20  # a trial finished before the stop: its progress must survive it
+    while store.job(job_id).progress.done < 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
     pool.stop(timeout=20)
     job = store.job(job_id)
     assert job.state == "queued" and job.progress.done == 1
