@@ -119,7 +119,7 @@ def run_schedules(schedules: Sequence[Schedule], opts: Options, program_file: st
         raise CoconetError(f"world and stages must be positive, got world={opts.world}, stages={opts.stages}")
     stages = opts.stages if program.is_pipeline else 1
     opts = dataclasses.replace(opts, stages=stages, sizes=dict(opts.sizes))
-    custom = _custom_payload(program, program_file)
+    custom = custom_payload(program, program_file)
     results: dict[int, RunResult] = {}
     tasks: list[tuple[int, Any]] = [(i, TorchTask(b, Schedule(program))) for i, b in enumerate(baselines)]
     for i, sched in enumerate(schedules, start=len(baselines)):
@@ -137,7 +137,7 @@ def run_schedules(schedules: Sequence[Schedule], opts: Options, program_file: st
     return [results[i] for i in range(len(baselines) + len(schedules))]
 
 
-def _custom_payload(program, program_file: str | None):
+def custom_payload(program, program_file: str | None):
     ops = {k: op.torch for k, op in program.custom_ops.items() if op.torch is not None}
     try:
         pickle.dumps(ops)
@@ -158,7 +158,7 @@ def _launch(tasks, opts: Options, reference, results, custom) -> set[int]:
         pickle.dump(list(sys.path), f)
         pickle.dump({"options": opts, "port": free_port(), "custom": custom,
                      "threads": max(1, (os.cpu_count() or 1) // nranks),
-                     "tasks": [(i, gen.source, _task_path(gen), _strip(gen.schedule.scheduled))
+                     "tasks": [(i, gen.source, _task_path(gen), strip_program(gen.schedule.scheduled))
                                for i, gen in tasks]}, f)
     procs, conns = [], {}
     by_id = dict(tasks)
@@ -241,7 +241,7 @@ def _task_path(task) -> str:
     return f"torch:{task.baseline.name}" if isinstance(task, TorchTask) else str(module_path(task))
 
 
-def _strip(prog):
+def strip_program(prog):
     """The program as ranks need it: custom ops travel separately (their code may not pickle)."""
     return dataclasses.replace(prog, custom_ops={}, locations={})
 
@@ -260,9 +260,14 @@ def _stop(procs) -> None:
             os.killpg(p.pid, signal.SIGKILL)
     for p in procs:
         p.wait()
-        # shm segments are unlinked once mapped; a rank killed in between leaves its file behind
-        for leftover in Path("/dev/shm").glob(f"coconet-{p.pid}-*"):
-            leftover.unlink(missing_ok=True)
+        remove_leftover_segments(p.pid)
+
+
+def remove_leftover_segments(pid: int) -> None:
+    """shm segments are unlinked once every rank has mapped them; a rank killed in between leaves its
+    file behind (named by its pid: coconet.codegen.shm)."""
+    for leftover in Path("/dev/shm").glob(f"coconet-{pid}-*"):
+        leftover.unlink(missing_ok=True)
 
 
 def _finish(gen: Generated, slot, opts: Options, reference) -> RunResult:

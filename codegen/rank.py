@@ -52,7 +52,7 @@ def main(argv: list[str]) -> int:
         try:
             job = pickle.load(f)
         except Exception as e:  # a custom op that is not importable here
-            conn.send(("error", None, rank, _error(e, "")))
+            conn.send(("error", None, rank, error_report(e, "")))
             return 1
     try:
         return _run(job, rank, conn)
@@ -60,7 +60,7 @@ def main(argv: list[str]) -> int:
         conn.close()
 
 
-def _error(e: BaseException, module: str) -> dict[str, Any]:
+def error_report(e: BaseException, module: str) -> dict[str, Any]:
     frames = [(f.filename, f.lineno) for f in traceback.extract_tb(e.__traceback__)]
     return {"error": f"{type(e).__name__}: {e}", "frames": frames, "module": module}
 
@@ -83,7 +83,7 @@ def _run(job: dict[str, Any], rank: int, conn: Connection) -> int:
                                 world_size=world * stages, timeout=timedelta(seconds=max(30.0, opts.timeout_s)))
         groups = [dist.new_group(list(range(s * world, (s + 1) * world))) for s in range(stages)]
     except Exception as e:  # the group never formed: nothing of this launch can run
-        conn.send(("error", None, rank, _error(e, "")))
+        conn.send(("error", None, rank, error_report(e, "")))
         return 1
     stage = rank // world
     group = groups[stage]
@@ -113,7 +113,7 @@ def _run(job: dict[str, Any], rank: int, conn: Connection) -> int:
             if opts.time and rank == 0:
                 conn.send(("time", task, rank, samples))
         except Exception as e:
-            conn.send(("error", task, rank, _error(e, path)))
+            conn.send(("error", task, rank, error_report(e, path)))
             return 1
         for shm in list(ns.get("_GROUPS", {}).values()):  # the next task maps its own segments
             shm.close()

@@ -177,7 +177,7 @@ def _build(settings: Settings, res: dict[str, Any], seconds: float) -> Calibrati
     beta = ar.beta_s_per_byte * R / (2 * (R - 1))
     link = Link(alpha, 1.0 / (max(beta, 1e-15) * 1e9), "loopback")
     fingerprint = {
-        "cpu": _cpu_model(), "cpus": os.cpu_count() or 0, "machine": platform.machine(),
+        "cpu": cpu_model(), "cpus": os.cpu_count() or 0, "machine": platform.machine(),
         "system": platform.platform(terse=True), "python": platform.python_version(), "torch": res["torch"],
         "ranks": R, "threads_per_rank": res["threads"],
         "calibrated": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -212,7 +212,7 @@ def _build(settings: Settings, res: dict[str, Any], seconds: float) -> Calibrati
     return Calibration(topology=topo, samples=samples, extras=extras, sweeps=extras_sweeps, seconds=seconds)
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):

@@ -21,12 +21,12 @@ import os
 import signal
 import tempfile
 import time
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from coconet.codegen.launch import HANG_DUMP_S, RunResult, compare, describe_error, stuck_at
+from coconet.codegen.launch import (HANG_DUMP_S, Options, RunResult, compare, custom_payload, describe_error,
+                                    remove_leftover_segments, strip_program, stuck_at)
 from coconet.codegen.lower import BACKENDS, Generated, lower
 from coconet.errors import BackendError, CoconetError
 from coconet.schedules import interp
@@ -103,7 +103,7 @@ class _Rank:
 
         device = torch.device("cuda", 0) if self.backend == "nccl" else torch.device("cpu")
         stage = self.rank // self.world
-        opts = _RankOpts(self.world, sizes, seed)
+        opts = Options(world=self.world, sizes=sizes, seed=seed)
         ns: dict[str, Any] = {"__name__": "coconet_generated"}
         try:
             try:
@@ -128,16 +128,11 @@ class _Rank:
                 shm.close()
 
 
-@dataclass(frozen=True)
-class _RankOpts:  # what coconet.codegen.rank.inputs reads of a launch's options
-    world: int
-    sizes: Mapping[str, int]
-    seed: int
-
-
 def _error(e: BaseException, filename: str) -> dict[str, Any]:
-    frames = [(f.filename, f.lineno) for f in traceback.extract_tb(e.__traceback__)]
-    return {"error": f"{type(e).__name__}: {e}".strip()[:2000], "frames": frames, "module": filename}
+    from coconet.codegen.rank import error_report
+
+    report = error_report(e, filename)
+    return dict(report, error=report["error"].strip()[:2000])  # it travels back through Ray and into the store
 
 
 def _kind(e: BaseException) -> str:
@@ -157,8 +152,6 @@ class Runner:
     def __init__(self, program: Program, *, world: int, sizes: Mapping[str, int], backend: str = "gloo",
                  protocol: Protocol = Protocol(), stages: int = 2, program_file: str | None = None,
                  lowering: Lowering = lower) -> None:
-        from coconet.codegen.launch import _custom_payload
-
         if backend not in BACKENDS:
             raise BackendError(f"unknown backend {backend!r} (use {', '.join(BACKENDS)})", kind="compile_error")
         if world < 1:
@@ -167,12 +160,11 @@ class Runner:
         self.sizes = dict(sizes)
         self.stages = stages if program.is_pipeline else 1
         self.lowering = lowering
-        self._custom = _custom_payload(program, program_file)
+        self._custom = custom_payload(program, program_file)
         self._check_sizes = check_sizes(self.sizes, protocol.check_size)
         self._reference = None
         self._actors: list = []
         self._pg = None
-        self._pids: list[int] = []
         self._stacks: list[tuple[str, int, str]] = []
 
     def __enter__(self) -> "Runner":
@@ -192,14 +184,14 @@ class Runner:
             gen = self.lowering(schedule, self.backend, self.protocol.kernels)
         except CoconetError as e:
             return RunResult(schedule.text, schedule.hash, getattr(e, "kind", "compile_error"), error=str(e))
-        prog = dataclasses.replace(gen.schedule.scheduled, custom_ops={}, locations={})
+        prog = strip_program(gen.schedule.scheduled)
         filename = f"<coconet {schedule.hash} {self.backend}>"
         res = RunResult(schedule.text, schedule.hash, "ok")
         if self.protocol.check:
             got = self._call(gen, filename, prog, self._check_sizes, None)
             if isinstance(got, RunResult):
                 return got
-            opts = _CompareOpts(self.world, self.stages)
+            opts = Options(world=self.world, sizes=self._check_sizes, stages=self.stages)
             res.max_rel_err, bad = compare(prog, {r: g["check"] for r, g in enumerate(got)}, opts, self._ref())
             res.correct = bad is None
             if bad is not None:
@@ -304,7 +296,6 @@ class Runner:
             for r in range(self.nranks)]
         try:
             where = ray.get([a.where.remote() for a in self._actors], timeout=self.protocol.timeout_s)
-            self._pids = [pid for _, _, pid, _ in where]
             self._stacks = [(ip, pid, path) for ip, _, pid, path in where]
             addr, port, _, _ = where[0]
             ray.get([a.join.remote(addr, port, self.protocol.timeout_s) for a in self._actors],
@@ -321,22 +312,14 @@ class Runner:
             ray.kill(a, no_restart=True)
         if self._pg is not None:
             ray.util.remove_placement_group(self._pg)
-        # shm segments are unlinked once mapped; a rank killed in between leaves its file behind
-        for pid in self._pids:
-            for leftover in Path("/dev/shm").glob(f"coconet-{pid}-*"):
-                leftover.unlink(missing_ok=True)
-            Path(tempfile.gettempdir(), f"coconet-rank-{pid}.stack").unlink(missing_ok=True)
-        self._actors, self._pg, self._pids, self._stacks = [], None, [], []
+        for _, pid, stack in self._stacks:
+            remove_leftover_segments(pid)
+            Path(stack).unlink(missing_ok=True)
+        self._actors, self._pg, self._stacks = [], None, []
 
     def close(self) -> None:
         if self._actors or self._pg is not None:
             self._reset()
-
-
-@dataclass(frozen=True)
-class _CompareOpts:  # what coconet.codegen.launch.compare reads of a launch's options
-    world: int
-    stages: int
 
 
 def _dead_rank(pending: list, rank_of: dict, wait_s: float = DEATH_NOTICE_S) -> str | None:

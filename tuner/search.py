@@ -12,6 +12,7 @@ after the other, and the faster becomes the winner.
 
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -45,6 +46,15 @@ class Candidate:
 def structure_text(s: Schedule) -> str:
     """A schedule's transforms without its knob values: the categorical the study chooses from."""
     return "; ".join(t.text() for t in s.transforms) if s.transforms else BASELINE
+
+
+def knob_variants(s: Schedule) -> list[Schedule]:
+    """``s`` with every combination of its knobs' values (``s`` itself when it has none)."""
+    doms = s.knob_domains
+    names = sorted(doms)
+    if not names:
+        return [s]
+    return [s.with_knobs(**dict(zip(names, values))) for values in itertools.product(*(doms[k][1] for k in names))]
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from coconet.schedules.dims import parse_sizes
 from coconet.schedules.ir import Program
 from coconet.schedules.schedule import Schedule
 from coconet.schedules.space import generate
+from coconet.tuner.search import knob_variants
 
 LOCAL = "local"
 STAGES = 2  # a pipeline program's stages in a sweep, as in coconet run and tune
@@ -163,13 +164,7 @@ class SweepReport:
 
 def _candidates(program: Program, depth: int) -> list[Schedule]:
     """Every schedule of the space with every value of its knobs."""
-    out = []
-    for s in generate(program, depth).schedules:
-        doms = s.knob_domains
-        names = sorted(doms)
-        for values in itertools.product(*(doms[k][1] for k in names)):
-            out.append(s.with_knobs(**dict(zip(names, values))) if names else s)
-    return out
+    return [v for s in generate(program, depth).schedules for v in knob_variants(s)]
 
 
 def sweep(config: SweepConfig, store, *, simulate: bool = False,

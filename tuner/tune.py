@@ -101,12 +101,9 @@ def fingerprint() -> dict[str, Any]:
 
     import torch
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
+    from coconet.tuner.calibrate import cpu_model
+
+    cpu = cpu_model()
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] \
         if torch.cuda.is_available() else []
     return {"machine": platform.machine(), "cpu": cpu, "cpus": os.cpu_count(), "gpus": gpus}

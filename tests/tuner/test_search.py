@@ -9,7 +9,7 @@ import pytest
 
 from coconet.codegen.launch import RunResult
 from coconet.schedules.schedule import Schedule
-from coconet.tuner.search import Candidate, SearchSpace, search, structure_text, study_name
+from coconet.tuner.search import Candidate, SearchSpace, knob_variants, search, structure_text, study_name
 
 ROOT = Path(__file__).parents[2]
 
@@ -52,15 +52,10 @@ def storage():
 def exhaustive_best(space: SearchSpace, fake: Fake) -> float:
     best = math.inf
     for s in space.schedules:
-        doms = s.knob_domains
-        combos = [{}]
-        for k, (_, dom) in doms.items():
-            combos = [dict(c, **{k: v}) for c in combos for v in dom]
         for b in space.backends:
-            for kv in combos:
-                c = Candidate(s.with_knobs(**kv), b)
+            for v in knob_variants(s):
                 if structure_text(s) not in fake.fail:
-                    best = min(best, fake.time_of(c))
+                    best = min(best, fake.time_of(Candidate(v, b)))
     return best
 
 
