@@ -94,6 +94,8 @@ class MeasurementRow(Base):
         # Serves measurements() by key and done_keys() (schedule_hash last, so resume reads the index only).
         Index("ix_coconet_measurements_key", "program_hash", "sizes_key", "topology", "schedule_hash"),
         Index("ix_coconet_measurements_job_id", "job_id"),
+        # Serves a schedule's code by its hash alone (GET /schedules/{hash}/code without ?program=).
+        Index("ix_coconet_measurements_schedule_hash", "schedule_hash"),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -125,6 +127,8 @@ class WinnerRow(Base):
     __tablename__ = "coconet_winners"
     __table_args__ = (
         Index("ix_coconet_winners_key", "program_hash", "topology", "sizes_key", "created_at"),
+        # The winner-first lookup of a schedule by its hash joins from the measurements to their winners.
+        Index("ix_coconet_winners_measurement_id", "measurement_id"),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from sqlalchemy import create_engine, inspect
+from sqlalchemy import create_engine, inspect, text
 
 from coconet import Program, Replicated
 from coconet.errors import StoreError
@@ -333,6 +333,38 @@ def test_migrated_schema_matches_the_models(db_url):
     Store.open(db_url).close()  # and up again
 
 
+def _indexes(engine) -> set[str]:
+    return {i["name"] for t in ("coconet_measurements", "coconet_winners") for i in inspect(engine).get_indexes(t)}
+
+
+def test_a_store_at_0001_is_upgraded_when_opened(db_url, adam):
+    from alembic import command
+
+    with Store.open(db_url) as store:
+        h = store.add_program(adam)
+        job = store.create_job(h, {"N": 2**20}, "local", 2)
+        mid = store.add_measurement(measure(h, {"N": 2**20}, "split", job_id=job))
+        store.add_winner(mid)
+        before = (store.program(h), store.jobs(), store.measurements(h), store.winners(h))
+    new = {"ix_coconet_measurements_schedule_hash", "ix_coconet_winners_measurement_id"}
+    engine = create_engine(db_url)
+    try:
+        with engine.begin() as conn:
+            config = alembic_config()
+            config.attributes["connection"] = conn
+            command.downgrade(config, "0001")
+        with engine.connect() as conn:
+            assert conn.execute(text(f"SELECT version_num FROM {VERSION_TABLE}")).scalar() == "0001"
+        assert not new & _indexes(engine)
+        with Store.open(db_url) as store:
+            assert (store.program(h), store.jobs(), store.measurements(h), store.winners(h)) == before
+        with engine.connect() as conn:
+            assert conn.execute(text(f"SELECT version_num FROM {VERSION_TABLE}")).scalar() == SCHEMA_HEAD
+        assert new <= _indexes(engine)
+    finally:
+        engine.dispose()
+
+
 def test_optuna_shares_the_database(db_url, adam):
     import optuna
 
@@ -432,7 +464,8 @@ def test_bad_or_unreachable_databases_are_store_errors(tmp_path):
 
 
 def test_lookups_use_indexes(tmp_path):
-    """best, measurements and done_keys stay index lookups at a million rows: SQLite's planner says so."""
+    """best, measurements, done_keys and a schedule by its hash stay index lookups at a million rows: SQLite's
+    planner says so."""
     with Store.open(f"sqlite:///{tmp_path / 'plan.db'}") as store, store._engine.connect() as conn:
         plans = {
             "measurements": "SELECT * FROM coconet_measurements "
@@ -443,7 +476,10 @@ def test_lookups_use_indexes(tmp_path):
             "nearest": "SELECT DISTINCT sizes_key FROM coconet_winners WHERE program_hash='a' AND topology='t'",
             "best": "SELECT * FROM coconet_winners WHERE program_hash='a' AND topology='t' AND sizes_key='N=1' "
                     "ORDER BY created_at DESC",
+            "schedule": "SELECT * FROM coconet_measurements WHERE schedule_hash='s' AND schedule_json IS NOT NULL",
+            "schedule_won": "SELECT m.* FROM coconet_measurements m JOIN coconet_winners w ON w.measurement_id = m.id "
+                            "WHERE m.schedule_hash='s' AND m.schedule_json IS NOT NULL",
         }
         for name, sql in plans.items():
             plan = " ".join(r[-1] for r in conn.exec_driver_sql("EXPLAIN QUERY PLAN " + sql))
-            assert "USING" in plan and "SCAN coconet" not in plan, (name, plan)
+            assert "USING" in plan and "SCAN" not in plan, (name, plan)
