@@ -27,7 +27,6 @@ from coconet.errors import (
     SizeError,
     StoreError,
 )
-from coconet.server import queries
 from coconet.server.jobs import WorkerSettings, Workers, requeue_orphans
 from coconet.server.limits import MAX_BODY, MAX_DEPTH, BodyLimit
 from coconet.server.records import Best, JobRecord, MeasurementRecord
@@ -197,7 +196,7 @@ def _router(settings: Settings) -> Any:
 
     @router.get("/programs", tags=["programs"])
     def list_programs(request: Request, limit: int = Query(1000, ge=1, le=10_000)) -> list[ProgramSummary]:
-        return [ProgramSummary(**vars(p)) for p in queries.programs(_store(request), limit)]
+        return [ProgramSummary(**vars(p)) for p in _store(request).programs(limit)]
 
     @router.get("/programs/{program_hash}", tags=["programs"], responses={404: {}})
     def get_program(request: Request, program_hash: Annotated[str, _hash_path()]) -> ProgramOut:
@@ -216,7 +215,7 @@ def _router(settings: Settings) -> Any:
 
     @router.get("/jobs", tags=["jobs"])
     def list_jobs(request: Request, program: HashPath, limit: int = Query(100, ge=1, le=1000)) -> list[JobOut]:
-        return [_job_out(j) for j in queries.program_jobs(_store(request), program, limit)]
+        return [_job_out(j) for j in _store(request).jobs(program_hash=program, newest_first=True, limit=limit)]
 
     @router.get("/jobs/{job_id}", tags=["jobs"], responses={404: {}})
     def get_job(request: Request, job_id: Annotated[int, _id_path()]) -> JobOut:
@@ -234,7 +233,7 @@ def _router(settings: Settings) -> Any:
              authorization: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)] = None) -> Any:
         store = _store(request)
         asked = _parse_sizes(sizes)
-        found = queries.best_or_nearest(store, program, asked, topology, world, backend)
+        found = store.best(program, asked, topology, world, backend=backend)
         if found is not None and found.exact:
             return _best_out(found, asked)
         prog = _loaded(store, program)  # a miss: say why (unknown program, wrong dims, nothing tuned)
@@ -265,7 +264,7 @@ def _router(settings: Settings) -> Any:
         if backend not in BACKENDS:
             raise HTTPException(422, f"unknown backend {backend!r} (use {', '.join(BACKENDS)})")
         store = _store(request)
-        m = queries.schedule_measurement(store, schedule_hash, program)
+        m = store.schedule_measurement(schedule_hash, program)
         if m is None:
             raise HTTPException(404, f"no recorded schedule with hash {schedule_hash}")
         prog = _loaded(store, m.program_hash)
@@ -286,8 +285,8 @@ def _router(settings: Settings) -> Any:
                      limit: int = Query(1000, ge=1, le=10_000)) -> list[MeasurementOut]:
         store = _store(request)
         _program(store, program)
-        rows = queries.measurements_page(store, program, sizes=_parse_sizes(sizes) if sizes else None,
-                                         topology=topology, after=after, limit=limit)
+        rows = store.measurements(program, _parse_sizes(sizes) if sizes else None, topology, after=after,
+                                  limit=limit)
         return [MeasurementOut(**_schedule_fields(m), sizes=m.sizes, topology=m.topology, world=m.world)
                 for m in rows]
 
@@ -350,7 +349,7 @@ def _start_job(request: Request, prog: Any, sizes: dict[str, int], topology: str
     ws = settings.workers
     check(TuneRequest(prog, (sizes,), world, topology, budget, backends, ws.protocol, ray_address=ws.ray_address))
     store = _store(request)
-    job = queries.active_job(store, prog.hash, sizes, topology, world)
+    job = store.active_job(prog.hash, sizes, topology, world)
     if job is None:
         job_id = store.create_job(prog.hash, sizes, topology, world, budget=budget, backends=list(backends))
         job = store.job(job_id)

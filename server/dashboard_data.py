@@ -4,12 +4,8 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from datetime import timezone
 from typing import Any, Iterable
 
-from sqlalchemy import select
-
-from coconet.server.models import ProgramRow
 from coconet.server.records import Best, MeasurementRecord
 from coconet.server.store import Store
 
@@ -20,18 +16,8 @@ _Series = tuple[str, str]  # (backend, schedule text)
 
 
 def program_list(store: Store) -> list[dict[str, Any]]:
-    # The Store has no public listing of programs yet; this reads its table through the store's own
-    # transaction helper so errors still come back as StoreError.
-    with store._tx("programs") as s:  # noqa: SLF001
-        rows = s.execute(select(ProgramRow.hash, ProgramRow.name, ProgramRow.created_at)
-                         .order_by(ProgramRow.created_at.desc())).all()
-    out = []
-    for h, name, created in rows:
-        results = store.results(h)
-        if created.tzinfo is None:  # SQLite keeps no zone; the store writes UTC
-            created = created.replace(tzinfo=timezone.utc)
-        out.append({"hash": h, "name": name, "created_at": created.isoformat(), "results": len(results)})
-    return out
+    return [{"hash": p.hash, "name": p.name, "created_at": p.created_at.isoformat(),
+             "results": len(store.results(p.hash))} for p in store.programs(newest_first=True)]
 
 
 def program_view(store: Store, program_hash: str) -> dict[str, Any] | None:
@@ -153,7 +139,7 @@ def _studies(store: Store, program_hash: str, measured: list[MeasurementRecord])
     for m in measured:
         if m.job_id is not None:
             by_job[m.job_id].append(m)
-    jobs = {j.id: j for j in store.jobs() if j.program_hash == program_hash}
+    jobs = {j.id: j for j in store.jobs(program_hash=program_hash)}
     out = []
     for job_id in sorted(set(by_job) | set(jobs), reverse=True):
         trials = by_job.get(job_id, [])

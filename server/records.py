@@ -19,6 +19,17 @@ class ProgramRecord:
 
 
 @dataclass(frozen=True)
+class ProgramSummary:
+    """A program as listed: its IR reduced to the dim names and the number of statements."""
+
+    hash: str
+    name: str
+    dims: list[str]
+    statements: int
+    created_at: datetime
+
+
+@dataclass(frozen=True)
 class TopologyRecord:
     name: str
     fingerprint: dict[str, Any]

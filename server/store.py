@@ -18,8 +18,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence, TypeVar
 
-from sqlalchemy import Engine, create_engine, event, inspect, select, text
-from sqlalchemy.engine import URL, make_url
+from sqlalchemy import Engine, Text, bindparam, cast, create_engine, event, func, inspect, select, text
+from sqlalchemy.engine import URL, Connection, make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
@@ -49,6 +49,7 @@ from coconet.server.records import (
     MeasurementRecord,
     NewMeasurement,
     ProgramRecord,
+    ProgramSummary,
     Progress,
     TopologyRecord,
     WinnerRecord,
@@ -69,7 +70,9 @@ NEXT_STATES: dict[str, frozenset[str]] = {
     "failed": frozenset({"queued"}),
     "done": frozenset(),
 }
+ACTIVE_STATES = ("queued", "running")
 _WRITE = "coconet_write"
+_READ = "coconet_read"
 
 
 def default_url() -> str:
@@ -138,6 +141,15 @@ class Store:
         with self._tx("program") as s:
             row = s.get(ProgramRow, program_hash)
             return _record(ProgramRecord, row) if row else None
+
+    def programs(self, limit: int | None = None, *, newest_first: bool = False) -> list[ProgramSummary]:
+        """The recorded programs, oldest first (or newest first), at most ``limit`` of them."""
+        p = ProgramRow
+        order = (p.created_at.desc(), p.hash.desc()) if newest_first else (p.created_at, p.hash)
+        with self._tx("programs") as s:
+            rows = s.execute(select(p.hash, p.name, p.ir, p.created_at).order_by(*order).limit(limit))
+            return [ProgramSummary(h, name, list(ir.get("dims", [])), len(ir.get("statements", [])), _utc(created))
+                    for h, name, ir, created in rows]
 
     def add_topology(self, name: str, fingerprint: Mapping[str, Any], source: str = "config") -> str:
         """Record a topology; the same name again must come with the same fingerprint (records are not overwritten)."""
@@ -239,12 +251,25 @@ class Store:
             row = s.get(JobRow, job_id)
             return _job(row) if row else None
 
-    def jobs(self, state: str | None = None) -> list[JobRecord]:
+    def jobs(self, state: str | None = None, *, program_hash: str | None = None, newest_first: bool = False,
+             limit: int | None = None) -> list[JobRecord]:
+        """Jobs in the order they were created (or newest first), of one state and/or one program if given."""
         with self._tx("jobs") as s:
-            q = select(JobRow).order_by(JobRow.id)
+            q = select(JobRow).order_by(JobRow.id.desc() if newest_first else JobRow.id).limit(limit)
             if state is not None:
                 q = q.where(JobRow.state == state)
+            if program_hash is not None:
+                q = q.where(JobRow.program_hash == program_hash)
             return [_job(r) for r in s.scalars(q)]
+
+    def active_job(self, program_hash: str, sizes: Mapping[str, int], topology: str, world: int) -> JobRecord | None:
+        """The oldest queued or running job for this key, if any: a second request for it joins that job."""
+        with self._tx("active_job") as s:
+            q = select(JobRow).where(
+                JobRow.program_hash == program_hash, JobRow.sizes_key == sizes_key(sizes),
+                JobRow.topology == topology, JobRow.world == world, JobRow.state.in_(ACTIVE_STATES))
+            row = s.scalars(q.order_by(JobRow.id).limit(1)).first()
+            return _job(row) if row is not None else None
 
     # -- measurements
 
@@ -288,14 +313,43 @@ class Store:
         world: int | None = None,
         backend: str | None = None,
         source: str | None = None,
+        after: int = 0,
+        limit: int | None = None,
     ) -> list[MeasurementRecord]:
+        """Measurements of a program in the order they were recorded; ``after`` (an id) and ``limit`` page through
+        them, as a sweep may have recorded millions."""
         with self._tx("measurements") as s:
             q = _key_filter(select(MeasurementRow), MeasurementRow, program_hash, sizes, topology, world, backend)
             if job_id is not None:
                 q = q.where(MeasurementRow.job_id == job_id)
             if source is not None:
                 q = q.where(MeasurementRow.source == source)
-            return [_record(MeasurementRecord, r) for r in s.scalars(q.order_by(MeasurementRow.id))]
+            if after:
+                q = q.where(MeasurementRow.id > after)
+            q = q.order_by(MeasurementRow.id).limit(limit)
+            return [_record(MeasurementRecord, r) for r in s.scalars(q)]
+
+    def measurement_count(
+        self, program_hash: str, sizes: Mapping[str, int] | None = None, topology: str | None = None
+    ) -> int:
+        with self._tx("measurement_count") as s:
+            q = _key_filter(select(func.count()).select_from(MeasurementRow), MeasurementRow, program_hash, sizes,
+                            topology, None, None)
+            return s.scalar(q) or 0
+
+    def schedule_measurement(self, schedule_hash: str, program_hash: str | None = None) -> MeasurementRecord | None:
+        """A measurement of the schedule with this hash that kept the schedule's JSON (what its code is generated
+        from): one that won first, the schedules people ask code for, else any."""
+        m = MeasurementRow
+        with self._tx("schedule_measurement") as s:
+            # Without the JSON a measurement holds JSON null, not SQL NULL (the column's type writes None so).
+            anyq = select(m).where(m.schedule_hash == schedule_hash, m.schedule_json.is_not(None),
+                                   cast(m.schedule_json, Text) != "null")
+            if program_hash is not None:
+                anyq = anyq.where(m.program_hash == program_hash)
+            won = anyq.join(WinnerRow, WinnerRow.measurement_id == m.id)
+            row = s.scalars(won.limit(1)).first() or s.scalars(anyq.limit(1)).first()
+            return _record(MeasurementRecord, row) if row is not None else None
 
     def done_keys(
         self,
@@ -382,24 +436,23 @@ class Store:
         """The newest valid winner for these exact sizes; else, flagged ``exact=False``, the one of the nearest
         tuned sizes (same program, topology and dim names); None when nothing comparable was tuned.
         ``world`` and ``backend`` narrow the search; left out, any world or backend counts."""
-        key = sizes_key(sizes)
-        with self._tx("best") as s:
-            row = _newest_winner(s, program_hash, topology, key, world, backend)
+        # The API's hot path: Core statements built once, one round trip for an exact answer.
+        params = {"program": program_hash, "topology": topology, "key": sizes_key(sizes), "world": world,
+                  "backend": backend}
+        narrowed = (world is not None, backend is not None)
+        with self._read("best") as conn:
+            row = conn.execute(_NEWEST[narrowed], params).first()
             if row is not None:
-                return _best(s, [row], exact=True, distance=0.0)[0]
-            q = select(WinnerRow.sizes_key).distinct().where(
-                WinnerRow.program_hash == program_hash, WinnerRow.topology == topology
-            )
-            q = _world_backend(q, WinnerRow, world, backend)
+                return _best_of_row(row, exact=True, distance=0.0)
             near = []
-            for other in s.scalars(q):
+            for other in conn.execute(_TUNED_KEYS[narrowed], params).scalars():
                 d = size_distance(sizes, parse_sizes_key(other))
                 if d is not None:
                     near.append((d, other))
             for d, other in sorted(near):
-                row = _newest_winner(s, program_hash, topology, other, world, backend)
+                row = conn.execute(_NEWEST[narrowed], {**params, "key": other}).first()
                 if row is not None:
-                    return _best(s, [row], exact=False, distance=d)[0]
+                    return _best_of_row(row, exact=False, distance=d)
             return None
 
     def results(self, program_hash: str, topology: str | None = None) -> list[Best]:
@@ -417,6 +470,21 @@ class Store:
             return _best(s, rows, exact=True, distance=0.0)
 
     # -- plumbing
+
+    @contextmanager
+    def _read(self, what: str) -> Iterator[Connection]:
+        """A connection for reads that need no transaction (the rows they read are never updated, and each
+        statement sees one snapshot): on PostgreSQL autocommit saves the BEGIN and ROLLBACK round trips, on
+        SQLite the store's own BEGIN is left out."""
+        try:
+            with self._engine.connect() as conn:
+                if conn.dialect.name == "postgresql":
+                    conn.execution_options(isolation_level="AUTOCOMMIT")
+                else:
+                    conn.execution_options(**{_READ: True})
+                yield conn
+        except SQLAlchemyError as err:
+            raise StoreError(f"{what} on {self.url}: {_cause(err)}", url=self.url) from err
 
     @contextmanager
     def _tx(self, what: str, write: bool = False) -> Iterator[Session]:
@@ -510,7 +578,10 @@ def _sqlite_connect(dbapi_conn: Any, _record: Any) -> None:
 def _sqlite_begin(conn: Any) -> None:
     # A deferred transaction that reads and then writes fails at once with "database is locked" when another
     # process wrote in between (busy_timeout cannot help); writers take the lock up front and wait for it instead.
-    conn.exec_driver_sql("BEGIN IMMEDIATE" if conn.get_execution_options().get(_WRITE) else "BEGIN")
+    options = conn.get_execution_options()
+    if options.get(_READ):
+        return  # a Store._read: each statement in sqlite3's autocommit mode
+    conn.exec_driver_sql("BEGIN IMMEDIATE" if options.get(_WRITE) else "BEGIN")
 
 
 def _revision(conn: Any) -> str | None:
@@ -695,13 +766,55 @@ def _valid_winners() -> Any:
     )
 
 
-def _newest_winner(s: Session, program_hash: str, topology: str, key: str, world: int | None,
-                   backend: str | None) -> WinnerRow | None:
-    q = _valid_winners().where(
-        WinnerRow.program_hash == program_hash, WinnerRow.topology == topology, WinnerRow.sizes_key == key
-    )
-    q = _world_backend(q, WinnerRow, world, backend)
-    return s.scalars(q.order_by(WinnerRow.created_at.desc(), WinnerRow.id.desc()).limit(1)).first()
+# best()'s statements, built once per combination of the optional filters. The newest valid winner of a key
+# comes with its measurement, runner-up and baseline in one row, its columns in the records' field order.
+_W, _M = WinnerRow.__table__, MeasurementRow.__table__
+_RUNNER_UP, _BASELINE = _M.alias("runner_up"), _M.alias("baseline")
+_W_FIELDS, _M_FIELDS = [f.name for f in fields(WinnerRecord)], [f.name for f in fields(MeasurementRecord)]
+
+
+def _world_backend_params(q: Any, by_world: bool, by_backend: bool) -> Any:
+    if by_world:
+        q = q.where(_W.c.world == bindparam("world"))
+    if by_backend:
+        q = q.where(_W.c.backend == bindparam("backend"))
+    return q
+
+
+def _newest_statement(by_world: bool, by_backend: bool) -> Any:
+    columns = [_W.c[n].label(f"w_{n}") for n in _W_FIELDS] + [
+        t.c[n].label(f"{p}_{n}") for p, t in (("m", _M), ("r", _RUNNER_UP), ("b", _BASELINE)) for n in _M_FIELDS]
+    q = (select(*columns)
+         .join_from(_W, _M, _M.c.id == _W.c.measurement_id)
+         .outerjoin(_RUNNER_UP, _RUNNER_UP.c.id == _W.c.runner_up_id)
+         .outerjoin(_BASELINE, _BASELINE.c.id == _W.c.baseline_id)
+         .where(_W.c.program_hash == bindparam("program"), _W.c.topology == bindparam("topology"),
+                _W.c.sizes_key == bindparam("key"), _M.c.status == "ok", _M.c.median_s.is_not(None)))
+    return _world_backend_params(q, by_world, by_backend).order_by(_W.c.created_at.desc(), _W.c.id.desc()).limit(1)
+
+
+def _tuned_keys_statement(by_world: bool, by_backend: bool) -> Any:
+    q = select(_W.c.sizes_key).distinct().where(_W.c.program_hash == bindparam("program"),
+                                                _W.c.topology == bindparam("topology"))
+    return _world_backend_params(q, by_world, by_backend)
+
+
+_NARROWED = [(w, b) for w in (False, True) for b in (False, True)]
+_NEWEST = {n: _newest_statement(*n) for n in _NARROWED}
+_TUNED_KEYS = {n: _tuned_keys_statement(*n) for n in _NARROWED}
+
+
+def _best_of_row(row: Sequence[Any], *, exact: bool, distance: float) -> Best:
+    nw, nm = len(_W_FIELDS), len(_M_FIELDS)
+
+    def measurement(start: int) -> MeasurementRecord | None:
+        values = row[start:start + nm]
+        if values[0] is None:  # an outer join that found no runner-up or baseline
+            return None
+        return MeasurementRecord(*(_utc(v) for v in values))
+
+    return Best(exact=exact, distance=distance, winner=WinnerRecord(*(_utc(v) for v in row[:nw])),
+                measurement=measurement(nw), runner_up=measurement(nw + nm), baseline=measurement(nw + 2 * nm))
 
 
 def _best(s: Session, rows: Sequence[WinnerRow], *, exact: bool, distance: float) -> list[Best]:

@@ -131,7 +131,6 @@ def test_best_exact_nearest_and_code(client: TestClient) -> None:
     near = client.get(f"{API}/best", params={"program": h, "sizes": "N=2^14", "world": 2}).json()
     assert (near["exact"], near["distance"], near["sizes"], near["tuned_sizes"]) == (False, 4.0, {"N": 16384},
                                                                                       {"N": 1024})
-    _the_fast_lookup_agrees_with_the_store(client.app.state.store, h)
     missing = client.get(f"{API}/best", params={"program": h, "sizes": "N=1024", "world": 4})
     assert missing.status_code == 404 and "nothing tuned" in missing.json()["detail"]
 
@@ -148,25 +147,6 @@ def test_best_exact_nearest_and_code(client: TestClient) -> None:
     assert code.status_code == 200 and "def step(" in code.json()["source"]
     shm = client.get(f"{API}/schedules/{win_hash}/code", params={"backend": "shm", "kernels": "eager"})
     assert shm.status_code == 200 and "def step(" in shm.json()["source"]
-
-
-def _the_fast_lookup_agrees_with_the_store(store: Store, h: str) -> None:
-    from coconet.server.queries import best_exact, best_or_nearest
-
-    for world, backend in ((None, None), (2, None), (2, "gloo"), (4, None), (None, "shm")):
-        fast = best_exact(store, h, {"N": 1024}, "local", world, backend)
-        assert fast == store.best(h, {"N": 1024}, "local", world, backend=backend), (world, backend)
-    assert best_exact(store, h, {"N": 2048}, "local") is None
-    for sizes in ({"N": 2048}, {"N": 1}, {"N": 2**40}, {"M": 4}):
-        for world, backend in ((None, None), (2, "gloo"), (4, None)):
-            assert best_or_nearest(store, h, sizes, "local", world, backend) \
-                == store.best(h, sizes, "local", world, backend=backend), (sizes, world, backend)
-    # A newer winner for the key takes over, in both.
-    old = store.best(h, {"N": 1024}, "local")
-    store.add_winner(old.baseline.id, baseline_id=old.baseline.id)
-    newer = best_exact(store, h, {"N": 1024}, "local", 2)
-    assert newer == store.best(h, {"N": 1024}, "local", 2) and newer.measurement.id == old.baseline.id
-    store.add_winner(old.measurement.id, runner_up_id=old.baseline.id, baseline_id=old.baseline.id)
 
 
 # -- bad requests

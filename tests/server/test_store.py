@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from sqlalchemy import create_engine, inspect, text
+from sqlalchemy import create_engine, event, inspect, text
 
 from coconet import Program, Replicated
 from coconet.errors import StoreError
@@ -306,6 +307,123 @@ def test_results_list_the_current_winner_per_key(store, adam):
     assert store.results("nothing") == []
 
 
+def reference_best(store: Store, h: str, sizes: dict, topology: str, world: int | None, backend: str | None):
+    """Store.best's rule spelled out over every winner recorded: per key the newest (created_at, id), then the
+    asked key, else the nearest comparable one (distance, then the key's text); (winner id, distance) or None."""
+    newest = {}
+    for w in sorted(store.winners(h), key=lambda w: (w.created_at, w.id)):
+        if w.topology == topology and world in (None, w.world) and backend in (None, w.backend):
+            newest[w.sizes_key] = w
+    near = sorted((d, key) for key, w in newest.items() if (d := size_distance(sizes, w.sizes)) is not None)
+    return (newest[near[0][1]].id, near[0][0]) if near else None
+
+
+def test_best_follows_its_rule_on_random_stores(store, mlp):
+    rng = random.Random(7)
+    h = store.add_program(mlp)
+    choices = dict(topology=["local", "dgx"], world=[2, 4], backend=["gloo", "shm"])
+    tuned = [{"B": 2 ** rng.randrange(0, 4), "S": 2 ** rng.randrange(8, 12), "H": 1024} for _ in range(6)]
+    for i in range(40):
+        key = {k: rng.choice(v) for k, v in choices.items()}
+        sizes = rng.choice(tuned)
+        ids = store.add_measurements([measure(h, sizes, f"s{i}-{j}", 1e-3 * (j + 1), **key) for j in range(3)])
+        roles = rng.choice([(None, None), (ids[1], None), (None, ids[2]), (ids[1], ids[2])])
+        store.add_winner(ids[0], runner_up_id=roles[0], baseline_id=roles[1])
+    asked = tuned[:3] + [{"B": 3, "S": 700, "H": 1024}, {"B": 1, "S": 1 << 14, "H": 4096}, {"B": 1, "S": 256}]
+    for sizes in asked:
+        for topology in ("local", "dgx", "nowhere"):
+            for world in (None, 2, 4, 8):
+                for backend in (None, "gloo", "shm"):
+                    got = store.best(h, sizes, topology, world, backend=backend)
+                    want = reference_best(store, h, sizes, topology, world, backend)
+                    where = (sizes, topology, world, backend)
+                    if want is None:
+                        assert got is None, where
+                        continue
+                    assert (got.winner.id, got.distance, got.exact) == (*want, want[1] == 0), where
+                    w = got.winner
+                    assert w == next(x for x in store.winners(h) if x.id == w.id)
+                    assert got.measurement == store.measurement(w.measurement_id)
+                    for role, i in ((got.runner_up, w.runner_up_id), (got.baseline, w.baseline_id)):
+                        assert role == (store.measurement(i) if i is not None else None), where
+
+
+# -- listings the service reads
+
+
+def test_programs_are_listed(store, adam, mlp):
+    assert store.programs() == []
+    a, m = store.add_program(adam), store.add_program(mlp)
+    listed = store.programs()
+    assert [(p.hash, p.name, p.dims, p.statements) for p in listed] == [
+        (a, "adam", list(adam.dims), len(to_dict(adam)["statements"])),
+        (m, mlp.name, list(mlp.dims), len(to_dict(mlp)["statements"]))]
+    assert listed[0].created_at <= listed[1].created_at and listed[0].created_at.tzinfo is not None
+    assert [p.hash for p in store.programs(newest_first=True)] == [m, a]
+    assert [p.hash for p in store.programs(1)] == [a]
+    assert [p.hash for p in store.programs(1, newest_first=True)] == [m]
+
+
+def test_jobs_of_a_program_and_the_one_under_way(store, adam, mlp):
+    a, m = store.add_program(adam), store.add_program(mlp)
+    first = store.create_job(a, {"N": 1024}, "local", 2)
+    other = store.create_job(m, {"B": 1, "S": 512, "H": 1024}, "local", 2)
+    second = store.create_job(a, {"N": 1024}, "local", 2)
+    elsewhere = store.create_job(a, {"N": 1024}, "dgx", 2)
+    assert [j.id for j in store.jobs(program_hash=a)] == [first, second, elsewhere]
+    assert [j.id for j in store.jobs(program_hash=a, newest_first=True, limit=2)] == [elsewhere, second]
+    assert [j.id for j in store.jobs(program_hash=m)] == [other]
+    assert [j.id for j in store.jobs("queued", program_hash=m)] == [other]
+    assert store.jobs(program_hash="0" * 16) == []
+
+    assert store.active_job(a, {"N": 1024}, "local", 2).id == first
+    assert store.active_job(a, {"N": 1024}, "dgx", 2).id == elsewhere
+    for miss in (({"N": 2048}, "local", 2), ({"N": 1024}, "local", 4), ({"N": 1024}, "gpu", 2)):
+        assert store.active_job(a, *miss) is None, miss
+    store.claim_job(first)
+    assert store.active_job(a, {"N": 1024}, "local", 2).id == first  # running counts
+    store.update_job(first, state="done")
+    assert store.active_job(a, {"N": 1024}, "local", 2).id == second
+    store.update_job(second, state="failed", error="x")
+    assert store.active_job(a, {"N": 1024}, "local", 2) is None
+
+
+def test_measurements_page_and_count(store, adam):
+    h = store.add_program(adam)
+    ids = store.add_measurements([measure(h, {"N": 2 ** (10 + i % 3)}, f"s{i}", topology=("local", "dgx")[i % 2])
+                                  for i in range(25)])
+    assert store.measurement_count(h) == 25
+    assert store.measurement_count(h, {"N": 1024}) == 9
+    assert store.measurement_count(h, {"N": 1024}, "dgx") == 4
+    assert store.measurement_count("0" * 16) == 0
+    pages, after = [], 0
+    while page := store.measurements(h, after=after, limit=10):
+        pages.append([m.id for m in page])
+        after = page[-1].id
+    assert [len(p) for p in pages] == [10, 10, 5] and sum(pages, []) == ids
+    local = store.measurements(h, {"N": 1024}, "local", after=ids[0], limit=3)
+    assert [m.id for m in local] == [ids[6], ids[12], ids[18]]
+
+
+def test_a_schedule_is_found_by_its_hash(store, adam, mlp):
+    a, m = store.add_program(adam), store.add_program(mlp)
+    sched = max(generate(adam, depth=1), key=lambda s: len(s.transforms))
+    common = dict(topology="local", world=2, backend="gloo", samples=[1e-3], median_s=1e-3)
+    loser = store.add_measurement(NewMeasurement.of(sched, sizes={"N": 1024}, **common))
+    winner = store.add_measurement(NewMeasurement.of(sched, sizes={"N": 2048}, **common))
+    assert store.schedule_measurement(sched.hash).id in (loser, winner)
+    store.add_winner(winner)
+    assert store.schedule_measurement(sched.hash).id == winner  # a winner first
+    assert store.schedule_measurement(sched.hash, a).id == winner
+    assert store.schedule_measurement(sched.hash, m) is None
+    assert store.schedule_measurement("f" * 16) is None
+    # Without the schedule's JSON there is no code to generate from it.
+    store.add_measurement(measure(m, {"B": 1, "S": 512, "H": 1024}, "bare", schedule_hash="b" * 16))
+    assert store.schedule_measurement("b" * 16) is None
+    found = store.schedule_measurement(sched.hash)
+    assert found.schedule_json == json.loads(json.dumps(sched.to_json())) and found.program_hash == a
+
+
 # -- opening, migrations, neighbours
 
 
@@ -343,9 +461,9 @@ def test_a_store_at_0001_is_upgraded_when_opened(db_url, adam):
     with Store.open(db_url) as store:
         h = store.add_program(adam)
         job = store.create_job(h, {"N": 2**20}, "local", 2)
-        mid = store.add_measurement(measure(h, {"N": 2**20}, "split", job_id=job))
+        mid = store.add_measurement(measure(h, {"N": 2**20}, "split", job_id=job, schedule_json={"text": "split"}))
         store.add_winner(mid)
-        before = (store.program(h), store.jobs(), store.measurements(h), store.winners(h))
+        before = (store.programs(), store.jobs(), store.measurements(h), store.winners(h))
     new = {"ix_coconet_measurements_schedule_hash", "ix_coconet_winners_measurement_id"}
     engine = create_engine(db_url)
     try:
@@ -357,7 +475,8 @@ def test_a_store_at_0001_is_upgraded_when_opened(db_url, adam):
             assert conn.execute(text(f"SELECT version_num FROM {VERSION_TABLE}")).scalar() == "0001"
         assert not new & _indexes(engine)
         with Store.open(db_url) as store:
-            assert (store.program(h), store.jobs(), store.measurements(h), store.winners(h)) == before
+            assert (store.programs(), store.jobs(), store.measurements(h), store.winners(h)) == before
+            assert store.schedule_measurement("h-split").id == mid
         with engine.connect() as conn:
             assert conn.execute(text(f"SELECT version_num FROM {VERSION_TABLE}")).scalar() == SCHEMA_HEAD
         assert new <= _indexes(engine)
@@ -464,8 +583,7 @@ def test_bad_or_unreachable_databases_are_store_errors(tmp_path):
 
 
 def test_lookups_use_indexes(tmp_path):
-    """best, measurements, done_keys and a schedule by its hash stay index lookups at a million rows: SQLite's
-    planner says so."""
+    """best, measurements and done_keys stay index lookups at a million rows: SQLite's planner says so."""
     with Store.open(f"sqlite:///{tmp_path / 'plan.db'}") as store, store._engine.connect() as conn:
         plans = {
             "measurements": "SELECT * FROM coconet_measurements "
@@ -483,3 +601,22 @@ def test_lookups_use_indexes(tmp_path):
         for name, sql in plans.items():
             plan = " ".join(r[-1] for r in conn.exec_driver_sql("EXPLAIN QUERY PLAN " + sql))
             assert "USING" in plan and "SCAN" not in plan, (name, plan)
+
+
+def test_the_store_s_lookups_use_indexes(tmp_path, adam):
+    """The statements best and schedule_measurement send, as SQLAlchemy renders them, planned by SQLite."""
+    with Store.open(f"sqlite:///{tmp_path / 'plan.db'}") as store:
+        h = store.add_program(adam)
+        sent = []
+        event.listen(store._engine, "before_cursor_execute",
+                     lambda conn, cursor, sql, params, *_: sent.append((sql, params)))
+        store.best(h, {"N": 1024}, "local")  # nothing tuned: the exact lookup, then the tuned keys
+        store.best(h, {"N": 1024}, "local", 2, backend="gloo")
+        store.schedule_measurement("s" * 16)
+        store.schedule_measurement("s" * 16, h)
+        selects = [(sql, params) for sql, params in sent if sql.lstrip().upper().startswith("SELECT")]
+        assert len(selects) == 8
+        with store._engine.connect() as conn:
+            for sql, params in selects:
+                plan = " ".join(r[-1] for r in conn.exec_driver_sql("EXPLAIN QUERY PLAN " + sql, params))
+                assert "SCAN" not in plan, (sql, plan)
