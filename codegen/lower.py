@@ -110,6 +110,10 @@ class _Emitter:
                 dims.append(dim_expr(d))
         return "(" + "".join(f"{x}, " for x in dims) + ")"
 
+    def dropout_args(self, s: Stmt) -> str:
+        seed = s.attr("seed") if s.attr("seed") is not None else ident(s.args[1])
+        return f"{s.attr('p')!r}, {seed}, {self.shape_expr(s.type)}"
+
     def stmt(self, s: Stmt) -> list[str]:
         n, op = ident(s.name), s.op
         args = [self.operand(s, a) for a in s.args]
@@ -139,9 +143,8 @@ class _Emitter:
         if op == "where":
             return [f"{n} = torch.where({args[0]}, {args[1]}, {args[2]})"]
         if op == "dropout":
-            seed = s.attr("seed") if s.attr("seed") is not None else ident(s.args[1])
             dim = s.type.layout.dim if isinstance(s.type.layout, Sliced) else -1
-            return [f"{n} = _dropout(_c, {args[0]}, {s.attr('p')!r}, {seed}, {self.shape_expr(s.type)}, {dim})"]
+            return [f"{n} = _dropout(_c, {args[0]}, {self.dropout_args(s)}, {dim})"]
         if op in ("sum", "partial_sum"):
             return [f"{n} = {args[0]}.sum()"]
         if op == "norm":
@@ -441,25 +444,49 @@ def _chunked_body(e: _Emitter, g: Group, outs: list[str], chunks: int, absorbed=
 _CUT = re.compile(r"_c\.(?:local|cut)\((\w+), [^()]*\)")
 
 
+def chunk_compiles(p: Program, g: Group, compute: list[str]) -> bool:
+    """Whether a fused collective's chunk computes in one compiled kernel: pointwise statements, and
+    dropout on values sliced as the chunks are (its mask's counters are global element indices, which the
+    kernel gets from the chunk's first row)."""
+    rs = p[g.members[0]]
+    d = rs.type.layout.dim
+    n = rs.type.shape[d]
+
+    def ok(s: Stmt) -> bool:
+        if s.op == "dropout":
+            t = s.type
+            return isinstance(t.layout, Sliced) and t.layout.dim == d and t.shape[d] == n
+        return s.op in POINTWISE
+
+    return bool(compute) and all(ok(p[m]) for m in compute)
+
+
 def _chunk_kernel(e: _Emitter, g: Group, compute: list[str], inplace: dict[str, str], needed: set,
                   parts: Stmt | None = None) -> list | None:
     """The pointwise statements of a fused collective's chunk as one module-level function compiled by
     Inductor, called once per chunk with the chunk's rows of what it reads (cut at the call: the chunk's
-    position stays out of the compiled code). None when a statement needs the chunk itself (dropout's
-    counters) or is not pointwise: the chunk then runs statement by statement."""
+    position stays out of the compiled code; dropout gets the chunk's first row as a tensor). None when a
+    statement needs the chunk itself or is not pointwise: the chunk then runs statement by statement."""
     p = e.p
-    if not compute or any(p[m].op not in POINTWISE for m in compute):
+    if not chunk_compiles(p, g, compute):
         return None
+    rs = p[g.members[0]]
+    d, n = rs.type.layout.dim, rs.type.shape[rs.type.layout.dim]
     body: list[tuple[str, str]] = []
     if parts is not None:  # the reduce_scatter's sum, fused: its rows on every rank come in unreduced
         rs = ident(parts.name)
         body.append((f"    {rs} = _add_all({rs}_parts)" + (f" / len({rs}_parts)" if parts.attr("op") == "avg" else ""),
                      parts.name))
+    args: dict[str, str] = {}  # argument at the call -> parameter of the kernel
     for m in compute:
-        body.extend(("    " + x, m) for x in e.stmt(p[m]))
+        s = p[m]
+        if s.op != "dropout":
+            body.extend(("    " + x, m) for x in e.stmt(s))
+            continue
+        args[f"_int64(_c, _c.rows({dim_expr(n)})[0])"] = "row0_k"
+        body.append((f"    {ident(m)} = _dropout_rows({e.operand(s, s.args[0])}, {e.dropout_args(s)}, {d}, row0_k)", m))
     for o, t in inplace.items():
         body.append((f"    {e.operand(p[o], t)}.copy_({ident(o)})", o))
-    args: dict[str, str] = {}  # argument at the call -> parameter of the kernel
 
     def param(match: re.Match) -> str:
         expr = match.group(0)

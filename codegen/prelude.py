@@ -242,11 +242,20 @@ class _Gather:
 
 def _global_index(c, shape, dim, device):
     """Row-major global flat indices of this rank's piece: rows of ``dim`` if sliced (dim >= 0)."""
+    lo, hi = c.rows(shape[dim]) if dim >= 0 else (0, 0)
+    return _flat_index(shape, dim, lo, hi - lo, device)
+
+
+def _flat_index(shape, dim, first, count, device):
+    """Row-major flat indices into ``shape`` of rows [first, first + count) of ``dim`` (all of it if dim < 0).
+    ``first`` may be a tensor: one compiled kernel then serves every chunk of a fused collective."""
     index = torch.zeros((), dtype=torch.int64, device=device)
     stride = 1
     for k in range(len(shape) - 1, -1, -1):
-        lo, hi = c.rows(shape[k]) if k == dim else (0, shape[k])
-        axis = torch.arange(lo, hi, dtype=torch.int64, device=device) * stride
+        if k == dim:
+            axis = (torch.arange(count, dtype=torch.int64, device=device) + first) * stride
+        else:
+            axis = torch.arange(shape[k], dtype=torch.int64, device=device) * stride
         index = index + axis.reshape((-1,) + (1,) * (len(shape) - 1 - k))
         stride *= shape[k]
     return index
@@ -256,7 +265,17 @@ def _dropout(c, x, p, seed, shape, dim):
     """Inverted dropout with the counter-based mask of coconet.schedules.rng (Philox4x32-10)."""
     if p == 0:
         return x
-    words = philox_words(seed, _global_index(c, shape, dim, x.device))
+    return _dropped(x, p, philox_words(seed, _global_index(c, shape, dim, x.device)))
+
+
+def _dropout_rows(x, p, seed, shape, dim, first):
+    """_dropout of the rows of ``dim`` from ``first`` (a tensor) on: a chunk of a fused collective."""
+    if p == 0:
+        return x
+    return _dropped(x, p, philox_words(seed, _flat_index(shape, dim, first, x.shape[dim], x.device)))
+
+
+def _dropped(x, p, words):
     keep = (words >> 8) >= int(p * 16777216 + 0.5)
     return torch.where(keep, x / (1.0 - p), torch.zeros((), dtype=x.dtype, device=x.device))
 
@@ -280,7 +299,7 @@ def _size(sizes, name):
 
 HELPERS = (_Ctx, _reduce_op, _allreduce, _broadcast, _padded, _rows_of, _reduce_scatter, _part, _all_gather, _coalesced, _launches,
            _bucket_allreduce, _bucket_reduce_scatter, _bucket_all_gather, _Chunk, _reduce_scatter_chunks, _Gather,
-           _global_index, philox_words, _dropout, _int64, _kernel, _size)
+           _global_index, _flat_index, philox_words, _dropout, _dropout_rows, _dropped, _int64, _kernel, _size)
 
 
 def prelude_source(code: str | None = None, backend: str = "gloo") -> str:

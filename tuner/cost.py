@@ -35,7 +35,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
-from coconet.codegen.lower import POINTWISE as LOWERED_POINTWISE
+from coconet.codegen.lower import chunk_compiles
 from coconet.codegen.lower import _absorbed, _fc_in_place, _group_io, _in_place, _needs_copy, _units
 from coconet.errors import CoconetError, SizeError
 from coconet.schedules.dims import Dim
@@ -367,7 +367,7 @@ class _Builder:
         compute = [m for m in (*absorbed, *g.members[1:]) if p[m].op != "all_gather"]
         needed = {p[m].args[0] for m in gathers} | set(sliced_outs)
         shm = self.backend == "shm"
-        compiled = bool(compute) and all(p[m].op in LOWERED_POINTWISE for m in compute)
+        compiled = chunk_compiles(p, g, compute)
         parts = shm and rs.attr("op") in ("sum", "avg") and rs.name not in needed and compiled
         kernels: list[Kernel] = []
         comms: list[Comm] = []
@@ -411,8 +411,10 @@ class _Builder:
                 if m in needed:
                     b = self.nbytes(p[m].type, self.local(p[m].type))
                     writes += b
-            kernels.append(Kernel(f"{g} kernel", chunks, tuple(reads), tuple(writes), tuple(fresh), compiled=True,
-                                  dtype=x.dtype or "float32", cold=tuple(cold)))
+            ops = tuple((DROPOUT_FUSED_OPS, (ext,)) for m in compute if p[m].op == "dropout"
+                        for ext in [self.local(p[m].type)] if ext is not None)
+            kernels.append(Kernel(f"{g} kernel", chunks, tuple(reads), tuple(writes), tuple(fresh), ops=ops,
+                                  compiled=True, dtype=x.dtype or "float32", cold=tuple(cold)))
         else:
             for m in compute:
                 k = self.eager(p[m], launches=chunks)

@@ -93,6 +93,19 @@ def test_fused_collective_kernel_absorbs_sharded_state_and_writes_it_in_place():
     assert "_chunk0" not in eager and "mul0 = beta1 * m" in eager.split("def step")[1]
 
 
+def test_fused_collective_kernel_takes_dropout_with_the_chunks_first_row():
+    """Megatron's bias + dropout + residual in one kernel per chunk: the mask's counters start at the chunk's
+    first row, passed as a tensor so that every chunk runs the same compiled code."""
+    sched = Schedule.parse("split(ar0); reorder(ag0); fuse_collective(rs0)", example("megatron_mlp"))
+    for backend in ("gloo", "shm"):
+        src = lower(sched, backend).source
+        assert "drop0 = _dropout_rows(add0, 0.1, seed, (d_B, d_S, d_H, ), 0, row0_k)" in src
+        assert "_chunk0(d_B, d_S, d_H, _int64(_c, _c.rows(d_B)[0]), _c.cut(r, 0, d_B)," in src
+        assert "_dropout(_c," not in src.split("def step")[1]
+    eager = lower(sched, "gloo", kernels="eager").source
+    assert "_chunk0" not in eager and "drop0 = _dropout(_c, add0, 0.1, seed" in eager
+
+
 def test_fused_kernel_writes_state_in_place_and_compiles():
     prog = example("adam")
     fuse = next(s for s in generate(prog) if s.text.startswith("fuse("))

@@ -64,6 +64,17 @@ def test_compiled_kernels_and_timing_on_shm():
     assert all(len(r.samples) == 3 for r in results)
 
 
+@pytest.mark.parametrize("backend", ["shm", "gloo"])
+def test_compiled_fused_collective_with_dropout(backend):
+    """One compiled kernel per chunk, dropout's counters from the chunk's first row: the same mask as the
+    reference interpreter at R = 3 with uneven rows, for one, two and more chunks than rows."""
+    base = Schedule.parse("split(ar0); reorder(ag0); fuse_collective(rs0)", example("megatron_mlp"))
+    schedules = [base.with_knobs(fc_chunks=k) for k in (1, 2, 8)]
+    results = run_schedules(schedules, Options(world=3, sizes={"B": 5, "S": 3, "H": 7}, backend=backend, warmup=1,
+                                               repeats=1, seed=2**64 - 5))
+    assert_all_ok(results)
+
+
 def test_a_dying_rank_on_shm_is_reported_and_leaves_nothing():
     (res,) = run_schedules([Schedule(faulty.program(faulty.die))], shm_only(2, {"N": 6}))
     assert res.status == "runtime_error" and "rank 1 died (exit code 3)" in res.error

@@ -78,13 +78,6 @@ class _Chunk:
         return x.narrow(dim, self.a, self.b - self.a)
 
 
-def _reduce_scatter_chunks(c, x, dim, n, count, op):
-    """Yields (chunk, its reduced rows) for ``count`` chunks of the rows this rank holds, each reduced out
-    of the peers' segments just before it is computed on, while it is still in cache."""
-    for k, own, peers, out in _scatter_parts(c, x, dim, n, count):
-        yield k, _shm_reduce(c, own, peers, op, out).movedim(0, dim)
-
-
 class _Gather:
     """The all_gather of one value, chunk by chunk as the chunks are computed: each chunk goes into this
     rank's slot as it comes; one barrier, then every rank's rows are copied out. Its slot is taken at the
@@ -114,11 +107,20 @@ class _Gather:
 
 def _global_index(c, shape, dim, device):
     """Row-major global flat indices of this rank's piece: rows of ``dim`` if sliced (dim >= 0)."""
+    lo, hi = c.rows(shape[dim]) if dim >= 0 else (0, 0)
+    return _flat_index(shape, dim, lo, hi - lo, device)
+
+
+def _flat_index(shape, dim, first, count, device):
+    """Row-major flat indices into ``shape`` of rows [first, first + count) of ``dim`` (all of it if dim < 0).
+    ``first`` may be a tensor: one compiled kernel then serves every chunk of a fused collective."""
     index = torch.zeros((), dtype=torch.int64, device=device)
     stride = 1
     for k in range(len(shape) - 1, -1, -1):
-        lo, hi = c.rows(shape[k]) if k == dim else (0, shape[k])
-        axis = torch.arange(lo, hi, dtype=torch.int64, device=device) * stride
+        if k == dim:
+            axis = (torch.arange(count, dtype=torch.int64, device=device) + first) * stride
+        else:
+            axis = torch.arange(shape[k], dtype=torch.int64, device=device) * stride
         index = index + axis.reshape((-1,) + (1,) * (len(shape) - 1 - k))
         stride *= shape[k]
     return index
@@ -148,9 +150,30 @@ def _dropout(c, x, p, seed, shape, dim):
     """Inverted dropout with the counter-based mask of coconet.schedules.rng (Philox4x32-10)."""
     if p == 0:
         return x
-    words = philox_words(seed, _global_index(c, shape, dim, x.device))
+    return _dropped(x, p, philox_words(seed, _global_index(c, shape, dim, x.device)))
+
+
+def _dropout_rows(x, p, seed, shape, dim, first):
+    """_dropout of the rows of ``dim`` from ``first`` (a tensor) on: a chunk of a fused collective."""
+    if p == 0:
+        return x
+    return _dropped(x, p, philox_words(seed, _flat_index(shape, dim, first, x.shape[dim], x.device)))
+
+
+def _dropped(x, p, words):
     keep = (words >> 8) >= int(p * 16777216 + 0.5)
     return torch.where(keep, x / (1.0 - p), torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def _int64(c, x):
+    """An int as a 0-d int64 tensor (two's complement for seeds of 2^63 and up)."""
+    return torch.tensor(x - (1 << 64) if x >= 1 << 63 else x, dtype=torch.int64, device=c.device)
+
+
+def _kernel(fn):
+    """A fused pointwise kernel, compiled by Inductor on its first call (vectorised C++ on CPU, Triton
+    on CUDA) and loaded from Inductor's on-disk cache by later processes."""
+    return torch.compile(fn, dynamic=False, fullgraph=True)
 
 
 class _Shm:
@@ -248,20 +271,6 @@ def _publish(c, slot, offset, rows, lo, hi):
     return mine
 
 
-def _shm_reduce(c, own, peers, op, out):
-    """out = the reduction over ranks of rows whose copy on this rank is ``own`` and on the others ``peers``."""
-    combine = {"sum": torch.add, "avg": torch.add, "prod": torch.mul, "max": torch.maximum, "min": torch.minimum}[op]
-    if not peers:
-        out.copy_(own)
-    else:
-        combine(own, peers[0], out=out)
-    for p in peers[1:]:
-        combine(out, p, out=out)
-    if op == "avg":
-        out.div_(c.world)
-    return out
-
-
 def _scatter_parts(c, x, dim, n, count):
     """Publishes x once, then yields, for ``count`` chunks of the rows this rank holds: the chunk, its rows
     on this rank (from x), on every peer (from their segments), and where this rank may write them."""
@@ -281,6 +290,31 @@ def _scatter_parts(c, x, dim, n, count):
         yield k, rows[span], peers, s.at(c.rank, slot, 0, rows.dtype, tuple(rows.shape))[span]
 
 
+def _reduce_scatter_parts(c, x, dim, n, count):
+    """Yields (chunk, its rows on every rank, unreduced): the kernel computing on the chunk sums them as it
+    reads them, so the reduced rows are never written out."""
+    for k, own, peers, _ in _scatter_parts(c, x, dim, n, count):
+        yield k, [p.movedim(0, dim) for p in [own] + peers]
+
+
+def _add_all(parts):
+    total = parts[0]
+    for p in parts[1:]:
+        total = total + p
+    return total
+
+
+def _chunk0(d_B, d_S, d_H, row0_k, r_k, rs0_parts, b, seed):
+    """3 statements of fused_collective(rs0, add0, drop0, add1, ag1) on one chunk."""
+    rs0 = _add_all(rs0_parts)
+    add0 = rs0 + b
+    drop0 = _dropout_rows(add0, 0.1, seed, (d_B, d_S, d_H, ), 0, row0_k)
+    add1 = drop0 + r_k
+    return add1,
+
+
+_chunk0 = _kernel(_chunk0)
+
 
 def step(tensors, scalars, *, group=None, stage=0, stages=1, sizes=None, custom_ops=None):
     _c = _Ctx(group, torch.device('cpu'))
@@ -295,10 +329,8 @@ def step(tensors, scalars, *, group=None, stage=0, stages=1, sizes=None, custom_
         """fused_collective: reduce_scatter, the computation on this rank's slice, the all_gathers, as one unit."""
         # 4 chunks: published once, each chunk reduced out of the peers' segments just before it computes
         _ag1 = _Gather(_rank, 0, d_B)
-        for _c, rs0 in _reduce_scatter_chunks(_rank, mm0, 0, d_B, 4, 'sum'):
-            add0 = rs0 + b
-            drop0 = _dropout(_c, add0, 0.1, seed, (d_B, d_S, d_H, ), 0)
-            add1 = drop0 + _c.cut(r, 0, d_B)
+        for _c, rs0_parts in _reduce_scatter_parts(_rank, mm0, 0, d_B, 4):
+            add1, = _chunk0(d_B, d_S, d_H, _int64(_c, _c.rows(d_B)[0]), _c.cut(r, 0, d_B), rs0_parts, b, _int64(_c, seed))
             _ag1.add(_c, add1)
         ag1 = _ag1.result()
         return ag1,

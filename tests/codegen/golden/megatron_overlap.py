@@ -103,11 +103,20 @@ def _all_gather(c, x, dim, n):
 
 def _global_index(c, shape, dim, device):
     """Row-major global flat indices of this rank's piece: rows of ``dim`` if sliced (dim >= 0)."""
+    lo, hi = c.rows(shape[dim]) if dim >= 0 else (0, 0)
+    return _flat_index(shape, dim, lo, hi - lo, device)
+
+
+def _flat_index(shape, dim, first, count, device):
+    """Row-major flat indices into ``shape`` of rows [first, first + count) of ``dim`` (all of it if dim < 0).
+    ``first`` may be a tensor: one compiled kernel then serves every chunk of a fused collective."""
     index = torch.zeros((), dtype=torch.int64, device=device)
     stride = 1
     for k in range(len(shape) - 1, -1, -1):
-        lo, hi = c.rows(shape[k]) if k == dim else (0, shape[k])
-        axis = torch.arange(lo, hi, dtype=torch.int64, device=device) * stride
+        if k == dim:
+            axis = (torch.arange(count, dtype=torch.int64, device=device) + first) * stride
+        else:
+            axis = torch.arange(shape[k], dtype=torch.int64, device=device) * stride
         index = index + axis.reshape((-1,) + (1,) * (len(shape) - 1 - k))
         stride *= shape[k]
     return index
@@ -137,7 +146,10 @@ def _dropout(c, x, p, seed, shape, dim):
     """Inverted dropout with the counter-based mask of coconet.schedules.rng (Philox4x32-10)."""
     if p == 0:
         return x
-    words = philox_words(seed, _global_index(c, shape, dim, x.device))
+    return _dropped(x, p, philox_words(seed, _global_index(c, shape, dim, x.device)))
+
+
+def _dropped(x, p, words):
     keep = (words >> 8) >= int(p * 16777216 + 0.5)
     return torch.where(keep, x / (1.0 - p), torch.zeros((), dtype=x.dtype, device=x.device))
 
