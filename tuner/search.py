@@ -152,9 +152,11 @@ def study_name(program: Program, sizes: Mapping[str, int], topology: str, world:
 def search(space: SearchSpace, sizes: Mapping[str, int], *, storage, study: str, budget: int,
            measure: Measure, record: Record | None = None, prior: Iterable[Candidate] = (),
            seed: int = 0, on_progress: Callable[[Progress], None] | None = None,
-           sampler: str | None = None) -> Outcome:
+           sampler: str | None = None, recorded: Mapping[str, Trial] | None = None) -> Outcome:
     """Run (or resume) the study ``study`` in Optuna ``storage`` until ``budget`` candidates have results or
     the space is exhausted; ``measure`` times a candidate, ``record`` stores each new result.
+    ``recorded``: results already in the store by candidate key, used instead of measuring again (a tuner
+    killed after recording a result but before the study heard of it).
     ``sampler`` (``brute``, ``tpe``, ``random``) overrides the choice by budget (for benchmarks)."""
     import optuna
 
@@ -199,6 +201,14 @@ def search(space: SearchSpace, sizes: Mapping[str, int], *, storage, study: str,
             progress.reused += 1
             _attrs(trial, t.result)
             trial.set_user_attr("reused", True)
+            return _value(t.result)
+        if recorded and c.key in recorded:
+            t = trials[c.key] = recorded[c.key]
+            progress.reused += 1
+            _attrs(trial, t.result)
+            trial.set_user_attr("reused", True)
+            if t.record_id is not None:
+                trial.set_user_attr("record_id", t.record_id)
             return _value(t.result)
         res = measure(c)
         rid = record(c, res, "trial") if record else None

@@ -22,7 +22,7 @@ from coconet.errors import CoconetError
 from coconet.schedules.ir import Program
 from coconet.schedules.schedule import Schedule
 from coconet.tuner.runner import Protocol, Runner, connect
-from coconet.tuner.search import Candidate, Outcome, Progress, SearchSpace, search, study_name
+from coconet.tuner.search import Candidate, Outcome, Progress, SearchSpace, Trial, search, study_name
 from coconet.tuner.stats import summarize
 
 LOCAL = "local"
@@ -192,7 +192,8 @@ def tune(request: Request, store, *, on_progress: Callable[[dict, Progress], Non
             outcome = search(space, sizes, storage=storage, study=study_name(prog, sizes, request.topology,
                                                                              request.world),
                              budget=request.budget, measure=measure, record=record, prior=seeds,
-                             seed=request.seed, on_progress=progress)
+                             seed=request.seed, on_progress=progress,
+                             recorded=_recorded(store, space, prog, sizes, request))
         except BaseException as e:
             store.update_job(job, state="interrupted" if isinstance(e, KeyboardInterrupt) else "failed",
                              error=f"{type(e).__name__}: {e}"[:2000])
@@ -235,6 +236,23 @@ def _record_id(trial, record) -> int | None:
     if trial.record_id is not None:
         return int(trial.record_id)
     return record(trial.candidate, trial.result, "trial")
+
+
+def _recorded(store, space: SearchSpace, prog: Program, sizes, request: Request) -> dict[str, Trial]:
+    """This key's measured results already in the store, oldest first per candidate: what a tuner killed
+    between recording a result and telling the study left behind."""
+    out: dict[str, Trial] = {}
+    for m in store.measurements(prog.hash, sizes, request.topology, world=request.world, source="measured"):
+        if m.job_id is None or m.schedule_json is None or m.backend not in space.backends:
+            continue
+        try:
+            c = Candidate(Schedule.from_json(m.schedule_json, prog), m.backend)
+        except CoconetError:
+            continue  # a schedule this coconet no longer offers: nothing to reuse
+        res = RunResult(m.schedule, m.schedule_hash, m.status, correct=m.status != "wrong_result",
+                        max_rel_err=m.max_rel_err, samples=list(m.samples), error=m.error)
+        out.setdefault(c.key, Trial(c, res, m.id, reused=True))
+    return out
 
 
 def _neighbours(store, space: SearchSpace, prog: Program, sizes, request: Request, done: list[Tuned]) -> list[Candidate]:

@@ -1,8 +1,11 @@
 import json
 import os
+import runpy
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -202,7 +205,9 @@ def test_bench_compares_with_torch_and_the_floor(tmp_path):
             assert point[f"best_{b}"] == min((r for r in point["results"] if r["backend"] == b),
                                              key=lambda r: r["median_s"])
         assert point["bytes_moved_once"] == (2 * 4 + 6 * 4) * n  # g on 2 ranks; w, m, v read and written
-        assert point["floor_s"] == pytest.approx(point["bytes_moved_once"] / (report["memory_bandwidth_GBps"] * 1e9))
+        assert point["floor_s"] == point["memory_floor_s"] == pytest.approx(
+            point["bytes_moved_once"] / (report["memory_bandwidth_GBps"] * 1e9))
+        assert point["compute_floor_s"] == 0.0 and point["matmul_flops_per_rank"] == 0  # Adam has no matmul
         assert point["torch"]["status"] == "ok" and point["torch"]["correct"] is True
         assert all(r["status"] == "ok" for r in point["results"])
         best = min(point["results"], key=lambda r: r["median_s"])
@@ -233,3 +238,49 @@ def test_tune_json_then_run_the_best(tmp_path):
     assert proc.returncode == 0, proc.stderr
     ran = [r["schedule"] for r in json.loads(proc.stdout)["results"]]
     assert ran[0] == "baseline" and ran[-1] == doc["best"]["schedule"]
+
+
+def test_tune_killed_mid_study_resumes_without_measuring_twice(tmp_path):
+    """SIGKILL of `coconet tune` in the middle of its study, with no chance to clean up: the run again
+    reuses every result the first one recorded and measures only the rest."""
+    from coconet.server.store import Store
+
+    prog = runpy.run_path(str(ROOT / "examples" / "adam.py"))["program"].ir
+    db = f"sqlite:///{tmp_path / 'coconet.db'}"
+    args = ["tune", "examples/adam.py", "--world", "2", "--size", "N=2^10", "--budget", "6", "--kernels", "eager",
+            "--backend", "gloo", "--db", db, "--json"]
+    env = {k: v for k, v in os.environ.items() if k != "COCONET_DEBUG"}
+    with open(tmp_path / "first.log", "w") as log:
+        first = subprocess.Popen([sys.executable, "-m", "coconet", *args], cwd=ROOT, env=env, stdout=log,
+                                 stderr=log, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 150
+        while True:
+            assert first.poll() is None, (tmp_path / "first.log").read_text()
+            assert time.monotonic() < deadline, "no trial recorded in time"
+            if (tmp_path / "coconet.db").exists():
+                with Store.open(db) as store:
+                    if len([m for m in store.measurements(prog.hash) if m.job_id is not None]) >= 2:
+                        break
+            time.sleep(0.2)
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait()
+    finally:
+        try:
+            os.killpg(first.pid, signal.SIGKILL)  # the local Ray it started
+        except ProcessLookupError:
+            pass
+    with Store.open(db) as store:
+        (killed,) = store.jobs()
+        before = [(m.schedule_hash, m.backend) for m in store.measurements(prog.hash, job_id=killed.id)]
+    assert 2 <= len(before) < 6 and len(set(before)) == len(before)
+
+    proc = coconet(*args)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["trials"] == 6 and doc["job_id"] != killed.id
+    with Store.open(db) as store:
+        after = [(m.schedule_hash, m.backend) for m in store.measurements(prog.hash, job_id=doc["job_id"])]
+    trials, retimed = after[:-2], after[-2:]  # the two fastest are timed again at the end
+    assert len(trials) == 6 - len(before) and not set(trials) & set(before)
+    assert doc["best"]["hash"] in {h for h, _ in retimed}

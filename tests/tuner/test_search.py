@@ -9,7 +9,7 @@ import pytest
 
 from coconet.codegen.launch import RunResult
 from coconet.schedules.schedule import Schedule
-from coconet.tuner.search import Candidate, SearchSpace, knob_variants, search, structure_text, study_name
+from coconet.tuner.search import Candidate, SearchSpace, Trial, knob_variants, search, structure_text, study_name
 
 ROOT = Path(__file__).parents[2]
 
@@ -116,3 +116,30 @@ def test_a_killed_study_resumes_without_measuring_again(storage):
     third = Fake()
     search(space, {"N": 1024}, storage=storage, study=name, budget=space.size, measure=third)
     assert len(third.calls) == 2
+
+
+def test_a_result_recorded_but_not_told_is_not_measured_again(storage):
+    """Killed between recording a candidate's result in the store and telling the study: the run again
+    takes that result from the store (``recorded``) instead of measuring it twice."""
+    prog = example("adam")
+    space = SearchSpace.of(prog, ["gloo", "shm"])
+    name = study_name(prog, {"N": 1024}, "local", 2)
+    stored: dict[str, Trial] = {}
+
+    def record(c, res, role):
+        stored[c.key] = Trial(c, res, len(stored) + 1, reused=True)
+        if len(stored) == 5:
+            raise KeyboardInterrupt  # the kill lands right after the fifth result is written
+        return len(stored)
+
+    first = Fake()
+    with pytest.raises(KeyboardInterrupt):
+        search(space, {"N": 1024}, storage=storage, study=name, budget=space.size, measure=first, record=record)
+    assert len(first.calls) == 5
+    second = Fake()
+    out = search(space, {"N": 1024}, storage=storage, study=name, budget=space.size, measure=second,
+                 recorded=dict(stored))
+    assert not set(second.calls[:-2]) & set(first.calls)
+    assert len(set(second.calls[:-2])) + len(first.calls) == space.size == len(out.trials)
+    fifth = next(t for t in out.trials if t.candidate.key == first.calls[-1])
+    assert fifth.record_id == 5 and fifth.result.median_s == first.time_of(fifth.candidate)
