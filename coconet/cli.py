@@ -600,13 +600,15 @@ def bench(
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG: time vs size, speed-up, distance to the floor."),
     as_json: bool = JSON_OPT,
 ) -> None:
-    """Every schedule against the hand-written PyTorch baseline and the memory-bandwidth floor, per size."""
+    """Every schedule against the hand-written PyTorch baseline and the floor (the bytes the step must move
+    at the memory bandwidth, or its matmuls at the matmul rate, whichever is longer), per size."""
     from coconet.codegen.baselines import BASELINES
     from coconet.codegen.launch import Options, run_schedules
     from coconet.codegen.lower import BACKENDS
     from coconet.loader import load_file
     from coconet.schedules.dims import parse_sizes
-    from coconet.tuner.roofline import bytes_moved_once, memory_bandwidth
+    from coconet.tuner.roofline import bytes_moved_once, compute_floor, matmul_flops_per_rank, matmul_rate, \
+        memory_bandwidth
 
     for b in backend:
         if b not in BACKENDS:
@@ -620,11 +622,19 @@ def bench(
     # Measured again before every point and after the last, in this run: load from elsewhere on the
     # machine comes and goes, and the floor takes the best the machine showed.
     bandwidths: list[float] = []
+    # the matmul rate of one rank's threads (as the launcher gives them), where the program has matmuls
+    nranks = world * (2 if prog.is_pipeline else 1)
+    cpus = os.cpu_count() or 1
+    threads = max(1, cpus // nranks)
+    matmuls = any(matmul_flops_per_rank(prog, sizes, world) for sizes in points_sizes)
+    rates: list[float] = []
     report: dict[str, Any] = {
         "workload": prog.name, "program_hash": prog.hash, "world": world, "backends": backends, "kernels": kernels,
         "torch_baseline": baseline.doc if baseline else None, "cpus": os.cpu_count(), "points": []}
     for sizes in points_sizes:
         bandwidths.append(memory_bandwidth())
+        if matmuls:
+            rates.append(matmul_rate(threads) / threads)
         rows, torch_row = [], None
         for k, b in enumerate(backends):  # the baseline runs once, in the first launch, side by side with it
             opts = Options(world=world, sizes=sizes, backend=b, kernels=kernels, repeats=repeats, warmup=warmup,
@@ -649,8 +659,16 @@ def bench(
     bandwidth = max(bandwidths)
     report["memory_bandwidth_GBps"] = bandwidth / 1e9
     report["memory_bandwidth_samples_GBps"] = [b / 1e9 for b in bandwidths]
+    if matmuls:
+        rates.append(matmul_rate(threads) / threads)
+        report["matmul_GFLOPs_per_thread"] = max(rates) / 1e9
+        report["matmul_GFLOPs_per_thread_samples"] = [r / 1e9 for r in rates]
+        report["threads_per_rank"] = threads
     for point in report["points"]:
-        point["floor_s"] = point["bytes_moved_once"] / bandwidth
+        point["memory_floor_s"] = point["bytes_moved_once"] / bandwidth
+        point["matmul_flops_per_rank"] = matmul_flops_per_rank(prog, point["sizes"], world)
+        point["compute_floor_s"] = compute_floor(prog, point["sizes"], world, max(rates), cpus, threads) if rates else 0.0
+        point["floor_s"] = max(point["memory_floor_s"], point["compute_floor_s"])
         point["best_over_floor"] = point["best"]["median_s"] / point["floor_s"] if point["best"] else None
     if output is not None:
         output.parent.mkdir(parents=True, exist_ok=True)

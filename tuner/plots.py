@@ -25,7 +25,8 @@ def bench_plot(report: dict[str, Any], path: Path) -> None:
         f"program as written ({report['backends'][0]})": [p["results"][0]["median_s"] for p in points],
         **{f"best schedule, {b}": [p[f"best_{b}"]["median_s"] if p.get(f"best_{b}") else None for p in points]
            for b in report["backends"]},
-        "memory-bandwidth floor": [p["floor_s"] for p in points],
+        ("floor (memory or matmul)" if any(p.get("compute_floor_s") for p in points) else "memory-bandwidth floor"):
+            [p["floor_s"] for p in points],
     }
     styles = ["o-", "s--"] + ["^-", "v-", "D-"][:len(report["backends"])] + ["k:"]
     for (name, ys), style in zip(series.items(), styles):

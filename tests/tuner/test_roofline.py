@@ -1,7 +1,7 @@
 import runpy
 from pathlib import Path
 
-from coconet.tuner.roofline import bytes_moved_once, memory_bandwidth
+from coconet.tuner.roofline import bytes_moved_once, compute_floor, matmul_flops_per_rank, matmul_rate, memory_bandwidth
 
 ROOT = Path(__file__).parents[2]
 
@@ -21,3 +21,27 @@ def test_bytes_moved_once():
 
 def test_memory_bandwidth_is_a_rate():
     assert memory_bandwidth(nbytes=2**22, repeats=2) > 1e8
+
+
+def test_matmul_flops_per_rank():
+    # Megatron's row-parallel matmul: (B*S, 4H/R) x (4H/R, H) on each rank, the first rank's share the larger
+    B, S, H = 2, 3, 5
+    sizes = {"B": B, "S": S, "H": H}
+    assert matmul_flops_per_rank(example("megatron_mlp"), sizes, 2) == 2 * B * S * H * 10
+    assert matmul_flops_per_rank(example("megatron_mlp"), sizes, 3) == 2 * B * S * H * 7
+    assert matmul_flops_per_rank(example("adam"), {"N": 1000}, 2) == 0
+
+
+def test_compute_floor_shares_the_cores():
+    prog, sizes = example("megatron_mlp"), {"B": 4, "S": 8, "H": 16}
+    flops = matmul_flops_per_rank(prog, sizes, 2)
+    # two ranks of one thread on two cores: in parallel, each its own flops
+    assert compute_floor(prog, sizes, 2, rate_per_thread=1e9, cpus=2, threads=1) == flops / 1e9
+    # four ranks on two cores: every rank's flops through two cores
+    flops4 = matmul_flops_per_rank(prog, sizes, 4)
+    assert compute_floor(prog, sizes, 4, rate_per_thread=1e9, cpus=2, threads=1) == flops4 * 4 / 2e9
+    assert compute_floor(example("adam"), {"N": 1000}, 2, rate_per_thread=1e9, cpus=2, threads=1) == 0.0
+
+
+def test_matmul_rate_is_a_rate():
+    assert matmul_rate(1, m=64, k=64, n=64, repeats=2) > 1e7
