@@ -166,12 +166,19 @@ def observe(prog, tensors, out, stage: int) -> dict[str, np.ndarray]:
 def _trace(step, tensors, scalars, kwargs, out: Path) -> None:
     """One step under torch.profiler: collectives in flight show on the threads that carry them (gloo's
     workers, the shm communication thread) beside the compute on the main thread."""
+    import torch
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
     step(tensors, scalars, **kwargs)
     dist.barrier()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    # the profiler records only the threads it was started on unless told otherwise; the shm communication
+    # thread exists before it starts
+    try:
+        extra = {"experimental_config": torch._C._profiler._ExperimentalConfig(profile_all_threads=True)}
+    except TypeError:  # a torch without it: the shm thread stays out of the trace
+        extra = {}
+    with profile(activities=[ProfilerActivity.CPU], **extra) as prof:
         step(tensors, scalars, **kwargs)
     out.parent.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(out))

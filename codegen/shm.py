@@ -119,7 +119,7 @@ class _Shm:
             return fn(*args)
         if self.pool is None:
             self.pool = ThreadPoolExecutor(1, thread_name_prefix="coconet-shm")
-        self.last = self.pool.submit(fn, *args)
+        self.last = self.pool.submit(_on_comm_thread, fn, *args)
         return self.last if async_op else self.last.result()
 
     def close(self):
@@ -127,6 +127,12 @@ class _Shm:
             self.pool.shutdown()
         self.segments, self.flags = [], []
         _GROUPS.pop(self.group, None)
+
+
+def _on_comm_thread(fn, *args):
+    """A collective on the communication thread, as one named span in a profiler trace."""
+    with torch.profiler.record_function(f"shm {fn.__name__}"):
+        return fn(*args)
 
 
 class _Done:
@@ -359,7 +365,7 @@ class _Gather:
 
 from coconet.codegen.prelude import _Chunk, _launches  # noqa: E402  (shared with the torch backend)
 
-HELPERS = (_Shm, _Done, _offsets, _publish, _shm_reduce, _shm_reduce_scatter, _shm_all_gather,
+HELPERS = (_Shm, _on_comm_thread, _Done, _offsets, _publish, _shm_reduce, _shm_reduce_scatter, _shm_all_gather,
            _shm_allreduce, _allreduce, _reduce_scatter, _all_gather, _shm_broadcast, _broadcast, _bucket_allreduce,
            _bucket_reduce_scatter, _bucket_all_gather, _scatter_parts, _reduce_scatter_chunks, _reduce_scatter_parts, _add_all,
            _Gather)

@@ -39,3 +39,22 @@ def test_run_traces_every_rank_and_overlap_shows_in_flight_collectives(tmp_path)
         assert [f.name.rsplit("_", 1)[1] for f in files] == ["rank0.json", "rank1.json"]
     o = overlap(next(tmp_path.glob(f"*{ovl.hash}*_rank0.json")))
     assert o.compute_s > 0 and o.comm_s > 0  # the collectives ran on gloo's threads, the matmuls on the main one
+
+
+def test_shm_collectives_show_on_their_thread_in_the_trace(tmp_path):
+    """The shm backend's async collectives run on its communication thread, which exists before the
+    profiler starts: the trace still has them, as named spans beside the matmuls."""
+    prog = runpy.run_path(str(ROOT / "examples/megatron_mlp.py"))["program"].ir
+    ovl = Schedule.parse("split(ar0); overlap(mm0, rs0); chunks=4", prog)
+    opts = Options(world=2, sizes={"B": 4, "S": 64, "H": 128}, backend="shm", kernels="eager", warmup=0,
+                   repeats=1, trace=str(tmp_path))
+    (res,) = run_schedules([ovl], opts)
+    assert res.status == "ok" and res.correct
+    trace = next(tmp_path.glob(f"*{ovl.hash}*_rank0.json"))
+    events = json.loads(trace.read_text())["traceEvents"]
+    main = next(e["tid"] for e in events if e.get("name") == "aten::mm")
+    spans = [e for e in events if e.get("name", "").startswith("shm ") and e.get("ph") == "X"]
+    assert spans and all(e["tid"] != main for e in spans)
+    assert {e["name"] for e in spans} == {"shm _shm_reduce_scatter"}
+    o = overlap(trace)
+    assert o.compute_s > 0 and o.comm_s > 0

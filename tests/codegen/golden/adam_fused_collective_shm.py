@@ -161,7 +161,7 @@ class _Shm:
             return fn(*args)
         if self.pool is None:
             self.pool = ThreadPoolExecutor(1, thread_name_prefix="coconet-shm")
-        self.last = self.pool.submit(fn, *args)
+        self.last = self.pool.submit(_on_comm_thread, fn, *args)
         return self.last if async_op else self.last.result()
 
     def close(self):
@@ -169,6 +169,12 @@ class _Shm:
             self.pool.shutdown()
         self.segments, self.flags = [], []
         _GROUPS.pop(self.group, None)
+
+
+def _on_comm_thread(fn, *args):
+    """A collective on the communication thread, as one named span in a profiler trace."""
+    with torch.profiler.record_function(f"shm {fn.__name__}"):
+        return fn(*args)
 
 
 def _publish(c, slot, offset, rows, lo, hi):
