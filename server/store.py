@@ -16,10 +16,10 @@ from contextlib import contextmanager
 from dataclasses import fields
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 
 from sqlalchemy import Engine, Text, bindparam, cast, create_engine, event, func, inspect, select, text
-from sqlalchemy.engine import URL, Connection, make_url
+from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
@@ -72,7 +72,6 @@ NEXT_STATES: dict[str, frozenset[str]] = {
 }
 ACTIVE_STATES = ("queued", "running")
 _WRITE = "coconet_write"
-_READ = "coconet_read"
 
 
 def default_url() -> str:
@@ -90,6 +89,9 @@ class Store:
 
     def __init__(self, engine: Engine, url: str) -> None:
         self._engine = engine
+        self._reader = _read_engine(engine)
+        self._newest = {n: _Rendered(q, self._reader.dialect) for n, q in _NEWEST.items()}
+        self._tuned_keys = {n: _Rendered(q, self._reader.dialect) for n, q in _TUNED_KEYS.items()}
         self.url = url
 
     @classmethod
@@ -105,6 +107,7 @@ class Store:
         return store
 
     def close(self) -> None:
+        self._reader.dispose()
         self._engine.dispose()
 
     def __enter__(self) -> Store:
@@ -436,24 +439,28 @@ class Store:
         """The newest valid winner for these exact sizes; else, flagged ``exact=False``, the one of the nearest
         tuned sizes (same program, topology and dim names); None when nothing comparable was tuned.
         ``world`` and ``backend`` narrow the search; left out, any world or backend counts."""
-        # The API's hot path: Core statements built once, one round trip for an exact answer.
+        # The API's hot path: statements rendered once, one round trip for an exact answer.
         params = {"program": program_hash, "topology": topology, "key": sizes_key(sizes), "world": world,
                   "backend": backend}
         narrowed = (world is not None, backend is not None)
-        with self._read("best") as conn:
-            row = conn.execute(_NEWEST[narrowed], params).first()
-            if row is not None:
-                return _best_of_row(row, exact=True, distance=0.0)
+        newest = self._newest[narrowed]
+
+        def read(cursor: Any) -> Best | None:
+            rows = newest.rows(cursor, params)
+            if rows:
+                return _best_of_row(rows[0], exact=True, distance=0.0)
             near = []
-            for other in conn.execute(_TUNED_KEYS[narrowed], params).scalars():
+            for (other,) in self._tuned_keys[narrowed].rows(cursor, params):
                 d = size_distance(sizes, parse_sizes_key(other))
                 if d is not None:
                     near.append((d, other))
             for d, other in sorted(near):
-                row = conn.execute(_NEWEST[narrowed], {**params, "key": other}).first()
-                if row is not None:
-                    return _best_of_row(row, exact=False, distance=d)
+                rows = newest.rows(cursor, {**params, "key": other})
+                if rows:
+                    return _best_of_row(rows[0], exact=False, distance=d)
             return None
+
+        return self._read("best", read)
 
     def results(self, program_hash: str, topology: str | None = None) -> list[Best]:
         """The current winner of every (sizes, topology, world, backend) tuned for a program, smallest sizes first."""
@@ -471,20 +478,31 @@ class Store:
 
     # -- plumbing
 
-    @contextmanager
-    def _read(self, what: str) -> Iterator[Connection]:
-        """A connection for reads that need no transaction (the rows they read are never updated, and each
-        statement sees one snapshot): on PostgreSQL autocommit saves the BEGIN and ROLLBACK round trips, on
-        SQLite the store's own BEGIN is left out."""
-        try:
-            with self._engine.connect() as conn:
-                if conn.dialect.name == "postgresql":
-                    conn.execution_options(isolation_level="AUTOCOMMIT")
-                else:
-                    conn.execution_options(**{_READ: True})
-                yield conn
-        except SQLAlchemyError as err:
-            raise StoreError(f"{what} on {self.url}: {_cause(err)}", url=self.url) from err
+    def _read(self, what: str, read: Callable[[Any], _R]) -> _R:
+        """``read(cursor)`` on a DB-API cursor of the read engine, outside a transaction: for reads of rows that
+        are never updated (each statement sees one snapshot). The pool does not ping a connection before each
+        use; one the database dropped (a restart) fails on first use instead, and the read, which changes
+        nothing, runs once more on a fresh connection."""
+        dialect = self._reader.dialect
+        for attempt in (1, 2):
+            try:
+                conn = self._reader.raw_connection()
+            except SQLAlchemyError as err:
+                raise StoreError(f"{what} on {self.url}: {_cause(err)}", url=self.url) from err
+            try:
+                cursor = conn.cursor()
+                try:
+                    return read(cursor)
+                finally:
+                    cursor.close()
+            except dialect.loaded_dbapi.Error as err:
+                if attempt == 1 and dialect.is_disconnect(err, conn.dbapi_connection, None):
+                    conn.invalidate(err)
+                    continue
+                raise StoreError(f"{what} on {self.url}: {_cause(err)}", url=self.url) from err
+            finally:
+                conn.close()
+        raise AssertionError("unreachable: the second attempt returns or raises")
 
     @contextmanager
     def _tx(self, what: str, write: bool = False) -> Iterator[Session]:
@@ -555,6 +573,40 @@ def _engine(url_text: str) -> tuple[Engine, str]:
     return engine, shown
 
 
+def _read_engine(engine: Engine) -> Engine:
+    """The engine Store._read uses. On PostgreSQL its own pool: connections in autocommit for good (no BEGIN and
+    ROLLBACK round trips) and no ping before each use (a round trip per lookup). On SQLite the store's pool
+    (its connections are in sqlite3's autocommit mode until the store emits BEGIN, which _read never does)."""
+    if engine.dialect.name == "postgresql":
+        return create_engine(engine.url, isolation_level="AUTOCOMMIT")
+    return engine
+
+
+class _Rendered:
+    """A Core statement rendered once for one dialect and run on a plain DB-API cursor: on the API's hot path
+    SQLAlchemy's work per execution (a Connection, the compiled-cache lookup, result metadata, row objects)
+    cost more than the indexed read itself. Values still go through SQLAlchemy's own result processors (JSON,
+    SQLite's datetimes), chosen once from the cursor's description. Parameters go as they are: the statements
+    bind only strings and integers, which no dialect here converts."""
+
+    def __init__(self, statement: Any, dialect: Any) -> None:
+        self._compiled = statement.compile(dialect=dialect)
+        self._sql = str(self._compiled)
+        self._types = [c.type.dialect_impl(dialect) for c in statement.selected_columns]
+        self._dialect = dialect
+        self._processors: list[Any] | None = None
+
+    def rows(self, cursor: Any, values: Mapping[str, Any]) -> list[list[Any]]:
+        params = self._compiled.construct_params(values)
+        cursor.execute(self._sql, tuple(params[k] for k in self._compiled.positiontup)
+                       if self._compiled.positional else params)
+        rows = cursor.fetchall()
+        if self._processors is None:
+            self._processors = [t.result_processor(self._dialect, d[1])
+                                for t, d in zip(self._types, cursor.description)]
+        return [[f(v) if f else v for f, v in zip(self._processors, row)] for row in rows]
+
+
 def _make_parent_dir(url: URL) -> None:
     db = url.database or ""
     if db and db != ":memory:" and not db.startswith("file:"):
@@ -578,10 +630,7 @@ def _sqlite_connect(dbapi_conn: Any, _record: Any) -> None:
 def _sqlite_begin(conn: Any) -> None:
     # A deferred transaction that reads and then writes fails at once with "database is locked" when another
     # process wrote in between (busy_timeout cannot help); writers take the lock up front and wait for it instead.
-    options = conn.get_execution_options()
-    if options.get(_READ):
-        return  # a Store._read: each statement in sqlite3's autocommit mode
-    conn.exec_driver_sql("BEGIN IMMEDIATE" if options.get(_WRITE) else "BEGIN")
+    conn.exec_driver_sql("BEGIN IMMEDIATE" if conn.get_execution_options().get(_WRITE) else "BEGIN")
 
 
 def _revision(conn: Any) -> str | None:

@@ -149,6 +149,89 @@ def test_best_exact_nearest_and_code(client: TestClient) -> None:
     assert shm.status_code == 200 and "def step(" in shm.json()["source"]
 
 
+# -- the hot path of /best: the same answers as the route, and nothing stale
+
+
+def test_the_fast_path_answers_as_the_route_does(db_url: str, monkeypatch) -> None:
+    """Plain /best requests are answered by FastBest; every request gets the bytes the route alone would send."""
+    from coconet.server import app as app_module
+
+    fast = create_app(db_url, token=TOKEN, start_workers=False)
+    route = create_app(db_url, token=TOKEN, start_workers=False)
+    route.user_middleware = [m for m in route.user_middleware if m.cls is not app_module.FastBest]
+    prog = held_out_program()
+    fast.state.store.add_program(prog)
+    _seed_winner(fast.state.store, prog, 1024)
+    h = prog.hash
+    answered = []
+    plain = app_module._plain_best
+
+    def counted(state: Any, query: bytes) -> bytes | None:
+        body = plain(state, query)
+        answered.append(body is not None)
+        return body
+
+    monkeypatch.setattr(app_module, "_plain_best", counted)
+    cases = {  # query -> whether the fast path answers it
+        f"program={h}&sizes=N=1024": True,
+        f"program={h}&sizes=N%3D2%5E10&topology=local&world=2&backend=gloo&other=ignored": True,
+        f"program={h}&sizes=N=2^14&world=2": True,  # the nearest tuned size
+        f"program={h}&sizes=N=3": True,
+        f"program={h}&sizes=N=1024&world=02": False,  # the route's to coerce
+        f"program={h}&sizes=N=1024&tune=false": False,
+        f"program={h}&sizes=N=1024&budget=32": False,
+        f"program={h}&program={h}&sizes=N=1024": False,
+        f"program={h}&sizes=N=1024&world=4": False,  # nothing tuned: 404
+        f"program={h}&sizes=M=4": False,  # wrong dims: 422
+        f"program={h}&sizes=N=2^41": False,
+        f"program={h}&sizes=N=1024&topology=": False,
+        f"program={'f' * 16}&sizes=N=1024": False,
+        f"program={h.upper()}&sizes=N=1024": False,
+        "sizes=N=1024": False,
+    }
+    with TestClient(fast) as f, TestClient(route) as r:
+        for query, expected in cases.items():
+            answered.clear()
+            got, want = f.get(f"{API}/best?{query}"), r.get(f"{API}/best?{query}")
+            assert (got.status_code, got.content) == (want.status_code, want.content), query
+            assert got.headers["content-type"] == want.headers["content-type"], query
+            assert answered == [expected], query
+        assert f.get(f"{API}/best?program={h}&sizes=N=1024").json()["exact"] is True
+
+
+def test_a_new_winner_is_served_at_once(db_url: str, monkeypatch) -> None:
+    """Nothing between /best and the store keeps an answer: a winner the server's own job worker records is the
+    answer of the next request, and so is one another process records."""
+    from coconet.schedules.space import generate
+    from coconet.server.records import Progress
+
+    prog = held_out_program()
+    base, other, third = list(generate(prog, depth=1))[:3]
+    common = dict(sizes={"N": 1024}, topology="local", world=2, backend="gloo", samples=[1e-3] * 5, n=5)
+
+    def tune(request: Any, store: Store, *, job_id: int, on_progress: Any, prior: Any) -> list:
+        mid = store.add_measurement(NewMeasurement.of(other, median_s=5e-4, job_id=job_id, **common))
+        store.add_winner(mid, job_id=job_id)
+        store.update_job(job_id, state="done", progress=Progress(done=1, total=1))
+        return []
+
+    monkeypatch.setattr("coconet.tuner.tune.tune", tune)
+    app = create_app(db_url, token=TOKEN, workers=1, protocol=FAST)
+    with TestClient(app) as c:
+        c.post(f"{API}/programs", json=ir_of(prog), headers=AUTH)
+        store = app.state.store
+        store.add_winner(store.add_measurement(NewMeasurement.of(base, median_s=1e-3, **common)))
+        ask = f"{API}/best?program={prog.hash}&sizes=N=1024&world=2"
+        assert c.get(ask).json()["schedule_hash"] == base.hash
+        job = c.post(f"{API}/jobs", json={"program": prog.hash, "sizes": {"N": 1024}, "world": 2, "budget": 1},
+                     headers=AUTH).json()["id"]
+        assert _wait_for(store, job, "done").state == "done"
+        assert c.get(ask).json()["schedule_hash"] == other.hash
+        with Store.open(db_url) as elsewhere:
+            elsewhere.add_winner(elsewhere.add_measurement(NewMeasurement.of(third, median_s=4e-4, **common)))
+        assert c.get(ask).json()["schedule_hash"] == third.hash
+
+
 # -- bad requests
 
 
