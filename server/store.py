@@ -187,7 +187,10 @@ class Store:
         *,
         budget: int | None = None,
         backends: Sequence[str] = (),
+        running: bool = False,
     ) -> int:
+        """A new job, queued for the service's workers; ``running``: already taken by its caller (a tuner that
+        runs it itself), so that no worker can claim it between its creation and a claim."""
         key = sizes_key(sizes)
         _check_world(world)
         now = utcnow()
@@ -195,8 +198,9 @@ class Store:
             _require_programs(s, {program_hash})
             row = JobRow(
                 program_hash=program_hash, sizes=_sorted(sizes), sizes_key=key, topology=topology, world=world,
-                budget=budget, backends=list(backends), state="queued", trials_done=0, trials_total=budget,
-                trials_failed=0, created_at=now, updated_at=now,
+                budget=budget, backends=list(backends), state="running" if running else "queued", trials_done=0,
+                trials_total=budget, trials_failed=0, created_at=now, updated_at=now,
+                heartbeat_at=now if running else None,
             )
             s.add(row)
             s.flush()

@@ -158,8 +158,7 @@ def tune(request: Request, store, *, on_progress: Callable[[dict, Progress], Non
             job = job_id
         else:
             job = store.create_job(prog.hash, sizes, request.topology, request.world, budget=request.budget,
-                                   backends=list(backends))
-            store.claim_job(job)
+                                   backends=list(backends), running=True)
         runners: dict[str, Runner] = {}
 
         def measure(c: Candidate) -> RunResult:

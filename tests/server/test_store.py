@@ -157,6 +157,18 @@ def test_job_state_transitions(store, adam):
     assert store.job(404) is None
 
 
+def test_a_job_created_running_is_never_claimed(store, adam):
+    """A tuner that runs its own job creates it taken: a service worker polling the same store cannot
+    claim it between its creation and a claim."""
+    h = store.add_program(adam)
+    mine = store.create_job(h, {"N": 2**20}, "local", 2, budget=4, running=True)
+    job = store.job(mine)
+    assert job.state == "running" and job.heartbeat_at is not None
+    assert store.claim_job() is None and store.claim_job(mine) is None
+    queued = store.create_job(h, {"N": 2**21}, "local", 2)
+    assert store.claim_job().id == queued
+
+
 # -- measurements
 
 
