@@ -372,17 +372,9 @@ def run(main: Any) -> Any:
     return uvloop.run(main)
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
 def main() -> None:
+    from coconet.tuner import calibrate
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rate", type=float, default=300.0)
     ap.add_argument("--seconds", type=float, default=10.0)
@@ -414,7 +406,7 @@ def main() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
     doc = {"benchmark": "GET /api/v1/best latency, open loop", "rate": args.rate, "seconds": args.seconds,
            "connections": args.connections,
-           "machine": {"cpus": os.cpu_count(), "cpu": cpu_model(), "machine": platform.machine(),
+           "machine": {"cpus": os.cpu_count(), "cpu": calibrate.cpu_model(), "machine": platform.machine(),
                        "python": platform.python_version()},
            "note": "client and server share this machine's cores (and other benchmarks may run beside them)",
            "load_average_before": load_before, "load_average_after": os.getloadavg(),
