@@ -24,7 +24,7 @@ from coconet.errors import BackendError
 from coconet.schedules.dims import Dim
 from coconet.schedules.ir import Group, Program, Stmt
 from coconet.schedules.schedule import Schedule
-from coconet.schedules.types import ITEMSIZE, Local, Replicated, Sliced
+from coconet.schedules.types import ITEMSIZE, Replicated, Sliced
 
 BACKENDS = ("gloo", "nccl", "shm")
 TORCH_DTYPE = {"float16": "torch.float16", "bfloat16": "torch.bfloat16", "float32": "torch.float32",
@@ -261,7 +261,6 @@ def _group_io(p: Program, g: Group, absorbed=()) -> tuple[list[str], list[str]]:
 
 
 def _lower_group(e: _Emitter, g: Group) -> list[str]:
-    p = e.p
     knobs = e.s.knob_values
     if g.kind == "overlap":
         return _lower_overlap(e, g, knobs.get("chunks", 4))

@@ -5,13 +5,14 @@ import (uvicorn gets ``coconet.server.app:create_app`` with ``factory=True``).
 
 
 import logging
+import math
 import os
 import re
 import secrets
 import threading
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Annotated, Any, AsyncIterator
+from typing import Annotated, Any, AsyncIterator, Callable
 from urllib.parse import parse_qsl
 
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
@@ -39,7 +40,6 @@ from coconet.server.schemas import (
     MAX_WORLD,
     BestOut,
     CodeOut,
-    Hash,
     Health,
     JobCreated,
     JobIn,
@@ -432,13 +432,19 @@ class ProgramDims:
 
 
 _BEST_PATH = f"{PREFIX}/best"
+
+
+def _accepts(spec: dict[str, Any]) -> Callable[[str], bool]:
+    """A string Query declaration's constraints (pattern, lengths) as a check on a raw value."""
+    pattern = re.compile(spec.get("pattern", r"(?s).*"))
+    lo, hi = spec.get("min_length", 0), spec.get("max_length", math.inf)
+    return lambda v: lo <= len(v) <= hi and pattern.fullmatch(v) is not None
+
+
 # Values the route's declarations accept as they are (a subset of what FastAPI would coerce: "02" is left to it).
-_PLAIN = {
-    "program": re.compile(r"[0-9a-f]{8,64}"),
-    "topology": re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]{0,199}"),
-    "world": re.compile(r"[1-9][0-9]{0,3}"),
-    "backend": re.compile(r"[a-z][a-z0-9_]{0,31}"),
-}
+_WORLD = re.compile(r"[1-9][0-9]{0,3}")
+_PLAIN = {"program": _accepts(_HASH), "sizes": _accepts(_SIZES), "topology": _accepts(_TOPOLOGY),
+          "backend": _accepts(_BACKEND), "world": lambda v: _WORLD.fullmatch(v) is not None}
 
 
 class FastBest:
@@ -475,10 +481,11 @@ def _plain_best(state: Any, query: bytes) -> bytes | None:
         return None
     program, sizes = params.get("program"), params.get("sizes")
     topology, world, backend = params.get("topology", "local"), params.get("world"), params.get("backend")
-    if program is None or sizes is None or not 3 <= len(sizes) <= 400:
+    if program is None or sizes is None:
         return None
-    for name, value in (("program", program), ("topology", topology), ("world", world), ("backend", backend)):
-        if value is not None and not _PLAIN[name].fullmatch(value):
+    for name, value in (("program", program), ("sizes", sizes), ("topology", topology), ("world", world),
+                        ("backend", backend)):
+        if value is not None and not _PLAIN[name](value):
             return None
     if world is not None and int(world) > MAX_WORLD:
         return None

@@ -238,7 +238,7 @@ class _Builder:
         """A matmul, in ``chunks`` launches; each launch reads all of operand ``whole_each_chunk`` (0 or 1)
         and its chunk of the other."""
         p = self.p
-        a, b = p[s.args[0]].type, p[s.args[1]].type
+        a = p[s.args[0]].type
         ka = a.layout.dim == a.ndim - 1 if isinstance(a.layout, Sliced) else False
         k_ext = self.extent((a.shape[-1],), 0 if ka else None)
         out_ext = self.local(s.type)
@@ -338,16 +338,22 @@ class _Builder:
                 fresh += b
             else:
                 cold += b
+        ops = self.fused_dropout_ops(g.members)
+        dtype = next((p[o].type.dtype for o in outs if p[o].type and p[o].type.dtype), "float32")
+        k = Kernel(str(g), 1, tuple(reads), tuple(writes), tuple(fresh), ops=ops, dtype=dtype, compiled=True,
+                   cold=tuple(cold))
+        return Unit(str(g), (k,)), set(inplace.values())
+
+    def fused_dropout_ops(self, members) -> tuple[Term, ...]:
+        """The Philox rounds of the dropouts among ``members``, run inside one compiled kernel."""
+        p = self.p
         ops: list[Term] = []
-        for m in g.members:
+        for m in members:
             if p[m].op == "dropout":
                 ext = self.local(p[m].type)
                 if ext is not None:
                     ops.append((DROPOUT_FUSED_OPS, (ext,)))
-        dtype = next((p[o].type.dtype for o in outs if p[o].type and p[o].type.dtype), "float32")
-        k = Kernel(str(g), 1, tuple(reads), tuple(writes), tuple(fresh), ops=tuple(ops), dtype=dtype, compiled=True,
-                   cold=tuple(cold))
-        return Unit(str(g), (k,)), set(inplace.values())
+        return tuple(ops)
 
     def extents_rank(self, e: int) -> tuple[int, int]:
         # a whole value before a slice of it: the larger read
@@ -411,9 +417,8 @@ class _Builder:
                 if m in needed:
                     b = self.nbytes(p[m].type, self.local(p[m].type))
                     writes += b
-            ops = tuple((DROPOUT_FUSED_OPS, (ext,)) for m in compute if p[m].op == "dropout"
-                        for ext in [self.local(p[m].type)] if ext is not None)
-            kernels.append(Kernel(f"{g} kernel", chunks, tuple(reads), tuple(writes), tuple(fresh), ops=ops,
+            kernels.append(Kernel(f"{g} kernel", chunks, tuple(reads), tuple(writes), tuple(fresh),
+                                  ops=self.fused_dropout_ops(compute),
                                   compiled=True, dtype=x.dtype or "float32", cold=tuple(cold)))
         else:
             for m in compute:

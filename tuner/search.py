@@ -196,14 +196,10 @@ def search(space: SearchSpace, sizes: Mapping[str, int], *, storage, study: str,
         c = space.suggest(trial)
         trial.set_user_attr("candidate", c.key)
         trial.set_user_attr("schedule", c.text)
-        if c.key in trials:  # suggested again, or measured before a restart: never twice
+        if c.key not in trials and recorded and c.key in recorded:
+            trials[c.key] = recorded[c.key]
+        if c.key in trials:  # suggested again, measured before a restart, or in the store: never twice
             t = trials[c.key]
-            progress.reused += 1
-            _attrs(trial, t.result)
-            trial.set_user_attr("reused", True)
-            return _value(t.result)
-        if recorded and c.key in recorded:
-            t = trials[c.key] = recorded[c.key]
             progress.reused += 1
             _attrs(trial, t.result)
             trial.set_user_attr("reused", True)
