@@ -574,7 +574,9 @@ def _workload_file(workload: str) -> Path:
     path = Path(workload)
     if path.suffix in (".py", ".json"):
         return path
-    examples = Path(__file__).resolve().parents[1] / "examples"
+    from coconet.loader import examples_dir
+
+    examples = examples_dir()
     candidate = examples / f"{workload}.py"
     if not candidate.exists():
         known = ", ".join(sorted(p.stem for p in examples.glob("*.py"))) or "none here"
@@ -596,15 +598,22 @@ def bench(
     timeout: float = typer.Option(600.0, "--timeout", min=1.0),
     schedule: List[str] = typer.Option(["all"], "--schedule", help="Which schedules (as `coconet run`: text, id "
                                        "or `all`); the program as written always runs first."),
+    shardable: List[str] = typer.Option([], "--shardable", help="State the step may leave sharded (as_slice, "
+                                        "ZeRO-style): optimizer moments nothing else reads; `all` for any. "
+                                        "Default: what the baseline's caller never reads (Adam: m, v), else "
+                                        "none. Schedules sharding other state are left out: the baseline "
+                                        "leaves it whole."),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="Write the JSON here too."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG: time vs size, speed-up, distance to the floor."),
     as_json: bool = JSON_OPT,
 ) -> None:
-    """Every schedule against the hand-written PyTorch baseline and the floor (the bytes the step must move
-    at the memory bandwidth, or its matmuls at the matmul rate, whichever is longer), per size."""
-    from coconet.codegen.baselines import BASELINES
+    """Every schedule against the PyTorch baseline (hand-written for the paper's workloads, else the program
+    as eager PyTorch) and the floor (the bytes the step must move at the memory bandwidth, or its matmuls
+    at the matmul rate, whichever is longer), per size."""
+    from coconet.codegen.baselines import baseline_for
     from coconet.codegen.launch import Options, run_schedules
     from coconet.codegen.lower import BACKENDS
+    from coconet.codegen.rank import allocator_policy
     from coconet.loader import load_file
     from coconet.schedules.dims import parse_sizes
     from coconet.tuner.roofline import bytes_moved_once, compute_floor, matmul_flops_per_rank, matmul_rate, \
@@ -617,8 +626,15 @@ def bench(
     file = _workload_file(workload)
     prog = load_file(file)
     points_sizes = [parse_sizes(spec, prog.dims) for spec in size]
-    baseline = BASELINES.get(prog.name)
-    space = _pick_schedules(prog, schedule, 6)
+    baseline = baseline_for(prog)
+    state = set(prog.updates)
+    allowed = state if "all" in shardable else set(shardable) if shardable else set(baseline.shardable)
+    if allowed - state:
+        raise CoconetError(f"--shardable {', '.join(sorted(allowed - state))}: not state {prog.name} updates "
+                           f"({', '.join(sorted(state)) or 'none'})")
+    picked = _pick_schedules(prog, schedule, 6)
+    space = [s for s in picked if set(s.sharded) <= allowed]
+    left_out = [{"schedule": s.text, "sharded": list(s.sharded)} for s in picked if not set(s.sharded) <= allowed]
     # Measured again before every point and after the last, in this run: load from elsewhere on the
     # machine comes and goes, and the floor takes the best the machine showed.
     bandwidths: list[float] = []
@@ -630,7 +646,8 @@ def bench(
     rates: list[float] = []
     report: dict[str, Any] = {
         "workload": prog.name, "program_hash": prog.hash, "world": world, "backends": backends, "kernels": kernels,
-        "torch_baseline": baseline.doc if baseline else None, "cpus": os.cpu_count(), "points": []}
+        "torch_baseline": baseline.doc, "rank_allocator": allocator_policy(), "cpus": os.cpu_count(),
+        "shardable": sorted(allowed), "left_out": left_out, "points": []}
     for sizes in points_sizes:
         bandwidths.append(memory_bandwidth())
         if matmuls:
@@ -640,10 +657,10 @@ def bench(
             opts = Options(world=world, sizes=sizes, backend=b, kernels=kernels, repeats=repeats, warmup=warmup,
                            timeout_s=timeout, stages=2)
             results = run_schedules(space, opts, program_file=str(file) if file.suffix == ".py" else None,
-                                    baselines=[baseline] if baseline and k == 0 else [])
-            got = [dict(r.to_json(), backend=b) for r in results]
-            if baseline and k == 0:
-                torch_row = got.pop(0)
+                                    baselines=[baseline] if k == 0 else [])
+            if k == 0:
+                torch_row = dict(results.pop(0).to_json(), backend=b)
+            got = [dict(r.to_json(), backend=b, sharded=list(s.sharded)) for r, s in zip(results, space)]
             rows += got
         ok = [r for r in rows if r["status"] == "ok" and r["median_s"]]
         best = min(ok, key=lambda r: r["median_s"]) if ok else None
@@ -694,6 +711,10 @@ def bench(
                       f"{pt['best_over_floor']:.2f}x" if pt["best_over_floor"] else "",
                       Text(f"{pt['best']['backend']}: {pt['best']['schedule']}") if pt["best"] else "")
     console.print(table)
+    if left_out:
+        names = sorted({n for x in left_out for n in x["sharded"]} - allowed)
+        console.print(f"{len(left_out)} schedule(s) left out: they leave {', '.join(names)} sharded, which the "
+                      f"baseline leaves whole (--shardable {names[0]} runs them)", markup=False)
 
 
 @app.command()

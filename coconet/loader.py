@@ -61,3 +61,8 @@ def _user_frame(e: BaseException, p: Path) -> str:
         if os.path.abspath(frame.filename) == target:
             line = frame.lineno
     return f"{p}:{line}" if line else str(p)
+
+
+def examples_dir() -> Path:
+    """The seed workloads of the source tree (``examples/`` beside the packages)."""
+    return Path(__file__).resolve().parents[1] / "examples"

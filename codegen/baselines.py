@@ -1,9 +1,13 @@
-"""What an engineer would write without coconet: hand-written PyTorch steps for the paper's workloads.
+"""What an engineer would write without coconet: hand-written PyTorch steps for the paper's workloads,
+and for any other program, its statements as eager PyTorch.
 
 Each baseline has the calling convention of a generated ``step`` (same inputs, same state updated in
 place), so a launch checks and times it beside the schedules. ``Baseline.checked`` says whether its
 results can be compared with the reference interpreter: eager dropout draws torch's own mask, so the
 Megatron layer's output cannot be.
+
+A hand-written step stands for the example program it was written for, recognised by its structural
+hash, not by its name: a user's "adam" that computes something else gets the eager baseline.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from coconet.schedules.ir import Program
 from coconet.schedules.schedule import Schedule
 
 
@@ -62,25 +67,59 @@ class MegatronStep:
 class Baseline:
     name: str
     program: str  # the program (its name) this baseline computes
-    make: Callable[[], Callable[..., Any]]
+    make: Callable[[], Callable[..., Any]] | None  # None: the program lowered as eager PyTorch
     checked: bool
     doc: str
+    program_hash: str | None = None  # None: the example program named ``program``
+    # state the baseline's caller never reads, which a schedule may leave sharded (Schedule.sharded)
+    shardable: tuple[str, ...] = ()
+
+    def computes(self, prog: Program) -> bool:
+        if self.program_hash is not None:
+            return prog.hash == self.program_hash
+        return prog.name == self.program and _example_hash(self.program) == prog.hash
 
 
 BASELINES = {
-    "adam": Baseline("adam", "adam", AdamStep, True, "dist.all_reduce + torch.optim.Adam(fused=True)"),
+    # torch.optim keeps the moments to itself; the model reads w whole
+    "adam": Baseline("adam", "adam", AdamStep, True, "dist.all_reduce + torch.optim.Adam(fused=True)",
+                     shardable=("m", "v")),
     "megatron_mlp": Baseline("megatron_mlp", "megatron_mlp", MegatronStep, False,
                              "eager PyTorch: matmul, dist.all_reduce, F.dropout(y + b) + r"),
 }
 
 
+def eager(prog: Program) -> Baseline:
+    """The program as an engineer would write it in eager PyTorch: a torch op per statement,
+    torch.distributed collectives, ``F.dropout``; the state written back in place at the end."""
+    dropout = any(s.op == "dropout" for s in prog.stmts)
+    return Baseline("eager", prog.name, None, not dropout,
+                    "eager PyTorch: a torch op per statement, torch.distributed collectives"
+                    + (", F.dropout" if dropout else ""), program_hash=prog.hash)
+
+
+def baseline_for(prog: Program) -> Baseline:
+    """The hand-written step of the example ``prog`` is, else ``prog`` as eager PyTorch."""
+    hand = BASELINES.get(prog.name)
+    return hand if hand is not None and hand.computes(prog) else eager(prog)
+
+
+def _example_hash(name: str) -> str | None:
+    from coconet.loader import examples_dir, load_file
+
+    path = examples_dir() / f"{name}.py"
+    return load_file(path).hash if path.is_file() else None
+
+
 @dataclass(frozen=True)
 class TorchTask:
-    """A baseline as a launch task: it stands where a Generated module would."""
+    """A baseline as a launch task: it stands where a Generated module would. A hand-written step is
+    made on the rank (``source`` None); the eager baseline is a generated module like any schedule's."""
 
     baseline: Baseline
     schedule: Schedule  # the program's own (untransformed) schedule: inputs and reference come from it
-    source: None = None
+    source: str | None = None
+    path: str | None = None
     line_map: dict | None = None
 
     @property
@@ -91,5 +130,5 @@ class TorchTask:
     def text(self) -> str:
         return f"torch: {self.baseline.doc}"
 
-    def statement_at(self, line: int) -> None:
-        return None
+    def statement_at(self, line: int) -> str | None:
+        return (self.line_map or {}).get(line)

@@ -111,8 +111,10 @@ def run_schedules(schedules: Sequence[Schedule], opts: Options, program_file: st
         return []
     program = schedules[0].program
     for b in baselines:
-        if b.program != program.name:
-            raise CoconetError(f"baseline {b.name} computes {b.program}, not {program.name}")
+        if not b.computes(program):
+            raise CoconetError(f"baseline {b.name} computes {b.program}"
+                               + (f", not {program.name}" if b.program != program.name else
+                                  f", not this program of that name (hash {program.hash})"))
     if any(s.program.hash != program.hash for s in schedules):
         raise CoconetError("schedules of one run must share their program")
     if opts.world < 1 or opts.stages < 1:
@@ -121,7 +123,7 @@ def run_schedules(schedules: Sequence[Schedule], opts: Options, program_file: st
     opts = dataclasses.replace(opts, stages=stages, sizes=dict(opts.sizes))
     custom = custom_payload(program, program_file)
     results: dict[int, RunResult] = {}
-    tasks: list[tuple[int, Any]] = [(i, TorchTask(b, Schedule(program))) for i, b in enumerate(baselines)]
+    tasks: list[tuple[int, Any]] = [(i, _baseline_task(b, program, opts)) for i, b in enumerate(baselines)]
     for i, sched in enumerate(schedules, start=len(baselines)):
         try:
             gen = lower(sched, opts.backend, opts.kernels)
@@ -135,6 +137,14 @@ def run_schedules(schedules: Sequence[Schedule], opts: Options, program_file: st
         done = _launch(tasks, opts, reference, results, custom)
         tasks = [t for t in tasks if t[0] not in done]
     return [results[i] for i in range(len(baselines) + len(schedules))]
+
+
+def _baseline_task(b: Baseline, program, opts: Options) -> TorchTask:
+    if b.make is not None:
+        return TorchTask(b, Schedule(program))
+    # torch.distributed collectives: the shm backend's ranks form a gloo group too
+    gen = lower(Schedule(program), "nccl" if opts.backend == "nccl" else "gloo", "eager", dropout="torch")
+    return TorchTask(b, Schedule(program), gen.source, str(module_path(gen)), gen.line_map)
 
 
 def custom_payload(program, program_file: str | None):
@@ -238,7 +248,9 @@ def _launch(tasks, opts: Options, reference, results, custom) -> set[int]:
 
 def _task_path(task) -> str:
     """Where a rank finds the task's code: a generated module's file, or ``torch:NAME`` for a baseline."""
-    return f"torch:{task.baseline.name}" if isinstance(task, TorchTask) else str(module_path(task))
+    if isinstance(task, TorchTask):
+        return task.path or f"torch:{task.baseline.name}"
+    return str(module_path(task))
 
 
 def strip_program(prog):

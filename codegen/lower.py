@@ -58,18 +58,20 @@ class Generated:
     source: str
     line_map: dict = None  # 1-based line of the module -> the statement it implements
     kernels: str = "compiled"
+    dropout: str = "counter"
 
     def statement_at(self, line: int) -> str | None:
         return (self.line_map or {}).get(line)
 
     @property
     def key(self) -> str:
-        return f"{self.schedule.hash}_{self.backend}_{self.kernels}"
+        return f"{self.schedule.hash}_{self.backend}_{self.kernels}" + ("_torchdropout" if self.dropout == "torch" else "")
 
 
 class _Emitter:
-    def __init__(self, schedule: Schedule, backend: str, kernels: str):
+    def __init__(self, schedule: Schedule, backend: str, kernels: str, dropout: str = "counter"):
         self.s = schedule
+        self.dropout = dropout
         self.p: Program = schedule.scheduled
         self.backend = backend
         self.compile = kernels == "compiled"
@@ -142,6 +144,8 @@ class _Emitter:
             return [f"{n} = _t({args[0]}).to({TORCH_DTYPE[s.attr('dtype')]})"]
         if op == "where":
             return [f"{n} = torch.where({args[0]}, {args[1]}, {args[2]})"]
+        if op == "dropout" and self.dropout == "torch":
+            return [f"{n} = torch.nn.functional.dropout({args[0]}, p={s.attr('p')!r}, training=True)"]
         if op == "dropout":
             dim = s.type.layout.dim if isinstance(s.type.layout, Sliced) else -1
             return [f"{n} = _dropout(_c, {args[0]}, {self.dropout_args(s)}, {dim})"]
@@ -187,19 +191,28 @@ def _paren(x: str) -> str:
 
 
 KERNELS = ("compiled", "eager")
+DROPOUTS = ("counter", "torch")
 
 
-def lower(schedule: Schedule, backend: str = "gloo", kernels: str = "compiled") -> Generated:
+def lower(schedule: Schedule, backend: str = "gloo", kernels: str = "compiled", dropout: str = "counter") -> Generated:
     """The Python module for ``schedule`` on ``backend`` (gloo: CPU tensors, nccl: CUDA tensors, shm: CPU
     tensors, the collectives computed in shared memory by the ranks of one node).
     ``kernels``: fused pointwise groups compiled by Inductor on first call (``compiled``) or run as
-    plain torch statements (``eager``: no compile time, one kernel per statement)."""
+    plain torch statements (``eager``: no compile time, one kernel per statement).
+    ``dropout``: the counter-based mask the reference interpreter draws (``counter``), or torch's own
+    ``F.dropout`` (``torch``: what a hand-written PyTorch step calls; its masks cannot be checked, and
+    only statements run eagerly can call it)."""
     if backend not in BACKENDS:
         raise BackendError(f"unknown backend {backend!r} (use {', '.join(BACKENDS)})",
                            kind="compile_error")
     if kernels not in KERNELS:
         raise BackendError(f"unknown kernels {kernels!r} (use {' or '.join(KERNELS)})", kind="compile_error")
-    e = _Emitter(schedule, backend, kernels)
+    if dropout not in DROPOUTS:
+        raise BackendError(f"unknown dropout {dropout!r} (use {' or '.join(DROPOUTS)})", kind="compile_error")
+    if dropout == "torch" and (kernels != "eager" or schedule.scheduled.groups):
+        raise BackendError("torch's dropout draws its own mask per call: only an eager, unfused program "
+                           "can use it, not fused or chunked kernels", kind="compile_error")
+    e = _Emitter(schedule, backend, kernels, dropout)
     p = e.p
     units = _units(p)
     e.absorbed = _absorbed(p) if e.compile else {}
@@ -218,7 +231,7 @@ def lower(schedule: Schedule, backend: str = "gloo", kernels: str = "compiled") 
     aliased = [v for v in p.updates.values() if p[v].op in ("input", "scalar")]
     src, line_map = _module(schedule, backend, e, body, updates, aliased)
     compile(src, f"<coconet {schedule.hash}>", "exec")
-    return Generated(schedule, backend, src, line_map, kernels)
+    return Generated(schedule, backend, src, line_map, kernels, dropout)
 
 
 def _units(p: Program) -> list:
@@ -654,6 +667,8 @@ def _module(schedule: Schedule, backend: str, e: _Emitter, body, updates: list[s
         "Needs torch only.",
         *(["The group's ranks must share this node's memory: its first step maps their segments",
            "of /dev/shm (the files are gone once mapped)."] if backend == "shm" else []),
+        *(["Dropout is torch's own (F.dropout): its masks are not coconet's counter-based ones."]
+          if e.dropout == "torch" and any(s.op == "dropout" for s in p.stmts) else []),
         '"""',
         "",
         *(SHM_IMPORTS if backend == "shm" else []),

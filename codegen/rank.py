@@ -19,6 +19,7 @@ import ctypes
 import faulthandler
 import os
 import pickle
+import platform
 import signal
 import sys
 import time
@@ -41,8 +42,33 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
+# glibc gives a freed block of over 32 MiB back to the kernel and trims the heap's top, so an eager
+# step's large temporaries fault every page in again on every step: more than 4x the step's time where
+# page faults are dear (as in VMs and sandboxes). Ranks keep freed memory for reuse, as PyTorch's CUDA
+# caching allocator does on GPUs, for every schedule and baseline alike.
+ALLOCATOR = "glibc malloc keeps freed memory (M_MMAP_THRESHOLD 1 GiB, M_TRIM_THRESHOLD 2 GiB)"
+
+
+def allocator_policy() -> str:
+    """What the ranks' allocator does with freed memory: ALLOCATOR, unless the user set MALLOC_* variables
+    of their own (they win) or the C library is not glibc."""
+    if any(k.startswith("MALLOC_") for k in os.environ):
+        return "glibc malloc as the MALLOC_* variables of the environment say"
+    if platform.libc_ver()[0] != "glibc":
+        return "the C library's own"
+    return ALLOCATOR
+
+
+def keep_freed_memory() -> None:
+    if allocator_policy() == ALLOCATOR:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 1 << 30)  # M_MMAP_THRESHOLD
+        libc.mallopt(-1, (1 << 31) - 1)  # M_TRIM_THRESHOLD
+
+
 def main(argv: list[str]) -> int:
     die_with_parent()
+    keep_freed_memory()
     job_path, rank, fd = argv[0], int(argv[1]), int(argv[2])
     conn = Connection(fd, readable=False)
     stack = open(Path(job_path).parent / f"rank{rank}.stack", "w")

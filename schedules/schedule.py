@@ -18,6 +18,7 @@ from typing import Any, Mapping
 from coconet.errors import IllegalTransform, ScheduleError
 from coconet.schedules.ir import Program
 from coconet.schedules.transforms import BY_NAME, Transform
+from coconet.schedules.types import Replicated, Sliced
 
 BASELINE = "baseline"
 _ITEM = re.compile(r"\s*([a-z_]+)\s*\((.*)\)\s*\Z")
@@ -49,6 +50,16 @@ class Schedule:
         for t in self.transforms:
             prog = t.apply(prog)
         return prog
+
+    @property
+    def sharded(self) -> tuple[str, ...]:
+        """Updated state the program holds Replicated that this schedule leaves Sliced (``as_slice``): after
+        the step each rank holds only its rows of it, ZeRO-style. Fine for optimizer moments that only the
+        step reads; not for weights the model reads whole."""
+        declared = {s.name: s.type.layout for s in self.program.inputs}
+        return tuple(s.name for s in self.scheduled.inputs
+                     if s.name in self.program.updates and isinstance(declared.get(s.name), Replicated)
+                     and isinstance(s.type.layout, Sliced))
 
     @property
     def knob_domains(self) -> dict[str, tuple[int, tuple[int, ...]]]:

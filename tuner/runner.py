@@ -63,8 +63,9 @@ class _Rank:
     def __init__(self, rank: int, world: int, stages: int, backend: str, threads: int, custom) -> None:
         import torch
 
-        from coconet.codegen.rank import _custom_ops
+        from coconet.codegen.rank import _custom_ops, keep_freed_memory
 
+        keep_freed_memory()
         self.rank, self.world, self.stages, self.backend = rank, world, stages, backend
         torch.set_num_threads(threads)
         # on SIGUSR1 (a timeout), every thread's stack goes here so the driver can say where this rank was

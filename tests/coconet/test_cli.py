@@ -198,7 +198,12 @@ def test_bench_compares_with_torch_and_the_floor(tmp_path):
     assert report["memory_bandwidth_GBps"] == max(report["memory_bandwidth_samples_GBps"])
     assert len(report["memory_bandwidth_samples_GBps"]) == 3
     assert report["backends"] == ["gloo", "shm"]
+    # torch.optim leaves w whole: the schedules that shard it are not compared with it
+    assert report["shardable"] == ["m", "v"]
+    assert report["left_out"] and all("w" in x["sharded"] for x in report["left_out"])
     for point, n in zip(report["points"], (1024, 3000)):
+        assert all(set(r["sharded"]) <= {"m", "v"} for r in point["results"])
+        assert any(r["sharded"] == ["m", "v"] for r in point["results"])
         assert point["sizes"] == {"N": n}
         assert {r["backend"] for r in point["results"]} == {"gloo", "shm"}
         for b in ("gloo", "shm"):
@@ -216,8 +221,23 @@ def test_bench_compares_with_torch_and_the_floor(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_bench_of_a_program_without_a_hand_written_baseline_compares_with_it_as_eager_pytorch():
+    proc = coconet("bench", "sgd", "--world", "2", "--size", "N=3000", "--kernels", "eager", "--backend", "shm",
+                   "--schedule", "split(ar0)", "--repeats", "2", "--warmup", "1", "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["torch_baseline"] == "eager PyTorch: a torch op per statement, torch.distributed collectives"
+    assert report["rank_allocator"]
+    (point,) = report["points"]
+    assert point["torch"]["schedule"] == "torch: " + report["torch_baseline"]
+    assert point["torch"]["status"] == "ok" and point["torch"]["correct"] is True
+    assert [r["schedule"] for r in point["results"]] == ["baseline", "split(ar0)"]
+    assert point["best_speedup"] == point["torch"]["median_s"] / point["best"]["median_s"]
+
+
 def test_bench_errors():
     assert_one_error(coconet("bench", "nosuch", "--size", "N=4"), "no workload 'nosuch'", "adam")
+    assert_one_error(coconet("bench", "adam", "--size", "N=4", "--shardable", "q"), "--shardable q: not state adam updates")
     assert_one_error(coconet("bench", "adam", "--size", "M=4"), "does not have")
 
 

@@ -3,7 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from coconet.codegen.baselines import BASELINES
+from coconet import Local, Program, Replicated, Sliced, allreduce, dropout, matmul
+from coconet.codegen.baselines import BASELINES, baseline_for
 from coconet.codegen.launch import Options, run_schedules
 from coconet.errors import CoconetError
 from coconet.schedules.schedule import Schedule
@@ -38,3 +39,57 @@ def test_eager_megatron_baseline_runs_unchecked():
 def test_a_baseline_of_another_program_is_refused():
     with pytest.raises(CoconetError, match="computes adam, not sgd"):
         run_schedules([Schedule(example("sgd"))], Options(world=2, sizes={"N": 4}), baselines=[BASELINES["adam"]])
+    with pytest.raises(CoconetError, match="computes adam, not this program of that name"):
+        run_schedules([Schedule(not_adam())], Options(world=2, sizes={"N": 4}), baselines=[BASELINES["adam"]])
+
+
+def not_adam():
+    """Named adam, but with no bias correction: torch.optim.Adam does not compute it."""
+    p = Program("adam", dims=("N",))
+    g = p.tensor("g", ("N",), layout=Local)
+    w, m, v = (p.tensor(n, ("N",), layout=Replicated) for n in "wmv")
+    lr, beta1, beta2, eps, t = p.scalars("lr beta1 beta2 eps t")
+    avg = allreduce(g)
+    m1 = beta1 * m + (1 - beta1) * avg
+    v1 = beta2 * v + (1 - beta2) * avg * avg
+    p.update(m, m1)
+    p.update(v, v1)
+    p.update(w, w - lr * m1 / (v1 + eps))
+    return p.ir
+
+
+def test_hand_written_baselines_stand_for_their_example_programs_only():
+    assert baseline_for(example("adam")) is BASELINES["adam"]
+    assert baseline_for(example("megatron_mlp")) is BASELINES["megatron_mlp"]
+    other = baseline_for(not_adam())
+    assert other.name == "eager" and other.make is None and other.checked
+
+
+@pytest.mark.parametrize("backend", ["gloo", "shm"])
+def test_eager_baseline_of_any_program_computes_it(backend):
+    """A program without a hand-written step gets its statements as eager PyTorch, checked like a schedule."""
+    for name, sizes in (("sgd", {"N": 7}), ("lamb", {"N": 10})):
+        prog = example(name)
+        base = baseline_for(prog)
+        assert base.name == "eager" and base.checked and "torch.distributed" in base.doc
+        for world in (2, 3):
+            torch_row, ours = run_schedules([Schedule(prog)], Options(world=world, sizes=sizes, backend=backend,
+                                                                      warmup=1, repeats=2), baselines=[base])
+            assert torch_row.schedule == f"torch: {base.doc}"
+            assert torch_row.status == "ok" and torch_row.correct, torch_row.error
+            assert ours.status == "ok" and ours.correct
+
+
+def test_eager_baseline_with_dropout_calls_torchs_and_runs_unchecked():
+    p = Program("proj", dims=("T", "H"))
+    x = p.tensor("x", ("T", "H"), layout=Sliced(-1))
+    w = p.tensor("w", ("H", "H"), layout=Sliced(0))
+    r = p.tensor("r", ("T", "H"), layout=Replicated)
+    seed = p.scalar("seed", dtype="int64")
+    p.output("out", dropout(allreduce(matmul(x, w)), 0.5, seed) + r)
+    base = baseline_for(p.ir)
+    assert base.name == "eager" and not base.checked and base.doc.endswith("F.dropout")
+    torch_row, ours = run_schedules([Schedule(p.ir)], Options(world=2, sizes={"T": 4, "H": 6}, warmup=0, repeats=2),
+                                    baselines=[base])
+    assert torch_row.status == "ok" and torch_row.correct is None and torch_row.median_s > 0
+    assert ours.status == "ok" and ours.correct

@@ -146,20 +146,36 @@ def test_module_cache_is_keyed_by_schedule_and_backend(tmp_path, monkeypatch):
 
 
 ADAM_FC = "split(ar0); reorder(ag0); as_slice(w); as_slice(m); as_slice(v); fuse_collective(rs0)"
-GOLDENS = {
-    "adam_baseline": ("adam", "baseline", "gloo"),
-    "adam_fused_collective": ("adam", ADAM_FC, "gloo"),
-    "megatron_overlap": ("megatron_mlp", "split(ar0); overlap(mm0, rs0)", "gloo"),
-    "adam_fused_collective_shm": ("adam", ADAM_FC, "shm"),
-    "megatron_fused_collective_shm": ("megatron_mlp", "split(ar0); reorder(ag0); fuse_collective(rs0)", "shm"),
+GOLDENS = {  # name: (example, schedule, backend, lower's keywords)
+    "adam_baseline": ("adam", "baseline", "gloo", {}),
+    "adam_fused_collective": ("adam", ADAM_FC, "gloo", {}),
+    "megatron_overlap": ("megatron_mlp", "split(ar0); overlap(mm0, rs0)", "gloo", {}),
+    "adam_fused_collective_shm": ("adam", ADAM_FC, "shm", {}),
+    "megatron_fused_collective_shm": ("megatron_mlp", "split(ar0); reorder(ag0); fuse_collective(rs0)", "shm", {}),
+    # the eager PyTorch baseline of a program without a hand-written one
+    "megatron_eager_torch_dropout": ("megatron_mlp", "baseline", "gloo", {"kernels": "eager", "dropout": "torch"}),
 }
 
 
 @pytest.mark.parametrize("golden", sorted(GOLDENS))
 def test_generated_code_golden(golden):
-    name, text, backend = GOLDENS[golden]
-    source = lower(Schedule.parse(text, example(name)), backend).source.replace(__version__, "VERSION")
+    name, text, backend, kw = GOLDENS[golden]
+    source = lower(Schedule.parse(text, example(name)), backend, **kw).source.replace(__version__, "VERSION")
     path = GOLDEN / f"{golden}.py"
     if os.environ.get("COCONET_UPDATE_GOLDEN"):
         path.write_text(source)
     assert source == path.read_text(), f"generated code for {golden} changed; review and regenerate with COCONET_UPDATE_GOLDEN=1"
+
+
+def test_torch_dropout_only_in_eager_unfused_code():
+    prog = example("megatron_mlp")
+    gen = lower(Schedule(prog), "gloo", "eager", dropout="torch")
+    assert "torch.nn.functional.dropout(add0, p=0.1, training=True)" in gen.source
+    assert "_dropout(" not in gen.source and "philox" not in gen.source
+    assert gen.key != lower(Schedule(prog), "gloo", "eager").key
+    fused = Schedule.parse("split(ar0); reorder(ag0); fuse_collective(rs0)", prog)
+    for sched, kernels in ((fused, "eager"), (Schedule(prog), "compiled")):
+        with pytest.raises(BackendError, match="only an eager, unfused program"):
+            lower(sched, "gloo", kernels, dropout="torch")
+    with pytest.raises(BackendError, match="unknown dropout 'numpy'"):
+        lower(Schedule(prog), "gloo", "eager", dropout="numpy")

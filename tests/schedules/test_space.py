@@ -163,3 +163,15 @@ def test_golden_listing(name):
     if os.environ.get("COCONET_UPDATE_GOLDEN"):
         path.write_text(listing)
     assert listing == path.read_text(), f"the {name} space changed; review and regenerate with COCONET_UPDATE_GOLDEN=1"
+
+
+def test_sharded_names_the_state_a_schedule_leaves_sliced():
+    prog = example("adam")
+    zero1 = "split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse_collective(rs0)"
+    assert Schedule(prog).sharded == ()
+    assert Schedule.parse("split(ar0)", prog).sharded == ()
+    assert Schedule.parse(zero1, prog).sharded == ("m", "v")
+    assert set(Schedule.parse("split(ar0); reorder(ag0); as_slice(w); as_slice(m); as_slice(v)", prog).sharded) \
+        == {"w", "m", "v"}
+    # a Sliced input the program declares so is not sharded by the schedule
+    assert {s.sharded for s in generate(example("megatron_mlp"))} == {()}
