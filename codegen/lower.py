@@ -289,13 +289,15 @@ def _lower_fused_collective(e: _Emitter, g: Group, chunks: int) -> list[str]:
     absorbed = e.absorbed.get(g, ())
     ins, outs = _group_io(p, g, absorbed)
     inplace = _fc_in_place(p, g, outs, absorbed) if e.compile else {}
+    into = _gather_into(e, g, outs, absorbed)
     e.written.update(inplace.values())
-    outs = [o for o in outs if o not in inplace]
+    e.written.update(into.values())
+    outs = [o for o in outs if o not in inplace and o not in into]
     fname = f"_{g.kind}{len(e.kernels)}"
     lines = [(f"def {fname}(_rank, {', '.join(ident(a) for a in ins)}):", g.members[0]),
              (f'    """fused_collective: reduce_scatter, the computation on this rank\'s slice, the all_gathers, as '
               f'one unit."""', g.members[0])]
-    lines += _chunked_body(e, g, outs, chunks, absorbed, inplace)
+    lines += _chunked_body(e, g, outs, chunks, absorbed, inplace, into)
     if outs:
         lines.append((f"    return {', '.join(ident(o) for o in outs)}{',' if len(outs) == 1 else ''}", g.members[-1]))
     e.kernels.append(lines)
@@ -346,6 +348,29 @@ def _fc_in_place(p: Program, g: Group, outs: list[str], absorbed) -> dict[str, s
         readers = [u for u in p.users[t] if p[u].op != "update"]
         if all(u in inside or p[u].op == "update" for u in p.users[o]) and \
                 all(u in inside and p[u].op in POINTWISE for u in readers):
+            found[o] = t
+    return found
+
+
+def _gather_into(e: _Emitter, g: Group, outs: list[str], absorbed) -> dict[str, str]:
+    """All_gathers of a fused collective on shm whose value only updates Replicated state that nothing
+    outside reads: the chunk writes this rank's rows into the state and into its segment, and the gather
+    copies each peer's rows straight into the state. No gathered temporary, no copy into the state after."""
+    if e.backend != "shm":
+        return {}
+    p = e.p
+    inside = set(g.members) | set(absorbed)
+    found = {}
+    for o in outs:
+        targets = [t for t, v in p.updates.items() if v == o]
+        if p[o].op != "all_gather" or len(targets) != 1:
+            continue
+        t = targets[0]
+        if p[t].type != p[o].type or not isinstance(p[t].type.layout, Replicated):
+            continue
+        readers = [u for u in p.users[t] if p[u].op != "update"]
+        # readers inside are pointwise on the chunk's rows: each reads its rows before the kernel writes them
+        if all(p[u].op == "update" for u in p.users[o]) and all(u in inside and p[u].op in POINTWISE for u in readers):
             found[o] = t
     return found
 
@@ -406,12 +431,12 @@ def _lower_fuse(e: _Emitter, g: Group) -> list[str]:
     return [f"{', '.join(ident(o) for o in rest)}{',' if len(rest) == 1 else ''} = {call}"]
 
 
-def _chunked_body(e: _Emitter, g: Group, outs: list[str], chunks: int, absorbed=(), inplace=None) -> list:
+def _chunked_body(e: _Emitter, g: Group, outs: list[str], chunks: int, absorbed=(), inplace=None, into=None) -> list:
     """A fused collective as a pipeline over chunks of this rank's slice: chunk k computes as soon as its
     rows are reduced, its all_gathers start while chunk k+1 computes. The statements of a chunk see a
     _Chunk as their context ``_c``; compiled, its pointwise statements are one kernel."""
     p = e.p
-    inplace = inplace or {}
+    inplace, into = inplace or {}, into or {}
     rs = p[g.members[0]]
     d = rs.type.layout.dim
     n = dim_expr(rs.type.shape[d])
@@ -423,12 +448,12 @@ def _chunked_body(e: _Emitter, g: Group, outs: list[str], chunks: int, absorbed=
     lines += [(f"    _{ident(m)} = _Gather(_rank, {d}, {n})", m) for m in gathers]
     lines += [(f"    _{ident(o)} = []", o) for o in sliced_outs]
     compute = [m for m in (*absorbed, *g.members[1:]) if p[m].op != "all_gather"]
-    needed = {p[m].args[0] for m in gathers} | set(sliced_outs)
+    needed = {p[m].args[0] for m in gathers if m not in into} | set(sliced_outs)
     e.chunked = set(g.members) | set(absorbed)
     try:
         # shm: the kernel sums the chunk's rows on every rank as it reads them (sum, avg)
         parts = e.backend == "shm" and rs.attr("op") in ("sum", "avg") and rs.name not in needed
-        kernel = _chunk_kernel(e, g, compute, inplace, needed, rs if parts else None) if e.compile else None
+        kernel = _chunk_kernel(e, g, compute, inplace, needed, rs if parts else None, into) if e.compile else None
         if kernel is not None and parts:
             lines.append((f"    for _c, {ident(rs.name)}_parts in _reduce_scatter_parts(_rank, {ident(rs.args[0])}, "
                           f"{d}, {n}, {chunks}):", rs.name))
@@ -443,12 +468,18 @@ def _chunked_body(e: _Emitter, g: Group, outs: list[str], chunks: int, absorbed=
                     lines.extend(("        " + x, m) for x in e.stmt(p[m]))
             for o, t in inplace.items():
                 lines.append((f"        {e.operand(p[o], t)}.copy_({ident(o)})", o))
+            for m, t in into.items():
+                src = p[m].args[0]
+                lines.append((f"        {e.operand(p[src], t)}.copy_({ident(src)})", m))
+                lines.append((f"        _{ident(m)}.rows_of(_c, {ident(t)}).copy_({ident(src)})", m))
         for m in gathers:
-            lines.append((f"        _{ident(m)}.add(_c, {ident(p[m].args[0])})", m))
+            if m not in into:
+                lines.append((f"        _{ident(m)}.add(_c, {ident(p[m].args[0])})", m))
     finally:
         e.chunked = None
     lines += [(f"        _{ident(o)}.append({ident(o)})", o) for o in sliced_outs]
-    lines += [(f"    {ident(m)} = _{ident(m)}.result()", m) for m in gathers]
+    lines += [(f"    _{ident(m)}.into({ident(into[m])})" if m in into else f"    {ident(m)} = _{ident(m)}.result()", m)
+              for m in gathers]
     lines += [(f"    {ident(o)} = torch.cat(_{ident(o)}, dim={p[o].type.layout.dim})", o) for o in sliced_outs]
     return lines
 
@@ -474,7 +505,7 @@ def chunk_compiles(p: Program, g: Group, compute: list[str]) -> bool:
 
 
 def _chunk_kernel(e: _Emitter, g: Group, compute: list[str], inplace: dict[str, str], needed: set,
-                  parts: Stmt | None = None) -> list | None:
+                  parts: Stmt | None = None, into=None) -> list | None:
     """The pointwise statements of a fused collective's chunk as one module-level function compiled by
     Inductor, called once per chunk with the chunk's rows of what it reads (cut at the call: the chunk's
     position stays out of the compiled code; dropout gets the chunk's first row as a tensor). None when a
@@ -499,6 +530,11 @@ def _chunk_kernel(e: _Emitter, g: Group, compute: list[str], inplace: dict[str, 
         body.append((f"    {ident(m)} = _dropout_rows({e.operand(s, s.args[0])}, {e.dropout_args(s)}, {d}, row0_k)", m))
     for o, t in inplace.items():
         body.append((f"    {e.operand(p[o], t)}.copy_({ident(o)})", o))
+    for m, t in (into or {}).items():  # this rank's rows of the gathered state: in place, and in its segment
+        src = p[m].args[0]
+        args[f"_{ident(m)}.rows_of(_c, {ident(t)})"] = f"{ident(m)}_k"
+        body.append((f"    {e.operand(p[src], t)}.copy_({ident(src)})", m))
+        body.append((f"    {ident(m)}_k.copy_({ident(src)})", m))
 
     def param(match: re.Match) -> str:
         expr = match.group(0)
@@ -525,7 +561,7 @@ def _chunk_kernel(e: _Emitter, g: Group, compute: list[str], inplace: dict[str, 
         body.append((f"    return {', '.join(ident(r) for r in results)}{',' if len(results) == 1 else ''}", compute[-1]))
     fname = f"_chunk{len([x for x in e.toplevel if x[0].startswith('def ')])}"
     params = dims + list(args.values())
-    doc = f"{len(compute)} statements of {g} on one chunk" + (", state written in place" if inplace else "")
+    doc = f"{len(compute)} statements of {g} on one chunk" + (", state written in place" if inplace or into else "")
     e.toplevel += [(f"def {fname}({', '.join(params)}):", g.members[0]), (f'    """{doc}."""', g.members[0])]
     e.toplevel += body + [("", None), ("", None), (f"{fname} = _kernel({fname})", g.members[0]), ("", None)]
     ints = {ident(a) for m in compute for a in p[m].args if p[a].op == "scalar" and p[a].type.dtype == "int64"}

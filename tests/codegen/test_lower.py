@@ -152,6 +152,9 @@ GOLDENS = {  # name: (example, schedule, backend, lower's keywords)
     "megatron_overlap": ("megatron_mlp", "split(ar0); overlap(mm0, rs0)", "gloo", {}),
     "adam_fused_collective_shm": ("adam", ADAM_FC, "shm", {}),
     "megatron_fused_collective_shm": ("megatron_mlp", "split(ar0); reorder(ag0); fuse_collective(rs0)", "shm", {}),
+    # ZeRO-1: moments sharded, the updated w gathered straight into w
+    "adam_zero1_fused_collective_shm": ("adam", "split(ar0); reorder(ag0); as_slice(m); as_slice(v); "
+                                        "fuse_collective(rs0)", "shm", {}),
     # the eager PyTorch baseline of a program without a hand-written one
     "megatron_eager_torch_dropout": ("megatron_mlp", "baseline", "gloo", {"kernels": "eager", "dropout": "torch"}),
 }

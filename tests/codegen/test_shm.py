@@ -64,6 +64,20 @@ def test_compiled_kernels_and_timing_on_shm():
     assert all(len(r.samples) == 3 for r in results)
 
 
+def test_compiled_fused_collective_gathers_straight_into_the_state():
+    """ZeRO-1 Adam: each chunk writes its rows of w in place and into the rank's segment, the gather copies
+    the peers' rows into w; no gathered temporary, no copy into w after. R = 2 and 3, uneven rows, one,
+    two and more chunks than a rank has rows."""
+    zero1 = Schedule.parse("split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse_collective(rs0)", example("adam"))
+    source = lower(zero1, "shm").source
+    step = source[source.index("def step("):]
+    assert "_ag3.into(w)" in step and "_ag3.rows_of(_c, w)" in step and "w.copy_(" not in step
+    for world, n in ((2, 1001), (3, 7)):
+        results = run_schedules([zero1.with_knobs(fc_chunks=k) for k in (1, 2, 8)],
+                                Options(world=world, sizes={"N": n}, backend="shm", warmup=1, repeats=2))
+        assert_all_ok(results)
+
+
 @pytest.mark.parametrize("backend", ["shm", "gloo"])
 def test_compiled_fused_collective_with_dropout(backend):
     """One compiled kernel per chunk, dropout's counters from the chunk's first row: the same mask as the

@@ -104,6 +104,27 @@ class _Gather:
             out[lo:hi].copy_(s.at(r, self.slot, 0, self.dtype, self.shape)[lo:hi])
         return out.movedim(0, self.dim)
 
+    def rows_of(self, k, like):
+        """Where this rank's rows of chunk k go in its slot, for a kernel to write them itself; ``like``: a
+        tensor shaped as the gathered value (the state it updates)."""
+        if self.slot is None:
+            self.slot = self.c.shm.call(self.c.shm.take)
+        full = like.movedim(self.dim, 0)
+        self.shape, self.dtype = tuple(full.shape), full.dtype
+        lo, _ = self.c.rows(self.n)
+        return self.c.shm.at(self.c.rank, self.slot, 0, self.dtype, self.shape)[lo + k.a:lo + k.b].movedim(0, self.dim)
+
+    def into(self, out):
+        """The gather written straight into ``out``, whose rows of this rank the kernel wrote already: each
+        peer's rows copied once, from its segment to their place."""
+        s = self.c.shm
+        s.call(s.barrier)
+        rows = out.movedim(self.dim, 0)
+        for r in range(self.c.world):
+            if r != self.c.rank:
+                lo, hi = self.c.rows(self.n, r)
+                rows[lo:hi].copy_(s.at(r, self.slot, 0, self.dtype, self.shape)[lo:hi])
+
 
 def _global_index(c, shape, dim, device):
     """Row-major global flat indices of this rank's piece: rows of ``dim`` if sliced (dim >= 0)."""
