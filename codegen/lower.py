@@ -80,6 +80,7 @@ class _Emitter:
         self.written: set[str] = set()  # state a kernel writes in place
         self.chunked: set[str] | None = None  # members of the chunked unit being emitted
         self.absorbed: dict[Group, tuple[str, ...]] = {}  # see _absorbed
+        self.rowwise: dict[str, Group] = {}  # absorbed Replicated statements: a chunk computes its own rows
 
     # --- expressions for one statement's local value ---
 
@@ -88,6 +89,11 @@ class _Emitter:
         rows; in a chunked unit, a slice computed outside it is cut to the chunk."""
         out_t, t = s.type, self.p[a].type
         name = ident(a)
+        if self.chunked is not None and a in self.rowwise:
+            return name  # computed on the chunk's rows already
+        if self.chunked is not None and s.name in self.rowwise and t.shape:
+            rs = self.p[self.rowwise[s.name].members[0]].type
+            return f"_c.cut({name}, {rs.layout.dim}, {dim_expr(rs.shape[rs.layout.dim])})"
         if self.chunked is not None and a not in self.chunked and isinstance(t.layout, Sliced):
             return f"_c.local({name}, {t.layout.dim})"
         if self.chunked is not None and a in self.chunked and self.p[a].op == "all_gather":
@@ -216,6 +222,7 @@ def lower(schedule: Schedule, backend: str = "gloo", kernels: str = "compiled", 
     p = e.p
     units = _units(p)
     e.absorbed = _absorbed(p) if e.compile else {}
+    e.rowwise = {m: g for g, ms in e.absorbed.items() for m in ms if isinstance(p[m].type.layout, Replicated)}
     skip = {m for ms in e.absorbed.values() for m in ms}
     body: list[tuple[str, str]] = []  # (line, statement it implements)
     for unit in units:
@@ -323,13 +330,24 @@ def _absorbed(p: Program) -> dict[Group, tuple[str, ...]]:
             t = s.type
             if s.name in p.group_of or s.op not in POINTWISE or s.op == "const" or t is None:
                 continue
-            if not isinstance(t.layout, Sliced) or t.shape[t.layout.dim] != n:
+            sliced = isinstance(t.layout, Sliced) and t.shape[t.layout.dim] == n
+            if not sliced and not _rowwise(p, s, rs.type.shape):
                 continue
             if p.users[s.name] and all(u in inside or u in taken for u in p.users[s.name]):
                 taken.add(s.name)
         if taken:
             out[g] = tuple(s.name for s in p.stmts if s.name in taken)
     return out
+
+
+def _rowwise(p: Program, s: Stmt, shape) -> bool:
+    """A Replicated pointwise statement of the group's whole shape on Replicated values of that shape and
+    scalars (AdamW's ``wd * w``): each row depends on the same row of its operands only, so a chunk can
+    compute its own rows of it instead of a full pass over every rank's rows before the group."""
+    if not isinstance(s.type.layout, Replicated) or s.type.shape != shape:
+        return False
+    return all(p[a].type.shape == () or (isinstance(p[a].type.layout, Replicated) and p[a].type.shape == shape)
+               for a in s.args)
 
 
 def _fc_in_place(p: Program, g: Group, outs: list[str], absorbed) -> dict[str, str]:

@@ -51,15 +51,18 @@ class AsSlice(Transform):
 
     @classmethod
     def subsets(cls, program: Program, insts: list["AsSlice"]) -> list[list["AsSlice"]]:
-        """Optimizer state alone (ZeRO-1): state whose new value reads no other updated
-        tensor — moments, not the parameters their update reads them into."""
-        targets = set(program.updates)
-        state = []
-        for t in insts:
-            value = program.updates[t.tensor]
-            if not (_ancestors(program, value) & (targets - {t.tensor})):
-                state.append(t)
-        return [state]
+        """Optimizer state alone (ZeRO-1): state whose new value another update reads — moments, which the
+        step reads into the parameters' update; not the parameters, whose new value nothing in the step
+        reads, whatever their own update reads (weight decay reads the parameter into the moments)."""
+        def computed(value: str) -> str:  # the new value itself, under the all_gather that replicates it
+            s = program[value]
+            return s.args[0] if s.op == "all_gather" else value
+
+        read = set()
+        for target, value in program.updates.items():
+            above = _ancestors(program, value)
+            read |= {t for t, v in program.updates.items() if t != target and computed(v) in above}
+        return [[t for t in insts if t.tensor in read]]
 
     def apply(self, program: Program) -> Program:
         self.no_groups(program)

@@ -79,6 +79,20 @@ def test_compiled_fused_collective_gathers_straight_into_the_state():
 
 
 @pytest.mark.parametrize("backend", ["shm", "gloo"])
+def test_compiled_fused_collective_computes_replicated_operands_on_its_chunks_rows(backend):
+    """SGD's weight decay ``wd * w`` and Adam's ``beta1 * m`` on replicated state: computed per chunk on the
+    chunk's rows inside the kernel, not as a full pass before it. R = 3, uneven rows, 1 and 8 chunks."""
+    cases = [("sgd", "split(ar0); reorder(ag0); as_slice(buf); fuse_collective(rs0)", "mul0 = weight_decay * w_k"),
+             ("adam", "split(ar0); reorder(ag0); fuse_collective(rs0)", "mul0 = beta1 * m_k")]
+    for name, text, line in cases:
+        sched = Schedule.parse(text, example(name))
+        assert line in lower(sched, backend).source
+        results = run_schedules([sched.with_knobs(fc_chunks=k) for k in (1, 8)],
+                                Options(world=3, sizes={"N": 1001}, backend=backend, warmup=1, repeats=1))
+        assert_all_ok(results)
+
+
+@pytest.mark.parametrize("backend", ["shm", "gloo"])
 def test_compiled_fused_collective_with_dropout(backend):
     """One compiled kernel per chunk, dropout's counters from the chunk's first row: the same mask as the
     reference interpreter at R = 3 with uneven rows, for one, two and more chunks than rows."""

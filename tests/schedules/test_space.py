@@ -175,3 +175,24 @@ def test_sharded_names_the_state_a_schedule_leaves_sliced():
         == {"w", "m", "v"}
     # a Sliced input the program declares so is not sharded by the schedule
     assert {s.sharded for s in generate(example("megatron_mlp"))} == {()}
+
+
+def test_zero1_shards_the_moments_even_when_weight_decay_reads_the_weights_into_them():
+    """RMSprop with coupled weight decay: the moments' new values read w, yet they are the state the step
+    reads into w's update, and w's new value is read by nothing; ZeRO-1 shards sq and buf, not w."""
+    from coconet import Local, Program, Replicated, allreduce, sqrt
+
+    p = Program("rmsprop", dims=("N",))
+    g = p.tensor("g", ("N",), layout=Local)
+    w, sq, buf = (p.tensor(n, ("N",), layout=Replicated) for n in ("w", "sq", "buf"))
+    lr, alpha, eps, mom, wd = p.scalars("lr alpha eps mom wd")
+    d = allreduce(g, op="avg") + wd * w
+    sq1 = alpha * sq + (1 - alpha) * d * d
+    buf1 = mom * buf + d / (sqrt(sq1) + eps)
+    p.update(sq, sq1)
+    p.update(buf, buf1)
+    p.update(w, w - lr * buf1)
+    space = generate(p.ir)
+    zero1 = [s for s in space if set(s.sharded) == {"sq", "buf"}]
+    assert any("fuse_collective" in s.text for s in zero1)
+    assert all(not equivalence.check(s, world, {"N": 7}) for s in zero1 for world in (2, 3))
