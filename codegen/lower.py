@@ -296,7 +296,7 @@ def _lower_fused_collective(e: _Emitter, g: Group, chunks: int) -> list[str]:
     absorbed = e.absorbed.get(g, ())
     ins, outs = _group_io(p, g, absorbed)
     inplace = _fc_in_place(p, g, outs, absorbed) if e.compile else {}
-    into = _gather_into(e, g, outs, absorbed)
+    into = gather_into(p, e.backend, g, outs, absorbed)
     e.written.update(inplace.values())
     e.written.update(into.values())
     outs = [o for o in outs if o not in inplace and o not in into]
@@ -370,13 +370,12 @@ def _fc_in_place(p: Program, g: Group, outs: list[str], absorbed) -> dict[str, s
     return found
 
 
-def _gather_into(e: _Emitter, g: Group, outs: list[str], absorbed) -> dict[str, str]:
+def gather_into(p: Program, backend: str, g: Group, outs: list[str], absorbed) -> dict[str, str]:
     """All_gathers of a fused collective on shm whose value only updates Replicated state that nothing
     outside reads: the chunk writes this rank's rows into the state and into its segment, and the gather
     copies each peer's rows straight into the state. No gathered temporary, no copy into the state after."""
-    if e.backend != "shm":
+    if backend != "shm":
         return {}
-    p = e.p
     inside = set(g.members) | set(absorbed)
     found = {}
     for o in outs:

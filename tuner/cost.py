@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
 from coconet.codegen.lower import chunk_compiles
-from coconet.codegen.lower import _absorbed, _fc_in_place, _group_io, _in_place, _needs_copy, _units
+from coconet.codegen.lower import _absorbed, _fc_in_place, _group_io, _in_place, _needs_copy, _units, gather_into
 from coconet.errors import CoconetError, SizeError
 from coconet.schedules.dims import Dim
 from coconet.schedules.ir import Group, Program, Stmt
@@ -367,11 +367,12 @@ class _Builder:
         x = p[rs.args[0]].type
         ins, outs = _group_io(p, g, absorbed)
         inplace = _fc_in_place(p, g, outs, absorbed)
-        outs = [o for o in outs if o not in inplace]
+        into = gather_into(p, self.backend, g, outs, absorbed)
+        outs = [o for o in outs if o not in inplace and o not in into]
         gathers = [m for m in g.members if p[m].op == "all_gather"]
         sliced_outs = [o for o in outs if p[o].op != "all_gather"]
         compute = [m for m in (*absorbed, *g.members[1:]) if p[m].op != "all_gather"]
-        needed = {p[m].args[0] for m in gathers} | set(sliced_outs)
+        needed = {p[m].args[0] for m in gathers if m not in into} | set(sliced_outs)
         shm = self.backend == "shm"
         compiled = chunk_compiles(p, g, compute)
         parts = shm and rs.attr("op") in ("sum", "avg") and rs.name not in needed and compiled
@@ -417,6 +418,9 @@ class _Builder:
                 if m in needed:
                     b = self.nbytes(p[m].type, self.local(p[m].type))
                     writes += b
+            for m in into:  # this rank's rows of the state, in place and into its segment
+                part = p[p[m].args[0]].type
+                writes += self.nbytes(part, self.local(part), times=2.0)
             kernels.append(Kernel(f"{g} kernel", chunks, tuple(reads), tuple(writes), tuple(fresh),
                                   ops=self.fused_dropout_ops(compute),
                                   compiled=True, dtype=x.dtype or "float32", cold=tuple(cold)))
@@ -427,11 +431,20 @@ class _Builder:
             for o, t in inplace.items():
                 b = self.nbytes(p[t].type, self.local(p[t].type))
                 kernels.append(Kernel(f"{t}.copy_", chunks, b, b, cold=b))
+            for m in into:
+                part = p[p[m].args[0]].type
+                b = self.nbytes(part, self.local(part))
+                kernels.append(Kernel(f"{m} rows", chunks, b + b, b + b))
         for m in gathers:
             part = p[p[m].args[0]].type
             mine = self.nbytes(part, self.local(part))
             whole = self.nbytes(p[m].type, self.whole(p[m].type))
-            if shm:
+            if m in into:
+                # one barrier; every peer's rows copied from its segment straight into the state
+                comms.append(Comm("barrier", (), launches=1, shm=True))
+                peers = _scaled(whole, R.PEERS_FRACTION)
+                kernels.append(Kernel(f"{m} copy in", 1, peers, peers))
+            elif shm:
                 # each chunk into this rank's slot; one barrier; every rank's rows copied out
                 kernels.append(Kernel(f"{m} publish", chunks, mine, mine))
                 comms.append(Comm("barrier", (), launches=1, shm=True))
@@ -444,7 +457,7 @@ class _Builder:
             b = self.nbytes(p[o].type, self.local(p[o].type))
             kernels.append(Kernel(f"cat {o}", 1, b, b, b))
         overlapped = 1 if shm else chunks
-        return Unit(str(g), tuple(kernels), tuple(comms), overlapped), set(inplace.values())
+        return Unit(str(g), tuple(kernels), tuple(comms), overlapped), set(inplace.values()) | set(into.values())
 
     def overlap(self, g: Group) -> Unit:
         p = self.p
