@@ -226,9 +226,10 @@ def cpu_model() -> str:
 # --- the rank processes ---
 
 def _rank_main(argv: list[str]) -> int:
-    from coconet.codegen.rank import die_with_parent
+    from coconet.codegen.rank import die_with_parent, keep_freed_memory
 
     die_with_parent()
+    keep_freed_memory()  # the allocator the ranks run with: what a fresh buffer costs there
     job_path, rank, fd = argv[0], int(argv[1]), int(argv[2])
     conn = Connection(fd, readable=False)
     try:
