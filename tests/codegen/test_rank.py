@@ -17,7 +17,7 @@ if sys.argv[1] == "keep":
 torch.set_num_threads(1)
 w, m, v, g = (torch.rand(2 ** 24) for _ in range(4))  # 64 MiB each
 counts = []
-for _ in range(4):  # an eager Adam step: every temporary a fresh 64 MiB tensor
+for _ in range(8):  # an eager Adam step: every temporary a fresh 64 MiB tensor
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     m1 = 0.9 * m + 0.1 * g
     v1 = 0.999 * v + 0.001 * g * g
@@ -25,7 +25,7 @@ for _ in range(4):  # an eager Adam step: every temporary a fresh 64 MiB tensor
     m.copy_(m1); v.copy_(v1); w.copy_(w1)
     del m1, v1, w1
     counts.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-print(max(counts[1:]))
+print(max(counts[-3:]))  # once the heap holds enough freed blocks: it may take a few steps to grow
 """
 
 
@@ -37,7 +37,7 @@ def _faults(mode: str) -> int:
 
 
 @glibc
-def test_ranks_keep_freed_memory_so_a_steps_temporaries_fault_in_once():
+def test_ranks_keep_freed_memory_so_steady_steps_fault_no_temporaries_in():
     pages = 2 ** 26 // 4096  # of one temporary
     assert _faults("default") >= 5 * pages  # glibc unmaps each at its free: every page faults again, every step
     assert _faults("keep") < pages // 10
