@@ -352,42 +352,35 @@ def _rowwise(p: Program, s: Stmt, shape) -> bool:
 
 def _fc_in_place(p: Program, g: Group, outs: list[str], absorbed) -> dict[str, str]:
     """Values a fused collective computes on this rank's slice of sharded state that it can write straight
-    into that state, chunk by chunk: every reader of the state is inside it (each chunk is read before
-    it is written, by the same kernel)."""
-    inside = set(g.members) | set(absorbed)
-    found = {}
-    for o in outs:
-        targets = [t for t, v in p.updates.items() if v == o]
-        if p[o].op == "all_gather" or len(targets) != 1:
-            continue
-        t = targets[0]
-        if p[t].type != p[o].type or not isinstance(p[t].type.layout, Sliced):
-            continue
-        readers = [u for u in p.users[t] if p[u].op != "update"]
-        if all(u in inside or p[u].op == "update" for u in p.users[o]) and \
-                all(u in inside and p[u].op in POINTWISE for u in readers):
-            found[o] = t
-    return found
+    into that state, chunk by chunk."""
+    return _updated_in_place(p, g, outs, absorbed, gathered=False)
 
 
 def gather_into(p: Program, backend: str, g: Group, outs: list[str], absorbed) -> dict[str, str]:
     """All_gathers of a fused collective on shm whose value only updates Replicated state that nothing
     outside reads: the chunk writes this rank's rows into the state and into its segment, and the gather
     copies each peer's rows straight into the state. No gathered temporary, no copy into the state after."""
-    if backend != "shm":
-        return {}
+    return _updated_in_place(p, g, outs, absorbed, gathered=True) if backend == "shm" else {}
+
+
+def _updated_in_place(p: Program, g: Group, outs: list[str], absorbed, *, gathered: bool) -> dict[str, str]:
+    """Outputs of a fused collective (its all_gathers if ``gathered``, else the others) that are the new
+    value of one state tensor of their type (Replicated for a gather, Sliced otherwise), read outside only
+    by that update (a gather's not even inside), and every reader of the state is a pointwise statement
+    inside: each reads its chunk's rows before the same kernel writes them."""
     inside = set(g.members) | set(absorbed)
+    layout = Replicated if gathered else Sliced
     found = {}
     for o in outs:
         targets = [t for t, v in p.updates.items() if v == o]
-        if p[o].op != "all_gather" or len(targets) != 1:
+        if (p[o].op == "all_gather") != gathered or len(targets) != 1:
             continue
         t = targets[0]
-        if p[t].type != p[o].type or not isinstance(p[t].type.layout, Replicated):
+        if p[t].type != p[o].type or not isinstance(p[t].type.layout, layout):
             continue
         readers = [u for u in p.users[t] if p[u].op != "update"]
-        # readers inside are pointwise on the chunk's rows: each reads its rows before the kernel writes them
-        if all(p[u].op == "update" for u in p.users[o]) and all(u in inside and p[u].op in POINTWISE for u in readers):
+        if all(p[u].op == "update" or (u in inside and not gathered) for u in p.users[o]) and \
+                all(u in inside and p[u].op in POINTWISE for u in readers):
             found[o] = t
     return found
 

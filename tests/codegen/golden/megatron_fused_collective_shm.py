@@ -87,43 +87,42 @@ class _Gather:
         self.c, self.dim, self.n = c, dim, n
         self.slot = None
 
-    def add(self, k, x):
+    def _mine(self, k, rest, dtype):
+        """This rank's rows of chunk k in its slot, dim 0 leading; the slot is taken at the first chunk."""
         if self.slot is None:
             self.slot = self.c.shm.call(self.c.shm.take)
-        part = x.movedim(self.dim, 0)
-        self.shape, self.dtype = (self.n,) + tuple(part.shape[1:]), part.dtype
+        self.shape, self.dtype = (self.n,) + tuple(rest), dtype
         lo, _ = self.c.rows(self.n)
-        self.c.shm.at(self.c.rank, self.slot, 0, part.dtype, self.shape)[lo + k.a:lo + k.b].copy_(part)
+        return self.c.shm.at(self.c.rank, self.slot, 0, dtype, self.shape)[lo + k.a:lo + k.b]
 
-    def result(self):
+    def _copy_out(self, rows, own):
+        """After the barrier: every rank's rows (this rank's too if ``own``) from its slot into ``rows``."""
         s = self.c.shm
         s.call(s.barrier)
-        out = torch.empty(self.shape, dtype=self.dtype, device=self.c.device)
         for r in range(self.c.world):
-            lo, hi = self.c.rows(self.n, r)
-            out[lo:hi].copy_(s.at(r, self.slot, 0, self.dtype, self.shape)[lo:hi])
+            if own or r != self.c.rank:
+                lo, hi = self.c.rows(self.n, r)
+                rows[lo:hi].copy_(s.at(r, self.slot, 0, self.dtype, self.shape)[lo:hi])
+
+    def add(self, k, x):
+        part = x.movedim(self.dim, 0)
+        self._mine(k, part.shape[1:], part.dtype).copy_(part)
+
+    def result(self):
+        out = torch.empty(self.shape, dtype=self.dtype, device=self.c.device)
+        self._copy_out(out, own=True)
         return out.movedim(0, self.dim)
 
     def rows_of(self, k, like):
         """Where this rank's rows of chunk k go in its slot, for a kernel to write them itself; ``like``: a
         tensor shaped as the gathered value (the state it updates)."""
-        if self.slot is None:
-            self.slot = self.c.shm.call(self.c.shm.take)
         full = like.movedim(self.dim, 0)
-        self.shape, self.dtype = tuple(full.shape), full.dtype
-        lo, _ = self.c.rows(self.n)
-        return self.c.shm.at(self.c.rank, self.slot, 0, self.dtype, self.shape)[lo + k.a:lo + k.b].movedim(0, self.dim)
+        return self._mine(k, full.shape[1:], full.dtype).movedim(0, self.dim)
 
     def into(self, out):
         """The gather written straight into ``out``, whose rows of this rank the kernel wrote already: each
         peer's rows copied once, from its segment to their place."""
-        s = self.c.shm
-        s.call(s.barrier)
-        rows = out.movedim(self.dim, 0)
-        for r in range(self.c.world):
-            if r != self.c.rank:
-                lo, hi = self.c.rows(self.n, r)
-                rows[lo:hi].copy_(s.at(r, self.slot, 0, self.dtype, self.shape)[lo:hi])
+        self._copy_out(out.movedim(self.dim, 0), own=False)
 
 
 def _global_index(c, shape, dim, device):
