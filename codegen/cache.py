@@ -12,14 +12,11 @@ import tempfile
 from pathlib import Path
 
 from coconet.codegen.lower import Generated
+from coconet.codegen.prelude import _cache_dir
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("COCONET_CACHE_DIR")
-    if root:
-        return Path(root)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "coconet"
+    return Path(_cache_dir())
 
 
 def module_path(gen: Generated) -> Path:

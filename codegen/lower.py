@@ -642,7 +642,8 @@ def _needs_copy(p: Program, name: str) -> bool:
 
 
 SHM_DOC = "the shm backend (collectives in shared memory; a gloo group bootstraps it and carries send/recv)"
-SHM_IMPORTS = ["import math", "import os", "import platform", "import time", "import uuid",
+SHM_IMPORTS = ["import ctypes", "import hashlib", "import math", "import os", "import platform", "import shutil",
+               "import subprocess", "import tempfile", "import time", "import uuid",
                "from concurrent.futures import ThreadPoolExecutor", ""]
 
 
@@ -712,7 +713,8 @@ def _module(schedule: Schedule, backend: str, e: _Emitter, body, updates: list[s
         "and what it sent to the next pipeline stage. Custom ops come in custom_ops={name: fn}.",
         "Needs torch only.",
         *(["The group's ranks must share this node's memory: its first step maps their segments",
-           "of /dev/shm (the files are gone once mapped)."] if backend == "shm" else []),
+           "of /dev/shm (the files are gone once mapped). Its large copies compile a few lines of C",
+           "with the system's C compiler when there is one."] if backend == "shm" else []),
         *(["Dropout is torch's own (F.dropout): its masks are not coconet's counter-based ones."]
           if e.dropout == "torch" and any(s.op == "dropout" for s in p.stmts) else []),
         '"""',

@@ -7,6 +7,7 @@ here are also importable, which is how the tests exercise them directly.
 from __future__ import annotations
 
 import inspect
+import os
 import re
 import sys
 
@@ -291,6 +292,15 @@ def _kernel(fn):
     return torch.compile(fn, dynamic=False, fullgraph=True)
 
 
+def _cache_dir():
+    """coconet's on-disk cache: ``$COCONET_CACHE_DIR``, else ``$XDG_CACHE_HOME/coconet``, else
+    ``~/.cache/coconet``."""
+    root = os.environ.get("COCONET_CACHE_DIR")
+    if root:
+        return root
+    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "coconet")
+
+
 def _size(sizes, name):
     if sizes is None or name not in sizes:
         raise ValueError(f"dim {name} cannot be read off the inputs: pass sizes={{'{name}': ...}} to step()")
@@ -299,7 +309,7 @@ def _size(sizes, name):
 
 HELPERS = (_Ctx, _reduce_op, _allreduce, _broadcast, _padded, _rows_of, _reduce_scatter, _part, _all_gather, _coalesced, _launches,
            _bucket_allreduce, _bucket_reduce_scatter, _bucket_all_gather, _Chunk, _reduce_scatter_chunks, _Gather,
-           _global_index, _flat_index, philox_words, _dropout, _dropout_rows, _dropped, _int64, _kernel, _size)
+           _global_index, _flat_index, philox_words, _dropout, _dropout_rows, _dropped, _int64, _kernel, _cache_dir, _size)
 
 
 def prelude_source(code: str | None = None, backend: str = "gloo") -> str:

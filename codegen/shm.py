@@ -25,13 +25,25 @@ need G + 2 slots. Slots are taken in program order on every rank (async
 collectives take theirs on the communication thread, in the order queued).
 Peers see a rank's data once they see its flag because x86-64 keeps stores in
 order; elsewhere the backend refuses to start.
+
+A copy larger than this rank's share of the last-level cache (the cache over the
+group's ranks) is made with non-temporal stores: its destination is not read
+again before the copy has evicted it, and an ordinary store reads every line
+before writing it. The copy is a few lines of C, compiled once per machine with
+the system's C compiler into coconet's cache (torch's copy where there is none);
+it fences its stores, so the flag that follows still orders them.
 """
 
 from __future__ import annotations
 
+import ctypes
+import hashlib
 import math
 import os
 import platform
+import shutil
+import subprocess
+import tempfile
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -40,6 +52,31 @@ import torch
 import torch.distributed as dist
 
 _GROUPS = {}  # process group -> its _Shm, made on the group's first step
+
+_STREAM_C = r"""
+#include <emmintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+/* memcpy whose stores bypass the cache, a 64-byte line at a time; the fence makes them visible before
+   any later store (the barrier's flag) */
+void coconet_stream_copy(char *dst, const char *src, size_t n) {
+    size_t head = (64 - ((uintptr_t)dst & 63)) & 63;
+    if (head > n) head = n;
+    memcpy(dst, src, head);
+    dst += head; src += head; n -= head;
+    for (; n >= 64; n -= 64, dst += 64, src += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)src), b = _mm_loadu_si128((const __m128i *)(src + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(src + 32)), d = _mm_loadu_si128((const __m128i *)(src + 48));
+        _mm_stream_si128((__m128i *)dst, a);
+        _mm_stream_si128((__m128i *)(dst + 16), b);
+        _mm_stream_si128((__m128i *)(dst + 32), c);
+        _mm_stream_si128((__m128i *)(dst + 48), d);
+    }
+    memcpy(dst, src, n);
+    _mm_sfence();
+}
+"""
 
 
 class _Shm:
@@ -60,6 +97,11 @@ class _Shm:
         self.epoch, self.next, self.slot_bytes = 0, 0, 0
         self.segments, self.flags = [], []
         self.pool, self.last = None, None
+        limit = os.environ.get("COCONET_SHM_STREAM_BYTES", "")
+        if limit and not limit.isdigit():
+            raise ValueError(f"COCONET_SHM_STREAM_BYTES={limit!r}: not a number of bytes")
+        self.stream_min = int(limit) if limit else _last_level_cache() // self.world
+        self.stream = None
 
     @staticmethod
     def of(group, slots, nbytes):
@@ -97,6 +139,19 @@ class _Shm:
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         return self.segments[rank][start:start + nbytes].view(dtype).view(shape)
 
+    def copy(self, dst, src):
+        """``dst.copy_(src)``; with non-temporal stores from ``stream_min`` bytes, between tensors alike."""
+        n = dst.numel() * dst.element_size()
+        if (n < self.stream_min or dst.dtype != src.dtype or dst.shape != src.shape or not dst.is_contiguous()
+                or not src.is_contiguous()):
+            return dst.copy_(src)
+        if self.stream is None:
+            self.stream = _stream_copier() or False
+        if self.stream is False:
+            return dst.copy_(src)
+        self.stream(dst.data_ptr(), src.data_ptr(), n)
+        return dst
+
     def barrier(self):
         self.epoch += 1
         self.flags[self.rank].fill_(self.epoch)
@@ -129,6 +184,44 @@ class _Shm:
         _GROUPS.pop(self.group, None)
 
 
+def _last_level_cache():
+    """Bytes of this CPU's last-level cache (32 MiB where the system does not say)."""
+    best = (0, 32 << 20)
+    root = "/sys/devices/system/cpu/cpu0/cache"
+    for index in os.listdir(root) if os.path.isdir(root) else []:
+        try:
+            with open(f"{root}/{index}/level") as f, open(f"{root}/{index}/size") as g:
+                level, size = int(f.read()), g.read().strip()
+        except (OSError, ValueError):
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1:], 1)
+        best = max(best, (level, int(size.rstrip("KMG")) * scale))
+    return best[1]
+
+
+def _stream_copier():
+    """``_STREAM_C`` compiled (once per machine and compiler) and loaded; None without a C compiler."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return None
+    digest = hashlib.sha256(f"{cc}\n{_STREAM_C}".encode()).hexdigest()[:16]
+    folder = os.path.join(_cache_dir(), "kernels")
+    path = os.path.join(folder, f"stream_copy_{digest}.so")
+    if not os.path.exists(path):
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=folder) as tmp:
+            with open(os.path.join(tmp, "stream_copy.c"), "w") as f:
+                f.write(_STREAM_C)
+            built = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", os.path.join(tmp, "stream_copy.so"),
+                                    os.path.join(tmp, "stream_copy.c")], capture_output=True, text=True)
+            if built.returncode != 0:
+                raise RuntimeError(f"shm backend: {cc} could not compile its copy kernel:\n{built.stderr}")
+            os.replace(os.path.join(tmp, "stream_copy.so"), path)  # atomic: ranks compiling at once agree
+    fn = ctypes.CDLL(path).coconet_stream_copy
+    fn.argtypes, fn.restype = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t), None
+    return fn
+
+
 def _on_comm_thread(fn, *args):
     """A collective on the communication thread, as one named span in a profiler trace."""
     with torch.profiler.record_function(f"shm {fn.__name__}"):
@@ -157,8 +250,8 @@ def _offsets(nbytes):
 def _publish(c, slot, offset, rows, lo, hi):
     """Copies ``rows`` (dim 0 leading) into this rank's slot, all but rows [lo, hi): no peer reads those."""
     mine = c.shm.at(c.rank, slot, offset, rows.dtype, tuple(rows.shape))
-    mine[:lo].copy_(rows[:lo])
-    mine[hi:].copy_(rows[hi:])
+    c.shm.copy(mine[:lo], rows[:lo])
+    c.shm.copy(mine[hi:], rows[hi:])
     return mine
 
 
@@ -201,14 +294,14 @@ def _shm_all_gather(c, xs, dims, ns):
     offsets = _offsets([math.prod(f) * p.element_size() for p, f in zip(parts, full)])
     for p, f, o, n in zip(parts, full, offsets, ns):
         lo, hi = c.rows(n)
-        s.at(c.rank, slot, o, p.dtype, f)[lo:hi].copy_(p)
+        s.copy(s.at(c.rank, slot, o, p.dtype, f)[lo:hi], p)
     s.barrier()
     outs = []
     for p, f, o, n, d in zip(parts, full, offsets, ns, dims):
         out = p.new_empty(f)
         for r in range(c.world):
             lo, hi = c.rows(n, r)
-            out[lo:hi].copy_(p if r == c.rank else s.at(r, slot, o, p.dtype, f)[lo:hi])
+            s.copy(out[lo:hi], p if r == c.rank else s.at(r, slot, o, p.dtype, f)[lo:hi])
         outs.append(out.movedim(0, d))
     return outs
 
@@ -231,7 +324,7 @@ def _shm_allreduce(c, xs, op):
     for x, f, o in zip(xs, flat, offsets):
         for r in range(c.world):
             lo, hi = c.rows(f.numel(), r)
-            f[lo:hi].copy_(s.at(r, slot, o, f.dtype, (f.numel(),))[lo:hi])
+            s.copy(f[lo:hi], s.at(r, slot, o, f.dtype, (f.numel(),))[lo:hi])
         if f.data_ptr() != x.data_ptr():
             x.copy_(f.view(x.shape))
     return xs
@@ -258,10 +351,10 @@ def _shm_broadcast(c, x, root):
     s = c.shm
     slot = s.take()
     if c.rank == root:
-        s.at(c.rank, slot, 0, x.dtype, tuple(x.shape)).copy_(x)
+        s.copy(s.at(c.rank, slot, 0, x.dtype, tuple(x.shape)), x)
     s.barrier()
     if c.rank != root:
-        x.copy_(s.at(root, slot, 0, x.dtype, tuple(x.shape)))
+        s.copy(x, s.at(root, slot, 0, x.dtype, tuple(x.shape)))
     return x
 
 
@@ -360,11 +453,11 @@ class _Gather:
         for r in range(self.c.world):
             if own or r != self.c.rank:
                 lo, hi = self.c.rows(self.n, r)
-                rows[lo:hi].copy_(s.at(r, self.slot, 0, self.dtype, self.shape)[lo:hi])
+                s.copy(rows[lo:hi], s.at(r, self.slot, 0, self.dtype, self.shape)[lo:hi])
 
     def add(self, k, x):
         part = x.movedim(self.dim, 0)
-        self._mine(k, part.shape[1:], part.dtype).copy_(part)
+        self.c.shm.copy(self._mine(k, part.shape[1:], part.dtype), part)
 
     def result(self):
         out = torch.empty(self.shape, dtype=self.dtype, device=self.c.device)
@@ -383,9 +476,9 @@ class _Gather:
         self._copy_out(out.movedim(self.dim, 0), own=False)
 
 
-from coconet.codegen.prelude import _Chunk, _launches  # noqa: E402  (shared with the torch backend)
+from coconet.codegen.prelude import _cache_dir, _Chunk, _launches  # noqa: E402  (shared with the torch backend)
 
-HELPERS = (_Shm, _on_comm_thread, _Done, _offsets, _publish, _shm_reduce, _shm_reduce_scatter, _shm_all_gather,
+HELPERS = (_Shm, _last_level_cache, _stream_copier, _on_comm_thread, _Done, _offsets, _publish, _shm_reduce, _shm_reduce_scatter, _shm_all_gather,
            _shm_allreduce, _allreduce, _reduce_scatter, _all_gather, _shm_broadcast, _broadcast, _bucket_allreduce,
            _bucket_reduce_scatter, _bucket_all_gather, _scatter_parts, _reduce_scatter_chunks, _reduce_scatter_parts, _add_all,
            _Gather)

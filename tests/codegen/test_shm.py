@@ -3,9 +3,11 @@
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from coconet.codegen import shm
 from coconet.codegen.launch import Options, run_schedules
 from coconet.codegen.lower import lower
 from coconet.schedules.schedule import Schedule
@@ -115,3 +117,37 @@ def test_shm_module_reduces_in_shared_memory():
     assert "for the shm backend" in src
     assert "_c.shm = _Shm.of(group, 5, 4 * (d_N))" in src  # three gathers live while chunks are reduced
     assert "dist.all_reduce(" not in src and "_RS(" not in src and "_AG(" not in src
+
+
+@pytest.mark.parametrize("name", ["adam", "megatron_mlp"])
+def test_every_schedule_with_streaming_copies(name, monkeypatch, tmp_path):
+    """Every copy of the collectives made with non-temporal stores (the threshold down to one byte), at
+    R = 3 with uneven rows and slots whose pieces start off a cache line; compiled once into the cache."""
+    monkeypatch.setenv("COCONET_SHM_STREAM_BYTES", "1")
+    monkeypatch.setenv("COCONET_CACHE_DIR", str(tmp_path))
+    prog = example(name)
+    sizes = {"N": 1001} if name == "adam" else {"B": 5, "S": 3, "H": 7}
+    assert_all_ok(run_schedules(list(generate(prog)), shm_only(3, sizes)))
+    assert [p.name for p in (tmp_path / "kernels").iterdir()] == [
+        p.name for p in (tmp_path / "kernels").glob("stream_copy_*.so")] != []
+
+
+def test_streaming_copy_matches_torch_at_every_alignment(monkeypatch, tmp_path):
+    monkeypatch.setenv("COCONET_CACHE_DIR", str(tmp_path))
+    copy = shm._stream_copier()
+    src = torch.randn(4096)
+    for n in (0, 1, 15, 16, 63, 64, 65, 1000):
+        for offset in (0, 1, 3, 17):
+            dst = torch.zeros(n + 40)
+            copy(dst[offset:].data_ptr(), src[5:].data_ptr(), n * 4)
+            expected = torch.zeros(n + 40)
+            expected[offset:offset + n] = src[5:5 + n]
+            assert torch.equal(dst, expected), (n, offset)
+
+
+def test_a_compiler_that_fails_is_named(monkeypatch, tmp_path):
+    monkeypatch.setenv("COCONET_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "false")
+    with pytest.raises(RuntimeError, match="false could not compile its copy kernel"):
+        shm._stream_copier()
+    assert not list((tmp_path / "kernels").iterdir())  # nothing half-built left in the cache

@@ -11,12 +11,18 @@ written in place; nothing else of the inputs is. step returns the program's outp
 and what it sent to the next pipeline stage. Custom ops come in custom_ops={name: fn}.
 Needs torch only.
 The group's ranks must share this node's memory: its first step maps their segments
-of /dev/shm (the files are gone once mapped).
+of /dev/shm (the files are gone once mapped). Its large copies compile a few lines of C
+with the system's C compiler when there is one.
 """
 
+import ctypes
+import hashlib
 import math
 import os
 import platform
+import shutil
+import subprocess
+import tempfile
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +36,31 @@ def _t(x):
 
 
 _GROUPS = {}  # process group -> its _Shm, made on the group's first step
+
+_STREAM_C = r"""
+#include <emmintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+/* memcpy whose stores bypass the cache, a 64-byte line at a time; the fence makes them visible before
+   any later store (the barrier's flag) */
+void coconet_stream_copy(char *dst, const char *src, size_t n) {
+    size_t head = (64 - ((uintptr_t)dst & 63)) & 63;
+    if (head > n) head = n;
+    memcpy(dst, src, head);
+    dst += head; src += head; n -= head;
+    for (; n >= 64; n -= 64, dst += 64, src += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)src), b = _mm_loadu_si128((const __m128i *)(src + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(src + 32)), d = _mm_loadu_si128((const __m128i *)(src + 48));
+        _mm_stream_si128((__m128i *)dst, a);
+        _mm_stream_si128((__m128i *)(dst + 16), b);
+        _mm_stream_si128((__m128i *)(dst + 32), c);
+        _mm_stream_si128((__m128i *)(dst + 48), d);
+    }
+    memcpy(dst, src, n);
+    _mm_sfence();
+}
+"""
 
 
 class _Ctx:
@@ -102,11 +133,11 @@ class _Gather:
         for r in range(self.c.world):
             if own or r != self.c.rank:
                 lo, hi = self.c.rows(self.n, r)
-                rows[lo:hi].copy_(s.at(r, self.slot, 0, self.dtype, self.shape)[lo:hi])
+                s.copy(rows[lo:hi], s.at(r, self.slot, 0, self.dtype, self.shape)[lo:hi])
 
     def add(self, k, x):
         part = x.movedim(self.dim, 0)
-        self._mine(k, part.shape[1:], part.dtype).copy_(part)
+        self.c.shm.copy(self._mine(k, part.shape[1:], part.dtype), part)
 
     def result(self):
         out = torch.empty(self.shape, dtype=self.dtype, device=self.c.device)
@@ -131,6 +162,15 @@ def _kernel(fn):
     return torch.compile(fn, dynamic=False, fullgraph=True)
 
 
+def _cache_dir():
+    """coconet's on-disk cache: ``$COCONET_CACHE_DIR``, else ``$XDG_CACHE_HOME/coconet``, else
+    ``~/.cache/coconet``."""
+    root = os.environ.get("COCONET_CACHE_DIR")
+    if root:
+        return root
+    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "coconet")
+
+
 class _Shm:
     """The shared segments of one process group: a flag, then ``slots`` slots of ``nbytes``, per rank."""
 
@@ -149,6 +189,11 @@ class _Shm:
         self.epoch, self.next, self.slot_bytes = 0, 0, 0
         self.segments, self.flags = [], []
         self.pool, self.last = None, None
+        limit = os.environ.get("COCONET_SHM_STREAM_BYTES", "")
+        if limit and not limit.isdigit():
+            raise ValueError(f"COCONET_SHM_STREAM_BYTES={limit!r}: not a number of bytes")
+        self.stream_min = int(limit) if limit else _last_level_cache() // self.world
+        self.stream = None
 
     @staticmethod
     def of(group, slots, nbytes):
@@ -186,6 +231,19 @@ class _Shm:
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         return self.segments[rank][start:start + nbytes].view(dtype).view(shape)
 
+    def copy(self, dst, src):
+        """``dst.copy_(src)``; with non-temporal stores from ``stream_min`` bytes, between tensors alike."""
+        n = dst.numel() * dst.element_size()
+        if (n < self.stream_min or dst.dtype != src.dtype or dst.shape != src.shape or not dst.is_contiguous()
+                or not src.is_contiguous()):
+            return dst.copy_(src)
+        if self.stream is None:
+            self.stream = _stream_copier() or False
+        if self.stream is False:
+            return dst.copy_(src)
+        self.stream(dst.data_ptr(), src.data_ptr(), n)
+        return dst
+
     def barrier(self):
         self.epoch += 1
         self.flags[self.rank].fill_(self.epoch)
@@ -218,6 +276,44 @@ class _Shm:
         _GROUPS.pop(self.group, None)
 
 
+def _last_level_cache():
+    """Bytes of this CPU's last-level cache (32 MiB where the system does not say)."""
+    best = (0, 32 << 20)
+    root = "/sys/devices/system/cpu/cpu0/cache"
+    for index in os.listdir(root) if os.path.isdir(root) else []:
+        try:
+            with open(f"{root}/{index}/level") as f, open(f"{root}/{index}/size") as g:
+                level, size = int(f.read()), g.read().strip()
+        except (OSError, ValueError):
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1:], 1)
+        best = max(best, (level, int(size.rstrip("KMG")) * scale))
+    return best[1]
+
+
+def _stream_copier():
+    """``_STREAM_C`` compiled (once per machine and compiler) and loaded; None without a C compiler."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return None
+    digest = hashlib.sha256(f"{cc}\n{_STREAM_C}".encode()).hexdigest()[:16]
+    folder = os.path.join(_cache_dir(), "kernels")
+    path = os.path.join(folder, f"stream_copy_{digest}.so")
+    if not os.path.exists(path):
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=folder) as tmp:
+            with open(os.path.join(tmp, "stream_copy.c"), "w") as f:
+                f.write(_STREAM_C)
+            built = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", os.path.join(tmp, "stream_copy.so"),
+                                    os.path.join(tmp, "stream_copy.c")], capture_output=True, text=True)
+            if built.returncode != 0:
+                raise RuntimeError(f"shm backend: {cc} could not compile its copy kernel:\n{built.stderr}")
+            os.replace(os.path.join(tmp, "stream_copy.so"), path)  # atomic: ranks compiling at once agree
+    fn = ctypes.CDLL(path).coconet_stream_copy
+    fn.argtypes, fn.restype = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t), None
+    return fn
+
+
 def _on_comm_thread(fn, *args):
     """A collective on the communication thread, as one named span in a profiler trace."""
     with torch.profiler.record_function(f"shm {fn.__name__}"):
@@ -227,8 +323,8 @@ def _on_comm_thread(fn, *args):
 def _publish(c, slot, offset, rows, lo, hi):
     """Copies ``rows`` (dim 0 leading) into this rank's slot, all but rows [lo, hi): no peer reads those."""
     mine = c.shm.at(c.rank, slot, offset, rows.dtype, tuple(rows.shape))
-    mine[:lo].copy_(rows[:lo])
-    mine[hi:].copy_(rows[hi:])
+    c.shm.copy(mine[:lo], rows[:lo])
+    c.shm.copy(mine[hi:], rows[hi:])
     return mine
 
 
