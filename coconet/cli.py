@@ -447,6 +447,10 @@ def _print_tune_table(prog: Any, doc: dict, tuned: Any) -> None:
                       f"{_fmt_s(b['median_s'])} [{_fmt_s(b['ci95_s'][0])}, {_fmt_s(b['ci95_s'][1])}]"
                       + (f"  {doc['speedup']:.2f}x over the baseline" if doc["speedup"] else "")
                       + f"  record {doc['record_id']}", markup=False)
+        if b["sharded"]:
+            names = ", ".join(b["sharded"])
+            console.print(f"note: the winner leaves {names} sharded (as_slice): after its step each rank holds only "
+                          f"its rows of {names}, which the program declares Replicated", markup=False)
     else:
         console.print("no schedule ran correctly: nothing recorded as the winner", markup=False)
 

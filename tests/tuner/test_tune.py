@@ -119,3 +119,23 @@ def test_the_tuners_winner_is_the_exhaustive_winner_within_its_ci(ray_local, tmp
     best = min(ok, key=lambda r: r.median_s)
     mine = results[out.winner.candidate.key]
     assert mine is best or mine.ci95_s[0] <= best.ci95_s[1], (mine.schedule, mine.ci95_s, best.schedule, best.ci95_s)
+
+
+def test_the_tuned_json_says_which_state_the_winner_leaves_sharded():
+    from coconet.codegen.launch import RunResult
+    from coconet.schedules.schedule import Schedule
+    from coconet.tuner.search import Candidate, Outcome, Trial
+    from coconet.tuner.tune import Tuned
+
+    prog = example("adam")
+
+    def trial(text):
+        s = Schedule.parse(text, prog) if text else Schedule(prog)
+        return Trial(Candidate(s, "shm"), RunResult(s.text, s.hash, "ok", True, 0.0, [0.01, 0.011, 0.012]))
+
+    zero1 = trial("split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse_collective(rs0)")
+    weights = trial("split(ar0); reorder(ag0); as_slice(w); as_slice(m); as_slice(v); fuse_collective(rs0)")
+    base = trial(None)
+    doc = Tuned({"N": 8}, Outcome("s", {"N": 8}, [zero1, weights], weights, zero1, base), 1, 2).to_json(prog, "local", 2)
+    assert doc["best"]["sharded"] == ["w", "m", "v"] and doc["runner_up"]["sharded"] == ["m", "v"]
+    assert doc["baseline"]["sharded"] == []
