@@ -151,3 +151,14 @@ def test_a_compiler_that_fails_is_named(monkeypatch, tmp_path):
     with pytest.raises(RuntimeError, match="false could not compile its copy kernel"):
         shm._stream_copier()
     assert not list((tmp_path / "kernels").iterdir())  # nothing half-built left in the cache
+
+
+def test_without_a_c_compiler_torch_copies_every_size(monkeypatch):
+    monkeypatch.setattr(shm, "_stream_copier", lambda: None)
+    s = shm._Shm.__new__(shm._Shm)  # the copy needs no process group
+    s.stream_min, s.stream = 1, None
+    src = torch.randn(100)
+    for _ in range(2):
+        dst = torch.zeros(100)
+        assert s.copy(dst, src) is dst and torch.equal(dst, src)
+    assert s.stream_min == float("inf")

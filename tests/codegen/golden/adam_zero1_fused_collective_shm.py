@@ -238,9 +238,10 @@ class _Shm:
                 or not src.is_contiguous()):
             return dst.copy_(src)
         if self.stream is None:
-            self.stream = _stream_copier() or False
-        if self.stream is False:
-            return dst.copy_(src)
+            self.stream = _stream_copier()
+            if self.stream is None:  # no C compiler: torch's copy serves every size from now on
+                self.stream_min = math.inf
+                return dst.copy_(src)
         self.stream(dst.data_ptr(), src.data_ptr(), n)
         return dst
 
