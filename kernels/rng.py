@@ -14,13 +14,12 @@ import numpy as np
 
 from coconet.schedules.rng import check_seed, global_index, threshold
 
-def philox_words(seed: int, index):
-    """Philox4x32-10 word (int64 in [0, 2^32)) of each global flat index (int64 tensor) under a
-    64-bit ``seed``. Self-contained (torch only) so generated code can carry a copy of it."""
+def philox_rounds(seed: int, block):
+    """The four Philox4x32-10 words (int64 tensors in [0, 2^32)) of each block counter (an int64 tensor)
+    under a 64-bit ``seed``. Self-contained (torch only) so generated code can carry a copy of it."""
     import torch
 
     mask = 0xFFFFFFFF
-    block, lane = index >> 2, index & 3
     c0, c1 = block & mask, (block >> 32) & mask
     c2 = torch.zeros_like(block)
     c3 = torch.zeros_like(block)
@@ -32,8 +31,25 @@ def philox_words(seed: int, index):
         hi0, lo0 = (p0 >> 32) & mask, p0 & mask
         hi1, lo1 = (p1 >> 32) & mask, p1 & mask
         c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+    return c0, c1, c2, c3
+
+
+def philox_words(seed: int, index):
+    """The Philox word (int64 in [0, 2^32)) of each global flat index (int64 tensor): a call per element."""
+    import torch
+
+    c0, c1, c2, c3 = philox_rounds(seed, index >> 2)
+    lane = index & 3
     # a select, not a stack + gather: a compiler fuses it into the one loop
     return torch.where(lane < 2, torch.where(lane == 0, c0, c1), torch.where(lane == 2, c2, c3))
+
+
+def philox_blocks(seed: int, block):
+    """The words of elements 4b … 4b+3 of each block b (int64 tensor), along a new last dim: one
+    Philox call per four elements."""
+    import torch
+
+    return torch.stack(philox_rounds(seed, block), -1)
 
 
 def random_bits(seed: int, index: Any):

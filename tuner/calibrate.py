@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from coconet.errors import CoconetError
-from coconet.tuner.cost import DROPOUT_EAGER_OPS, DROPOUT_FUSED_OPS, shm_collective
+from coconet.tuner.cost import DROPOUT_PER_BLOCK, DROPOUT_PER_ELEMENT, shm_collective
 from coconet.tuner.topology import Fit, Link, Topology, package_dir, user_dir
 
 OPS = ("allreduce", "reduce_scatter", "all_gather")
@@ -399,14 +399,17 @@ def _measure_all(s: Settings, R: int, rank: int, threads: int, dist, torch) -> d
             one.add_(two)
 
     out["launch_s"] = timer.best(tiny, 5) / 1000
-    # dropout's RNG as the generated code runs it unfused: Philox rounds in eager int64 ops
+    # dropout as the generated code runs it unfused on CPU: Philox rounds in eager int64 ops, a call per
+    # four elements, then the mask
+    from coconet.codegen.prelude import _dropped, _words
     from coconet.kernels.rng import philox_words
 
     idx = torch.arange(2**18, dtype=torch.int64)
+    value = torch.ones(2**18)
     # the median: interference from other work on the machine slows these long runs of ops as it slows
     # a step's (a best-of would credit the eager ops with a quiet machine the steps never see)
-    per = timer.median(lambda: philox_words(1234, idx), 5)
-    out["eager_ops"] = 2**18 * DROPOUT_EAGER_OPS / per
+    per = timer.median(lambda: _dropped(value, 0.1, _words(1234, (2**18,), -1, 0, 0, value.device)), 5)
+    out["eager_ops"] = 2**18 * DROPOUT_PER_BLOCK.passes / per
     if s.compiled:
         kernel = torch.compile(lambda u, v: u * v + 1.0, dynamic=False, fullgraph=True)
         kernel(one, two)
@@ -416,10 +419,10 @@ def _measure_all(s: Settings, R: int, rank: int, threads: int, dist, torch) -> d
                 kernel(one, two)
 
         out["compiled_launch_s"] = timer.best(calls, 5) / 200
-        # the same rounds compiled into one loop, as a fused group with dropout runs them
+        # the integer rate: Philox rounds compiled into one loop, a call per element
         philox = torch.compile(lambda i: philox_words(1234, i), dynamic=False, fullgraph=True)
         philox(idx)
-        out["elementwise_ops"] = 2**18 * DROPOUT_FUSED_OPS / timer.best(lambda: philox(idx), 5)
+        out["elementwise_ops"] = 2**18 * DROPOUT_PER_ELEMENT.fused_ops / timer.best(lambda: philox(idx), 5)
     else:  # no compiler run: in-cache eager ops, with their dispatch taken off, stand in for it
         n = 2**16
         x, y, z = (torch.ones(n, dtype=torch.int64) for _ in range(3))

@@ -10,8 +10,8 @@ statements a fused collective absorbs, which allreduce clones its operand). Each
   memory bandwidth, a temporary at cache bandwidth when one launch's piece of it fits a third of the
   rank's cache (the program's inputs and state always come from memory); a fresh buffer costs what
   faulting in its pages costs at its size. A matmul is a roofline, the larger of flops/peak and
-  bytes/bandwidth; a fused dropout is compute-bound on its Philox rounds, an eager one on 138 int64
-  ops per element; a launch costs ``launch_s``. Sliced values move 1/R of the bytes.
+  bytes/bandwidth; a fused dropout is compute-bound on its Philox rounds, an eager one on its int64 passes
+  (``DropoutCost``: a call per element on CUDA, per four elements on CPU); a launch costs ``launch_s``. Sliced values move 1/R of the bytes.
 - collectives: α-β per link, composed as the backend's algorithm does (ring, tree, direct; across
   nodes the slowest link's bandwidth, NCCL's count of inter-node steps for latency), or a measured
   fit where the topology has one (gloo over loopback). On ``shm`` a collective is memory traffic
@@ -47,14 +47,26 @@ from coconet.tuner.topology import Topology
 BACKENDS = ("gloo", "nccl", "shm")
 DEFAULT_STAGES = 2  # as `coconet run` runs a pipeline program
 
-# Dropout run eagerly (``_dropout`` of the generated code): the global index, Philox4x32-10 in int64
-# torch ops (12 per round, 10 rounds, plus the counter set-up and the lane select) and the mask: 138
-# passes over int64 tensors of the value's size, reading ~1270 and writing ~1070 bytes per element.
-DROPOUT_EAGER_OPS = 138
-DROPOUT_EAGER_READ = 1270
-DROPOUT_EAGER_WRITE = 1070
-# The same in a compiled kernel: the rounds stay in registers, ~135 integer operations per element.
-DROPOUT_FUSED_OPS = 135
+@dataclass(frozen=True)
+class DropoutCost:
+    """What dropout's counter-based RNG costs per element of the value, counted off ``_dropout`` of the
+    generated code (torch dispatches, element passes and bytes of its int64 ops, eager; integer operations
+    in a compiled kernel, at the rate ``elementwise_Gops`` measures on a kernel of Philox calls)."""
+
+    dispatches: int
+    passes: float
+    read: float
+    write: float
+    fused_ops: float
+
+
+# On CUDA every element runs its own Philox4x32-10 call (12 int64 ops per round, 10 rounds, the lane
+# select and the mask); a fused kernel keeps the rounds in registers, ~135 integer operations.
+DROPOUT_PER_ELEMENT = DropoutCost(dispatches=148, passes=138, read=1276, write=1068, fused_ops=135)
+# On CPU one call serves four elements where a row is whole blocks of four (the model assumes it is):
+# the rounds run over a quarter of the elements. Fused, the four words go through a buffer: measured at
+# 1 thread, 2^20 elements, 2.3x less time than a call per element, priced as 135 / 2.3 operations.
+DROPOUT_PER_BLOCK = DropoutCost(dispatches=142, passes=37.5, read=331, write=285, fused_ops=58)
 
 
 # --- the plan: what a schedule's generated code does, sizes still symbolic ---
@@ -222,12 +234,12 @@ class _Builder:
         t = s.type
         out = self.nbytes(t, self.local(t))
         if s.op == "dropout":
-            ext = self.local(t)
+            ext, rng = self.local(t), self.dropout_cost()
             # the value read and the result written, plus the RNG's int64 passes
             base = self.reads(s)
-            rng_r, rng_w = (((DROPOUT_EAGER_READ, (ext,)),), ((DROPOUT_EAGER_WRITE, (ext,)),)) if ext is not None else ((), ())
-            ops = ((DROPOUT_EAGER_OPS, (ext,)),) if ext is not None else ()
-            return Kernel(s.name, launches * DROPOUT_EAGER_OPS, base + rng_r, out + rng_w, out + rng_w, ops=ops,
+            rng_r, rng_w = (((rng.read, (ext,)),), ((rng.write, (ext,)),)) if ext is not None else ((), ())
+            ops = ((rng.passes, (ext,)),) if ext is not None else ()
+            return Kernel(s.name, launches * rng.dispatches, base + rng_r, out + rng_w, out + rng_w, ops=ops,
                           dtype=t.dtype, cold=self.reads(s, cold=True))
         if s.op in ("sum", "partial_sum", "norm"):
             return Kernel(s.name, launches, self.reads(s), dtype=t.dtype or "float32", cold=self.reads(s, cold=True))
@@ -344,6 +356,9 @@ class _Builder:
                    cold=tuple(cold))
         return Unit(str(g), (k,)), set(inplace.values())
 
+    def dropout_cost(self) -> DropoutCost:
+        return DROPOUT_PER_ELEMENT if self.backend == "nccl" else DROPOUT_PER_BLOCK
+
     def fused_dropout_ops(self, members) -> tuple[Term, ...]:
         """The Philox rounds of the dropouts among ``members``, run inside one compiled kernel."""
         p = self.p
@@ -352,7 +367,7 @@ class _Builder:
             if p[m].op == "dropout":
                 ext = self.local(p[m].type)
                 if ext is not None:
-                    ops.append((DROPOUT_FUSED_OPS, (ext,)))
+                    ops.append((self.dropout_cost().fused_ops, (ext,)))
         return tuple(ops)
 
     def extents_rank(self, e: int) -> tuple[int, int]:

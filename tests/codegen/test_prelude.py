@@ -1,0 +1,69 @@
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from coconet.codegen import prelude
+from coconet.kernels import rng as trng
+from coconet.schedules import rng
+
+
+def _piece(shape, dim, first, count):
+    return tuple(slice(first, first + count) if k == dim else slice(0, n) for k, n in enumerate(shape))
+
+
+@st.composite
+def pieces(draw):
+    shape = tuple(draw(st.lists(st.sampled_from([1, 2, 3, 4, 5, 8, 12]), min_size=1, max_size=4)))
+    dim = draw(st.integers(-1, len(shape) - 1))
+    if dim < 0:
+        return shape, dim, 0, 0
+    first = draw(st.integers(0, shape[dim]))
+    return shape, dim, first, draw(st.integers(0, shape[dim] - first))
+
+
+@settings(max_examples=150, deadline=None)
+@given(pieces(), st.integers(0, 2**64 - 1))
+def test_words_of_a_piece_are_the_specified_ones(piece, seed):
+    """Whether a row is whole blocks of four (one Philox call per block) or not (one per element), every
+    element gets the word of its global index."""
+    shape, dim, first, count = piece
+    got = prelude._words(seed, shape, dim, first, count, torch.device("cpu"))
+    want = rng.random_bits(seed, rng.global_index(shape, _piece(shape, dim, first, count) if dim >= 0 else None))
+    assert got.shape == want.shape and np.array_equal(got.numpy(), want.astype(np.int64))
+
+
+def test_blocks_hold_the_four_words_of_their_elements():
+    block = torch.tensor([0, 1, 7, 2**30, 2**40 + 5], dtype=torch.int64)
+    for seed in (0, 99, 2**64 - 1):
+        got = trng.philox_blocks(seed, block)
+        assert got.shape == (5, 4)
+        assert np.array_equal(got.reshape(-1).numpy(), rng.random_bits(seed, (4 * block[:, None] + torch.arange(4)).numpy()).reshape(-1))
+
+
+def test_chunk_rows_from_a_tensor_compiled():
+    """A fused collective's chunk kernel: the first row arrives as a 0-d tensor, the shape as ints, and the
+    compiled kernel (one call per block here: the last dim is 12) draws the specified mask."""
+    shape, dim, p, seed = (6, 3, 12), 0, 0.25, 2**63 + 11
+    fn = torch.compile(lambda x, s, first: prelude._dropout_rows(x, p, s, shape, dim, first), dynamic=False, fullgraph=True)
+    x = torch.ones(2, 3, 12)
+    for first in (0, 2, 4):
+        got = fn(x, torch.tensor(seed - 2**64, dtype=torch.int64), torch.tensor(first, dtype=torch.int64))
+        keep = rng.dropout_mask(seed, p, shape, _piece(shape, dim, first, 2))
+        assert np.array_equal(got.numpy(), np.where(keep, 1 / (1 - p), 0.0).astype(np.float32))
+
+
+@pytest.mark.parametrize("shape,dim", [((4, 6), 0), ((4, 6), 1), ((5, 8), -1)])
+def test_dropout_of_a_ranks_piece(shape, dim):
+    class Rank:
+        world, rank = 2, 1
+
+        def rows(self, n):
+            chunk = -(-n // self.world)
+            return min(self.rank * chunk, n), min(self.rank * chunk + chunk, n)
+
+    lo, hi = Rank().rows(shape[dim]) if dim >= 0 else (0, 0)
+    local = tuple(hi - lo if k == dim else n for k, n in enumerate(shape))
+    got = prelude._dropout(Rank(), torch.ones(local), 0.5, 5, shape, dim)
+    keep = rng.dropout_mask(5, 0.5, shape, _piece(shape, dim, lo, hi - lo) if dim >= 0 else None)
+    assert np.array_equal(got.numpy(), np.where(keep, 2.0, 0.0).astype(np.float32))
