@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import statistics
 import sys
 from pathlib import Path
 from typing import Any, Callable, List, Optional
@@ -588,6 +589,24 @@ def _workload_file(workload: str) -> Path:
     return candidate
 
 
+def _fmt_speedup(point: dict) -> str:
+    if not point["best_speedup"]:
+        return ""
+    spread = point.get("best_speedup_rounds")
+    return f"{point['best_speedup']:.2f}x" + (f" ({min(spread):.2f}–{max(spread):.2f})" if spread else "")
+
+
+def _over_rounds(rows: list[dict]) -> dict:
+    """One schedule's rows from successive launches as one: the median of its rounds' medians, or the first
+    round that did not run."""
+    failed = next((r for r in rows if r["status"] != "ok" or not r["median_s"]), None)
+    if len(rows) == 1 or failed is not None:
+        return failed or rows[0]
+    medians = [r["median_s"] for r in rows]
+    return dict(rows[0], median_s=statistics.median(medians), round_medians_s=medians, ci95_s=None,
+                round_ci95_s=[r["ci95_s"] for r in rows], samples=sum(r["samples"] for r in rows))
+
+
 @app.command()
 @_guard
 def bench(
@@ -598,6 +617,9 @@ def bench(
                                       "schedule runs on each)."),
     kernels: str = typer.Option("compiled", "--kernels", help="compiled or eager."),
     repeats: int = typer.Option(10, "--repeats", min=1),
+    rounds: int = typer.Option(1, "--rounds", min=1, help="Launch every point this many times, one after the "
+                               "other: a time is then the median of its rounds' medians, and the speed-up is "
+                               "also given per round (load on a shared machine comes and goes between them)."),
     warmup: int = typer.Option(3, "--warmup", min=0),
     timeout: float = typer.Option(600.0, "--timeout", min=1.0),
     schedule: List[str] = typer.Option(["all"], "--schedule", help="Which schedules (as `coconet run`: text, id "
@@ -639,7 +661,7 @@ def bench(
     picked = _pick_schedules(prog, schedule, 6)
     space = [s for s in picked if set(s.sharded) <= allowed]
     left_out = [{"schedule": s.text, "sharded": list(s.sharded)} for s in picked if not set(s.sharded) <= allowed]
-    # Measured again before every point and after the last, in this run: load from elsewhere on the
+    # Measured again before every round and after the last, in this run: load from elsewhere on the
     # machine comes and goes, and the floor takes the best the machine showed.
     bandwidths: list[float] = []
     # the matmul rate of one rank's threads (as the launcher gives them), where the program has matmuls
@@ -650,22 +672,26 @@ def bench(
     rates: list[float] = []
     report: dict[str, Any] = {
         "workload": prog.name, "program_hash": prog.hash, "world": world, "backends": backends, "kernels": kernels,
-        "torch_baseline": baseline.doc, "rank_allocator": allocator_policy(), "cpus": os.cpu_count(),
+        "torch_baseline": baseline.doc, "rank_allocator": allocator_policy(), "cpus": os.cpu_count(), "rounds": rounds,
         "shardable": sorted(allowed), "left_out": left_out, "points": []}
     for sizes in points_sizes:
-        bandwidths.append(memory_bandwidth())
-        if matmuls:
-            rates.append(matmul_rate(threads) / threads)
-        rows, torch_row = [], None
-        for k, b in enumerate(backends):  # the baseline runs once, in the first launch, side by side with it
-            opts = Options(world=world, sizes=sizes, backend=b, kernels=kernels, repeats=repeats, warmup=warmup,
-                           timeout_s=timeout, stages=2)
-            results = run_schedules(space, opts, program_file=str(file) if file.suffix == ".py" else None,
-                                    baselines=[baseline] if k == 0 else [])
-            if k == 0:
-                torch_row = dict(results.pop(0).to_json(), backend=b)
-            got = [dict(r.to_json(), backend=b, sharded=list(s.sharded)) for r, s in zip(results, space)]
-            rows += got
+        per_round: list[tuple[dict, list[dict]]] = []
+        for _ in range(rounds):
+            bandwidths.append(memory_bandwidth())
+            if matmuls:
+                rates.append(matmul_rate(threads) / threads)
+            rows, torch_row = [], None
+            for k, b in enumerate(backends):  # the baseline runs once a round, in its first launch, beside them
+                opts = Options(world=world, sizes=sizes, backend=b, kernels=kernels, repeats=repeats, warmup=warmup,
+                               timeout_s=timeout, stages=2)
+                results = run_schedules(space, opts, program_file=str(file) if file.suffix == ".py" else None,
+                                        baselines=[baseline] if k == 0 else [])
+                if k == 0:
+                    torch_row = dict(results.pop(0).to_json(), backend=b)
+                rows += [dict(r.to_json(), backend=b, sharded=list(s.sharded)) for r, s in zip(results, space)]
+            per_round.append((torch_row, rows))
+        torch_row = _over_rounds([t for t, _ in per_round])
+        rows = [_over_rounds(list(same)) for same in zip(*(r for _, r in per_round))]
         ok = [r for r in rows if r["status"] == "ok" and r["median_s"]]
         best = min(ok, key=lambda r: r["median_s"]) if ok else None
         point = {"sizes": sizes, "bytes_moved_once": bytes_moved_once(prog, sizes, world), "torch": torch_row,
@@ -675,6 +701,8 @@ def bench(
             mine = [r for r in ok if r["backend"] == b]
             point[f"best_{b}"] = min(mine, key=lambda r: r["median_s"]) if mine else None
         point["best_speedup"] = ref / best["median_s"] if best and ref else None
+        if best and "round_medians_s" in best and "round_medians_s" in torch_row:
+            point["best_speedup_rounds"] = [t / b for t, b in zip(torch_row["round_medians_s"], best["round_medians_s"])]
         report["points"].append(point)
     bandwidths.append(memory_bandwidth())
     bandwidth = max(bandwidths)
@@ -711,7 +739,7 @@ def bench(
         t = pt["torch"]
         table.add_row(",".join(f"{k}={v}" for k, v in pt["sizes"].items()), _fmt_s(t["median_s"]) if t else "",
                       _fmt_s(pt["results"][0]["median_s"]), _fmt_s(pt["best"]["median_s"]) if pt["best"] else "",
-                      f"{pt['best_speedup']:.2f}x" if pt["best_speedup"] else "", _fmt_s(pt["floor_s"]),
+                      _fmt_speedup(pt), _fmt_s(pt["floor_s"]),
                       f"{pt['best_over_floor']:.2f}x" if pt["best_over_floor"] else "",
                       Text(f"{pt['best']['backend']}: {pt['best']['schedule']}") if pt["best"] else "")
     console.print(table)

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from coconet.errors import CoconetError
-from coconet.tuner.cost import DROPOUT_PER_BLOCK, DROPOUT_PER_ELEMENT, shm_collective
+from coconet.tuner.cost import DROPOUT_PER_BLOCK, shm_collective
 from coconet.tuner.topology import Fit, Link, Topology, package_dir, user_dir
 
 OPS = ("allreduce", "reduce_scatter", "all_gather")
@@ -402,9 +402,7 @@ def _measure_all(s: Settings, R: int, rank: int, threads: int, dist, torch) -> d
     # dropout as the generated code runs it unfused on CPU: Philox rounds in eager int64 ops, a call per
     # four elements, then the mask
     from coconet.codegen.prelude import _dropped, _words
-    from coconet.kernels.rng import philox_words
 
-    idx = torch.arange(2**18, dtype=torch.int64)
     value = torch.ones(2**18)
     # the median: interference from other work on the machine slows these long runs of ops as it slows
     # a step's (a best-of would credit the eager ops with a quiet machine the steps never see)
@@ -419,10 +417,12 @@ def _measure_all(s: Settings, R: int, rank: int, threads: int, dist, torch) -> d
                 kernel(one, two)
 
         out["compiled_launch_s"] = timer.best(calls, 5) / 200
-        # the integer rate: Philox rounds compiled into one loop, a call per element
-        philox = torch.compile(lambda i: philox_words(1234, i), dynamic=False, fullgraph=True)
-        philox(idx)
-        out["elementwise_ops"] = 2**18 * DROPOUT_PER_ELEMENT.fused_ops / timer.best(lambda: philox(idx), 5)
+        # the integer rate of a compiled kernel of Philox rounds, as the generated CPU code runs them: a call
+        # per block of four elements, the words through a buffer
+        shape, cpu = (2**8, 2**10), torch.device("cpu")
+        philox = torch.compile(lambda: _words(1234, shape, 0, 0, shape[0], cpu), dynamic=False, fullgraph=True)
+        philox()
+        out["elementwise_ops"] = 2**18 * DROPOUT_PER_BLOCK.fused_ops / timer.best(philox, 5)
     else:  # no compiler run: in-cache eager ops, with their dispatch taken off, stand in for it
         n = 2**16
         x, y, z = (torch.ones(n, dtype=torch.int64) for _ in range(3))

@@ -10,8 +10,9 @@ statements a fused collective absorbs, which allreduce clones its operand). Each
   memory bandwidth, a temporary at cache bandwidth when one launch's piece of it fits a third of the
   rank's cache (the program's inputs and state always come from memory); a fresh buffer costs what
   faulting in its pages costs at its size. A matmul is a roofline, the larger of flops/peak and
-  bytes/bandwidth; a fused dropout is compute-bound on its Philox rounds, an eager one on its int64 passes
-  (``DropoutCost``: a call per element on CUDA, per four elements on CPU); a launch costs ``launch_s``. Sliced values move 1/R of the bytes.
+  bytes/bandwidth; a fused dropout is compute-bound on its Philox rounds, an eager one on its int64
+  passes (``DropoutCost``: a call per element on CUDA, per four elements on CPU); a launch costs
+  ``launch_s``. Sliced values move 1/R of the bytes.
 - collectives: α-β per link, composed as the backend's algorithm does (ring, tree, direct; across
   nodes the slowest link's bandwidth, NCCL's count of inter-node steps for latency), or a measured
   fit where the topology has one (gloo over loopback). On ``shm`` a collective is memory traffic
@@ -47,6 +48,7 @@ from coconet.tuner.topology import Topology
 BACKENDS = ("gloo", "nccl", "shm")
 DEFAULT_STAGES = 2  # as `coconet run` runs a pipeline program
 
+
 @dataclass(frozen=True)
 class DropoutCost:
     """What dropout's counter-based RNG costs per element of the value, counted off ``_dropout`` of the
@@ -64,9 +66,9 @@ class DropoutCost:
 # select and the mask); a fused kernel keeps the rounds in registers, ~135 integer operations.
 DROPOUT_PER_ELEMENT = DropoutCost(dispatches=148, passes=138, read=1276, write=1068, fused_ops=135)
 # On CPU one call serves four elements where a row is whole blocks of four (the model assumes it is):
-# the rounds run over a quarter of the elements. Fused, the four words go through a buffer: measured at
-# 1 thread, 2^20 elements, 2.3x less time than a call per element, priced as 135 / 2.3 operations.
-DROPOUT_PER_BLOCK = DropoutCost(dispatches=142, passes=37.5, read=331, write=285, fused_ops=58)
+# the rounds run over a quarter of the elements, and a fused kernel keeps the four words in a buffer
+# (``coconet calibrate`` measures the rate on such a kernel).
+DROPOUT_PER_BLOCK = DropoutCost(dispatches=142, passes=37.5, read=331, write=285, fused_ops=34)
 
 
 # --- the plan: what a schedule's generated code does, sizes still symbolic ---

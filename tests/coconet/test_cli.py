@@ -2,6 +2,7 @@ import json
 import os
 import runpy
 import signal
+import statistics
 import subprocess
 import sys
 import textwrap
@@ -233,6 +234,32 @@ def test_bench_of_a_program_without_a_hand_written_baseline_compares_with_it_as_
     assert point["torch"]["status"] == "ok" and point["torch"]["correct"] is True
     assert [r["schedule"] for r in point["results"]] == ["baseline", "split(ar0)"]
     assert point["best_speedup"] == point["torch"]["median_s"] / point["best"]["median_s"]
+
+
+def test_bench_rounds_take_the_median_of_each_schedules_rounds():
+    proc = coconet("bench", "sgd", "--world", "2", "--size", "N=3000", "--kernels", "eager", "--backend", "shm",
+                   "--schedule", "split(ar0)", "--repeats", "2", "--warmup", "1", "--rounds", "3", "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["rounds"] == 3 and len(report["memory_bandwidth_samples_GBps"]) == 4  # before each round, after
+    (point,) = report["points"]
+    for row in [point["torch"]] + point["results"]:
+        assert len(row["round_medians_s"]) == 3 and row["samples"] == 3 * 2
+        assert row["median_s"] == statistics.median(row["round_medians_s"])
+    best, torch_row = point["best"], point["torch"]
+    assert point["best_speedup"] == torch_row["median_s"] / best["median_s"]
+    assert point["best_speedup_rounds"] == [t / b for t, b in zip(torch_row["round_medians_s"], best["round_medians_s"])]
+
+
+def test_a_schedule_that_failed_in_any_round_is_reported_failed():
+    from coconet.cli import _over_rounds
+
+    ok = {"schedule": "s", "status": "ok", "median_s": 1.0, "ci95_s": [0.9, 1.1], "samples": 5}
+    bad = dict(ok, status="timeout", median_s=None, error="rank 1 timed out")
+    assert _over_rounds([ok, bad, ok]) == bad
+    assert _over_rounds([ok]) == ok
+    both = _over_rounds([ok, dict(ok, median_s=3.0)])
+    assert both["median_s"] == 2.0 and both["round_medians_s"] == [1.0, 3.0] and both["samples"] == 10
 
 
 def test_bench_errors():
