@@ -449,9 +449,7 @@ def _print_tune_table(prog: Any, doc: dict, tuned: Any) -> None:
                       + (f"  {doc['speedup']:.2f}x over the baseline" if doc["speedup"] else "")
                       + f"  record {doc['record_id']}", markup=False)
         if b["sharded"]:
-            names = ", ".join(b["sharded"])
-            console.print(f"note: the winner leaves {names} sharded (as_slice): after its step each rank holds only "
-                          f"its rows of {names}, which the program declares Replicated", markup=False)
+            console.print(_sharded_note(b["sharded"]), markup=False)
     else:
         console.print("no schedule ran correctly: nothing recorded as the winner", markup=False)
 
@@ -587,6 +585,12 @@ def _workload_file(workload: str) -> Path:
         known = ", ".join(sorted(p.stem for p in examples.glob("*.py"))) or "none here"
         raise CoconetError(f"no workload {workload!r}: name an example ({known}) or a program file")
     return candidate
+
+
+def _sharded_note(names: List[str]) -> str:
+    joined = ", ".join(names)
+    return (f"note: the winner leaves {joined} sharded (as_slice): after its step each rank holds only its rows of "
+            f"{joined}, which the program declares Replicated")
 
 
 def _fmt_speedup(point: dict) -> str:
@@ -888,7 +892,8 @@ def _submitted(client: Any, job: dict, with_code: bool) -> dict:
         return doc
     stats, base = best["stats"], best.get("baseline")
     doc["best"] = {"schedule": best["schedule"], "backend": best["backend"], "hash": best["schedule_hash"],
-                   "median_s": stats["median_s"], "ci95_s": stats["ci95_s"], "source": best["source"]}
+                   "median_s": stats["median_s"], "ci95_s": stats["ci95_s"], "source": best["source"],
+                   "sharded": best.get("sharded", [])}
     if base:
         doc["baseline"] = {"schedule": base["schedule"], "backend": base["backend"],
                            "median_s": base["stats"]["median_s"], "ci95_s": base["stats"]["ci95_s"]}
@@ -910,6 +915,8 @@ def _print_submitted(name: str, d: dict) -> None:
     console.print(f"{head}\nwinner: {b['backend']}: {b['schedule']}  {_fmt_s(b['median_s'])}"
                   + (f" [{_fmt_s(ci[0])}, {_fmt_s(ci[1])}]" if ci else "")
                   + (f"  {d['speedup']:.2f}x over the baseline" if d["speedup"] else ""), markup=False)
+    if b["sharded"]:
+        console.print(_sharded_note(b["sharded"]), markup=False)
     if d["code"] is not None:
         console.rule(f"generated code ({b['backend']})")
         sys.stdout.write(d["code"] if d["code"].endswith("\n") else d["code"] + "\n")

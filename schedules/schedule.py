@@ -128,40 +128,9 @@ class Schedule:
         """Parse canonical text; every transform is applied, so an illegal one is refused here."""
         if not isinstance(text, str) or len(text) > MAX_TEXT:
             raise ScheduleError(f"schedule text must be a string of at most {MAX_TEXT} characters")
-        text = text.strip()
-        if text in (BASELINE, ""):
+        transforms, knobs = _read(text)
+        if not transforms and not knobs:
             return cls(program)
-        transforms: list[Transform] = []
-        knobs: dict[str, int] = {}
-        for raw in text.split(";"):
-            if not raw.strip():
-                continue
-            m = _ITEM.match(raw)
-            if m:
-                if knobs:
-                    raise ScheduleError(f"{raw.strip()!r}: knobs come after every transform")
-                name, inner = m.groups()
-                if name not in BY_NAME:
-                    raise ScheduleError(f"unknown transform {name!r} (known: {', '.join(sorted(BY_NAME))})")
-                args, kwargs = [], {}
-                for a in (x.strip() for x in inner.split(",")):
-                    if not a:
-                        continue
-                    if "=" in a:
-                        k, v = (y.strip() for y in a.split("=", 1))
-                        kwargs[k] = v
-                    else:
-                        args.append(a)
-                try:
-                    transforms.append(BY_NAME[name].from_args(args, kwargs))
-                except IllegalTransform as e:
-                    raise ScheduleError(f"{raw.strip()!r}: {e.message}") from None
-                continue
-            k = _KNOB.match(raw)
-            if k:
-                knobs[k.group(1)] = int(k.group(2))
-                continue
-            raise ScheduleError(f"{raw.strip()!r} is neither a transform like split(ar0) nor a knob like chunks=4")
         sched = cls(program, tuple(transforms), tuple(sorted(knobs.items())))
         try:
             sched.scheduled
@@ -196,3 +165,48 @@ class Schedule:
             attrs = [f"{k}={v}" for k, v in s.attrs if k not in ("shape", "dtype", "layout")]
             lines.append(f"{s.name:<{width}} = {s.op}({', '.join(list(s.args) + attrs)})  {typ}{where}".rstrip())
         return "\n".join(lines)
+
+
+def _read(text: str) -> tuple[list[Transform], dict[str, int]]:
+    """The transforms and knobs of a schedule's text, not yet applied to any program."""
+    text = text.strip()
+    transforms: list[Transform] = []
+    knobs: dict[str, int] = {}
+    if text in (BASELINE, ""):
+        return transforms, knobs
+    for raw in text.split(";"):
+        if not raw.strip():
+            continue
+        m = _ITEM.match(raw)
+        if m:
+            if knobs:
+                raise ScheduleError(f"{raw.strip()!r}: knobs come after every transform")
+            name, inner = m.groups()
+            if name not in BY_NAME:
+                raise ScheduleError(f"unknown transform {name!r} (known: {', '.join(sorted(BY_NAME))})")
+            args, kwargs = [], {}
+            for a in (x.strip() for x in inner.split(",")):
+                if not a:
+                    continue
+                if "=" in a:
+                    k, v = (y.strip() for y in a.split("=", 1))
+                    kwargs[k] = v
+                else:
+                    args.append(a)
+            try:
+                transforms.append(BY_NAME[name].from_args(args, kwargs))
+            except IllegalTransform as e:
+                raise ScheduleError(f"{raw.strip()!r}: {e.message}") from None
+            continue
+        k = _KNOB.match(raw)
+        if k:
+            knobs[k.group(1)] = int(k.group(2))
+            continue
+        raise ScheduleError(f"{raw.strip()!r} is neither a transform like split(ar0) nor a knob like chunks=4")
+    return transforms, knobs
+
+
+def sharded_by(text: str) -> list[str]:
+    """``Schedule.sharded`` of a schedule's text, read without its program (sorted): ``as_slice`` applies only
+    to state the program holds Replicated and updates, so its targets are that state."""
+    return sorted(t.tensor for t in _read(text)[0] if t.name == "as_slice")

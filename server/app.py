@@ -31,6 +31,7 @@ from coconet.errors import (
     SizeError,
     StoreError,
 )
+from coconet.schedules.schedule import sharded_by
 from coconet.server.jobs import WorkerSettings, Workers, requeue_orphans
 from coconet.server.limits import MAX_BODY, MAX_DEPTH, ASGIApp, BodyLimit, Receive, Scope, Send
 from coconet.server.records import Best, JobRecord, MeasurementRecord
@@ -379,7 +380,7 @@ def _stats(m: MeasurementRecord) -> Stats:
 
 def _schedule_fields(m: MeasurementRecord) -> dict[str, Any]:
     return dict(measurement_id=m.id, schedule=m.schedule, schedule_hash=m.schedule_hash, backend=m.backend,
-                knobs=m.knobs, status=m.status, error=m.error, stats=_stats(m), source=m.source, job_id=m.job_id,
+                knobs=m.knobs, sharded=sharded_by(m.schedule), status=m.status, error=m.error, stats=_stats(m), source=m.source, job_id=m.job_id,
                 created_at=m.created_at)
 
 
@@ -391,7 +392,8 @@ def _best_out(b: Best, asked: dict[str, int]) -> BestOut:
     m, w = b.measurement, b.winner
     return BestOut(program=w.program_hash, sizes=asked, tuned_sizes=w.sizes, exact=b.exact, distance=b.distance,
                    topology=w.topology, world=w.world, backend=w.backend, schedule=m.schedule,
-                   schedule_hash=m.schedule_hash, schedule_json=m.schedule_json, stats=_stats(m), source=w.source,
+                   schedule_hash=m.schedule_hash, schedule_json=m.schedule_json, sharded=sharded_by(m.schedule),
+                   stats=_stats(m), source=w.source,
                    speedup=w.speedup, runner_up=_schedule_out(b.runner_up), baseline=_schedule_out(b.baseline),
                    winner_id=w.id, created_at=w.created_at)
 

@@ -6,6 +6,7 @@ import math
 from collections import defaultdict
 from typing import Any, Iterable
 
+from coconet.schedules.schedule import sharded_by
 from coconet.server.records import Best, MeasurementRecord
 from coconet.server.store import Store
 
@@ -75,6 +76,7 @@ def _result(b: Best) -> dict[str, Any]:
         "backend": b.winner.backend,
         "context": context(b.winner.topology, b.winner.world, b.winner.backend),
         "schedule": m.schedule,
+        "sharded": sharded_by(m.schedule),
         "median_s": m.median_s,
         "ci95_s": [m.ci_lo_s, m.ci_hi_s],
         "baseline_median_s": base.median_s if base else None,

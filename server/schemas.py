@@ -119,6 +119,8 @@ class ScheduleOut(BaseModel):
     schedule_hash: str
     backend: str
     knobs: dict[str, Any]
+    # updated state the schedule leaves sharded (as_slice): each rank ends the step with only its rows of it
+    sharded: list[str]
     status: str
     error: str | None
     stats: Stats
@@ -145,6 +147,7 @@ class BestOut(BaseModel):
     schedule: str
     schedule_hash: str
     schedule_json: dict[str, Any] | None
+    sharded: list[str]  # as ScheduleOut's: state the winner leaves sharded, ZeRO-style
     stats: Stats
     source: Literal["measured", "model"]
     speedup: float | None  # baseline median / winner median

@@ -113,7 +113,8 @@ function renderResults(view) {
     const tr = el("tr", { "data-index": String(i) });
     const ci = r.ci95_s[0] === null ? "–" : `${seconds(r.ci95_s[0])} – ${seconds(r.ci95_s[1])}`;
     const cells = [
-      [sizesText(r.sizes)], [r.topology], [String(r.world), "num"], [r.backend], [r.schedule, "schedule"],
+      [sizesText(r.sizes)], [r.topology], [String(r.world), "num"], [r.backend],
+      [r.sharded.length ? `${r.schedule} (leaves ${r.sharded.join(", ")} sharded)` : r.schedule, "schedule"],
       [seconds(r.median_s), "num"], [ci, "num"], [seconds(r.baseline_median_s), "num"],
       [r.speedup === null ? "–" : `${r.speedup.toFixed(2)}×`, "num"], [r.source],
     ];

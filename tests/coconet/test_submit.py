@@ -37,7 +37,7 @@ def _free_port() -> int:
 
 class _FakeWorker(threading.Thread):
     """Claims queued jobs and finishes them with synthetic timings: the baseline 2x slower than the winner.
-    A job for N=8 fails, so the failure path is exercised too."""
+    A job for N=8 fails, so the failure path is exercised too; for N=2^16 the winner shards m and v (ZeRO-1)."""
 
     def __init__(self, url: str) -> None:
         super().__init__(daemon=True)
@@ -57,7 +57,8 @@ class _FakeWorker(threading.Thread):
                     store.update_job(job.id, state="failed", error="synthetic failure: ranks timed out")
                     continue
                 ids = []
-                for i, (s, t) in enumerate(((schedules[0], 2e-3), (schedules[3], 1e-3))):
+                winner = schedules[3] if job.sizes != {"N": 2**16} else next(s for s in schedules if set(s.sharded) == {"m", "v"})
+                for i, (s, t) in enumerate(((schedules[0], 2e-3), (winner, 1e-3))):
                     ids.append(store.add_measurement(NewMeasurement.of(
                         s, sizes=job.sizes, topology=job.topology, world=job.world, backend="gloo",
                         samples=[t] * 5, n=5, median_s=t, ci_lo_s=t * 0.9, ci_hi_s=t * 1.1, job_id=job.id)))
@@ -131,6 +132,18 @@ def test_submit_human_output(server: dict[str, Any]) -> None:
     assert f"winner: gloo: {server['schedules'][3]}" in proc.stdout and "2.00x over the baseline" in proc.stdout
     assert "def step(" in proc.stdout
     assert "job" in proc.stderr and "N=16384" in proc.stderr  # the progress bar
+    assert "sharded" not in proc.stdout
+
+
+def test_submit_says_when_the_winner_leaves_state_sharded(server: dict[str, Any]) -> None:
+    proc = coconet("submit", ADAM, "--server", server["url"], "--size", "N=2^16", "--token", TOKEN, "--poll", "0.05",
+                   "--json")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)  # one --size: one result, not a list
+    assert doc["best"]["sharded"] == ["m", "v"]
+    proc = coconet("submit", ADAM, "--server", server["url"], "--size", "N=2^16", "--token", TOKEN, "--poll", "0.05")
+    assert proc.returncode == 0, proc.stderr
+    assert "note: the winner leaves m, v sharded (as_slice)" in proc.stdout
 
 
 def test_failed_job_is_one_error(server: dict[str, Any]) -> None:

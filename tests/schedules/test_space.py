@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 
+from coconet.errors import ScheduleError
 from coconet.schedules import equivalence
-from coconet.schedules.schedule import Schedule
+from coconet.schedules.schedule import Schedule, sharded_by
 from coconet.schedules.space import generate
 from tests.strategies import collective_programs, programs
 
@@ -175,6 +176,16 @@ def test_sharded_names_the_state_a_schedule_leaves_sliced():
         == {"w", "m", "v"}
     # a Sliced input the program declares so is not sharded by the schedule
     assert {s.sharded for s in generate(example("megatron_mlp"))} == {()}
+
+
+@pytest.mark.parametrize("name", ["adam", "lamb", "adam_multi", "megatron_mlp"])
+def test_sharded_read_off_the_text_alone_agrees_with_the_schedule(name):
+    """The server names the state a stored winner shards from its text, without loading the program."""
+    for s in generate(example(name)):
+        assert sharded_by(s.text) == sorted(s.sharded), s.text
+    assert sharded_by("baseline") == sharded_by("") == []
+    with pytest.raises(ScheduleError, match="unknown transform 'shard'"):
+        sharded_by("shard(w)")
 
 
 def test_zero1_shards_the_moments_even_when_weight_decay_reads_the_weights_into_them():

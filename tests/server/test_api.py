@@ -149,6 +149,23 @@ def test_best_exact_nearest_and_code(client: TestClient) -> None:
     assert shm.status_code == 200 and "def step(" in shm.json()["source"]
 
 
+def test_best_names_the_state_a_winner_leaves_sharded(client: TestClient) -> None:
+    from coconet.schedules.space import generate
+
+    prog = held_out_program()
+    h = client.post(f"{API}/programs", json=ir_of(prog), headers=AUTH).json()["hash"]
+    space = list(generate(prog))
+    base, zero = space[0], next(s for s in space if s.sharded)
+    common = dict(sizes={"N": 512}, topology="local", world=2, backend="shm", samples=[1e-3] * 3, n=3)
+    store = client.app.state.store
+    ids = store.add_measurements([NewMeasurement.of(base, median_s=2e-3, **common),
+                                  NewMeasurement.of(zero, median_s=1e-3, **common)])
+    store.add_winner(ids[1], runner_up_id=ids[0], baseline_id=ids[0])
+    b = client.get(f"{API}/best", params={"program": h, "sizes": "N=512", "world": 2}).json()
+    assert b["schedule"] == zero.text and b["sharded"] == sorted(zero.sharded) != []
+    assert b["baseline"]["sharded"] == b["runner_up"]["sharded"] == []
+
+
 # -- the hot path of /best: the same answers as the route, and nothing stale
 
 

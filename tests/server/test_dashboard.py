@@ -20,6 +20,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from coconet.loader import load_file
+from coconet.schedules.schedule import sharded_by
 from coconet.schedules.space import generate
 from coconet.server.dashboard import PREFIX, mount
 from coconet.server.records import NewMeasurement, Progress
@@ -97,6 +98,7 @@ def test_program_view(client: TestClient, filled: dict[str, Any]) -> None:
     local = [r for r in view["results"] if r["topology"] == "local"]
     assert [r["sizes"] for r in local] == SIZES
     assert all(r["schedule"] == schedules[-1] and r["speedup"] == pytest.approx(1 / 0.55) for r in local)
+    assert all(r["sharded"] == sharded_by(r["schedule"]) for r in view["results"])
     timing = {t["context"]: t for t in view["timings"]}
     # the baseline, the winner, then the fastest others; the failed shm trial draws no line
     assert [s["name"] for s in timing["local · 2 ranks"]["series"]] == [
