@@ -134,9 +134,9 @@ class _Emitter:
         if op == "recv":
             peer = "_c.global_rank - _c.world"
             return [
-                f"if stage == 0:",
+                "if stage == 0:",
                 f"    {n} = tensors[{s.name!r}]",
-                f"else:",
+                "else:",
                 f"    {n} = torch.empty({self.local_shape_expr(s.type)}, dtype={TORCH_DTYPE[s.type.dtype]}, device=_c.device)",
                 f"    dist.recv({n}, src={peer})",
             ]
@@ -176,7 +176,7 @@ class _Emitter:
             return [f"{n} = _broadcast(_c, {args[0]}.clone(), {s.attr('root')})"]
         if op == "send":
             return [f"_sent[{s.attr('tag')!r}] = {args[0]}",
-                    f"if stage + 1 < stages:",
+                    "if stage + 1 < stages:",
                     f"    dist.send({args[0]}.contiguous(), dst=_c.global_rank + _c.world)"]
         if op == "output":
             return [f"_outputs[{s.attr('name')!r}] = {args[0]}"]
@@ -302,8 +302,8 @@ def _lower_fused_collective(e: _Emitter, g: Group, chunks: int) -> list[str]:
     outs = [o for o in outs if o not in inplace and o not in into]
     fname = f"_{g.kind}{len(e.kernels)}"
     lines = [(f"def {fname}(_rank, {', '.join(ident(a) for a in ins)}):", g.members[0]),
-             (f'    """fused_collective: reduce_scatter, the computation on this rank\'s slice, the all_gathers, as '
-              f'one unit."""', g.members[0])]
+             ('    """fused_collective: reduce_scatter, the computation on this rank\'s slice, the all_gathers, as '
+              'one unit."""', g.members[0])]
     lines += _chunked_body(e, g, outs, chunks, absorbed, inplace, into)
     if outs:
         lines.append((f"    return {', '.join(ident(o) for o in outs)}{',' if len(outs) == 1 else ''}", g.members[-1]))

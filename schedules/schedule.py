@@ -100,6 +100,7 @@ class Schedule:
             return "the program as written"
         parts, prog = [], self.program
         run: list[Transform] = []
+        start = prog  # the program a run of alike transforms starts from
         for t in self.transforms + (None,):  # type: ignore[operator]
             if run and (t is None or type(t) is not type(run[0])):
                 parts.append(type(run[0]).describe_many(run, start))
