@@ -363,10 +363,7 @@ def _start_job(request: Request, prog: Any, sizes: dict[str, int], topology: str
     ws = settings.workers
     check(TuneRequest(prog, (sizes,), world, topology, budget, backends, ws.protocol, ray_address=ws.ray_address))
     store = _store(request)
-    job = store.active_job(prog.hash, sizes, topology, world)
-    if job is None:
-        job_id = store.create_job(prog.hash, sizes, topology, world, budget=budget, backends=list(backends))
-        job = store.job(job_id)
+    job, _ = store.join_job(prog.hash, sizes, topology, world, budget=budget, backends=list(backends))
     pool = request.app.state.workers
     if pool is not None:
         pool.wake()

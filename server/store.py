@@ -8,6 +8,7 @@ winner and ``best`` takes the newest one whose measurement is valid.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import json
 import math
@@ -193,15 +194,9 @@ class Store:
         runs it itself), so that no worker can claim it between its creation and a claim."""
         key = sizes_key(sizes)
         _check_world(world)
-        now = utcnow()
         with self._tx("create_job", write=True) as s:
             _require_programs(s, {program_hash})
-            row = JobRow(
-                program_hash=program_hash, sizes=_sorted(sizes), sizes_key=key, topology=topology, world=world,
-                budget=budget, backends=list(backends), state="running" if running else "queued", trials_done=0,
-                trials_total=budget, trials_failed=0, created_at=now, updated_at=now,
-                heartbeat_at=now if running else None,
-            )
+            row = _new_job(program_hash, sizes, key, topology, world, budget, backends, running)
             s.add(row)
             s.flush()
             return row.id
@@ -272,11 +267,29 @@ class Store:
     def active_job(self, program_hash: str, sizes: Mapping[str, int], topology: str, world: int) -> JobRecord | None:
         """The oldest queued or running job for this key, if any: a second request for it joins that job."""
         with self._tx("active_job") as s:
-            q = select(JobRow).where(
-                JobRow.program_hash == program_hash, JobRow.sizes_key == sizes_key(sizes),
-                JobRow.topology == topology, JobRow.world == world, JobRow.state.in_(ACTIVE_STATES))
-            row = s.scalars(q.order_by(JobRow.id).limit(1)).first()
+            row = _active_row(s, program_hash, sizes_key(sizes), topology, world)
             return _job(row) if row is not None else None
+
+    def join_job(self, program_hash: str, sizes: Mapping[str, int], topology: str, world: int, *,
+                 budget: int | None = None, backends: Sequence[str] = ()) -> tuple[JobRecord, bool]:
+        """The key's queued or running job, else a new queued one, in one transaction: requests for one key
+        arriving together get one job. Returns the job and whether it is new."""
+        key = sizes_key(sizes)
+        _check_world(world)
+        with self._tx("join_job", write=True) as s:
+            _require_programs(s, {program_hash})
+            if s.get_bind().dialect.name == "postgresql":
+                # under READ COMMITTED two such transactions could both find no job and both add one; a lock per
+                # key, held to the commit, orders them (SQLite's write transactions run one at a time already)
+                s.execute(text("SELECT pg_advisory_xact_lock(:id)"),
+                          {"id": _lock_id("job", program_hash, key, topology, str(world))})
+            row = _active_row(s, program_hash, key, topology, world)
+            if row is not None:
+                return _job(row), False
+            row = _new_job(program_hash, sizes, key, topology, world, budget, backends, running=False)
+            s.add(row)
+            s.flush()
+            return _job(row), True
 
     # -- measurements
 
@@ -669,6 +682,27 @@ def _job(row: JobRow) -> JobRecord:
     values = {f.name: _utc(getattr(row, f.name)) for f in fields(JobRecord) if f.name != "progress"}
     progress = Progress(row.trials_done, row.trials_total, row.trials_failed, row.best_s)
     return JobRecord(progress=progress, **values)
+
+
+def _new_job(program_hash: str, sizes: Mapping[str, int], key: str, topology: str, world: int, budget: int | None,
+             backends: Sequence[str], running: bool) -> JobRow:
+    now = utcnow()
+    return JobRow(program_hash=program_hash, sizes=_sorted(sizes), sizes_key=key, topology=topology, world=world,
+                  budget=budget, backends=list(backends), state="running" if running else "queued", trials_done=0,
+                  trials_total=budget, trials_failed=0, created_at=now, updated_at=now,
+                  heartbeat_at=now if running else None)
+
+
+def _active_row(s: Session, program_hash: str, key: str, topology: str, world: int) -> JobRow | None:
+    q = select(JobRow).where(JobRow.program_hash == program_hash, JobRow.sizes_key == key, JobRow.topology == topology,
+                             JobRow.world == world, JobRow.state.in_(ACTIVE_STATES))
+    return s.scalars(q.order_by(JobRow.id).limit(1)).first()
+
+
+def _lock_id(*parts: str) -> int:
+    """A signed 64-bit PostgreSQL advisory-lock id for ``parts``."""
+    digest = hashlib.sha256("\x00".join(parts).encode()).digest()
+    return int.from_bytes(digest[:8], "big", signed=True)
 
 
 def _sorted(sizes: Mapping[str, int]) -> dict[str, int]:

@@ -6,6 +6,8 @@ import json
 import random
 import subprocess
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -418,6 +420,29 @@ def test_jobs_of_a_program_and_the_one_under_way(store, adam, mlp):
     assert store.active_job(a, {"N": 1024}, "local", 2).id == second
     store.update_job(second, state="failed", error="x")
     assert store.active_job(a, {"N": 1024}, "local", 2) is None
+
+
+def test_requests_for_one_key_arriving_together_join_one_job(store, adam):
+    a = store.add_program(adam)
+    start = threading.Barrier(8)
+
+    def join(world):
+        start.wait()
+        return store.join_job(a, {"N": 1024}, "local", world, budget=5, backends=["shm"])
+
+    for _ in range(3):
+        with ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(join, [2] * 6 + [4] * 2))
+        for world in (2, 4):
+            mine = [(job, new) for job, new in got if job.world == world]
+            assert len({job.id for job, _ in mine}) == 1 and sum(new for _, new in mine) == 1, mine
+        for job in store.jobs("queued"):
+            store.claim_job(job.id)
+            store.update_job(job.id, state="done")
+    assert len(store.jobs()) == 6  # a done job is not joined: each round made its own two
+    job, new = store.join_job(a, {"N": 1024}, "local", 2)
+    assert new and (job.state, job.budget) == ("queued", None)
+    assert store.join_job(a, {"N": 1024}, "local", 2) == (job, False)
 
 
 def test_measurements_page_and_count(store, adam):
