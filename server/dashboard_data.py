@@ -7,7 +7,7 @@ from collections import defaultdict
 from typing import Any, Iterable
 
 from coconet.schedules.schedule import sharded_by
-from coconet.server.records import Best, MeasurementRecord
+from coconet.server.records import Best, MeasurementDigest
 from coconet.server.store import Store
 
 # A sweep records model predictions for hundreds of schedules; a plot with that many lines says nothing.
@@ -26,7 +26,7 @@ def program_view(store: Store, program_hash: str) -> dict[str, Any] | None:
     if record is None:
         return None
     results = store.results(program_hash)
-    measured = store.measurements(program_hash)
+    measured = store.measurement_digests(program_hash)
     return {
         "hash": record.hash,
         "name": record.name,
@@ -86,7 +86,7 @@ def _result(b: Best) -> dict[str, Any]:
     }
 
 
-def _timings(measured: list[MeasurementRecord], results: list[Best]) -> list[dict[str, Any]]:
+def _timings(measured: list[MeasurementDigest], results: list[Best]) -> list[dict[str, Any]]:
     """Per (topology, world): time vs size, one series per (backend, schedule) with its newest timing per size.
     Backends share a plot because the tuner races them against each other (a shm winner vs the gloo baseline)."""
     points: dict[str, dict[_Series, dict[str, tuple[int, float, str]]]] = defaultdict(lambda: defaultdict(dict))
@@ -119,7 +119,7 @@ def _pick(by_series: dict[_Series, dict[str, tuple[int, float, str]]], winners: 
     return (first + rest)[:MAX_SCHEDULES_PER_PLOT]
 
 
-def _dims(measured: Iterable[MeasurementRecord]) -> str:
+def _dims(measured: Iterable[MeasurementDigest]) -> str:
     names = next((sorted(m.sizes) for m in measured), [])
     return "·".join(names) or "size"
 
@@ -134,10 +134,10 @@ def _speedups(results: list[Best]) -> list[dict[str, Any]]:
             for ctx, pts in ((c, sorted(v)) for c, v in by_ctx.items())]
 
 
-def _studies(store: Store, program_hash: str, measured: list[MeasurementRecord]) -> list[dict[str, Any]]:
+def _studies(store: Store, program_hash: str, measured: list[MeasurementDigest]) -> list[dict[str, Any]]:
     """One tuning job = one study's run: its measurements in the order they were recorded (trials, then the
     re-timing of the two fastest), newest job first."""
-    by_job: dict[int, list[MeasurementRecord]] = defaultdict(list)
+    by_job: dict[int, list[MeasurementDigest]] = defaultdict(list)
     for m in measured:
         if m.job_id is not None:
             by_job[m.job_id].append(m)

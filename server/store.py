@@ -47,6 +47,7 @@ from coconet.server.records import (
     Best,
     DoneKey,
     JobRecord,
+    MeasurementDigest,
     MeasurementRecord,
     NewMeasurement,
     ProgramRecord,
@@ -317,6 +318,23 @@ class Store:
                 return ids
             result = conn.execute(table.insert().returning(table.c.id, sort_by_parameter_order=True), values)
             return list(result.scalars())
+
+    def measurement_digests(self, program_hash: str) -> list[MeasurementDigest]:
+        """Every measurement of a program in the order recorded, as digests: the columns a listing shows, read
+        without building ORM objects or decoding the JSON ones."""
+        names = [f.name for f in fields(MeasurementDigest) if f.name != "sizes"]
+        with self._tx("measurement_digests") as s:
+            q = select(*(getattr(MeasurementRow, n) for n in names)).where(MeasurementRow.program_hash == program_hash)
+            sizes: dict[str, dict[str, int]] = {}
+            out = []
+            for row in s.execute(q.order_by(MeasurementRow.id)):
+                values = dict(zip(names, row))
+                values["created_at"] = _utc(values["created_at"])
+                key = values["sizes_key"]
+                if key not in sizes:
+                    sizes[key] = parse_sizes_key(key)
+                out.append(MeasurementDigest(sizes=sizes[key], **values))
+            return out
 
     def measurement(self, measurement_id: int) -> MeasurementRecord | None:
         with self._tx("measurement") as s:

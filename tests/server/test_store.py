@@ -7,6 +7,7 @@ import random
 import subprocess
 import sys
 import threading
+from dataclasses import fields
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from coconet.schedules.serialize import load, to_dict
 from coconet.schedules.space import generate
 from coconet.server.keys import parse_sizes_key, size_distance, sizes_key
 from coconet.server.models import VERSION_TABLE, Base, include_name
+from coconet.server.records import MeasurementDigest
 from coconet.server.store import (
     ENV_URL,
     SCHEMA_HEAD,
@@ -443,6 +445,19 @@ def test_requests_for_one_key_arriving_together_join_one_job(store, adam):
     job, new = store.join_job(a, {"N": 1024}, "local", 2)
     assert new and (job.state, job.budget) == ("queued", None)
     assert store.join_job(a, {"N": 1024}, "local", 2) == (job, False)
+
+
+def test_measurement_digests_are_the_records_without_their_heavy_columns(store, adam, mlp):
+    a, m = store.add_program(adam), store.add_program(mlp)
+    store.add_measurements([measure(a, {"N": 2 ** (10 + i % 3)}, f"s{i}", topology=("local", "dgx")[i % 2])
+                            for i in range(7)] + [measure(m, {"B": 1, "S": 2, "H": 4}, "t")])
+    full = store.measurements(a)
+    digests = store.measurement_digests(a)
+    assert len(digests) == 7 and [d.id for d in digests] == [r.id for r in full]
+    for d, r in zip(digests, full):
+        assert d == MeasurementDigest(**{f.name: getattr(r, f.name) for f in fields(MeasurementDigest)})
+        assert d.created_at.tzinfo is not None
+    assert store.measurement_digests("0" * 16) == []
 
 
 def test_measurements_page_and_count(store, adam):
