@@ -664,7 +664,7 @@ def bench(
                            f"({', '.join(sorted(state)) or 'none'})")
     picked = _pick_schedules(prog, schedule, 6)
     space = [s for s in picked if set(s.sharded) <= allowed]
-    left_out = [{"schedule": s.text, "sharded": list(s.sharded)} for s in picked if not set(s.sharded) <= allowed]
+    left_out = [{"schedule": s.text, "sharded": sorted(s.sharded)} for s in picked if not set(s.sharded) <= allowed]
     # Measured again before every round and after the last, in this run: load from elsewhere on the
     # machine comes and goes, and the floor takes the best the machine showed.
     bandwidths: list[float] = []
@@ -692,7 +692,7 @@ def bench(
                                         baselines=[baseline] if k == 0 else [])
                 if k == 0:
                     torch_row = dict(results.pop(0).to_json(), backend=b)
-                rows += [dict(r.to_json(), backend=b, sharded=list(s.sharded)) for r, s in zip(results, space)]
+                rows += [dict(r.to_json(), backend=b, sharded=sorted(s.sharded)) for r, s in zip(results, space)]
             per_round.append((torch_row, rows))
         torch_row = _over_rounds([t for t, _ in per_round])
         rows = [_over_rounds(list(same)) for same in zip(*(r for _, r in per_round))]

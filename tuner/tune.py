@@ -64,7 +64,7 @@ class Tuned:
             # the space holds schedules that leave replicated state sharded: the caller must see that
             return {"schedule": t.candidate.text, "backend": t.candidate.backend, "median_s": s.median,
                     "ci95_s": list(s.ci95), "n": s.n, "hash": t.candidate.schedule.hash,
-                    "sharded": list(t.candidate.schedule.sharded)}
+                    "sharded": sorted(t.candidate.schedule.sharded)}
 
         return {"program_hash": program.hash, "program": program.name, "sizes": self.sizes, "topology": topology,
                 "world": world, "best": stats(o.winner), "runner_up": stats(o.runner_up),
