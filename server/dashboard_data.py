@@ -17,8 +17,9 @@ _Series = tuple[str, str]  # (backend, schedule text)
 
 
 def program_list(store: Store) -> list[dict[str, Any]]:
+    counts = store.result_counts()
     return [{"hash": p.hash, "name": p.name, "created_at": p.created_at.isoformat(),
-             "results": len(store.results(p.hash))} for p in store.programs(newest_first=True)]
+             "results": counts.get(p.hash, 0)} for p in store.programs(newest_first=True)]
 
 
 def program_view(store: Store, program_hash: str) -> dict[str, Any] | None:

@@ -9,6 +9,7 @@ winner and ``best`` takes the newest one whose measurement is valid.
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 import importlib
 import json
 import math
@@ -510,6 +511,13 @@ class Store:
                 newest.values(), key=lambda r: (r.topology, r.backend, r.world, sorted(r.sizes.items()))
             )
             return _best(s, rows, exact=True, distance=0.0)
+
+    def result_counts(self) -> dict[str, int]:
+        """``len(results(h))`` for every program with a result, in one statement: the keys with a valid winner."""
+        with self._tx("result_counts") as s:
+            q = _valid_winners().with_only_columns(WinnerRow.program_hash, WinnerRow.sizes_key, WinnerRow.topology,
+                                                   WinnerRow.world, WinnerRow.backend).distinct()
+            return dict(Counter(row[0] for row in s.execute(q)))
 
     # -- plumbing
 

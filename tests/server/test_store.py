@@ -460,6 +460,16 @@ def test_measurement_digests_are_the_records_without_their_heavy_columns(store, 
     assert store.measurement_digests("0" * 16) == []
 
 
+def test_result_counts_are_the_lengths_of_results(store, adam, mlp):
+    a, m = store.add_program(adam), store.add_program(mlp)
+    for i in range(7):  # six keys of a (three sizes, two backends); the seventh re-tunes the first
+        win(store, a, {"N": 2 ** (10 + i % 3)}, 1e-3 * (i + 1), backend=("gloo", "shm")[i // 3 % 2])
+    store.add_measurement(measure(m, {"B": 1, "S": 2, "H": 4}, "t"))  # measured, never won: no result
+    assert store.result_counts() == {a: len(store.results(a))} == {a: 6}
+    win(store, m, {"B": 1, "S": 2, "H": 4}, 2e-3, topology="dgx", world=4)
+    assert store.result_counts() == {a: 6, m: len(store.results(m))} == {a: 6, m: 1}
+
+
 def test_measurements_page_and_count(store, adam):
     h = store.add_program(adam)
     ids = store.add_measurements([measure(h, {"N": 2 ** (10 + i % 3)}, f"s{i}", topology=("local", "dgx")[i % 2])
