@@ -278,13 +278,7 @@ class Store:
         arriving together get one job. Returns the job and whether it is new."""
         key = sizes_key(sizes)
         _check_world(world)
-        with self._tx("join_job", write=True) as s:
-            _require_programs(s, {program_hash})
-            if s.get_bind().dialect.name == "postgresql":
-                # under READ COMMITTED two such transactions could both find no job and both add one; a lock per
-                # key, held to the commit, orders them (SQLite's write transactions run one at a time already)
-                s.execute(text("SELECT pg_advisory_xact_lock(:id)"),
-                          {"id": _lock_id("job", program_hash, key, topology, str(world))})
+        with self._key_tx("join_job", program_hash, key, topology, world) as s:
             row = _active_row(s, program_hash, key, topology, world)
             if row is not None:
                 return _job(row), False
@@ -292,6 +286,38 @@ class Store:
             s.add(row)
             s.flush()
             return _job(row), True
+
+    def take_job(self, program_hash: str, sizes: Mapping[str, int], topology: str, world: int, *,
+                 budget: int | None = None, backends: Sequence[str] = ()) -> JobRecord:
+        """A running job for a tuner that tunes the key itself (``coconet tune``): the key's queued job, claimed
+        and given this run's budget and backends (the service's workers would only tune the key again), else a
+        new one. A job already running elsewhere is left to run."""
+        key = sizes_key(sizes)
+        _check_world(world)
+        with self._key_tx("take_job", program_hash, key, topology, world) as s:
+            q = select(JobRow).where(JobRow.program_hash == program_hash, JobRow.sizes_key == key,
+                                     JobRow.topology == topology, JobRow.world == world, JobRow.state == "queued")
+            row = s.scalars(q.order_by(JobRow.id).limit(1).with_for_update(skip_locked=True)).first()
+            if row is None:
+                row = _new_job(program_hash, sizes, key, topology, world, budget, backends, running=True)
+                s.add(row)
+            else:
+                row.state, row.budget, row.trials_total, row.backends = "running", budget, budget, list(backends)
+                row.updated_at = row.heartbeat_at = utcnow()
+            s.flush()
+            return _job(row)
+
+    @contextmanager
+    def _key_tx(self, what: str, program_hash: str, key: str, topology: str, world: int) -> Iterator[Session]:
+        """A write transaction on the jobs of one key, of a program the store holds. Under READ COMMITTED two of
+        them could both find no job and both add one: on PostgreSQL a lock per key, held to the commit, orders
+        them (SQLite's write transactions run one at a time already)."""
+        with self._tx(what, write=True) as s:
+            _require_programs(s, {program_hash})
+            if s.get_bind().dialect.name == "postgresql":
+                s.execute(text("SELECT pg_advisory_xact_lock(:id)"),
+                          {"id": _lock_id("job", program_hash, key, topology, str(world))})
+            yield s
 
     # -- measurements
 

@@ -159,8 +159,8 @@ def tune(request: Request, store, *, on_progress: Callable[[dict, Progress], Non
         if job_id is not None:
             job = job_id
         else:
-            job = store.create_job(prog.hash, sizes, request.topology, request.world, budget=request.budget,
-                                   backends=list(backends), running=True)
+            job = store.take_job(prog.hash, sizes, request.topology, request.world, budget=request.budget,
+                                 backends=list(backends)).id
         runners: dict[str, Runner] = {}
 
         def measure(c: Candidate) -> RunResult:

@@ -447,6 +447,20 @@ def test_requests_for_one_key_arriving_together_join_one_job(store, adam):
     assert store.join_job(a, {"N": 1024}, "local", 2) == (job, False)
 
 
+def test_a_tuner_takes_the_queued_job_of_its_key(store, adam):
+    a = store.add_program(adam)
+    queued, _ = store.join_job(a, {"N": 1024}, "local", 2, budget=5, backends=["gloo"])
+    elsewhere, _ = store.join_job(a, {"N": 1024}, "local", 4)
+    taken = store.take_job(a, {"N": 1024}, "local", 2, budget=9, backends=["gloo", "shm"])
+    assert taken.id == queued.id and taken.state == "running" and taken.heartbeat_at is not None
+    assert (taken.budget, taken.progress.total, taken.backends) == (9, 9, ["gloo", "shm"])
+    assert store.claim_job().id == elsewhere.id and store.claim_job() is None  # nothing left for the workers
+    # running elsewhere: left to run; this tuner gets a job of its own
+    second = store.take_job(a, {"N": 1024}, "local", 2, budget=3)
+    assert second.id not in (queued.id, elsewhere.id) and second.state == "running"
+    assert store.join_job(a, {"N": 1024}, "local", 2)[0].id == queued.id  # the oldest active one is joined
+
+
 def test_measurement_digests_are_the_records_without_their_heavy_columns(store, adam, mlp):
     a, m = store.add_program(adam), store.add_program(mlp)
     store.add_measurements([measure(a, {"N": 2 ** (10 + i % 3)}, f"s{i}", topology=("local", "dgx")[i % 2])

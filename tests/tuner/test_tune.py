@@ -28,7 +28,10 @@ def test_tune_records_the_winner_the_store_serves(ray_local, tmp_path):
     sizes = {"N": 3000}
     with Store.open(f"sqlite:///{tmp_path / 'coconet.db'}") as store:
         request = Request(prog, (sizes,), world=2, budget=5, backends=("gloo", "shm"), protocol=FAST)
+        store.add_program(prog)
+        asked, _ = store.join_job(prog.hash, sizes, "local", 2, budget=20)  # queued for the service's workers
         [tuned] = tune(request, store)
+        assert tuned.job_id == asked.id  # taken and run here, not tuned twice
         o = tuned.outcome
         assert len(o.trials) == 5 and o.winner is not None and o.baseline is not None
         assert o.baseline.candidate.schedule.transforms == ()
