@@ -377,8 +377,8 @@ def _stats(m: MeasurementRecord) -> Stats:
 
 def _schedule_fields(m: MeasurementRecord) -> dict[str, Any]:
     return dict(measurement_id=m.id, schedule=m.schedule, schedule_hash=m.schedule_hash, backend=m.backend,
-                knobs=m.knobs, sharded=sharded_by(m.schedule), status=m.status, error=m.error, stats=_stats(m), source=m.source, job_id=m.job_id,
-                created_at=m.created_at)
+                knobs=m.knobs, sharded=sharded_by(m.schedule), status=m.status, error=m.error, stats=_stats(m),
+                source=m.source, job_id=m.job_id, created_at=m.created_at)
 
 
 def _schedule_out(m: MeasurementRecord | None) -> ScheduleOut | None:

@@ -9,11 +9,11 @@ winner and ``best`` takes the newest one whose measurement is valid.
 from __future__ import annotations
 
 import hashlib
-from collections import Counter
 import importlib
 import json
 import math
 import os
+from collections import Counter
 from contextlib import contextmanager
 from dataclasses import fields
 from datetime import datetime, timezone
@@ -269,7 +269,7 @@ class Store:
     def active_job(self, program_hash: str, sizes: Mapping[str, int], topology: str, world: int) -> JobRecord | None:
         """The oldest queued or running job for this key, if any: a second request for it joins that job."""
         with self._tx("active_job") as s:
-            row = _active_row(s, program_hash, sizes_key(sizes), topology, world)
+            row = _oldest_job(s, program_hash, sizes_key(sizes), topology, world, ACTIVE_STATES)
             return _job(row) if row is not None else None
 
     def join_job(self, program_hash: str, sizes: Mapping[str, int], topology: str, world: int, *,
@@ -279,7 +279,7 @@ class Store:
         key = sizes_key(sizes)
         _check_world(world)
         with self._key_tx("join_job", program_hash, key, topology, world) as s:
-            row = _active_row(s, program_hash, key, topology, world)
+            row = _oldest_job(s, program_hash, key, topology, world, ACTIVE_STATES)
             if row is not None:
                 return _job(row), False
             row = _new_job(program_hash, sizes, key, topology, world, budget, backends, running=False)
@@ -295,9 +295,7 @@ class Store:
         key = sizes_key(sizes)
         _check_world(world)
         with self._key_tx("take_job", program_hash, key, topology, world) as s:
-            q = select(JobRow).where(JobRow.program_hash == program_hash, JobRow.sizes_key == key,
-                                     JobRow.topology == topology, JobRow.world == world, JobRow.state == "queued")
-            row = s.scalars(q.order_by(JobRow.id).limit(1).with_for_update(skip_locked=True)).first()
+            row = _oldest_job(s, program_hash, key, topology, world, ("queued",), lock=True)
             if row is None:
                 row = _new_job(program_hash, sizes, key, topology, world, budget, backends, running=True)
                 s.add(row)
@@ -745,10 +743,13 @@ def _new_job(program_hash: str, sizes: Mapping[str, int], key: str, topology: st
                   heartbeat_at=now if running else None)
 
 
-def _active_row(s: Session, program_hash: str, key: str, topology: str, world: int) -> JobRow | None:
+def _oldest_job(s: Session, program_hash: str, key: str, topology: str, world: int, states: Sequence[str], *,
+                lock: bool = False) -> JobRow | None:
+    """The key's oldest job in one of ``states``; ``lock``: its row locked for update, one a worker is claiming
+    passed over."""
     q = select(JobRow).where(JobRow.program_hash == program_hash, JobRow.sizes_key == key, JobRow.topology == topology,
-                             JobRow.world == world, JobRow.state.in_(ACTIVE_STATES))
-    return s.scalars(q.order_by(JobRow.id).limit(1)).first()
+                             JobRow.world == world, JobRow.state.in_(states)).order_by(JobRow.id).limit(1)
+    return s.scalars(q.with_for_update(skip_locked=True) if lock else q).first()
 
 
 def _lock_id(*parts: str) -> int:
