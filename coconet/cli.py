@@ -32,6 +32,9 @@ app = typer.Typer(
 
 JSON_OPT = typer.Option(False, "--json", help="Answer in JSON on stdout.")
 SIZE_OPT = typer.Option(None, "--size", help="Size bindings, e.g. N=2^20 or B=8,S=1024,H=3072 (repeatable).")
+SHARDABLE_HELP = ("State a schedule may leave sharded (as_slice, ZeRO-style: after the step each rank holds only "
+                  "its rows): names, repeatable or joined by commas; `all` for any. Default: what the program's "
+                  "baseline caller never reads (Adam: m, v), else none.")
 
 
 def _print_error(message: str) -> None:
@@ -226,24 +229,37 @@ def _pick_schedules(prog: Any, picks: List[str], depth: int, best: Optional[Call
     return list(unique.values())
 
 
-def _tuned_best(prog: Any, sizes: dict, world: int, backend: str, db: Optional[str]) -> Any:
+def _tuned_best(prog: Any, sizes: dict, world: int, backend: str, db: Optional[str], shardable: List[str]) -> Any:
     """The store's winner for this program, sizes and world on this machine with this backend (or of the
     nearest tuned sizes, said on stderr)."""
     from coconet.schedules.schedule import Schedule
     from coconet.server.store import Store
 
+    from coconet.schedules import shardable as shard
+
+    allowed = _shardable_text(prog, shardable)
     with Store.open(db) as store:
-        found = store.best(prog.hash, sizes, "local", world, backend=backend)
+        found = store.best(prog.hash, sizes, "local", world, backend=backend, shardable=allowed)
         url = store.url
     if found is None or found.measurement.schedule_json is None:
         size_text = ",".join(f"{k}={v}" for k, v in sizes.items())
-        raise CoconetError(f"no tuned schedule of {prog.name} on {backend} at world {world} in {url}: run "
-                           f"`coconet tune FILE --world {world} --size {size_text} --backend {backend}` first")
+        flags = "".join(f" --shardable {n}" for n in shardable)
+        raise CoconetError(f"no tuned schedule of {prog.name} on {backend} at world {world} in {url} that leaves "
+                           f"at most {shard.words(allowed)} sharded: run `coconet tune FILE --world {world} "
+                           f"--size {size_text} --backend {backend}{flags}` first")
     if not found.exact:
         Console(stderr=True, highlight=False).print(
             f"note: {','.join(f'{k}={v}' for k, v in sizes.items())} was not tuned; using the winner of "
             f"{found.winner.sizes_key}", markup=False)
     return Schedule.from_json(found.measurement.schedule_json, prog)
+
+
+def _shardable_text(prog: Any, names: List[str]) -> str:
+    """The text (coconet.schedules.shardable) of what ``--shardable`` lets stay sharded; none given: the default."""
+    from coconet.codegen.baselines import default_shardable
+    from coconet.schedules import shardable as shard
+
+    return shard.to_text(prog, shard.resolve(prog, names) if names else default_shardable(prog))
 
 
 def _fmt_s(x: Optional[float]) -> str:
@@ -280,6 +296,8 @@ def run(
     emit: Optional[Path] = typer.Option(None, "--emit", help="Also write each schedule's generated module here."),
     db: Optional[str] = typer.Option(None, "--db", help="Store that `--schedule best` reads (default "
                                      "$COCONET_DATABASE_URL, else SQLite in the user data dir)."),
+    shardable: List[str] = typer.Option([], "--shardable", help=f"For `--schedule best`: the winner of a tuning "
+                                        f"that asked this. {SHARDABLE_HELP}"),
     trace: Optional[Path] = typer.Option(None, "--trace", help="Profile one more step per rank and write its "
                                          "Chrome trace here (chrome://tracing, Perfetto); `coconet.tuner.trace` "
                                          "reads off how much communication ran under compute."),
@@ -299,7 +317,8 @@ def run(
     prog = load_file(file)
     _require_sizes(prog, size)
     sizes = parse_sizes(size, prog.dims)
-    picked = _pick_schedules(prog, schedule, depth, best=lambda: _tuned_best(prog, sizes, world, backend, db))
+    picked = _pick_schedules(prog, schedule, depth,
+                             best=lambda: _tuned_best(prog, sizes, world, backend, db, shardable))
     if emit is not None:
         emit.mkdir(parents=True, exist_ok=True)
         for sched in picked:
@@ -368,6 +387,8 @@ def tune(
     timeout: float = typer.Option(300.0, "--timeout", min=1.0, help="Seconds a candidate's check or timing may "
                                   "take before its ranks are killed (timeout)."),
     seed: int = typer.Option(0, "--seed"),
+    shardable: List[str] = typer.Option([], "--shardable", help=f"{SHARDABLE_HELP} Schedules sharding other "
+                                        "state are not tried; the winner is recorded for this choice."),
     as_json: bool = JSON_OPT,
 ) -> None:
     """Find the fastest schedule per size on this topology: measured on Ray, searched by Optuna, recorded in the
@@ -386,7 +407,8 @@ def tune(
     points = [parse_sizes(spec, prog.dims) for spec in size]
     request = Request(prog, tuple(points), world, topology, budget, tuple(dict.fromkeys(backend)),
                       Protocol(timeout_s=timeout, kernels=kernels), depth, seed=seed, ray_address=ray_address,
-                      program_file=str(file) if file.suffix == ".py" else None)
+                      program_file=str(file) if file.suffix == ".py" else None,
+                      shardable=tuple(shardable) if shardable else None)
     check(request)
     with Store.open(db) as store:
         results = _tune_with_progress(request, store, quiet=as_json)
@@ -425,8 +447,9 @@ def _tune_with_progress(request: Any, store: Any, quiet: bool) -> list:
 def _print_tune_table(prog: Any, doc: dict, tuned: Any) -> None:
     console = Console(highlight=False)
     sizes_text = ",".join(f"{k}={v}" for k, v in doc["sizes"].items())
+    shardable = ",".join(doc["shardable"]) or "none"
     table = Table(title=f"{prog.name}  world={doc['world']}  {sizes_text}  topology={doc['topology']}  "
-                  f"{doc['trials']} trials, {doc['failed']} failed", title_justify="left")
+                  f"shardable={shardable}  {doc['trials']} trials, {doc['failed']} failed", title_justify="left")
     for col in ("status", "backend", "median", "95% CI", "vs baseline"):
         table.add_column(col, no_wrap=True, justify="left" if col in ("status", "backend") else "right")
     table.add_column("schedule", ratio=1, overflow="fold")
@@ -481,7 +504,8 @@ def sweep(
     with Store.open(db) as store:
         def tune_key(entry: Any, sizes: dict, world: int) -> None:
             request = Request(entry.program, (sizes,), world, budget=cfg.budget, protocol=Protocol(),
-                              depth=cfg.depth, ray_address=ray_address, program_file=entry.file)
+                              depth=cfg.depth, ray_address=ray_address, program_file=entry.file,
+                              shardable=entry.allowed)
             run_tune(request, store, prior=cost_prior)
 
         if as_json:
@@ -628,11 +652,8 @@ def bench(
     timeout: float = typer.Option(600.0, "--timeout", min=1.0),
     schedule: List[str] = typer.Option(["all"], "--schedule", help="Which schedules (as `coconet run`: text, id "
                                        "or `all`); the program as written always runs first."),
-    shardable: List[str] = typer.Option([], "--shardable", help="State the step may leave sharded (as_slice, "
-                                        "ZeRO-style): optimizer moments nothing else reads; `all` for any. "
-                                        "Default: what the baseline's caller never reads (Adam: m, v), else "
-                                        "none. Schedules sharding other state are left out: the baseline "
-                                        "leaves it whole."),
+    shardable: List[str] = typer.Option([], "--shardable", help=f"{SHARDABLE_HELP} Schedules sharding other "
+                                        "state are left out: the baseline leaves it whole."),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="Write the JSON here too."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG: time vs size, speed-up, distance to the floor."),
     as_json: bool = JSON_OPT,
@@ -645,6 +666,7 @@ def bench(
     from coconet.codegen.lower import BACKENDS
     from coconet.codegen.rank import allocator_policy
     from coconet.loader import load_file
+    from coconet.schedules import shardable as shard
     from coconet.schedules.dims import parse_sizes
     from coconet.tuner.roofline import bytes_moved_once, compute_floor, matmul_flops_per_rank, matmul_rate, \
         memory_bandwidth
@@ -657,11 +679,7 @@ def bench(
     prog = load_file(file)
     points_sizes = [parse_sizes(spec, prog.dims) for spec in size]
     baseline = baseline_for(prog)
-    state = set(prog.updates)
-    allowed = state if "all" in shardable else set(shardable) if shardable else set(baseline.shardable)
-    if allowed - state:
-        raise CoconetError(f"--shardable {', '.join(sorted(allowed - state))}: not state {prog.name} updates "
-                           f"({', '.join(sorted(state)) or 'none'})")
+    allowed = shard.resolve(prog, shardable) if shardable else set(baseline.shardable)
     picked = _pick_schedules(prog, schedule, 6)
     space = [s for s in picked if set(s.sharded) <= allowed]
     left_out = [{"schedule": s.text, "sharded": sorted(s.sharded)} for s in picked if not set(s.sharded) <= allowed]
@@ -821,12 +839,14 @@ def submit(
     timeout: Optional[float] = typer.Option(None, "--timeout", min=1.0, help="Stop following after this many "
                                             "seconds (the jobs go on on the server)."),
     code: bool = typer.Option(True, "--code/--no-code", help="Print the winner's generated code."),
+    shardable: List[str] = typer.Option([], "--shardable", help=SHARDABLE_HELP),
     as_json: bool = JSON_OPT,
 ) -> None:
     """Submit a program to a coconet server, tune it there (one job per --size), follow the jobs and print each
     winner with its generated code. With one --size the JSON is one result; with several, a list."""
     from coconet.client import ENV_TOKEN, Client, ServiceError
     from coconet.loader import load_file
+    from coconet.schedules import shardable as shard
     from coconet.schedules.dims import parse_sizes
     from coconet.schedules.serialize import export as to_json
 
@@ -838,8 +858,10 @@ def submit(
         if program != prog.hash:  # the server would tune something other than what this file says
             raise ServiceError(f"the server hashed {prog.name} as {program}, this coconet as {prog.hash}: "
                                "are the versions the same?")
-        jobs = [client.post_job(program, sizes, topology=topology, world=world, budget=budget)["id"]
-                for sizes in points]
+        asked = _shardable_text(prog, shardable) if shardable else None  # checked here; the server's default else
+        names = None if asked is None else shard.ALL if asked == shard.EVERY else sorted(shard.names(asked) or ())
+        jobs = [client.post_job(program, sizes, topology=topology, world=world, budget=budget,
+                                shardable=names)["id"] for sizes in points]
         try:
             final = _follow_jobs(client, jobs, poll, timeout, quiet=as_json)
         except KeyboardInterrupt:
@@ -886,14 +908,16 @@ def _submitted(client: Any, job: dict, with_code: bool) -> dict:
                            "world": job["world"], "best": None, "baseline": None, "speedup": None, "code": None}
     if job["state"] != "done":
         return doc
-    best = client.best(job["program"], job["sizes"], topology=job["topology"], world=job["world"])
+    asked = job["shardable"]
+    best = client.best(job["program"], job["sizes"], topology=job["topology"], world=job["world"],
+                       shardable=asked if isinstance(asked, str) else ",".join(asked))
     if not best.get("exact"):
         doc["error"] = "the job finished without a winner (no schedule ran correctly)"
         return doc
     stats, base = best["stats"], best.get("baseline")
     doc["best"] = {"schedule": best["schedule"], "backend": best["backend"], "hash": best["schedule_hash"],
                    "median_s": stats["median_s"], "ci95_s": stats["ci95_s"], "source": best["source"],
-                   "sharded": best.get("sharded", [])}
+                   "sharded": best.get("sharded", []), "shardable": best.get("shardable")}
     if base:
         doc["baseline"] = {"schedule": base["schedule"], "backend": base["backend"],
                            "median_s": base["stats"]["median_s"], "ci95_s": base["stats"]["ci95_s"]}

@@ -49,15 +49,21 @@ class Client:
         return self._call("POST", "/programs", content=ir_json, headers={"Content-Type": "application/json"})
 
     def post_job(self, program: str, sizes: Mapping[str, int], *, topology: str, world: int,
-                 budget: int) -> dict[str, Any]:
-        body = {"program": program, "sizes": dict(sizes), "topology": topology, "world": world, "budget": budget}
+                 budget: int, shardable: list[str] | str | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {"program": program, "sizes": dict(sizes), "topology": topology, "world": world,
+                                "budget": budget}
+        if shardable is not None:  # else the server's default for the program
+            body["shardable"] = shardable
         return self._call("POST", "/jobs", json=body)
 
     def job(self, job_id: int) -> dict[str, Any]:
         return self._call("GET", f"/jobs/{job_id}")
 
-    def best(self, program: str, sizes: Mapping[str, int], *, topology: str, world: int) -> dict[str, Any]:
+    def best(self, program: str, sizes: Mapping[str, int], *, topology: str, world: int,
+             shardable: str | None = None) -> dict[str, Any]:
         params = {"program": program, "sizes": _sizes_text(sizes), "topology": topology, "world": world}
+        if shardable is not None:
+            params["shardable"] = shardable
         return self._call("GET", "/best", params=params)
 
     def code(self, schedule_hash: str, *, program: str, backend: str) -> dict[str, Any]:

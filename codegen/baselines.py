@@ -104,6 +104,12 @@ def baseline_for(prog: Program) -> Baseline:
     return hand if hand is not None and hand.computes(prog) else eager(prog)
 
 
+def default_shardable(prog: Program) -> frozenset[str]:
+    """The state a schedule of ``prog`` may leave sharded unless the caller says otherwise: what its baseline's
+    caller never reads (Adam: m, v), else nothing, so that a schedule hands back all the program computes."""
+    return frozenset(baseline_for(prog).shardable)
+
+
 def _example_hash(name: str) -> str | None:
     from coconet.loader import examples_dir, load_file
 

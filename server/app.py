@@ -31,6 +31,8 @@ from coconet.errors import (
     SizeError,
     StoreError,
 )
+from coconet.schedules import shardable as shard
+from coconet.schedules.ir import Program
 from coconet.schedules.schedule import sharded_by
 from coconet.server.jobs import WorkerSettings, Workers, requeue_orphans
 from coconet.server.limits import MAX_BODY, MAX_DEPTH, ASGIApp, BodyLimit, Receive, Scope, Send
@@ -68,6 +70,9 @@ _SIZES = dict(min_length=3, max_length=400, description="NAME=VALUE[,NAME=VALUEâ
               "e.g. N=1048576 or B=8,S=1024,H=3072")
 _TOPOLOGY = dict(pattern=r"^[A-Za-z_][A-Za-z0-9_.\-]*$", max_length=200)
 _BACKEND = dict(pattern=r"^[a-z][a-z0-9_]*$", max_length=32)
+_SHARDABLE = dict(pattern=r"^(all|\*|[A-Za-z_][A-Za-z0-9_]*(,[A-Za-z_][A-Za-z0-9_]*)*|)$", max_length=400,
+                  description="State the schedule may leave sharded (as_slice, ZeRO-style): names joined by "
+                  "commas, `all` for any, empty for none. Left out: the program's default (Adam: m,v; else none)")
 HashPath = Annotated[str, Query(**_HASH)]
 SizesQuery = Annotated[str, Query(**_SIZES)]
 TopologyQuery = Annotated[str, Query(**_TOPOLOGY)]
@@ -76,6 +81,7 @@ MaybeHash = Annotated[str | None, Query(**_HASH)]
 MaybeSizes = Annotated[str | None, Query(**_SIZES)]
 MaybeTopology = Annotated[str | None, Query(**_TOPOLOGY)]
 MaybeBackend = Annotated[str | None, Query(**_BACKEND)]
+MaybeShardable = Annotated[str | None, Query(**_SHARDABLE)]
 
 
 @dataclass(frozen=True)
@@ -116,7 +122,7 @@ def create_app(store_url: str | None = None, *, token: str | None = None, worker
     app.state.store = store
     app.state.settings = settings
     app.state.workers = None
-    app.state.program_dims = ProgramDims(store)
+    app.state.programs = ProgramFacts(store)
     _handlers(app)
     app.include_router(_router(settings), prefix=PREFIX)
     from coconet.server import dashboard
@@ -213,10 +219,11 @@ def _router(settings: Settings) -> Any:
     @router.post("/jobs", status_code=202, tags=["jobs"], dependencies=[Depends(writer)],
                  responses={401: {}, 404: {}, 413: {}, 422: {}})
     def post_job(request: Request, body: JobIn) -> JobCreated:
-        store = _store(request)
-        prog = _loaded(store, body.program)
-        _check_dims(prog.name, prog.dims, body.sizes)
-        job = _start_job(request, prog, body.sizes, body.topology, body.world, body.budget, tuple(body.backends))
+        facts = _facts(request, body.program)
+        _check_dims(facts.name, facts.dims, body.sizes)
+        shardable = body.shardable if body.shardable is None or isinstance(body.shardable, list) else [body.shardable]
+        job = _start_job(request, facts.program, body.sizes, body.topology, body.world, body.budget,
+                         tuple(body.backends), facts.shardable(shardable))
         return JobCreated(id=job.id, state=job.state)
 
     @router.get("/jobs", tags=["jobs"])
@@ -235,15 +242,17 @@ def _router(settings: Settings) -> Any:
              world: int | None = Query(None, ge=1, le=MAX_WORLD), backend: MaybeBackend = None,
              tune: bool = Query(False, description="On a miss (no result for these exact sizes) start a tuning "
                                 "job and answer 202 with its id (needs the token)"),
-             budget: int = Query(32, ge=1, le=10_000),
+             budget: int = Query(32, ge=1, le=10_000), shardable: MaybeShardable = None,
              authorization: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)] = None) -> Any:
         store = _store(request)
         asked = _parse_sizes(sizes)
-        found = store.best(program, asked, topology, world, backend=backend)
+        facts = _facts(request, program)
+        allowed = facts.shardable(None if shardable is None else [shardable])
+        found = store.best(program, asked, topology, world, backend=backend, shardable=allowed)
         if found is not None and found.exact:
             return _best_out(found, asked)
-        # A miss: say why (unknown program, wrong dims, nothing tuned).
-        _check_dims(*_program_dims(request, program), asked)
+        # A miss: say why (wrong dims, nothing tuned).
+        _check_dims(facts.name, facts.dims, asked)
         nearest = _best_out(found, asked) if found is not None else None
         if not tune:
             if nearest is not None:
@@ -251,12 +260,13 @@ def _router(settings: Settings) -> Any:
             raise HTTPException(404, f"nothing tuned for program {program} on topology {topology!r}"
                                      + (f" with world {world}" if world else "")
                                      + (f" and backend {backend}" if backend else "")
+                                     + f" that leaves at most {shard.words(allowed)} sharded"
                                      + " at these or comparable sizes (add tune=true to start a job)")
         writer(authorization)
         if world is None:
             raise HTTPException(422, "tune=true needs world (the ranks to tune on)")
-        prog = _loaded(store, program)
-        job = _start_job(request, prog, asked, topology, world, budget, (backend,) if backend else ())
+        job = _start_job(request, facts.program, asked, topology, world, budget, (backend,) if backend else (),
+                         allowed)
         body = TuningStarted(detail=f"no result for these exact sizes; tuning job {job.id} is {job.state}",
                              job=job.id, state=job.state, nearest=nearest)
         return JSONResponse(jsonable_encoder(body), status_code=202)
@@ -334,11 +344,16 @@ def _parse_sizes(spec: str) -> dict[str, int]:
     return sizes
 
 
-def _program_dims(request: Request, program_hash: str) -> tuple[str, tuple[str, ...]]:
-    found = request.app.state.program_dims.get(program_hash)
+def _facts(request: Request, program_hash: str) -> "Facts":
+    found = request.app.state.programs.get(program_hash)
     if found is None:
         raise HTTPException(404, f"no program {program_hash} (POST it to {PREFIX}/programs first)")
     return found
+
+
+def _shardable_out(text: str) -> list[str] | str:
+    names = shard.names(text)
+    return shard.ALL if names is None else sorted(names)
 
 
 def _check_dims(name: str, dims: tuple[str, ...], sizes: dict[str, int]) -> None:
@@ -354,7 +369,7 @@ def _check_dims(name: str, dims: tuple[str, ...], sizes: dict[str, int]) -> None
 
 
 def _start_job(request: Request, prog: Any, sizes: dict[str, int], topology: str, world: int, budget: int,
-               backends: tuple[str, ...]) -> JobRecord:
+               backends: tuple[str, ...], shardable: str) -> JobRecord:
     """A queued job for the key, or the one already queued or running for it; refused here if the tuner would
     refuse it (a topology without its cluster, a backend this machine lacks)."""
     from coconet.tuner.tune import Request as TuneRequest, check
@@ -363,7 +378,8 @@ def _start_job(request: Request, prog: Any, sizes: dict[str, int], topology: str
     ws = settings.workers
     check(TuneRequest(prog, (sizes,), world, topology, budget, backends, ws.protocol, ray_address=ws.ray_address))
     store = _store(request)
-    job, _ = store.join_job(prog.hash, sizes, topology, world, budget=budget, backends=list(backends))
+    job, _ = store.join_job(prog.hash, sizes, topology, world, budget=budget, backends=list(backends),
+                            shardable=shardable)
     pool = request.app.state.workers
     if pool is not None:
         pool.wake()
@@ -390,7 +406,7 @@ def _best_out(b: Best, asked: dict[str, int]) -> BestOut:
     return BestOut(program=w.program_hash, sizes=asked, tuned_sizes=w.sizes, exact=b.exact, distance=b.distance,
                    topology=w.topology, world=w.world, backend=w.backend, schedule=m.schedule,
                    schedule_hash=m.schedule_hash, schedule_json=m.schedule_json, sharded=sharded_by(m.schedule),
-                   stats=_stats(m), source=w.source,
+                   shardable=_shardable_out(w.shardable), stats=_stats(m), source=w.source,
                    speedup=w.speedup, runner_up=_schedule_out(b.runner_up), baseline=_schedule_out(b.baseline),
                    winner_id=w.id, created_at=w.created_at)
 
@@ -398,7 +414,7 @@ def _best_out(b: Best, asked: dict[str, int]) -> BestOut:
 def _job_out(j: JobRecord) -> JobOut:
     p = j.progress
     return JobOut(id=j.id, program=j.program_hash, sizes=j.sizes, topology=j.topology, world=j.world,
-                  budget=j.budget, backends=j.backends, state=j.state,
+                  shardable=_shardable_out(j.shardable), budget=j.budget, backends=j.backends, state=j.state,
                   progress=ProgressOut(done=p.done, total=p.total, failed=p.failed, best_s=p.best_s),
                   error=j.error, result=j.result, created_at=j.created_at, updated_at=j.updated_at,
                   heartbeat_at=j.heartbeat_at)
@@ -407,22 +423,51 @@ def _job_out(j: JobRecord) -> JobOut:
 # -- the hot path: GET /best without FastAPI's per-request machinery
 
 
-class ProgramDims:
-    """Each program's name and dims by hash, read from the store once: a program's record never changes (its
-    hash is its content), so nothing kept here goes stale. At most ``size`` programs, the oldest dropped first."""
+@dataclass(frozen=True)
+class Facts:
+    """What requests about a program need to know of it."""
+
+    program: Program
+    default_shardable: str
+
+    @property
+    def name(self) -> str:
+        return self.program.name
+
+    @property
+    def dims(self) -> tuple[str, ...]:
+        return tuple(self.program.dims)
+
+    def shardable(self, names: list[str] | None) -> str:
+        """The text of what a request lets stay sharded: its names (``all`` for every one), else the default."""
+        if names is None:
+            return self.default_shardable
+        try:
+            return shard.to_text(self.program, shard.resolve(self.program, names))
+        except CoconetError as e:
+            raise HTTPException(422, str(e)) from None
+
+
+class ProgramFacts:
+    """Each program's facts by hash, read from the store once: a program's record never changes (its hash is its
+    content), so nothing kept here goes stale. At most ``size`` programs, the oldest dropped first."""
 
     def __init__(self, store: Store, size: int = 4096) -> None:
         self._store, self._size = store, size
-        self._known: dict[str, tuple[str, tuple[str, ...]]] = {}
+        self._known: dict[str, Facts] = {}
         self._lock = threading.Lock()
 
-    def get(self, program_hash: str) -> tuple[str, tuple[str, ...]] | None:
+    def get(self, program_hash: str) -> Facts | None:
+        from coconet.codegen.baselines import default_shardable
+        from coconet.schedules.serialize import load
+
         found = self._known.get(program_hash)
         if found is None:
             record = self._store.program(program_hash)
             if record is None:
                 return None
-            found = (record.name, tuple(record.ir.get("dims", ())))
+            prog = load(record.ir)
+            found = Facts(prog, shard.to_text(prog, default_shardable(prog)))
             with self._lock:
                 if len(self._known) >= self._size:
                     self._known.pop(next(iter(self._known)))
@@ -443,7 +488,8 @@ def _accepts(spec: dict[str, Any]) -> Callable[[str], bool]:
 # Values the route's declarations accept as they are (a subset of what FastAPI would coerce: "02" is left to it).
 _WORLD = re.compile(r"[1-9][0-9]{0,3}")
 _PLAIN = {"program": _accepts(_HASH), "sizes": _accepts(_SIZES), "topology": _accepts(_TOPOLOGY),
-          "backend": _accepts(_BACKEND), "world": lambda v: _WORLD.fullmatch(v) is not None}
+          "backend": _accepts(_BACKEND), "shardable": _accepts(_SHARDABLE),
+          "world": lambda v: _WORLD.fullmatch(v) is not None}
 
 
 class FastBest:
@@ -480,24 +526,27 @@ def _plain_best(state: Any, query: bytes) -> bytes | None:
         return None
     program, sizes = params.get("program"), params.get("sizes")
     topology, world, backend = params.get("topology", "local"), params.get("world"), params.get("backend")
+    shardable = params.get("shardable")
     if program is None or sizes is None:
         return None
     for name, value in (("program", program), ("sizes", sizes), ("topology", topology), ("world", world),
-                        ("backend", backend)):
+                        ("backend", backend), ("shardable", shardable)):
         if value is not None and not _PLAIN[name](value):
             return None
     if world is not None and int(world) > MAX_WORLD:
         return None
     try:
+        facts = state.programs.get(program)
+        if facts is None:
+            return None
+        allowed = facts.shardable(None if shardable is None else [shardable])
         asked = _parse_sizes(sizes)
-        found = state.store.best(program, asked, topology, int(world) if world else None, backend=backend)
+        found = state.store.best(program, asked, topology, int(world) if world else None, backend=backend,
+                                 shardable=allowed)
         if found is None:
             return None
         if not found.exact:  # the route first checks the sizes against the program's dims
-            dims = state.program_dims.get(program)
-            if dims is None:
-                return None
-            _check_dims(*dims, asked)
-    except CoconetError:
+            _check_dims(facts.name, facts.dims, asked)
+    except (CoconetError, HTTPException):
         return None
     return _best_out(found, asked).model_dump_json().encode()

@@ -6,6 +6,7 @@ import math
 from collections import defaultdict
 from typing import Any, Iterable
 
+from coconet.schedules import shardable as shard
 from coconet.schedules.schedule import sharded_by
 from coconet.server.records import Best, MeasurementDigest
 from coconet.server.store import Store
@@ -64,6 +65,16 @@ def plot_context(topology: str, world: int) -> str:
     return f"{topology} · {world} ranks"
 
 
+def _winner_context(b: Best, by_shardable: bool) -> str:
+    """A winner's plot series: its topology, world and backend, and, where searches of the program allowed
+    different state to stay sharded, what its search allowed (two answers, not one series going back and forth)."""
+    w = b.winner
+    if not by_shardable:
+        return context(w.topology, w.world, w.backend)
+    allowed = "all state whole" if w.shardable == "" else f"{shard.words(w.shardable)} sharded"
+    return f"{context(w.topology, w.world, w.backend)} · {allowed}"
+
+
 def _result(b: Best) -> dict[str, Any]:
     m, base = b.measurement, b.baseline
     return {
@@ -78,6 +89,7 @@ def _result(b: Best) -> dict[str, Any]:
         "context": context(b.winner.topology, b.winner.world, b.winner.backend),
         "schedule": m.schedule,
         "sharded": sharded_by(m.schedule),
+        "shardable": b.winner.shardable,
         "median_s": m.median_s,
         "ci95_s": [m.ci_lo_s, m.ci_hi_s],
         "baseline_median_s": base.median_s if base else None,
@@ -127,9 +139,10 @@ def _dims(measured: Iterable[MeasurementDigest]) -> str:
 
 def _speedups(results: list[Best]) -> list[dict[str, Any]]:
     by_ctx: dict[str, list[tuple[int, float, str]]] = defaultdict(list)
+    several = len({b.winner.shardable for b in results}) > 1
     for b in results:
         if b.speedup is not None:
-            ctx = context(b.winner.topology, b.winner.world, b.winner.backend)
+            ctx = _winner_context(b, several)
             by_ctx[ctx].append((elements(b.sizes), b.speedup, b.schedule))
     return [{"context": ctx, "x": [p[0] for p in pts], "speedup": [p[1] for p in pts], "schedule": [p[2] for p in pts]}
             for ctx, pts in ((c, sorted(v)) for c, v in by_ctx.items())]

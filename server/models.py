@@ -13,6 +13,8 @@ from typing import Any
 from sqlalchemy import JSON, DateTime, Double, ForeignKey, Index, Integer, MetaData, String, Text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from coconet.schedules.shardable import EVERY
+
 VERSION_TABLE = "coconet_alembic_version"
 JOB_STATES = ("queued", "running", "done", "failed", "interrupted")
 STATUSES = ("ok", "compile_error", "runtime_error", "wrong_result", "timeout")
@@ -74,6 +76,8 @@ class JobRow(Base):
     sizes_key: Mapped[str] = mapped_column(String(500))
     topology: Mapped[str] = mapped_column(String(200))
     world: Mapped[int]
+    # what the job may leave sharded (coconet.schedules.shardable's text): part of its key
+    shardable: Mapped[str] = mapped_column(String(500), default=EVERY, server_default=EVERY)
     budget: Mapped[int | None]
     backends: Mapped[list[Any]]
     state: Mapped[str] = mapped_column(String(20))
@@ -137,6 +141,8 @@ class WinnerRow(Base):
     sizes_key: Mapped[str] = mapped_column(String(500))
     topology: Mapped[str] = mapped_column(String(200))
     world: Mapped[int]
+    # what the search that found it allowed to stay sharded: the questions it answers
+    shardable: Mapped[str] = mapped_column(String(500), default=EVERY, server_default=EVERY)
     backend: Mapped[str] = mapped_column(String(50))
     measurement_id: Mapped[int] = mapped_column(ForeignKey("coconet_measurements.id"))
     runner_up_id: Mapped[int | None] = mapped_column(ForeignKey("coconet_measurements.id"))

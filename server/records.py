@@ -53,6 +53,7 @@ class JobRecord:
     sizes_key: str
     topology: str
     world: int
+    shardable: str
     budget: int | None
     backends: list[str]
     state: str
@@ -157,6 +158,7 @@ class WinnerRecord:
     sizes_key: str
     topology: str
     world: int
+    shardable: str
     backend: str
     measurement_id: int
     runner_up_id: int | None

@@ -74,6 +74,9 @@ class JobIn(_Strict):
     world: Annotated[int, Field(ge=1, le=MAX_WORLD)] = 2
     budget: Annotated[int, Field(ge=1, le=MAX_BUDGET)] = 32
     backends: Annotated[list[Backend], Field(max_length=4)] = []
+    # state a schedule may leave sharded (as_slice, ZeRO-style): names, or "all"; left out, the program's
+    # default (what its baseline's caller never reads: Adam's m and v; for other programs nothing)
+    shardable: Annotated[list[DimName], Field(max_length=MAX_ARGS)] | Literal["all"] | None = None
 
 
 class JobCreated(BaseModel):
@@ -94,6 +97,7 @@ class JobOut(BaseModel):
     sizes: dict[str, int]
     topology: str
     world: int
+    shardable: list[str] | Literal["all"]
     budget: int | None
     backends: list[str]
     state: Literal["queued", "running", "done", "failed", "interrupted"]
@@ -148,6 +152,7 @@ class BestOut(BaseModel):
     schedule_hash: str
     schedule_json: dict[str, Any] | None
     sharded: list[str]  # as ScheduleOut's: state the winner leaves sharded, ZeRO-style
+    shardable: list[str] | Literal["all"]  # what the search that found it let stay sharded
     stats: Stats
     source: Literal["measured", "model"]
     speedup: float | None  # baseline median / winner median

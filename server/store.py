@@ -26,9 +26,11 @@ from sqlalchemy.exc import ArgumentError, NoSuchModuleError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from coconet import __version__
-from coconet.errors import StoreError
+from coconet.errors import CoconetError, StoreError
+from coconet.schedules import shardable as shard
 from coconet.schedules.dsl import Program as DslProgram
 from coconet.schedules.ir import Program
+from coconet.schedules.schedule import sharded_by
 from coconet.schedules.serialize import to_dict
 from coconet.server.keys import parse_sizes_key, size_distance, sizes_key
 from coconet.server.models import (
@@ -61,7 +63,7 @@ from coconet.server.records import (
 ENV_URL = "COCONET_DATABASE_URL"
 # The newest migration in server/migrations/versions (a test keeps the two equal). Knowing it here
 # lets an up-to-date database open without importing Alembic, which costs half a second per CLI call.
-SCHEMA_HEAD = "0002"
+SCHEMA_HEAD = "0003"
 SQLITE_BUSY_S = 30
 MIGRATIONS = Path(__file__).resolve().parent / "migrations"
 
@@ -191,14 +193,16 @@ class Store:
         budget: int | None = None,
         backends: Sequence[str] = (),
         running: bool = False,
+        shardable: str = shard.EVERY,
     ) -> int:
         """A new job, queued for the service's workers; ``running``: already taken by its caller (a tuner that
         runs it itself), so that no worker can claim it between its creation and a claim."""
         key = sizes_key(sizes)
         _check_world(world)
+        _check_shardable(shardable)
         with self._tx("create_job", write=True) as s:
             _require_programs(s, {program_hash})
-            row = _new_job(program_hash, sizes, key, topology, world, budget, backends, running)
+            row = _new_job(program_hash, sizes, key, topology, world, shardable, budget, backends, running)
             s.add(row)
             s.flush()
             return row.id
@@ -266,38 +270,40 @@ class Store:
                 q = q.where(JobRow.program_hash == program_hash)
             return [_job(r) for r in s.scalars(q)]
 
-    def active_job(self, program_hash: str, sizes: Mapping[str, int], topology: str, world: int) -> JobRecord | None:
+    def active_job(self, program_hash: str, sizes: Mapping[str, int], topology: str, world: int, *,
+                   shardable: str = shard.EVERY) -> JobRecord | None:
         """The oldest queued or running job for this key, if any: a second request for it joins that job."""
         with self._tx("active_job") as s:
-            row = _oldest_job(s, program_hash, sizes_key(sizes), topology, world, ACTIVE_STATES)
+            row = _oldest_job(s, program_hash, sizes_key(sizes), topology, world, shardable, ACTIVE_STATES)
             return _job(row) if row is not None else None
 
     def join_job(self, program_hash: str, sizes: Mapping[str, int], topology: str, world: int, *,
-                 budget: int | None = None, backends: Sequence[str] = ()) -> tuple[JobRecord, bool]:
+                 budget: int | None = None, backends: Sequence[str] = (),
+                 shardable: str = shard.EVERY) -> tuple[JobRecord, bool]:
         """The key's queued or running job, else a new queued one, in one transaction: requests for one key
         arriving together get one job. Returns the job and whether it is new."""
         key = sizes_key(sizes)
         _check_world(world)
-        with self._key_tx("join_job", program_hash, key, topology, world) as s:
-            row = _oldest_job(s, program_hash, key, topology, world, ACTIVE_STATES)
+        with self._key_tx("join_job", program_hash, key, topology, world, shardable) as s:
+            row = _oldest_job(s, program_hash, key, topology, world, shardable, ACTIVE_STATES)
             if row is not None:
                 return _job(row), False
-            row = _new_job(program_hash, sizes, key, topology, world, budget, backends, running=False)
+            row = _new_job(program_hash, sizes, key, topology, world, shardable, budget, backends, running=False)
             s.add(row)
             s.flush()
             return _job(row), True
 
     def take_job(self, program_hash: str, sizes: Mapping[str, int], topology: str, world: int, *,
-                 budget: int | None = None, backends: Sequence[str] = ()) -> JobRecord:
+                 budget: int | None = None, backends: Sequence[str] = (), shardable: str = shard.EVERY) -> JobRecord:
         """A running job for a tuner that tunes the key itself (``coconet tune``): the key's queued job, claimed
         and given this run's budget and backends (the service's workers would only tune the key again), else a
         new one. A job already running elsewhere is left to run."""
         key = sizes_key(sizes)
         _check_world(world)
-        with self._key_tx("take_job", program_hash, key, topology, world) as s:
-            row = _oldest_job(s, program_hash, key, topology, world, ("queued",), lock=True)
+        with self._key_tx("take_job", program_hash, key, topology, world, shardable) as s:
+            row = _oldest_job(s, program_hash, key, topology, world, shardable, ("queued",), lock=True)
             if row is None:
-                row = _new_job(program_hash, sizes, key, topology, world, budget, backends, running=True)
+                row = _new_job(program_hash, sizes, key, topology, world, shardable, budget, backends, running=True)
                 s.add(row)
             else:
                 row.state, row.budget, row.trials_total, row.backends = "running", budget, budget, list(backends)
@@ -306,15 +312,17 @@ class Store:
             return _job(row)
 
     @contextmanager
-    def _key_tx(self, what: str, program_hash: str, key: str, topology: str, world: int) -> Iterator[Session]:
+    def _key_tx(self, what: str, program_hash: str, key: str, topology: str, world: int,
+                shardable: str) -> Iterator[Session]:
         """A write transaction on the jobs of one key, of a program the store holds. Under READ COMMITTED two of
         them could both find no job and both add one: on PostgreSQL a lock per key, held to the commit, orders
         them (SQLite's write transactions run one at a time already)."""
+        _check_shardable(shardable)
         with self._tx(what, write=True) as s:
             _require_programs(s, {program_hash})
             if s.get_bind().dialect.name == "postgresql":
                 s.execute(text("SELECT pg_advisory_xact_lock(:id)"),
-                          {"id": _lock_id("job", program_hash, key, topology, str(world))})
+                          {"id": _lock_id("job", program_hash, key, topology, str(world), shardable)})
             yield s
 
     # -- measurements
@@ -444,12 +452,15 @@ class Store:
         baseline_id: int | None = None,
         speedup: float | None = None,
         job_id: int | None = None,
+        shardable: str = shard.EVERY,
     ) -> int:
-        """Record a measurement as the winner of its (program, sizes, topology, world, backend); returns the id.
+        """Record a measurement as the winner of its (program, sizes, topology, world, backend) among the schedules
+        that shard at most ``shardable``; returns the id.
 
         The key and source come from the measurement; ``speedup`` defaults to baseline median / winner median.
         """
-        return self.add_winners([(measurement_id, runner_up_id, baseline_id)], speedups=[speedup], job_id=job_id)[0]
+        return self.add_winners([(measurement_id, runner_up_id, baseline_id)], speedups=[speedup], job_id=job_id,
+                                shardable=shardable)[0]
 
     def add_winners(
         self,
@@ -457,10 +468,12 @@ class Store:
         *,
         speedups: Sequence[float | None] | None = None,
         job_id: int | None = None,
+        shardable: str = shard.EVERY,
     ) -> list[int]:
         """Many winners in one transaction (an offline sweep's): (winner, runner-up, baseline) measurement ids."""
         if not rows:
             return []
+        _check_shardable(shardable)
         speedups = list(speedups) if speedups is not None else [None] * len(rows)
         with self._tx("add_winners", write=True) as s:
             wanted = {i for r in rows for i in r if i is not None}
@@ -468,7 +481,7 @@ class Store:
             if job_id is not None:
                 _require_jobs(s, {job_id})
             now = utcnow()
-            values = [_winner_values(by_id, *r, speedup, job_id, now) for r, speedup in zip(rows, speedups)]
+            values = [_winner_values(by_id, *r, speedup, job_id, shardable, now) for r, speedup in zip(rows, speedups)]
             table = WinnerRow.__table__
             conn = s.connection()
             if conn.dialect.name == "postgresql":  # as in add_measurements: ids first, then a plain executemany
@@ -495,44 +508,54 @@ class Store:
         world: int | None = None,
         *,
         backend: str | None = None,
+        shardable: str | None = None,
     ) -> Best | None:
         """The newest valid winner for these exact sizes; else, flagged ``exact=False``, the one of the nearest
         tuned sizes (same program, topology and dim names); None when nothing comparable was tuned.
-        ``world`` and ``backend`` narrow the search; left out, any world or backend counts."""
+        ``world`` and ``backend`` narrow the search; left out, any world or backend counts. ``shardable``: only a
+        winner that answers a question allowing that state to stay sharded (``shardable.answers``); left out,
+        any winner."""
         # The API's hot path: statements rendered once, one round trip for an exact answer.
         params = {"program": program_hash, "topology": topology, "key": sizes_key(sizes), "world": world,
                   "backend": backend}
         narrowed = (world is not None, backend is not None)
-        newest = self._newest[narrowed]
+        if shardable is not None:
+            _check_shardable(shardable)
+        # without a question on sharding the newest winner answers; with one, the newest of those that answer it
+        newest = self._newest[(*narrowed, shardable is None)]
+
+        def answers(row: Sequence[Any]) -> bool:  # both columns are plain strings on every driver
+            return shardable is None or shard.answers(row[_W_SHARDABLE], shardable, sharded_by(row[_M_SCHEDULE]))
 
         def read(cursor: Any) -> Best | None:
-            rows = newest.rows(cursor, params)
-            if rows:
-                return _best_of_row(rows[0], exact=True, distance=0.0)
+            row = newest.first(cursor, params, answers)
+            if row is not None:
+                return _best_of_row(row, exact=True, distance=0.0)
             near = []
             for (other,) in self._tuned_keys[narrowed].rows(cursor, params):
                 d = size_distance(sizes, parse_sizes_key(other))
                 if d is not None:
                     near.append((d, other))
             for d, other in sorted(near):
-                rows = newest.rows(cursor, {**params, "key": other})
-                if rows:
-                    return _best_of_row(rows[0], exact=False, distance=d)
+                row = newest.first(cursor, {**params, "key": other}, answers)
+                if row is not None:
+                    return _best_of_row(row, exact=False, distance=d)
             return None
 
         return self._read("best", read)
 
     def results(self, program_hash: str, topology: str | None = None) -> list[Best]:
-        """The current winner of every (sizes, topology, world, backend) tuned for a program, smallest sizes first."""
+        """The current winner of every (sizes, topology, world, backend, shardable) tuned for a program, smallest
+        sizes first."""
         with self._tx("results") as s:
             q = _valid_winners().where(WinnerRow.program_hash == program_hash)
             if topology is not None:
                 q = q.where(WinnerRow.topology == topology)
             newest: dict[tuple, WinnerRow] = {}
             for row in s.scalars(q.order_by(WinnerRow.created_at.desc(), WinnerRow.id.desc())):
-                newest.setdefault((row.sizes_key, row.topology, row.world, row.backend), row)
+                newest.setdefault((row.sizes_key, row.topology, row.world, row.backend, row.shardable), row)
             rows = sorted(
-                newest.values(), key=lambda r: (r.topology, r.backend, r.world, sorted(r.sizes.items()))
+                newest.values(), key=lambda r: (r.topology, r.backend, r.world, sorted(r.sizes.items()), r.shardable)
             )
             return _best(s, rows, exact=True, distance=0.0)
 
@@ -540,7 +563,7 @@ class Store:
         """``len(results(h))`` for every program with a result, in one statement: the keys with a valid winner."""
         with self._tx("result_counts") as s:
             q = _valid_winners().with_only_columns(WinnerRow.program_hash, WinnerRow.sizes_key, WinnerRow.topology,
-                                                   WinnerRow.world, WinnerRow.backend).distinct()
+                                                   WinnerRow.world, WinnerRow.backend, WinnerRow.shardable).distinct()
             return dict(Counter(row[0] for row in s.execute(q)))
 
     # -- plumbing
@@ -664,14 +687,29 @@ class _Rendered:
         self._processors: list[Any] | None = None
 
     def rows(self, cursor: Any, values: Mapping[str, Any]) -> list[list[Any]]:
+        self._execute(cursor, values)
+        return [self._processed(cursor, row) for row in cursor.fetchall()]
+
+    def first(self, cursor: Any, values: Mapping[str, Any], keep: Callable[[Sequence[Any]], bool]) -> list[Any] | None:
+        """The first row ``keep`` takes, judged on the values as the driver gives them (before JSON and dates are
+        processed: only the row kept pays for that)."""
+        self._execute(cursor, values)
+        while rows := cursor.fetchmany(64):
+            for row in rows:
+                if keep(row):
+                    return self._processed(cursor, row)
+        return None
+
+    def _execute(self, cursor: Any, values: Mapping[str, Any]) -> None:
         params = self._compiled.construct_params(values)
         cursor.execute(self._sql, tuple(params[k] for k in self._compiled.positiontup)
                        if self._compiled.positional else params)
-        rows = cursor.fetchall()
+
+    def _processed(self, cursor: Any, row: Sequence[Any]) -> list[Any]:
         if self._processors is None:
             self._processors = [t.result_processor(self._dialect, d[1])
                                 for t, d in zip(self._types, cursor.description)]
-        return [[f(v) if f else v for f, v in zip(self._processors, row)] for row in rows]
+        return [f(v) if f else v for f, v in zip(self._processors, row)]
 
 
 def _make_parent_dir(url: URL) -> None:
@@ -734,21 +772,22 @@ def _job(row: JobRow) -> JobRecord:
     return JobRecord(progress=progress, **values)
 
 
-def _new_job(program_hash: str, sizes: Mapping[str, int], key: str, topology: str, world: int, budget: int | None,
-             backends: Sequence[str], running: bool) -> JobRow:
+def _new_job(program_hash: str, sizes: Mapping[str, int], key: str, topology: str, world: int, shardable: str,
+             budget: int | None, backends: Sequence[str], running: bool) -> JobRow:
     now = utcnow()
     return JobRow(program_hash=program_hash, sizes=_sorted(sizes), sizes_key=key, topology=topology, world=world,
-                  budget=budget, backends=list(backends), state="running" if running else "queued", trials_done=0,
+                  shardable=shardable, budget=budget, backends=list(backends), state="running" if running else "queued", trials_done=0,
                   trials_total=budget, trials_failed=0, created_at=now, updated_at=now,
                   heartbeat_at=now if running else None)
 
 
-def _oldest_job(s: Session, program_hash: str, key: str, topology: str, world: int, states: Sequence[str], *,
-                lock: bool = False) -> JobRow | None:
+def _oldest_job(s: Session, program_hash: str, key: str, topology: str, world: int, shardable: str,
+                states: Sequence[str], *, lock: bool = False) -> JobRow | None:
     """The key's oldest job in one of ``states``; ``lock``: its row locked for update, one a worker is claiming
     passed over."""
     q = select(JobRow).where(JobRow.program_hash == program_hash, JobRow.sizes_key == key, JobRow.topology == topology,
-                             JobRow.world == world, JobRow.state.in_(states)).order_by(JobRow.id).limit(1)
+                             JobRow.world == world, JobRow.shardable == shardable,
+                             JobRow.state.in_(states)).order_by(JobRow.id).limit(1)
     return s.scalars(q.with_for_update(skip_locked=True) if lock else q).first()
 
 
@@ -760,6 +799,13 @@ def _lock_id(*parts: str) -> int:
 
 def _sorted(sizes: Mapping[str, int]) -> dict[str, int]:
     return {k: sizes[k] for k in sorted(sizes)}
+
+
+def _check_shardable(text: Any) -> None:
+    try:
+        shard.check(text)
+    except CoconetError as e:
+        raise StoreError(str(e)) from None
 
 
 def _check_world(world: Any) -> None:
@@ -868,7 +914,8 @@ def _key_filter(q: Any, model: Any, program_hash: str, sizes: Mapping[str, int] 
 
 
 def _winner_values(by_id: Mapping[int, MeasurementRow], measurement_id: int, runner_up_id: int | None,
-                   baseline_id: int | None, speedup: float | None, job_id: int | None, now: datetime) -> dict:
+                   baseline_id: int | None, speedup: float | None, job_id: int | None, shardable: str,
+                   now: datetime) -> dict:
     win = by_id.get(measurement_id)
     if win is None:
         raise StoreError(f"no measurement {measurement_id}", measurement_id=measurement_id)
@@ -877,6 +924,11 @@ def _winner_values(by_id: Mapping[int, MeasurementRow], measurement_id: int, run
             f"measurement {measurement_id} is {win.status} without a time; only a valid one can win",
             measurement_id=measurement_id,
         )
+    allowed = shard.names(shardable)
+    outside = sorted(set(sharded_by(win.schedule)) - allowed) if allowed is not None else []
+    if outside:
+        raise StoreError(f"measurement {measurement_id} leaves {', '.join(outside)} sharded, which shardable "
+                         f"{shardable!r} does not allow", measurement_id=measurement_id)
     for role, other_id in (("runner-up", runner_up_id), ("baseline", baseline_id)):
         if other_id is None:
             continue
@@ -894,7 +946,7 @@ def _winner_values(by_id: Mapping[int, MeasurementRow], measurement_id: int, run
         speedup = base.median_s / win.median_s
     return dict(
         program_hash=win.program_hash, sizes=win.sizes, sizes_key=win.sizes_key, topology=win.topology,
-        world=win.world, backend=win.backend, measurement_id=win.id, runner_up_id=runner_up_id,
+        world=win.world, shardable=shardable, backend=win.backend, measurement_id=win.id, runner_up_id=runner_up_id,
         baseline_id=baseline_id, speedup=speedup, source=win.source,
         job_id=job_id if job_id is not None else win.job_id, created_at=now,
     )
@@ -921,7 +973,7 @@ def _world_backend_params(q: Any, by_world: bool, by_backend: bool) -> Any:
     return q
 
 
-def _newest_statement(by_world: bool, by_backend: bool) -> Any:
+def _newest_statement(by_world: bool, by_backend: bool, first: bool) -> Any:
     columns = [_W.c[n].label(f"w_{n}") for n in _W_FIELDS] + [
         t.c[n].label(f"{p}_{n}") for p, t in (("m", _M), ("r", _RUNNER_UP), ("b", _BASELINE)) for n in _M_FIELDS]
     q = (select(*columns)
@@ -930,7 +982,8 @@ def _newest_statement(by_world: bool, by_backend: bool) -> Any:
          .outerjoin(_BASELINE, _BASELINE.c.id == _W.c.baseline_id)
          .where(_W.c.program_hash == bindparam("program"), _W.c.topology == bindparam("topology"),
                 _W.c.sizes_key == bindparam("key"), _M.c.status == "ok", _M.c.median_s.is_not(None)))
-    return _world_backend_params(q, by_world, by_backend).order_by(_W.c.created_at.desc(), _W.c.id.desc()).limit(1)
+    q = _world_backend_params(q, by_world, by_backend).order_by(_W.c.created_at.desc(), _W.c.id.desc())
+    return q.limit(1) if first else q
 
 
 def _tuned_keys_statement(by_world: bool, by_backend: bool) -> Any:
@@ -940,7 +993,9 @@ def _tuned_keys_statement(by_world: bool, by_backend: bool) -> Any:
 
 
 _NARROWED = [(w, b) for w in (False, True) for b in (False, True)]
-_NEWEST = {n: _newest_statement(*n) for n in _NARROWED}
+_NEWEST = {(*n, first): _newest_statement(*n, first) for n in _NARROWED for first in (False, True)}
+_W_SHARDABLE = _W_FIELDS.index("shardable")
+_M_SCHEDULE = len(_W_FIELDS) + _M_FIELDS.index("schedule")
 _TUNED_KEYS = {n: _tuned_keys_statement(*n) for n in _NARROWED}
 
 

@@ -23,6 +23,7 @@ from coconet.errors import CoconetError
 from coconet.schedules.dims import format_sizes
 from coconet.schedules.ir import Program
 from coconet.schedules.schedule import BASELINE, Schedule
+from coconet.schedules.shardable import EVERY
 from coconet.schedules.space import generate
 
 SUGGESTIONS_PER_CANDIDATE = 10
@@ -66,10 +67,16 @@ class SearchSpace:
     schedules: tuple[Schedule, ...]
 
     @classmethod
-    def of(cls, program: Program, backends: Sequence[str], depth: int = 6) -> "SearchSpace":
+    def of(cls, program: Program, backends: Sequence[str], depth: int = 6,
+           shardable: Iterable[str] | None = None) -> "SearchSpace":
+        """``shardable``: the state a schedule may leave sharded (None: any), the others left out."""
         if not backends:
             raise CoconetError("no backend to tune on")
-        return cls(program, tuple(dict.fromkeys(backends)), generate(program, depth).schedules)
+        schedules = generate(program, depth).schedules
+        if shardable is not None:
+            allowed = set(shardable)
+            schedules = tuple(s for s in schedules if set(s.sharded) <= allowed)
+        return cls(program, tuple(dict.fromkeys(backends)), schedules)
 
     @property
     def by_structure(self) -> dict[str, Schedule]:
@@ -145,8 +152,11 @@ Measure = Callable[[Candidate], RunResult]
 Record = Callable[[Candidate, RunResult, str], Any]  # (candidate, result, role) -> record id
 
 
-def study_name(program: Program, sizes: Mapping[str, int], topology: str, world: int) -> str:
-    return f"coconet:{program.hash}:{format_sizes(sizes)}:{topology}:w{world}"
+def study_name(program: Program, sizes: Mapping[str, int], topology: str, world: int,
+               shardable: str = EVERY) -> str:
+    # a study's distributions are its space's: one study per shardable set (``*``, the first, kept its name)
+    name = f"coconet:{program.hash}:{format_sizes(sizes)}:{topology}:w{world}"
+    return name if shardable == EVERY else f"{name}:shard[{shardable}]"
 
 
 def search(space: SearchSpace, sizes: Mapping[str, int], *, storage, study: str, budget: int,

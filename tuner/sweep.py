@@ -2,7 +2,7 @@
 
 Keys on the local topology are tuned (measured, as ``coconet tune``) unless the sweep is simulated;
 every other key is predicted by the cost model over the whole space (every backend the topology
-has, every schedule, every knob value) and recorded with ``source: model`` — the prediction of the
+has, every schedule that shards at most the entry's ``shardable``, every knob value) and recorded with ``source: model`` — the prediction of the
 winner, of the runner-up and of the baseline, and a winner record. A key that already has a winner
 of that source is skipped, so a sweep that was stopped picks up where it was.
 
@@ -12,6 +12,8 @@ The config (YAML)::
       - example: adam                 # an example's name, or
       - file: ../../examples/adam.py  # a program file (relative to the config) ...
         sizes: ["N=2^10..2^30:4"]     # 2^10 to 2^30, 4 points per doubling
+        shardable: [m, v]             # state a schedule may leave sharded, or `all`; default: the program's
+                                      # (what its baseline's caller never reads: Adam's m, v; else none)
     topologies: [dgx-h100-8, h100-4node-ib, local]
     worlds: {dgx-h100-8: [2, 4, 8], local: [2]}   # ranks per stage; default: every rank of the topology
     budget: 16                                    # trials per measured key
@@ -29,6 +31,7 @@ from typing import Any, Callable, Mapping, Sequence
 import yaml
 
 from coconet.errors import CoconetError
+from coconet.schedules import shardable as shard
 from coconet.schedules.dims import parse_sizes
 from coconet.schedules.ir import Program
 from coconet.schedules.schedule import Schedule
@@ -45,6 +48,13 @@ class Entry:
     program: Program
     file: str | None
     sizes: tuple[dict[str, int], ...]
+    shardable: str = shard.EVERY  # what its schedules may leave sharded (coconet.schedules.shardable's text)
+
+    @property
+    def allowed(self) -> tuple[str, ...]:
+        """``shardable`` as tune's ``Request.shardable`` takes it."""
+        names = shard.names(self.shardable)
+        return (shard.ALL,) if names is None else tuple(sorted(names))
 
 
 @dataclass(frozen=True)
@@ -87,7 +97,7 @@ class SweepConfig:
             if not isinstance(specs, list) or not specs:
                 raise CoconetError(f"{where}: sizes must be a non-empty list such as ['N=2^10..2^20']")
             sizes = tuple(s for spec in specs for s in expand_sizes(str(spec), prog.dims, where))
-            entries.append(Entry(prog, str(file), sizes))
+            entries.append(Entry(prog, str(file), sizes, _shardable(item.get("shardable"), prog, where)))
         topologies = tuple(str(t) for t in _list(data, "topologies", path))
         worlds_raw = data.get("worlds") or {}
         if not isinstance(worlds_raw, dict):
@@ -103,6 +113,21 @@ class SweepConfig:
             if not isinstance(v, int) or v < (1 if name == "budget" else 0):
                 raise CoconetError(f"sweep config {path}: {name} must be a positive int, got {v!r}")
         return cls(tuple(entries), topologies, worlds, budget, depth)
+
+
+def _shardable(value: Any, prog: Program, where: str) -> str:
+    """An entry's ``shardable:`` (a list of names, or ``all``); left out, the program's default."""
+    from coconet.codegen.baselines import default_shardable
+
+    if value is None:
+        return shard.to_text(prog, default_shardable(prog))
+    names = value if isinstance(value, list) else [value]
+    if not all(isinstance(n, str) for n in names):
+        raise CoconetError(f"{where}: shardable must be a list of state names or `all`, got {value!r}")
+    try:
+        return shard.to_text(prog, shard.resolve(prog, names))
+    except CoconetError as e:
+        raise CoconetError(f"{where}: {e}") from None
 
 
 def _list(data: dict, key: str, path: Path) -> list:
@@ -162,9 +187,11 @@ class SweepReport:
                 "by_topology": self.by_topology}
 
 
-def _candidates(program: Program, depth: int) -> list[Schedule]:
-    """Every schedule of the space with every value of its knobs."""
-    return [v for s in generate(program, depth).schedules for v in knob_variants(s)]
+def _candidates(program: Program, depth: int, shardable: str) -> list[Schedule]:
+    """Every schedule of the space that shards at most ``shardable``, with every value of its knobs."""
+    allowed = shard.names(shardable)
+    return [v for s in generate(program, depth).schedules if allowed is None or set(s.sharded) <= allowed
+            for v in knob_variants(s)]
 
 
 def sweep(config: SweepConfig, store, *, simulate: bool = False,
@@ -180,14 +207,14 @@ def sweep(config: SweepConfig, store, *, simulate: bool = False,
     for entry in config.entries:
         prog = entry.program
         store.add_program(prog)
-        cands = _candidates(prog, config.depth)
+        cands = _candidates(prog, config.depth, entry.shardable)
         base = Schedule(prog)
         stages = STAGES if prog.is_pipeline else 1
         for name, topo in topos.items():
             model = simulate or name != LOCAL
             worlds = config.worlds.get(name) or ((2,) if name == LOCAL else (max(1, topo.world // stages),))
             done = {(w.sizes_key, w.world) for w in store.winners(prog.hash, topology=name)
-                    if w.source == ("model" if model else "measured")}
+                    if w.source == ("model" if model else "measured") and w.shardable == entry.shardable}
             backends = [b for b in topo.backends if not (prog.is_pipeline and b == "shm")] or list(topo.backends)
             pending = []
             for world in worlds:
@@ -212,7 +239,8 @@ def sweep(config: SweepConfig, store, *, simulate: bool = False,
                 continue
             for i in range(0, len(pending), BATCH):
                 batch = pending[i:i + BATCH]
-                _predict_batch(store, prog, cands, base, topo, name, backends, batch, stages, report)
+                _predict_batch(store, prog, cands, base, topo, name, backends, batch, stages, report,
+                               entry.shardable)
                 report.predicted += len(batch)
                 report.by_topology[name] = report.by_topology.get(name, 0) + len(batch)
                 report.seconds = time.perf_counter() - t0
@@ -223,7 +251,7 @@ def sweep(config: SweepConfig, store, *, simulate: bool = False,
 
 
 def _predict_batch(store, prog: Program, cands: list[Schedule], base: Schedule, topo, name: str,
-                   backends: Sequence[str], batch, stages: int, report: SweepReport) -> None:
+                   backends: Sequence[str], batch, stages: int, report: SweepReport, shardable: str) -> None:
     import coconet
     from coconet.server.records import NewMeasurement
     from coconet.tuner.cost import predict
@@ -249,4 +277,4 @@ def _predict_batch(store, prog: Program, cands: list[Schedule], base: Schedule, 
         triples.append((k, 1 if picks[1] is not None else None, len(rows) - 1 - k))
     ids = store.add_measurements(rows)
     store.add_winners([(ids[k], ids[k + ru] if ru is not None else None, ids[k + bl])
-                       for k, ru, bl in triples])
+                       for k, ru, bl in triples], shardable=shardable)

@@ -16,9 +16,11 @@ import platform
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
+from coconet.codegen.baselines import default_shardable
 from coconet.codegen.launch import RunResult
 from coconet.codegen.lower import Generated, lower
 from coconet.errors import CoconetError
+from coconet.schedules import shardable as shard
 from coconet.schedules.ir import Program
 from coconet.schedules.schedule import Schedule
 from coconet.tuner.runner import Protocol, Runner, connect
@@ -42,6 +44,18 @@ class Request:
     seed: int = 0
     ray_address: str | None = None
     program_file: str | None = None
+    # state a schedule may leave sharded (names, or `all`); None: the program's default (``default_shardable``)
+    shardable: tuple[str, ...] | None = None
+
+    @property
+    def allowed(self) -> frozenset[str]:
+        if self.shardable is None:
+            return default_shardable(self.program)
+        return shard.resolve(self.program, self.shardable)
+
+    @property
+    def shardable_text(self) -> str:
+        return shard.to_text(self.program, self.allowed)
 
 
 @dataclass
@@ -52,10 +66,12 @@ class Tuned:
     outcome: Outcome
     job_id: int
     record_id: int | None  # the winner's record
+    shardable: str = shard.EVERY  # what the search let stay sharded (coconet.schedules.shardable's text)
     measurement_ids: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self, program: Program, topology: str, world: int) -> dict[str, Any]:
         o = self.outcome
+        allowed = shard.names(self.shardable)
 
         def stats(t) -> dict[str, Any] | None:
             if t is None or not t.result.samples:
@@ -67,7 +83,8 @@ class Tuned:
                     "sharded": sorted(t.candidate.schedule.sharded)}
 
         return {"program_hash": program.hash, "program": program.name, "sizes": self.sizes, "topology": topology,
-                "world": world, "best": stats(o.winner), "runner_up": stats(o.runner_up),
+                "world": world, "shardable": sorted(allowed if allowed is not None else shard.candidates(program)),
+                "best": stats(o.winner), "runner_up": stats(o.runner_up),
                 "baseline": stats(o.baseline), "speedup": o.speedup, "trials": len(o.trials),
                 "failed": len(o.failed), "record_id": self.record_id, "job_id": self.job_id, "study": o.study}
 
@@ -130,6 +147,8 @@ def check(request: Request) -> tuple[str, ...]:
                            f"(it runs {', '.join(allowed)})")
     if request.budget < 1:
         raise CoconetError(f"budget must be at least 1 trial, got {request.budget}")
+    if request.shardable is not None:
+        shard.resolve(request.program, request.shardable)  # names that are not the program's state: refused
     return backends
 
 
@@ -145,7 +164,8 @@ def tune(request: Request, store, *, on_progress: Callable[[dict, Progress], Non
     backends = check(request)
     if job_id is not None and len(request.sizes) != 1:
         raise CoconetError(f"job {job_id} tunes one size; the request has {len(request.sizes)}")
-    space = SearchSpace.of(prog, backends, request.depth)
+    allowed, allowed_text = request.allowed, request.shardable_text
+    space = SearchSpace.of(prog, backends, request.depth, allowed)
     store.add_program(prog)
     if request.topology == LOCAL:
         store.add_topology(LOCAL, fingerprint(), source="measured")
@@ -160,7 +180,7 @@ def tune(request: Request, store, *, on_progress: Callable[[dict, Progress], Non
             job = job_id
         else:
             job = store.take_job(prog.hash, sizes, request.topology, request.world, budget=request.budget,
-                                 backends=list(backends)).id
+                                 backends=list(backends), shardable=allowed_text).id
         runners: dict[str, Runner] = {}
 
         def measure(c: Candidate) -> RunResult:
@@ -190,8 +210,8 @@ def tune(request: Request, store, *, on_progress: Callable[[dict, Progress], Non
         if prior is not None:
             seeds += list(prior(space, sizes, request.topology, request.world))[:request.top_k]
         try:
-            outcome = search(space, sizes, storage=storage, study=study_name(prog, sizes, request.topology,
-                                                                             request.world),
+            outcome = search(space, sizes, storage=storage,
+                             study=study_name(prog, sizes, request.topology, request.world, allowed_text),
                              budget=request.budget, measure=measure, record=record, prior=seeds,
                              seed=request.seed, on_progress=progress,
                              recorded=_recorded(store, space, prog, sizes, request))
@@ -207,8 +227,8 @@ def tune(request: Request, store, *, on_progress: Callable[[dict, Progress], Non
             base_id = _record_id(outcome.baseline, record)
             winner_id = store.add_winner(_record_id(outcome.winner, record),
                                          runner_up_id=_record_id(outcome.runner_up, record),
-                                         baseline_id=base_id, job_id=job)
-        tuned = Tuned(sizes, outcome, job, winner_id)
+                                         baseline_id=base_id, job_id=job, shardable=allowed_text)
+        tuned = Tuned(sizes, outcome, job, winner_id, shardable=allowed_text)
         store.update_job(job, state="done", result=tuned.to_json(prog, request.topology, request.world))
         done.append(tuned)
     return done
@@ -263,7 +283,7 @@ def _neighbours(store, space: SearchSpace, prog: Program, sizes, request: Reques
         for trial in (t.outcome.winner, t.outcome.runner_up):
             if trial is not None:
                 out.append(trial.candidate)
-    best = store.best(prog.hash, sizes, request.topology, request.world)
+    best = store.best(prog.hash, sizes, request.topology, request.world, shardable=request.shardable_text)
     if best is not None and best.measurement.schedule_json is not None and best.measurement.backend in space.backends:
         try:
             sched = Schedule.from_json(best.measurement.schedule_json, prog)

@@ -105,6 +105,8 @@ def test_json_with_unknown_op(tmp_path):
     (["tune", "examples/adam.py"], "--size is required"),
     (["tune", "examples/adam.py", "--size", "N=8", "--backend", "nccl"], "cannot run on local"),
     (["tune", "examples/adam.py", "--size", "N=8", "--topology", "dgx-h100-8"], "needs its cluster"),
+    (["tune", "examples/adam.py", "--size", "N=8", "--shardable", "m,g"],
+     "shardable g: not replicated state adam updates (it can shard m, v, w; `all` for every one)"),
     (["sweep", "no/such/sweep.yaml"], "cannot read sweep config"),
     (["run", "examples/adam.py"], "--size is required"),
     (["run", "examples/adam.py", "--size", "N=0"], "N"),
@@ -264,7 +266,7 @@ def test_a_schedule_that_failed_in_any_round_is_reported_failed():
 
 def test_bench_errors():
     assert_one_error(coconet("bench", "nosuch", "--size", "N=4"), "no workload 'nosuch'", "adam")
-    assert_one_error(coconet("bench", "adam", "--size", "N=4", "--shardable", "q"), "--shardable q: not state adam updates")
+    assert_one_error(coconet("bench", "adam", "--size", "N=4", "--shardable", "q"), "shardable q: not replicated state adam updates")
     assert_one_error(coconet("bench", "adam", "--size", "M=4"), "does not have")
 
 
@@ -279,12 +281,18 @@ def test_tune_json_then_run_the_best(tmp_path):
     for part in ("best", "baseline"):
         assert doc[part]["median_s"] > 0 and doc[part]["ci95_s"][0] <= doc[part]["median_s"] <= doc[part]["ci95_s"][1]
     assert doc["speedup"] == pytest.approx(doc["baseline"]["median_s"] / doc["best"]["median_s"])
+    # by default Adam's weights stay whole: only m and v (which torch.optim keeps to itself) may be sharded
+    assert doc["shardable"] == ["m", "v"] and set(doc["best"]["sharded"]) <= {"m", "v"}
     # what tune recorded is what `run --schedule best` runs (the baseline always runs beside it)
     proc = coconet("run", "examples/adam.py", "--world", "2", "--size", "N=2^10", "--schedule", "best",
                    "--kernels", "eager", "--repeats", "3", "--db", db, "--json")
     assert proc.returncode == 0, proc.stderr
     ran = [r["schedule"] for r in json.loads(proc.stdout)["results"]]
     assert ran[0] == "baseline" and ran[-1] == doc["best"]["schedule"]
+    # a tuning that never tried sharding w does not answer a question allowing it
+    assert_one_error(coconet("run", "examples/adam.py", "--world", "2", "--size", "N=2^10", "--schedule", "best",
+                             "--shardable", "all", "--db", db), "leaves at most any state sharded",
+                     "--shardable all` first")
 
 
 def test_tune_killed_mid_study_resumes_without_measuring_twice(tmp_path):

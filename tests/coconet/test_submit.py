@@ -64,7 +64,7 @@ class _FakeWorker(threading.Thread):
                         samples=[t] * 5, n=5, median_s=t, ci_lo_s=t * 0.9, ci_hi_s=t * 1.1, job_id=job.id)))
                     store.update_job(job.id, progress=Progress(done=i + 1, total=2, best_s=t))
                     time.sleep(0.1)  # slow enough that the client sees progress
-                store.add_winner(ids[1], baseline_id=ids[0], job_id=job.id)
+                store.add_winner(ids[1], baseline_id=ids[0], job_id=job.id, shardable=job.shardable)
                 store.update_job(job.id, state="done", result={"synthetic": True})
         finally:
             store.close()
@@ -140,7 +140,11 @@ def test_submit_says_when_the_winner_leaves_state_sharded(server: dict[str, Any]
                    "--json")
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)  # one --size: one result, not a list
-    assert doc["best"]["sharded"] == ["m", "v"]
+    assert doc["best"]["sharded"] == ["m", "v"] and doc["best"]["shardable"] == ["m", "v"]  # Adam's default
+    proc = coconet("submit", ADAM, "--server", server["url"], "--size", "N=2^12", "--token", TOKEN, "--poll", "0.05",
+                   "--shardable", "all", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["best"]["shardable"] == "all"  # a job of its own, w allowed too
     proc = coconet("submit", ADAM, "--server", server["url"], "--size", "N=2^16", "--token", TOKEN, "--poll", "0.05")
     assert proc.returncode == 0, proc.stderr
     assert "note: the winner leaves m, v sharded (as_slice)" in proc.stdout

@@ -149,7 +149,7 @@ def test_best_exact_nearest_and_code(client: TestClient) -> None:
     assert shm.status_code == 200 and "def step(" in shm.json()["source"]
 
 
-def test_best_names_the_state_a_winner_leaves_sharded(client: TestClient) -> None:
+def test_best_answers_only_for_the_state_the_question_lets_stay_sharded(client: TestClient) -> None:
     from coconet.schedules.space import generate
 
     prog = held_out_program()
@@ -160,10 +160,24 @@ def test_best_names_the_state_a_winner_leaves_sharded(client: TestClient) -> Non
     store = client.app.state.store
     ids = store.add_measurements([NewMeasurement.of(base, median_s=2e-3, **common),
                                   NewMeasurement.of(zero, median_s=1e-3, **common)])
-    store.add_winner(ids[1], runner_up_id=ids[0], baseline_id=ids[0])
-    b = client.get(f"{API}/best", params={"program": h, "sizes": "N=512", "world": 2}).json()
+    store.add_winner(ids[1], runner_up_id=ids[0], baseline_id=ids[0])  # a search over every schedule
+    ask = {"program": h, "sizes": "N=512", "world": 2}
+    # ema_sgd has no hand-written baseline: by default nothing may stay sharded
+    miss = client.get(f"{API}/best", params=ask)
+    assert miss.status_code == 404 and "leaves at most nothing sharded" in miss.json()["detail"]
+    b = client.get(f"{API}/best", params={**ask, "shardable": "all"}).json()
     assert b["schedule"] == zero.text and b["sharded"] == sorted(zero.sharded) != []
-    assert b["baseline"]["sharded"] == b["runner_up"]["sharded"] == []
+    assert b["shardable"] == "all" and b["baseline"]["sharded"] == b["runner_up"]["sharded"] == []
+    # the sharded state named: answered too, since the search that found it covered every schedule
+    named = client.get(f"{API}/best", params={**ask, "shardable": ",".join(zero.sharded)}).json()
+    assert named["schedule"] == zero.text
+    # a newer search that kept everything whole answers the default, but not `all`: it never tried the rest
+    store.add_winner(ids[0], baseline_id=ids[0], shardable="")
+    whole = client.get(f"{API}/best", params=ask).json()
+    assert whole["schedule"] == base.text and whole["shardable"] == [] and whole["sharded"] == []
+    assert client.get(f"{API}/best", params={**ask, "shardable": "all"}).json()["schedule"] == zero.text
+    bad = client.get(f"{API}/best", params={**ask, "shardable": "g"})
+    assert bad.status_code == 422 and "shardable g: not replicated state ema_sgd updates" in bad.json()["detail"]
 
 
 # -- the hot path of /best: the same answers as the route, and nothing stale
@@ -194,6 +208,11 @@ def test_the_fast_path_answers_as_the_route_does(db_url: str, monkeypatch) -> No
         f"program={h}&sizes=N%3D2%5E10&topology=local&world=2&backend=gloo&other=ignored": True,
         f"program={h}&sizes=N=2^14&world=2": True,  # the nearest tuned size
         f"program={h}&sizes=N=3": True,
+        f"program={h}&sizes=N=1024&shardable=all": True,
+        f"program={h}&sizes=N=1024&shardable=avg,w": True,
+        f"program={h}&sizes=N=1024&shardable=": True,
+        f"program={h}&sizes=N=1024&shardable=g": False,  # not state the program updates: 422
+        f"program={h}&sizes=N=1024&shardable=w;x": False,  # 422
         f"program={h}&sizes=N=1024&world=02": False,  # the route's to coerce
         f"program={h}&sizes=N=1024&tune=false": False,
         f"program={h}&sizes=N=1024&budget=32": False,

@@ -261,3 +261,24 @@ def test_screenshot(filled: dict[str, Any], browser: Any) -> None:
     finally:
         if url:
             store.close()
+
+
+def test_winners_of_searches_allowing_different_state_are_apart_in_the_speedup_plot(tmp_path) -> None:
+    from coconet.server.dashboard_data import program_view
+
+    program = load_file(ROOT / "examples" / "adam.py")
+    space = list(generate(program))
+    base = space[0]
+    zero3 = next(s for s in space if set(s.sharded) == {"m", "v", "w"})
+    zero1 = next(s for s in space if set(s.sharded) == {"m", "v"})
+    with Store.open(f"sqlite:///{tmp_path / 'store.db'}") as store:
+        h = store.add_program(program)
+        for sizes in SIZES:
+            common = dict(sizes=sizes, topology="local", world=2, backend="shm", samples=[1e-3] * 3, n=3)
+            ids = store.add_measurements([NewMeasurement.of(s, median_s=t, **common)
+                                          for s, t in ((base, 3e-3), (zero3, 1e-3), (zero1, 2e-3))])
+            store.add_winner(ids[1], baseline_id=ids[0])  # a search over every schedule
+            store.add_winner(ids[2], baseline_id=ids[0], shardable="m,v")
+        speedups = {s["context"]: s["speedup"] for s in program_view(store, h)["speedups"]}
+    assert speedups == {"local · 2 ranks · shm · any state sharded": [3.0] * 3,
+                        "local · 2 ranks · shm · m, v sharded": [1.5] * 3}

@@ -17,7 +17,9 @@ from sqlalchemy import create_engine, event, inspect, text
 from coconet import Program, Replicated
 from coconet.errors import StoreError
 from coconet.loader import load_file
+from coconet.schedules.schedule import sharded_by
 from coconet.schedules.serialize import load, to_dict
+from coconet.schedules.shardable import answers
 from coconet.schedules.space import generate
 from coconet.server.keys import parse_sizes_key, size_distance, sizes_key
 from coconet.server.models import VERSION_TABLE, Base, include_name
@@ -323,11 +325,16 @@ def test_results_list_the_current_winner_per_key(store, adam):
     assert store.results("nothing") == []
 
 
-def reference_best(store: Store, h: str, sizes: dict, topology: str, world: int | None, backend: str | None):
-    """Store.best's rule spelled out over every winner recorded: per key the newest (created_at, id), then the
-    asked key, else the nearest comparable one (distance, then the key's text); (winner id, distance) or None."""
+def reference_best(store: Store, h: str, sizes: dict, topology: str, world: int | None, backend: str | None,
+                   shardable: str | None = None):
+    """Store.best's rule spelled out over every winner recorded: of those answering ``shardable``, per key the
+    newest (created_at, id), then the asked key, else the nearest comparable one (distance, then the key's
+    text); (winner id, distance) or None."""
     newest = {}
     for w in sorted(store.winners(h), key=lambda w: (w.created_at, w.id)):
+        if shardable is not None and not answers(w.shardable, shardable,
+                                                 sharded_by(store.measurement(w.measurement_id).schedule)):
+            continue
         if w.topology == topology and world in (None, w.world) and backend in (None, w.backend):
             newest[w.sizes_key] = w
     near = sorted((d, key) for key, w in newest.items() if (d := size_distance(sizes, w.sizes)) is not None)
@@ -422,6 +429,56 @@ def test_jobs_of_a_program_and_the_one_under_way(store, adam, mlp):
     assert store.active_job(a, {"N": 1024}, "local", 2).id == second
     store.update_job(second, state="failed", error="x")
     assert store.active_job(a, {"N": 1024}, "local", 2) is None
+
+
+def test_best_answers_a_question_on_sharding_with_a_winner_that_answers_it(store, adam):
+    rng = random.Random(11)
+    h = store.add_program(adam)
+    # a winner shards what its schedule's as_slice names, within what its search allowed
+    texts = {"baseline": (), "split(ar0)": (), "as_slice(m); as_slice(v)": ("m", "v"),
+             "as_slice(w); as_slice(m); as_slice(v)": ("m", "v", "w"), "as_slice(w)": ("w",)}
+    searches = ["*", "", "m,v", "w", "m,v,w"]
+    tuned = [{"N": 2 ** k} for k in (10, 12, 14)]
+    for i in range(60):
+        text, sizes, world = rng.choice(list(texts)), rng.choice(tuned), rng.choice([2, 4])
+        allowed = rng.choice([t for t in searches if t == "*" or set(texts[text]) <= set(t.split(","))])
+        ids = store.add_measurements([measure(h, sizes, text, 1e-3, world=world, schedule_hash=f"h{i}")])
+        store.add_winner(ids[0], shardable=allowed)
+    for sizes in tuned + [{"N": 2 ** 11}, {"N": 2 ** 20}]:
+        for world in (None, 2, 4):
+            for asked in (None, *searches):
+                got = store.best(h, sizes, "local", world, shardable=asked)
+                want = reference_best(store, h, sizes, "local", world, None, asked)
+                where = (sizes, world, asked)
+                assert (None if got is None else (got.winner.id, got.distance)) == want, where
+                if got is not None and asked is not None:
+                    assert answers(got.winner.shardable, asked, sharded_by(got.schedule)), where
+
+
+def test_a_winner_stays_within_what_its_search_allowed(store, adam):
+    h = store.add_program(adam)
+    mid = store.add_measurement(measure(h, {"N": 64}, "split(ar0); reorder(ag0); as_slice(w); as_slice(m)"))
+    with pytest.raises(StoreError, match="leaves w sharded, which shardable 'm,v' does not allow"):
+        store.add_winner(mid, shardable="m,v")
+    with pytest.raises(StoreError, match="shardable 'm v' is not"):
+        store.add_winner(mid, shardable="m v")
+    assert store.winners(h) == []
+    wid = store.add_winner(mid, shardable="m,w")
+    assert [(w.id, w.shardable) for w in store.winners(h)] == [(wid, "m,w")]
+
+
+def test_jobs_of_one_key_are_apart_per_shardable(store, adam):
+    a = store.add_program(adam)
+    default, new = store.join_job(a, {"N": 1024}, "local", 2, shardable="m,v")
+    every, other = store.join_job(a, {"N": 1024}, "local", 2)
+    assert new and other and default.id != every.id
+    assert (default.shardable, every.shardable) == ("m,v", "*")
+    assert store.join_job(a, {"N": 1024}, "local", 2, shardable="m,v") == (default, False)
+    taken = store.take_job(a, {"N": 1024}, "local", 2, shardable="")
+    assert taken.id not in (default.id, every.id) and taken.shardable == ""
+    assert store.take_job(a, {"N": 1024}, "local", 2, shardable="m,v").id == default.id
+    with pytest.raises(StoreError, match="shardable 'm;v' is not"):
+        store.join_job(a, {"N": 1024}, "local", 2, shardable="m;v")
 
 
 def test_requests_for_one_key_arriving_together_join_one_job(store, adam):

@@ -3,6 +3,7 @@
 import pytest
 
 from coconet.errors import CoconetError
+from coconet.schedules.schedule import sharded_by
 from coconet.server.store import Store
 from coconet.tuner.sweep import SweepConfig, expand_sizes, sweep
 
@@ -44,9 +45,34 @@ worlds: {dgx-h100-8: [2, 8], local: [2]}
         assert best.exact and best.source == "model" and best.winner.backend == "nccl"
         assert best.baseline.schedule == "baseline" and best.speedup >= 1.0
         assert best.runner_up.median_s >= best.median_s
+        # Adam's default: the weights stay whole, only m and v may be sharded
+        assert {w.shardable for w in winners} == {"m,v"}
+        assert all(set(sharded_by(store.measurement(w.measurement_id).schedule)) <= {"m", "v"} for w in winners)
         again = sweep(cfg, store, simulate=True)
         assert again.skipped == report.keys and again.predicted == 0
         assert len(store.winners(prog.hash)) == 5 * 4
+
+
+def test_a_sweep_entry_says_what_may_stay_sharded(tmp_path):
+    cfg = SweepConfig.load(write(tmp_path, """
+programs:
+  - example: adam
+    sizes: ["N=2^12"]
+    shardable: all
+  - example: adam
+    sizes: ["N=2^12"]
+    shardable: []
+topologies: [dgx-h100-8]
+worlds: {dgx-h100-8: [8]}
+"""))
+    assert [e.shardable for e in cfg.entries] == ["*", ""]
+    with Store.open(f"sqlite:///{tmp_path / 'c.db'}") as store:
+        report = sweep(cfg, store, simulate=True)
+        assert report.predicted == 2  # the same key twice, one per question: not taken for done
+        h = cfg.entries[0].program.hash
+        whole = store.best(h, {"N": 4096}, "dgx-h100-8", 8, shardable="")
+        assert whole.winner.shardable == "" and sharded_by(whole.schedule) == []
+        assert store.best(h, {"N": 4096}, "dgx-h100-8", 8, shardable="*").winner.shardable == "*"
 
 
 @pytest.mark.parametrize("text, message", [
@@ -55,6 +81,10 @@ worlds: {dgx-h100-8: [2, 8], local: [2]}
     ("programs:\n  - example: adam\n    sizes: [N=4]\ntopologies: [local]\nbudget: 0\n", "budget"),
     ("programs:\n  - example: adam\n    sizes: [N=4]\ntopologies: [local]\ncolour: red\n", "unknown key 'colour'"),
     ("programs:\n  - example: adam\n    sizes: [Q=4]\ntopologies: [local]\n", "Q"),
+    ("programs:\n  - example: adam\n    sizes: [N=4]\n    shardable: [g]\ntopologies: [local]\n",
+     r"programs\[0\]: shardable g: not replicated state adam updates"),
+    ("programs:\n  - example: adam\n    sizes: [N=4]\n    shardable: [1]\ntopologies: [local]\n",
+     "shardable must be a list of state names"),
 ])
 def test_bad_configs_name_the_cause(tmp_path, text, message):
     with pytest.raises(CoconetError, match=message):

@@ -29,15 +29,20 @@ def test_tune_records_the_winner_the_store_serves(ray_local, tmp_path):
     with Store.open(f"sqlite:///{tmp_path / 'coconet.db'}") as store:
         request = Request(prog, (sizes,), world=2, budget=5, backends=("gloo", "shm"), protocol=FAST)
         store.add_program(prog)
-        asked, _ = store.join_job(prog.hash, sizes, "local", 2, budget=20)  # queued for the service's workers
+        # queued for the service's workers, asking what tune asks by default: Adam's moments may stay sharded
+        asked, _ = store.join_job(prog.hash, sizes, "local", 2, budget=20, shardable="m,v")
         [tuned] = tune(request, store)
         assert tuned.job_id == asked.id  # taken and run here, not tuned twice
         o = tuned.outcome
         assert len(o.trials) == 5 and o.winner is not None and o.baseline is not None
+        assert all(set(t.candidate.schedule.sharded) <= {"m", "v"} for t in o.trials)  # w stays whole
         assert o.baseline.candidate.schedule.transforms == ()
         assert all(t.result.status == "ok" and t.result.correct for t in o.trials)
         best = store.best(prog.hash, sizes, "local", 2)
-        assert best.exact and best.winner.id == tuned.record_id
+        assert best.exact and best.winner.id == tuned.record_id and best.winner.shardable == "m,v"
+        assert tuned.to_json(prog, "local", 2)["shardable"] == ["m", "v"]
+        assert store.best(prog.hash, sizes, "local", 2, shardable="m,v").winner.id == tuned.record_id
+        assert store.best(prog.hash, sizes, "local", 2, shardable="*") is None  # w-sharding never tried
         assert best.measurement.schedule_hash == o.winner.candidate.schedule.hash
         assert best.measurement.backend == o.winner.candidate.backend
         assert best.baseline.schedule == "baseline" and best.speedup == pytest.approx(o.speedup)
@@ -103,8 +108,8 @@ def test_the_tuners_winner_is_the_exhaustive_winner_within_its_ci(ray_local, tmp
     prog = example("sgd")
     sizes = {"N": 2**22}
     with Store.open(f"sqlite:///{tmp_path / 'all.db'}") as store:
-        [every] = tune(Request(prog, (sizes,), world=2, budget=10_000, backends=("gloo",), protocol=FAST, depth=3),
-                       store)
+        [every] = tune(Request(prog, (sizes,), world=2, budget=10_000, backends=("gloo",), protocol=FAST, depth=3,
+                               shardable=("all",)), store)
     assert len(every.outcome.trials) == 16
     results = {t.candidate.key: t.result for t in every.outcome.trials}
     space = SearchSpace.of(prog, ("gloo",), 3)
