@@ -232,12 +232,12 @@ def _pick_schedules(prog: Any, picks: List[str], depth: int, best: Optional[Call
 def _tuned_best(prog: Any, sizes: dict, world: int, backend: str, db: Optional[str], shardable: List[str]) -> Any:
     """The store's winner for this program, sizes and world on this machine with this backend (or of the
     nearest tuned sizes, said on stderr)."""
+    from coconet.codegen.baselines import shardable_text
+    from coconet.schedules import shardable as shard
     from coconet.schedules.schedule import Schedule
     from coconet.server.store import Store
 
-    from coconet.schedules import shardable as shard
-
-    allowed = _shardable_text(prog, shardable)
+    allowed = shardable_text(prog, shardable or None)
     with Store.open(db) as store:
         found = store.best(prog.hash, sizes, "local", world, backend=backend, shardable=allowed)
         url = store.url
@@ -252,14 +252,6 @@ def _tuned_best(prog: Any, sizes: dict, world: int, backend: str, db: Optional[s
             f"note: {','.join(f'{k}={v}' for k, v in sizes.items())} was not tuned; using the winner of "
             f"{found.winner.sizes_key}", markup=False)
     return Schedule.from_json(found.measurement.schedule_json, prog)
-
-
-def _shardable_text(prog: Any, names: List[str]) -> str:
-    """The text (coconet.schedules.shardable) of what ``--shardable`` lets stay sharded; none given: the default."""
-    from coconet.codegen.baselines import default_shardable
-    from coconet.schedules import shardable as shard
-
-    return shard.to_text(prog, shard.resolve(prog, names) if names else default_shardable(prog))
 
 
 def _fmt_s(x: Optional[float]) -> str:
@@ -493,6 +485,7 @@ def sweep(
     cost model elsewhere (recorded as source: model). Keys already done are skipped, so a stopped sweep resumes."""
     from rich.progress import Progress, TextColumn, TimeElapsedColumn
 
+    from coconet.schedules import shardable as shard
     from coconet.server.store import Store
     from coconet.tuner.runner import Protocol
     from coconet.tuner.sweep import SweepConfig
@@ -505,7 +498,7 @@ def sweep(
         def tune_key(entry: Any, sizes: dict, world: int) -> None:
             request = Request(entry.program, (sizes,), world, budget=cfg.budget, protocol=Protocol(),
                               depth=cfg.depth, ray_address=ray_address, program_file=entry.file,
-                              shardable=entry.allowed)
+                              shardable=shard.spelled(entry.shardable))
             run_tune(request, store, prior=cost_prior)
 
         if as_json:
@@ -845,6 +838,7 @@ def submit(
     """Submit a program to a coconet server, tune it there (one job per --size), follow the jobs and print each
     winner with its generated code. With one --size the JSON is one result; with several, a list."""
     from coconet.client import ENV_TOKEN, Client, ServiceError
+    from coconet.codegen.baselines import shardable_text
     from coconet.loader import load_file
     from coconet.schedules import shardable as shard
     from coconet.schedules.dims import parse_sizes
@@ -858,8 +852,8 @@ def submit(
         if program != prog.hash:  # the server would tune something other than what this file says
             raise ServiceError(f"the server hashed {prog.name} as {program}, this coconet as {prog.hash}: "
                                "are the versions the same?")
-        asked = _shardable_text(prog, shardable) if shardable else None  # checked here; the server's default else
-        names = None if asked is None else shard.ALL if asked == shard.EVERY else sorted(shard.names(asked) or ())
+        # checked here; none given, the server's default
+        names = list(shard.spelled(shardable_text(prog, shardable))) if shardable else None
         jobs = [client.post_job(program, sizes, topology=topology, world=world, budget=budget,
                                 shardable=names)["id"] for sizes in points]
         try:

@@ -13,8 +13,9 @@ hash, not by its name: a user's "adam" that computes something else gets the eag
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
+from coconet.schedules import shardable as shard
 from coconet.schedules.ir import Program
 from coconet.schedules.schedule import Schedule
 
@@ -108,6 +109,12 @@ def default_shardable(prog: Program) -> frozenset[str]:
     """The state a schedule of ``prog`` may leave sharded unless the caller says otherwise: what its baseline's
     caller never reads (Adam: m, v), else nothing, so that a schedule hands back all the program computes."""
     return frozenset(baseline_for(prog).shardable)
+
+
+def shardable_text(prog: Program, names: Sequence[str] | None = None) -> str:
+    """The text (``coconet.schedules.shardable``) of what a tuning question lets stay sharded: the names a user
+    gave (``all`` for every one; refused if not the program's state), else the program's default."""
+    return shard.to_text(prog, default_shardable(prog) if names is None else shard.resolve(prog, names))
 
 
 def _example_hash(name: str) -> str | None:

@@ -58,6 +58,12 @@ def names(text: str) -> frozenset[str] | None:
     return frozenset(n for n in text.split(",") if n)
 
 
+def spelled(text: str) -> tuple[str, ...]:
+    """A text as a user writes it: the names, or ``all``."""
+    allowed = names(text)
+    return (ALL,) if allowed is None else tuple(sorted(allowed))
+
+
 def words(text: str) -> str:
     """A text for a message: ``any state``, ``nothing`` or the names."""
     allowed = names(text)

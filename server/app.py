@@ -31,6 +31,7 @@ from coconet.errors import (
     SizeError,
     StoreError,
 )
+from coconet.codegen.baselines import shardable_text
 from coconet.schedules import shardable as shard
 from coconet.schedules.ir import Program
 from coconet.schedules.schedule import sharded_by
@@ -352,8 +353,8 @@ def _facts(request: Request, program_hash: str) -> "Facts":
 
 
 def _shardable_out(text: str) -> list[str] | str:
-    names = shard.names(text)
-    return shard.ALL if names is None else sorted(names)
+    spelled = shard.spelled(text)
+    return shard.ALL if spelled == (shard.ALL,) else list(spelled)
 
 
 def _check_dims(name: str, dims: tuple[str, ...], sizes: dict[str, int]) -> None:
@@ -443,7 +444,7 @@ class Facts:
         if names is None:
             return self.default_shardable
         try:
-            return shard.to_text(self.program, shard.resolve(self.program, names))
+            return shardable_text(self.program, names)
         except CoconetError as e:
             raise HTTPException(422, str(e)) from None
 
@@ -458,7 +459,6 @@ class ProgramFacts:
         self._lock = threading.Lock()
 
     def get(self, program_hash: str) -> Facts | None:
-        from coconet.codegen.baselines import default_shardable
         from coconet.schedules.serialize import load
 
         found = self._known.get(program_hash)
@@ -467,7 +467,7 @@ class ProgramFacts:
             if record is None:
                 return None
             prog = load(record.ir)
-            found = Facts(prog, shard.to_text(prog, default_shardable(prog)))
+            found = Facts(prog, shardable_text(prog))
             with self._lock:
                 if len(self._known) >= self._size:
                     self._known.pop(next(iter(self._known)))

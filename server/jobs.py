@@ -134,10 +134,9 @@ class Workers:
             record = self.store.program(job.program_hash)
             if record is None:
                 raise CoconetError(f"program {job.program_hash} is not in the store")
-            allowed = shard.names(job.shardable)
             request = Request(load(record.ir), (job.sizes,), job.world, job.topology, job.budget or 32,
                               tuple(job.backends), self.settings.protocol, ray_address=self.settings.ray_address,
-                              shardable=tuple(sorted(allowed)) if allowed is not None else (shard.ALL,))
+                              shardable=shard.spelled(job.shardable))
             tune(request, self.store, job_id=job.id, on_progress=follow, prior=cost_prior)
             log.info("job %s done", job.id)
         except _Stop:

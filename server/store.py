@@ -474,6 +474,7 @@ class Store:
         if not rows:
             return []
         _check_shardable(shardable)
+        allowed = shard.names(shardable)
         speedups = list(speedups) if speedups is not None else [None] * len(rows)
         with self._tx("add_winners", write=True) as s:
             wanted = {i for r in rows for i in r if i is not None}
@@ -481,7 +482,8 @@ class Store:
             if job_id is not None:
                 _require_jobs(s, {job_id})
             now = utcnow()
-            values = [_winner_values(by_id, *r, speedup, job_id, shardable, now) for r, speedup in zip(rows, speedups)]
+            values = [_winner_values(by_id, *r, speedup, job_id, shardable, allowed, now)
+                      for r, speedup in zip(rows, speedups)]
             table = WinnerRow.__table__
             conn = s.connection()
             if conn.dialect.name == "postgresql":  # as in add_measurements: ids first, then a plain executemany
@@ -776,8 +778,9 @@ def _new_job(program_hash: str, sizes: Mapping[str, int], key: str, topology: st
              budget: int | None, backends: Sequence[str], running: bool) -> JobRow:
     now = utcnow()
     return JobRow(program_hash=program_hash, sizes=_sorted(sizes), sizes_key=key, topology=topology, world=world,
-                  shardable=shardable, budget=budget, backends=list(backends), state="running" if running else "queued", trials_done=0,
-                  trials_total=budget, trials_failed=0, created_at=now, updated_at=now,
+                  shardable=shardable, budget=budget, backends=list(backends),
+                  state="running" if running else "queued", trials_done=0, trials_total=budget, trials_failed=0,
+                  created_at=now, updated_at=now,
                   heartbeat_at=now if running else None)
 
 
@@ -915,7 +918,8 @@ def _key_filter(q: Any, model: Any, program_hash: str, sizes: Mapping[str, int] 
 
 def _winner_values(by_id: Mapping[int, MeasurementRow], measurement_id: int, runner_up_id: int | None,
                    baseline_id: int | None, speedup: float | None, job_id: int | None, shardable: str,
-                   now: datetime) -> dict:
+                   allowed: frozenset[str] | None, now: datetime) -> dict:
+    """``allowed``: ``shardable``'s names (None: any)."""
     win = by_id.get(measurement_id)
     if win is None:
         raise StoreError(f"no measurement {measurement_id}", measurement_id=measurement_id)
@@ -924,7 +928,6 @@ def _winner_values(by_id: Mapping[int, MeasurementRow], measurement_id: int, run
             f"measurement {measurement_id} is {win.status} without a time; only a valid one can win",
             measurement_id=measurement_id,
         )
-    allowed = shard.names(shardable)
     outside = sorted(set(sharded_by(win.schedule)) - allowed) if allowed is not None else []
     if outside:
         raise StoreError(f"measurement {measurement_id} leaves {', '.join(outside)} sharded, which shardable "

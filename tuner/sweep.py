@@ -2,8 +2,9 @@
 
 Keys on the local topology are tuned (measured, as ``coconet tune``) unless the sweep is simulated;
 every other key is predicted by the cost model over the whole space (every backend the topology
-has, every schedule that shards at most the entry's ``shardable``, every knob value) and recorded with ``source: model`` — the prediction of the
-winner, of the runner-up and of the baseline, and a winner record. A key that already has a winner
+has, every schedule that shards at most the entry's ``shardable``, every knob value) and recorded
+with ``source: model`` — the prediction of the winner, of the runner-up and of the baseline, and a
+winner record. A key that already has a winner
 of that source is skipped, so a sweep that was stopped picks up where it was.
 
 The config (YAML)::
@@ -49,12 +50,6 @@ class Entry:
     file: str | None
     sizes: tuple[dict[str, int], ...]
     shardable: str = shard.EVERY  # what its schedules may leave sharded (coconet.schedules.shardable's text)
-
-    @property
-    def allowed(self) -> tuple[str, ...]:
-        """``shardable`` as tune's ``Request.shardable`` takes it."""
-        names = shard.names(self.shardable)
-        return (shard.ALL,) if names is None else tuple(sorted(names))
 
 
 @dataclass(frozen=True)
@@ -117,15 +112,13 @@ class SweepConfig:
 
 def _shardable(value: Any, prog: Program, where: str) -> str:
     """An entry's ``shardable:`` (a list of names, or ``all``); left out, the program's default."""
-    from coconet.codegen.baselines import default_shardable
+    from coconet.codegen.baselines import shardable_text
 
-    if value is None:
-        return shard.to_text(prog, default_shardable(prog))
-    names = value if isinstance(value, list) else [value]
-    if not all(isinstance(n, str) for n in names):
+    names = value if isinstance(value, list) or value is None else [value]
+    if names is not None and not all(isinstance(n, str) for n in names):
         raise CoconetError(f"{where}: shardable must be a list of state names or `all`, got {value!r}")
     try:
-        return shard.to_text(prog, shard.resolve(prog, names))
+        return shardable_text(prog, names)
     except CoconetError as e:
         raise CoconetError(f"{where}: {e}") from None
 

@@ -16,7 +16,7 @@ import platform
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
-from coconet.codegen.baselines import default_shardable
+from coconet.codegen.baselines import shardable_text
 from coconet.codegen.launch import RunResult
 from coconet.codegen.lower import Generated, lower
 from coconet.errors import CoconetError
@@ -46,16 +46,6 @@ class Request:
     program_file: str | None = None
     # state a schedule may leave sharded (names, or `all`); None: the program's default (``default_shardable``)
     shardable: tuple[str, ...] | None = None
-
-    @property
-    def allowed(self) -> frozenset[str]:
-        if self.shardable is None:
-            return default_shardable(self.program)
-        return shard.resolve(self.program, self.shardable)
-
-    @property
-    def shardable_text(self) -> str:
-        return shard.to_text(self.program, self.allowed)
 
 
 @dataclass
@@ -148,7 +138,7 @@ def check(request: Request) -> tuple[str, ...]:
     if request.budget < 1:
         raise CoconetError(f"budget must be at least 1 trial, got {request.budget}")
     if request.shardable is not None:
-        shard.resolve(request.program, request.shardable)  # names that are not the program's state: refused
+        shardable_text(request.program, request.shardable)  # names that are not the program's state: refused
     return backends
 
 
@@ -164,8 +154,8 @@ def tune(request: Request, store, *, on_progress: Callable[[dict, Progress], Non
     backends = check(request)
     if job_id is not None and len(request.sizes) != 1:
         raise CoconetError(f"job {job_id} tunes one size; the request has {len(request.sizes)}")
-    allowed, allowed_text = request.allowed, request.shardable_text
-    space = SearchSpace.of(prog, backends, request.depth, allowed)
+    allowed_text = shardable_text(prog, request.shardable)
+    space = SearchSpace.of(prog, backends, request.depth, shard.names(allowed_text))
     store.add_program(prog)
     if request.topology == LOCAL:
         store.add_topology(LOCAL, fingerprint(), source="measured")
@@ -206,7 +196,7 @@ def tune(request: Request, store, *, on_progress: Callable[[dict, Progress], Non
             if on_progress:
                 on_progress(sizes, p)
 
-        seeds = _neighbours(store, space, prog, sizes, request, done)
+        seeds = _neighbours(store, space, prog, sizes, request, done, allowed_text)
         if prior is not None:
             seeds += list(prior(space, sizes, request.topology, request.world))[:request.top_k]
         try:
@@ -276,14 +266,16 @@ def _recorded(store, space: SearchSpace, prog: Program, sizes, request: Request)
     return out
 
 
-def _neighbours(store, space: SearchSpace, prog: Program, sizes, request: Request, done: list[Tuned]) -> list[Candidate]:
-    """Winners worth trying first: those of the sizes tuned in this call, then the store's nearest."""
+def _neighbours(store, space: SearchSpace, prog: Program, sizes, request: Request, done: list[Tuned],
+                shardable: str) -> list[Candidate]:
+    """Winners worth trying first: those of the sizes tuned in this call, then the store's nearest that answers
+    this tuning's ``shardable``."""
     out: list[Candidate] = []
     for t in reversed(done):
         for trial in (t.outcome.winner, t.outcome.runner_up):
             if trial is not None:
                 out.append(trial.candidate)
-    best = store.best(prog.hash, sizes, request.topology, request.world, shardable=request.shardable_text)
+    best = store.best(prog.hash, sizes, request.topology, request.world, shardable=shardable)
     if best is not None and best.measurement.schedule_json is not None and best.measurement.backend in space.backends:
         try:
             sched = Schedule.from_json(best.measurement.schedule_json, prog)

@@ -93,3 +93,16 @@ def test_eager_baseline_with_dropout_calls_torchs_and_runs_unchecked():
                                     baselines=[base])
     assert torch_row.status == "ok" and torch_row.correct is None and torch_row.median_s > 0
     assert ours.status == "ok" and ours.correct
+
+
+def test_a_tuning_question_defaults_to_what_the_baseline_s_caller_never_reads():
+    from coconet.codegen.baselines import shardable_text
+
+    adam, sgd = example("adam"), example("sgd")
+    assert shardable_text(adam) == "m,v"  # torch.optim keeps the moments; the model reads w whole
+    assert shardable_text(sgd) == ""  # no hand-written baseline: everything stays whole
+    assert shardable_text(example("megatron_mlp")) == "*"  # nothing it could shard
+    assert shardable_text(adam, ["all"]) == "*" and shardable_text(adam, ["w"]) == "w"
+    assert shardable_text(adam, []) == ""  # names given, none of them: not the default
+    with pytest.raises(CoconetError, match="shardable g: not replicated state adam updates"):
+        shardable_text(adam, ["g"])

@@ -30,6 +30,10 @@ def test_names_round_trip_through_their_text():
     assert shard.to_text(ADAM, {"m", "v", "w"}) == shard.EVERY  # every state is what old records searched
     assert shard.to_text(example("megatron_mlp"), ()) == shard.EVERY
     assert shard.names("m,v") == {"m", "v"} and shard.names("") == frozenset() and shard.names("*") is None
+    # as a user writes it, and back
+    assert shard.spelled("m,v") == ("m", "v") and shard.spelled("") == () and shard.spelled("*") == ("all",)
+    for text in ("m,v", "", "*", "w"):
+        assert shard.to_text(ADAM, shard.resolve(ADAM, shard.spelled(text))) == text
 
 
 @pytest.mark.parametrize("names, why", [
