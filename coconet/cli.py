@@ -604,6 +604,16 @@ def _workload_file(workload: str) -> Path:
     return candidate
 
 
+def _device_name(device: str) -> str:
+    if device == "cpu":
+        return f"cpu, {os.cpu_count()} cores"
+    import torch
+
+    if not torch.cuda.is_available():
+        raise CoconetError("--backend nccl runs on CUDA tensors and this machine has no CUDA device")
+    return torch.cuda.get_device_name()
+
+
 def _sharded_note(names: List[str]) -> str:
     joined = ", ".join(names)
     return (f"note: the winner leaves {joined} sharded (as_slice): after its step each rank holds only its rows of "
@@ -668,6 +678,11 @@ def bench(
         if b not in BACKENDS:
             raise CoconetError(f"unknown backend {b!r} (use {', '.join(BACKENDS)})")
     backends = list(dict.fromkeys(backend))
+    # one floor per point: the memory and matmul rates of the device the ranks' tensors live on
+    device = "cuda" if "nccl" in backends else "cpu"
+    if device == "cuda" and len(backends) > 1:
+        raise CoconetError(f"--backend nccl runs on CUDA tensors and {', '.join(b for b in backends if b != 'nccl')} "
+                           "on CPU tensors: their floors differ, bench them in separate runs")
     file = _workload_file(workload)
     prog = load_file(file)
     points_sizes = [parse_sizes(spec, prog.dims) for spec in size]
@@ -682,19 +697,21 @@ def bench(
     # the matmul rate of one rank's threads (as the launcher gives them), where the program has matmuls
     nranks = world * (2 if prog.is_pipeline else 1)
     cpus = os.cpu_count() or 1
-    threads = max(1, cpus // nranks)
+    # a CUDA rank has a GPU to itself: its matmul rate is the device's, and no rank shares it
+    threads = max(1, cpus // nranks) if device == "cpu" else 1
+    rate_cpus = cpus if device == "cpu" else nranks
     matmuls = any(matmul_flops_per_rank(prog, sizes, world) for sizes in points_sizes)
     rates: list[float] = []
     report: dict[str, Any] = {
         "workload": prog.name, "program_hash": prog.hash, "world": world, "backends": backends, "kernels": kernels,
         "torch_baseline": baseline.doc, "rank_allocator": allocator_policy(), "cpus": os.cpu_count(), "rounds": rounds,
-        "shardable": sorted(allowed), "left_out": left_out, "points": []}
+        "shardable": sorted(allowed), "left_out": left_out, "floor_device": _device_name(device), "points": []}
     for sizes in points_sizes:
         per_round: list[tuple[dict, list[dict]]] = []
         for _ in range(rounds):
-            bandwidths.append(memory_bandwidth())
+            bandwidths.append(memory_bandwidth(device=device))
             if matmuls:
-                rates.append(matmul_rate(threads) / threads)
+                rates.append(matmul_rate(threads, device=device) / threads)
             rows, torch_row = [], None
             for k, b in enumerate(backends):  # the baseline runs once a round, in its first launch, beside them
                 opts = Options(world=world, sizes=sizes, backend=b, kernels=kernels, repeats=repeats, warmup=warmup,
@@ -719,19 +736,20 @@ def bench(
         if best and "round_medians_s" in best and "round_medians_s" in torch_row:
             point["best_speedup_rounds"] = [t / b for t, b in zip(torch_row["round_medians_s"], best["round_medians_s"])]
         report["points"].append(point)
-    bandwidths.append(memory_bandwidth())
+    bandwidths.append(memory_bandwidth(device=device))
     bandwidth = max(bandwidths)
     report["memory_bandwidth_GBps"] = bandwidth / 1e9
     report["memory_bandwidth_samples_GBps"] = [b / 1e9 for b in bandwidths]
     if matmuls:
-        rates.append(matmul_rate(threads) / threads)
+        rates.append(matmul_rate(threads, device=device) / threads)
         report["matmul_GFLOPs_per_thread"] = max(rates) / 1e9
         report["matmul_GFLOPs_per_thread_samples"] = [r / 1e9 for r in rates]
         report["threads_per_rank"] = threads
     for point in report["points"]:
         point["memory_floor_s"] = point["bytes_moved_once"] / bandwidth
         point["matmul_flops_per_rank"] = matmul_flops_per_rank(prog, point["sizes"], world)
-        point["compute_floor_s"] = compute_floor(prog, point["sizes"], world, max(rates), cpus, threads) if rates else 0.0
+        point["compute_floor_s"] = compute_floor(prog, point["sizes"], world, max(rates), rate_cpus,
+                                                threads) if rates else 0.0
         point["floor_s"] = max(point["memory_floor_s"], point["compute_floor_s"])
         point["best_over_floor"] = point["best"]["median_s"] / point["floor_s"] if point["best"] else None
     if output is not None:
@@ -746,7 +764,7 @@ def bench(
         return
     console = Console(highlight=False)
     table = Table(title=f"{prog.name}  world={world}  backends={','.join(backends)}  kernels={kernels}  "
-                  f"memory {bandwidth / 1e9:.1f} GB/s", title_justify="left")
+                  f"memory {bandwidth / 1e9:.1f} GB/s ({report['floor_device']})", title_justify="left")
     for col in ("sizes", "torch", "as written", "best", "speed-up", "floor", "best/floor"):
         table.add_column(col, justify="left" if col == "sizes" else "right", no_wrap=True)
     table.add_column("best schedule", ratio=1, overflow="fold")

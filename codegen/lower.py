@@ -130,7 +130,10 @@ class _Emitter:
         if op == "scalar":
             if s.type.dtype == "int64":
                 return [f"{n} = int(scalars[{s.name!r}])"]
-            return [f"{n} = torch.tensor(float(scalars[{s.name!r}]), dtype={TORCH_DTYPE[s.type.dtype]}, device=_c.device)"]
+            # on the host whatever the backend: CUDA ops and compiled kernels take a 0-d CPU tensor as a plain
+            # argument, where a 0-d CUDA tensor costs a host-to-device copy per step and every statement of
+            # scalars alone a kernel launch (an H100's Adam step at N=2^24 spent 230 us of 840 on both)
+            return [f"{n} = torch.tensor(float(scalars[{s.name!r}]), dtype={TORCH_DTYPE[s.type.dtype]})"]
         if op == "recv":
             peer = "_c.global_rank - _c.world"
             return [
@@ -434,7 +437,7 @@ def _lower_fuse(e: _Emitter, g: Group) -> list[str]:
     if compiled:
         # an int argument would be baked into the compiled code: a new seed would recompile it
         ints = {ident(a) for a in ins if p[a].op == "scalar" and p[a].type.dtype == "int64"}
-        args = [f"_int64(_c, {a})" if a in ints else a for a in args]
+        args = [f"_int64({a})" if a in ints else a for a in args]
     call = f"{fname}({', '.join(args)})"
     if not rest:
         return [call]
@@ -536,7 +539,7 @@ def _chunk_kernel(e: _Emitter, g: Group, compute: list[str], inplace: dict[str, 
         if s.op != "dropout":
             body.extend(("    " + x, m) for x in e.stmt(s))
             continue
-        args[f"_int64(_c, _c.rows({dim_expr(n)})[0])"] = "row0_k"
+        args[f"_int64(_c.rows({dim_expr(n)})[0])"] = "row0_k"
         body.append((f"    {ident(m)} = _dropout_rows({e.operand(s, s.args[0])}, {e.dropout_args(s)}, {d}, row0_k)", m))
     for o, t in inplace.items():
         body.append((f"    {e.operand(p[o], t)}.copy_({ident(o)})", o))
@@ -575,7 +578,7 @@ def _chunk_kernel(e: _Emitter, g: Group, compute: list[str], inplace: dict[str, 
     e.toplevel += [(f"def {fname}({', '.join(params)}):", g.members[0]), (f'    """{doc}."""', g.members[0])]
     e.toplevel += body + [("", None), ("", None), (f"{fname} = _kernel({fname})", g.members[0]), ("", None)]
     ints = {ident(a) for m in compute for a in p[m].args if p[a].op == "scalar" and p[a].type.dtype == "int64"}
-    call_args = dims + [f"_int64(_c, {a})" if a in ints else a for a in args]
+    call_args = dims + [f"_int64({a})" if a in ints else a for a in args]
     call = f"{fname}({', '.join(call_args)})"
     if results:
         call = f"{', '.join(ident(r) for r in results)}{',' if len(results) == 1 else ''} = {call}"

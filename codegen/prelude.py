@@ -291,9 +291,10 @@ def _dropped(x, p, words):
     return torch.where(keep, x / (1.0 - p), torch.zeros((), dtype=x.dtype, device=x.device))
 
 
-def _int64(c, x):
-    """An int as a 0-d int64 tensor (two's complement for seeds of 2^63 and up)."""
-    return torch.tensor(x - (1 << 64) if x >= 1 << 63 else x, dtype=torch.int64, device=c.device)
+def _int64(x):
+    """An int as a 0-d int64 tensor (two's complement for seeds of 2^63 and up), on the host as the
+    scalars are: kernels take it as an argument, and a new value does not compile again."""
+    return torch.tensor(x - (1 << 64) if x >= 1 << 63 else x, dtype=torch.int64)
 
 
 def _kernel(fn):

@@ -28,16 +28,18 @@ def bench_plot(report: dict[str, Any], path: Path) -> None:
         ("floor (memory or matmul)" if any(p.get("compute_floor_s") for p in points) else "memory-bandwidth floor"):
             [p["floor_s"] for p in points],
     }
-    styles = ["o-", "s--"] + ["^-", "v-", "D-"][:len(report["backends"])] + ["k:"]
+    styles = ["o-", "s--"] + ["^-", "v-", "D-"][:len(report["backends"])] + ["kx:"]
     for (name, ys), style in zip(series.items(), styles):
         pts = [(i, y) for i, y in zip(x, ys) if y]
         if pts:
             ax_t.plot([i for i, _ in pts], [y for _, y in pts], style, label=name)
     ax_t.set_yscale("log")
     ax_t.set_ylabel("step time (s), median")
-    ax_t.set_title(f"{report['workload']}: world {report['world']}, {'+'.join(report['backends'])}, {report['kernels']} kernels")
+    where = f" ({report['floor_device']})" if report.get("floor_device") else ""
+    ax_t.set_title(f"{report['workload']}: world {report['world']}, {'+'.join(report['backends'])}, "
+                   f"{report['kernels']} kernels{where}", fontsize=10)
     for name, key, style in (("best / torch baseline (speed-up)", "best_speedup", "^-"),
-                             ("best / floor (distance)", "best_over_floor", "k:")):
+                             ("best / floor (distance)", "best_over_floor", "kx:")):
         pts = [(i, p[key]) for i, p in zip(x, points) if p[key]]
         if pts:
             ax_s.plot([i for i, _ in pts], [y for _, y in pts], style, label=name)

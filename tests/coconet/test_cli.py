@@ -117,6 +117,7 @@ def test_json_with_unknown_op(tmp_path):
     (["run", "examples/adam.py", "--size", "N=8", "--schedule", "split(nope)"], "nope"),
     (["run", "examples/adam.py", "--size", "N=8", "--backend", "mpi"], "unknown backend 'mpi'"),
     (["bench", "adam", "--size", "N=8", "--backend", "mpi"], "unknown backend 'mpi'"),
+    (["bench", "adam", "--size", "N=8", "--backend", "nccl", "--backend", "shm"], "bench them in separate runs"),
     (["run", "examples/adam.py", "--size", "N=8", "--kernels", "numba"], "unknown --kernels 'numba'"),
 ])
 def test_other_errors(args, fragment):
@@ -339,3 +340,11 @@ def test_tune_killed_mid_study_resumes_without_measuring_twice(tmp_path):
     trials, retimed = after[:-2], after[-2:]  # the two fastest are timed again at the end
     assert len(trials) == 6 - len(before) and not set(trials) & set(before)
     assert doc["best"]["hash"] in {h for h, _ in retimed}
+
+
+def test_bench_on_nccl_without_cuda_names_the_cause():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    assert_one_error(coconet("bench", "adam", "--size", "N=8", "--backend", "nccl"), "no CUDA device")

@@ -100,7 +100,7 @@ def test_fused_collective_kernel_takes_dropout_with_the_chunks_first_row():
     for backend in ("gloo", "shm"):
         src = lower(sched, backend).source
         assert "drop0 = _dropout_rows(add0, 0.1, seed, (d_B, d_S, d_H, ), 0, row0_k)" in src
-        assert "_chunk0(d_B, d_S, d_H, _int64(_c, _c.rows(d_B)[0]), _c.cut(r, 0, d_B)," in src
+        assert "_chunk0(d_B, d_S, d_H, _int64(_c.rows(d_B)[0]), _c.cut(r, 0, d_B)," in src
         assert "_dropout(_c," not in src.split("def step")[1]
     eager = lower(sched, "gloo", kernels="eager").source
     assert "_chunk0" not in eager and "drop0 = _dropout(_c, add0, 0.1, seed" in eager
@@ -124,7 +124,7 @@ def test_fused_kernel_writes_state_in_place_and_compiles():
 
 def test_int_scalars_reach_compiled_kernels_as_tensors():
     sched = Schedule.parse("fuse(add0, drop0, add1)", example("megatron_mlp"))
-    assert "_fuse0(_c, d_B, d_S, d_H, ar0, b, _int64(_c, seed), r)" in lower(sched).source
+    assert "_fuse0(_c, d_B, d_S, d_H, ar0, b, _int64(seed), r)" in lower(sched).source
     assert "_fuse0(_c, d_B, d_S, d_H, ar0, b, seed, r)" in lower(sched, kernels="eager").source
 
 

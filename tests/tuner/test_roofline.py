@@ -1,6 +1,8 @@
 import runpy
 from pathlib import Path
 
+import pytest
+
 from coconet.tuner.roofline import bytes_moved_once, compute_floor, matmul_flops_per_rank, matmul_rate, memory_bandwidth
 
 ROOT = Path(__file__).parents[2]
@@ -45,3 +47,14 @@ def test_compute_floor_shares_the_cores():
 
 def test_matmul_rate_is_a_rate():
     assert matmul_rate(1, m=64, k=64, n=64, repeats=2) > 1e7
+
+
+@pytest.mark.gpu
+def test_cuda_rates_are_the_devices():
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    # far above what host memory or host cores give: the floor of a CUDA run is the GPU's
+    assert memory_bandwidth(nbytes=2**28, repeats=3, device="cuda") > 2e11
+    assert matmul_rate(m=2048, k=2048, n=2048, repeats=3, device="cuda") > 1e12

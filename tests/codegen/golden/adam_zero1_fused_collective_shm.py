@@ -407,11 +407,11 @@ def step(tensors, scalars, *, group=None, stage=0, stages=1, sizes=None, custom_
     w = tensors['w']
     m = tensors['m']
     v = tensors['v']
-    lr = torch.tensor(float(scalars['lr']), dtype=torch.float32, device=_c.device)
-    beta1 = torch.tensor(float(scalars['beta1']), dtype=torch.float32, device=_c.device)
-    beta2 = torch.tensor(float(scalars['beta2']), dtype=torch.float32, device=_c.device)
-    eps = torch.tensor(float(scalars['eps']), dtype=torch.float32, device=_c.device)
-    t = torch.tensor(float(scalars['t']), dtype=torch.float32, device=_c.device)
+    lr = torch.tensor(float(scalars['lr']), dtype=torch.float32)
+    beta1 = torch.tensor(float(scalars['beta1']), dtype=torch.float32)
+    beta2 = torch.tensor(float(scalars['beta2']), dtype=torch.float32)
+    eps = torch.tensor(float(scalars['eps']), dtype=torch.float32)
+    t = torch.tensor(float(scalars['t']), dtype=torch.float32)
     c0 = 1
     sub0 = c0 - beta1
     sub1 = c0 - beta2

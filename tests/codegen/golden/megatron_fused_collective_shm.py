@@ -238,9 +238,10 @@ def _dropped(x, p, words):
     return torch.where(keep, x / (1.0 - p), torch.zeros((), dtype=x.dtype, device=x.device))
 
 
-def _int64(c, x):
-    """An int as a 0-d int64 tensor (two's complement for seeds of 2^63 and up)."""
-    return torch.tensor(x - (1 << 64) if x >= 1 << 63 else x, dtype=torch.int64, device=c.device)
+def _int64(x):
+    """An int as a 0-d int64 tensor (two's complement for seeds of 2^63 and up), on the host as the
+    scalars are: kernels take it as an argument, and a new value does not compile again."""
+    return torch.tensor(x - (1 << 64) if x >= 1 << 63 else x, dtype=torch.int64)
 
 
 def _kernel(fn):
@@ -475,7 +476,7 @@ def step(tensors, scalars, *, group=None, stage=0, stages=1, sizes=None, custom_
         # 4 chunks: published once, each chunk reduced out of the peers' segments just before it computes
         _ag1 = _Gather(_rank, 0, d_B)
         for _c, rs0_parts in _reduce_scatter_parts(_rank, mm0, 0, d_B, 4):
-            add1, = _chunk0(d_B, d_S, d_H, _int64(_c, _c.rows(d_B)[0]), _c.cut(r, 0, d_B), rs0_parts, b, _int64(_c, seed))
+            add1, = _chunk0(d_B, d_S, d_H, _int64(_c.rows(d_B)[0]), _c.cut(r, 0, d_B), rs0_parts, b, _int64(seed))
             _ag1.add(_c, add1)
         ag1 = _ag1.result()
         return ag1,
