@@ -90,6 +90,7 @@ def _result(b: Best) -> dict[str, Any]:
         "schedule": m.schedule,
         "sharded": sharded_by(m.schedule),
         "shardable": b.winner.shardable,
+        "shardable_words": shard.words(b.winner.shardable),
         "median_s": m.median_s,
         "ci95_s": [m.ci_lo_s, m.ci_hi_s],
         "baseline_median_s": base.median_s if base else None,

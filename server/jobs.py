@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import logging
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from typing import Any, Iterator
 
 from coconet.errors import CoconetError, StoreError
 from coconet.schedules import shardable as shard
+from coconet.server.driver import gone, this_process
 from coconet.server.records import JobRecord
 from coconet.server.store import Store
 from coconet.tuner.runner import Protocol
@@ -21,10 +23,11 @@ from coconet.tuner.runner import Protocol
 log = logging.getLogger("coconet.server")
 
 HEARTBEAT_S = 10.0
-# A running job whose heartbeat is older than this has lost its driver. Generous: `coconet tune` (the CLI,
-# sharing the database) beats only once per trial, and a compiled candidate's trial can take minutes.
-STALE_S = 300.0
-ORPHANED = "the server running it stopped; queued again (finished trials are kept)"
+# A running job whose heartbeat is older than this has lost its driver: every driver (a worker here, `coconet
+# tune` sharing the database) beats from a thread of its own, whatever a trial takes, so six beats missed
+# mean a process gone or stuck. The key is free again after that long.
+STALE_S = 60.0
+ORPHANED = "the process running it stopped; queued again (finished trials are kept)"
 
 
 class _Stop(KeyboardInterrupt):
@@ -41,13 +44,18 @@ class WorkerSettings:
     stale_s: float = STALE_S
 
 
+def abandoned(job: JobRecord, stale_s: float = STALE_S) -> bool:
+    """A running job nobody runs any more: its driver, a process on this machine, has ended, or its
+    heartbeat is older than ``stale_s`` (a driver elsewhere, or one the store does not name)."""
+    beat = job.heartbeat_at or job.updated_at
+    return gone(job.driver) is not None or beat < datetime.now(timezone.utc) - timedelta(seconds=stale_s)
+
+
 def requeue_orphans(store: Store, stale_s: float = STALE_S) -> list[int]:
-    """Jobs left ``running`` with a heartbeat older than ``stale_s``: marked interrupted, then queued again."""
-    cutoff = datetime.now(timezone.utc) - timedelta(seconds=stale_s)
+    """Running jobs that are ``abandoned``: marked interrupted, then queued again."""
     out = []
     for job in store.jobs("running"):
-        beat = job.heartbeat_at or job.updated_at
-        if beat > cutoff:
+        if not abandoned(job, stale_s):
             continue
         try:
             store.update_job(job.id, state="interrupted", error=ORPHANED)
@@ -57,7 +65,7 @@ def requeue_orphans(store: Store, stale_s: float = STALE_S) -> list[int]:
             continue
         out.append(job.id)
     if out:
-        log.warning("requeued jobs %s, left running by a server that stopped", out)
+        log.warning("requeued jobs %s, left running by a process that stopped", out)
     return out
 
 
@@ -72,6 +80,8 @@ class Workers:
         self._threads: list[threading.Thread] = []
         self._running: dict[int, threading.Thread] = {}
         self._lock = threading.Lock()
+        me = this_process()
+        self._driver = me.text if me else None
 
     def start(self) -> None:
         for i in range(self.settings.workers):
@@ -101,7 +111,7 @@ class Workers:
                 if idle <= 0:
                     requeue_orphans(self.store, self.settings.stale_s)
                     idle = self.settings.stale_s / 4
-                job = self.store.claim_job()
+                job = self.store.claim_job(driver=self._driver)
             except StoreError as err:
                 log.error("worker: %s", err)
                 job = None
@@ -119,41 +129,53 @@ class Workers:
                     self._running.pop(job.id, None)
 
     def _run(self, job: JobRecord) -> None:
-        from coconet.schedules.serialize import load
-        from coconet.tuner.tune import Request, cost_prior, tune
-
-        beat = threading.Event()
-        beating = threading.Thread(target=self._heartbeat, args=(job.id, beat), daemon=True)
-        beating.start()
-
         def follow(sizes: dict, progress: Any) -> None:
             if self._stop.is_set():
                 raise _Stop("the server is stopping")
 
         try:
-            record = self.store.program(job.program_hash)
-            if record is None:
-                raise CoconetError(f"program {job.program_hash} is not in the store")
-            request = Request(load(record.ir), (job.sizes,), job.world, job.topology, job.budget or 32,
-                              tuple(job.backends), self.settings.protocol, ray_address=self.settings.ray_address,
-                              shardable=shard.spelled(job.shardable))
-            tune(request, self.store, job_id=job.id, on_progress=follow, prior=cost_prior)
+            with heartbeat(self.store, job.id):
+                self._tune(job, follow)
             log.info("job %s done", job.id)
         except _Stop:
             _requeue(self.store, job.id)
         except Exception as err:  # a job's failure is recorded on the job; the worker goes on
             log.exception("job %s failed", job.id)
             _fail(self.store, job.id, err)
-        finally:
-            beat.set()
-            beating.join()
 
-    def _heartbeat(self, job_id: int, done: threading.Event) -> None:
-        while not done.wait(HEARTBEAT_S):
+    def _tune(self, job: JobRecord, follow: Any) -> None:
+        from coconet.schedules.serialize import load
+        from coconet.tuner.tune import Request, cost_prior, tune
+
+        record = self.store.program(job.program_hash)
+        if record is None:
+            raise CoconetError(f"program {job.program_hash} is not in the store")
+        request = Request(load(record.ir), (job.sizes,), job.world, job.topology, job.budget or 32,
+                          tuple(job.backends), self.settings.protocol, ray_address=self.settings.ray_address,
+                          shardable=shard.spelled(job.shardable))
+        tune(request, self.store, job_id=job.id, on_progress=follow, prior=cost_prior)
+
+
+@contextmanager
+def heartbeat(store: Store, job_id: int, every_s: float = HEARTBEAT_S) -> Iterator[None]:
+    """The job's heartbeat, every ``every_s`` from a thread while the block runs: the job is seen alive
+    however long one trial takes, and seen abandoned ``STALE_S`` after its process is gone."""
+    done = threading.Event()
+
+    def beat() -> None:
+        while not done.wait(every_s):
             try:
-                self.store.update_job(job_id)
-            except StoreError:
+                store.update_job(job_id)
+            except StoreError:  # the job moved on (finished, failed, taken back): nothing left to beat
                 return
+
+    thread = threading.Thread(target=beat, name=f"coconet-heartbeat-{job_id}", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def _requeue(store: Store, job_id: int) -> None:

@@ -90,6 +90,8 @@ class JobRow(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow)
     heartbeat_at: Mapped[datetime | None]
+    # the process running it (coconet.server.driver): on its machine, seen gone at once, not only when stale
+    driver: Mapped[str | None] = mapped_column(String(300))
 
 
 class MeasurementRow(Base):

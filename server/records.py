@@ -63,6 +63,7 @@ class JobRecord:
     created_at: datetime
     updated_at: datetime
     heartbeat_at: datetime | None
+    driver: str | None = None  # coconet.server.driver's text of the process running it
 
 
 @dataclass(frozen=True)

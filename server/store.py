@@ -63,7 +63,7 @@ from coconet.server.records import (
 ENV_URL = "COCONET_DATABASE_URL"
 # The newest migration in server/migrations/versions (a test keeps the two equal). Knowing it here
 # lets an up-to-date database open without importing Alembic, which costs half a second per CLI call.
-SCHEMA_HEAD = "0003"
+SCHEMA_HEAD = "0004"
 SQLITE_BUSY_S = 30
 MIGRATIONS = Path(__file__).resolve().parent / "migrations"
 
@@ -240,8 +240,9 @@ class Store:
             s.flush()
             return _job(row)
 
-    def claim_job(self, job_id: int | None = None) -> JobRecord | None:
-        """Atomically take a queued job (the given one, else the oldest) and mark it running; None if there is none."""
+    def claim_job(self, job_id: int | None = None, *, driver: str | None = None) -> JobRecord | None:
+        """Atomically take a queued job (the given one, else the oldest) and mark it running, by ``driver``
+        (``coconet.server.driver``'s text of the process that runs it); None if there is none."""
         with self._tx("claim_job", write=True) as s:
             q = select(JobRow).where(JobRow.state == "queued")
             if job_id is not None:
@@ -249,7 +250,7 @@ class Store:
             row = s.scalars(q.order_by(JobRow.id).limit(1).with_for_update(skip_locked=True)).first()
             if row is None:
                 return None
-            row.state = "running"
+            row.state, row.driver = "running", driver
             row.updated_at = row.heartbeat_at = utcnow()
             s.flush()
             return _job(row)
@@ -294,10 +295,11 @@ class Store:
             return _job(row), True
 
     def take_job(self, program_hash: str, sizes: Mapping[str, int], topology: str, world: int, *,
-                 budget: int | None = None, backends: Sequence[str] = (), shardable: str = shard.EVERY) -> JobRecord:
-        """A running job for a tuner that tunes the key itself (``coconet tune``): the key's queued job, claimed
-        and given this run's budget and backends (the service's workers would only tune the key again), else a
-        new one. A job already running elsewhere is left to run."""
+                 budget: int | None = None, backends: Sequence[str] = (), shardable: str = shard.EVERY,
+                 driver: str | None = None) -> JobRecord:
+        """A running job for a tuner that tunes the key itself (``coconet tune``, ``driver`` its process): the
+        key's queued job, claimed and given this run's budget and backends (the service's workers would only
+        tune the key again), else a new one. A job already running elsewhere is left to run."""
         key = sizes_key(sizes)
         _check_world(world)
         with self._key_tx("take_job", program_hash, key, topology, world, shardable) as s:
@@ -308,6 +310,7 @@ class Store:
             else:
                 row.state, row.budget, row.trials_total, row.backends = "running", budget, budget, list(backends)
                 row.updated_at = row.heartbeat_at = utcnow()
+            row.driver = driver
             s.flush()
             return _job(row)
 

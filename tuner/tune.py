@@ -13,16 +13,18 @@ from __future__ import annotations
 
 import math
 import platform
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 from coconet.codegen.baselines import shardable_text
 from coconet.codegen.launch import RunResult
 from coconet.codegen.lower import Generated, lower
-from coconet.errors import CoconetError
+from coconet.errors import CoconetError, StoreError
 from coconet.schedules import shardable as shard
 from coconet.schedules.ir import Program
 from coconet.schedules.schedule import Schedule
+from coconet.server.keys import sizes_key
 from coconet.tuner.runner import Protocol, Runner, connect
 from coconet.tuner.search import Candidate, Outcome, Progress, SearchSpace, Trial, search, study_name
 from coconet.tuner.stats import summarize
@@ -148,6 +150,8 @@ def tune(request: Request, store, *, on_progress: Callable[[dict, Progress], Non
          job_id: int | None = None) -> list[Tuned]:
     """Tune every size of ``request`` into ``store``; ``prior`` gives the cost model's top-k. ``job_id``: a job
     the caller created and claimed (the service's worker) to run instead of a new one; one size only."""
+    from coconet.server.driver import this_process
+    from coconet.server.jobs import heartbeat
     from coconet.server.records import NewMeasurement, Progress as JobProgress
 
     prog = request.program
@@ -155,6 +159,8 @@ def tune(request: Request, store, *, on_progress: Callable[[dict, Progress], Non
     if job_id is not None and len(request.sizes) != 1:
         raise CoconetError(f"job {job_id} tunes one size; the request has {len(request.sizes)}")
     allowed_text = shardable_text(prog, request.shardable)
+    if job_id is None:
+        _free_keys(store, prog, request.sizes, request, allowed_text)
     space = SearchSpace.of(prog, backends, request.depth, shard.names(allowed_text))
     store.add_program(prog)
     if request.topology == LOCAL:
@@ -164,64 +170,100 @@ def tune(request: Request, store, *, on_progress: Callable[[dict, Progress], Non
     storage = store.optuna_storage()
     order = sorted(request.sizes, key=lambda s: math.prod(s.values()))
     done: list[Tuned] = []
+    me = this_process()
     for sizes in order:
         sizes = dict(sizes)
+        beating: AbstractContextManager[None]
         if job_id is not None:
-            job = job_id
+            job, beating = job_id, nullcontext()
         else:
             job = store.take_job(prog.hash, sizes, request.topology, request.world, budget=request.budget,
-                                 backends=list(backends), shardable=allowed_text).id
-        runners: dict[str, Runner] = {}
+                                 backends=list(backends), shardable=allowed_text, driver=me.text if me else None).id
+            beating = heartbeat(store, job)  # the service sees the key taken while this runs, and free if it dies
+        with beating:
+            runners: dict[str, Runner] = {}
 
-        def measure(c: Candidate) -> RunResult:
-            if c.backend not in runners:
-                runners[c.backend] = Runner(prog, world=request.world, sizes=sizes, backend=c.backend,
-                                            protocol=request.protocol, program_file=request.program_file,
-                                            lowering=lowering)
-            return runners[c.backend].measure(c.schedule)
+            def measure(c: Candidate) -> RunResult:
+                if c.backend not in runners:
+                    runners[c.backend] = Runner(prog, world=request.world, sizes=sizes, backend=c.backend,
+                                                protocol=request.protocol, program_file=request.program_file,
+                                                lowering=lowering)
+                return runners[c.backend].measure(c.schedule)
 
-        def record(c: Candidate, res: RunResult, role: str) -> int:
-            s = summarize(res.samples) if res.samples else None
-            err = res.max_rel_err if res.max_rel_err is not None and math.isfinite(res.max_rel_err) else None
-            return store.add_measurement(NewMeasurement.of(
-                c.schedule, sizes=sizes, topology=request.topology, world=request.world, backend=c.backend,
-                status=res.status, error=res.error, samples=list(res.samples), n=len(res.samples),
-                median_s=s.median if s else None, ci_lo_s=s.ci95[0] if s else None,
-                ci_hi_s=s.ci95[1] if s else None, max_rel_err=err, source="measured",
-                versions=versions(c.backend), job_id=job))
+            def record(c: Candidate, res: RunResult, role: str) -> int:
+                s = summarize(res.samples) if res.samples else None
+                err = res.max_rel_err if res.max_rel_err is not None and math.isfinite(res.max_rel_err) else None
+                return store.add_measurement(NewMeasurement.of(
+                    c.schedule, sizes=sizes, topology=request.topology, world=request.world, backend=c.backend,
+                    status=res.status, error=res.error, samples=list(res.samples), n=len(res.samples),
+                    median_s=s.median if s else None, ci_lo_s=s.ci95[0] if s else None,
+                    ci_hi_s=s.ci95[1] if s else None, max_rel_err=err, source="measured",
+                    versions=versions(c.backend), job_id=job))
 
-        def progress(p: Progress) -> None:
-            store.update_job(job, progress=JobProgress(done=p.trials, total=p.budget, failed=p.failed,
-                                                       best_s=p.best[1] if p.best else None))
-            if on_progress:
-                on_progress(sizes, p)
+            def progress(p: Progress) -> None:
+                store.update_job(job, progress=JobProgress(done=p.trials, total=p.budget, failed=p.failed,
+                                                           best_s=p.best[1] if p.best else None))
+                if on_progress:
+                    on_progress(sizes, p)
 
-        seeds = _neighbours(store, space, prog, sizes, request, done, allowed_text)
-        if prior is not None:
-            seeds += list(prior(space, sizes, request.topology, request.world))[:request.top_k]
-        try:
-            outcome = search(space, sizes, storage=storage,
-                             study=study_name(prog, sizes, request.topology, request.world, allowed_text),
-                             budget=request.budget, measure=measure, record=record, prior=seeds,
-                             seed=request.seed, on_progress=progress,
-                             recorded=_recorded(store, space, prog, sizes, request))
-        except BaseException as e:
-            store.update_job(job, state="interrupted" if isinstance(e, KeyboardInterrupt) else "failed",
-                             error=f"{type(e).__name__}: {e}"[:2000])
-            raise
-        finally:
-            for r in runners.values():
-                r.close()
-        winner_id = None
-        if outcome.winner is not None:
-            base_id = _record_id(outcome.baseline, record)
-            winner_id = store.add_winner(_record_id(outcome.winner, record),
-                                         runner_up_id=_record_id(outcome.runner_up, record),
-                                         baseline_id=base_id, job_id=job, shardable=allowed_text)
-        tuned = Tuned(sizes, outcome, job, winner_id, shardable=allowed_text)
-        store.update_job(job, state="done", result=tuned.to_json(prog, request.topology, request.world))
-        done.append(tuned)
+            seeds = _neighbours(store, space, prog, sizes, request, done, allowed_text)
+            if prior is not None:
+                seeds += list(prior(space, sizes, request.topology, request.world))[:request.top_k]
+            try:
+                outcome = search(space, sizes, storage=storage,
+                                 study=study_name(prog, sizes, request.topology, request.world, allowed_text),
+                                 budget=request.budget, measure=measure, record=record, prior=seeds,
+                                 seed=request.seed, on_progress=progress,
+                                 recorded=_recorded(store, space, prog, sizes, request))
+            except BaseException as e:
+                store.update_job(job, state="interrupted" if isinstance(e, KeyboardInterrupt) else "failed",
+                                 error=f"{type(e).__name__}: {e}"[:2000])
+                raise
+            finally:
+                for r in runners.values():
+                    r.close()
+            winner_id = None
+            if outcome.winner is not None:
+                base_id = _record_id(outcome.baseline, record)
+                winner_id = store.add_winner(_record_id(outcome.winner, record),
+                                             runner_up_id=_record_id(outcome.runner_up, record),
+                                             baseline_id=base_id, job_id=job, shardable=allowed_text)
+            tuned = Tuned(sizes, outcome, job, winner_id, shardable=allowed_text)
+            store.update_job(job, state="done", result=tuned.to_json(prog, request.topology, request.world))
+            done.append(tuned)
     return done
+
+
+def _free_keys(store: Any, prog: Program, sizes: Sequence[Mapping[str, int]], request: Request, allowed_text: str,
+               stale_s: float | None = None) -> None:
+    """Refuses a key another tuner (the service's worker, another ``coconet tune``) is running right now: both
+    would time their candidates on the same cores at once, each skewing the other's numbers, for one study.
+    A running job nobody runs any more (its process gone, or its heartbeat stale) is marked interrupted
+    instead, so that no server queues it again beside this run; its finished trials stay in the study."""
+    from coconet.server.driver import Driver
+    from coconet.server.jobs import STALE_S, abandoned
+
+    keys = {sizes_key(sz): sz for sz in sizes}
+    busy = []
+    for job in store.jobs("running", program_hash=prog.hash):
+        if (job.sizes_key not in keys or (job.topology, job.world, job.shardable)
+                != (request.topology, request.world, allowed_text)):
+            continue
+        if abandoned(job, STALE_S if stale_s is None else stale_s):
+            try:
+                store.update_job(job.id, state="interrupted", error="left by the process that ran it; the key "
+                                 "was tuned again (finished trials are kept)")
+            except StoreError:  # moved on meanwhile (a server queued it again): take_job finds it queued
+                pass
+            continue
+        by = Driver.parse(job.driver)
+        busy.append(f"{','.join(f'{k}={v}' for k, v in job.sizes.items())} (job {job.id}"
+                    f"{', ' + by.describe() if by else ''})")
+    if busy:
+        raise CoconetError(f"{prog.name} at {'; '.join(busy)} on {request.topology}, world {request.world} is being "
+                           f"tuned by another tuner sharing this store right now: its winner will be recorded here "
+                           f"(coconet run --schedule best, GET /api/v1/jobs/ID); tuning it here too would run a second "
+                           f"search of the same study beside it, on one machine timing both on the same cores")
 
 
 def cost_prior(space: SearchSpace, sizes: Mapping[str, int], topology: str, world: int) -> list[Candidate]:

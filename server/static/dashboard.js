@@ -105,7 +105,7 @@ function renderResults(view) {
   const body = $("#results tbody");
   body.replaceChildren();
   if (view.results.length === 0) {
-    const td = el("td", { colspan: "10", class: "muted" }, "no winner recorded yet");
+    const td = el("td", { colspan: "11", class: "muted" }, "no winner recorded yet");
     body.append(el("tr")).append(td);
     return;
   }
@@ -115,6 +115,7 @@ function renderResults(view) {
     const cells = [
       [sizesText(r.sizes)], [r.topology], [String(r.world), "num"], [r.backend],
       [r.sharded.length ? `${r.schedule} (leaves ${r.sharded.join(", ")} sharded)` : r.schedule, "schedule"],
+      [r.shardable_words, "shardable"],
       [seconds(r.median_s), "num"], [ci, "num"], [seconds(r.baseline_median_s), "num"],
       [r.speedup === null ? "–" : `${r.speedup.toFixed(2)}×`, "num"], [r.source],
     ];

@@ -404,6 +404,42 @@ def test_a_job_left_running_is_requeued_when_the_server_starts(tmp_path: Path) -
         store.claim_job(left)
     with TestClient(create_app(url, token=TOKEN, start_workers=False)) as c:
         assert c.get(f"{API}/jobs/{left}").json()["state"] == "running"
+    # ... unless its driver, a process of this machine, has ended: then it is queued again at once
+    from coconet.server.driver import Driver, this_process
+
+    me = this_process()
+    with Store.open(url) as store:
+        store.update_job(left, state="interrupted")
+        store.update_job(left, state="queued")
+        store.claim_job(left, driver=Driver(me.host, me.machine, 2**22 + 1, "1").text)
+    with TestClient(create_app(url, token=TOKEN, start_workers=False)) as c:
+        assert c.get(f"{API}/jobs/{left}").json()["state"] == "queued"
+    with Store.open(url) as store:  # the server's own process, beating: left alone
+        store.claim_job(left, driver=me.text)
+    with TestClient(create_app(url, token=TOKEN, start_workers=False)) as c:
+        assert c.get(f"{API}/jobs/{left}").json()["state"] == "running"
+
+
+def test_a_running_job_beats_until_its_block_ends(tmp_path: Path) -> None:
+    from coconet.server.jobs import heartbeat
+
+    prog = held_out_program()
+    with Store.open(f"sqlite:///{tmp_path / 'beat.db'}") as store:
+        store.add_program(prog)
+        job = store.create_job(prog.hash, {"N": 1024}, "local", 2, budget=2)
+        store.claim_job(job)
+        first = store.job(job).heartbeat_at
+        with heartbeat(store, job, every_s=0.02):
+            deadline = time.monotonic() + 10
+            while store.job(job).heartbeat_at == first and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert store.job(job).heartbeat_at > first  # beat from its thread, nothing else wrote the job
+        last = store.job(job).heartbeat_at
+        time.sleep(0.1)
+        assert store.job(job).heartbeat_at == last  # the thread ended with the block
+        store.update_job(job, state="done")
+        with heartbeat(store, job, every_s=0.02):  # a finished job: the beat stops without raising
+            time.sleep(0.1)
 
 
 # -- Schemathesis

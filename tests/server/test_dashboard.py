@@ -99,6 +99,7 @@ def test_program_view(client: TestClient, filled: dict[str, Any]) -> None:
     assert [r["sizes"] for r in local] == SIZES
     assert all(r["schedule"] == schedules[-1] and r["speedup"] == pytest.approx(1 / 0.55) for r in local)
     assert all(r["sharded"] == sharded_by(r["schedule"]) for r in view["results"])
+    assert all(r["shardable"] == "*" and r["shardable_words"] == "any state" for r in view["results"])
     timing = {t["context"]: t for t in view["timings"]}
     # the baseline, the winner, then the fastest others; the failed shm trial draws no line
     assert [s["name"] for s in timing["local · 2 ranks"]["series"]] == [
@@ -230,6 +231,9 @@ def test_page_renders_plots(filled: dict[str, Any], browser: Any) -> None:
         assert best == sorted(best, reverse=True) and len(best) == 5
         rows = browser.execute_script("return document.querySelectorAll('#results tbody tr').length")
         assert rows == 6
+        # each winner says what its search let stay sharded, beside what it leaves sharded
+        allowed = browser.execute_script("return [...document.querySelectorAll('#results td.shardable')].map(c => c.textContent)")
+        assert allowed == ["any state"] * 6
         assert "def step(" in browser.find_element("css selector", "#code code").text
         # another study from the select re-draws the history
         browser.execute_script("const s = document.querySelector('#study'); s.value = '2'; s.dispatchEvent(new Event('change'))")

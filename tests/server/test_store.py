@@ -518,6 +518,19 @@ def test_a_tuner_takes_the_queued_job_of_its_key(store, adam):
     assert store.join_job(a, {"N": 1024}, "local", 2)[0].id == queued.id  # the oldest active one is joined
 
 
+def test_a_job_names_the_process_that_runs_it(store, adam):
+    a = store.add_program(adam)
+    queued, _ = store.join_job(a, {"N": 1024}, "local", 2)
+    assert queued.driver is None  # nobody runs it yet
+    assert store.claim_job(driver="7@worker boot/ns 123").driver == "7@worker boot/ns 123"
+    assert store.job(queued.id).driver == "7@worker boot/ns 123"
+    taken = store.take_job(a, {"N": 2048}, "local", 2, driver="8@laptop boot/ns 456")
+    assert store.job(taken.id).driver == "8@laptop boot/ns 456"
+    again, _ = store.join_job(a, {"N": 4096}, "local", 2)
+    assert store.take_job(a, {"N": 4096}, "local", 2, driver="9@laptop boot/ns 789").id == again.id
+    assert store.job(again.id).driver == "9@laptop boot/ns 789"
+
+
 def test_measurement_digests_are_the_records_without_their_heavy_columns(store, adam, mlp):
     a, m = store.add_program(adam), store.add_program(mlp)
     store.add_measurements([measure(a, {"N": 2 ** (10 + i % 3)}, f"s{i}", topology=("local", "dgx")[i % 2])

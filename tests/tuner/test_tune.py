@@ -7,9 +7,11 @@ from pathlib import Path
 import pytest
 
 from coconet.codegen.lower import lower
+from coconet.errors import CoconetError
+from coconet.server.driver import Driver, this_process
 from coconet.server.store import Store
 from coconet.tuner.runner import Protocol
-from coconet.tuner.tune import Request, tune
+from coconet.tuner.tune import Request, _free_keys, tune
 
 ROOT = Path(__file__).parents[2]
 FAST = Protocol(warmup=1, min_repeats=5, max_repeats=10, max_time_s=1.0, kernels="eager", timeout_s=60.0)
@@ -148,3 +150,40 @@ def test_the_tuned_json_says_which_state_the_winner_leaves_sharded():
     # sorted, as REST gives them
     assert doc["best"]["sharded"] == ["m", "v", "w"] and doc["runner_up"]["sharded"] == ["m", "v"]
     assert doc["baseline"]["sharded"] == []
+
+
+def test_tune_leaves_a_key_another_tuner_is_running(tmp_path):
+    prog = example("adam")
+    me = this_process()
+    with Store.open(f"sqlite:///{tmp_path / 'coconet.db'}") as store:
+        store.add_program(prog)
+        other = store.take_job(prog.hash, {"N": 3000}, "local", 2, budget=5, shardable="m,v", driver=me.text)
+        request = Request(prog, ({"N": 2000}, {"N": 3000}), world=2, budget=5, backends=("gloo",), protocol=FAST)
+        # refused before Ray starts or anything is recorded, naming the size, the job and its process
+        with pytest.raises(CoconetError, match=rf"adam at N=3000 \(job {other.id}, pid {me.pid} on {me.host}\) on "
+                                               rf"local, world 2 is being tuned"):
+            tune(request, store)
+        assert [j.id for j in store.jobs()] == [other.id] and store.job(other.id).state == "running"
+        # another choice of shardable state is another key
+        _free_keys(store, prog, [{"N": 3000}], request, "*")
+        assert store.job(other.id).state == "running"
+
+
+def test_tune_takes_a_key_whose_tuner_is_gone(tmp_path):
+    prog = example("adam")
+    me = this_process()
+    dead = Driver(me.host, me.machine, 2**22 + 1, "1")  # no such process on this machine
+    request = Request(prog, ({"N": 3000},), world=2, budget=5, backends=("gloo",), protocol=FAST)
+    with Store.open(f"sqlite:///{tmp_path / 'coconet.db'}") as store:
+        store.add_program(prog)
+        killed = store.take_job(prog.hash, {"N": 3000}, "local", 2, shardable="m,v", driver=dead.text)
+        _free_keys(store, prog, [{"N": 3000}], request, "m,v")  # its heartbeat is fresh, its process gone
+        job = store.job(killed.id)
+        assert job.state == "interrupted" and "left by the process that ran it" in job.error
+        # a process elsewhere that stopped beating holds nothing either
+        elsewhere = store.take_job(prog.hash, {"N": 3000}, "local", 2, shardable="m,v",
+                                   driver=Driver("another-host", me.machine, me.pid, me.start).text)
+        with pytest.raises(CoconetError, match="is being tuned"):
+            _free_keys(store, prog, [{"N": 3000}], request, "m,v")
+        _free_keys(store, prog, [{"N": 3000}], request, "m,v", stale_s=0)
+        assert store.job(elsewhere.id).state == "interrupted"
