@@ -726,7 +726,7 @@ def bench(
         rows = [_over_rounds(list(same)) for same in zip(*(r for _, r in per_round))]
         ok = [r for r in rows if r["status"] == "ok" and r["median_s"]]
         best = min(ok, key=lambda r: r["median_s"]) if ok else None
-        point = {"sizes": sizes, "bytes_moved_once": bytes_moved_once(prog, sizes, world), "torch": torch_row,
+        point = {"sizes": sizes, "bytes_moved_once": bytes_moved_once(prog, sizes, world, allowed), "torch": torch_row,
                  "results": rows, "best": best}
         ref = torch_row["median_s"] if torch_row and torch_row["median_s"] else rows[0]["median_s"]
         for b in backends:

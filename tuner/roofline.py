@@ -1,37 +1,46 @@
 """The floor under a step's time: the larger of the bytes it must move once, at the machine's memory
 bandwidth, and its matmuls' flops on the busiest rank, at that rank's matmul rate.
 
-Every input is read once (a Local input once per rank: each rank holds its own), every updated
-state and every output written once. Collectives, padding and temporaries are what a schedule adds
-on top; a perfect single-node schedule approaches this floor, none goes under it. Matmuls run on each
-rank's piece (a Sliced operand holds 1/R of its dim), the ranks in parallel, and every schedule of
-the space keeps them: where they dominate (the Megatron layer), the compute floor bounds every speed-up.
+Every input is read once (a Local input once per rank: each rank holds its own). A result is written
+once where one copy serves, and once per rank where every rank must hold it after the step: the ranks
+keep their tensors in private memory, so a replicated state that must stay whole (not in
+``shardable``), a local state, and a replicated or local output are written on each rank.
+Collectives, padding and temporaries are what a schedule adds on top; a perfect single-node
+schedule approaches this floor, none goes under it. Matmuls run on each rank's piece (a Sliced
+operand holds 1/R of its dim), the ranks in parallel, and every schedule of the space keeps them:
+where they dominate (the Megatron layer), the compute floor bounds every speed-up.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from typing import Mapping
+from typing import Iterable, Mapping
 
 from coconet.schedules import interp
 from coconet.schedules.ir import Program
-from coconet.schedules.types import ITEMSIZE, Local
+from coconet.schedules.types import ITEMSIZE, Local, Replicated
 
 
 def _nbytes(t, sizes: Mapping[str, int]) -> int:
     return math.prod(interp.concrete_shape(t, sizes)) * ITEMSIZE.get(t.dtype or "float32", 4)
 
 
-def bytes_moved_once(program: Program, sizes: Mapping[str, int], world: int) -> int:
+def bytes_moved_once(program: Program, sizes: Mapping[str, int], world: int,
+                     shardable: Iterable[str] = ()) -> int:
+    """``shardable``: the replicated state a schedule may leave sharded (ZeRO: each rank writes its rows)."""
+    may_shard = frozenset(shardable)
     total = 0
     for s in program.inputs:
         if s.op == "input":
             total += _nbytes(s.type, sizes) * (world if isinstance(s.type.layout, Local) else 1)
     for target in program.updates:
-        total += _nbytes(program[target].type, sizes)
+        t = program[target].type
+        per_rank = isinstance(t.layout, Local) or (isinstance(t.layout, Replicated) and target not in may_shard)
+        total += _nbytes(t, sizes) * (world if per_rank else 1)
     for value in program.outputs.values():
-        total += _nbytes(program[value].type, sizes)
+        t = program[value].type
+        total += _nbytes(t, sizes) * (world if isinstance(t.layout, (Replicated, Local)) else 1)
     return total
 
 

@@ -13,11 +13,17 @@ def example(name):
 
 
 def test_bytes_moved_once():
-    # every rank's gradient read once; w, m, v read and written once
-    assert bytes_moved_once(example("adam"), {"N": 1000}, 4) == 4 * 1000 * 4 + 6 * 1000 * 4
-    # x (B, S, 4H), w (4H, H), b, r read; out written (all float32)
+    n, f32 = 1000, 4
+    adam = example("adam")
+    # every rank's gradient read, w, m, v read once; each rank keeps its own whole w, m, v: written on all 4
+    assert bytes_moved_once(adam, {"N": n}, 4) == (4 + 3 + 3 * 4) * n * f32
+    # the state a schedule may leave sharded is written once, each rank its rows
+    assert bytes_moved_once(adam, {"N": n}, 4, {"m", "v"}) == (4 + 3 + 4 + 2) * n * f32
+    assert bytes_moved_once(adam, {"N": n}, 4, {"w", "m", "v"}) == (4 + 3 + 3) * n * f32
+    assert bytes_moved_once(adam, {"N": n}, 1) == (1 + 3 + 3) * n * f32
+    # x (B, S, 4H), w (4H, H), b, r read once; the replicated out written on both ranks (all float32)
     B, S, H = 2, 3, 5
-    want = 4 * (B * S * 4 * H + 4 * H * H + H + B * S * H + B * S * H)
+    want = 4 * (B * S * 4 * H + 4 * H * H + H + B * S * H + 2 * B * S * H)
     assert bytes_moved_once(example("megatron_mlp"), {"B": B, "S": S, "H": H}, 2) == want
 
 
