@@ -243,7 +243,7 @@ def _free_keys(store: Any, prog: Program, sizes: Sequence[Mapping[str, int]], re
     from coconet.server.driver import Driver
     from coconet.server.jobs import STALE_S, abandoned
 
-    keys = {sizes_key(sz): sz for sz in sizes}
+    keys = {sizes_key(sz) for sz in sizes}
     busy = []
     for job in store.jobs("running", program_hash=prog.hash):
         if (job.sizes_key not in keys or (job.topology, job.world, job.shardable)
