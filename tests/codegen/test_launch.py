@@ -175,11 +175,17 @@ def _wait_for_ranks(n, timeout=60):
     raise AssertionError("the ranks never started")
 
 
+def _default_sigint():
+    # A suite run as a background job of a shell inherits SIGINT ignored, and so would the CLI, where Python
+    # then installs no KeyboardInterrupt handler: give it the disposition a terminal's Ctrl-C meets.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _cli(tmp_path, *args):
     # a killed parent cannot remove its work directory: keep it in the test's
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     return subprocess.Popen([sys.executable, "-m", "coconet", "run", *args], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
+                            stderr=subprocess.PIPE, text=True, env=env, preexec_fn=_default_sigint)
 
 
 def test_ctrl_c_stops_every_rank(tmp_path):
