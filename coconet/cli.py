@@ -21,6 +21,7 @@ from rich.table import Table
 from rich.text import Text
 
 from coconet.errors import CoconetError
+from coconet.schedules.dims import format_sizes
 
 app = typer.Typer(
     name="coconet",
@@ -242,14 +243,14 @@ def _tuned_best(prog: Any, sizes: dict, world: int, backend: str, db: Optional[s
         found = store.best(prog.hash, sizes, "local", world, backend=backend, shardable=allowed)
         url = store.url
     if found is None or found.measurement.schedule_json is None:
-        size_text = ",".join(f"{k}={v}" for k, v in sizes.items())
+        size_text = format_sizes(sizes)
         flags = "".join(f" --shardable {n}" for n in shardable)
         raise CoconetError(f"no tuned schedule of {prog.name} on {backend} at world {world} in {url} that leaves "
                            f"at most {shard.words(allowed)} sharded: run `coconet tune FILE --world {world} "
                            f"--size {size_text} --backend {backend}{flags}` first")
     if not found.exact:
         Console(stderr=True, highlight=False).print(
-            f"note: {','.join(f'{k}={v}' for k, v in sizes.items())} was not tuned; using the winner of "
+            f"note: {format_sizes(sizes)} was not tuned; using the winner of "
             f"{found.winner.sizes_key}", markup=False)
     return Schedule.from_json(found.measurement.schedule_json, prog)
 
@@ -338,7 +339,7 @@ def run(
 
 def _print_run_table(prog: Any, world: int, backend: str, sizes: dict, rows: list) -> None:
     console = Console(highlight=False)
-    sizes_text = ",".join(f"{k}={v}" for k, v in sizes.items())
+    sizes_text = format_sizes(sizes)
     table = Table(title=f"{prog.name}  world={world}  backend={backend}  {sizes_text}", title_justify="left")
     for col in ("status", "max rel err", "median", "95% CI", "vs baseline"):
         table.add_column(col, no_wrap=True, justify="left" if col == "status" else "right")
@@ -426,7 +427,7 @@ def _tune_with_progress(request: Any, store: Any, quiet: bool) -> list:
         tasks: dict[str, Any] = {}
 
         def show(sizes: dict, p: Any) -> None:
-            key = ",".join(f"{k}={v}" for k, v in sizes.items())
+            key = format_sizes(sizes)
             if key not in tasks:
                 tasks[key] = bar.add_task(key, total=p.budget, status="")
             best = f"best {_fmt_s(p.best[1])} {p.best[0]}" if p.best else "no result yet"
@@ -438,7 +439,7 @@ def _tune_with_progress(request: Any, store: Any, quiet: bool) -> list:
 
 def _print_tune_table(prog: Any, doc: dict, tuned: Any) -> None:
     console = Console(highlight=False)
-    sizes_text = ",".join(f"{k}={v}" for k, v in doc["sizes"].items())
+    sizes_text = format_sizes(doc["sizes"])
     shardable = ",".join(doc["shardable"]) or "none"
     table = Table(title=f"{prog.name}  world={doc['world']}  {sizes_text}  topology={doc['topology']}  "
                   f"shardable={shardable}  {doc['trials']} trials, {doc['failed']} failed", title_justify="left")
@@ -770,7 +771,7 @@ def bench(
     table.add_column("best schedule", ratio=1, overflow="fold")
     for pt in report["points"]:
         t = pt["torch"]
-        table.add_row(",".join(f"{k}={v}" for k, v in pt["sizes"].items()), _fmt_s(t["median_s"]) if t else "",
+        table.add_row(format_sizes(pt["sizes"]), _fmt_s(t["median_s"]) if t else "",
                       _fmt_s(pt["results"][0]["median_s"]), _fmt_s(pt["best"]["median_s"]) if pt["best"] else "",
                       _fmt_speedup(pt), _fmt_s(pt["floor_s"]),
                       f"{pt['best_over_floor']:.2f}x" if pt["best_over_floor"] else "",
@@ -905,7 +906,7 @@ def _follow_jobs(client: Any, jobs: list[int], poll: float, timeout: Optional[fl
 
         def show(job: dict) -> None:
             p = job["progress"]
-            sizes = ",".join(f"{k}={v}" for k, v in job["sizes"].items())
+            sizes = format_sizes(job["sizes"])
             best = f"best {_fmt_s(p['best_s'])}" if p.get("best_s") else "no result yet"
             bar.update(tasks[job["id"]], description=f"job {job['id']} {sizes}", completed=p["done"],
                        total=p["total"], status=f"{job['state']}  failed {p['failed']}  {best}")
@@ -941,7 +942,7 @@ def _submitted(client: Any, job: dict, with_code: bool) -> dict:
 
 def _print_submitted(name: str, d: dict) -> None:
     console = Console(highlight=False, soft_wrap=True)  # a schedule's text is copied from here: never wrapped
-    sizes = ",".join(f"{k}={v}" for k, v in d["sizes"].items())
+    sizes = format_sizes(d["sizes"])
     head = f"{name}  world={d['world']}  {sizes}  topology={d['topology']}  job {d['job']}"
     b = d["best"]
     if b is None:

@@ -11,6 +11,7 @@ from typing import Any, Callable, Mapping
 import httpx
 
 from coconet.errors import CoconetError
+from coconet.schedules.dims import format_sizes
 
 API = "/api/v1"
 ENV_TOKEN = "COCONET_API_TOKEN"
@@ -61,7 +62,7 @@ class Client:
 
     def best(self, program: str, sizes: Mapping[str, int], *, topology: str, world: int,
              shardable: str | None = None) -> dict[str, Any]:
-        params = {"program": program, "sizes": _sizes_text(sizes), "topology": topology, "world": world}
+        params = {"program": program, "sizes": format_sizes(sizes), "topology": topology, "world": world}
         if shardable is not None:
             params["shardable"] = shardable
         return self._call("GET", "/best", params=params)
@@ -109,8 +110,6 @@ def follow(client: Client, job_ids: list[int], *, poll_s: float = 1.0, timeout_s
         sleep(poll_s)
 
 
-def _sizes_text(sizes: Mapping[str, int]) -> str:
-    return ",".join(f"{k}={v}" for k, v in sizes.items())
 
 
 def _detail(resp: httpx.Response) -> str:

@@ -22,6 +22,7 @@ from coconet.codegen.launch import RunResult
 from coconet.codegen.lower import Generated, lower
 from coconet.errors import CoconetError, StoreError
 from coconet.schedules import shardable as shard
+from coconet.schedules.dims import format_sizes
 from coconet.schedules.ir import Program
 from coconet.schedules.schedule import Schedule
 from coconet.server.keys import sizes_key
@@ -257,7 +258,7 @@ def _free_keys(store: Any, prog: Program, sizes: Sequence[Mapping[str, int]], re
                 pass
             continue
         by = Driver.parse(job.driver)
-        busy.append(f"{','.join(f'{k}={v}' for k, v in job.sizes.items())} (job {job.id}"
+        busy.append(f"{format_sizes(job.sizes)} (job {job.id}"
                     f"{', ' + by.describe() if by else ''})")
     if busy:
         raise CoconetError(f"{prog.name} at {'; '.join(busy)} on {request.topology}, world {request.world} is being "
