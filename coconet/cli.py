@@ -639,6 +639,14 @@ def _over_rounds(rows: list[dict]) -> dict:
                 round_ci95_s=[r["ci95_s"] for r in rows], samples=sum(r["samples"] for r in rows))
 
 
+def _write_report(path: Path, report: dict) -> None:
+    """Whole or not at all: a reader (or a run killed mid-write) never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(report, indent=2) + "\n")
+    os.replace(partial, path)
+
+
 @app.command()
 @_guard
 def bench(
@@ -707,6 +715,23 @@ def bench(
         "workload": prog.name, "program_hash": prog.hash, "world": world, "backends": backends, "kernels": kernels,
         "torch_baseline": baseline.doc, "rank_allocator": allocator_policy(), "cpus": os.cpu_count(), "rounds": rounds,
         "shardable": sorted(allowed), "left_out": left_out, "floor_device": _device_name(device), "points": []}
+
+    def floors() -> None:
+        """The floors of the points so far, at the best rates sampled so far."""
+        report["memory_bandwidth_GBps"] = max(bandwidths) / 1e9
+        report["memory_bandwidth_samples_GBps"] = [b / 1e9 for b in bandwidths]
+        if matmuls:
+            report["matmul_GFLOPs_per_thread"] = max(rates) / 1e9
+            report["matmul_GFLOPs_per_thread_samples"] = [r / 1e9 for r in rates]
+            report["threads_per_rank"] = threads
+        for point in report["points"]:
+            point["memory_floor_s"] = point["bytes_moved_once"] / max(bandwidths)
+            point["matmul_flops_per_rank"] = matmul_flops_per_rank(prog, point["sizes"], world)
+            point["compute_floor_s"] = compute_floor(prog, point["sizes"], world, max(rates), rate_cpus,
+                                                    threads) if rates else 0.0
+            point["floor_s"] = max(point["memory_floor_s"], point["compute_floor_s"])
+            point["best_over_floor"] = point["best"]["median_s"] / point["floor_s"] if point["best"] else None
+
     for sizes in points_sizes:
         per_round: list[tuple[dict, list[dict]]] = []
         for _ in range(rounds):
@@ -737,25 +762,18 @@ def bench(
         if best and "round_medians_s" in best and "round_medians_s" in torch_row:
             point["best_speedup_rounds"] = [t / b for t, b in zip(torch_row["round_medians_s"], best["round_medians_s"])]
         report["points"].append(point)
+        if output is not None and len(report["points"]) < len(points_sizes):
+            # written after every point: a run stopped later (Ctrl-C, the OOM killer) keeps the points it made
+            floors()
+            _write_report(output, dict(report, complete=False))
     bandwidths.append(memory_bandwidth(device=device))
-    bandwidth = max(bandwidths)
-    report["memory_bandwidth_GBps"] = bandwidth / 1e9
-    report["memory_bandwidth_samples_GBps"] = [b / 1e9 for b in bandwidths]
     if matmuls:
         rates.append(matmul_rate(threads, device=device) / threads)
-        report["matmul_GFLOPs_per_thread"] = max(rates) / 1e9
-        report["matmul_GFLOPs_per_thread_samples"] = [r / 1e9 for r in rates]
-        report["threads_per_rank"] = threads
-    for point in report["points"]:
-        point["memory_floor_s"] = point["bytes_moved_once"] / bandwidth
-        point["matmul_flops_per_rank"] = matmul_flops_per_rank(prog, point["sizes"], world)
-        point["compute_floor_s"] = compute_floor(prog, point["sizes"], world, max(rates), rate_cpus,
-                                                threads) if rates else 0.0
-        point["floor_s"] = max(point["memory_floor_s"], point["compute_floor_s"])
-        point["best_over_floor"] = point["best"]["median_s"] / point["floor_s"] if point["best"] else None
+    floors()
+    bandwidth = max(bandwidths)
+    report["complete"] = True
     if output is not None:
-        output.parent.mkdir(parents=True, exist_ok=True)
-        output.write_text(json.dumps(report, indent=2) + "\n")
+        _write_report(output, report)
     if plot is not None:
         from coconet.tuner.plots import bench_plot
 

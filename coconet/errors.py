@@ -98,6 +98,14 @@ class StoreError(CoconetError):
     """The results store cannot be opened or reached, or refused a record (unknown program, bad key)."""
 
 
+class KeyBusy(StoreError):
+    """A tuner asked for a key whose job another live process is running; ``running`` is that job's id,
+    ``driver`` the text naming its process (``coconet.server.driver``), or None."""
+
+    def __init__(self, message: str, *, running: int, driver: str | None = None) -> None:
+        super().__init__(message, running=running, driver=driver)
+
+
 class TopologyError(CoconetError):
     """A topology (``configs/topologies/*.yaml``) is missing, malformed, or cannot run what was asked;
     ``field`` names the offending field (``links.intra.bandwidth_GBps``), None when it is the whole file."""

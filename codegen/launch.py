@@ -46,6 +46,7 @@ from coconet.errors import BackendError, CoconetError
 from coconet.schedules import interp
 from coconet.schedules.equivalence import TOLERANCE, rel_err
 from coconet.schedules.schedule import Schedule
+from coconet.schedules.types import Replicated
 from coconet.tuner.stats import summarize
 
 STARTUP_S = 60.0  # interpreter start, torch import and group formation, on a loaded machine
@@ -211,7 +212,7 @@ def _launch(tasks, opts: Options, reference, results, custom) -> set[int]:
                     if code == 0:  # it finished every task; the others may still be on theirs
                         continue
                     gen = by_id[current]
-                    results[current] = _result(gen, "runtime_error", f"rank {rank} died (exit code {code})"
+                    results[current] = _result(gen, "runtime_error", f"rank {rank} {_died(code)}"
                                                + _log_tail(workdir, rank))
                     done.add(current)
                     return done
@@ -302,11 +303,12 @@ def compare(prog, reports: Mapping[int, dict], opts: Options, reference) -> tupl
     for key in sorted(set(reference) | set(got)):
         if key not in got or key not in reference:
             return math.inf, f"{key} is missing from {'the ranks' if key not in got else 'the reference'}"
-        e = rel_err(got[key], reference[key])
         tol = TOLERANCE.get(_dtype_of(prog, key), 1e-4)
-        worst = max(worst, e)
-        if not e <= tol and bad is None:
-            bad = f"{key} (relative error {e:.3g} > {tol:g}) differs from the reference interpreter"
+        for where, value in got[key]:
+            e = rel_err(value, reference[key])
+            worst = max(worst, e)
+            if not e <= tol and bad is None:
+                bad = f"{key}{where} (relative error {e:.3g} > {tol:g}) differs from the reference interpreter"
     return worst, bad
 
 
@@ -320,8 +322,10 @@ def _dtype_of(prog, key: str) -> str:
     return prog[send.args[0]].type.dtype
 
 
-def _assemble(prog, reports: Mapping[int, dict], opts: Options) -> dict[str, np.ndarray]:
-    out: dict[str, np.ndarray] = {}
+def _assemble(prog, reports: Mapping[int, dict], opts: Options) -> dict[str, list[tuple[str, np.ndarray]]]:
+    """Per observed key, the global values to check: a Replicated value once per rank (every rank must hold
+    it whole: a gather that missed one rank shows there only), anything else assembled from its pieces."""
+    out: dict[str, list[tuple[str, np.ndarray]]] = {}
     for stage in range(opts.stages):
         ranks = [reports[stage * opts.world + r] for r in range(opts.world)]
         for key in ranks[0]:
@@ -332,8 +336,23 @@ def _assemble(prog, reports: Mapping[int, dict], opts: Options) -> dict[str, np.
                 t = prog[prog.outputs[name]].type
             else:
                 t = prog[next(s for s in prog.effects if s.op == "send" and s.attr("tag") == name).args[0]].type
-            out[key] = interp.assemble(t, [r[key] for r in ranks])
+            pieces = [r[key] for r in ranks]
+            if isinstance(t.layout, Replicated) and opts.world > 1:
+                out[key] = [(f" on rank {stage * opts.world + r}", p) for r, p in enumerate(pieces)]
+            else:
+                out[key] = [("", interp.assemble(t, pieces))]
     return out
+
+
+def _died(code: int) -> str:
+    if code >= 0:
+        return f"died (exit code {code})"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    why = " (the kernel's OOM killer sends it when memory runs out: see dmesg)" if -code == signal.SIGKILL else ""
+    return f"was killed by {name}{why}"
 
 
 def describe_error(rank: int, data: dict, gen: Generated) -> str:

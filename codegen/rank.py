@@ -129,6 +129,7 @@ def _run(job: dict[str, Any], rank: int, conn: Connection) -> int:
                 tensors, scalars = inputs(prog, opts, stage, rank % world, device)
                 out = step(tensors, scalars, **kwargs)
                 conn.send(("check", task, rank, observe(prog, tensors, out, stage)))
+                del tensors, out  # before the timed steps' inputs are made
             samples = None
             if opts.time:
                 tensors, scalars = inputs(prog, opts, stage, rank % world, device)
@@ -161,31 +162,36 @@ def inputs(prog, opts, stage: int, grank: int, device):
     import torch
 
     from coconet.schedules import interp
-    from coconet.schedules.types import Local
 
-    values = interp.make_inputs(prog, opts.world, opts.sizes, opts.seed, stage)
+    values = interp.rank_inputs(prog, opts.world, opts.sizes, grank, opts.seed, stage)
     tensors, scalars = {}, {}
     for s in prog.inputs:
         if s.name not in values:
             continue
-        v = values[s.name]
+        piece = values.pop(s.name)  # let go of each float64 piece once its tensor exists
         if s.op == "scalar":
-            scalars[s.name] = int(v) if s.type.dtype == "int64" else float(v)
+            scalars[s.name] = int(piece) if s.type.dtype == "int64" else float(piece)
             continue
-        shape = interp.concrete_shape(s.type, opts.sizes)
-        piece = v[grank] if isinstance(s.type.layout, Local) else interp.distribute(s.type, v, shape, opts.world)[grank]
         tensors[s.name] = torch.tensor(np.ascontiguousarray(piece), dtype=getattr(torch, s.type.dtype), device=device)
     return tensors, scalars
 
 
 def observe(prog, tensors, out, stage: int) -> dict[str, np.ndarray]:
+    """What the rank holds after the step, in its own dtype (the checker widens it as it compares: at world R
+    the parent holds R reports, and float64 copies would double them); bfloat16, which NumPy lacks, as float32."""
+    import torch
+
+    def host(v):
+        v = v.detach().cpu()
+        return (v.float() if v.dtype == torch.bfloat16 else v).numpy()  # pickled at once, before any other step
+
     obs = {}
     for name in prog.updates:
-        obs[f"stage{stage}.state.{name}"] = tensors[name].detach().double().cpu().numpy()
+        obs[f"stage{stage}.state.{name}"] = host(tensors[name])
     for name, v in out["outputs"].items():
-        obs[f"stage{stage}.output.{name}"] = v.detach().double().cpu().numpy()
+        obs[f"stage{stage}.output.{name}"] = host(v)
     for tag, v in out["sent"].items():
-        obs[f"stage{stage}.sent.{tag}"] = v.detach().double().cpu().numpy()
+        obs[f"stage{stage}.sent.{tag}"] = host(v)
     return obs
 
 

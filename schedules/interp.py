@@ -17,6 +17,7 @@ the pipeline's result.
 
 from __future__ import annotations
 
+import math
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
@@ -78,10 +79,14 @@ def local_region(t: TensorType, shape: tuple[int, ...], world: int, rank: int) -
 
 
 def distribute(t: TensorType, value: np.ndarray, shape: tuple[int, ...], world: int) -> Pieces:
-    """Global value → per-rank pieces (a Local value arrives as ``(world, *shape)``)."""
+    """Global value → per-rank pieces (a Local value arrives as ``(world, *shape)``). The pieces are views of
+    ``value``, and a Replicated value is one array on every rank: nothing here writes an array it was given."""
+    value = np.asarray(value)
     if isinstance(t.layout, Local):
-        return [np.array(value[r]) for r in range(world)]
-    return [np.array(value[local_region(t, shape, world, r)]) for r in range(world)]
+        return [value[r] for r in range(world)]
+    if isinstance(t.layout, Replicated):
+        return [value] * world
+    return [value[local_region(t, shape, world, r)] for r in range(world)]
 
 
 def assemble(t: TensorType, pieces: Pieces) -> np.ndarray:
@@ -106,15 +111,42 @@ def make_inputs(program: Any, world: int, sizes: Mapping[str, int], seed: int = 
     for s in prog.inputs:
         if s.op == "recv" and stage > 0:
             continue
-        gen = np.random.default_rng([seed, stage, zlib.crc32(s.name.encode())])
         shape = concrete_shape(s.type, sizes)
         if isinstance(s.type.layout, Local):
             shape = (world,) + shape
-        if s.type.dtype == "int64":
-            out[s.name] = gen.integers(0, 2**31, size=shape, dtype=np.int64)
-        else:
-            out[s.name] = round_to(gen.uniform(0.25, 1.0, size=shape), s.type.dtype)
+        out[s.name] = _draw(_generator(s, seed, stage), s.type.dtype, shape)
     return out
+
+
+def rank_inputs(program: Any, world: int, sizes: Mapping[str, int], rank: int, seed: int = 0,
+                stage: int = 0) -> dict[str, np.ndarray]:
+    """``rank``'s pieces of ``make_inputs``, the same values. A rank's row of a Local float input is drawn alone
+    (the generator skipped past the rows before it: a uniform draw takes one step of its stream), so a rank
+    does not hold every rank's gradient to keep its own."""
+    prog = as_ir(program)
+    out: dict[str, np.ndarray] = {}
+    for s in prog.inputs:
+        if s.op == "recv" and stage > 0:
+            continue
+        t, shape = s.type, concrete_shape(s.type, sizes)
+        gen = _generator(s, seed, stage)
+        if isinstance(t.layout, Local) and t.dtype != "int64":  # integers are drawn by rejection: no skipping
+            gen.bit_generator.advance(rank * math.prod(shape))
+            out[s.name] = _draw(gen, t.dtype, shape)
+        else:
+            whole = _draw(gen, t.dtype, ((world,) if isinstance(t.layout, Local) else ()) + shape)
+            out[s.name] = whole[rank] if isinstance(t.layout, Local) else distribute(t, whole, shape, world)[rank]
+    return out
+
+
+def _generator(s: Stmt, seed: int, stage: int) -> np.random.Generator:
+    return np.random.default_rng([seed, stage, zlib.crc32(s.name.encode())])
+
+
+def _draw(gen: np.random.Generator, dtype: str | None, shape: tuple[int, ...]) -> np.ndarray:
+    if dtype == "int64":
+        return gen.integers(0, 2**31, size=shape, dtype=np.int64)
+    return round_to(gen.uniform(0.25, 1.0, size=shape), dtype)
 
 
 @dataclass
@@ -122,7 +154,7 @@ class StageResult:
     state: dict[str, Pieces] = field(default_factory=dict)  # updated state, all inputs included
     outputs: dict[str, Pieces] = field(default_factory=dict)
     sent: dict[str, Pieces] = field(default_factory=dict)
-    values: dict[str, Pieces] = field(default_factory=dict)  # every statement's pieces
+    values: dict[str, Pieces] = field(default_factory=dict)  # every statement's pieces (with keep_values)
 
 
 @dataclass
@@ -147,6 +179,8 @@ class Result:
         return assemble(stmt.type, self.stages[stage].sent[tag])
 
     def value(self, name: str, stage: int = 0) -> np.ndarray:
+        if name not in self.stages[stage].values:
+            raise KeyError(f"{name}: not kept after its last reader; run(..., keep_values=True) keeps every value")
         return assemble(self._type(name), self.stages[stage].values[name])
 
     def observable(self) -> dict[str, np.ndarray]:
@@ -172,8 +206,12 @@ def run(
     seed: int = 0,
     inputs: Mapping[str, Any] | list[Mapping[str, Any]] | None = None,
     stages: int = 1,
+    keep_values: bool = False,
 ) -> Result:
-    """Run ``program`` on ``world`` simulated ranks (per stage); ``inputs`` override generated ones."""
+    """Run ``program`` on ``world`` simulated ranks (per stage); ``inputs`` override generated ones.
+
+    A value is dropped after its last reader unless ``keep_values``: the oracle of a large step at world R
+    would otherwise hold every temporary R times over (Adam at N=2^25, world 4: 22 GB)."""
     prog = as_ir(program)
     if not isinstance(world, int) or world < 1:
         raise SizeError(f"world must be a positive number of ranks, got {world!r}")
@@ -188,8 +226,9 @@ def run(
     results: list[StageResult] = []
     for k in range(stages):
         given = inputs[k] if isinstance(inputs, list) else (inputs or {})
-        generated = make_inputs(prog, world, sizes, seed, stage=k)
-        results.append(_run_stage(prog, world, sizes, k, {**generated, **given}, results[-1] if results else None))
+        # the stage owns the values (it lets go of each once rounded into pieces)
+        results.append(_run_stage(prog, world, sizes, k, make_inputs(prog, world, sizes, seed, stage=k) | dict(given),
+                                  results[-1] if results else None, keep_values))
     return Result(prog, world, sizes, results)
 
 
@@ -202,11 +241,12 @@ class _Ctx:
         return concrete_shape(self.prog[name].type, self.sizes)
 
 
-def _run_stage(prog: Program, world: int, sizes: Mapping[str, int], stage: int, inputs: Mapping[str, Any],
-               prev: StageResult | None) -> StageResult:
+def _run_stage(prog: Program, world: int, sizes: Mapping[str, int], stage: int, inputs: dict[str, Any],
+               prev: StageResult | None, keep_values: bool = True) -> StageResult:
     ctx = _Ctx(prog, world, sizes, stage)
     out = StageResult(values=ctx.vals)
-    for s in prog.stmts:
+    last = {} if keep_values else _last_readers(prog)
+    for i, s in enumerate(prog.stmts):
         try:
             if s.op in ("input", "scalar") or (s.op == "recv" and prev is None):
                 ctx.vals[s.name] = _input_pieces(ctx, s, inputs)
@@ -227,18 +267,35 @@ def _run_stage(prog: Program, world: int, sizes: Mapping[str, int], stage: int, 
             if err.statement is None:
                 err.statement, err.op, err.location = s.name, s.op, prog.location(s.name)
             raise
+        for a in last.get(i, ()):
+            ctx.vals.pop(a, None)  # the state, outputs and sends that hold it keep their own reference
     for s in prog.inputs:
         if s.op != "recv" and s.name not in out.state:
             out.state[s.name] = ctx.vals[s.name]
     return out
 
 
-def _input_pieces(ctx: _Ctx, s: Stmt, inputs: Mapping[str, Any]) -> Pieces:
+def _last_readers(prog: Program) -> dict[int, list[str]]:
+    """Per statement index, the values it is the last to read; inputs are kept (the result's state names
+    them all)."""
+    last: dict[str, int] = {}
+    for i, s in enumerate(prog.stmts):
+        for a in s.args:
+            last[a] = i
+    keep = {s.name for s in prog.inputs}
+    out: dict[int, list[str]] = {}
+    for name, i in last.items():
+        if name not in keep:
+            out.setdefault(i, []).append(name)
+    return out
+
+
+def _input_pieces(ctx: _Ctx, s: Stmt, inputs: dict[str, Any]) -> Pieces:
     if s.name not in inputs:
         raise SizeError(f"no value for input {s.name}")
     t = s.type
     shape = ctx.shape(s.name)
-    value = np.asarray(inputs[s.name])
+    value = np.asarray(inputs.pop(s.name))
     want = ((ctx.world,) if isinstance(t.layout, Local) else ()) + shape
     if value.shape != want:
         raise SizeError(
@@ -272,8 +329,14 @@ def _operand_pieces(ctx: _Ctx, s: Stmt, arg: str) -> Pieces:
 def _pointwise(fn: Callable[..., np.ndarray]) -> Callable[[_Ctx, Stmt], Pieces]:
     def rule(ctx: _Ctx, s: Stmt) -> Pieces:
         operands = [_operand_pieces(ctx, s, a) for a in s.args]
+        if all(_one_array(op) for op in operands):  # the same operands on every rank: one result serves them all
+            return [np.asarray(fn(*(op[0] for op in operands)))] * ctx.world
         return [np.asarray(fn(*(op[r] for op in operands))) for r in range(ctx.world)]
     return rule
+
+
+def _one_array(pieces: Pieces) -> bool:
+    return all(p is pieces[0] for p in pieces)
 
 
 def _safe_pow(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -294,7 +357,10 @@ def _const(ctx: _Ctx, s: Stmt) -> Pieces:
 
 
 def _cast(ctx: _Ctx, s: Stmt) -> Pieces:
-    return [round_to(p, s.attr("dtype")) for p in ctx.vals[s.args[0]]]
+    pieces = ctx.vals[s.args[0]]
+    if _one_array(pieces):
+        return [round_to(pieces[0], s.attr("dtype"))] * ctx.world
+    return [round_to(p, s.attr("dtype")) for p in pieces]
 
 
 def _dropout(ctx: _Ctx, s: Stmt) -> Pieces:
@@ -334,8 +400,7 @@ _REDUCE = {
 
 
 def _allreduce(ctx: _Ctx, s: Stmt) -> Pieces:
-    total = _REDUCE[s.attr("op")](np.stack(ctx.vals[s.args[0]]))
-    return [np.array(total) for _ in range(ctx.world)]
+    return [_REDUCE[s.attr("op")](np.stack(ctx.vals[s.args[0]]))] * ctx.world
 
 
 def _reduce_scatter(ctx: _Ctx, s: Stmt) -> Pieces:
@@ -344,15 +409,14 @@ def _reduce_scatter(ctx: _Ctx, s: Stmt) -> Pieces:
 
 
 def _all_gather(ctx: _Ctx, s: Stmt) -> Pieces:
-    whole = assemble(ctx.prog[s.args[0]].type, ctx.vals[s.args[0]])
-    return [np.array(whole) for _ in range(ctx.world)]
+    return [assemble(ctx.prog[s.args[0]].type, ctx.vals[s.args[0]])] * ctx.world
 
 
 def _broadcast(ctx: _Ctx, s: Stmt) -> Pieces:
     root = s.attr("root")
     if root >= ctx.world:
         raise ProgramError(f"broadcast root {root} is outside the world of {ctx.world} ranks", rule="0 <= root < world")
-    return [np.array(ctx.vals[s.args[0]][root]) for _ in range(ctx.world)]
+    return [ctx.vals[s.args[0]][root]] * ctx.world
 
 
 def _partial_sum(ctx: _Ctx, s: Stmt) -> Pieces:

@@ -107,6 +107,7 @@ class JobOut(BaseModel):
     created_at: datetime
     updated_at: datetime
     heartbeat_at: datetime | None
+    driver: str | None = None  # the process that runs (or last ran) it, as "pid N on HOST"
 
 
 class Stats(BaseModel):

@@ -26,7 +26,7 @@ from sqlalchemy.exc import ArgumentError, NoSuchModuleError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from coconet import __version__
-from coconet.errors import CoconetError, StoreError
+from coconet.errors import CoconetError, KeyBusy, StoreError
 from coconet.schedules import shardable as shard
 from coconet.schedules.dsl import Program as DslProgram
 from coconet.schedules.ir import Program
@@ -76,6 +76,8 @@ NEXT_STATES: dict[str, frozenset[str]] = {
     "done": frozenset(),
 }
 ACTIVE_STATES = ("queued", "running")
+# why take_job marked a running job interrupted: its tuner is gone, and the key is tuned again
+RETAKEN = "left by the process that ran it; the key was tuned again (finished trials are kept)"
 _WRITE = "coconet_write"
 
 
@@ -296,13 +298,24 @@ class Store:
 
     def take_job(self, program_hash: str, sizes: Mapping[str, int], topology: str, world: int, *,
                  budget: int | None = None, backends: Sequence[str] = (), shardable: str = shard.EVERY,
-                 driver: str | None = None) -> JobRecord:
+                 driver: str | None = None, abandoned: Callable[[JobRecord], bool] | None = None) -> JobRecord:
         """A running job for a tuner that tunes the key itself (``coconet tune``, ``driver`` its process): the
         key's queued job, claimed and given this run's budget and backends (the service's workers would only
-        tune the key again), else a new one. A job already running elsewhere is left to run."""
+        tune the key again), else a new one. A job already running elsewhere is left to run; with
+        ``abandoned``, it is looked at in the same transaction: one that nobody runs any more is marked
+        interrupted, and one that is still run refuses the take (``KeyBusy``)."""
         key = sizes_key(sizes)
         _check_world(world)
         with self._key_tx("take_job", program_hash, key, topology, world, shardable) as s:
+            if abandoned is not None:
+                running = s.scalars(select(JobRow).where(
+                    JobRow.program_hash == program_hash, JobRow.sizes_key == key, JobRow.topology == topology,
+                    JobRow.world == world, JobRow.shardable == shardable, JobRow.state == "running")
+                    .order_by(JobRow.id).with_for_update()).all()
+                for other in running:
+                    if not abandoned(_job(other)):
+                        raise KeyBusy(f"job {other.id} of this key is running", running=other.id, driver=other.driver)
+                    other.state, other.error, other.updated_at = "interrupted", RETAKEN, utcnow()
             row = _oldest_job(s, program_hash, key, topology, world, shardable, ("queued",), lock=True)
             if row is None:
                 row = _new_job(program_hash, sizes, key, topology, world, shardable, budget, backends, running=True)

@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping, Sequence
 from coconet.codegen.baselines import shardable_text
 from coconet.codegen.launch import RunResult
 from coconet.codegen.lower import Generated, lower
-from coconet.errors import CoconetError, StoreError
+from coconet.errors import CoconetError, KeyBusy, StoreError
 from coconet.schedules import shardable as shard
 from coconet.schedules.dims import format_sizes
 from coconet.schedules.ir import Program
@@ -152,7 +152,7 @@ def tune(request: Request, store, *, on_progress: Callable[[dict, Progress], Non
     """Tune every size of ``request`` into ``store``; ``prior`` gives the cost model's top-k. ``job_id``: a job
     the caller created and claimed (the service's worker) to run instead of a new one; one size only."""
     from coconet.server.driver import this_process
-    from coconet.server.jobs import heartbeat
+    from coconet.server.jobs import abandoned, heartbeat
     from coconet.server.records import NewMeasurement, Progress as JobProgress
 
     prog = request.program
@@ -178,8 +178,12 @@ def tune(request: Request, store, *, on_progress: Callable[[dict, Progress], Non
         if job_id is not None:
             job, beating = job_id, nullcontext()
         else:
-            job = store.take_job(prog.hash, sizes, request.topology, request.world, budget=request.budget,
-                                 backends=list(backends), shardable=allowed_text, driver=me.text if me else None).id
+            try:  # the key looked at again as it is taken: another tuner may have started it since the check
+                job = store.take_job(prog.hash, sizes, request.topology, request.world, budget=request.budget,
+                                     backends=list(backends), shardable=allowed_text, driver=me.text if me else None,
+                                     abandoned=abandoned).id
+            except KeyBusy as err:
+                raise _busy(prog, request, [_busy_text(sizes, err.running, err.driver)]) from None
             beating = heartbeat(store, job)  # the service sees the key taken while this runs, and free if it dies
         with beating:
             runners: dict[str, Runner] = {}
@@ -241,8 +245,8 @@ def _free_keys(store: Any, prog: Program, sizes: Sequence[Mapping[str, int]], re
     would time their candidates on the same cores at once, each skewing the other's numbers, for one study.
     A running job nobody runs any more (its process gone, or its heartbeat stale) is marked interrupted
     instead, so that no server queues it again beside this run; its finished trials stay in the study."""
-    from coconet.server.driver import Driver
     from coconet.server.jobs import STALE_S, abandoned
+    from coconet.server.store import RETAKEN
 
     keys = {sizes_key(sz) for sz in sizes}
     busy = []
@@ -252,19 +256,27 @@ def _free_keys(store: Any, prog: Program, sizes: Sequence[Mapping[str, int]], re
             continue
         if abandoned(job, STALE_S if stale_s is None else stale_s):
             try:
-                store.update_job(job.id, state="interrupted", error="left by the process that ran it; the key "
-                                 "was tuned again (finished trials are kept)")
+                store.update_job(job.id, state="interrupted", error=RETAKEN)
             except StoreError:  # moved on meanwhile (a server queued it again): take_job finds it queued
                 pass
             continue
-        by = Driver.parse(job.driver)
-        busy.append(f"{format_sizes(job.sizes)} (job {job.id}"
-                    f"{', ' + by.describe() if by else ''})")
+        busy.append(_busy_text(job.sizes, job.id, job.driver))
     if busy:
-        raise CoconetError(f"{prog.name} at {'; '.join(busy)} on {request.topology}, world {request.world} is being "
-                           f"tuned by another tuner sharing this store right now: its winner will be recorded here "
-                           f"(coconet run --schedule best, GET /api/v1/jobs/ID); tuning it here too would run a second "
-                           f"search of the same study beside it, on one machine timing both on the same cores")
+        raise _busy(prog, request, busy)
+
+
+def _busy_text(sizes: Mapping[str, int], job: int, driver: str | None) -> str:
+    from coconet.server.driver import Driver
+
+    by = Driver.parse(driver)
+    return f"{format_sizes(sizes)} (job {job}{', ' + by.describe() if by else ''})"
+
+
+def _busy(prog: Program, request: Request, busy: list[str]) -> CoconetError:
+    return CoconetError(f"{prog.name} at {'; '.join(busy)} on {request.topology}, world {request.world} is being "
+                        f"tuned by another tuner sharing this store right now: its winner will be recorded here "
+                        f"(coconet run --schedule best, GET /api/v1/jobs/ID); tuning it here too would run a second "
+                        f"search of the same study beside it, on one machine timing both on the same cores")
 
 
 def cost_prior(space: SearchSpace, sizes: Mapping[str, int], topology: str, world: int) -> list[Candidate]:

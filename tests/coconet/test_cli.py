@@ -195,7 +195,7 @@ def test_bench_compares_with_torch_and_the_floor(tmp_path):
                    "--repeats", "2", "--warmup", "1", "-o", out, "--plot", png, "--json")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
-    assert report == json.loads(out.read_text())
+    assert report == json.loads(out.read_text()) and report["complete"] is True
     assert report["torch_baseline"].startswith("dist.all_reduce + torch.optim.Adam(fused=True)")
     assert report["memory_bandwidth_GBps"] > 0 and len(report["points"]) == 2
     # measured before each point and after the last; the floor uses the best of them
@@ -224,6 +224,29 @@ def test_bench_compares_with_torch_and_the_floor(tmp_path):
         assert point["best"] == best
         assert point["best_speedup"] == point["torch"]["median_s"] / best["median_s"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_killed_between_points_keeps_the_points_it_made(tmp_path):
+    out = tmp_path / "sgd.json"
+    env = {k: v for k, v in os.environ.items() if k != "COCONET_DEBUG"}
+    proc = subprocess.Popen([sys.executable, "-m", "coconet", "bench", "sgd", "--world", "2", "--size", "N=3000",
+                             "--size", "N=5000", "--kernels", "eager", "--backend", "shm", "--schedule", "split(ar0)",
+                             "--repeats", "2", "--warmup", "1", "-o", str(out)], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not out.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        proc.kill()  # as the OOM killer would, in the second point's launch
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    report = json.loads(out.read_text())  # replaced whole: never half a file
+    assert report["complete"] is False, err
+    (point,) = report["points"]
+    assert point["sizes"] == {"N": 3000} and point["best"]["status"] == "ok"
+    assert point["floor_s"] == pytest.approx(point["bytes_moved_once"] / (report["memory_bandwidth_GBps"] * 1e9))
+    assert not list(tmp_path.glob("*.partial"))
 
 
 def test_bench_of_a_program_without_a_hand_written_baseline_compares_with_it_as_eager_pytorch():

@@ -208,3 +208,28 @@ def test_ranks_die_with_a_killed_parent(tmp_path):
     while rank_processes() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not rank_processes()
+
+
+def test_every_rank_s_copy_of_a_replicated_result_is_checked():
+    import numpy as np
+
+    from coconet.codegen.launch import compare
+    from coconet.schedules import interp
+
+    prog = example("adam")
+    opts = Options(world=3, sizes={"N": 10})
+    ref = interp.run(prog, 3, {"N": 10}, seed=opts.seed)
+    observable = ref.observable()
+    reports = {r: {k: np.array(v) for k, v in observable.items()} for r in range(3)}
+    assert compare(prog, reports, opts, observable) == (0.0, None)
+    reports[2]["stage0.state.w"][7] += 1.0  # the last rank missed part of the gather
+    err, bad = compare(prog, reports, opts, observable)
+    assert err > 0.1 and bad.startswith("stage0.state.w on rank 2 (relative error")
+
+
+def test_a_rank_killed_by_a_signal_is_named_by_it():
+    from coconet.codegen.launch import _died
+
+    assert _died(3) == "died (exit code 3)"
+    assert _died(-signal.SIGSEGV) == "was killed by SIGSEGV"
+    assert _died(-signal.SIGKILL).startswith("was killed by SIGKILL (the kernel's OOM killer")

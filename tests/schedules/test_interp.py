@@ -219,3 +219,42 @@ def test_bad_runs():
         interp.run(prog, 0, {"N": 4})
     with pytest.raises(SizeError, match="one value per rank"):
         interp.run(prog, 2, {"N": 4}, inputs={"g": np.ones(4)})
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_a_rank_draws_its_pieces_of_the_inputs_alone(world):
+    p = cc.Program("layouts", dims=("N", "H"))
+    g = p.tensor("g", ("N", "H"), layout=cc.Local)
+    seed = p.scalar("seed", dtype="int64")
+    x = p.tensor("x", ("N", "H"), layout=cc.Sliced(-1))
+    w = p.tensor("w", ("N", "H"), layout=cc.Replicated)
+    lr = p.scalar("lr")
+    p.output("y", cc.allreduce(g * lr) + w)
+    p.output("z", x * 2.0)
+    p.output("d", cc.dropout(x, 0.5, seed))
+    sizes = {"N": 5, "H": 7}
+    every = interp.make_inputs(p, world, sizes, seed=9)
+    for r in range(world):
+        mine = interp.rank_inputs(p, world, sizes, r, seed=9)
+        assert set(mine) == set(every)
+        np.testing.assert_array_equal(mine["g"], every["g"][r])  # skipped to its row, not drawn whole
+        assert mine["seed"] == every["seed"]
+        np.testing.assert_array_equal(mine["x"], every["x"][:, slice(*interp.slice_bounds(7, world, r))])
+        np.testing.assert_array_equal(mine["w"], every["w"])
+        assert mine["lr"] == every["lr"]
+
+
+def test_values_are_let_go_after_their_last_reader():
+    prog = example("adam")
+    lean = interp.run(prog, 3, {"N": 11}, seed=4)
+    kept = interp.run(prog, 3, {"N": 11}, seed=4, keep_values=True)
+    a, b = lean.observable(), kept.observable()
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    inner = next(s.name for s in prog.stmts if s.op == "mul")
+    assert inner in kept.stages[0].values and inner not in lean.stages[0].values
+    with pytest.raises(KeyError, match="keep_values=True"):
+        lean.value(inner)
+    close(kept.value(inner), kept.value(inner))
+    # a Replicated value is one array on every rank, not R copies
+    w = kept.stages[0].values[next(s.name for s in prog.stmts if s.op == "allreduce")]
+    assert all(piece is w[0] for piece in w)

@@ -417,7 +417,14 @@ def test_a_job_left_running_is_requeued_when_the_server_starts(tmp_path: Path) -
     with Store.open(url) as store:  # the server's own process, beating: left alone
         store.claim_job(left, driver=me.text)
     with TestClient(create_app(url, token=TOKEN, start_workers=False)) as c:
-        assert c.get(f"{API}/jobs/{left}").json()["state"] == "running"
+        job = c.get(f"{API}/jobs/{left}").json()
+        assert job["state"] == "running" and job["driver"] == f"pid {me.pid} on {me.host}"
+    with Store.open(url) as store:  # a driver text this version cannot read: shown as unknown, not a 500
+        store.update_job(left, state="interrupted")
+        store.update_job(left, state="queued")
+        store.claim_job(left, driver="garbled")
+    with TestClient(create_app(url, token=TOKEN, start_workers=False)) as c:
+        assert c.get(f"{API}/jobs/{left}").json()["driver"] is None
 
 
 def test_a_running_job_beats_until_its_block_ends(tmp_path: Path) -> None:

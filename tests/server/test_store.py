@@ -15,7 +15,7 @@ import pytest
 from sqlalchemy import create_engine, event, inspect, text
 
 from coconet import Program, Replicated
-from coconet.errors import StoreError
+from coconet.errors import KeyBusy, StoreError
 from coconet.loader import load_file
 from coconet.schedules.schedule import sharded_by
 from coconet.schedules.serialize import load, to_dict
@@ -529,6 +529,27 @@ def test_a_job_names_the_process_that_runs_it(store, adam):
     again, _ = store.join_job(a, {"N": 4096}, "local", 2)
     assert store.take_job(a, {"N": 4096}, "local", 2, driver="9@laptop boot/ns 789").id == again.id
     assert store.job(again.id).driver == "9@laptop boot/ns 789"
+
+
+def test_a_tuner_refuses_a_key_run_by_a_live_process_in_the_same_take(store, adam):
+    a = store.add_program(adam)
+    running = store.take_job(a, {"N": 1024}, "local", 2, driver="7@worker boot/ns 123")
+    asked = []
+
+    def alive(job):
+        asked.append(job.id)
+        return False
+
+    with pytest.raises(KeyBusy, match=f"job {running.id} of this key is running") as err:
+        store.take_job(a, {"N": 1024}, "local", 2, driver="8@laptop boot/ns 456", abandoned=alive)
+    assert asked == [running.id] and (err.value.running, err.value.driver) == (running.id, "7@worker boot/ns 123")
+    assert [(j.id, j.state) for j in store.jobs()] == [(running.id, "running")]  # the refusal wrote nothing
+    # another key, or a job nobody runs any more: taken, the left job marked interrupted in the same transaction
+    other = store.take_job(a, {"N": 2048}, "local", 2, abandoned=alive)
+    assert other.state == "running" and asked == [running.id]
+    taken = store.take_job(a, {"N": 1024}, "local", 2, driver="8@laptop boot/ns 456", abandoned=lambda job: True)
+    left = store.job(running.id)
+    assert taken.id not in (running.id, other.id) and left.state == "interrupted" and "tuned again" in left.error
 
 
 def test_measurement_digests_are_the_records_without_their_heavy_columns(store, adam, mlp):

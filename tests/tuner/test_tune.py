@@ -169,6 +169,29 @@ def test_tune_leaves_a_key_another_tuner_is_running(tmp_path):
         assert store.job(other.id).state == "running"
 
 
+def test_tune_refuses_a_key_another_tuner_took_after_the_check(tmp_path, monkeypatch):
+    # A multi-size tune checks its keys when it starts and takes each when it gets to it, minutes later
+    # perhaps: a key a worker claimed meanwhile is refused as it is taken, not tuned twice.
+    from coconet.tuner import tune as tune_module
+
+    prog = example("adam")
+    me = this_process()
+    request = Request(prog, ({"N": 3000},), world=2, budget=5, backends=("gloo",), protocol=FAST)
+    with Store.open(f"sqlite:///{tmp_path / 'coconet.db'}") as store:
+        store.add_program(prog)
+
+        def late(store, prog, *args, **kwargs):
+            _free_keys(store, prog, *args, **kwargs)  # the key is free at the check...
+            late.job = store.take_job(prog.hash, {"N": 3000}, "local", 2, shardable="m,v", driver=me.text)
+
+        monkeypatch.setattr(tune_module, "_free_keys", late)
+        monkeypatch.setattr(tune_module, "connect", lambda *a, **k: None)  # refused before any rank is needed
+        with pytest.raises(CoconetError, match=rf"N=3000 \(job \d+, pid {me.pid} on {me.host}\) on local, world 2 "
+                                               rf"is being tuned"):
+            tune(request, store)
+        assert [(j.id, j.state) for j in store.jobs()] == [(late.job.id, "running")]
+
+
 def test_tune_takes_a_key_whose_tuner_is_gone(tmp_path):
     prog = example("adam")
     me = this_process()
