@@ -35,7 +35,7 @@ from coconet.codegen.baselines import shardable_text
 from coconet.schedules import shardable as shard
 from coconet.schedules.ir import Program
 from coconet.schedules.schedule import sharded_by
-from coconet.server.driver import Driver
+from coconet.server.driver import describe as describe_driver
 from coconet.server.jobs import WorkerSettings, Workers, requeue_orphans
 from coconet.server.limits import MAX_BODY, MAX_DEPTH, ASGIApp, BodyLimit, Receive, Scope, Send
 from coconet.server.records import Best, JobRecord, MeasurementRecord
@@ -419,12 +419,7 @@ def _job_out(j: JobRecord) -> JobOut:
                   shardable=_shardable_out(j.shardable), budget=j.budget, backends=j.backends, state=j.state,
                   progress=ProgressOut(done=p.done, total=p.total, failed=p.failed, best_s=p.best_s),
                   error=j.error, result=j.result, created_at=j.created_at, updated_at=j.updated_at,
-                  heartbeat_at=j.heartbeat_at, driver=_driver_text(j.driver))
-
-
-def _driver_text(text: str | None) -> str | None:
-    driver = Driver.parse(text)
-    return driver.describe() if driver else None
+                  heartbeat_at=j.heartbeat_at, driver=describe_driver(j.driver))
 
 
 # -- the hot path: GET /best without FastAPI's per-request machinery

@@ -38,6 +38,12 @@ class Driver:
             return None
 
 
+def describe(text: str | None) -> str | None:
+    """The driver ``text`` names, as "pid N on HOST"; None if there is none or it cannot be read."""
+    driver = Driver.parse(text)
+    return driver.describe() if driver else None
+
+
 def this_process() -> Driver | None:
     """This process as a driver; None where the system does not say when a process started (no /proc)."""
     stat = _stat(os.getpid())

@@ -308,11 +308,8 @@ class Store:
         _check_world(world)
         with self._key_tx("take_job", program_hash, key, topology, world, shardable) as s:
             if abandoned is not None:
-                running = s.scalars(select(JobRow).where(
-                    JobRow.program_hash == program_hash, JobRow.sizes_key == key, JobRow.topology == topology,
-                    JobRow.world == world, JobRow.shardable == shardable, JobRow.state == "running")
-                    .order_by(JobRow.id).with_for_update()).all()
-                for other in running:
+                running = _key_jobs(program_hash, key, topology, world, shardable, ("running",)).with_for_update()
+                for other in s.scalars(running).all():
                     if not abandoned(_job(other)):
                         raise KeyBusy(f"job {other.id} of this key is running", running=other.id, driver=other.driver)
                     other.state, other.error, other.updated_at = "interrupted", RETAKEN, utcnow()
@@ -804,10 +801,15 @@ def _oldest_job(s: Session, program_hash: str, key: str, topology: str, world: i
                 states: Sequence[str], *, lock: bool = False) -> JobRow | None:
     """The key's oldest job in one of ``states``; ``lock``: its row locked for update, one a worker is claiming
     passed over."""
-    q = select(JobRow).where(JobRow.program_hash == program_hash, JobRow.sizes_key == key, JobRow.topology == topology,
-                             JobRow.world == world, JobRow.shardable == shardable,
-                             JobRow.state.in_(states)).order_by(JobRow.id).limit(1)
+    q = _key_jobs(program_hash, key, topology, world, shardable, states).limit(1)
     return s.scalars(q.with_for_update(skip_locked=True) if lock else q).first()
+
+
+def _key_jobs(program_hash: str, key: str, topology: str, world: int, shardable: str, states: Sequence[str]):
+    """The key's jobs in one of ``states``, oldest first."""
+    return select(JobRow).where(JobRow.program_hash == program_hash, JobRow.sizes_key == key,
+                                JobRow.topology == topology, JobRow.world == world, JobRow.shardable == shardable,
+                                JobRow.state.in_(states)).order_by(JobRow.id)
 
 
 def _lock_id(*parts: str) -> int:

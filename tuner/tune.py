@@ -266,10 +266,10 @@ def _free_keys(store: Any, prog: Program, sizes: Sequence[Mapping[str, int]], re
 
 
 def _busy_text(sizes: Mapping[str, int], job: int, driver: str | None) -> str:
-    from coconet.server.driver import Driver
+    from coconet.server.driver import describe
 
-    by = Driver.parse(driver)
-    return f"{format_sizes(sizes)} (job {job}{', ' + by.describe() if by else ''})"
+    by = describe(driver)
+    return f"{format_sizes(sizes)} (job {job}{', ' + by if by else ''})"
 
 
 def _busy(prog: Program, request: Request, busy: list[str]) -> CoconetError:
