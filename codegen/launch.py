@@ -6,7 +6,7 @@ caller's ``__main__`` is never re-imported) joined by a torch.distributed group
 on a free loopback port; each reports over its own pipe. Each rank builds its
 pieces of the seeded inputs (the interpreter's ``make_inputs``: no data crosses
 processes), runs the step once and reports the values it holds — the parent
-assembles them and checks them against the reference interpreter — then times
+checks each report against the reference interpreter as it comes — then times
 warm-up and repeated steps, each sample being the max over ranks after a
 barrier.
 
@@ -230,14 +230,14 @@ def _launch(tasks, opts: Options, reference, results, custom) -> set[int]:
                         current = task
                         deadline = time.monotonic() + opts.timeout_s
                     continue
-                slot = pending.setdefault(task, {"check": {}, "time": None})
+                slot = pending.setdefault(task, {"check": _check_of(by_id[task], opts, reference), "time": None})
                 if kind == "check":
-                    slot["check"][rank] = data
+                    slot["check"].add(rank, data)
                 elif kind == "time":
                     slot["time"] = data
-                if (not opts.check or len(slot["check"]) == nranks) and (not opts.time or slot["time"] is not None):
-                    results[task] = _finish(by_id[task], slot, opts, reference)
-                    del pending[task]  # the ranks' copies of the state: at large sizes, GBs per task
+                if (not opts.check or len(slot["check"].ranks) == nranks) and (not opts.time or slot["time"] is not None):
+                    results[task] = _finish(by_id[task], slot, opts)
+                    del pending[task]  # the pieces of sharded state: at large sizes, GBs per task
                     done.add(task)
         return done
     finally:
@@ -283,10 +283,17 @@ def remove_leftover_segments(pid: int) -> None:
         leftover.unlink(missing_ok=True)
 
 
-def _finish(gen: Generated, slot, opts: Options, reference) -> RunResult:
+def _check_of(gen, opts: Options, reference) -> Check:
+    """What checks a task's reports; a baseline that cannot be checked (torch's own dropout masks) is only
+    counted in."""
+    unchecked = isinstance(gen, TorchTask) and not gen.baseline.checked
+    return Check(gen.schedule.scheduled, opts, {} if unchecked else reference, score=not unchecked)
+
+
+def _finish(gen: Generated, slot, opts: Options) -> RunResult:
     res = RunResult(_text(gen), gen.schedule.hash, "ok")
-    if opts.check and not (isinstance(gen, TorchTask) and not gen.baseline.checked):
-        res.max_rel_err, bad = compare(gen.schedule.scheduled, slot["check"], opts, reference)
+    if opts.check and slot["check"].score:
+        res.max_rel_err, bad = slot["check"].result()
         res.correct = bad is None
         if bad is not None:
             res.status, res.error = "wrong_result", bad
@@ -298,50 +305,71 @@ def _finish(gen: Generated, slot, opts: Options, reference) -> RunResult:
 def compare(prog, reports: Mapping[int, dict], opts: Options, reference) -> tuple[float, str | None]:
     """The largest relative error of what the ranks reported (rank → observed values) against the
     reference interpreter's, and what differs beyond its dtype's tolerance (None when nothing does)."""
-    got = _assemble(prog, reports, opts)
-    worst, bad = 0.0, None
-    for key in sorted(set(reference) | set(got)):
-        if key not in got or key not in reference:
-            return math.inf, f"{key} is missing from {'the ranks' if key not in got else 'the reference'}"
-        tol = TOLERANCE.get(_dtype_of(prog, key), 1e-4)
-        for where, value in got[key]:
-            e = rel_err(value, reference[key])
-            worst = max(worst, e)
-            if not e <= tol and bad is None:
-                bad = f"{key}{where} (relative error {e:.3g} > {tol:g}) differs from the reference interpreter"
-    return worst, bad
+    check = Check(prog, opts, reference)
+    for rank in sorted(reports):
+        check.add(rank, reports[rank])
+    return check.result()
 
 
-def _dtype_of(prog, key: str) -> str:
-    _, kind, name = key.split(".", 2)
-    if kind == "state":
-        return prog[name].type.dtype
-    if kind == "output":
-        return prog[prog.outputs[name]].type.dtype
-    send = next(s for s in prog.effects if s.op == "send" and s.attr("tag") == name)
-    return prog[send.args[0]].type.dtype
+class Check:
+    """The ranks' reports of one schedule checked as they come: a Replicated value once per rank as it
+    arrives (every rank must hold it whole: a gather that missed one rank shows there only) and then let
+    go, anything else kept until its pieces are all in and assembled. The parent then holds one rank's
+    copy of the replicated state at a time, not the world's: 1.5 GB of Adam's at N=2^25, world 4."""
 
+    def __init__(self, prog, opts: Options, reference, *, score: bool = True):
+        self.prog, self.opts, self.reference, self.score = prog, opts, reference, score
+        self.worst = 0.0
+        self.failures: list[tuple[str, int, str]] = []  # (key, rank, what): the first in that order is told
+        self.seen: set[str] = set()
+        self.pieces: dict[str, dict[int, np.ndarray]] = {}
+        self.ranks: set[int] = set()
 
-def _assemble(prog, reports: Mapping[int, dict], opts: Options) -> dict[str, list[tuple[str, np.ndarray]]]:
-    """Per observed key, the global values to check: a Replicated value once per rank (every rank must hold
-    it whole: a gather that missed one rank shows there only), anything else assembled from its pieces."""
-    out: dict[str, list[tuple[str, np.ndarray]]] = {}
-    for stage in range(opts.stages):
-        ranks = [reports[stage * opts.world + r] for r in range(opts.world)]
-        for key in ranks[0]:
-            _, kind, name = key.split(".", 2)
-            if kind == "state":
-                t = prog[name].type
-            elif kind == "output":
-                t = prog[prog.outputs[name]].type
+    def add(self, rank: int, report: Mapping[str, np.ndarray]) -> None:
+        self.ranks.add(rank)
+        if not self.score:
+            return
+        for key, value in report.items():
+            self.seen.add(key)
+            if isinstance(self._type(key).layout, Replicated) and self.opts.world > 1:
+                self._score(key, rank, f" on rank {rank}", value)
             else:
-                t = prog[next(s for s in prog.effects if s.op == "send" and s.attr("tag") == name).args[0]].type
-            pieces = [r[key] for r in ranks]
-            if isinstance(t.layout, Replicated) and opts.world > 1:
-                out[key] = [(f" on rank {stage * opts.world + r}", p) for r, p in enumerate(pieces)]
-            else:
-                out[key] = [("", interp.assemble(t, pieces))]
-    return out
+                self.pieces.setdefault(key, {})[rank % self.opts.world] = value
+
+    def result(self) -> tuple[float, str | None]:
+        for key in sorted(self.pieces):
+            pieces = self.pieces.pop(key)
+            stage = int(key.split(".", 1)[0].removeprefix("stage"))
+            lacking = [stage * self.opts.world + r for r in range(self.opts.world) if r not in pieces]
+            if lacking:
+                self.worst = math.inf
+                self.failures.append((key, lacking[0], f"{key} is missing from rank {lacking[0]}"))
+                continue
+            self._score(key, 0, "", interp.assemble(self._type(key), [pieces[r] for r in range(self.opts.world)]))
+        for key in set(self.reference) ^ self.seen:
+            side = "the ranks" if key not in self.seen else "the reference"
+            self.worst = math.inf
+            self.failures.append((key, -1, f"{key} is missing from {side}"))
+        first = min(self.failures, default=None)
+        return self.worst, None if first is None else first[2]
+
+    def _score(self, key: str, rank: int, where: str, value: np.ndarray) -> None:
+        if key not in self.reference:
+            return  # told as missing from the reference
+        e = rel_err(value, self.reference[key])
+        tol = TOLERANCE.get(self._type(key).dtype, 1e-4)
+        self.worst = max(self.worst, e)
+        if not e <= tol:
+            self.failures.append((key, rank, f"{key}{where} (relative error {e:.3g} > {tol:g}) differs from the "
+                                             "reference interpreter"))
+
+    def _type(self, key: str):
+        _, kind, name = key.split(".", 2)
+        if kind == "state":
+            return self.prog[name].type
+        if kind == "output":
+            return self.prog[self.prog.outputs[name]].type
+        return self.prog[next(s for s in self.prog.effects if s.op == "send" and s.attr("tag") == name).args[0]].type
 
 
 def _died(code: int) -> str:

@@ -16,8 +16,10 @@ collectives together.
 
 from __future__ import annotations
 
+import ast
 import keyword
 import re
+import textwrap
 from dataclasses import dataclass
 
 from coconet.errors import BackendError
@@ -227,21 +229,86 @@ def lower(schedule: Schedule, backend: str = "gloo", kernels: str = "compiled", 
     e.absorbed = _absorbed(p) if e.compile else {}
     e.rowwise = {m: g for g, ms in e.absorbed.items() for m in ms if isinstance(p[m].type.layout, Replicated)}
     skip = {m for ms in e.absorbed.values() for m in ms}
-    body: list[tuple[str, str]] = []  # (line, statement it implements)
+    lowered: list[list[tuple[str, str]]] = []  # per unit: (line, statement it implements)
     for unit in units:
         if unit in skip:
             continue
         if isinstance(unit, Group):
-            body.extend((x, unit.members[0]) for x in _lower_group(e, unit))
+            lowered.append([(x, unit.members[0]) for x in _lower_group(e, unit)])
         else:
             s = p[unit]
-            body.extend((x, s.name) for x in e.stmt(s))
+            lowered.append([(x, s.name) for x in e.stmt(s)])
     updates = [(f"{ident(t)}.copy_({ident(v)})", t) for t, v in p.updates.items() if t not in e.written]
     # a value that is itself (a view of) state must be copied before any state is written
     aliased = [v for v in p.updates.values() if p[v].op in ("input", "scalar")]
+    kept = set().union(*(_free_names([x for x, _ in k]) for k in e.kernels))
+    kept |= _names([x for x, _ in updates] + [ident(v) for v in aliased])
+    body = _freeing(p, lowered, kept)
     src, line_map = _module(schedule, backend, e, body, updates, aliased)
     compile(src, f"<coconet {schedule.hash}>", "exec")
     return Generated(schedule, backend, src, line_map, kernels, dropout)
+
+
+# names every step binds for its whole length
+_STEP_NAMES = {"_c", "_custom", "_outputs", "_sent"}
+
+
+def _names(lines) -> set[str]:
+    """The identifiers a piece of generated code mentions, leaving out strings and comments."""
+    text = "\n".join(lines)
+    text = re.sub(r"#[^\n]*", "", re.sub(r"'[^'\n]*'|\"[^\"\n]*\"", "''", text))
+    return set(re.findall(r"(?<![.\w])[A-Za-z_]\w*", text))
+
+
+def _free_names(lines) -> set[str]:
+    """The names a function nested in ``step`` reads from it: what it loads and neither takes nor binds."""
+    fn = ast.parse(textwrap.dedent("\n".join(lines))).body[0]
+    params = {a.arg for a in ast.walk(fn.args) if isinstance(a, ast.arg)}
+    names = [n for n in ast.walk(fn) if isinstance(n, ast.Name)]
+    bound = {n.id for n in names if not isinstance(n.ctx, ast.Load)}
+    return {n.id for n in names if isinstance(n.ctx, ast.Load)} - params - bound
+
+
+def _bound(lines) -> set[str]:
+    """The names a unit assigns at its own level (``x = …``, ``a, b = …``)."""
+    out = set()
+    for x in lines:
+        m = re.match(r"([A-Za-z_]\w*(?:, [A-Za-z_]\w*)*),? = (?!=)", x)
+        if m:
+            out.update(m.group(1).split(", "))
+    return out
+
+
+def _freeing(p: Program, lowered: list[list[tuple[str, str]]], kept: set[str]) -> list[tuple[str, str | None]]:
+    """The units' lines with each tensor temporary deleted after the last unit that reads it. Otherwise an
+    eager step holds every temporary until it returns: Adam as written peaks at 15 arrays of N floats
+    instead of 5 (1.9 GB per rank at N=2^25, four ranks on one node). Inputs, scalars, what the step
+    returns and what its end or a nested kernel reads are left alone."""
+    tensors = {ident(s.name) for s in p.stmts
+               if s.op not in ("input", "scalar", "const") and s.type is not None and s.type.shape}
+    ir = {ident(s.name) for s in p.stmts}
+    kept = kept | _STEP_NAMES
+    mentions = [_names(x for x, _ in unit) for unit in lowered]
+    binds = [_bound(x for x, _ in unit) for unit in lowered]
+    dels: dict[int, list[str]] = {}
+    for i, bound in enumerate(binds):
+        for name in sorted(bound - kept):
+            if name not in tensors and (name in ir or not name.startswith("_")):  # not a temporary
+                continue
+            last = i
+            for j in range(i + 1, len(lowered)):
+                if name in binds[j]:
+                    break
+                if name in mentions[j]:
+                    last = j
+            if not lowered[last][0][0].startswith(("_outputs[", "_sent[")):  # held on by what the step returns
+                dels.setdefault(last, []).append(name)
+    body: list[tuple[str, str | None]] = []
+    for i, unit in enumerate(lowered):
+        body += unit
+        if i in dels:
+            body.append((f"del {', '.join(dels[i])}", None))
+    return body
 
 
 def _units(p: Program) -> list:

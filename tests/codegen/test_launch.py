@@ -233,3 +233,37 @@ def test_a_rank_killed_by_a_signal_is_named_by_it():
     assert _died(3) == "died (exit code 3)"
     assert _died(-signal.SIGSEGV) == "was killed by SIGSEGV"
     assert _died(-signal.SIGKILL).startswith("was killed by SIGKILL (the kernel's OOM killer")
+
+
+def test_reports_are_checked_as_they_come_whatever_their_order():
+    """A replicated value is scored when its rank reports and not kept; a sharded one waits for its pieces."""
+    import numpy as np
+
+    from coconet.codegen.launch import Check
+    from coconet.schedules import interp
+
+    prog = Schedule.parse("split(ar0); reorder(ag0); as_slice(m); as_slice(v)", example("adam")).scheduled
+    opts = Options(world=3, sizes={"N": 10})
+    observable = interp.run(prog, 3, {"N": 10}, seed=opts.seed).observable()
+
+    def report(rank):
+        out = {}
+        for key, value in observable.items():
+            t = prog[key.rsplit(".", 1)[1]].type
+            out[key] = np.array(interp.distribute(t, value, value.shape, 3)[rank])
+        return out
+
+    reports = {r: report(r) for r in range(3)}
+    reports[0]["stage0.state.m"][1] += 1.0
+    reports[2]["stage0.state.w"][0] += 1.0
+    for order in ([0, 1, 2], [2, 1, 0]):
+        check = Check(prog, opts, observable)
+        for r in order:
+            check.add(r, reports[r])
+            assert set(check.pieces) == {"stage0.state.m", "stage0.state.v"}  # w, replicated, is not held
+        err, bad = check.result()
+        assert err > 0.1 and bad.startswith("stage0.state.m (relative error"), bad
+    check = Check(prog, opts, observable)
+    for r in (0, 2):
+        check.add(r, reports[r])
+    assert check.result()[1].startswith("stage0.state.m is missing from rank 1")

@@ -83,11 +83,14 @@ def step(tensors, scalars, *, group=None, stage=0, stages=1, sizes=None, custom_
     sub0 = c0 - beta1
     mul1 = sub0 * ar0
     add0 = mul0 + mul1
+    del mul0, mul1
     mul2 = beta2 * v
     sub1 = c0 - beta2
     mul3 = sub1 * ar0
     mul4 = mul3 * ar0
+    del ar0, mul3
     add1 = mul2 + mul4
+    del mul2, mul4
     pow0 = beta1 ** t
     sub2 = c0 - pow0
     div0 = add0 / sub2
@@ -95,10 +98,15 @@ def step(tensors, scalars, *, group=None, stage=0, stages=1, sizes=None, custom_
     sub3 = c0 - pow1
     div1 = add1 / sub3
     mul5 = lr * div0
+    del div0
     sqrt0 = torch.sqrt(div1)
+    del div1
     add2 = sqrt0 + eps
+    del sqrt0
     div2 = mul5 / add2
+    del mul5, add2
     sub4 = w - div2
+    del div2
     m.copy_(add0)
     v.copy_(add1)
     w.copy_(sub4)

@@ -76,8 +76,12 @@ def step(tensors, scalars, *, group=None, stage=0, stages=1, sizes=None, custom_
     mm0 = torch.matmul(x, w)
     ar0 = mm0
     _allreduce(_c, ar0, 'sum')
+    del mm0
     add0 = ar0 + b
+    del ar0
     drop0 = torch.nn.functional.dropout(add0, p=0.1, training=True)
+    del add0
     add1 = drop0 + r
+    del drop0
     _outputs['out'] = add1
     return {"outputs": _outputs, "sent": _sent}

@@ -488,5 +488,6 @@ def step(tensors, scalars, *, group=None, stage=0, stages=1, sizes=None, custom_
     seed = int(scalars['seed'])
     mm0 = torch.matmul(x, w)
     ag1, = _fused_collective0(_c, mm0, b, seed, r)
+    del mm0
     _outputs['out'] = ag1
     return {"outputs": _outputs, "sent": _sent}

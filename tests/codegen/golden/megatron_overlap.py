@@ -194,9 +194,14 @@ def step(tensors, scalars, *, group=None, stage=0, stages=1, sizes=None, custom_
     for _bk in torch.tensor_split(w, 4, dim=1):
         _pending.append(_reduce_scatter(_c, torch.matmul(x, _bk), 0, d_B, 'sum', async_op=True))
     rs0 = torch.cat([_finish() for _finish in _pending], dim=-1)
+    del _pending
     ag0 = _all_gather(_c, rs0, 0, d_B)
+    del rs0
     add0 = ag0 + b
+    del ag0
     drop0 = _dropout(_c, add0, 0.1, seed, (d_B, d_S, d_H, ), -1)
+    del add0
     add1 = drop0 + r
+    del drop0
     _outputs['out'] = add1
     return {"outputs": _outputs, "sent": _sent}
