@@ -83,6 +83,7 @@ class _Emitter:
         self.chunked: set[str] | None = None  # members of the chunked unit being emitted
         self.absorbed: dict[Group, tuple[str, ...]] = {}  # see _absorbed
         self.rowwise: dict[str, Group] = {}  # absorbed Replicated statements: a chunk computes its own rows
+        self.rows_only: dict[str, int] = {}  # see _rows_only: statement → the dim its readers cut
 
     # --- expressions for one statement's local value ---
 
@@ -91,6 +92,11 @@ class _Emitter:
         rows; in a chunked unit, a slice computed outside it is cut to the chunk."""
         out_t, t = s.type, self.p[a].type
         name = ident(a)
+        if a in self.rows_only:
+            return name  # this rank's rows already
+        if s.name in self.rows_only and t.shape:
+            d = self.rows_only[s.name]
+            return f"_c.cut({name}, {d}, {dim_expr(t.shape[d])})"
         if self.chunked is not None and a in self.rowwise:
             return name  # computed on the chunk's rows already
         if self.chunked is not None and s.name in self.rowwise and t.shape:
@@ -229,6 +235,7 @@ def lower(schedule: Schedule, backend: str = "gloo", kernels: str = "compiled", 
     e.absorbed = _absorbed(p) if e.compile else {}
     e.rowwise = {m: g for g, ms in e.absorbed.items() for m in ms if isinstance(p[m].type.layout, Replicated)}
     skip = {m for ms in e.absorbed.values() for m in ms}
+    e.rows_only = _rows_only(p, skip)
     lowered: list[list[tuple[str, str]]] = []  # per unit: (line, statement it implements)
     for unit in units:
         if unit in skip:
@@ -407,6 +414,36 @@ def _absorbed(p: Program) -> dict[Group, tuple[str, ...]]:
                 taken.add(s.name)
         if taken:
             out[g] = tuple(s.name for s in p.stmts if s.name in taken)
+    return out
+
+
+def _rows_only(p: Program, skip: set[str]) -> dict[str, int]:
+    """Ungrouped Replicated pointwise statements whose readers all cut them to this rank's rows (Adam's
+    ``beta1 * m`` after ``reorder(ag0)``, read only by ``add0`` on the rank's slice), each with the dim they
+    cut: computed on those rows alone instead of on every rank's, 1/R of the work and of the memory."""
+    def plain(name: str) -> bool:
+        st = p[name]
+        return name not in p.group_of and name not in skip and st.op in POINTWISE and st.op != "const" \
+            and st.type is not None
+
+    out: dict[str, int] = {}
+    for s in reversed(p.stmts):  # readers before what they read
+        t = s.type
+        if not plain(s.name) or not isinstance(t.layout, Replicated) or not t.shape or not p.users[s.name]:
+            continue
+        dims = set()
+        for u in p.users[s.name]:
+            ut = p[u].type
+            if u in out:
+                dims.add(out[u])
+            elif plain(u) and isinstance(ut.layout, Sliced) and ut.shape == t.shape:
+                dims.add(ut.layout.dim)
+            else:
+                dims.add(None)
+        if len(dims) == 1 and None not in dims and all(
+                p[a].type.shape == () or (isinstance(p[a].type.layout, Replicated) and p[a].type.shape == t.shape)
+                for a in s.args):
+            out[s.name] = dims.pop()
     return out
 
 

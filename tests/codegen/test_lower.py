@@ -224,3 +224,13 @@ def test_an_eager_step_lets_each_temporary_go_after_its_last_reader():
     assert peak_arrays(source) <= 5.01
     held = "\n".join(x for x in source.split("\n") if not x.lstrip().startswith("del "))
     assert peak_arrays(held) >= 14
+
+
+def test_replicated_statements_read_only_on_a_slice_compute_that_slice_alone():
+    """After reorder(ag0), beta1 * m feeds only add0 on this rank's rows: it is computed on those rows."""
+    sched = Schedule.parse("split(ar0); reorder(ag0)", example("adam"))
+    step = lower(sched, kernels="eager").source.split("def step(")[1]
+    assert "    mul0 = beta1 * _c.cut(m, 0, d_N)\n" in step and "    add0 = mul0 + mul1\n" in step
+    assert "    sub4 = _c.cut(w, 0, d_N) - div2\n" in step  # an input is still cut where it is read
+    written = lower(Schedule(example("adam")), kernels="eager").source
+    assert "    mul0 = beta1 * m\n" in written  # the program as written: add0 needs every row
