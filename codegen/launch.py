@@ -231,7 +231,9 @@ def _launch(tasks, opts: Options, reference, results, custom) -> set[int]:
                         deadline = time.monotonic() + opts.timeout_s
                     continue
                 slot = pending.setdefault(task, {"check": _check_of(by_id[task], opts, reference), "time": None})
-                if kind == "check":
+                if kind == "value":
+                    slot["check"].take(rank, *data)
+                elif kind == "check":
                     slot["check"].add(rank, data)
                 elif kind == "time":
                     slot["time"] = data
@@ -326,15 +328,19 @@ class Check:
         self.ranks: set[int] = set()
 
     def add(self, rank: int, report: Mapping[str, np.ndarray]) -> None:
+        """The rest of ``rank``'s report: after this, nothing more of it comes."""
+        for key, value in report.items():
+            self.take(rank, key, value)
         self.ranks.add(rank)
+
+    def take(self, rank: int, key: str, value: np.ndarray) -> None:
         if not self.score:
             return
-        for key, value in report.items():
-            self.seen.add(key)
-            if isinstance(self._type(key).layout, Replicated) and self.opts.world > 1:
-                self._score(key, rank, f" on rank {rank}", value)
-            else:
-                self.pieces.setdefault(key, {})[rank % self.opts.world] = value
+        self.seen.add(key)
+        if isinstance(self._type(key).layout, Replicated) and self.opts.world > 1:
+            self._score(key, rank, f" on rank {rank}", value)
+        else:
+            self.pieces.setdefault(key, {})[rank % self.opts.world] = value
 
     def result(self) -> tuple[float, str | None]:
         for key in sorted(self.pieces):

@@ -5,7 +5,9 @@ scheduled programs, options — to a file and starts one such process per rank
 with a pipe on file descriptor FD. The rank joins the torch.distributed group,
 then for each task runs the step once and reports what it holds (the parent
 checks it against the reference interpreter) and times warm-up and repeated
-steps. Messages are pickled tuples ``(kind, task, rank, data)``.
+steps. Messages are pickled tuples ``(kind, task, rank, data)``: ``started``, one ``value``
+per array it holds after the step (``(key, array)``), ``check`` once they are all sent,
+``time`` (rank 0: the samples) and ``error``.
 
 A rank started as a fresh interpreter (not forked, not multiprocessing-spawned)
 never re-imports the user's ``__main__``. It dies with its parent
@@ -128,7 +130,10 @@ def _run(job: dict[str, Any], rank: int, conn: Connection) -> int:
             if opts.check:
                 tensors, scalars = inputs(prog, opts, stage, rank % world, device)
                 out = step(tensors, scalars, **kwargs)
-                conn.send(("check", task, rank, observe(prog, tensors, out, stage)))
+                report = observe(prog, tensors, out, stage)
+                for key in list(report):  # a message per value: neither side holds a pickle of them all
+                    conn.send(("value", task, rank, (key, report.pop(key))))
+                conn.send(("check", task, rank, {}))
                 del tensors, out  # before the timed steps' inputs are made
             samples = None
             if opts.time:

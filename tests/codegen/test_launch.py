@@ -259,8 +259,11 @@ def test_reports_are_checked_as_they_come_whatever_their_order():
     for order in ([0, 1, 2], [2, 1, 0]):
         check = Check(prog, opts, observable)
         for r in order:
-            check.add(r, reports[r])
+            for key, value in reports[r].items():  # as a rank sends them: one value a message
+                check.take(r, key, value)
             assert set(check.pieces) == {"stage0.state.m", "stage0.state.v"}  # w, replicated, is not held
+            assert r not in check.ranks
+            check.add(r, {})
         err, bad = check.result()
         assert err > 0.1 and bad.startswith("stage0.state.m (relative error"), bad
     check = Check(prog, opts, observable)
