@@ -237,7 +237,8 @@ def _launch(tasks, opts: Options, reference, results, custom) -> set[int]:
                     slot["check"].add(rank, data)
                 elif kind == "time":
                     slot["time"] = data
-                if (not opts.check or len(slot["check"].ranks) == nranks) and (not opts.time or slot["time"] is not None):
+                checked = not opts.check or len(slot["check"].ranks) == nranks
+                if checked and (not opts.time or slot["time"] is not None):
                     results[task] = _finish(by_id[task], slot, opts)
                     del pending[task]  # the pieces of sharded state: at large sizes, GBs per task
                     done.add(task)
@@ -289,7 +290,7 @@ def _check_of(gen, opts: Options, reference) -> Check:
     """What checks a task's reports; a baseline that cannot be checked (torch's own dropout masks) is only
     counted in."""
     unchecked = isinstance(gen, TorchTask) and not gen.baseline.checked
-    return Check(gen.schedule.scheduled, opts, {} if unchecked else reference, score=not unchecked)
+    return Check(gen.schedule.scheduled, opts, reference, score=not unchecked)
 
 
 def _finish(gen: Generated, slot, opts: Options) -> RunResult:

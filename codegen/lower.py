@@ -261,10 +261,8 @@ _STEP_NAMES = {"_c", "_custom", "_outputs", "_sent"}
 
 
 def _names(lines) -> set[str]:
-    """The identifiers a piece of generated code mentions, leaving out strings and comments."""
-    text = "\n".join(lines)
-    text = re.sub(r"#[^\n]*", "", re.sub(r"'[^'\n]*'|\"[^\"\n]*\"", "''", text))
-    return set(re.findall(r"(?<![.\w])[A-Za-z_]\w*", text))
+    """The names a piece of generated code mentions (not attributes, strings or comments)."""
+    return {n.id for n in ast.walk(ast.parse("\n".join(lines))) if isinstance(n, ast.Name)}
 
 
 def _free_names(lines) -> set[str]:
@@ -277,13 +275,10 @@ def _free_names(lines) -> set[str]:
 
 
 def _bound(lines) -> set[str]:
-    """The names a unit assigns at its own level (``x = …``, ``a, b = …``)."""
-    out = set()
-    for x in lines:
-        m = re.match(r"([A-Za-z_]\w*(?:, [A-Za-z_]\w*)*),? = (?!=)", x)
-        if m:
-            out.update(m.group(1).split(", "))
-    return out
+    """The names a unit assigns at its own level (``x = …``, ``a, b = …``), not inside its loops or branches."""
+    return {n.id for st in ast.parse("\n".join(lines)).body if isinstance(st, ast.Assign)
+            for target in st.targets for n in ast.walk(target)
+            if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
 
 
 def _freeing(p: Program, lowered: list[list[tuple[str, str]]], kept: set[str]) -> list[tuple[str, str | None]]:
@@ -405,7 +400,7 @@ def _absorbed(p: Program) -> dict[Group, tuple[str, ...]]:
         inside, taken = set(g.members), set()
         for s in reversed(p.stmts):  # readers before what they read: one pass reaches a fixpoint
             t = s.type
-            if s.name in p.group_of or s.op not in POINTWISE or s.op == "const" or t is None:
+            if not _ungrouped_pointwise(p, s):
                 continue
             sliced = isinstance(t.layout, Sliced) and t.shape[t.layout.dim] == n
             if not sliced and not _rowwise(p, s, rs.type.shape):
@@ -422,29 +417,28 @@ def _rows_only(p: Program, skip: set[str]) -> dict[str, int]:
     ``beta1 * m`` after ``reorder(ag0)``, read only by ``add0`` on the rank's slice), each with the dim they
     cut: computed on those rows alone instead of on every rank's, 1/R of the work and of the memory."""
     def plain(name: str) -> bool:
-        st = p[name]
-        return name not in p.group_of and name not in skip and st.op in POINTWISE and st.op != "const" \
-            and st.type is not None
+        return name not in skip and _ungrouped_pointwise(p, p[name])
 
     out: dict[str, int] = {}
     for s in reversed(p.stmts):  # readers before what they read
-        t = s.type
-        if not plain(s.name) or not isinstance(t.layout, Replicated) or not t.shape or not p.users[s.name]:
+        if not plain(s.name) or not s.type.shape or not p.users[s.name] or not _rowwise(p, s, s.type.shape):
             continue
         dims = set()
         for u in p.users[s.name]:
             ut = p[u].type
             if u in out:
                 dims.add(out[u])
-            elif plain(u) and isinstance(ut.layout, Sliced) and ut.shape == t.shape:
+            elif plain(u) and isinstance(ut.layout, Sliced) and ut.shape == s.type.shape:
                 dims.add(ut.layout.dim)
             else:
                 dims.add(None)
-        if len(dims) == 1 and None not in dims and all(
-                p[a].type.shape == () or (isinstance(p[a].type.layout, Replicated) and p[a].type.shape == t.shape)
-                for a in s.args):
+        if len(dims) == 1 and None not in dims:
             out[s.name] = dims.pop()
     return out
+
+
+def _ungrouped_pointwise(p: Program, s: Stmt) -> bool:
+    return s.name not in p.group_of and s.op in POINTWISE and s.op != "const" and s.type is not None
 
 
 def _rowwise(p: Program, s: Stmt, shape) -> bool:
