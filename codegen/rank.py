@@ -182,8 +182,8 @@ def inputs(prog, opts, stage: int, grank: int, device):
 
 
 def observe(prog, tensors, out, stage: int) -> dict[str, np.ndarray]:
-    """What the rank holds after the step, in its own dtype (the checker widens it as it compares: at world R
-    the parent holds R reports, and float64 copies would double them); bfloat16, which NumPy lacks, as float32."""
+    """What the rank holds after the step, in its own dtype (the checker widens it a block at a time as it
+    compares; float64 copies would double what crosses the pipe); bfloat16, which NumPy lacks, as float32."""
     import torch
 
     def host(v):
