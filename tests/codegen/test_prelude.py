@@ -1,3 +1,7 @@
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -67,3 +71,27 @@ def test_dropout_of_a_ranks_piece(shape, dim):
     got = prelude._dropout(Rank(), torch.ones(local), 0.5, 5, shape, dim)
     keep = rng.dropout_mask(5, 0.5, shape, _piece(shape, dim, lo, hi - lo) if dim >= 0 else None)
     assert np.array_equal(got.numpy(), np.where(keep, 2.0, 0.0).astype(np.float32))
+
+
+def test_kernels_are_kept_out_of_aotautograds_cache(tmp_path):
+    """A compiled kernel goes to Inductor's cache, never to AOTAutograd's: keyed on which inputs share a
+    buffer but not on how (pytorch/pytorch#184694), that cache handed a later process a kernel traced for
+    other views of its segment, which failed ('expected size 1008==1001') or wrote wrong rows."""
+    script = (
+        "import torch\n"
+        "from coconet.codegen.prelude import _kernel\n"
+        "def f(a, b, x):\n"
+        "    a.copy_(x * 2)\n"
+        "    b.copy_(x + 1)\n"
+        "seg, x = torch.zeros(64), torch.arange(8.0)\n"
+        "_kernel(f)(seg[0:8], seg[16:24], x)\n"
+        "assert torch.equal(seg[0:8], x * 2) and torch.equal(seg[16:24], x + 1)\n"
+        "assert torch._functorch.config.enable_autograd_cache  # only the kernel's compile is without it\n"
+    )
+    # (TORCHINDUCTOR_AUTOGRAD_CACHE, where set, overrides any setting made in code: left out)
+    env = {**{k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_AUTOGRAD_CACHE"},
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert any((tmp_path / "fxgraph").rglob("*")), "the kernel was not stored in Inductor's cache"
+    assert not any((tmp_path / "aotautograd").rglob("*"))

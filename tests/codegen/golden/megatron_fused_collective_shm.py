@@ -246,8 +246,22 @@ def _int64(x):
 
 def _kernel(fn):
     """A fused pointwise kernel, compiled by Inductor on its first call (vectorised C++ on CPU, Triton
-    on CUDA) and loaded from Inductor's on-disk cache by later processes."""
-    return torch.compile(fn, dynamic=False, fullgraph=True)
+    on CUDA) and loaded from Inductor's on-disk cache by later processes. Not from AOTAutograd's cache:
+    given views of one buffer that the kernel writes (the rows of several gathers in one segment), it
+    has handed later processes a kernel traced for other sizes, which failed or wrote wrong rows."""
+    compiled = torch.compile(fn, dynamic=False, fullgraph=True)
+    config = torch._functorch.config
+
+    def kernel(*args):
+        # set around every call, as any call may compile (new shapes); the caller's setting comes back after.
+        # (config.patch would do, at twice a small kernel's cost per call)
+        was = config.enable_autograd_cache
+        config.enable_autograd_cache = False
+        try:
+            return compiled(*args)
+        finally:
+            config.enable_autograd_cache = was
+    return kernel
 
 
 def _cache_dir():
