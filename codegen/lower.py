@@ -663,6 +663,13 @@ def _chunk_kernel(e: _Emitter, g: Group, compute: list[str], inplace: dict[str, 
     if parts is not None:
         args[f"{ident(parts.name)}_parts"] = f"{ident(parts.name)}_parts"
     raw = [ident(a) for m in compute for a in p[m].args if ident(a) not in defined]
+    # and values an operand stands for under another name: the chunk's reduced rows for their gather's
+    # output (another reduce_scatter's rows read by this one's computation)
+    tree = ast.parse(textwrap.dedent(text))
+    stored = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)}
+    ir = {ident(x.name) for x in p.stmts}
+    raw += [n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
+            and n.id in ir and n.id not in defined | stored]
     for name in dict.fromkeys(raw):
         if re.search(rf"\b{name}\b", text):
             args.setdefault(name, name)

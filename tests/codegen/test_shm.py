@@ -1,5 +1,6 @@
 """The shm backend on real worlds of ranks: every schedule correct, and no segment left behind."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -102,6 +103,24 @@ def test_compiled_fused_collective_with_dropout(backend):
     schedules = [base.with_knobs(fc_chunks=k) for k in (1, 2, 8)]
     results = run_schedules(schedules, Options(world=3, sizes={"B": 5, "S": 3, "H": 7}, backend=backend, warmup=1,
                                                repeats=1, seed=2**64 - 5))
+    assert_all_ok(results)
+
+
+@pytest.mark.parametrize("backend", ["shm", "gloo"])
+def test_compiled_chunk_kernel_takes_the_rows_of_another_collective(backend):
+    """``w + (max - min) / 2`` with both allreduces split, one of them fused: the chunk's kernel reads the
+    other reduce_scatter's rows as an argument (once a free name, which Dynamo could not resolve)."""
+    import coconet as cc
+
+    p = cc.Program("spread", dims=("N",))
+    g = p.tensor("g", ("N",), layout=cc.Local)
+    w = p.tensor("w", ("N",), layout=cc.Replicated)
+    p.update(w, w + (cc.allreduce(g, op="max") - cc.allreduce(g, op="min")) * 0.5)
+    texts = ["split(ar0); split(ar1); reorder(ag0); fuse_collective(rs1)",
+             "split(ar0); split(ar1); reorder(ag1); fuse_collective(rs0)"]
+    schedules = [Schedule.parse(t, p.ir) for t in texts]
+    assert re.search(r"def _chunk0\([^)]*\brs1\):", lower(schedules[0], backend).source)
+    results = run_schedules(schedules, Options(world=3, sizes={"N": 1001}, backend=backend, warmup=1, repeats=1))
     assert_all_ok(results)
 
 
