@@ -364,19 +364,39 @@ class Check:
         if key not in self.reference:
             return  # told as missing from the reference
         e = rel_err(value, self.reference[key])
-        tol = TOLERANCE.get(self._type(key).dtype, 1e-4)
+        tol = self._tolerance(key)
         self.worst = max(self.worst, e)
         if not e <= tol:
             self.failures.append((key, rank, f"{key}{where} (relative error {e:.3g} > {tol:g}) differs from the "
                                              "reference interpreter"))
 
-    def _type(self, key: str):
+    def _source(self, key: str) -> str:
+        """The statement whose value ``key`` reports (a state: the one it is updated to, if it is)."""
         _, kind, name = key.split(".", 2)
         if kind == "state":
-            return self.prog[name].type
+            return self.prog.updates.get(name, name)
         if kind == "output":
-            return self.prog[self.prog.outputs[name]].type
-        return self.prog[next(s for s in self.prog.effects if s.op == "send" and s.attr("tag") == name).args[0]].type
+            return self.prog.outputs[name]
+        return next(s for s in self.prog.effects if s.op == "send" and s.attr("tag") == name).args[0]
+
+    def _type(self, key: str):
+        _, kind, name = key.split(".", 2)
+        return self.prog[name].type if kind == "state" else self.prog[self._source(key)].type
+
+    def _tolerance(self, key: str) -> float:
+        """The loosest tolerance of the dtypes the value was computed in on its way: a float32 state
+        updated from a bfloat16 allreduce carries bfloat16's error (inputs are given to the oracle
+        already rounded to their dtype, so they add none)."""
+        tol, todo, seen = TOLERANCE.get(self._type(key).dtype, 1e-4), [self._source(key)], set()
+        while todo:
+            s = self.prog[todo.pop()]
+            if s.name in seen or s.op in ("input", "scalar", "recv", "const"):
+                continue
+            seen.add(s.name)
+            if s.type is not None and s.type.dtype in TOLERANCE:
+                tol = max(tol, TOLERANCE[s.type.dtype])
+            todo.extend(a for a in s.args if isinstance(a, str) and a in self.prog)
+        return tol
 
 
 def _died(code: int) -> str:

@@ -166,6 +166,27 @@ def test_wrong_results_are_caught(monkeypatch):
     assert "stage0.state.w" in res.error and res.max_rel_err > 0.1
 
 
+def test_a_value_computed_in_bfloat16_is_held_to_bfloat16s_tolerance():
+    """SGD from a bfloat16 gradient allreduce into float32 weights: the sum of three bfloat16 gradients is
+    rounded like any bfloat16 value (about 1e-2 here), and every schedule, the program as written too,
+    once failed float32's 1e-4. A float32 program keeps float32's."""
+    import coconet as cc
+    from coconet.codegen.launch import Check
+    from coconet.schedules.equivalence import TOLERANCE
+
+    p = cc.Program("bf16_sgd", dims=("N",))
+    g = p.tensor("g", ("N",), layout=cc.Local, dtype="bfloat16")
+    w = p.tensor("w", ("N",), layout=cc.Replicated)
+    (lr,) = p.scalars("lr")
+    p.update(w, w - lr * cc.cast(cc.allreduce(g), "float32"))
+    opts = check_only(3, {"N": 1001})
+    assert Check(p.ir, opts, {})._tolerance("stage0.state.w") == TOLERANCE["bfloat16"]
+    assert Check(example("adam"), opts, {})._tolerance("stage0.state.w") == TOLERANCE["float32"]
+    results = run_schedules(list(generate(p.ir)), opts)
+    assert_all_ok(results)
+    assert max(r.max_rel_err for r in results) > TOLERANCE["float32"]  # the rounding is there to allow for
+
+
 def _wait_for_ranks(n, timeout=60):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
