@@ -121,6 +121,8 @@ def run_schedules(schedules: Sequence[Schedule], opts: Options, program_file: st
     if opts.world < 1 or opts.stages < 1:
         raise CoconetError(f"world and stages must be positive, got world={opts.world}, stages={opts.stages}")
     stages = opts.stages if program.is_pipeline else 1
+    if opts.backend == "nccl":
+        _check_cuda(opts.world * stages)
     opts = dataclasses.replace(opts, stages=stages, sizes=dict(opts.sizes))
     custom = custom_payload(program, program_file)
     results: dict[int, RunResult] = {}
@@ -303,6 +305,19 @@ def _finish(gen: Generated, slot, opts: Options) -> RunResult:
     if opts.time and slot["time"] is not None:
         res.samples = list(slot["time"])
     return res
+
+
+def _check_cuda(ranks: int) -> None:
+    """NCCL runs one rank per CUDA device: refused up front, not found out by the ranks."""
+    import torch
+
+    devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if devices == 0:
+        raise BackendError("the nccl backend runs on CUDA tensors and this machine has no CUDA device "
+                           "(gloo and shm run on CPU)")
+    if ranks > devices:
+        raise BackendError(f"the nccl backend needs a CUDA device per rank: {ranks} ranks, {devices} device"
+                           f"{'s' if devices > 1 else ''} here")
 
 
 def compare(prog, reports: Mapping[int, dict], opts: Options, reference) -> tuple[float, str | None]:

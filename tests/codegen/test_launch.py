@@ -187,6 +187,18 @@ def test_a_value_computed_in_bfloat16_is_held_to_bfloat16s_tolerance():
     assert max(r.max_rel_err for r in results) > TOLERANCE["float32"]  # the rounding is there to allow for
 
 
+def test_nccl_without_a_device_per_rank_is_refused_before_any_rank_starts():
+    import torch
+
+    from coconet.errors import BackendError
+
+    devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    expected = "needs a CUDA device per rank" if devices else "this machine has no CUDA device"
+    with pytest.raises(BackendError, match=expected):
+        run_schedules([Schedule(example("sgd"))], check_only(devices + 1, {"N": 7}, backend="nccl"))
+    assert not rank_processes()
+
+
 def _wait_for_ranks(n, timeout=60):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
