@@ -610,8 +610,6 @@ def _device_name(device: str) -> str:
         return f"cpu, {os.cpu_count()} cores"
     import torch
 
-    if not torch.cuda.is_available():
-        raise CoconetError("--backend nccl runs on CUDA tensors and this machine has no CUDA device")
     return torch.cuda.get_device_name()
 
 
@@ -674,7 +672,7 @@ def bench(
     as eager PyTorch) and the floor (the bytes the step must move at the memory bandwidth, or its matmuls
     at the matmul rate, whichever is longer), per size."""
     from coconet.codegen.baselines import baseline_for
-    from coconet.codegen.launch import Options, run_schedules
+    from coconet.codegen.launch import Options, require_cuda, run_schedules
     from coconet.codegen.lower import BACKENDS
     from coconet.codegen.rank import allocator_policy
     from coconet.loader import load_file
@@ -705,6 +703,8 @@ def bench(
     bandwidths: list[float] = []
     # the matmul rate of one rank's threads (as the launcher gives them), where the program has matmuls
     nranks = world * (2 if prog.is_pipeline else 1)
+    if device == "cuda":
+        require_cuda(nranks)  # before any point is measured
     cpus = os.cpu_count() or 1
     # a CUDA rank has a GPU to itself: its matmul rate is the device's, and no rank shares it
     threads = max(1, cpus // nranks) if device == "cpu" else 1

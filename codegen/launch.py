@@ -122,7 +122,7 @@ def run_schedules(schedules: Sequence[Schedule], opts: Options, program_file: st
         raise CoconetError(f"world and stages must be positive, got world={opts.world}, stages={opts.stages}")
     stages = opts.stages if program.is_pipeline else 1
     if opts.backend == "nccl":
-        _check_cuda(opts.world * stages)
+        require_cuda(opts.world * stages)
     opts = dataclasses.replace(opts, stages=stages, sizes=dict(opts.sizes))
     custom = custom_payload(program, program_file)
     results: dict[int, RunResult] = {}
@@ -307,7 +307,7 @@ def _finish(gen: Generated, slot, opts: Options) -> RunResult:
     return res
 
 
-def _check_cuda(ranks: int) -> None:
+def require_cuda(ranks: int) -> None:
     """NCCL runs one rank per CUDA device: refused up front, not found out by the ranks."""
     import torch
 
