@@ -307,13 +307,16 @@ class Store:
         key = sizes_key(sizes)
         _check_world(world)
         with self._key_tx("take_job", program_hash, key, topology, world, shardable) as s:
+            # The queued job first, waiting for a worker that is claiming it (claim_job holds no key lock): had it
+            # been passed over, the worker and this tuner would both tune the key. Under READ COMMITTED the look
+            # at the running jobs that follows then sees that claim.
+            row = _oldest_job(s, program_hash, key, topology, world, shardable, ("queued",), lock=True)
             if abandoned is not None:
                 running = _key_jobs(program_hash, key, topology, world, shardable, ("running",)).with_for_update()
                 for other in s.scalars(running).all():
                     if not abandoned(_job(other)):
                         raise KeyBusy(f"job {other.id} of this key is running", running=other.id, driver=other.driver)
                     other.state, other.error, other.updated_at = "interrupted", RETAKEN, utcnow()
-            row = _oldest_job(s, program_hash, key, topology, world, shardable, ("queued",), lock=True)
             if row is None:
                 row = _new_job(program_hash, sizes, key, topology, world, shardable, budget, backends, running=True)
                 s.add(row)
@@ -799,10 +802,10 @@ def _new_job(program_hash: str, sizes: Mapping[str, int], key: str, topology: st
 
 def _oldest_job(s: Session, program_hash: str, key: str, topology: str, world: int, shardable: str,
                 states: Sequence[str], *, lock: bool = False) -> JobRow | None:
-    """The key's oldest job in one of ``states``; ``lock``: its row locked for update, one a worker is claiming
-    passed over."""
+    """The key's oldest job in one of ``states``; ``lock``: its row locked for update, after any transaction
+    holding it ends (a row it took out of ``states`` is then not returned)."""
     q = _key_jobs(program_hash, key, topology, world, shardable, states).limit(1)
-    return s.scalars(q.with_for_update(skip_locked=True) if lock else q).first()
+    return s.scalars(q.with_for_update() if lock else q).first()
 
 
 def _key_jobs(program_hash: str, key: str, topology: str, world: int, shardable: str, states: Sequence[str]):

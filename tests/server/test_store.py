@@ -808,3 +808,42 @@ def test_the_store_s_lookups_use_indexes(tmp_path, adam):
             for sql in selects:
                 plan = " ".join(r[-1] for r in conn.exec_driver_sql("EXPLAIN QUERY PLAN " + sql))
                 assert "SCAN" not in plan, (sql, plan)
+
+
+def test_a_tuner_taking_a_key_waits_for_a_worker_claiming_its_job(postgres, adam):
+    """A worker's claim and a tuner's take of one queued job, at once: the take must see the claim, not pass the
+    locked row over and start a second tuning of the key."""
+    from sqlalchemy import select, update
+    from sqlalchemy.orm import Session
+
+    from coconet.server.models import JobRow
+
+    url = postgres.new_database()
+    with Store.open(url) as store:
+        a = store.add_program(adam)
+        queued, _ = store.join_job(a, {"N": 1024}, "local", 2)
+        worker = create_engine(url)
+        try:
+            with Session(worker) as claiming, claiming.begin():
+                # claim_job's statements, its transaction held open
+                row = claiming.scalars(select(JobRow).where(JobRow.state == "queued")
+                                       .with_for_update(skip_locked=True)).one()
+                claiming.execute(update(JobRow).where(JobRow.id == row.id)
+                                 .values(state="running", driver="7@worker boot/ns 123"))
+                with ThreadPoolExecutor(1) as pool:
+                    took = pool.submit(store.take_job, a, {"N": 1024}, "local", 2, driver="8@laptop boot/ns 456",
+                                       abandoned=lambda job: False)
+                    with worker.connect() as watch:
+                        for _ in range(200):  # until the take waits on the row's lock (or has gone on without it)
+                            waiting = watch.execute(text("SELECT count(*) FROM pg_stat_activity "
+                                                         "WHERE wait_event_type = 'Lock'")).scalar()
+                            if waiting or took.done():
+                                break
+                            threading.Event().wait(0.05)
+                    assert not took.done(), f"the take did not wait for the claim: {took.result()}"
+                    claiming.commit()
+                    with pytest.raises(KeyBusy, match=f"job {queued.id} of this key is running"):
+                        took.result(timeout=30)
+        finally:
+            worker.dispose()
+        assert [(j.id, j.state, j.driver) for j in store.jobs()] == [(queued.id, "running", "7@worker boot/ns 123")]
