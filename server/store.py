@@ -13,6 +13,7 @@ import importlib
 import json
 import math
 import os
+import time
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import fields
@@ -744,10 +745,28 @@ def _sqlite_connect(dbapi_conn: Any, _record: Any) -> None:
     dbapi_conn.isolation_level = None
     cur = dbapi_conn.cursor()
     cur.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_S * 1000}")
-    cur.execute("PRAGMA journal_mode = WAL")  # readers never wait for the writer
+    _sqlite_wal(cur, dbapi_conn.OperationalError)
     cur.execute("PRAGMA synchronous = NORMAL")  # durable enough under WAL, and much faster per commit
     cur.execute("PRAGMA foreign_keys = ON")
     cur.close()
+
+
+def _sqlite_wal(cur: Any, busy: type[Exception]) -> None:
+    """Puts the file in WAL mode, where readers never wait for the writer. Processes opening a fresh file at
+    once can meet mid-change, and SQLite then fails one with "database is locked" at once instead of calling
+    the busy handler: that one tries again, for as long as the busy timeout would have waited."""
+    deadline = time.monotonic() + SQLITE_BUSY_S
+    pause = 0.001
+    while True:
+        try:
+            if cur.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
+                cur.execute("PRAGMA journal_mode = WAL")
+            return
+        except busy as err:
+            if "locked" not in str(err) or time.monotonic() + pause > deadline:
+                raise
+            time.sleep(pause)
+            pause = min(2 * pause, 0.1)
 
 
 def _sqlite_begin(conn: Any) -> None:

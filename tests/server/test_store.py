@@ -753,6 +753,38 @@ def test_sqlite_pragmas(tmp_path):
         assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == 30_000
 
 
+def test_a_connection_meeting_another_mid_change_to_wal_tries_again():
+    import sqlite3
+
+    from coconet.server.store import _sqlite_wal
+
+    class Cursor:  # a file another process is turning to WAL: "locked" twice, as SQLite answers without waiting
+        def __init__(self, fails, error="database is locked"):
+            self.fails, self.error, self.mode, self.asked = fails, error, "delete", 0
+
+        def execute(self, sql):
+            self.asked += 1
+            if self.fails:
+                self.fails -= 1
+                raise sqlite3.OperationalError(self.error)
+            if sql.endswith("= WAL"):
+                self.mode = "wal"
+            return self
+
+        def fetchone(self):
+            return (self.mode,)
+
+    busy = Cursor(2)
+    _sqlite_wal(busy, sqlite3.OperationalError)
+    assert busy.mode == "wal" and busy.asked == 4
+    done = Cursor(0)
+    done.mode = "wal"
+    _sqlite_wal(done, sqlite3.OperationalError)
+    assert done.asked == 1  # already WAL: no change asked for
+    with pytest.raises(sqlite3.OperationalError, match="disk I/O error"):
+        _sqlite_wal(Cursor(1, "disk I/O error"), sqlite3.OperationalError)
+
+
 def test_bad_or_unreachable_databases_are_store_errors(tmp_path):
     with pytest.raises(StoreError, match="is not a database URL"):
         Store.open("not a url")
