@@ -66,6 +66,7 @@ ENV_URL = "COCONET_DATABASE_URL"
 # lets an up-to-date database open without importing Alembic, which costs half a second per CLI call.
 SCHEMA_HEAD = "0004"
 SQLITE_BUSY_S = 30
+OPTUNA_CREATE_TRIES = 5
 MIGRATIONS = Path(__file__).resolve().parent / "migrations"
 
 # Which job states may follow which; "done" is final, a failed or interrupted job may be queued again.
@@ -130,7 +131,20 @@ class Store:
 
         url = self._engine.url.render_as_string(hide_password=False)
         kwargs = {"connect_args": {"timeout": 30}} if self.dialect == "sqlite" else {"pool_pre_ping": True}
-        return optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
+        # Optuna makes its tables on first use, looking before it creates: of the processes doing that at once on
+        # a fresh database all but one fail ("table studies already exists", a second revision row). Making them
+        # is idempotent, so a loser makes them again and finds them there.
+        tries = 0
+        while True:
+            try:
+                return optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
+            except SQLAlchemyError as err:
+                tries += 1
+                message = str(getattr(err, "orig", None) or err).lower()
+                lost = any(m in message for m in ("already exists", "unique constraint", "duplicate key", "locked"))
+                if not lost or tries == OPTUNA_CREATE_TRIES:
+                    raise StoreError(f"Optuna's storage on {self.url}: {_cause(err)}", url=self.url) from err
+                time.sleep(0.05 * tries)
 
     @property
     def dialect(self) -> str:

@@ -7,6 +7,7 @@ import random
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import fields
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -688,6 +689,33 @@ def test_optuna_shares_the_database(db_url, adam):
     tables = set(inspect(storage.engine).get_table_names())
     assert {"studies", "trials", "alembic_version", VERSION_TABLE, "coconet_winners"} <= tables
     storage.engine.dispose()
+
+
+STUDIER = """
+import sys, time
+import optuna
+from coconet.server.store import Store
+
+url, name, start = sys.argv[1], sys.argv[2], float(sys.argv[3])
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+with Store.open(url) as store:
+    time.sleep(max(0.0, start - time.time()))  # imported and opened: now all at once
+    study = optuna.create_study(storage=store.optuna_storage(), study_name=name)
+    study.optimize(lambda t: t.suggest_float("x", 0, 1), n_trials=3)
+    print(len(study.trials))
+"""
+
+
+def test_processes_making_optunas_tables_at_once_all_get_the_storage(db_url):
+    # The store's own schema is made first, as `coconet tune` and the server open it; Optuna's is made at the
+    # first optuna_storage(), which four processes then ask for at the same moment.
+    Store.open(db_url).close()
+    start = time.time() + 6
+    procs = [subprocess.Popen([sys.executable, "-c", STUDIER, db_url, f"s{i}", str(start)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(4)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0 and out.split() == ["3"], err[-2000:]
 
 
 WRITER = """
