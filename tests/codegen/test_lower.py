@@ -221,7 +221,10 @@ def test_an_eager_step_lets_each_temporary_go_after_its_last_reader():
     are live at once, where holding every temporary to the end takes 15 arrays."""
     source = lower(Schedule(example("adam")), kernels="eager").source
     assert "    del mul0, mul1\n" in source
-    assert peak_arrays(source) <= 5.01
+    # 5 here, but one CI run measured 6 and it did not come back in 50 runs, loaded or not. The peak is read off
+    # the profiler's events by time: an allocation carries its op's start, a free its own stamp, a few us apart,
+    # so a free sorted after the next allocation counts one array twice. Holding temporaries shows as 14.
+    assert peak_arrays(source) <= 6.01
     held = "\n".join(x for x in source.split("\n") if not x.lstrip().startswith("del "))
     assert peak_arrays(held) >= 14
 
