@@ -521,6 +521,9 @@ def sweep(
     Console(highlight=False).print(
         f"{doc['keys']} keys: {doc['predicted']} predicted ({doc['predictions']} schedule predictions), "
         f"{doc['measured']} measured, {doc['skipped']} already done; {doc['seconds']:.1f} s {rate}", markup=False)
+    if doc["unfit"]:
+        Console(highlight=False, stderr=True).print(
+            f"note: {doc['unfit']} keys left out: their world needs more ranks than the topology has", markup=False)
 
 
 @app.command()

@@ -372,3 +372,16 @@ def test_bench_on_nccl_without_cuda_names_the_cause():
     if torch.cuda.is_available():
         pytest.skip("this machine has a CUDA device")
     assert_one_error(coconet("bench", "adam", "--size", "N=8", "--backend", "nccl"), "no CUDA device")
+
+
+def test_a_sweep_says_which_keys_it_left_out(tmp_path):
+    config = tmp_path / "sweep.yaml"
+    config.write_text('programs:\n  - example: adam\n    sizes: ["N=2^10", "N=2^12"]\n'
+                      "topologies: [dgx-a100-8]\nworlds: {dgx-a100-8: [2, 16]}\n")
+    db = f"sqlite:///{tmp_path / 'c.db'}"
+    proc = coconet("sweep", config, "--simulate", "--db", db)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("2 keys: 2 predicted")
+    assert proc.stderr.strip().splitlines()[-1] == "note: 2 keys left out: their world needs more ranks than the topology has"
+    doc = json.loads(coconet("sweep", config, "--simulate", "--db", db, "--json").stdout)
+    assert (doc["keys"], doc["skipped"], doc["unfit"]) == (2, 2, 2)
