@@ -899,7 +899,7 @@ def test_a_tuner_taking_a_key_waits_for_a_worker_claiming_its_job(postgres, adam
                                                          "WHERE wait_event_type = 'Lock'")).scalar()
                             if waiting or took.done():
                                 break
-                            threading.Event().wait(0.05)
+                            time.sleep(0.05)
                     assert not took.done(), f"the take did not wait for the claim: {took.result()}"
                     claiming.commit()
                     with pytest.raises(KeyBusy, match=f"job {queued.id} of this key is running"):
