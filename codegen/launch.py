@@ -42,6 +42,7 @@ import numpy as np
 from coconet.codegen.baselines import Baseline, TorchTask
 from coconet.codegen.cache import module_path
 from coconet.codegen.lower import Generated, lower
+from coconet.codegen.rank import AGAIN
 from coconet.errors import BackendError, CoconetError
 from coconet.schedules import interp
 from coconet.schedules.equivalence import TOLERANCE, rel_err
@@ -292,7 +293,7 @@ def _check_of(gen, opts: Options, reference) -> Check:
     """What checks a task's reports; a baseline that cannot be checked (torch's own dropout masks) is only
     counted in."""
     unchecked = isinstance(gen, TorchTask) and not gen.baseline.checked
-    return Check(gen.schedule.scheduled, opts, reference, score=not unchecked)
+    return Check(gen.schedule.scheduled, opts, reference, score=not unchecked, again=True)
 
 
 def _finish(gen: Generated, slot, opts: Options) -> RunResult:
@@ -320,10 +321,11 @@ def require_cuda(ranks: int) -> None:
                            f"{'s' if devices > 1 else ''} here")
 
 
-def compare(prog, reports: Mapping[int, dict], opts: Options, reference) -> tuple[float, str | None]:
+def compare(prog, reports: Mapping[int, dict], opts: Options, reference, *, again: bool = False) -> tuple[float, str | None]:
     """The largest relative error of what the ranks reported (rank → observed values) against the
-    reference interpreter's, and what differs beyond its dtype's tolerance (None when nothing does)."""
-    check = Check(prog, opts, reference)
+    reference interpreter's, and what differs beyond its dtype's tolerance (None when nothing does);
+    ``again``: the reports hold a second step's values too (``coconet.codegen.rank.checked_steps``)."""
+    check = Check(prog, opts, reference, again=again)
     for rank in sorted(reports):
         check.add(rank, reports[rank])
     return check.result()
@@ -335,8 +337,10 @@ class Check:
     go, anything else kept until its pieces are all in and assembled. The parent then holds one rank's
     copy of the replicated state at a time, not the world's: 1.5 GB of Adam's at N=2^25, world 4."""
 
-    def __init__(self, prog, opts: Options, reference, *, score: bool = True):
+    def __init__(self, prog, opts: Options, reference, *, score: bool = True, again: bool = False):
         self.prog, self.opts, self.reference, self.score = prog, opts, reference, score
+        # the keys the ranks must report: the reference's, and with ``again`` each once more for a second step
+        self.expected = set(reference) | ({k + AGAIN for k in reference} if again else set())
         self.worst = 0.0
         self.failures: list[tuple[str, int, str]] = []  # (key, rank, what): the first in that order is told
         self.seen: set[str] = set()
@@ -368,7 +372,7 @@ class Check:
                 self.failures.append((key, lacking[0], f"{key} is missing from rank {lacking[0]}"))
                 continue
             self._score(key, 0, "", interp.assemble(self._type(key), [pieces[r] for r in range(self.opts.world)]))
-        for key in set(self.reference) ^ self.seen:
+        for key in self.expected ^ self.seen:
             side = "the ranks" if key not in self.seen else "the reference"
             self.worst = math.inf
             self.failures.append((key, -1, f"{key} is missing from {side}"))
@@ -376,14 +380,16 @@ class Check:
         return self.worst, None if first is None else first[2]
 
     def _score(self, key: str, rank: int, where: str, value: np.ndarray) -> None:
-        if key not in self.reference:
+        base = key.removesuffix(AGAIN)
+        if key not in self.expected:
             return  # told as missing from the reference
-        e = rel_err(value, self.reference[key])
-        tol = self._tolerance(key)
+        e = rel_err(value, self.reference[base])
+        tol = self._tolerance(base)
         self.worst = max(self.worst, e)
         if not e <= tol:
-            self.failures.append((key, rank, f"{key}{where} (relative error {e:.3g} > {tol:g}) differs from the "
-                                             "reference interpreter"))
+            when = " after a second step on the same inputs" if key != base else ""
+            self.failures.append((key, rank, f"{base}{where}{when} (relative error {e:.3g} > {tol:g}) differs from "
+                                             "the reference interpreter"))
 
     def _source(self, key: str) -> str:
         """The statement whose value ``key`` reports (a state: the one it is updated to, if it is)."""
@@ -395,6 +401,7 @@ class Check:
         return next(s for s in self.prog.effects if s.op == "send" and s.attr("tag") == name).args[0]
 
     def _type(self, key: str):
+        key = key.removesuffix(AGAIN)
         _, kind, name = key.split(".", 2)
         return self.prog[name].type if kind == "state" else self.prog[self._source(key)].type
 

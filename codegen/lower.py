@@ -82,6 +82,7 @@ class _Emitter:
         self.written: set[str] = set()  # state a kernel writes in place
         self.chunked: set[str] | None = None  # members of the chunked unit being emitted
         self.absorbed: dict[Group, tuple[str, ...]] = {}  # see _absorbed
+        self.slotless: set[str] = set()  # shm all_gathers written straight into the peers' state (gather_into)
         self.rowwise: dict[str, Group] = {}  # absorbed Replicated statements: a chunk computes its own rows
         self.rows_only: dict[str, int] = {}  # see _rows_only: statement → the dim its readers cut
 
@@ -371,6 +372,7 @@ def _lower_fused_collective(e: _Emitter, g: Group, chunks: int) -> list[str]:
     into = gather_into(p, e.backend, g, outs, absorbed)
     e.written.update(inplace.values())
     e.written.update(into.values())
+    e.slotless.update(into)
     outs = [o for o in outs if o not in inplace and o not in into]
     fname = f"_{g.kind}{len(e.kernels)}"
     lines = [(f"def {fname}(_rank, {', '.join(ident(a) for a in ins)}):", g.members[0]),
@@ -459,8 +461,8 @@ def _fc_in_place(p: Program, g: Group, outs: list[str], absorbed) -> dict[str, s
 
 def gather_into(p: Program, backend: str, g: Group, outs: list[str], absorbed) -> dict[str, str]:
     """All_gathers of a fused collective on shm whose value only updates Replicated state that nothing
-    outside reads: the chunk writes this rank's rows into the state and into its segment, and the gather
-    copies each peer's rows straight into the state. No gathered temporary, no copy into the state after."""
+    outside reads: the chunk writes this rank's rows into the state, then into every peer's copy of it
+    (which lives in shared memory). No gathered temporary, no slot, no copy into the state after."""
     return _updated_in_place(p, g, outs, absorbed, gathered=True) if backend == "shm" else {}
 
 
@@ -556,7 +558,9 @@ def _chunked_body(e: _Emitter, g: Group, outs: list[str], chunks: int, absorbed=
     how = ("published once, each chunk reduced out of the peers' segments just before it computes"
            if e.backend == "shm" else "chunk k+1 is reduced while chunk k computes and chunk k-1 is gathered")
     lines = [(f"    # {chunks} chunk{'s' if chunks > 1 else ''}: {how}", rs.name)]
-    lines += [(f"    _{ident(m)} = _Gather(_rank, {d}, {n})", m) for m in gathers]
+    words = {m: i for i, m in enumerate(into)}
+    lines += [(f"    _{ident(m)} = _Gather(_rank, {d}, {n}" + (f", {ident(into[m])}, {into[m]!r}, {words[m]})" if m in into
+                                                             else ")"), m) for m in gathers]
     lines += [(f"    _{ident(o)} = []", o) for o in sliced_outs]
     compute = [m for m in (*absorbed, *g.members[1:]) if p[m].op != "all_gather"]
     needed = {p[m].args[0] for m in gathers if m not in into} | set(sliced_outs)
@@ -582,10 +586,8 @@ def _chunked_body(e: _Emitter, g: Group, outs: list[str], chunks: int, absorbed=
             for m, t in into.items():
                 src = p[m].args[0]
                 lines.append((f"        {e.operand(p[src], t)}.copy_({ident(src)})", m))
-                lines.append((f"        _{ident(m)}.rows_of(_c, {ident(t)}).copy_({ident(src)})", m))
         for m in gathers:
-            if m not in into:
-                lines.append((f"        _{ident(m)}.add(_c, {ident(p[m].args[0])})", m))
+            lines.append((f"        _{ident(m)}.push(_c)" if m in into else f"        _{ident(m)}.add(_c, {ident(p[m].args[0])})", m))
     finally:
         e.chunked = None
     lines += [(f"        _{ident(o)}.append({ident(o)})", o) for o in sliced_outs]
@@ -641,11 +643,9 @@ def _chunk_kernel(e: _Emitter, g: Group, compute: list[str], inplace: dict[str, 
         body.append((f"    {ident(m)} = _dropout_rows({e.operand(s, s.args[0])}, {e.dropout_args(s)}, {d}, row0_k)", m))
     for o, t in inplace.items():
         body.append((f"    {e.operand(p[o], t)}.copy_({ident(o)})", o))
-    for m, t in (into or {}).items():  # this rank's rows of the gathered state: in place, and in its segment
+    for m, t in (into or {}).items():  # this rank's rows of the gathered state, in place: pushed to the peers after
         src = p[m].args[0]
-        args[f"_{ident(m)}.rows_of(_c, {ident(t)})"] = f"{ident(m)}_k"
         body.append((f"    {e.operand(p[src], t)}.copy_({ident(src)})", m))
-        body.append((f"    {ident(m)}_k.copy_({ident(src)})", m))
 
     def param(match: re.Match) -> str:
         expr = match.group(0)
@@ -759,14 +759,15 @@ def _nbytes_expr(t) -> str:
     return " * ".join([str(ITEMSIZE.get(t.dtype or "float32", 4))] + [f"({dim_expr(d)})" for d in t.shape])
 
 
-def _shm_segments(p: Program) -> list[str]:
+def _shm_segments(p: Program, slotless: set[str]) -> list[str]:
     """The line mapping the group's shared segments: a slot holds the largest collective's buffer (a
-    bucket's buffers together); a chunked fused collective keeps its gathers live while it reduces."""
+    bucket's buffers together); a chunked fused collective keeps its gathers live while it reduces, but for
+    those (``slotless``) that write into the peers' state."""
     sizes = []
     for s in p.stmts:
         if s.op in ("allreduce", "reduce_scatter", "broadcast"):
             sizes.append(_nbytes_expr(p[s.args[0]].type))
-        elif s.op == "all_gather":
+        elif s.op == "all_gather" and s.name not in slotless:
             sizes.append(_nbytes_expr(s.type))
     for g in p.groups:
         if g.kind == "bucket":
@@ -774,8 +775,8 @@ def _shm_segments(p: Program) -> list[str]:
             sizes.append(" + ".join(f"{_nbytes_expr(t)} + 64" for t in full))
     if not sizes:
         return []
-    gathers = max([sum(p[m].op == "all_gather" for m in g.members) for g in p.groups if g.kind == "fused_collective"],
-                  default=0)
+    gathers = max([sum(p[m].op == "all_gather" and m not in slotless for m in g.members) for g in p.groups
+                   if g.kind == "fused_collective"], default=0)
     sizes = list(dict.fromkeys(sizes))
     need = sizes[0] if len(sizes) == 1 else f"max({', '.join(sizes)})"
     return [f"_c.shm = _Shm.of(group, {gathers + 2}, {need})"]
@@ -845,7 +846,7 @@ def _module(schedule: Schedule, backend: str, e: _Emitter, body, updates: list[s
         "    _custom = custom_ops or {}",
         "    _outputs, _sent = {}, {}",
     ]]
-    rest = [("    " + x, None) for x in _shm_segments(p)] if backend == "shm" else []
+    rest = [("    " + x, None) for x in _shm_segments(p, e.slotless)] if backend == "shm" else []
     rest += [("    " + x, m) for k in e.kernels for x, m in [("", None)] + k + [("", None)]]
     rest += [("    " + x, m) for x, m in body]
     text = "\n".join(x for x, _ in rest)

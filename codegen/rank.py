@@ -3,10 +3,11 @@
 The parent (``coconet.codegen.launch``) writes the job — generated sources,
 scheduled programs, options — to a file and starts one such process per rank
 with a pipe on file descriptor FD. The rank joins the torch.distributed group,
-then for each task runs the step once and reports what it holds (the parent
-checks it against the reference interpreter) and times warm-up and repeated
-steps. Messages are pickled tuples ``(kind, task, rank, data)``: ``started``, one ``value``
-per array it holds after the step (``(key, array)``), ``check`` once they are all sent,
+then for each task runs the step twice on the same inputs and reports what it
+holds after each (the parent checks both against the reference interpreter) and
+times warm-up and repeated steps. Messages are pickled tuples ``(kind, task, rank,
+data)``: ``started``, one ``value`` per array it holds after each step (``(key,
+array)``, the second step's keys ending in AGAIN), ``check`` once they are all sent,
 ``time`` (rank 0: the samples) and ``error``.
 
 A rank started as a fresh interpreter (not forked, not multiprocessing-spawned)
@@ -129,12 +130,11 @@ def _run(job: dict[str, Any], rank: int, conn: Connection) -> int:
             kwargs = dict(group=group, stage=stage, stages=stages, sizes=dict(opts.sizes), custom_ops=custom)
             if opts.check:
                 tensors, scalars = inputs(prog, opts, stage, rank % world, device)
-                out = step(tensors, scalars, **kwargs)
-                report = observe(prog, tensors, out, stage)
-                for key in list(report):  # a message per value: neither side holds a pickle of them all
-                    conn.send(("value", task, rank, (key, report.pop(key))))
+                for report in checked_steps(step, prog, tensors, scalars, kwargs, stage):
+                    for key in list(report):  # a message per value: neither side holds a pickle of them all
+                        conn.send(("value", task, rank, (key, report.pop(key))))
                 conn.send(("check", task, rank, {}))
-                del tensors, out  # before the timed steps' inputs are made
+                del tensors  # before the timed steps' inputs are made
             samples = None
             if opts.time:
                 tensors, scalars = inputs(prog, opts, stage, rank % world, device)
@@ -179,6 +179,25 @@ def inputs(prog, opts, stage: int, grank: int, device):
             continue
         tensors[s.name] = torch.tensor(np.ascontiguousarray(piece), dtype=getattr(torch, s.type.dtype), device=device)
     return tensors, scalars
+
+
+AGAIN = "@again"  # what the keys of a second step's values end in
+
+
+def checked_steps(step, prog, tensors, scalars, kwargs, stage: int):
+    """What the rank holds after a step on its inputs, then after a second step on the same inputs put back in
+    place (keys ending in AGAIN). The second is a steady step like the timed ones: a backend that keeps
+    something between steps (shm's state in shared memory) runs it otherwise than the first. Each report's
+    arrays may be the tensors' own memory: use them before asking for the next."""
+    import torch
+
+    start = {k: v.clone() for k, v in tensors.items()}
+    yield observe(prog, tensors, step(tensors, scalars, **kwargs), stage)
+    with torch.no_grad():
+        for k, v in start.items():
+            tensors[k].copy_(v)
+    del start
+    yield {key + AGAIN: v for key, v in observe(prog, tensors, step(tensors, scalars, **kwargs), stage).items()}
 
 
 def observe(prog, tensors, out, stage: int) -> dict[str, np.ndarray]:

@@ -260,6 +260,34 @@ def test_every_rank_s_copy_of_a_replicated_result_is_checked():
     assert err > 0.1 and bad.startswith("stage0.state.w on rank 2 (relative error")
 
 
+def test_a_second_step_is_checked_as_the_first():
+    """The ranks report a step and a steady second one on the same inputs; a value wrong only at the second,
+    or missing there, fails the check and says so."""
+    import numpy as np
+
+    from coconet.codegen.launch import compare
+    from coconet.codegen.rank import AGAIN
+    from coconet.schedules import interp
+
+    prog = example("adam")
+    opts = Options(world=2, sizes={"N": 10})
+    observable = interp.run(prog, 2, {"N": 10}, seed=opts.seed).observable()
+
+    def reports():
+        return {r: {k + tail: np.array(v) for k, v in observable.items() for tail in ("", AGAIN)} for r in range(2)}
+
+    assert compare(prog, reports(), opts, observable, again=True) == (0.0, None)
+    wrong = reports()
+    wrong[1]["stage0.state.w" + AGAIN][3] += 1.0
+    err, bad = compare(prog, wrong, opts, observable, again=True)
+    assert err > 0.1 and bad.startswith("stage0.state.w on rank 1 after a second step on the same inputs "
+                                        "(relative error"), bad
+    lacking = reports()
+    for r in lacking:
+        del lacking[r]["stage0.state.m" + AGAIN]
+    assert compare(prog, lacking, opts, observable, again=True)[1] == f"stage0.state.m{AGAIN} is missing from the ranks"
+
+
 def test_a_rank_killed_by_a_signal_is_named_by_it():
     from coconet.codegen.launch import _died
 

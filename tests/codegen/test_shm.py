@@ -1,6 +1,8 @@
 """The shm backend on real worlds of ranks: every schedule correct, and no segment left behind."""
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -9,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coconet.codegen import shm
-from coconet.codegen.launch import Options, run_schedules
+from coconet.codegen.launch import Options, free_port, run_schedules
 from coconet.codegen.lower import lower
 from coconet.schedules.schedule import Schedule
 from coconet.schedules.space import generate
@@ -68,17 +70,33 @@ def test_compiled_kernels_and_timing_on_shm():
 
 
 def test_compiled_fused_collective_gathers_straight_into_the_state():
-    """ZeRO-1 Adam: each chunk writes its rows of w in place and into the rank's segment, the gather copies
-    the peers' rows into w; no gathered temporary, no copy into w after. R = 2 and 3, uneven rows, one,
-    two and more chunks than a rank has rows."""
+    """ZeRO-1 Adam: each chunk writes its rows of w in place and pushes them into the peers' w; no gathered
+    temporary, no slot, no copy into w after. R = 2 and 3, uneven rows, one, two and more chunks than a rank
+    has rows (each checked at a first step and at a steady one)."""
     zero1 = Schedule.parse("split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse_collective(rs0)", example("adam"))
     source = lower(zero1, "shm").source
     step = source[source.index("def step("):]
-    assert "_ag3.into(w)" in step and "_ag3.rows_of(_c, w)" in step and "w.copy_(" not in step
+    assert "_ag3 = _Gather(_rank, 0, d_N, w, 'w', 0)" in step and "_ag3.push(_c)" in step and "_ag3.into(w)" in step
+    assert "w.copy_(" not in step and "_ag3.add(" not in step
     for world, n in ((2, 1001), (3, 7)):
         results = run_schedules([zero1.with_knobs(fc_chunks=k) for k in (1, 2, 8)],
                                 Options(world=world, sizes={"N": n}, backend="shm", warmup=1, repeats=2))
         assert_all_ok(results)
+
+
+@pytest.mark.parametrize("world, kernels", [(2, "compiled"), (3, "eager")])
+def test_state_in_shared_memory_whatever_tensor_the_caller_passes(world, kernels):
+    """Steps of ZeRO-1 Adam on shm where the caller passes the moved w again, a new w on one rank only, a view
+    into a larger buffer and a strided column (shadowed, the memory around them untouched): each step's w is
+    the reference's on every rank (tests/codegen/shared_state.py), and no segment file is left."""
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.codegen.shared_state", str(r), str(world), str(port),
+                               kernels], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(world)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    for r, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0 and out.rstrip().endswith("ok"), f"rank {r}:\n{out[-3000:]}"
+    assert not segments()
 
 
 @pytest.mark.parametrize("backend", ["shm", "gloo"])
@@ -134,7 +152,10 @@ def test_shm_module_reduces_in_shared_memory():
     adam = example("adam")
     src = lower(Schedule.parse("split(ar0); reorder(ag0); fuse_collective(rs0)", adam), "shm").source
     assert "for the shm backend" in src
-    assert "_c.shm = _Shm.of(group, 5, 4 * (d_N))" in src  # three gathers live while chunks are reduced
+    # w, m and v are gathered straight into the peers' state: no slot of theirs is live while chunks are reduced
+    assert "_c.shm = _Shm.of(group, 2, 4 * (d_N))" in src and src.count(".push(_c)") == 3
+    megatron = lower(Schedule.parse("split(ar0); reorder(ag0); fuse_collective(rs0)", example("megatron_mlp")), "shm")
+    assert "_Shm.of(group, 3, " in megatron.source  # its output's gather is live while chunks are reduced
     assert "dist.all_reduce(" not in src and "_RS(" not in src and "_AG(" not in src
 
 
@@ -173,11 +194,12 @@ def test_a_compiler_that_fails_is_named(monkeypatch, tmp_path):
 
 
 def test_without_a_c_compiler_torch_copies_every_size(monkeypatch):
-    monkeypatch.setattr(shm, "_stream_copier", lambda: None)
+    looked = []
+    monkeypatch.setattr(shm, "_stream_copier", lambda: looked.append(1))  # finds no compiler: None
     s = shm._Shm.__new__(shm._Shm)  # the copy needs no process group
     s.stream_min, s.stream = 1, None
     src = torch.randn(100)
-    for _ in range(2):
+    for stream in (None, True, None):
         dst = torch.zeros(100)
-        assert s.copy(dst, src) is dst and torch.equal(dst, src)
-    assert s.stream_min == float("inf")
+        assert s.copy(dst, src, stream=stream) is dst and torch.equal(dst, src)
+    assert s.stream is False and looked == [1]  # looked for once

@@ -139,9 +139,12 @@ def _cache_dir():
 
 
 class _Shm:
-    """The shared segments of one process group: a flag, then ``slots`` slots of ``nbytes``, per rank."""
+    """The shared segments of one process group, per rank: a header (the barrier's flag, the words barriers
+    carry), then ``slots`` slots of ``nbytes``; and the state segments of gathers into state."""
 
-    HEADER = 128  # the flag, on its own cache lines
+    HEADER = 4096  # the barrier's flag, on its own cache lines, then the words barriers carry (from WORDS)
+    WORDS = 64
+    STATES = (HEADER - WORDS) // 16  # states one barrier can carry news of: a word each, in two rows
     PATIENCE_S = 300.0
 
     def __init__(self, group, slots):
@@ -154,8 +157,11 @@ class _Shm:
         dist.broadcast_object_list(name, src=first, group=group)
         self.prefix, self.generation = name[0], 0
         self.epoch, self.next, self.slot_bytes = 0, 0, 0
-        self.segments, self.flags = [], []
+        self.segments, self.flags, self.words = [], [], []
         self.pool, self.last = None, None
+        # shared state (see the module's doc): name -> (this rank's segment, whether it is the state itself),
+        # name -> every rank's segment as mapped here; what the next barrier brings news of; files to unlink
+        self.states, self.peer_states, self.staged, self.made, self.made_count = {}, {}, [], [], 0
         limit = os.environ.get("COCONET_SHM_STREAM_BYTES", "")
         if limit and not limit.isdigit():
             raise ValueError(f"COCONET_SHM_STREAM_BYTES={limit!r}: not a number of bytes")
@@ -185,6 +191,7 @@ class _Shm:
         dist.barrier(group=self.group)  # every rank has mapped them: the names can go
         os.unlink(paths[self.rank])
         self.flags = [s[:8].view(torch.int64) for s in self.segments]
+        self.words = [s[self.WORDS:self.HEADER].view(torch.int64).view(2, -1) for s in self.segments]
         self.slot_bytes = slot_bytes
 
     def take(self):
@@ -198,17 +205,17 @@ class _Shm:
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         return self.segments[rank][start:start + nbytes].view(dtype).view(shape)
 
-    def copy(self, dst, src):
-        """``dst.copy_(src)``; with non-temporal stores from ``stream_min`` bytes, between tensors alike."""
+    def copy(self, dst, src, stream=None):
+        """``dst.copy_(src)``, between tensors alike with non-temporal stores: from ``stream_min`` bytes, or
+        as ``stream`` says (a copy that is one of many whose destinations all go unread after)."""
         n = dst.numel() * dst.element_size()
-        if (n < self.stream_min or dst.dtype != src.dtype or dst.shape != src.shape or not dst.is_contiguous()
-                or not src.is_contiguous()):
+        if (not (n >= self.stream_min if stream is None else stream) or dst.dtype != src.dtype
+                or dst.shape != src.shape or not dst.is_contiguous() or not src.is_contiguous()):
             return dst.copy_(src)
         if self.stream is None:
-            self.stream = _stream_copier()
-            if self.stream is None:  # no C compiler: torch's copy serves every size from now on
-                self.stream_min = math.inf
-                return dst.copy_(src)
+            self.stream = _stream_copier() or False
+        if self.stream is False:  # no C compiler: torch's copy serves
+            return dst.copy_(src)
         self.stream(dst.data_ptr(), src.data_ptr(), n)
         return dst
 
@@ -226,6 +233,55 @@ class _Shm:
                 deadline = deadline or time.monotonic() + self.PATIENCE_S
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"shm barrier: rank {r} of the group did not arrive within {self.PATIENCE_S:.0f} s")
+        if self.staged:
+            self._map_states()
+
+    def stage_state(self, name, word, t):
+        """Before the barrier that begins a fused collective whose peers write their rows of state ``t`` into
+        this rank's copy: a segment for them to write into, and word ``word`` of this rank's row for that
+        barrier saying whether it is new (the number of its file) or the one they have mapped (0)."""
+        if word >= self.STATES:
+            raise RuntimeError(f"shm: a fused collective gathering into more than {self.STATES} states")
+        held = self.states.get(name)
+        if held is not None and held[0].shape == t.shape and held[0].dtype == t.dtype and (
+                (t.is_contiguous() and t.data_ptr() == held[0].data_ptr()) if held[1] else not _movable(t)):
+            news = 0
+        else:
+            self.made_count += 1
+            news = self.made_count
+            path = f"{self.prefix}-state-{self.rank}-{news}"
+            seg = _state_segment(path, t.shape, t.dtype)
+            self.made.append(path)
+            moved = _movable(t)
+            if moved:
+                seg.copy_(t)
+                with torch.no_grad():
+                    t.set_(seg.untyped_storage(), 0, t.shape, t.stride())
+            self.states[name] = (seg, moved)
+        self.words[self.rank][(self.epoch + 1) % 2, word] = news
+        self.staged.append((name, word, t.shape, t.dtype))
+
+    def _map_states(self):
+        """At the barrier after stage_state: the peers' new segments mapped. A rank writes a barrier's words
+        before it arrives, and the next words to the same row only after the barrier after, which no rank
+        passes before this one has read them."""
+        row = self.epoch % 2
+        for name, word, shape, dtype in self.staged:
+            peers = self.peer_states.setdefault(name, [None] * self.world)
+            for r in range(self.world):
+                news = 0 if r == self.rank else int(self.words[r][row, word])
+                if news:
+                    peers[r] = _state_segment(f"{self.prefix}-state-{r}-{news}", shape, dtype)
+                elif r != self.rank and (peers[r] is None or peers[r].shape != shape or peers[r].dtype != dtype):
+                    raise RuntimeError(f"shm: rank {r} has no segment for state {name!r} shaped {tuple(shape)}")
+        self.staged = []
+
+    def unlink_made(self):
+        """The files of new state segments, once every peer has mapped them (at the barrier they were made
+        for, which comes before the one that ends their collective)."""
+        for path in self.made:
+            os.unlink(path)
+        self.made = []
 
     def call(self, fn, *args, async_op=False):
         """Runs a collective now, or on the group's one communication thread (async_op, or while earlier async
@@ -240,8 +296,25 @@ class _Shm:
     def close(self):
         if self.pool is not None:
             self.pool.shutdown()
-        self.segments, self.flags = [], []
+        for path in self.made:  # a step that failed between making a segment and its last barrier
+            if os.path.exists(path):
+                os.unlink(path)
+        self.segments, self.flags, self.words, self.states, self.peer_states, self.made = [], [], [], {}, {}, []
         _GROUPS.pop(self.group, None)
+
+
+def _movable(t):
+    """Whether state ``t`` can move into a segment of its own: it is its storage's only and whole content
+    (a view into a larger buffer, a flat parameter buffer's say, would lose its link to it) and contiguous."""
+    return (t.device.type == "cpu" and t.is_contiguous() and t._base is None and t.storage_offset() == 0
+            and t.untyped_storage().nbytes() == t.numel() * t.element_size())
+
+
+def _state_segment(path, shape, dtype):
+    """The file ``path`` of /dev/shm (made if new) mapped as a contiguous tensor of ``shape``."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    seg = torch.from_file(path, shared=True, size=max(nbytes, 64), dtype=torch.uint8)
+    return seg[:nbytes].view(dtype).view(shape)
 
 
 def _last_level_cache():

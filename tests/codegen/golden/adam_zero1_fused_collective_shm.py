@@ -112,48 +112,60 @@ class _Chunk:
 class _Gather:
     """The all_gather of one value, chunk by chunk as the chunks are computed: each chunk goes into this
     rank's slot as it comes; one barrier, then every rank's rows are copied out. Its slot is taken at the
-    first chunk, after the reduce_scatter's: slots are then reused in the order their reads end."""
+    first chunk, after the reduce_scatter's: slots are then reused in the order their reads end.
 
-    def __init__(self, c, dim, n):
+    Given the replicated ``state`` the value updates (``name``: which, ``word``: its word at the barrier), the
+    kernel writes this rank's rows into the state and ``push`` writes them into every peer's copy instead."""
+
+    def __init__(self, c, dim, n, state=None, name=None, word=0):
         self.c, self.dim, self.n = c, dim, n
         self.slot = None
-
-    def _mine(self, k, rest, dtype):
-        """This rank's rows of chunk k in its slot, dim 0 leading; the slot is taken at the first chunk."""
-        if self.slot is None:
-            self.slot = self.c.shm.call(self.c.shm.take)
-        self.shape, self.dtype = (self.n,) + tuple(rest), dtype
-        lo, _ = self.c.rows(self.n)
-        return self.c.shm.at(self.c.rank, self.slot, 0, dtype, self.shape)[lo + k.a:lo + k.b]
-
-    def _copy_out(self, rows, own):
-        """After the barrier: every rank's rows (this rank's too if ``own``) from its slot into ``rows``."""
-        s = self.c.shm
-        s.call(s.barrier)
-        for r in range(self.c.world):
-            if own or r != self.c.rank:
-                lo, hi = self.c.rows(self.n, r)
-                s.copy(rows[lo:hi], s.at(r, self.slot, 0, self.dtype, self.shape)[lo:hi])
+        self.state, self.name = state, name
+        if state is not None:
+            c.shm.call(c.shm.stage_state, name, word, state)
 
     def add(self, k, x):
         part = x.movedim(self.dim, 0)
-        self.c.shm.copy(self._mine(k, part.shape[1:], part.dtype), part)
+        if self.slot is None:
+            self.slot = self.c.shm.call(self.c.shm.take)
+        self.shape, self.dtype = (self.n,) + tuple(part.shape[1:]), part.dtype
+        lo, _ = self.c.rows(self.n)
+        self.c.shm.copy(self.c.shm.at(self.c.rank, self.slot, 0, self.dtype, self.shape)[lo + k.a:lo + k.b], part)
 
     def result(self):
+        s = self.c.shm
         out = torch.empty(self.shape, dtype=self.dtype, device=self.c.device)
-        self._copy_out(out, own=True)
+        s.call(s.barrier)
+        for r in range(self.c.world):
+            lo, hi = self.c.rows(self.n, r)
+            s.copy(out[lo:hi], s.at(r, self.slot, 0, self.dtype, self.shape)[lo:hi])
         return out.movedim(0, self.dim)
 
-    def rows_of(self, k, like):
-        """Where this rank's rows of chunk k go in its slot, for a kernel to write them itself; ``like``: a
-        tensor shaped as the gathered value (the state it updates)."""
-        full = like.movedim(self.dim, 0)
-        return self._mine(k, full.shape[1:], full.dtype).movedim(0, self.dim)
+    def push(self, k):
+        """Chunk k's rows of the state, which the kernel has just written on this rank, into every peer's copy:
+        with non-temporal stores when all this rank pushes in a step outgrows its share of the cache (no
+        peer reads them before the step ends), however small each chunk."""
+        s = self.c.shm
+        lo, hi = self.c.rows(self.n)
+        span = slice(lo + k.a, lo + k.b)
+        rows = self.state.movedim(self.dim, 0)[span]
+        pushed = (self.c.world - 1) * (hi - lo) * math.prod(rows.shape[1:]) * rows.element_size()
+        for r, peer in enumerate(s.peer_states[self.name]):
+            if r != self.c.rank:
+                s.copy(peer.movedim(self.dim, 0)[span], rows, stream=pushed >= s.stream_min)
 
     def into(self, out):
-        """The gather written straight into ``out``, whose rows of this rank the kernel wrote already: each
-        peer's rows copied once, from its segment to their place."""
-        self._copy_out(out.movedim(self.dim, 0), own=False)
+        """Once every peer has pushed its rows, the state ``out`` is whole (copied out of its shadow where it
+        could not move into shared memory)."""
+        s = self.c.shm
+        s.call(s.barrier)
+        s.call(s.unlink_made)
+        seg, moved = s.states[self.name]
+        if not moved:
+            for r in range(self.c.world):
+                if r != self.c.rank:
+                    lo, hi = self.c.rows(self.n, r)
+                    s.copy(out.movedim(self.dim, 0)[lo:hi], seg.movedim(self.dim, 0)[lo:hi])
 
 
 def _kernel(fn):
@@ -186,9 +198,12 @@ def _cache_dir():
 
 
 class _Shm:
-    """The shared segments of one process group: a flag, then ``slots`` slots of ``nbytes``, per rank."""
+    """The shared segments of one process group, per rank: a header (the barrier's flag, the words barriers
+    carry), then ``slots`` slots of ``nbytes``; and the state segments of gathers into state."""
 
-    HEADER = 128  # the flag, on its own cache lines
+    HEADER = 4096  # the barrier's flag, on its own cache lines, then the words barriers carry (from WORDS)
+    WORDS = 64
+    STATES = (HEADER - WORDS) // 16  # states one barrier can carry news of: a word each, in two rows
     PATIENCE_S = 300.0
 
     def __init__(self, group, slots):
@@ -201,8 +216,11 @@ class _Shm:
         dist.broadcast_object_list(name, src=first, group=group)
         self.prefix, self.generation = name[0], 0
         self.epoch, self.next, self.slot_bytes = 0, 0, 0
-        self.segments, self.flags = [], []
+        self.segments, self.flags, self.words = [], [], []
         self.pool, self.last = None, None
+        # shared state (see the module's doc): name -> (this rank's segment, whether it is the state itself),
+        # name -> every rank's segment as mapped here; what the next barrier brings news of; files to unlink
+        self.states, self.peer_states, self.staged, self.made, self.made_count = {}, {}, [], [], 0
         limit = os.environ.get("COCONET_SHM_STREAM_BYTES", "")
         if limit and not limit.isdigit():
             raise ValueError(f"COCONET_SHM_STREAM_BYTES={limit!r}: not a number of bytes")
@@ -232,6 +250,7 @@ class _Shm:
         dist.barrier(group=self.group)  # every rank has mapped them: the names can go
         os.unlink(paths[self.rank])
         self.flags = [s[:8].view(torch.int64) for s in self.segments]
+        self.words = [s[self.WORDS:self.HEADER].view(torch.int64).view(2, -1) for s in self.segments]
         self.slot_bytes = slot_bytes
 
     def take(self):
@@ -245,17 +264,17 @@ class _Shm:
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         return self.segments[rank][start:start + nbytes].view(dtype).view(shape)
 
-    def copy(self, dst, src):
-        """``dst.copy_(src)``; with non-temporal stores from ``stream_min`` bytes, between tensors alike."""
+    def copy(self, dst, src, stream=None):
+        """``dst.copy_(src)``, between tensors alike with non-temporal stores: from ``stream_min`` bytes, or
+        as ``stream`` says (a copy that is one of many whose destinations all go unread after)."""
         n = dst.numel() * dst.element_size()
-        if (n < self.stream_min or dst.dtype != src.dtype or dst.shape != src.shape or not dst.is_contiguous()
-                or not src.is_contiguous()):
+        if (not (n >= self.stream_min if stream is None else stream) or dst.dtype != src.dtype
+                or dst.shape != src.shape or not dst.is_contiguous() or not src.is_contiguous()):
             return dst.copy_(src)
         if self.stream is None:
-            self.stream = _stream_copier()
-            if self.stream is None:  # no C compiler: torch's copy serves every size from now on
-                self.stream_min = math.inf
-                return dst.copy_(src)
+            self.stream = _stream_copier() or False
+        if self.stream is False:  # no C compiler: torch's copy serves
+            return dst.copy_(src)
         self.stream(dst.data_ptr(), src.data_ptr(), n)
         return dst
 
@@ -273,6 +292,55 @@ class _Shm:
                 deadline = deadline or time.monotonic() + self.PATIENCE_S
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"shm barrier: rank {r} of the group did not arrive within {self.PATIENCE_S:.0f} s")
+        if self.staged:
+            self._map_states()
+
+    def stage_state(self, name, word, t):
+        """Before the barrier that begins a fused collective whose peers write their rows of state ``t`` into
+        this rank's copy: a segment for them to write into, and word ``word`` of this rank's row for that
+        barrier saying whether it is new (the number of its file) or the one they have mapped (0)."""
+        if word >= self.STATES:
+            raise RuntimeError(f"shm: a fused collective gathering into more than {self.STATES} states")
+        held = self.states.get(name)
+        if held is not None and held[0].shape == t.shape and held[0].dtype == t.dtype and (
+                (t.is_contiguous() and t.data_ptr() == held[0].data_ptr()) if held[1] else not _movable(t)):
+            news = 0
+        else:
+            self.made_count += 1
+            news = self.made_count
+            path = f"{self.prefix}-state-{self.rank}-{news}"
+            seg = _state_segment(path, t.shape, t.dtype)
+            self.made.append(path)
+            moved = _movable(t)
+            if moved:
+                seg.copy_(t)
+                with torch.no_grad():
+                    t.set_(seg.untyped_storage(), 0, t.shape, t.stride())
+            self.states[name] = (seg, moved)
+        self.words[self.rank][(self.epoch + 1) % 2, word] = news
+        self.staged.append((name, word, t.shape, t.dtype))
+
+    def _map_states(self):
+        """At the barrier after stage_state: the peers' new segments mapped. A rank writes a barrier's words
+        before it arrives, and the next words to the same row only after the barrier after, which no rank
+        passes before this one has read them."""
+        row = self.epoch % 2
+        for name, word, shape, dtype in self.staged:
+            peers = self.peer_states.setdefault(name, [None] * self.world)
+            for r in range(self.world):
+                news = 0 if r == self.rank else int(self.words[r][row, word])
+                if news:
+                    peers[r] = _state_segment(f"{self.prefix}-state-{r}-{news}", shape, dtype)
+                elif r != self.rank and (peers[r] is None or peers[r].shape != shape or peers[r].dtype != dtype):
+                    raise RuntimeError(f"shm: rank {r} has no segment for state {name!r} shaped {tuple(shape)}")
+        self.staged = []
+
+    def unlink_made(self):
+        """The files of new state segments, once every peer has mapped them (at the barrier they were made
+        for, which comes before the one that ends their collective)."""
+        for path in self.made:
+            os.unlink(path)
+        self.made = []
 
     def call(self, fn, *args, async_op=False):
         """Runs a collective now, or on the group's one communication thread (async_op, or while earlier async
@@ -287,8 +355,25 @@ class _Shm:
     def close(self):
         if self.pool is not None:
             self.pool.shutdown()
-        self.segments, self.flags = [], []
+        for path in self.made:  # a step that failed between making a segment and its last barrier
+            if os.path.exists(path):
+                os.unlink(path)
+        self.segments, self.flags, self.words, self.states, self.peer_states, self.made = [], [], [], {}, {}, []
         _GROUPS.pop(self.group, None)
+
+
+def _movable(t):
+    """Whether state ``t`` can move into a segment of its own: it is its storage's only and whole content
+    (a view into a larger buffer, a flat parameter buffer's say, would lose its link to it) and contiguous."""
+    return (t.device.type == "cpu" and t.is_contiguous() and t._base is None and t.storage_offset() == 0
+            and t.untyped_storage().nbytes() == t.numel() * t.element_size())
+
+
+def _state_segment(path, shape, dtype):
+    """The file ``path`` of /dev/shm (made if new) mapped as a contiguous tensor of ``shape``."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    seg = torch.from_file(path, shared=True, size=max(nbytes, 64), dtype=torch.uint8)
+    return seg[:nbytes].view(dtype).view(shape)
 
 
 def _last_level_cache():
@@ -376,7 +461,7 @@ def _add_all(parts):
     return total
 
 
-def _chunk0(ag3_k, m_k, v_k, w_k, rs0_parts, beta1, beta2, sub0, sub1, sub2, sub3, lr, eps):
+def _chunk0(m_k, v_k, w_k, rs0_parts, beta1, beta2, sub0, sub1, sub2, sub3, lr, eps):
     """14 statements of fused_collective(rs0, mul1, add0, mul3, mul4, add1, div0, div1, mul5, sqrt0, add2, div2, sub4, ag3) on one chunk, state written in place."""
     rs0 = _add_all(rs0_parts)
     mul0 = beta1 * m_k
@@ -396,7 +481,6 @@ def _chunk0(ag3_k, m_k, v_k, w_k, rs0_parts, beta1, beta2, sub0, sub1, sub2, sub
     m_k.copy_(add0)
     v_k.copy_(add1)
     w_k.copy_(sub4)
-    ag3_k.copy_(sub4)
 
 
 _chunk0 = _kernel(_chunk0)
@@ -407,14 +491,15 @@ def step(tensors, scalars, *, group=None, stage=0, stages=1, sizes=None, custom_
     _custom = custom_ops or {}
     _outputs, _sent = {}, {}
     d_N = tensors['g'].shape[0] if sizes is None else int(sizes['N'])
-    _c.shm = _Shm.of(group, 3, 4 * (d_N))
+    _c.shm = _Shm.of(group, 2, 4 * (d_N))
 
     def _fused_collective0(_rank, beta1, m, beta2, v, g, sub0, sub1, sub2, sub3, lr, eps, w):
         """fused_collective: reduce_scatter, the computation on this rank's slice, the all_gathers, as one unit."""
         # 4 chunks: published once, each chunk reduced out of the peers' segments just before it computes
-        _ag3 = _Gather(_rank, 0, d_N)
+        _ag3 = _Gather(_rank, 0, d_N, w, 'w', 0)
         for _c, rs0_parts in _reduce_scatter_parts(_rank, g, 0, d_N, 4):
-            _chunk0(_ag3.rows_of(_c, w), _c.local(m, 0), _c.local(v, 0), _c.cut(w, 0, d_N), rs0_parts, beta1, beta2, sub0, sub1, sub2, sub3, lr, eps)
+            _chunk0(_c.local(m, 0), _c.local(v, 0), _c.cut(w, 0, d_N), rs0_parts, beta1, beta2, sub0, sub1, sub2, sub3, lr, eps)
+            _ag3.push(_c)
         _ag3.into(w)
 
     g = tensors['g']

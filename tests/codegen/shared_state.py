@@ -1,0 +1,69 @@
+"""One rank of ZeRO-1 Adam on shm, stepped with the state tensors the caller might hand it:
+``python -m tests.codegen.shared_state RANK WORLD PORT KERNELS``.
+
+Every rank runs the same steps, each on the seeded inputs put back into whatever w this rank passes,
+and compares its w with the reference interpreter's: the state moved into shared memory by the first
+step, the same tensor again, a new tensor on one rank only, a view into a larger buffer and a strided
+column (neither can move: a shadow segment takes the peers' rows). Prints ``ok`` and exits 0, or
+raises naming the step.
+"""
+
+import sys
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from coconet.codegen.launch import Options
+from coconet.codegen.lower import lower
+from coconet.codegen.rank import inputs
+from coconet.schedules import interp
+from coconet.schedules.schedule import Schedule
+
+SCHEDULE = "split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse_collective(rs0); fc_chunks=3"
+N = 1001
+
+
+def main(rank: int, world: int, port: int, kernels: str) -> None:
+    from coconet.loader import examples_dir, load_file
+
+    adam = load_file(examples_dir() / "adam.py")
+    sched = Schedule.parse(SCHEDULE, adam)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    ns: dict = {"__name__": "coconet_generated_shared_state"}
+    exec(compile(lower(sched, "shm", kernels).source, "<shared_state>", "exec"), ns)
+    opts = Options(world=world, sizes={"N": N})
+    start, scalars = inputs(sched.scheduled, opts, 0, rank, torch.device("cpu"))
+    want = interp.run(sched.scheduled, world, {"N": N}, seed=opts.seed).observable()["stage0.state.w"]
+
+    buffer = torch.full((2 * N + 5,), -7.0)
+    matrix = torch.full((N, 3), -7.0)
+    own = start["w"].clone()
+    cases = [("the first step", lambda: own), ("the same tensor again", lambda: own),
+             ("a new tensor on rank 1 only", lambda: start["w"].clone() if rank == 1 else own),
+             ("a view into a larger buffer", lambda: buffer[3:3 + N]),
+             ("a strided column", lambda: matrix[:, 1]),
+             ("the moved tensor after those", lambda: own)]
+    for what, make in cases:
+        w = make()
+        tensors = {k: (w if k == "w" else v.clone()) for k, v in start.items()}
+        w.copy_(start["w"])
+        before = w.data_ptr()
+        ns["step"](tensors, scalars, group=None, sizes={"N": N})
+        assert tensors["w"] is w, what
+        err = float(np.max(np.abs(w.numpy() - want)) / np.max(np.abs(want)))
+        assert err < 1e-5, f"rank {rank}, {what}: w differs from the reference (relative error {err:.3g})"
+        if what == "a view into a larger buffer":
+            assert w.data_ptr() == before and w._base is buffer, "a view must stay in its buffer"
+            assert bool((buffer[:3] == -7).all() and (buffer[3 + N:] == -7).all()), "the buffer around w was written"
+        if what == "a strided column":
+            assert bool((matrix[:, 0] == -7).all() and (matrix[:, 2] == -7).all()), "the other columns were written"
+    dist.barrier()
+    dist.destroy_process_group()
+    print("ok")
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
