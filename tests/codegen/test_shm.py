@@ -84,6 +84,22 @@ def test_compiled_fused_collective_gathers_straight_into_the_state():
         assert_all_ok(results)
 
 
+def test_a_state_gathered_along_its_second_dim_is_pushed_column_by_column():
+    """``split(ar0, dim=1)`` on a 2-D state: each chunk's columns of w are pushed into the peers' w (not
+    contiguous, so copied by torch), R = 3 with uneven columns, first and steady step both checked."""
+    import coconet as cc
+
+    p = cc.Program("cols", dims=("M", "N"))
+    g = p.tensor("g", ("M", "N"), layout=cc.Local)
+    w = p.tensor("w", ("M", "N"), layout=cc.Replicated)
+    p.update(w, w - p.scalar("lr") * cc.allreduce(g, op="avg"))
+    sched = Schedule.parse("split(ar0, dim=1); reorder(ag0); fuse_collective(rs0)", p.ir)
+    assert "_Gather(_rank, 1, d_N, w, 'w', 0)" in lower(sched, "shm").source
+    results = run_schedules([sched.with_knobs(fc_chunks=k) for k in (1, 2)],
+                            Options(world=3, sizes={"M": 5, "N": 7}, backend="shm", warmup=1, repeats=1))
+    assert_all_ok(results)
+
+
 @pytest.mark.parametrize("world, kernels", [(2, "compiled"), (3, "eager")])
 def test_state_in_shared_memory_whatever_tensor_the_caller_passes(world, kernels):
     """Steps of ZeRO-1 Adam on shm where the caller passes the moved w again, a new w on one rank only, a view
