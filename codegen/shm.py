@@ -528,6 +528,10 @@ class _Gather:
         self.state, self.name = state, name
         if state is not None:
             c.shm.call(c.shm.stage_state, name, word, state)
+            # all this rank pushes in the step outgrows its share of the cache: stream every chunk, however small
+            lo, hi = c.rows(n)
+            pushed = (c.world - 1) * (hi - lo) * (state.numel() // max(1, state.shape[dim])) * state.element_size()
+            self.stream = pushed >= c.shm.stream_min
 
     def add(self, k, x):
         part = x.movedim(self.dim, 0)
@@ -547,17 +551,15 @@ class _Gather:
         return out.movedim(0, self.dim)
 
     def push(self, k):
-        """Chunk k's rows of the state, which the kernel has just written on this rank, into every peer's copy:
-        with non-temporal stores when all this rank pushes in a step outgrows its share of the cache (no
-        peer reads them before the step ends), however small each chunk."""
+        """Chunk k's rows of the state, which the kernel has just written on this rank, into every peer's copy
+        (no peer reads them before the step ends)."""
         s = self.c.shm
-        lo, hi = self.c.rows(self.n)
+        lo, _ = self.c.rows(self.n)
         span = slice(lo + k.a, lo + k.b)
         rows = self.state.movedim(self.dim, 0)[span]
-        pushed = (self.c.world - 1) * (hi - lo) * math.prod(rows.shape[1:]) * rows.element_size()
         for r, peer in enumerate(s.peer_states[self.name]):
             if r != self.c.rank:
-                s.copy(peer.movedim(self.dim, 0)[span], rows, stream=pushed >= s.stream_min)
+                s.copy(peer.movedim(self.dim, 0)[span], rows, stream=self.stream)
 
     def into(self, out):
         """Once every peer has pushed its rows, the state ``out`` is whole (copied out of its shadow where it
