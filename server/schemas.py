@@ -102,6 +102,7 @@ class JobOut(BaseModel):
     backends: list[str]
     state: Literal["queued", "running", "done", "failed", "interrupted"]
     progress: ProgressOut
+    # why it failed, was interrupted, or was queued again; cleared when it runs again or is done
     error: str | None
     result: dict[str, Any] | None
     created_at: datetime

@@ -78,6 +78,9 @@ NEXT_STATES: dict[str, frozenset[str]] = {
     "done": frozenset(),
 }
 ACTIVE_STATES = ("queued", "running")
+# A job's error says why it stopped or why it was queued again; once it runs again or is done, that no
+# longer describes it (a resumed job that then finished is not an error).
+_CLEARS_ERROR = frozenset({"running", "done"})
 # why take_job marked a running job interrupted: its tuner is gone, and the key is tuned again
 RETAKEN = "left by the process that ran it; the key was tuned again (finished trials are kept)"
 _WRITE = "coconet_write"
@@ -245,6 +248,8 @@ class Store:
             if state is not None:
                 if state not in NEXT_STATES[row.state]:
                     raise StoreError(f"job {job_id} cannot go from {row.state} to {state}", job_id=job_id)
+                if state in _CLEARS_ERROR and state != row.state:
+                    row.error = None
                 row.state = state
             if progress is not None:
                 row.trials_done, row.trials_total = progress.done, progress.total
@@ -267,7 +272,7 @@ class Store:
             row = s.scalars(q.order_by(JobRow.id).limit(1).with_for_update(skip_locked=True)).first()
             if row is None:
                 return None
-            row.state, row.driver = "running", driver
+            row.state, row.driver, row.error = "running", driver, None
             row.updated_at = row.heartbeat_at = utcnow()
             s.flush()
             return _job(row)
@@ -337,6 +342,7 @@ class Store:
                 s.add(row)
             else:
                 row.state, row.budget, row.trials_total, row.backends = "running", budget, budget, list(backends)
+                row.error = None
                 row.updated_at = row.heartbeat_at = utcnow()
             row.driver = driver
             s.flush()

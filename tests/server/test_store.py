@@ -155,6 +155,7 @@ def test_job_state_transitions(store, adam):
     store.update_job(b, state="failed", error="worker group died")
     assert store.job(b).error == "worker group died"
     store.update_job(b, state="queued")  # retried
+    assert store.job(b).error == "worker group died"  # why it is queued again
     assert [j.id for j in store.jobs(state="queued")] == [b]
     assert [j.id for j in store.jobs()] == [a, b]
     with pytest.raises(StoreError, match="not one of"):
@@ -162,6 +163,27 @@ def test_job_state_transitions(store, adam):
     with pytest.raises(StoreError, match="no job 404"):
         store.update_job(404, state="running")
     assert store.job(404) is None
+    # running again, the old failure no longer describes it; a failure while it runs does, and stays
+    assert store.claim_job(b).error is None
+    assert store.update_job(b, error="trial 3 timed out").error == "trial 3 timed out"
+    assert store.update_job(b, state="running").error == "trial 3 timed out"
+    assert store.update_job(b, state="done").error is None
+
+
+def test_a_requeued_job_drops_its_error_once_it_runs_again(store, adam):
+    h = store.add_program(adam)
+    for take in (lambda j: store.claim_job(j), lambda j: store.take_job(h, {"N": 2**20}, "local", 2)):
+        j = store.create_job(h, {"N": 2**20}, "local", 2)
+        store.claim_job(j)
+        store.update_job(j, state="interrupted", error="the process running it stopped")
+        assert store.update_job(j, state="queued").error == "the process running it stopped"
+        taken = take(j)
+        assert (taken.id, taken.state, taken.error) == (j, "running", None)
+        store.update_job(j, state="done")
+    j = store.create_job(h, {"N": 2**20}, "local", 2)
+    store.claim_job(j)
+    store.update_job(j, state="interrupted", error="stopped")
+    assert store.update_job(j, state="running").error is None
 
 
 def test_a_job_created_running_is_never_claimed(store, adam):
