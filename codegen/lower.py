@@ -174,9 +174,9 @@ class _Emitter:
         if op == "matmul":
             return [f"{n} = torch.matmul({args[0]}, {args[1]})"]
         if op == "allreduce":
-            copy = _needs_copy(self.p, s.name)
-            return [f"{n} = {args[0]}.clone()" if copy else f"{n} = {args[0]}",
-                    f"_allreduce(_c, {n}, {s.attr('op')!r})"]
+            if _needs_copy(self.p, s.name):
+                return [f"{n} = _allreduced(_c, {args[0]}, {s.attr('op')!r})"]
+            return [f"{n} = {args[0]}", f"_allreduce(_c, {n}, {s.attr('op')!r})"]
         if op == "reduce_scatter":
             d = s.type.layout.dim
             return [f"{n} = _reduce_scatter(_c, {args[0]}, {d}, {dim_expr(s.type.shape[d])}, {s.attr('op')!r})"]
@@ -730,9 +730,8 @@ def _lower_bucket(e: _Emitter, g: Group, cap: int) -> list[str]:
     srcs = "[" + ", ".join(e.operand(p[m], p[m].args[0]) for m in g.members) + "]"
     lines = [f"# bucket({', '.join(g.members)}): at most {cap} bytes per launch"]
     if first.op == "allreduce":
-        copies = [f"{ident(m)} = {e.operand(p[m], p[m].args[0])}" + (".clone()" if _needs_copy(p, m) else "")
-                  for m in g.members]
-        return lines + copies + [f"_bucket_allreduce(_c, [{names}], {first.attr('op')!r}, {cap})"]
+        keep = [_needs_copy(p, m) for m in g.members]
+        return lines + [f"[{names}] = _bucket_allreduce(_c, {srcs}, {first.attr('op')!r}, {cap}, {keep})"]
     if first.op == "reduce_scatter":
         dims = [p[m].type.layout.dim for m in g.members]
         ns = [dim_expr(p[m].type.shape[d]) for m, d in zip(g.members, dims)]

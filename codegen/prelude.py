@@ -59,6 +59,13 @@ def _allreduce(c, x, op, async_op=False):
     return work
 
 
+def _allreduced(c, x, op):
+    """The reduction over ranks of x, in a buffer of its own: x is left as it is."""
+    y = x.clone()
+    _allreduce(c, y, op)
+    return y
+
+
 def _broadcast(c, x, root):
     """In place on x: the value of group rank ``root``."""
     dist.broadcast(x, src=c.global_rank - c.rank + root, group=c.group)
@@ -140,8 +147,10 @@ def _launches(xs, cap):
     return groups
 
 
-def _bucket_allreduce(c, xs, op, cap):
-    """One allreduce launch per cap bytes of the buffers xs, in place, without a flattening copy here."""
+def _bucket_allreduce(c, xs, op, cap, keep=None):
+    """One allreduce launch per cap bytes of the buffers xs, without a flattening copy here: the reduced
+    buffers, in place but for those ``keep`` marks (those are left as they are, reduced into copies)."""
+    xs = [x.clone() if k else x for x, k in zip(xs, keep or [False] * len(xs))]
     for launch in _launches(xs, cap):
         with _coalesced(c):
             for i in launch:
@@ -332,7 +341,7 @@ def _size(sizes, name):
     return int(sizes[name])
 
 
-HELPERS = (_Ctx, _reduce_op, _allreduce, _broadcast, _padded, _rows_of, _reduce_scatter, _part, _all_gather, _coalesced, _launches,
+HELPERS = (_Ctx, _reduce_op, _allreduce, _allreduced, _broadcast, _padded, _rows_of, _reduce_scatter, _part, _all_gather, _coalesced, _launches,
            _bucket_allreduce, _bucket_reduce_scatter, _bucket_all_gather, _Chunk, _reduce_scatter_chunks, _Gather,
            _flat_index, _words, philox_rounds, philox_words, philox_blocks, _dropout, _dropout_rows, _dropped, _int64, _kernel, _cache_dir, _size)
 

@@ -391,17 +391,21 @@ def _shm_all_gather(c, xs, dims, ns):
     return outs
 
 
-def _shm_allreduce(c, xs, op):
+def _shm_allreduce(c, xs, op, outs=None):
+    """Reduces xs in place, or into ``outs`` (xs then are only read): every rank's reduced rows come out of
+    the slots, this rank's too, so the result never needs a copy of its input."""
     s = c.shm
     slot = s.take()
+    src = [x.reshape(-1) for x in xs]
+    xs = xs if outs is None else outs
     flat = [x.reshape(-1) for x in xs]  # a copy if x is not contiguous: written back at the end
     offsets = _offsets([x.numel() * x.element_size() for x in xs])
     mine = []
-    for f, o in zip(flat, offsets):
+    for f, o in zip(src, offsets):
         lo, hi = c.rows(f.numel())
         mine.append(_publish(c, slot, o, f, lo, hi))
     s.barrier()
-    for f, o, m in zip(flat, offsets, mine):
+    for f, o, m in zip(src, offsets, mine):
         lo, hi = c.rows(f.numel())
         peers = [s.at(r, slot, o, f.dtype, (f.numel(),))[lo:hi] for r in range(c.world) if r != c.rank]
         _shm_reduce(c, f[lo:hi], peers, op, m[lo:hi])
@@ -419,6 +423,11 @@ def _allreduce(c, x, op, async_op=False):
     """In place on x, reduced in shared memory."""
     done = c.shm.call(_shm_allreduce, c, [x], op, async_op=async_op)
     return _Done(done) if async_op else None
+
+
+def _allreduced(c, x, op):
+    """The reduction over ranks of x, in a buffer of its own: x is left as it is, and not copied first."""
+    return c.shm.call(_shm_allreduce, c, [x], op, [torch.empty_like(x)])[0]
 
 
 def _reduce_scatter(c, x, dim, n, op="sum", async_op=False):
@@ -448,11 +457,13 @@ def _broadcast(c, x, root):
     return c.shm.call(_shm_broadcast, c, x, root)
 
 
-def _bucket_allreduce(c, xs, op, cap):
-    """One publish and two barriers per ``cap`` bytes of the buffers xs, reduced in place."""
+def _bucket_allreduce(c, xs, op, cap, keep=None):
+    """One publish and two barriers per ``cap`` bytes of the buffers xs: the reduced buffers, in place but for
+    those ``keep`` marks (those are left as they are, reduced into buffers of their own)."""
+    outs = [torch.empty_like(x) if k else x for x, k in zip(xs, keep or [False] * len(xs))]
     for launch in _launches(xs, cap):
-        c.shm.call(_shm_allreduce, c, [xs[i] for i in launch], op)
-    return xs
+        c.shm.call(_shm_allreduce, c, [xs[i] for i in launch], op, [outs[i] for i in launch])
+    return outs
 
 
 def _bucket_reduce_scatter(c, xs, dims, ns, op, cap):
@@ -578,6 +589,6 @@ class _Gather:
 from coconet.codegen.prelude import _cache_dir, _Chunk, _launches  # noqa: E402  (shared with the torch backend)
 
 HELPERS = (_Shm, _movable, _state_segment, _last_level_cache, _stream_copier, _on_comm_thread, _Done, _offsets, _publish, _shm_reduce, _shm_reduce_scatter, _shm_all_gather,
-           _shm_allreduce, _allreduce, _reduce_scatter, _all_gather, _shm_broadcast, _broadcast, _bucket_allreduce,
+           _shm_allreduce, _allreduce, _allreduced, _reduce_scatter, _all_gather, _shm_broadcast, _broadcast, _bucket_allreduce,
            _bucket_reduce_scatter, _bucket_all_gather, _scatter_parts, _reduce_scatter_chunks, _reduce_scatter_parts, _add_all,
            _Gather)

@@ -62,6 +62,13 @@ def _allreduce(c, x, op, async_op=False):
     return work
 
 
+def _allreduced(c, x, op):
+    """The reduction over ranks of x, in a buffer of its own: x is left as it is."""
+    y = x.clone()
+    _allreduce(c, y, op)
+    return y
+
+
 
 def step(tensors, scalars, *, group=None, stage=0, stages=1, sizes=None, custom_ops=None):
     _c = _Ctx(group, torch.device('cpu'))
@@ -76,8 +83,7 @@ def step(tensors, scalars, *, group=None, stage=0, stages=1, sizes=None, custom_
     beta2 = torch.tensor(float(scalars['beta2']), dtype=torch.float32)
     eps = torch.tensor(float(scalars['eps']), dtype=torch.float32)
     t = torch.tensor(float(scalars['t']), dtype=torch.float32)
-    ar0 = g.clone()
-    _allreduce(_c, ar0, 'sum')
+    ar0 = _allreduced(_c, g, 'sum')
     mul0 = beta1 * m
     c0 = 1
     sub0 = c0 - beta1
