@@ -224,7 +224,8 @@ def _launch(tasks, opts: Options, reference, results, custom) -> set[int]:
                         for i, gen in tasks:
                             results[i] = _result(gen, "runtime_error", f"rank {rank}: {data['error']}")
                         return {i for i, _ in tasks}
-                    results[task] = _result(by_id[task], "runtime_error", describe_error(rank, data, by_id[task]))
+                    results[task] = _result(by_id[task], data.get("kind", "runtime_error"),
+                                            describe_error(rank, data, by_id[task]))
                     done.add(task)
                     return done
                 if kind == "started":
@@ -270,7 +271,8 @@ def _text(task) -> str:
 
 
 def _result(gen: Generated, status: str, error: str) -> RunResult:
-    return RunResult(_text(gen), gen.schedule.hash, status, error=error)
+    return RunResult(_text(gen), gen.schedule.hash, status, correct=False if status == "wrong_result" else None,
+                     error=error)
 
 
 def _stop(procs) -> None:

@@ -34,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from coconet.errors import BackendError
+
 
 def die_with_parent() -> None:
     try:
@@ -91,6 +93,8 @@ def main(argv: list[str]) -> int:
 
 def error_report(e: BaseException, module: str) -> dict[str, Any]:
     frames = [(f.filename, f.lineno) for f in traceback.extract_tb(e.__traceback__)]
+    if isinstance(e, BackendError):  # coconet's own finding about the step: its words and kind, as they are
+        return {"error": str(e), "frames": frames, "module": module, "kind": e.kind}
     return {"error": f"{type(e).__name__}: {e}", "frames": frames, "module": module}
 
 
@@ -192,12 +196,26 @@ def checked_steps(step, prog, tensors, scalars, kwargs, stage: int):
     import torch
 
     start = {k: v.clone() for k, v in tensors.items()}
-    yield observe(prog, tensors, step(tensors, scalars, **kwargs), stage)
+    out = step(tensors, scalars, **kwargs)
+    written = [k for k, v in start.items() if k not in prog.updates and not _same(tensors[k], v)]
+    if written:
+        raise BackendError(f"the step wrote into input {', '.join(written)}, which the program does not update: "
+                           "the caller's tensors must be left as they were", kind="wrong_result")
+    yield observe(prog, tensors, out, stage)
     with torch.no_grad():
         for k, v in start.items():
             tensors[k].copy_(v)
     del start
     yield {key + AGAIN: v for key, v in observe(prog, tensors, step(tensors, scalars, **kwargs), stage).items()}
+
+
+def _same(a, b) -> bool:
+    """Equal, bit for bit where it matters: NaN where the other has NaN counts as the same."""
+    import torch
+
+    if torch.equal(a, b):
+        return True
+    return a.is_floating_point() and bool(((a == b) | (a.isnan() & b.isnan())).all())
 
 
 def observe(prog, tensors, out, stage: int) -> dict[str, np.ndarray]:

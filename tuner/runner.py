@@ -140,6 +140,8 @@ def _error(e: BaseException, filename: str) -> dict[str, Any]:
 
 
 def _kind(e: BaseException) -> str:
+    if isinstance(e, BackendError):
+        return e.kind
     # Inductor compiles a fused kernel on its first call: its failures are the kernel's, not the step's
     for cls in type(e).__mro__:
         mod = cls.__module__ or ""
@@ -220,7 +222,8 @@ class Runner:
 
         def failed(status: str, error: str) -> RunResult:
             self._reset()  # a rank may be stuck in a collective: the next candidate gets a fresh group
-            return RunResult(gen.schedule.text, gen.schedule.hash, status, error=error)
+            return RunResult(gen.schedule.text, gen.schedule.hash, status,
+                             correct=False if status == "wrong_result" else None, error=error)
 
         try:
             actors = self._group()

@@ -166,6 +166,26 @@ def test_wrong_results_are_caught(monkeypatch):
     assert "stage0.state.w" in res.error and res.max_rel_err > 0.1
 
 
+def test_a_step_that_writes_into_an_input_is_wrong(monkeypatch):
+    """The gradient allreduced in place on the caller's tensor: every updated value is right, and the
+    caller's g is gone. The schedule must not pass."""
+    import coconet.codegen.launch as launch
+
+    real = launch.lower
+
+    def in_place(sched, backend, kernels):
+        gen = real(sched, backend, kernels)
+        source = gen.source.replace("ar0 = _allreduced(_c, g, 'sum')", "ar0 = g.copy_(_allreduced(_c, g, 'sum'))")
+        assert source != gen.source
+        return dataclasses.replace(gen, source=source)
+
+    monkeypatch.setattr(launch, "lower", in_place)
+    for backend in ("gloo", "shm"):
+        (res,) = run_schedules([Schedule(example("sgd"))], check_only(2, {"N": 7}, backend=backend))
+        assert res.status == "wrong_result" and res.correct is False, res.error
+        assert "the step wrote into input g, which the program does not update" in res.error
+
+
 def test_a_value_computed_in_bfloat16_is_held_to_bfloat16s_tolerance():
     """SGD from a bfloat16 gradient allreduce into float32 weights: the sum of three bfloat16 gradients is
     rounded like any bfloat16 value (about 1e-2 here), and every schedule, the program as written too,

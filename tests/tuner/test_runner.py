@@ -1,6 +1,7 @@
 """Candidates measured on Ray actors: correct ones timed, bad ones classified, the group rebuilt."""
 
 import dataclasses
+import re
 import runpy
 from pathlib import Path
 
@@ -87,6 +88,12 @@ def test_bad_candidates_are_classified_and_the_next_one_runs(ray_local):
             assert "state.w" in res.error and res.correct is False
         if status == "timeout":  # each rank's stack says where it was: rank 1 asleep, rank 0 waiting for it
             assert "rank 1 at line" in res.error and "rank 0 in statement ar0 (allreduce)" in res.error
+    # every updated value right, the caller's gradient written over: wrong too
+    with Runner(prog, world=2, sizes={"N": 1000}, protocol=FAST,
+                lowering=wrapped("", "    out = _generated(tensors, scalars, **kw)\n    tensors['g'].add_(1.0)")) as bad:
+        res = bad.measure(Schedule(prog))
+    assert res.status == "wrong_result" and res.correct is False
+    assert re.match(r"rank [01]: the step wrote into input g, which the program does not update", res.error)
     # one runner, a failing candidate between good ones: the group is rebuilt and the next one runs
     lowerings = iter([lower, BAD["runtime_error"], lower])
     with Runner(prog, world=2, sizes={"N": 1000}, protocol=FAST,
