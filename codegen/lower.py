@@ -698,7 +698,8 @@ def _lower_overlap(e: _Emitter, g: Group, chunks: int) -> list[str]:
     lines = [f"# overlap({mm.name}, {coll.name}): {chunks} chunks, chunk k's collective in flight while k+1 multiplies"]
     if coll.op == "allreduce":
         lines += [
-            f"_a = {a}.reshape(-1, {a}.shape[-1])",
+            # rows by contraction, spelled out: a rank may hold none of the contraction dim (uneven slices)
+            f"_a = {a}.reshape({a}.shape[:-1].numel(), {a}.shape[-1])",
             "_parts, _works = [], []",
             f"for _ak in torch.tensor_split(_a, {chunks}, dim=0):",
             f"    _yk = torch.matmul(_ak, {b})",

@@ -166,6 +166,16 @@ def test_wrong_results_are_caught(monkeypatch):
     assert "stage0.state.w" in res.error and res.max_rel_err > 0.1
 
 
+@pytest.mark.parametrize("backend", ["gloo", "shm"])
+def test_a_rank_holding_none_of_the_contraction_dim(backend):
+    """4*H = 4 columns of x sliced over 3 ranks: 2, 2 and none. The empty rank's partial product is zeros, and
+    every schedule, the chunked matmuls too, must still run and be right."""
+    prog = example("megatron_mlp")
+    results = run_schedules(list(generate(prog)), check_only(3, {"B": 1, "S": 2, "H": 1}, backend=backend))
+    assert_all_ok(results)
+    assert any("overlap(mm0, ar0)" in r.schedule for r in results)
+
+
 def test_a_step_that_writes_into_an_input_is_wrong(monkeypatch):
     """The gradient allreduced in place on the caller's tensor: every updated value is right, and the
     caller's g is gone. The schedule must not pass."""
