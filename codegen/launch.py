@@ -63,6 +63,7 @@ class RunResult:
     max_rel_err: float | None = None
     samples: list[float] = field(default_factory=list)
     error: str | None = None
+    bandwidth: list[float] = field(default_factory=list)  # bytes/s, probed by the ranks after timing (Options.probe)
 
     @property
     def median_s(self) -> float | None:
@@ -78,6 +79,7 @@ class RunResult:
             "max_rel_err": None if self.max_rel_err is None or not math.isfinite(self.max_rel_err) else self.max_rel_err,
             "median_s": self.median_s, "ci95_s": list(self.ci95_s) if self.ci95_s else None,
             "samples": len(self.samples), "error": self.error,
+            **({"bandwidth_GBps": max(self.bandwidth) / 1e9} if self.bandwidth else {}),
         }
 
 
@@ -95,6 +97,7 @@ class Options:
     time: bool = True
     timeout_s: float = 120.0
     trace: str | None = None  # a directory: each rank profiles one more step there (Chrome trace JSON)
+    probe: bool = False  # after the timed steps, the ranks measure the memory bandwidth together (CPU)
 
 
 def free_port() -> int:
@@ -306,7 +309,8 @@ def _finish(gen: Generated, slot, opts: Options) -> RunResult:
         if bad is not None:
             res.status, res.error = "wrong_result", bad
     if opts.time and slot["time"] is not None:
-        res.samples = list(slot["time"])
+        res.samples = list(slot["time"]["samples"])
+        res.bandwidth = list(slot["time"]["bandwidth"])
     return res
 
 

@@ -139,15 +139,18 @@ def _run(job: dict[str, Any], rank: int, conn: Connection) -> int:
                         conn.send(("value", task, rank, (key, report.pop(key))))
                 conn.send(("check", task, rank, {}))
                 del tensors  # before the timed steps' inputs are made
-            samples = None
+            samples, bandwidth = None, []
             if opts.time:
                 tensors, scalars = inputs(prog, opts, stage, rank % world, device)
                 samples = _time(step, tensors, scalars, kwargs, opts, device)
+                del tensors
+                if opts.probe and device.type == "cpu":
+                    bandwidth = probe_bandwidth()
             if opts.trace:  # before the last report: the parent stops the ranks once it has every result
                 tensors, scalars = inputs(prog, opts, stage, rank % world, device)
                 _trace(step, tensors, scalars, kwargs, Path(opts.trace) / f"{Path(path).stem}_rank{rank}.json")
             if opts.time and rank == 0:
-                conn.send(("time", task, rank, samples))
+                conn.send(("time", task, rank, {"samples": samples, "bandwidth": bandwidth}))
         except Exception as e:
             conn.send(("error", task, rank, error_report(e, path)))
             return 1
@@ -257,6 +260,31 @@ def _trace(step, tensors, scalars, kwargs, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(out))
     dist.barrier()  # every rank's trace is written before rank 0 reports
+
+
+def probe_bandwidth(nbytes: int = 2**26, repeats: int = 3) -> list[float]:
+    """Bytes per second through memory while every rank of the launch runs an in-place add (``a += b``: read
+    a and b, write a, ``nbytes`` each) at once, right after the timed steps, each sample timed like a step.
+    This machine's bandwidth comes in modes lasting minutes: a floor sampled elsewhere in a long run may be
+    of another mode than the steps it is set against."""
+    import torch
+    import torch.distributed as dist
+
+    a = torch.ones(nbytes // 4)
+    b = torch.ones_like(a)
+    a.add_(b)  # its pages faulted in, as the steps' are
+    out = []
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        a.add_(b)
+        # from the first rank's start to the last one's end, on the clock the ranks of one machine share: with
+        # more ranks than cores, a rank may run only once another has finished, and its own time alone would
+        # count the two adds as done at once
+        span = torch.tensor([-t0, time.perf_counter()], dtype=torch.float64)
+        dist.all_reduce(span, op=dist.ReduceOp.MAX)
+        out.append(3 * nbytes * dist.get_world_size() / float(span.sum()))
+    return out
 
 
 def _time(step, tensors, scalars, kwargs, opts, device) -> list[float]:

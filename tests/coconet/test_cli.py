@@ -198,14 +198,21 @@ def test_bench_compares_with_torch_and_the_floor(tmp_path):
     assert report == json.loads(out.read_text()) and report["complete"] is True
     assert report["torch_baseline"].startswith("dist.all_reduce + torch.optim.Adam(fused=True)")
     assert report["memory_bandwidth_GBps"] > 0 and len(report["points"]) == 2
-    # measured before each point and after the last; the floor uses the best of them
-    assert report["memory_bandwidth_GBps"] == max(report["memory_bandwidth_samples_GBps"])
+    # measured before each point and after the last, and by the ranks of every launch after its timed steps;
+    # the floor uses the best of them
+    launches = [r["bandwidth_GBps"] for pt in report["points"] for r in [pt["torch"]] + pt["results"]]
+    assert all(b > 0 for b in launches) and report["memory_bandwidth_launches_GBps"] == launches
+    assert report["memory_bandwidth_GBps"] == max(report["memory_bandwidth_samples_GBps"] + launches)
     assert len(report["memory_bandwidth_samples_GBps"]) == 3
     assert report["backends"] == ["gloo", "shm"]
     # torch.optim leaves w whole: the schedules that shard it are not compared with it
     assert report["shardable"] == ["m", "v"]
     assert report["left_out"] and all("w" in x["sharded"] for x in report["left_out"])
-    for point, n in zip(report["points"], (1024, 3000)):
+    for k, (point, n) in enumerate(zip(report["points"], (1024, 3000))):
+        # one round: its floor at the bandwidth the best schedule's ranks measured after timing it
+        bw = point["best"]["bandwidth_GBps"] * 1e9
+        assert point["floor_rounds_s"] == pytest.approx([point["bytes_moved_once"] / bw])
+        assert point["best_over_floor_rounds"] == pytest.approx([point["best"]["median_s"] * bw / point["bytes_moved_once"]])
         assert all(set(r["sharded"]) <= {"m", "v"} for r in point["results"])
         assert any(r["sharded"] == ["m", "v"] for r in point["results"])
         assert point["sizes"] == {"N": n}
@@ -276,6 +283,12 @@ def test_bench_rounds_take_the_median_of_each_schedules_rounds():
     best, torch_row = point["best"], point["torch"]
     assert point["best_speedup"] == torch_row["median_s"] / best["median_s"]
     assert point["best_speedup_rounds"] == [t / b for t, b in zip(torch_row["round_medians_s"], best["round_medians_s"])]
+    # each round against the floor at the bandwidth its ranks measured right after timing the best schedule
+    assert len(best["round_bandwidth_GBps"]) == 3 and best["bandwidth_GBps"] == max(best["round_bandwidth_GBps"])
+    floors = [point["bytes_moved_once"] / (bw * 1e9) for bw in best["round_bandwidth_GBps"]]
+    assert point["floor_rounds_s"] == pytest.approx(floors)
+    assert point["best_over_floor_rounds"] == pytest.approx([m / f for m, f in zip(best["round_medians_s"], floors)])
+    assert point["floor_s"] <= min(point["floor_rounds_s"]) * (1 + 1e-12)  # the run's best rate: the lowest floor
 
 
 def test_a_schedule_that_failed_in_any_round_is_reported_failed():
@@ -287,6 +300,9 @@ def test_a_schedule_that_failed_in_any_round_is_reported_failed():
     assert _over_rounds([ok]) == ok
     both = _over_rounds([ok, dict(ok, median_s=3.0)])
     assert both["median_s"] == 2.0 and both["round_medians_s"] == [1.0, 3.0] and both["samples"] == 10
+    assert "round_bandwidth_GBps" not in both
+    probed = _over_rounds([dict(ok, bandwidth_GBps=50.0), dict(ok, bandwidth_GBps=80.0)])
+    assert probed["round_bandwidth_GBps"] == [50.0, 80.0] and probed["bandwidth_GBps"] == 80.0
 
 
 def test_bench_errors():
