@@ -65,6 +65,10 @@ class RunResult:
     error: str | None = None
     bandwidth: list[float] = field(default_factory=list)  # bytes/s, probed by the ranks after timing (Options.probe)
 
+    def __post_init__(self) -> None:
+        if self.status == "wrong_result" and self.correct is None:  # found wrong before any value was compared
+            self.correct = False
+
     @property
     def median_s(self) -> float | None:
         return summarize(self.samples).median if self.samples else None
@@ -274,8 +278,7 @@ def _text(task) -> str:
 
 
 def _result(gen: Generated, status: str, error: str) -> RunResult:
-    return RunResult(_text(gen), gen.schedule.hash, status, correct=False if status == "wrong_result" else None,
-                     error=error)
+    return RunResult(_text(gen), gen.schedule.hash, status, error=error)
 
 
 def _stop(procs) -> None:

@@ -154,7 +154,7 @@ class _Shm:
     def at(self, rank, slot, offset, dtype, shape):
         """Rank ``rank``'s slot as a tensor of ``shape``, from byte ``offset`` of the slot."""
         start = self.HEADER + slot * self.slot_bytes + offset
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         return self.segments[rank][start:start + nbytes].view(dtype).view(shape)
 
     def copy(self, dst, src, stream=None):
@@ -264,7 +264,7 @@ def _movable(t):
 
 def _state_segment(path, shape, dtype):
     """The file ``path`` of /dev/shm (made if new) mapped as a contiguous tensor of ``shape``."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     seg = torch.from_file(path, shared=True, size=max(nbytes, 64), dtype=torch.uint8)
     return seg[:nbytes].view(dtype).view(shape)
 
@@ -396,9 +396,9 @@ def _shm_allreduce(c, xs, op, outs=None):
     the slots, this rank's too, so the result never needs a copy of its input."""
     s = c.shm
     slot = s.take()
-    src = [x.reshape(-1) for x in xs]
+    src = [x.reshape(-1) for x in xs]  # a copy if x is not contiguous: (in place) written back at the end
     xs = xs if outs is None else outs
-    flat = [x.reshape(-1) for x in xs]  # a copy if x is not contiguous: written back at the end
+    flat = src if outs is None else [x.reshape(-1) for x in xs]
     offsets = _offsets([x.numel() * x.element_size() for x in xs])
     mine = []
     for f, o in zip(src, offsets):

@@ -248,9 +248,7 @@ class Store:
             if state is not None:
                 if state not in NEXT_STATES[row.state]:
                     raise StoreError(f"job {job_id} cannot go from {row.state} to {state}", job_id=job_id)
-                if state in _CLEARS_ERROR and state != row.state:
-                    row.error = None
-                row.state = state
+                _enter(row, state)
             if progress is not None:
                 row.trials_done, row.trials_total = progress.done, progress.total
                 row.trials_failed, row.best_s = progress.failed, progress.best_s
@@ -272,7 +270,8 @@ class Store:
             row = s.scalars(q.order_by(JobRow.id).limit(1).with_for_update(skip_locked=True)).first()
             if row is None:
                 return None
-            row.state, row.driver, row.error = "running", driver, None
+            _enter(row, "running")
+            row.driver = driver
             row.updated_at = row.heartbeat_at = utcnow()
             s.flush()
             return _job(row)
@@ -341,8 +340,8 @@ class Store:
                 row = _new_job(program_hash, sizes, key, topology, world, shardable, budget, backends, running=True)
                 s.add(row)
             else:
-                row.state, row.budget, row.trials_total, row.backends = "running", budget, budget, list(backends)
-                row.error = None
+                _enter(row, "running")
+                row.budget, row.trials_total, row.backends = budget, budget, list(backends)
                 row.updated_at = row.heartbeat_at = utcnow()
             row.driver = driver
             s.flush()
@@ -837,6 +836,13 @@ def _new_job(program_hash: str, sizes: Mapping[str, int], key: str, topology: st
                   state="running" if running else "queued", trials_done=0, trials_total=budget, trials_failed=0,
                   created_at=now, updated_at=now,
                   heartbeat_at=now if running else None)
+
+
+def _enter(row: JobRow, state: str) -> None:
+    """Moves a job to ``state``; an error that no longer describes it goes (see _CLEARS_ERROR)."""
+    if state in _CLEARS_ERROR and state != row.state:
+        row.error = None
+    row.state = state
 
 
 def _oldest_job(s: Session, program_hash: str, key: str, topology: str, world: int, shardable: str,

@@ -222,8 +222,7 @@ class Runner:
 
         def failed(status: str, error: str) -> RunResult:
             self._reset()  # a rank may be stuck in a collective: the next candidate gets a fresh group
-            return RunResult(gen.schedule.text, gen.schedule.hash, status,
-                             correct=False if status == "wrong_result" else None, error=error)
+            return RunResult(gen.schedule.text, gen.schedule.hash, status, error=error)
 
         try:
             actors = self._group()

@@ -263,7 +263,7 @@ class _Shm:
     def at(self, rank, slot, offset, dtype, shape):
         """Rank ``rank``'s slot as a tensor of ``shape``, from byte ``offset`` of the slot."""
         start = self.HEADER + slot * self.slot_bytes + offset
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         return self.segments[rank][start:start + nbytes].view(dtype).view(shape)
 
     def copy(self, dst, src, stream=None):
@@ -373,7 +373,7 @@ def _movable(t):
 
 def _state_segment(path, shape, dtype):
     """The file ``path`` of /dev/shm (made if new) mapped as a contiguous tensor of ``shape``."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     seg = torch.from_file(path, shared=True, size=max(nbytes, 64), dtype=torch.uint8)
     return seg[:nbytes].view(dtype).view(shape)
 
