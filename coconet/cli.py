@@ -47,6 +47,25 @@ def _fail(message: str) -> None:
     raise typer.Exit(2)
 
 
+_PIPE_CLOSED = 128 + signal.SIGPIPE  # what a shell reports for a writer its pipe's reader left (`| head`)
+
+
+def _stdout_gone() -> bool:
+    """Whether stdout's reader went away (`coconet schedules … | head`): then the command stops without a
+    word, as the tools it is piped with do. A broken pipe elsewhere (a rank's) is not this."""
+    import select
+
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        gone = any(ev & select.POLLERR for _, ev in poll.poll(0))  # a pipe with no reader polls as an error
+    except (AttributeError, OSError, ValueError):  # no poll, or stdout is not a file
+        return False
+    if gone:  # what is still buffered can reach no one: /dev/null takes it, so the flush at exit is quiet
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return gone
+
+
 def _guard(fn: Callable[..., Any]) -> Callable[..., Any]:
     import functools
 
@@ -61,6 +80,10 @@ def _guard(fn: Callable[..., Any]) -> Callable[..., Any]:
         except KeyboardInterrupt:
             _fail("interrupted")
         except Exception as e:
+            if isinstance(e, BrokenPipeError) and _stdout_gone():
+                raise typer.Exit(_PIPE_CLOSED) from None
+            if isinstance(e, MemoryError):
+                _fail(f"out of memory: {e or 'an allocation failed'} (try smaller sizes or fewer ranks)")
             if os.environ.get("COCONET_DEBUG"):
                 raise
             _fail(f"internal error: {type(e).__name__}: {e} (set COCONET_DEBUG=1 for the traceback)")
@@ -408,9 +431,11 @@ def tune(
     docs = [r.to_json(prog, topology, world) for r in results]
     if as_json:
         _echo_json(docs[0] if len(docs) == 1 else docs)
-        return
-    for r, doc in zip(results, docs):
-        _print_tune_table(prog, doc, r)
+    else:
+        for r, doc in zip(results, docs):
+            _print_tune_table(prog, doc, r)
+    if any(d["best"] is None for d in docs):  # as `run` when a schedule fails: the answer is printed, and partial
+        raise typer.Exit(1)
 
 
 def _tune_with_progress(request: Any, store: Any, quiet: bool) -> list:
@@ -468,6 +493,17 @@ def _print_tune_table(prog: Any, doc: dict, tuned: Any) -> None:
             console.print(_sharded_note(b["sharded"]), markup=False)
     else:
         console.print("no schedule ran correctly: nothing recorded as the winner", markup=False)
+    if doc["failures"]:
+        err = Console(stderr=True, highlight=False, soft_wrap=True)
+        err.print(f"{doc['failed']} trial(s) failed:", markup=False)
+        for f in doc["failures"]:
+            err.print(f"  {_failure_text(f)}", markup=False)
+
+
+def _failure_text(f: dict) -> str:
+    many = f" (x{f['count']}, e.g. {f['backend']}: {f['schedule']})" if f["count"] > 1 else \
+        f" ({f['backend']}: {f['schedule']})"
+    return f"{f['status']}: {' '.join(f['error'].split()) or 'no reason given'}{many}"
 
 
 @app.command()
@@ -940,7 +976,7 @@ def submit(
             raise ServiceError(f"stopped following; job{'s' if len(jobs) > 1 else ''} "
                                f"{', '.join(map(str, jobs))} go on on the server") from None
         docs = [_submitted(client, final[j], code) for j in jobs]
-    failed = [d for d in docs if d["state"] != "done"]
+    failed = [d for d in docs if d["state"] != "done" or d["best"] is None]
     if as_json:
         _echo_json(docs[0] if len(docs) == 1 else docs)
     else:
@@ -975,16 +1011,25 @@ def _follow_jobs(client: Any, jobs: list[int], poll: float, timeout: Optional[fl
 
 def _submitted(client: Any, job: dict, with_code: bool) -> dict:
     """A finished job as `submit` reports it: the winner from GET /best (the server's public answer) and its code."""
+    from coconet.client import ServiceError
+
     doc: dict[str, Any] = {"job": job["id"], "state": job["state"], "error": job.get("error"),
                            "program_hash": job["program"], "sizes": job["sizes"], "topology": job["topology"],
                            "world": job["world"], "best": None, "baseline": None, "speedup": None, "code": None}
     if job["state"] != "done":
         return doc
     asked = job["shardable"]
-    best = client.best(job["program"], job["sizes"], topology=job["topology"], world=job["world"],
-                       shardable=asked if isinstance(asked, str) else ",".join(asked))
+    try:
+        best = client.best(job["program"], job["sizes"], topology=job["topology"], world=job["world"],
+                           shardable=asked if isinstance(asked, str) else ",".join(asked))
+    except ServiceError as e:
+        if getattr(e, "status", None) != 404:  # 404: nothing for the key, nor near it: this job found no winner
+            raise
+        best = {}
     if not best.get("exact"):
-        doc["error"] = "the job finished without a winner (no schedule ran correctly)"
+        why = (job.get("result") or {}).get("failures") or []
+        doc["error"] = "the job finished without a winner (no schedule ran correctly)" + (
+            f"; commonest failure: {_failure_text(why[0])}" if why else "")
         return doc
     stats, base = best["stats"], best.get("baseline")
     doc["best"] = {"schedule": best["schedule"], "backend": best["backend"], "hash": best["schedule_hash"],
@@ -1044,6 +1089,11 @@ def main() -> None:
             hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
             _print_error(f"{e.format_message()}{hint}")
             code = 2
+    try:
+        sys.stdout.flush()  # here, not at exit: a reader that left before the last write is not an error to print
+    except BrokenPipeError:
+        _stdout_gone()
+        code = _PIPE_CLOSED
     sys.exit(code if isinstance(code, int) else 0)
 
 

@@ -80,7 +80,7 @@ class Client:
         except httpx.HTTPError as e:
             raise ServiceError(f"cannot reach {self.http.base_url}: {e or type(e).__name__}") from e
         if resp.status_code >= 400:
-            raise ServiceError(f"{where}: HTTP {resp.status_code}: {_detail(resp)}")
+            raise ServiceError(f"{where}: HTTP {resp.status_code}: {_detail(resp)}", status=resp.status_code)
         try:
             return resp.json()
         except ValueError as e:

@@ -41,6 +41,7 @@ import numpy as np
 
 from coconet.codegen.baselines import Baseline, TorchTask
 from coconet.codegen.cache import module_path
+from coconet.codegen.footprint import require_fits
 from coconet.codegen.lower import Generated, lower
 from coconet.codegen.rank import AGAIN
 from coconet.errors import BackendError, CoconetError
@@ -132,6 +133,7 @@ def run_schedules(schedules: Sequence[Schedule], opts: Options, program_file: st
     if opts.backend == "nccl":
         require_cuda(opts.world * stages)
     opts = dataclasses.replace(opts, stages=stages, sizes=dict(opts.sizes))
+    require_fits(program, opts.sizes, opts.world, check=opts.check)
     custom = custom_payload(program, program_file)
     results: dict[int, RunResult] = {}
     tasks: list[tuple[int, Any]] = [(i, _baseline_task(b, program, opts)) for i, b in enumerate(baselines)]

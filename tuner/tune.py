@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 from coconet.codegen.baselines import shardable_text
+from coconet.codegen.footprint import require_fits
 from coconet.codegen.launch import RunResult
 from coconet.codegen.lower import Generated, lower
 from coconet.errors import CoconetError, KeyBusy, StoreError
@@ -79,7 +80,21 @@ class Tuned:
                 "world": world, "shardable": sorted(allowed if allowed is not None else shard.candidates(program)),
                 "best": stats(o.winner), "runner_up": stats(o.runner_up),
                 "baseline": stats(o.baseline), "speedup": o.speedup, "trials": len(o.trials),
-                "failed": len(o.failed), "record_id": self.record_id, "job_id": self.job_id, "study": o.study}
+                "failed": len(o.failed), "failures": failures(o.failed), "record_id": self.record_id,
+                "job_id": self.job_id, "study": o.study}
+
+
+def failures(failed: Sequence[Trial], most: int = 5) -> list[dict[str, Any]]:
+    """The distinct reasons trials failed, the commonest first, with how many and one of each's candidates: a
+    tune in which nothing ran must say why without a trip to the store."""
+    seen: dict[tuple[str, str], dict[str, Any]] = {}
+    for t in failed:
+        key = (t.result.status, t.result.error or "")
+        if key not in seen:
+            seen[key] = {"status": key[0], "error": key[1][:1000], "count": 0, "schedule": t.candidate.text,
+                         "backend": t.candidate.backend}
+        seen[key]["count"] += 1
+    return sorted(seen.values(), key=lambda f: -f["count"])[:most]
 
 
 def local_backends(world: int) -> tuple[str, ...]:
@@ -142,6 +157,9 @@ def check(request: Request) -> tuple[str, ...]:
         raise CoconetError(f"budget must be at least 1 trial, got {request.budget}")
     if request.shardable is not None:
         shardable_text(request.program, request.shardable)  # names that are not the program's state: refused
+    if not request.ray_address:  # the local cluster's ranks share this machine's memory; a cluster's, their nodes'
+        for sizes in request.sizes:
+            require_fits(request.program, sizes, request.world, check=False)
     return backends
 
 

@@ -311,6 +311,50 @@ def test_bench_errors():
     assert_one_error(coconet("bench", "adam", "--size", "M=4"), "does not have")
 
 
+def test_tune_says_why_its_trials_failed(capsys):
+    from coconet.cli import _print_tune_table
+    from coconet.codegen.launch import RunResult
+    from coconet.loader import load_file
+    from coconet.schedules.schedule import Schedule
+    from coconet.tuner.search import Candidate, Outcome, Trial
+    from coconet.tuner.tune import Tuned
+
+    prog = load_file(ROOT / "examples" / "adam.py")
+
+    def failed(text, error):
+        s = Schedule.parse(text, prog) if text else Schedule(prog)
+        return Trial(Candidate(s, "shm"), RunResult(s.text, s.hash, "runtime_error", error=error))
+
+    trials = [failed(None, "rank 0: MemoryError: Unable to allocate\n 8.00 TiB"),
+              failed("split(ar0)", "rank 0: MemoryError: Unable to allocate\n 8.00 TiB"),
+              failed("split(ar0); reorder(ag0)", "rank 1: RuntimeError: boom")]
+    tuned = Tuned({"N": 8}, Outcome("s", {"N": 8}, trials, None, None, None), 1, None)
+    _print_tune_table(prog, tuned.to_json(prog, "local", 2), tuned)
+    out, err = capsys.readouterr()
+    assert "no schedule ran correctly: nothing recorded as the winner" in out
+    assert err.splitlines() == [
+        "3 trial(s) failed:",
+        "  runtime_error: rank 0: MemoryError: Unable to allocate 8.00 TiB (x2, e.g. shm: baseline)",
+        "  runtime_error: rank 1: RuntimeError: boom (shm: split(ar0); reorder(ag0))"]
+
+
+def test_a_size_too_large_for_this_machine_is_one_error():
+    assert_one_error(coconet("run", "examples/adam.py", "--size", "N=2^40", "--world", "2"),
+                     "at N=1099511627776 the inputs of adam on 2 rank(s) take at least", "of memory")
+    assert_one_error(coconet("tune", "examples/adam.py", "--size", "N=2^40", "--world", "2", "--db", "sqlite://"),
+                     "take at least 32.0 TiB; this machine has")
+
+
+def test_a_reader_that_leaves_the_pipe_early_ends_the_command_quietly():
+    env = {k: v for k, v in os.environ.items() if k != "COCONET_DEBUG"}
+    proc = subprocess.Popen([sys.executable, "-m", "coconet", "schedules", "examples/lamb.py", "--json"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    proc.stdout.close()  # as `| head -c 0` would, before anything is written
+    assert proc.wait(60) == 128 + signal.SIGPIPE
+    assert proc.stderr.read() == b""
+    proc.stderr.close()
+
+
 def test_tune_json_then_run_the_best(tmp_path):
     db = f"sqlite:///{tmp_path / 'coconet.db'}"
     proc = coconet("tune", "examples/adam.py", "--world", "2", "--size", "N=2^10", "--budget", "2",

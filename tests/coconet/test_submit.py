@@ -19,10 +19,13 @@ from typing import Any, Iterator
 
 import pytest
 
+from coconet.codegen.launch import RunResult
 from coconet.loader import load_file
 from coconet.schedules.space import generate
 from coconet.server.records import NewMeasurement, Progress
 from coconet.server.store import Store
+from coconet.tuner.search import Candidate, Trial
+from coconet.tuner.tune import failures
 
 ROOT = Path(__file__).resolve().parents[2]
 ADAM = ROOT / "examples" / "adam.py"
@@ -33,6 +36,10 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _failed(schedule: Any, error: str) -> Trial:
+    return Trial(Candidate(schedule, "gloo"), RunResult(schedule.text, schedule.hash, "runtime_error", error=error))
 
 
 class _FakeWorker(threading.Thread):
@@ -55,6 +62,10 @@ class _FakeWorker(threading.Thread):
                     continue
                 if job.sizes == {"N": 8}:
                     store.update_job(job.id, state="failed", error="synthetic failure: ranks timed out")
+                    continue
+                if job.sizes == {"N": 16}:  # every trial failed: done, with nothing to serve
+                    store.update_job(job.id, state="done", result={"failures": failures(
+                        [_failed(s, "rank 1: synthetic crash") for s in schedules[:3]])})
                     continue
                 ids = []
                 winner = schedules[3] if job.sizes != {"N": 2**16} else next(s for s in schedules if set(s.sharded) == {"m", "v"})
@@ -155,6 +166,12 @@ def test_failed_job_is_one_error(server: dict[str, Any]) -> None:
                    "--json")
     assert_one_error(proc, "failed", "synthetic failure: ranks timed out")
     assert json.loads(proc.stdout)["state"] == "failed"  # the answer is still printed for scripts
+
+
+def test_a_job_without_a_winner_says_why_its_trials_failed(server: dict[str, Any]) -> None:
+    proc = coconet("submit", ADAM, "--server", server["url"], "--size", "N=16", "--token", TOKEN, "--poll", "0.05",
+                   "--json")
+    assert_one_error(proc, "without a winner", "runtime_error: rank 1: synthetic crash (x3, e.g. gloo: baseline)")
 
 
 def test_wrong_token_and_unreachable_server(server: dict[str, Any]) -> None:

@@ -304,6 +304,7 @@ def _corpus(h: str) -> list[tuple[str, str, str, dict[str, Any], int]]:
         ("job wrong types", post, "/jobs", dict(json={**job, "world": "two"}, headers=AUTH), 422),
         ("job sizes 2^80", post, "/jobs", dict(json={**job, "sizes": {"N": 2**80}}, headers=AUTH), 422),
         ("job size 0", post, "/jobs", dict(json={**job, "sizes": {"N": 0}}, headers=AUTH), 422),
+        ("job too large to fit", post, "/jobs", dict(json={**job, "sizes": {"N": 2**40}}, headers=AUTH), 422),
         ("job size negative", post, "/jobs", dict(json={**job, "sizes": {"N": -4}}, headers=AUTH), 422),
         ("job wrong dim", post, "/jobs", dict(json={**job, "sizes": {"M": 4}}, headers=AUTH), 422),
         ("job 9 dims", post, "/jobs", dict(json={**job, "sizes": {f"D{i}": 2 for i in range(9)}}, headers=AUTH), 422),

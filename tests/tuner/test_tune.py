@@ -152,6 +152,44 @@ def test_the_tuned_json_says_which_state_the_winner_leaves_sharded():
     assert doc["baseline"]["sharded"] == []
 
 
+def test_the_tuned_json_says_why_its_trials_failed():
+    from coconet.codegen.launch import RunResult
+    from coconet.schedules.schedule import Schedule
+    from coconet.tuner.search import Candidate, Outcome, Trial
+    from coconet.tuner.tune import Tuned
+
+    prog = example("adam")
+    texts = ["split(ar0)", "split(ar0); reorder(ag0)", "split(ar0); reorder(ag0); fuse_collective(rs0)"]
+
+    def trial(text, status="ok", error=None, backend="shm"):
+        s = Schedule.parse(text, prog)
+        return Trial(Candidate(s, backend), RunResult(s.text, s.hash, status, error=error,
+                                                      samples=[0.01] * 3 if status == "ok" else []))
+
+    oom = "rank 0: MemoryError: Unable to allocate 8.00 TiB"
+    trials = [trial(texts[0], "timeout", "rank 1 did not answer within 60 s"),
+              trial(texts[1], "runtime_error", oom), trial(texts[2], "runtime_error", oom, backend="gloo"),
+              trial(texts[2])]
+    doc = Tuned({"N": 8}, Outcome("s", {"N": 8}, trials, trials[3], None, None), 1, 2).to_json(prog, "local", 2)
+    assert doc["failed"] == 3
+    assert doc["failures"] == [  # the commonest first, each with one of its candidates
+        {"status": "runtime_error", "error": oom, "count": 2, "schedule": texts[1], "backend": "shm"},
+        {"status": "timeout", "error": "rank 1 did not answer within 60 s", "count": 1, "schedule": texts[0],
+         "backend": "shm"}]
+
+
+def test_tune_refuses_sizes_whose_inputs_cannot_fit_this_machine():
+    from coconet.errors import SizeError
+    from coconet.tuner.tune import check
+
+    prog = example("adam")
+    huge = Request(prog, ({"N": 2**20}, {"N": 2**40}), world=2, backends=("gloo",))
+    with pytest.raises(SizeError, match=r"N=1099511627776 the inputs of adam on 2 rank\(s\) take at least 32.0 TiB"):
+        check(huge)
+    # a cluster's nodes are not this machine: their memory is theirs to run out of
+    assert check(Request(prog, huge.sizes, world=2, backends=("gloo",), ray_address="10.0.0.1:6379")) == ("gloo",)
+
+
 def test_tune_leaves_a_key_another_tuner_is_running(tmp_path):
     prog = example("adam")
     me = this_process()
