@@ -133,6 +133,7 @@ def run_schedules(schedules: Sequence[Schedule], opts: Options, program_file: st
     if opts.backend == "nccl":
         require_cuda(opts.world * stages)
     opts = dataclasses.replace(opts, stages=stages, sizes=dict(opts.sizes))
+    program.require_world(opts.world)
     require_fits(program, opts.sizes, opts.world, check=opts.check)
     custom = custom_payload(program, program_file)
     results: dict[int, RunResult] = {}

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Iterator, Mapping
 
+from coconet.errors import ProgramError
 from coconet.schedules.types import TensorType
 
 SCHEMA_VERSION = 1
@@ -137,6 +138,19 @@ class Program:
     @property
     def is_pipeline(self) -> bool:
         return any(s.op in ("send", "recv") for s in self.stmts)
+
+    @property
+    def least_world(self) -> int:
+        """The fewest ranks the program runs on: one more than its highest broadcast root."""
+        return 1 + max((int(s.attr("root")) for s in self.stmts if s.op == "broadcast"), default=0)
+
+    def require_world(self, world: int) -> None:
+        if world < self.least_world:
+            root = self.least_world - 1
+            where = next(s.name for s in self.stmts if s.op == "broadcast" and int(s.attr("root")) == root)
+            raise ProgramError(f"broadcasts from rank {root}: it needs {root + 1} ranks at least, not {world}",
+                               statement=where, op="broadcast", rule="0 <= root < world",
+                               location=self.location(where))
 
     @cached_property
     def stmt_hashes(self) -> dict[str, str]:

@@ -157,6 +157,7 @@ def check(request: Request) -> tuple[str, ...]:
         raise CoconetError(f"budget must be at least 1 trial, got {request.budget}")
     if request.shardable is not None:
         shardable_text(request.program, request.shardable)  # names that are not the program's state: refused
+    request.program.require_world(request.world)
     if not request.ray_address:  # the local cluster's ranks share this machine's memory; a cluster's, their nodes'
         for sizes in request.sizes:
             require_fits(request.program, sizes, request.world, check=False)

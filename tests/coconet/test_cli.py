@@ -157,6 +157,28 @@ def test_schedules_show_and_verify():
     assert out["verified"]["worlds"] == [1, 2, 3, 4]
 
 
+ROOTED = '''
+from coconet import Local, Program, Replicated, allreduce, broadcast
+p = Program("rooted", dims=("N",))
+x = p.tensor("x", ("N",), layout=Local)
+w = p.tensor("w", ("N",), layout=Replicated)
+p.update(w, w + broadcast(x, 2) + allreduce(x))
+program = p
+'''
+
+
+def test_a_program_broadcasting_from_rank_2_needs_3_ranks(tmp_path):
+    path = tmp_path / "rooted.py"
+    path.write_text(ROOTED)
+    proc = coconet("schedules", path, "--verify")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1].startswith("all 9 schedules equal the program on 3-4 ranks")
+    why = "statement bc0 (broadcast): broadcasts from rank 2: it needs 3 ranks at least, not 2"
+    # refused before a rank starts, with or without the reference (which would say so too)
+    assert_one_error(coconet("run", path, "--world", "2", "--size", "N=8", "--no-check"), why)
+    assert_one_error(coconet("tune", path, "--world", "2", "--size", "N=8", "--db", "sqlite://"), why)
+
+
 def test_run_json_answers_as_documented(tmp_path):
     proc = coconet("run", "examples/sgd.py", "--world", "3", "--size", "N=100", "--schedule", "all",
                    "--repeats", "2", "--warmup", "0", "--json", "--emit", tmp_path, "--kernels", "eager")
