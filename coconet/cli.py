@@ -563,6 +563,10 @@ def sweep(
     if doc["unfit"]:
         Console(highlight=False, stderr=True).print(
             f"note: {doc['unfit']} keys left out: their world needs more ranks than the topology has", markup=False)
+    if doc["too_large"]:
+        Console(highlight=False, stderr=True).print(
+            f"note: {doc['too_large']} local keys left out: this machine cannot hold them (the first: "
+            f"{doc['too_large_why']})", markup=False)
 
 
 @app.command()

@@ -31,7 +31,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import yaml
 
-from coconet.errors import CoconetError
+from coconet.errors import CoconetError, SizeError
 from coconet.schedules import shardable as shard
 from coconet.schedules.dims import parse_sizes
 from coconet.schedules.ir import Program
@@ -163,6 +163,8 @@ class SweepReport:
     keys: int = 0
     skipped: int = 0
     unfit: int = 0  # (program, world) pairs that need more ranks than the topology has
+    too_large: int = 0  # local keys this machine cannot hold (the tuner refuses them before starting)
+    too_large_why: str | None = None  # the first one's reason
     predicted: int = 0
     measured: int = 0
     predictions: int = 0
@@ -175,7 +177,8 @@ class SweepReport:
         return done / self.seconds if self.seconds > 0 and done else None
 
     def to_json(self) -> dict[str, Any]:
-        return {"keys": self.keys, "skipped": self.skipped, "unfit": self.unfit, "predicted": self.predicted, "measured": self.measured,
+        return {"keys": self.keys, "skipped": self.skipped, "unfit": self.unfit, "too_large": self.too_large,
+                "too_large_why": self.too_large_why, "predicted": self.predicted, "measured": self.measured,
                 "predictions": self.predictions, "seconds": self.seconds, "keys_per_s": self.keys_per_s,
                 "by_topology": self.by_topology}
 
@@ -224,7 +227,12 @@ def sweep(config: SweepConfig, store, *, simulate: bool = False,
                 if tune_key is None:
                     raise CoconetError("a measured sweep needs the tuner")
                 for sizes, world in pending:
-                    tune_key(entry, sizes, world)
+                    try:
+                        tune_key(entry, sizes, world)
+                    except SizeError as e:  # refused before anything ran: the sweep's other keys go on
+                        report.too_large += 1
+                        report.too_large_why = report.too_large_why or str(e)
+                        continue
                     report.measured += 1
                     report.by_topology[name] = report.by_topology.get(name, 0) + 1
                     if on_progress:

@@ -89,3 +89,26 @@ worlds: {dgx-h100-8: [8]}
 def test_bad_configs_name_the_cause(tmp_path, text, message):
     with pytest.raises(CoconetError, match=message):
         SweepConfig.load(write(tmp_path, text))
+
+
+def test_a_measured_sweep_leaves_out_the_local_keys_this_machine_cannot_hold(tmp_path):
+    from coconet.tuner.tune import Request, check
+
+    cfg = SweepConfig.load(write(tmp_path, """
+programs:
+  - example: sgd
+    sizes: ["N=2^10", "N=2^38", "N=2^12", "N=2^40"]
+topologies: [local]
+worlds: {local: [2]}
+"""))
+    tuned = []
+
+    def tune_key(entry, sizes, world):
+        check(Request(entry.program, (sizes,), world, backends=("gloo",)))  # what tune asks before it starts
+        tuned.append(sizes["N"])
+
+    with Store.open(f"sqlite:///{tmp_path / 'c.db'}") as store:
+        report = sweep(cfg, store, tune_key=tune_key)
+    assert tuned == [2**10, 2**12] and report.measured == 2 and report.too_large == 2
+    assert "at N=274877906944 the inputs of sgd on 2 rank(s) take at least" in report.too_large_why
+    assert report.to_json()["too_large"] == 2
