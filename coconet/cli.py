@@ -732,6 +732,7 @@ def bench(
     as eager PyTorch) and the floor (the bytes the step must move at the memory bandwidth, or its matmuls
     at the matmul rate, whichever is longer), per size."""
     from coconet.codegen.baselines import baseline_for
+    from coconet.codegen.footprint import require_fits
     from coconet.codegen.launch import Options, require_cuda, run_schedules
     from coconet.codegen.lower import BACKENDS
     from coconet.codegen.rank import allocator_policy
@@ -765,6 +766,9 @@ def bench(
     nranks = world * (2 if prog.is_pipeline else 1)
     if device == "cuda":
         require_cuda(nranks)  # before any point is measured
+    prog.require_world(world)
+    for sizes in points_sizes:  # every point must fit, before the first one runs
+        require_fits(prog, sizes, world, check=True)
     cpus = os.cpu_count() or 1
     # a CUDA rank has a GPU to itself: its matmul rate is the device's, and no rank shares it
     threads = max(1, cpus // nranks) if device == "cpu" else 1

@@ -42,6 +42,8 @@ def _run_python(p: Path) -> Program:
         raise
     except SyntaxError as e:
         raise ProgramError(f"{p}:{e.lineno}: syntax error: {e.msg}") from None
+    except SystemExit as e:  # not ours to end the process: a program file defines, it does not run
+        raise ProgramError(f"{_user_frame(e, p)}: the file called sys.exit({e.code!r}) while being loaded") from None
     except Exception as e:  # the user's code failed: report where, without a traceback
         raise ProgramError(f"{_user_frame(e, p)}: {type(e).__name__}: {e}") from None
     if "program" not in namespace:

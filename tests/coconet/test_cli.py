@@ -80,6 +80,7 @@ BAD_PROGRAMS = {
     "not_a_program": ("program = 3\n", ["not a coconet Program"]),
     "syntax": ("program = (\n", ["syntax error"]),
     "raises": ("import math\nprogram = math.sqrt(-1)\n", ["bad.py:2", "ValueError"]),
+    "exits": ("import sys\nsys.exit(3)\n", ["bad.py:2", "the file called sys.exit(3) while being loaded"]),
 }
 
 
@@ -331,6 +332,8 @@ def test_bench_errors():
     assert_one_error(coconet("bench", "nosuch", "--size", "N=4"), "no workload 'nosuch'", "adam")
     assert_one_error(coconet("bench", "adam", "--size", "N=4", "--shardable", "q"), "shardable q: not replicated state adam updates")
     assert_one_error(coconet("bench", "adam", "--size", "M=4"), "does not have")
+    # refused before its first point runs
+    assert_one_error(coconet("bench", "adam", "--size", "N=4", "--size", "N=2^40"), "N=1099511627776", "of memory")
 
 
 def test_tune_says_why_its_trials_failed(capsys):
