@@ -357,7 +357,7 @@ def prelude_source(code: str | None = None, backend: str = "gloo") -> str:
     helpers = HELPERS
     if backend == "shm":
         text = inspect.getsource(shm)
-        parts.append(text[text.index("_GROUPS = {"): text.index("\n\n\nclass _Shm")])
+        parts.append(text[text.index("# process group -> its _Shm"): text.index("\n\n\nclass _Shm")])
         helpers = HELPERS + shm.HELPERS
     # philox_words imports torch locally; the generated module imports it at the top already
     sources = {obj.__name__: inspect.getsource(obj).replace("    import torch\n\n", "").rstrip() for obj in helpers}

@@ -62,7 +62,10 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
-_GROUPS = {}  # process group -> its _Shm, made on the group's first step
+# process group -> its _Shm, made on the group's first step. Module state on purpose: step() is called
+# with the group alone, every iteration, and the mapped segments (and state moved into them) must outlive
+# it, as torch.distributed keeps its groups; a ProcessGroup takes no attributes to hang them on.
+_GROUPS = {}
 
 _STREAM_C = r"""
 #include <emmintrin.h>

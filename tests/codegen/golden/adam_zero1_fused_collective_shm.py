@@ -35,7 +35,10 @@ def _t(x):
     return x if isinstance(x, torch.Tensor) else torch.tensor(x)
 
 
-_GROUPS = {}  # process group -> its _Shm, made on the group's first step
+# process group -> its _Shm, made on the group's first step. Module state on purpose: step() is called
+# with the group alone, every iteration, and the mapped segments (and state moved into them) must outlive
+# it, as torch.distributed keeps its groups; a ProcessGroup takes no attributes to hang them on.
+_GROUPS = {}
 
 _STREAM_C = r"""
 #include <emmintrin.h>
