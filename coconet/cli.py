@@ -7,6 +7,7 @@ are one line ``error: …`` on stderr with exit code 2 — never a traceback
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -84,6 +85,8 @@ def _guard(fn: Callable[..., Any]) -> Callable[..., Any]:
                 raise typer.Exit(_PIPE_CLOSED) from None
             if isinstance(e, MemoryError):
                 _fail(f"out of memory: {e or 'an allocation failed'} (try smaller sizes or fewer ranks)")
+            if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):  # the disk's, not ours
+                _fail(f"cannot write {e.filename or 'the answer'}: {e.strerror}")
             if os.environ.get("COCONET_DEBUG"):
                 raise
             _fail(f"internal error: {type(e).__name__}: {e} (set COCONET_DEBUG=1 for the traceback)")
@@ -1101,10 +1104,15 @@ def main() -> None:
             _print_error(f"{e.format_message()}{hint}")
             code = 2
     try:
-        sys.stdout.flush()  # here, not at exit: a reader that left before the last write is not an error to print
+        if sys.stdout is not None:  # None: started with stdout closed
+            sys.stdout.flush()  # here, not at exit: a reader that left before the last write is not an error to print
     except BrokenPipeError:
         _stdout_gone()
         code = _PIPE_CLOSED
+    except OSError as e:  # a full disk, /dev/full
+        _print_error(f"cannot write the answer to stdout: {e.strerror or e}")
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 2
     sys.exit(code if isinstance(code, int) else 0)
 
 

@@ -380,6 +380,18 @@ def test_a_reader_that_leaves_the_pipe_early_ends_the_command_quietly():
     proc.stderr.close()
 
 
+def test_an_answer_stdout_cannot_take_is_one_error_and_a_closed_stdout_none():
+    env = {k: v for k, v in os.environ.items() if k != "COCONET_DEBUG"}
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([sys.executable, "-m", "coconet", "check", "examples/adam.py"], cwd=ROOT, env=env,
+                              stdout=full, stderr=subprocess.PIPE, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.strip() == "error: cannot write the answer: No space left on device"
+    proc = subprocess.run([sys.executable, "-m", "coconet", "check", "examples/adam.py"], cwd=ROOT, env=env,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=60,
+                          preexec_fn=lambda: os.close(1))
+    assert proc.returncode == 0 and proc.stderr == ""
+
+
 def test_tune_json_then_run_the_best(tmp_path):
     db = f"sqlite:///{tmp_path / 'coconet.db'}"
     proc = coconet("tune", "examples/adam.py", "--world", "2", "--size", "N=2^10", "--budget", "2",
