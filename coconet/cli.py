@@ -62,9 +62,16 @@ def _stdout_gone() -> bool:
         gone = any(ev & select.POLLERR for _, ev in poll.poll(0))  # a pipe with no reader polls as an error
     except (AttributeError, OSError, ValueError):  # no poll, or stdout is not a file
         return False
-    if gone:  # what is still buffered can reach no one: /dev/null takes it, so the flush at exit is quiet
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    if gone:
+        _stdout_to_devnull()
     return gone
+
+
+def _stdout_to_devnull() -> None:
+    # what is still buffered can reach no one: /dev/null takes it, so the flush at exit does not fail again
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, sys.stdout.fileno())
+    os.close(null)
 
 
 def _guard(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -1111,7 +1118,7 @@ def main() -> None:
         code = _PIPE_CLOSED
     except OSError as e:  # a full disk, /dev/full
         _print_error(f"cannot write the answer to stdout: {e.strerror or e}")
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        _stdout_to_devnull()
         code = 2
     sys.exit(code if isinstance(code, int) else 0)
 

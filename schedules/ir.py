@@ -145,8 +145,8 @@ class Program:
         return 1 + max((int(s.attr("root")) for s in self.stmts if s.op == "broadcast"), default=0)
 
     def require_world(self, world: int) -> None:
-        if world < self.least_world:
-            root = self.least_world - 1
+        root = self.least_world - 1
+        if world <= root:
             where = next(s.name for s in self.stmts if s.op == "broadcast" and int(s.attr("root")) == root)
             raise ProgramError(f"broadcasts from rank {root}: it needs {root + 1} ranks at least, not {world}",
                                statement=where, op="broadcast", rule="0 <= root < world",
