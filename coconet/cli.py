@@ -94,6 +94,8 @@ def _guard(fn: Callable[..., Any]) -> Callable[..., Any]:
                 _fail(f"out of memory: {e or 'an allocation failed'} (try smaller sizes or fewer ranks)")
             if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):  # the disk's, not ours
                 _fail(f"cannot write {e.filename or 'the answer'}: {e.strerror}")
+            if isinstance(e, OSError) and e.filename is not None and e.strerror:  # a path the user gave, or its folder
+                _fail(f"{e.filename}: {e.strerror}")
             if os.environ.get("COCONET_DEBUG"):
                 raise
             _fail(f"internal error: {type(e).__name__}: {e} (set COCONET_DEBUG=1 for the traceback)")
@@ -103,6 +105,25 @@ def _guard(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def _echo_json(obj: Any) -> None:
     sys.stdout.write(json.dumps(obj, indent=2) + "\n")
+
+
+def _writable(path: Optional[Path], option: str, *, folder: bool = False) -> Optional[Path]:
+    """A file (or with ``folder``, a folder) the command will write, checked before the work whose answer it
+    holds: a bench measures for minutes, and a path it cannot write would lose them. Missing folders are
+    made when it writes; a path under a file, or where this user cannot write, is refused now."""
+    if path is None:
+        return None
+    if path.exists() and path.is_dir() != folder:
+        raise CoconetError(f"{option} {path} is a {'file' if folder else 'folder'}: name "
+                           f"{'a folder' if folder else 'the file to write'}")
+    there = path.parent
+    while not there.exists():
+        there = there.parent
+    if not there.is_dir():
+        raise CoconetError(f"{option} {path}: {there} is a file, not a folder")
+    if not os.access(there, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise CoconetError(f"{option} {path}: this user cannot write there")
+    return path
 
 
 def _statement_row(s: Any, sizes: dict[str, int] | None) -> dict[str, Any]:
@@ -164,11 +185,13 @@ def export(
     from coconet.loader import load_file
     from coconet.schedules.serialize import export as to_json
 
+    _writable(output, "-o")
     prog = load_file(file)
     text = to_json(prog) + "\n"
     if output is None:
         sys.stdout.write(text)
         return
+    output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(text)
     if as_json:
         _echo_json({"program": prog.name, "hash": prog.hash, "path": str(output)})
@@ -275,7 +298,7 @@ def _tuned_best(prog: Any, sizes: dict, world: int, backend: str, db: Optional[s
     from coconet.server.store import Store
 
     allowed = shardable_text(prog, shardable or None)
-    with Store.open(db) as store:
+    with Store.open(db, create=db is None) as store:  # the default store may not be made yet; a named one must be
         found = store.best(prog.hash, sizes, "local", world, backend=backend, shardable=allowed)
         url = store.url
     if found is None or found.measurement.schedule_json is None:
@@ -343,6 +366,8 @@ def run(
         raise CoconetError(f"unknown backend {backend!r} (use {', '.join(BACKENDS)})")
     if kernels not in KERNELS:
         raise CoconetError(f"unknown --kernels {kernels!r} (use {' or '.join(KERNELS)})")
+    _writable(emit, "--emit", folder=True)
+    _writable(trace, "--trace", folder=True)
     prog = load_file(file)
     _require_sizes(prog, size)
     sizes = parse_sizes(size, prog.dims)
@@ -399,7 +424,8 @@ def _print_run_table(prog: Any, world: int, backend: str, sizes: dict, rows: lis
 @_guard
 def tune(
     file: Path = typer.Argument(..., help="The program: a .py file defining `program`, or its JSON IR."),
-    world: int = typer.Option(2, "--world", min=1, help="Ranks (per pipeline stage)."),
+    world: int = typer.Option(2, "--world", min=1, help="Ranks (per pipeline stage); at most 64 on the local "
+                               "Ray cluster this machine starts."),
     size: Optional[List[str]] = SIZE_OPT,
     budget: int = typer.Option(32, "--budget", min=1, help="Candidates measured per size; the whole space when "
                                "it is smaller (then the search is exhaustive)."),
@@ -602,6 +628,7 @@ def calibrate(
     from coconet.tuner.calibrate import Settings, calibrate as run_calibration, default_output
     from coconet.tuner.topology import save_topology, to_dict
 
+    _writable(output, "-o")
     settings = Settings(world=world, max_log2=max_log2, repeats=repeats,
                         **({"memory_bytes": 2**22, "compiled": False, "min_log2": min(8, max_log2)} if quick else {}))
     result = run_calibration(settings)
@@ -761,6 +788,8 @@ def bench(
     if device == "cuda" and len(backends) > 1:
         raise CoconetError(f"--backend nccl runs on CUDA tensors and {', '.join(b for b in backends if b != 'nccl')} "
                            "on CPU tensors: their floors differ, bench them in separate runs")
+    _writable(output, "-o")
+    _writable(plot, "--plot")
     file = _workload_file(workload)
     prog = load_file(file)
     points_sizes = [parse_sizes(spec, prog.dims) for spec in size]
@@ -925,6 +954,7 @@ def serve(
     if token is None and not _is_loopback(host):
         raise CoconetError(f"--host {host} is reachable from other machines: set {ENV_TOKEN} to the token that "
                            "writes must carry (or serve on 127.0.0.1)")
+    _require_listenable(host, port)  # uvicorn logs the failure and exits the process: say it here first
     app_ = create_app(db, token=token, workers=workers, ray_address=ray_address)
     if as_json:
         _echo_json({"url": f"http://{host}:{port}", "api": "/api/v1", "docs": "/docs", "store": app_.state.store.url,
@@ -936,8 +966,26 @@ def serve(
         server.run()
     except KeyboardInterrupt:
         pass  # uvicorn stopped cleanly and re-raised the signal it caught: that is how serve ends
+    except SystemExit:  # uvicorn's way of failing to start (the port taken between the check and now)
+        pass
     if not server.started and not server.should_exit:
         raise CoconetError(f"could not serve on {host}:{port} (see the log above)")
+
+
+def _require_listenable(host: str, port: int) -> None:
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise CoconetError(f"--host {host}: {e.strerror or e}") from None
+    family, kind, proto, _, addr = infos[0]
+    try:
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            sock.bind(addr)
+    except OSError as e:
+        raise CoconetError(f"cannot serve on {host}:{port}: {e.strerror or e}") from None
 
 
 def _is_loopback(host: str) -> bool:

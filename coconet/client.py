@@ -4,6 +4,7 @@ tuning jobs, follow them, fetch the winner and its generated code. Every failure
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
@@ -34,8 +35,11 @@ class Client:
         headers = {"Accept": "application/json"}
         if token:
             headers["Authorization"] = f"Bearer {token}"
-        return cls(httpx.Client(base_url=server.rstrip("/"), headers=headers, timeout=timeout_s,
-                                transport=transport))
+        try:
+            return cls(httpx.Client(base_url=server.rstrip("/"), headers=headers, timeout=timeout_s,
+                                    transport=transport))
+        except httpx.InvalidURL as e:
+            raise ServiceError(f"--server {_shown(server)!r} is not a valid URL: {e}") from None
 
     def close(self) -> None:
         self.http.close()
@@ -72,19 +76,28 @@ class Client:
         return self._call("GET", f"/schedules/{schedule_hash}/code", params=params)
 
     def _call(self, method: str, path: str, **kwargs: Any) -> Any:
-        where = f"{method} {self.http.base_url}{API}{path}"
+        where = f"{method} {_shown(self.http.base_url)}{API}{path}"
         try:
             resp = self.http.request(method, API + path, **kwargs)
         except httpx.TimeoutException as e:
             raise ServiceError(f"{where}: no answer in time ({type(e).__name__})") from e
         except httpx.HTTPError as e:
-            raise ServiceError(f"cannot reach {self.http.base_url}: {e or type(e).__name__}") from e
+            raise ServiceError(f"cannot reach {_shown(self.http.base_url)}: {e or type(e).__name__}") from e
         if resp.status_code >= 400:
             raise ServiceError(f"{where}: HTTP {resp.status_code}: {_detail(resp)}", status=resp.status_code)
         try:
             return resp.json()
         except ValueError as e:
             raise ServiceError(f"{where}: the answer is not JSON ({resp.text[:80]!r})") from e
+
+
+def _shown(url: str | httpx.URL) -> str:
+    """The URL as an error may print it: without a password it carries (http://user:secret@host)."""
+    try:
+        u = httpx.URL(url)
+    except httpx.InvalidURL:
+        return re.sub(r"//[^/@]*@", "//", str(url))
+    return str(u.copy_with(password=None)) if u.password else str(u)
 
 
 def follow(client: Client, job_ids: list[int], *, poll_s: float = 1.0, timeout_s: float | None = None,
@@ -106,7 +119,7 @@ def follow(client: Client, job_ids: list[int], *, poll_s: float = 1.0, timeout_s
         if timeout_s is not None and time.monotonic() - start > timeout_s:
             waiting = [str(i) for i, j in last.items() if j["state"] not in FINAL_STATES]
             raise ServiceError(f"job{'s' if len(waiting) > 1 else ''} {', '.join(waiting)} not finished after "
-                               f"{timeout_s:g} s (still running on the server)")
+                               f"{timeout_s:g} s (queued or running: it goes on on the server)")
         sleep(poll_s)
 
 

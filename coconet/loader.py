@@ -6,8 +6,10 @@ user's own machine; the server never does (it accepts JSON only).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import runpy
+import sys
 import traceback
 from pathlib import Path
 from typing import Any
@@ -37,15 +39,19 @@ def load_file(path: str | os.PathLike, ops: Any = None) -> Program:
 
 def _run_python(p: Path) -> Program:
     try:
-        namespace = runpy.run_path(str(p), run_name="__coconet_program__")
+        with contextlib.redirect_stdout(sys.stderr):  # what the file prints must not mix with a --json answer
+            namespace = runpy.run_path(str(p), run_name="__coconet_program__")
     except CoconetError:
         raise
     except SyntaxError as e:
-        raise ProgramError(f"{p}:{e.lineno}: syntax error: {e.msg}") from None
+        where = f"{p}:{e.lineno}" if e.lineno else str(p)  # none for a NUL byte or a bad encoding
+        raise ProgramError(f"{where}: syntax error: {e.msg}") from None
     except SystemExit as e:  # not ours to end the process: a program file defines, it does not run
         raise ProgramError(f"{_user_frame(e, p)}: the file called sys.exit({e.code!r}) while being loaded") from None
-    except Exception as e:  # the user's code failed: report where, without a traceback
-        raise ProgramError(f"{_user_frame(e, p)}: {type(e).__name__}: {e}") from None
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # the user's code failed (GeneratorExit and BaseException too): where, no traceback
+        raise ProgramError(f"{_user_frame(e, p)}: {type(e).__name__}{_message(e)}") from None
     if "program" not in namespace:
         raise ProgramError(f"{p}: defines no `program` (end the file with `program = p`)")
     prog = namespace["program"]
@@ -54,6 +60,14 @@ def _run_python(p: Path) -> Program:
     if isinstance(prog, Program):
         return prog
     raise ProgramError(f"{p}: `program` is a {type(prog).__name__}, not a coconet Program")
+
+
+def _message(e: BaseException) -> str:
+    try:
+        text = str(e)
+    except Exception as inner:  # the user's __str__ failed as well
+        return f" (its message could not be read: {type(inner).__name__})"
+    return f": {text}" if text else ""
 
 
 def _user_frame(e: BaseException, p: Path) -> str:

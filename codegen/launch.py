@@ -51,6 +51,7 @@ from coconet.schedules.schedule import Schedule
 from coconet.schedules.types import Replicated
 from coconet.tuner.stats import summarize
 
+MAX_RANKS = 64  # ranks of one machine a launch starts (per stage): one process each, beside the reference
 STARTUP_S = 60.0  # interpreter start, torch import and group formation, on a loaded machine
 HANG_DUMP_S = 1.0
 

@@ -195,17 +195,17 @@ MAX_SIZE = 2**40
 
 
 def _parse_size_value(name: str, value: str) -> int:
-    m = re.fullmatch(r"(\d+)\s*\^\s*(\d+)", value)
-    try:
-        if m:
-            base, exp = int(m.group(1)), int(m.group(2))
-            if exp > 64:
-                raise SizeError(f"size {name}={value} is too large")
-            n = base**exp
-        else:
-            n = int(value)
-    except ValueError:
-        raise SizeError(f"size {name}={value!r}: value must be an integer or 2^k") from None
+    # ASCII digits only: int() would also read '+8', '1_000' and other scripts' digits ('٣' as 3)
+    m = re.fullmatch(r"([0-9]+)\s*\^\s*([0-9]+)", value)
+    if m:
+        base, exp = int(m.group(1)), int(m.group(2))
+        if exp > 64:
+            raise SizeError(f"size {name}={value} is too large")
+        n = base**exp
+    elif re.fullmatch(r"[0-9]+", value):
+        n = int(value)
+    else:
+        raise SizeError(f"size {name}={value!r}: value must be an integer or 2^k")
     if n <= 0:
         raise SizeError(f"size {name}={value} must be positive")
     if n > MAX_SIZE:

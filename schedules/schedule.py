@@ -23,7 +23,8 @@ from coconet.schedules.types import Replicated, Sliced
 
 BASELINE = "baseline"
 _ITEM = re.compile(r"\s*([a-z_]+)\s*\((.*)\)\s*\Z")
-_KNOB = re.compile(r"\s*([a-z_]+)\s*=\s*(\d+)\s*\Z")
+_KNOB = re.compile(r"\s*([a-z_]+)\s*=\s*([0-9]+)\s*\Z")
+MAX_KNOB = 2**40
 MAX_TEXT = 8192
 
 
@@ -202,7 +203,12 @@ def _read(text: str) -> tuple[list[Transform], dict[str, int]]:
             continue
         k = _KNOB.match(raw)
         if k:
-            knobs[k.group(1)] = int(k.group(2))
+            name, value = k.group(1), int(k.group(2))
+            if name in knobs:
+                raise ScheduleError(f"knob {name} given twice ({name}={knobs[name]}, {name}={value})")
+            if value > MAX_KNOB:  # a count or a byte size: past 2^40 it is a typo, and torch's int64 overflows
+                raise ScheduleError(f"knob {name}={value} is larger than 2^40")
+            knobs[name] = value
             continue
         raise ScheduleError(f"{raw.strip()!r} is neither a transform like split(ar0) nor a knob like chunks=4")
     return transforms, knobs

@@ -52,7 +52,7 @@ def load(
     missing = sorted(TOP_KEYS - set(data))
     if missing:
         raise ProgramError(f"the program lacks {missing}")
-    if data["version"] != SCHEMA_VERSION:
+    if type(data["version"]) is not int or data["version"] != SCHEMA_VERSION:  # true == 1 and 1.0 == 1 in Python
         raise ProgramError(f"schema version {data['version']!r} is not supported (this coconet reads {SCHEMA_VERSION})")
     dims = data["dims"]
     if not isinstance(dims, list):

@@ -30,7 +30,8 @@ AttrValue = Annotated[str, StringConstraints(max_length=MAX_NAME)] | int | float
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: "1", true and 1.0 are not the integer 1 (the store would keep another IR than the one sent)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StatementIn(_Strict):

@@ -107,9 +107,11 @@ class Store:
         self.url = url
 
     @classmethod
-    def open(cls, url: str | None = None) -> Store:
-        """Open (and create or migrate) the store; ``url`` beats ``$COCONET_DATABASE_URL`` beats the default."""
-        engine, shown = _engine(url or default_url())
+    def open(cls, url: str | None = None, *, create: bool = True) -> Store:
+        """Open (and create or migrate) the store; ``url`` beats ``$COCONET_DATABASE_URL`` beats the default.
+        ``create=False``, for a lookup: a SQLite file that does not exist is refused, not made (a mistyped path
+        would otherwise leave an empty store, and its folders, behind)."""
+        engine, shown = _engine(url or default_url(), create=create)
         store = cls(engine, shown)
         try:
             store._upgrade()
@@ -677,7 +679,7 @@ def alembic_config() -> Any:
     return config
 
 
-def _engine(url_text: str) -> tuple[Engine, str]:
+def _engine(url_text: str, create: bool = True) -> tuple[Engine, str]:
     try:
         url = make_url(url_text)
     except ArgumentError:
@@ -689,6 +691,8 @@ def _engine(url_text: str) -> tuple[Engine, str]:
         url = url.set(drivername="postgresql+psycopg")
     shown = url.render_as_string(hide_password=True)
     is_sqlite = url.get_backend_name() == "sqlite"
+    if is_sqlite and not create and _sqlite_file(url) and not _sqlite_file(url).exists():
+        raise StoreError(f"no store at {shown}: the file does not exist (coconet tune makes one)", url=shown)
     if is_sqlite:
         _make_parent_dir(url)
     try:
@@ -750,13 +754,18 @@ class _Rendered:
         return [f(v) if f else v for f, v in zip(self._processors, row)]
 
 
-def _make_parent_dir(url: URL) -> None:
+def _sqlite_file(url: URL) -> Path | None:
     db = url.database or ""
-    if db and db != ":memory:" and not db.startswith("file:"):
+    return Path(db).expanduser() if db and db != ":memory:" and not db.startswith("file:") else None
+
+
+def _make_parent_dir(url: URL) -> None:
+    path = _sqlite_file(url)
+    if path is not None:
         try:
-            Path(db).expanduser().parent.mkdir(parents=True, exist_ok=True)
+            path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as err:
-            raise StoreError(f"cannot create the directory of {db}: {err.strerror}") from None
+            raise StoreError(f"cannot create the directory of {path}: {err.strerror}") from None
 
 
 def _sqlite_connect(dbapi_conn: Any, _record: Any) -> None:

@@ -348,6 +348,21 @@ def _first_line(e: BaseException) -> str:
     return text[0] if text else type(e).__name__
 
 
+def require_listening(address: str, timeout_s: float = 10.0) -> None:
+    """A ``host:port`` that no one listens on is refused here: ray.init retries it for minutes, saying only
+    'Failed to connect to GCS'. Other forms (``auto``, ``ray://…``) are Ray's to read."""
+    import socket
+
+    host, _, port = address.rpartition(":")
+    if "://" in address or not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise CoconetError(f"--ray-address {address}: no Ray cluster answers there "
+                           f"({e.strerror or type(e).__name__}); start one with `ray start --head`") from None
+
+
 def connect(address: str | None = None, *, ranks: int = 1) -> None:
     """Join the Ray cluster at ``address``, or start a local one with room for ``ranks`` one-CPU
     actors (more than this machine's cores if need be: ranks may share a core, slower but correct)."""
@@ -356,6 +371,7 @@ def connect(address: str | None = None, *, ranks: int = 1) -> None:
     if ray.is_initialized():
         return
     if address:
+        require_listening(address)
         ray.init(address=address, logging_level="ERROR", log_to_driver=False)
     else:
         ray.init(num_cpus=max(os.cpu_count() or 1, ranks), include_dashboard=False, logging_level="ERROR",

@@ -81,6 +81,11 @@ BAD_PROGRAMS = {
     "syntax": ("program = (\n", ["syntax error"]),
     "raises": ("import math\nprogram = math.sqrt(-1)\n", ["bad.py:2", "ValueError"]),
     "exits": ("import sys\nsys.exit(3)\n", ["bad.py:2", "the file called sys.exit(3) while being loaded"]),
+    "raises_base_exception": ("x = 1\nraise BaseException('base')\n", ["bad.py:2", "BaseException: base"]),
+    "raises_generator_exit": ("raise GeneratorExit\n", ["bad.py:1", "GeneratorExit"]),
+    "unreadable_message": ("class E(Exception):\n    def __str__(self):\n        raise RuntimeError('x')\nraise E()\n",
+                           ["bad.py:4", "E (its message could not be read: RuntimeError)"]),
+    "nul_byte": ("x = 1\0\n", ["bad.py: syntax error", "null bytes"]),
 }
 
 
@@ -120,9 +125,63 @@ def test_json_with_unknown_op(tmp_path):
     (["bench", "adam", "--size", "N=8", "--backend", "mpi"], "unknown backend 'mpi'"),
     (["bench", "adam", "--size", "N=8", "--backend", "nccl", "--backend", "shm"], "bench them in separate runs"),
     (["run", "examples/adam.py", "--size", "N=8", "--kernels", "numba"], "unknown --kernels 'numba'"),
+    (["run", "examples/adam.py", "--size", "N=٣"], "value must be an integer or 2^k"),  # int() reads it as 3
+    (["run", "examples/adam.py", "--size", "N=+8"], "value must be an integer or 2^k"),
+    (["run", "examples/megatron_mlp.py", "--size", "B=1,S=2,H=4", "--schedule", "overlap(mm0, ar0); chunks=" + "9" * 30],
+     "larger than 2^40"),
+    (["run", "examples/adam.py", "--size", "N=8", "--schedule", "split(ar0); reorder(ag0); fuse_collective(rs0); "
+      "fc_chunks=4; fc_chunks=8"], "knob fc_chunks given twice"),
+    (["tune", "examples/adam.py", "--size", "N=8", "--world", "10000"], "at most 64 ranks"),
+    (["tune", "examples/adam.py", "--size", "N=8", "--ray-address", "127.0.0.1:1"], "no Ray cluster answers there"),
+    (["submit", "examples/adam.py", "--size", "N=8", "--server", "http://[::1"], "is not a valid URL"),
 ])
 def test_other_errors(args, fragment):
     assert_one_error(coconet(*args), fragment)
+
+
+def test_a_lookup_in_a_store_that_does_not_exist_makes_none(tmp_path):
+    db = tmp_path / "typo" / "x.db"
+    assert_one_error(coconet("run", "examples/adam.py", "--size", "N=8", "--schedule", "best", "--db", f"sqlite:///{db}"),
+                     "no store at", "does not exist")
+    assert not (tmp_path / "typo").exists()
+
+
+def test_an_output_path_that_cannot_be_written_is_refused_before_the_work(tmp_path):
+    """A bench measures for minutes: a path it could not write at the end must stop it at the start."""
+    (tmp_path / "afile").write_text("")
+    (tmp_path / "adir").mkdir()
+    cases = [
+        (["export", "examples/adam.py", "-o", tmp_path / "adir"], "is a folder"),
+        (["export", "examples/adam.py", "-o", tmp_path / "afile" / "x.json"], "afile is a file, not a folder"),
+        (["run", "examples/adam.py", "--size", "N=8", "--emit", tmp_path / "afile"], "is a file: name a folder"),
+        (["bench", "adam", "--size", "N=8", "--plot", tmp_path / "afile" / "x.png"], "afile is a file, not a folder"),
+        (["bench", "adam", "--size", "N=8", "-o", tmp_path / "adir"], "is a folder"),
+        (["calibrate", "-o", tmp_path / "afile" / "t.yaml"], "afile is a file, not a folder"),
+    ]
+    for args, fragment in cases:
+        start = time.monotonic()
+        assert_one_error(coconet(*args), fragment)
+        assert time.monotonic() - start < 60  # refused up front, not after a bench or a calibration
+    out = tmp_path / "new" / "adam.json"  # a folder that is missing is made
+    assert coconet("export", "examples/adam.py", "-o", out).returncode == 0 and json.loads(out.read_text())
+
+
+def test_what_a_program_file_prints_does_not_mix_with_the_json_answer(tmp_path):
+    path = write(tmp_path, "loud.py", "print('hello from the program')\n" + open(ROOT / "examples/sgd.py").read())
+    proc = coconet("check", path, "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["program"] == "sgd" and "hello from the program" in proc.stderr
+
+
+def test_serve_on_a_port_in_use_is_one_error(tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = coconet("serve", "--port", port, "--db", f"sqlite:///{tmp_path / 's.db'}")
+    assert_one_error(proc, f"cannot serve on 127.0.0.1:{port}")
 
 
 def test_help_lists_every_command():

@@ -294,6 +294,12 @@ def _corpus(h: str) -> list[tuple[str, str, str, dict[str, Any], int]]:
         ("unknown op", post, "/programs", dict(json=unknown_op, headers=AUTH), 422),
         ("wrong types", post, "/programs", dict(json={**good_ir, "statements": "x"}, headers=AUTH), 422),
         ("wrong version", post, "/programs", dict(json={**good_ir, "version": 99}, headers=AUTH), 422),
+        # no coercion: the store would keep another IR than the one sent
+        ("version as text", post, "/programs", dict(json={**good_ir, "version": "1"}, headers=AUTH), 422),
+        ("version as true", post, "/programs", dict(json={**good_ir, "version": True}, headers=AUTH), 422),
+        ("version as 1.0", post, "/programs", dict(json={**good_ir, "version": 1.0}, headers=AUTH), 422),
+        ("job size true", post, "/jobs", dict(json={**job, "sizes": {"N": True}}, headers=AUTH), 422),
+        ("job world as text", post, "/jobs", dict(json={**job, "world": "2"}, headers=AUTH), 422),
         ("extra key", post, "/programs", dict(json={**good_ir, "exec": "rm -rf /"}, headers=AUTH), 422),
         ("huge name", post, "/programs", dict(json={**good_ir, "name": "a" * 5000}, headers=AUTH), 422),
         ("too many statements", post, "/programs",
