@@ -1,4 +1,4 @@
-"""Search over a program's schedules with Optuna: one study per (program, sizes, topology, world).
+"""Search over a program's schedules with Optuna: one study per (program, sizes, topology, world) and space.
 
 The parameters are the backend, the schedule (categorical, by its transforms) and the knobs of
 that schedule (categorical over each knob's domain, asked only when the schedule has it). Where
@@ -8,11 +8,17 @@ enqueued first. A candidate measured once in a study is never measured again: a 
 suggestion, or a study resumed after the tuner was killed, reuses the trial that has it. A failed
 candidate scores infinity and carries its reason. At the end the two fastest are timed again, one
 after the other, and the faster becomes the winner.
+
+Optuna fixes a parameter's choices for the life of a study, so a key searched over another space (other
+backends, another depth, other knobs) gets a study of its own, named by the space's digest. It starts
+from the key's other studies' results that its space can express; theirs stay as they were.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -95,8 +101,31 @@ class SearchSpace:
     def size(self) -> int:
         return len(self.backends) * sum(math.prod(len(d) for _, d in s.knob_domains.values()) for s in self.schedules)
 
+    @property
+    def choices(self) -> dict[str, tuple]:
+        """Every parameter's choices, in the order ``suggest`` asks them: what Optuna holds the study to."""
+        return {"backend": self.backends, "schedule": tuple(self.by_structure), **self.knob_domains}
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(sorted((k, list(v)) for k, v in self.choices.items())).encode()
+                              ).hexdigest()[:12]
+
     def params(self, c: Candidate) -> dict[str, Any]:
         return {"backend": c.backend, "schedule": structure_text(c.schedule), **c.schedule.knob_values}
+
+    def fits(self, params: Mapping[str, Any]) -> bool:
+        """Whether ``suggest`` can give exactly these parameters: a value out of its choices makes Optuna
+        raise, and a knob missing or extra names another candidate than the one meant."""
+        base = self.by_structure.get(params.get("schedule"))
+        if base is None or params.get("backend") not in self.backends:
+            return False
+        doms = base.knob_domains
+        knobs = {k: v for k, v in params.items() if k not in ("backend", "schedule")}
+        return set(knobs) == set(doms) and all(v in doms[k][1] for k, v in knobs.items())
+
+    def contains(self, c: Candidate) -> bool:
+        return self.fits(self.params(c))
 
     def suggest(self, trial) -> Candidate:
         backend = trial.suggest_categorical("backend", list(self.backends))
@@ -153,24 +182,29 @@ Record = Callable[[Candidate, RunResult, str], Any]  # (candidate, result, role)
 
 
 def study_name(program: Program, sizes: Mapping[str, int], topology: str, world: int,
-               shardable: str = EVERY) -> str:
-    # a study's distributions are its space's: one study per shardable set (``*``, the first, kept its name)
+               shardable: str = EVERY, kernels: str = "compiled") -> str:
+    # the family of the studies of a key, one per space (``search`` adds the space's digest); a shardable set
+    # other than ``*`` has a family of its own, named as when it was how a key's studies were told apart
     name = f"coconet:{program.hash}:{format_sizes(sizes)}:{topology}:w{world}"
-    return name if shardable == EVERY else f"{name}:shard[{shardable}]"
+    name = name if shardable == EVERY else f"{name}:shard[{shardable}]"
+    # eager kernels time other code: their results are no answer for the compiled kernels' search, nor back
+    return name if kernels == "compiled" else f"{name}:kernels[{kernels}]"
 
 
 def search(space: SearchSpace, sizes: Mapping[str, int], *, storage, study: str, budget: int,
            measure: Measure, record: Record | None = None, prior: Iterable[Candidate] = (),
            seed: int = 0, on_progress: Callable[[Progress], None] | None = None,
            sampler: str | None = None, recorded: Mapping[str, Trial] | None = None) -> Outcome:
-    """Run (or resume) the study ``study`` in Optuna ``storage`` until ``budget`` candidates have results or
-    the space is exhausted; ``measure`` times a candidate, ``record`` stores each new result.
+    """Run (or resume) the study of ``space`` in the family ``study`` (``study_name``), in Optuna ``storage``,
+    until ``budget`` candidates have results or the space is exhausted; ``measure`` times a candidate,
+    ``record`` stores each new result.
     ``recorded``: results already in the store by candidate key, used instead of measuring again (a tuner
     killed after recording a result but before the study heard of it).
     ``sampler`` (``brute``, ``tpe``, ``random``) overrides the choice by budget (for benchmarks)."""
     import optuna
 
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    # ERROR: a trial cut by Ctrl-C or a coconet bug is reported once, by the caller; Optuna would also log its traceback
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
     kind = sampler or ("brute" if space.size <= budget else "tpe")
     with warnings.catch_warnings():  # BruteForceSampler is "experimental" since Optuna 3.1
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
@@ -179,9 +213,10 @@ def search(space: SearchSpace, sizes: Mapping[str, int], *, storage, study: str,
         if kind not in samplers:
             raise CoconetError(f"unknown sampler {kind!r} (use {', '.join(samplers)})")
         chosen = samplers[kind](seed=seed)
-    st = optuna.create_study(study_name=study, storage=storage, sampler=chosen, direction="minimize",
-                             load_if_exists=True)
+    st = optuna.create_study(study_name=f"{study}:space[{space.digest}]", storage=storage, sampler=chosen,
+                             direction="minimize", load_if_exists=True)
     _fail_orphans(st)
+    _adopt(st, space, study, storage)
     done = {t.user_attrs["candidate"]: t for t in st.get_trials(deepcopy=False)
             if t.state == optuna.trial.TrialState.COMPLETE and "candidate" in t.user_attrs}
     trials: dict[str, Trial] = {k: _trial_from(space, t) for k, t in done.items()}
@@ -192,10 +227,9 @@ def search(space: SearchSpace, sizes: Mapping[str, int], *, storage, study: str,
     cut = [_trial_from(space, t).candidate for t in st.get_trials(deepcopy=False)
            if t.state == optuna.trial.TrialState.FAIL and "schedule" in t.params]
     base = Candidate(Schedule(space.program), space.backends[0])
-    known = space.by_structure
     for c in [base, *prior, *cut]:
-        if c.backend in space.backends and structure_text(c.schedule) in known and c.key not in trials \
-                and c.key not in queued:
+        # a prior from another space (a neighbour's winner, the store's) may have no place in this one
+        if space.contains(c) and c.key not in trials and c.key not in queued:
             st.enqueue_trial(space.params(c), user_attrs={"candidate": c.key})
             queued.add(c.key)
     progress = Progress(trials=len(trials), budget=min(budget, space.size),
@@ -288,6 +322,29 @@ def _trial_from(space: SearchSpace, t) -> Trial:
     res = RunResult(sched.text, sched.hash, a.get("status", "ok"), correct=a.get("status") != "wrong_result",
                     max_rel_err=a.get("max_rel_err"), samples=list(a.get("samples", [])), error=a.get("error"))
     return Trial(Candidate(sched, backend), res, a.get("record_id"), reused=True)
+
+
+def _adopt(st, space: SearchSpace, family: str, storage) -> None:
+    """Adds to ``st`` the results of ``family``'s other studies (the key searched over other spaces, or its one
+    study from before studies were per space) that ``space`` can express, each candidate once: they count
+    for this search and are not measured again. The others stay in their studies, out of this one's reach."""
+    import optuna
+    from optuna.distributions import CategoricalDistribution
+
+    complete = (optuna.trial.TrialState.COMPLETE,)
+    have = {t.user_attrs.get("candidate") for t in st.get_trials(deepcopy=False, states=complete)}
+    choices = space.choices
+    for name in optuna.get_all_study_names(storage):
+        if name == st.study_name or not (name == family or name.startswith(f"{family}:space[")):
+            continue
+        for t in optuna.load_study(study_name=name, storage=storage).get_trials(deepcopy=False, states=complete):
+            key = t.user_attrs.get("candidate")
+            if key is None or key in have or not space.fits(t.params):
+                continue
+            st.add_trial(optuna.trial.create_trial(
+                params=t.params, distributions={k: CategoricalDistribution(choices[k]) for k in t.params},
+                value=t.value, user_attrs={**t.user_attrs, "adopted_from": name}))
+            have.add(key)
 
 
 def _update_best(progress: Progress, trials: Iterable[Trial]) -> None:

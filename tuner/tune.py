@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from coconet.codegen.baselines import shardable_text
 from coconet.codegen.footprint import require_fits
-from coconet.codegen.launch import RunResult
+from coconet.codegen.launch import MAX_RANKS, RunResult
 from coconet.codegen.lower import Generated, lower
 from coconet.errors import CoconetError, KeyBusy, StoreError
 from coconet.schedules import shardable as shard
@@ -107,13 +107,13 @@ def local_backends(world: int) -> tuple[str, ...]:
     return ("gloo", "shm") if platform.machine() in ("x86_64", "AMD64") else ("gloo",)
 
 
-def versions(backend: str) -> dict[str, str]:
+def versions(backend: str, kernels: str = "compiled") -> dict[str, str]:
     import torch
 
     import coconet
 
     out = {"coconet": coconet.__version__, "torch": torch.__version__, "backend": backend,
-           "python": platform.python_version()}
+           "python": platform.python_version(), "kernels": kernels}
     if backend == "nccl" and torch.cuda.is_available():
         out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
         out["driver"] = f"cuda {torch.version.cuda}; {torch.cuda.get_device_name(0)}"
@@ -158,6 +158,9 @@ def check(request: Request) -> tuple[str, ...]:
     if request.shardable is not None:
         shardable_text(request.program, request.shardable)  # names that are not the program's state: refused
     request.program.require_world(request.world)
+    if not request.ray_address and request.world > MAX_RANKS:  # a Ray actor per rank, all on this machine
+        raise CoconetError(f"world {request.world}: the local Ray cluster runs at most {MAX_RANKS} ranks per stage "
+                           "on this machine (--ray-address joins a cluster for more)")
     if not request.ray_address:  # the local cluster's ranks share this machine's memory; a cluster's, their nodes'
         for sizes in request.sizes:
             require_fits(request.program, sizes, request.world, check=False)
@@ -222,7 +225,7 @@ def tune(request: Request, store, *, on_progress: Callable[[dict, Progress], Non
                     status=res.status, error=res.error, samples=list(res.samples), n=len(res.samples),
                     median_s=s.median if s else None, ci_lo_s=s.ci95[0] if s else None,
                     ci_hi_s=s.ci95[1] if s else None, max_rel_err=err, source="measured",
-                    versions=versions(c.backend), job_id=job))
+                    versions=versions(c.backend, request.protocol.kernels), job_id=job))
 
             def progress(p: Progress) -> None:
                 store.update_job(job, progress=JobProgress(done=p.trials, total=p.budget, failed=p.failed,
@@ -235,7 +238,8 @@ def tune(request: Request, store, *, on_progress: Callable[[dict, Progress], Non
                 seeds += list(prior(space, sizes, request.topology, request.world))[:request.top_k]
             try:
                 outcome = search(space, sizes, storage=storage,
-                                 study=study_name(prog, sizes, request.topology, request.world, allowed_text),
+                                 study=study_name(prog, sizes, request.topology, request.world, allowed_text,
+                                                  request.protocol.kernels),
                                  budget=request.budget, measure=measure, record=record, prior=seeds,
                                  seed=request.seed, on_progress=progress,
                                  recorded=_recorded(store, space, prog, sizes, request))
@@ -329,6 +333,8 @@ def _recorded(store, space: SearchSpace, prog: Program, sizes, request: Request)
     out: dict[str, Trial] = {}
     for m in store.measurements(prog.hash, sizes, request.topology, world=request.world, source="measured"):
         if m.job_id is None or m.schedule_json is None or m.backend not in space.backends:
+            continue
+        if (m.versions or {}).get("kernels", "compiled") != request.protocol.kernels:  # timed with other kernels
             continue
         try:
             c = Candidate(Schedule.from_json(m.schedule_json, prog), m.backend)

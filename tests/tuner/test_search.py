@@ -143,3 +143,123 @@ def test_a_result_recorded_but_not_told_is_not_measured_again(storage):
     assert len(set(second.calls[:-2])) + len(first.calls) == space.size == len(out.trials)
     fifth = next(t for t in out.trials if t.candidate.key == first.calls[-1])
     assert fifth.record_id == 5 and fifth.result.median_s == first.time_of(fifth.candidate)
+
+
+def _sqlite(tmp_path):
+    # the CLI's storage: the RDB one holds a study to its parameters' first choices, as the in-memory one does
+    return f"sqlite:///{tmp_path / 'optuna.db'}"
+
+
+def _waiting(storage, prog, backend):
+    import optuna
+
+    return [t for name in optuna.get_all_study_names(storage)
+            for t in optuna.load_study(study_name=name, storage=storage).get_trials(
+                states=(optuna.trial.TrialState.WAITING,)) if t.params.get("backend", t.system_attrs.get(
+                    "fixed_params", {}).get("backend")) == backend]
+
+
+def test_a_key_tuned_again_on_fewer_backends(tmp_path):
+    """`coconet tune … --backend gloo` after a tuning over gloo and shm: the shm candidates the first run left
+    queued are not run, its results on gloo count and are not measured again, the winner runs on gloo."""
+    import optuna
+
+    storage = _sqlite(tmp_path)
+    prog = example("adam")
+    name = study_name(prog, {"N": 1024}, "local", 2)
+    wide = SearchSpace.of(prog, ["gloo", "shm"])
+    first = Fake()
+    prior = [Candidate(wide.schedules[-1], "shm"), Candidate(wide.schedules[-2], "shm")]
+    before = search(wide, {"N": 1024}, storage=storage, study=name, budget=2, measure=first, prior=prior)
+    assert before.winner.candidate.backend == "shm" and _waiting(storage, prog, "shm")  # left queued
+    kept = {n: [(t.params, t.value) for t in optuna.load_study(study_name=n, storage=storage).trials]
+            for n in optuna.get_all_study_names(storage)}
+    narrow = SearchSpace.of(prog, ["gloo"])
+    second = Fake()
+    out = search(narrow, {"N": 1024}, storage=storage, study=name, budget=4, measure=second)
+    assert len(out.trials) == 4 and {t.candidate.backend for t in out.trials} == {"gloo"}
+    assert out.winner.candidate.backend == "gloo" and out.runner_up.candidate.backend == "gloo"
+    assert first.calls[0] == out.baseline.candidate.key not in second.calls  # measured once, on gloo
+    assert len(second.calls) == 3 + 2 and all(k.startswith("gloo:") for k in second.calls)
+    for n, trials in kept.items():  # the first run's study as it was
+        assert [(t.params, t.value) for t in optuna.load_study(study_name=n, storage=storage).trials][:len(trials)] \
+            == trials
+
+
+def test_a_key_tuned_again_at_a_smaller_depth(storage):
+    prog = example("adam")
+    name = study_name(prog, {"N": 1024}, "local", 2)
+    deep = SearchSpace.of(prog, ["gloo", "shm"])
+    first = Fake()
+    deepest = max(deep.schedules, key=lambda s: len(s.transforms))
+    before = search(deep, {"N": 1024}, storage=storage, study=name, budget=2, measure=first,
+                    prior=[Candidate(deepest, "shm"), Candidate(deep.schedules[-3], "gloo")])
+    assert len(before.winner.candidate.schedule.transforms) > 1
+    shallow = SearchSpace.of(prog, ["gloo", "shm"], depth=1)
+    second = Fake()
+    out = search(shallow, {"N": 1024}, storage=storage, study=name, budget=4, measure=second)
+    assert len(out.trials) == 4 and all(structure_text(t.candidate.schedule) in shallow.by_structure
+                                        for t in out.trials)
+    assert structure_text(out.winner.candidate.schedule) in shallow.by_structure
+    assert first.calls[0] not in second.calls and len(second.calls) == 3 + 2
+
+
+def test_a_result_outside_the_space_asked_for_is_never_its_winner(storage):
+    """The fastest candidate of a wider tuning, in the study and in the store (``recorded``), stays its winner
+    there and is neither counted nor the winner in a narrower one; tuned over the wide space again, it is."""
+    prog = example("adam")
+    name = study_name(prog, {"N": 1024}, "local", 2)
+    wide = SearchSpace.of(prog, ["gloo", "shm"])
+    fake = Fake()
+    fastest = min((Candidate(v, b) for s in wide.schedules for v in knob_variants(s) for b in wide.backends),
+                  key=fake.time_of)
+    assert fastest.backend == "shm"
+    stored: dict[str, Trial] = {}
+
+    def record(c, res, role):
+        if role == "trial":
+            stored[c.key] = Trial(c, res, len(stored) + 1, reused=True)
+        return len(stored)
+
+    first = search(wide, {"N": 1024}, storage=storage, study=name, budget=3, measure=fake, record=record,
+                   prior=[fastest])
+    assert first.winner.candidate.key == fastest.key
+    narrow = SearchSpace.of(prog, ["gloo"])
+    second = search(narrow, {"N": 1024}, storage=storage, study=name, budget=4, measure=Fake(), record=record,
+                    recorded=dict(stored))
+    assert fastest.key not in {t.candidate.key for t in second.trials}
+    assert second.winner.candidate.backend == "gloo"
+    assert second.winner.result.median_s == min(t.result.median_s for t in second.trials)
+    again = Fake()
+    third = search(wide, {"N": 1024}, storage=storage, study=name, budget=3, measure=again, recorded=dict(stored))
+    assert third.winner.candidate.key == fastest.key
+    assert len(again.calls) == 2  # the gloo results of the narrower run count here too: only the re-timing
+
+
+def test_a_prior_the_space_cannot_express_is_left_out(storage):
+    prog = example("adam")
+    space = SearchSpace.of(prog, ["gloo"], depth=3)
+    deeper = next(s for s in SearchSpace.of(prog, ["gloo"]).schedules if structure_text(s) not in space.by_structure)
+    chunked = next(s for s in space.schedules if "fc_chunks" in s.knob_domains)
+    fake = Fake()
+    out = search(space, {"N": 1024}, storage=storage, study="p", budget=3, measure=fake,
+                 prior=[Candidate(deeper, "gloo"), Candidate(chunked.with_knobs(fc_chunks=3), "gloo"),
+                        Candidate(chunked, "shm")])
+    assert len(out.trials) == 3 and len(set(fake.calls[:-2])) == 3
+    assert all(structure_text(t.candidate.schedule) in space.by_structure and t.candidate.backend == "gloo"
+               for t in out.trials)
+    assert all(t.candidate.schedule.knob_values.get("fc_chunks", 1) in (1, 2, 4, 8) for t in out.trials)
+
+
+def test_results_timed_with_eager_kernels_are_no_answer_for_compiled_ones(storage):
+    """The same key tuned with --kernels eager, then with the compiled kernels: the second search measures
+    its own candidates; the eager timings (other code) are neither reused nor its winner."""
+    prog = example("adam")
+    space = SearchSpace.of(prog, ["gloo"], depth=1)
+    eager, compiled = Fake(), Fake()
+    search(space, {"N": 1024}, storage=storage, study=study_name(prog, {"N": 1024}, "local", 2, kernels="eager"),
+           budget=3, measure=eager)
+    out = search(space, {"N": 1024}, storage=storage, study=study_name(prog, {"N": 1024}, "local", 2),
+                 budget=3, measure=compiled)
+    assert len(eager.calls) >= 3 and set(eager.calls[:3]) <= set(compiled.calls)
+    assert not any(t.reused for t in out.trials)
