@@ -5,7 +5,9 @@ sizes=None)``: each rank passes its own pieces of the inputs (the whole value
 for Replicated and Local tensors, its rows for Sliced ones), updated state is
 written in place, and ``step`` returns ``{"outputs": …, "sent": …}``. Nothing
 else of the inputs is written. It needs torch only: the helpers it calls
-(``_reduce_scatter``, ``_dropout``, …) are pasted into the module.
+(``_reduce_scatter``, ``_dropout``, …) are pasted into the module. A statement's name is its
+variable's, unless the name could mean something else in the module (``torch``, ``class``, ``_x``,
+``d_N``): then ``v_<name>``, with a suffix if the program has that name too.
 
 Groups of the schedule become units: a fused kernel is one function; a fused
 collective runs reduce_scatter → computation → all_gather as one function; an
@@ -17,6 +19,7 @@ collectives together.
 from __future__ import annotations
 
 import ast
+import functools
 import keyword
 import re
 import textwrap
@@ -36,13 +39,63 @@ BINARY = {"add": "{} + {}", "sub": "{} - {}", "mul": "{} * {}", "div": "{} / {}"
           "maximum": "torch.maximum(_t({}), _t({}))", "minimum": "torch.minimum(_t({}), _t({}))"}
 UNARY = {"neg": "-{}", "sqrt": "torch.sqrt({})", "rsqrt": "torch.rsqrt({})", "exp": "torch.exp({})",
          "log": "torch.log({})", "abs": "torch.abs({})"}
-RESERVED = {"torch", "dist", "step", "tensors", "scalars", "group", "stage", "stages", "sizes", "math"}
+# what the step and its kernels read besides the program's values and coconet's own ``_`` names: the
+# module's imports and step, step's parameters, the builtins the lowering calls
+RESERVED = frozenset({"torch", "dist", "math", "step", "tensors", "scalars", "group", "stage", "stages", "sizes",
+                      "custom_ops", "int", "float", "len", "max"})
+# the names generated code binds in step and its kernels besides those of the program (the module's
+# functions come from _module_names): a derived name that the lowering makes up (``_<name>``) avoids them
+_LOCALS = frozenset({"_c", "_custom", "_outputs", "_sent", "_rank", "_a", "_ak", "_yk", "_parts", "_works", "_w",
+                     "_pending", "_bk", "_finish", "_t"})
 
 
-def ident(name: str) -> str:
-    if keyword.iskeyword(name) or name in RESERVED or name.startswith("_") or name.startswith("d_"):
-        return f"v_{name}"
-    return name
+@functools.cache
+def _module_names() -> frozenset[str]:
+    """The names a generated module binds at its top level, whatever its backend and program: the imports,
+    ``_t``, ``step`` and the prelude's helpers and their globals."""
+    from coconet.codegen.prelude import prelude_source
+
+    text = "\n".join(SHM_IMPORTS + ["import torch", "import torch.distributed as dist", "_t = step = None"])
+    names = set()
+    for st in ast.parse(text + "\n" + prelude_source(None, "shm") + "\n" + prelude_source(None, "gloo")).body:
+        if isinstance(st, (ast.FunctionDef, ast.ClassDef)):
+            names.add(st.name)
+        elif isinstance(st, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in st.names)
+        else:
+            names.update(n.id for n in ast.walk(st) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store))
+    return frozenset(names)
+
+
+class _Names:
+    """The Python identifiers of a program's statements, one to one: a statement's own name where it can
+    mean nothing else in the module, else ``v_<name>`` (``v_<name>_1``, … where the program has that name
+    too). A dim is ``d_<dim>``, which no statement's identifier starts with, nor anything coconet names."""
+
+    def __init__(self, p: Program):
+        names = [s.name for s in p.stmts]
+        kernels = {f"_{kind}{i}" for kind in ("fuse", "chunk", "fused_collective") for i in range(len(p.groups) + 1)}
+        # a statement keeps its name unless it could be (or be mistaken for) a name the lowering makes up:
+        # those all start with _ or d_, or are reserved
+        plain = [n for n in names
+                 if not (keyword.iskeyword(n) or n in RESERVED or n in _module_names() or n.startswith(("_", "d_")))]
+        self.taken = set(plain) | RESERVED | _module_names() | _LOCALS | kernels | {f"d_{d}" for d in p.dims}
+        self.of = {n: n for n in plain}
+        for n in names:
+            if n not in self.of:
+                self.of[n] = self.fresh(f"v_{n}", self.taken)
+
+    def __call__(self, name: str) -> str:
+        return self.of[name]
+
+    def fresh(self, base: str, scope: set[str]) -> str:
+        """``base``, else ``base_1``, …: a name that is no statement's, no dim's, nothing coconet's, and not yet
+        in ``scope`` (what the function it is bound in binds), which it then joins."""
+        name, k = base, 1
+        while name in self.taken or name in scope:
+            name, k = f"{base}_{k}", k + 1
+        scope.add(name)
+        return name
 
 
 def dim_expr(d: Dim) -> str:
@@ -77,6 +130,7 @@ class _Emitter:
         self.p: Program = schedule.scheduled
         self.backend = backend
         self.compile = kernels == "compiled"
+        self.ident = _Names(self.p)
         self.kernels: list[str] = []  # nested in step: they read its dims
         self.toplevel: list[tuple[str, str | None]] = []  # fused pointwise kernels, at module level
         self.written: set[str] = set()  # state a kernel writes in place
@@ -92,7 +146,7 @@ class _Emitter:
         """``a`` as ``s`` consumes it: a Replicated operand of a Sliced pointwise result is cut to this rank's
         rows; in a chunked unit, a slice computed outside it is cut to the chunk."""
         out_t, t = s.type, self.p[a].type
-        name = ident(a)
+        name = self.ident(a)
         if a in self.rows_only:
             return name  # this rank's rows already
         if s.name in self.rows_only and t.shape:
@@ -107,7 +161,7 @@ class _Emitter:
             return f"_c.local({name}, {t.layout.dim})"
         if self.chunked is not None and a in self.chunked and self.p[a].op == "all_gather":
             # this rank's rows of a gather are the rows it sent: the chunk at hand, gathered or not
-            return ident(self.p[a].args[0])
+            return self.ident(self.p[a].args[0])
         if out_t is None or not isinstance(out_t.layout, Sliced) or not isinstance(t.layout, Replicated):
             return name
         d = out_t.layout.dim - (out_t.ndim - t.ndim)
@@ -128,11 +182,11 @@ class _Emitter:
         return "(" + "".join(f"{x}, " for x in dims) + ")"
 
     def dropout_args(self, s: Stmt) -> str:
-        seed = s.attr("seed") if s.attr("seed") is not None else ident(s.args[1])
+        seed = s.attr("seed") if s.attr("seed") is not None else self.ident(s.args[1])
         return f"{s.attr('p')!r}, {seed}, {self.shape_expr(s.type)}"
 
     def stmt(self, s: Stmt) -> list[str]:
-        n, op = ident(s.name), s.op
+        n, op = self.ident(s.name), s.op
         args = [self.operand(s, a) for a in s.args]
         if op == "input":
             return [f"{n} = tensors[{s.name!r}]"]
@@ -246,14 +300,18 @@ def lower(schedule: Schedule, backend: str = "gloo", kernels: str = "compiled", 
         else:
             s = p[unit]
             lowered.append([(x, s.name) for x in e.stmt(s)])
-    updates = [(f"{ident(t)}.copy_({ident(v)})", t) for t, v in p.updates.items() if t not in e.written]
+    updates = [(f"{e.ident(t)}.copy_({e.ident(v)})", t) for t, v in p.updates.items() if t not in e.written]
     # a value that is itself (a view of) state must be copied before any state is written
     aliased = [v for v in p.updates.values() if p[v].op in ("input", "scalar")]
     kept = set().union(*(_free_names([x for x, _ in k]) for k in e.kernels))
-    kept |= _names([x for x, _ in updates] + [ident(v) for v in aliased])
-    body = _freeing(p, lowered, kept)
+    kept |= _names([x for x, _ in updates] + [e.ident(v) for v in aliased])
+    body = _freeing(e, lowered, kept)
     src, line_map = _module(schedule, backend, e, body, updates, aliased)
-    compile(src, f"<coconet {schedule.hash}>", "exec")
+    try:
+        compile(src, f"<coconet {schedule.hash}>", "exec")
+    except SyntaxError as err:  # a bug of coconet's, but one schedule's: the others can still run
+        raise BackendError(f"the code generated for schedule {schedule.text!r} does not compile: {err}",
+                           kind="compile_error") from err
     return Generated(schedule, backend, src, line_map, kernels, dropout)
 
 
@@ -282,14 +340,15 @@ def _bound(lines) -> set[str]:
             if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
 
 
-def _freeing(p: Program, lowered: list[list[tuple[str, str]]], kept: set[str]) -> list[tuple[str, str | None]]:
+def _freeing(e: _Emitter, lowered: list[list[tuple[str, str]]], kept: set[str]) -> list[tuple[str, str | None]]:
     """The units' lines with each tensor temporary deleted after the last unit that reads it. Otherwise an
     eager step holds every temporary until it returns: Adam as written peaks at 15 arrays of N floats
     instead of 5 (1.9 GB per rank at N=2^25, four ranks on one node). Inputs, scalars, what the step
     returns and what its end or a nested kernel reads are left alone."""
-    tensors = {ident(s.name) for s in p.stmts
+    p = e.p
+    tensors = {e.ident(s.name) for s in p.stmts
                if s.op not in ("input", "scalar", "const") and s.type is not None and s.type.shape}
-    ir = {ident(s.name) for s in p.stmts}
+    ir = {e.ident(s.name) for s in p.stmts}
     kept = kept | _STEP_NAMES
     mentions = [_names(x for x, _ in unit) for unit in lowered]
     binds = [_bound(x for x, _ in unit) for unit in lowered]
@@ -375,15 +434,16 @@ def _lower_fused_collective(e: _Emitter, g: Group, chunks: int) -> list[str]:
     e.slotless.update(into)
     outs = [o for o in outs if o not in inplace and o not in into]
     fname = f"_{g.kind}{len(e.kernels)}"
-    lines = [(f"def {fname}(_rank, {', '.join(ident(a) for a in ins)}):", g.members[0]),
+    lines = [(f"def {fname}(_rank, {', '.join(e.ident(a) for a in ins)}):", g.members[0]),
              ('    """fused_collective: reduce_scatter, the computation on this rank\'s slice, the all_gathers, as '
               'one unit."""', g.members[0])]
     lines += _chunked_body(e, g, outs, chunks, absorbed, inplace, into)
     if outs:
-        lines.append((f"    return {', '.join(ident(o) for o in outs)}{',' if len(outs) == 1 else ''}", g.members[-1]))
+        lines.append((f"    return {', '.join(e.ident(o) for o in outs)}{',' if len(outs) == 1 else ''}",
+                      g.members[-1]))
     e.kernels.append(lines)
-    call = f"{fname}(_c, {', '.join(ident(a) for a in ins)})"
-    return [f"{', '.join(ident(o) for o in outs)}{',' if len(outs) == 1 else ''} = {call}" if outs else call]
+    call = f"{fname}(_c, {', '.join(e.ident(a) for a in ins)})"
+    return [f"{', '.join(e.ident(o) for o in outs)}{',' if len(outs) == 1 else ''} = {call}" if outs else call]
 
 
 POINTWISE = set(BINARY) | set(UNARY) | {"cast", "where", "const"}
@@ -517,14 +577,14 @@ def _lower_fuse(e: _Emitter, g: Group) -> list[str]:
     body = []
     for m in g.members:
         body.extend(("    " + x, m) for x in e.stmt(p[m]))
-    body += [(f"    {ident(t)}.copy_({ident(o)})", o) for o, t in inplace.items()]
+    body += [(f"    {e.ident(t)}.copy_({e.ident(o)})", o) for o, t in inplace.items()]
     if rest:
-        body.append((f"    return {', '.join(ident(o) for o in rest)}{',' if len(rest) == 1 else ''}", g.members[-1]))
-    text = "\n".join(x for x, _ in body)
-    dims = [f"d_{d}" for d in p.dims if re.search(rf"\bd_{d}\b", text)]
+        body.append((f"    return {', '.join(e.ident(o) for o in rest)}{',' if len(rest) == 1 else ''}", g.members[-1]))
+    used = _names(textwrap.dedent("\n".join(x for x, _ in body)).split("\n"))
+    dims = [f"d_{d}" for d in p.dims if f"d_{d}" in used]
     custom = any(p[m].op in p.custom_ops for m in g.members)
-    params = ["_c"] + dims + (["_custom"] if custom else []) + [ident(a) for a in ins]
-    params += [ident(t) for t in inplace.values() if t not in ins]
+    params = ["_c"] + dims + (["_custom"] if custom else []) + [e.ident(a) for a in ins]
+    params += [e.ident(t) for t in inplace.values() if t not in ins]
     fname = f"_fuse{len([x for x in e.toplevel if x[0].startswith('def ')])}"
     head = [(f"def {fname}({', '.join(params)}):", g.members[0]),
             (f'    """fuse({", ".join(g.members)}): one pointwise kernel'
@@ -536,12 +596,12 @@ def _lower_fuse(e: _Emitter, g: Group) -> list[str]:
     args = list(params)
     if compiled:
         # an int argument would be baked into the compiled code: a new seed would recompile it
-        ints = {ident(a) for a in ins if p[a].op == "scalar" and p[a].type.dtype == "int64"}
+        ints = {e.ident(a) for a in ins if p[a].op == "scalar" and p[a].type.dtype == "int64"}
         args = [f"_int64({a})" if a in ints else a for a in args]
     call = f"{fname}({', '.join(args)})"
     if not rest:
         return [call]
-    return [f"{', '.join(ident(o) for o in rest)}{',' if len(rest) == 1 else ''} = {call}"]
+    return [f"{', '.join(e.ident(o) for o in rest)}{',' if len(rest) == 1 else ''} = {call}"]
 
 
 def _chunked_body(e: _Emitter, g: Group, outs: list[str], chunks: int, absorbed=(), inplace=None, into=None) -> list:
@@ -559,22 +619,26 @@ def _chunked_body(e: _Emitter, g: Group, outs: list[str], chunks: int, absorbed=
            if e.backend == "shm" else "chunk k+1 is reduced while chunk k computes and chunk k-1 is gathered")
     lines = [(f"    # {chunks} chunk{'s' if chunks > 1 else ''}: {how}", rs.name)]
     words = {m: i for i, m in enumerate(into)}
-    lines += [(f"    _{ident(m)} = _Gather(_rank, {d}, {n}" + (f", {ident(into[m])}, {into[m]!r}, {words[m]})" if m in into
-                                                             else ")"), m) for m in gathers]
-    lines += [(f"    _{ident(o)} = []", o) for o in sliced_outs]
+    scope: set[str] = set()  # what the function binds besides the program's values
+    tmp = {m: e.ident.fresh(f"_{e.ident(m)}", scope) for m in (*gathers, *sliced_outs)}
+    lines += [(f"    {tmp[m]} = _Gather(_rank, {d}, {n}"
+               + (f", {e.ident(into[m])}, {into[m]!r}, {words[m]})" if m in into else ")"), m) for m in gathers]
+    lines += [(f"    {tmp[o]} = []", o) for o in sliced_outs]
     compute = [m for m in (*absorbed, *g.members[1:]) if p[m].op != "all_gather"]
     needed = {p[m].args[0] for m in gathers if m not in into} | set(sliced_outs)
     e.chunked = set(g.members) | set(absorbed)
     try:
         # shm: the kernel sums the chunk's rows on every rank as it reads them (sum, avg)
         parts = e.backend == "shm" and rs.attr("op") in ("sum", "avg") and rs.name not in needed
-        kernel = _chunk_kernel(e, g, compute, inplace, needed, rs if parts else None, into) if e.compile else None
+        parts = parts and e.ident.fresh(f"{e.ident(rs.name)}_parts", scope)  # the chunk's rows on every rank
+        kernel = (_chunk_kernel(e, g, compute, inplace, needed, rs if parts else None, into, parts)
+                  if e.compile else None)
         if kernel is not None and parts:
-            lines.append((f"    for _c, {ident(rs.name)}_parts in _reduce_scatter_parts(_rank, {ident(rs.args[0])}, "
+            lines.append((f"    for _c, {parts} in _reduce_scatter_parts(_rank, {e.ident(rs.args[0])}, "
                           f"{d}, {n}, {chunks}):", rs.name))
         else:
-            lines.append((f"    for _c, {ident(rs.name)} in _reduce_scatter_chunks(_rank, {ident(rs.args[0])}, {d}, "
-                          f"{n}, {chunks}, {rs.attr('op')!r}):", rs.name))
+            lines.append((f"    for _c, {e.ident(rs.name)} in _reduce_scatter_chunks(_rank, {e.ident(rs.args[0])}, "
+                          f"{d}, {n}, {chunks}, {rs.attr('op')!r}):", rs.name))
         if kernel is not None:
             lines += kernel
         else:
@@ -582,18 +646,19 @@ def _chunked_body(e: _Emitter, g: Group, outs: list[str], chunks: int, absorbed=
                 if p[m].op != "all_gather":
                     lines.extend(("        " + x, m) for x in e.stmt(p[m]))
             for o, t in inplace.items():
-                lines.append((f"        {e.operand(p[o], t)}.copy_({ident(o)})", o))
+                lines.append((f"        {e.operand(p[o], t)}.copy_({e.ident(o)})", o))
             for m, t in into.items():
                 src = p[m].args[0]
-                lines.append((f"        {e.operand(p[src], t)}.copy_({ident(src)})", m))
+                lines.append((f"        {e.operand(p[src], t)}.copy_({e.ident(src)})", m))
         for m in gathers:
-            lines.append((f"        _{ident(m)}.push(_c)" if m in into else f"        _{ident(m)}.add(_c, {ident(p[m].args[0])})", m))
+            lines.append((f"        {tmp[m]}.push(_c)" if m in into
+                          else f"        {tmp[m]}.add(_c, {e.ident(p[m].args[0])})", m))
     finally:
         e.chunked = None
-    lines += [(f"        _{ident(o)}.append({ident(o)})", o) for o in sliced_outs]
-    lines += [(f"    _{ident(m)}.into({ident(into[m])})" if m in into else f"    {ident(m)} = _{ident(m)}.result()", m)
+    lines += [(f"        {tmp[o]}.append({e.ident(o)})", o) for o in sliced_outs]
+    lines += [(f"    {tmp[m]}.into({e.ident(into[m])})" if m in into else f"    {e.ident(m)} = {tmp[m]}.result()", m)
               for m in gathers]
-    lines += [(f"    {ident(o)} = torch.cat(_{ident(o)}, dim={p[o].type.layout.dim})", o) for o in sliced_outs]
+    lines += [(f"    {e.ident(o)} = torch.cat({tmp[o]}, dim={p[o].type.layout.dim})", o) for o in sliced_outs]
     return lines
 
 
@@ -618,7 +683,7 @@ def chunk_compiles(p: Program, g: Group, compute: list[str]) -> bool:
 
 
 def _chunk_kernel(e: _Emitter, g: Group, compute: list[str], inplace: dict[str, str], needed: set,
-                  parts: Stmt | None = None, into=None) -> list | None:
+                  parts: Stmt | None = None, into=None, parts_name: str | None = None) -> list | None:
     """The pointwise statements of a fused collective's chunk as one module-level function compiled by
     Inductor, called once per chunk with the chunk's rows of what it reads (cut at the call: the chunk's
     position stays out of the compiled code; dropout gets the chunk's first row as a tensor). None when a
@@ -629,72 +694,75 @@ def _chunk_kernel(e: _Emitter, g: Group, compute: list[str], inplace: dict[str, 
     rs = p[g.members[0]]
     d, n = rs.type.layout.dim, rs.type.shape[rs.type.layout.dim]
     body: list[tuple[str, str]] = []
+    scope = {parts_name} if parts is not None else set()  # the kernel's parameters but the program's values
     if parts is not None:  # the reduce_scatter's sum, fused: its rows on every rank come in unreduced
-        rs = ident(parts.name)
-        body.append((f"    {rs} = _add_all({rs}_parts)" + (f" / len({rs}_parts)" if parts.attr("op") == "avg" else ""),
-                     parts.name))
+        body.append((f"    {e.ident(parts.name)} = _add_all({parts_name})"
+                     + (f" / len({parts_name})" if parts.attr("op") == "avg" else ""), parts.name))
     args: dict[str, str] = {}  # argument at the call -> parameter of the kernel
     for m in compute:
         s = p[m]
         if s.op != "dropout":
             body.extend(("    " + x, m) for x in e.stmt(s))
             continue
-        args[f"_int64(_c.rows({dim_expr(n)})[0])"] = "row0_k"
-        body.append((f"    {ident(m)} = _dropout_rows({e.operand(s, s.args[0])}, {e.dropout_args(s)}, {d}, row0_k)", m))
+        row0 = f"_int64(_c.rows({dim_expr(n)})[0])"
+        if row0 not in args:
+            args[row0] = e.ident.fresh("row0_k", scope)
+        body.append((f"    {e.ident(m)} = _dropout_rows({e.operand(s, s.args[0])}, {e.dropout_args(s)}, {d}, "
+                     f"{args[row0]})", m))
     for o, t in inplace.items():
-        body.append((f"    {e.operand(p[o], t)}.copy_({ident(o)})", o))
+        body.append((f"    {e.operand(p[o], t)}.copy_({e.ident(o)})", o))
     for m, t in (into or {}).items():  # this rank's rows of the gathered state, in place: pushed to the peers after
         src = p[m].args[0]
-        body.append((f"    {e.operand(p[src], t)}.copy_({ident(src)})", m))
+        body.append((f"    {e.operand(p[src], t)}.copy_({e.ident(src)})", m))
 
     def param(match: re.Match) -> str:
         expr = match.group(0)
         if expr not in args:
-            name = f"{match.group(1)}_k"
-            taken = set(args.values())
-            args[expr] = name if name not in taken else f"{name}{len(taken)}"
+            args[expr] = e.ident.fresh(f"{match.group(1)}_k", scope)
         return args[expr]
 
     body = [(_CUT.sub(param, x), m) for x, m in body]
     text = "\n".join(x for x, _ in body)
-    if re.search(r"\b_c\b", text):
+    tree = ast.parse(textwrap.dedent(text))
+    used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    if "_c" in used:
         return None
-    defined = {ident(m) for m in compute} | ({ident(parts.name)} if parts is not None else set())
+    defined = {e.ident(m) for m in compute} | ({e.ident(parts.name)} if parts is not None else set())
     if parts is not None:
-        args[f"{ident(parts.name)}_parts"] = f"{ident(parts.name)}_parts"
-    raw = [ident(a) for m in compute for a in p[m].args if ident(a) not in defined]
+        args[parts_name] = parts_name
+    raw = [e.ident(a) for m in compute for a in p[m].args if e.ident(a) not in defined]
     # and values an operand stands for under another name: the chunk's reduced rows for their gather's
     # output (another reduce_scatter's rows read by this one's computation)
-    tree = ast.parse(textwrap.dedent(text))
     stored = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)}
-    ir = {ident(x.name) for x in p.stmts}
+    ir = {e.ident(x.name) for x in p.stmts}
     raw += [n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
             and n.id in ir and n.id not in defined | stored]
     for name in dict.fromkeys(raw):
-        if re.search(rf"\b{name}\b", text):
+        if name in used:
             args.setdefault(name, name)
-    dims = [f"d_{x}" for x in p.dims if re.search(rf"\bd_{x}\b", text)]
+    dims = [f"d_{x}" for x in p.dims if f"d_{x}" in used]
     results = [m for m in compute if m in needed]
     if results:
-        body.append((f"    return {', '.join(ident(r) for r in results)}{',' if len(results) == 1 else ''}", compute[-1]))
+        body.append((f"    return {', '.join(e.ident(r) for r in results)}{',' if len(results) == 1 else ''}",
+                     compute[-1]))
     fname = f"_chunk{len([x for x in e.toplevel if x[0].startswith('def ')])}"
     params = dims + list(args.values())
     doc = f"{len(compute)} statements of {g} on one chunk" + (", state written in place" if inplace or into else "")
     e.toplevel += [(f"def {fname}({', '.join(params)}):", g.members[0]), (f'    """{doc}."""', g.members[0])]
     e.toplevel += body + [("", None), ("", None), (f"{fname} = _kernel({fname})", g.members[0]), ("", None)]
-    ints = {ident(a) for m in compute for a in p[m].args if p[a].op == "scalar" and p[a].type.dtype == "int64"}
+    ints = {e.ident(a) for m in compute for a in p[m].args if p[a].op == "scalar" and p[a].type.dtype == "int64"}
     call_args = dims + [f"_int64({a})" if a in ints else a for a in args]
     call = f"{fname}({', '.join(call_args)})"
     if results:
-        call = f"{', '.join(ident(r) for r in results)}{',' if len(results) == 1 else ''} = {call}"
+        call = f"{', '.join(e.ident(r) for r in results)}{',' if len(results) == 1 else ''} = {call}"
     return [(f"        {call}", compute[0])]
 
 
 def _lower_overlap(e: _Emitter, g: Group, chunks: int) -> list[str]:
     p = e.p
     mm, coll = p[g.members[0]], p[g.members[1]]
-    a, b = ident(mm.args[0]), ident(mm.args[1])
-    out = ident(coll.name)
+    a, b = e.ident(mm.args[0]), e.ident(mm.args[1])
+    out = e.ident(coll.name)
     lines = [f"# overlap({mm.name}, {coll.name}): {chunks} chunks, chunk k's collective in flight while k+1 multiplies"]
     if coll.op == "allreduce":
         lines += [
@@ -727,7 +795,7 @@ def _lower_bucket(e: _Emitter, g: Group, cap: int) -> list[str]:
     its coalesced form, which flattens them in C++."""
     p = e.p
     first = p[g.members[0]]
-    names = ", ".join(ident(m) for m in g.members)
+    names = ", ".join(e.ident(m) for m in g.members)
     srcs = "[" + ", ".join(e.operand(p[m], p[m].args[0]) for m in g.members) + "]"
     lines = [f"# bucket({', '.join(g.members)}): at most {cap} bytes per launch"]
     if first.op == "allreduce":
@@ -849,12 +917,12 @@ def _module(schedule: Schedule, backend: str, e: _Emitter, body, updates: list[s
     rest = [("    " + x, None) for x in _shm_segments(p, e.slotless)] if backend == "shm" else []
     rest += [("    " + x, m) for k in e.kernels for x, m in [("", None)] + k + [("", None)]]
     rest += [("    " + x, m) for x, m in body]
-    text = "\n".join(x for x, _ in rest)
+    used = _names(textwrap.dedent("\n".join(x for x, _ in rest)).split("\n"))
     # a dim the step never reads needs no binding (kernels are nested: they read the dims too)
-    lines += [("    " + x, None) for x in _dims_prologue(p) if re.search(rf"\b{x.split(' ')[0]}\b", text)]
+    lines += [("    " + x, None) for x in _dims_prologue(p) if x.split(" ")[0] in used]
     lines += rest
     for v in aliased:
-        lines.append((f"    {ident(v)} = {ident(v)}.clone()", v))
+        lines.append((f"    {e.ident(v)} = {e.ident(v)}.clone()", v))
     lines += [("    " + x, t) for x, t in updates]
     lines.append(('    return {"outputs": _outputs, "sent": _sent}', None))
     lines = e.toplevel + lines
