@@ -6,6 +6,7 @@ here are also importable, which is how the tests exercise them directly.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import re
@@ -346,9 +347,10 @@ HELPERS = (_Ctx, _reduce_op, _allreduce, _allreduced, _broadcast, _padded, _rows
            _flat_index, _words, philox_rounds, philox_words, philox_blocks, _dropout, _dropout_rows, _dropped, _int64, _kernel, _cache_dir, _size)
 
 
-def prelude_source(code: str | None = None, backend: str = "gloo") -> str:
-    """The helpers ``code`` calls, and the ones they call (all of them without ``code``). For the shm
-    backend, the collectives of ``coconet.codegen.shm`` replace the torch.distributed ones."""
+@functools.cache
+def _sources(backend: str) -> tuple[list[str], dict[str, str]]:
+    """The module-level text every prelude starts with, and each helper's source by name: read once per
+    process (inspect.getsource of every helper was nine tenths of a lowering's time)."""
     from coconet.codegen import shm
 
     module = inspect.getsource(sys.modules[__name__])
@@ -360,7 +362,14 @@ def prelude_source(code: str | None = None, backend: str = "gloo") -> str:
         parts.append(text[text.index("# process group -> its _Shm"): text.index("\n\n\nclass _Shm")])
         helpers = HELPERS + shm.HELPERS
     # philox_words imports torch locally; the generated module imports it at the top already
-    sources = {obj.__name__: inspect.getsource(obj).replace("    import torch\n\n", "").rstrip() for obj in helpers}
+    return parts, {obj.__name__: inspect.getsource(obj).replace("    import torch\n\n", "").rstrip() for obj in helpers}
+
+
+def prelude_source(code: str | None = None, backend: str = "gloo") -> str:
+    """The helpers ``code`` calls, and the ones they call (all of them without ``code``). For the shm
+    backend, the collectives of ``coconet.codegen.shm`` replace the torch.distributed ones."""
+    head, sources = _sources("shm" if backend == "shm" else "gloo")
+    parts = list(head)
     wanted = set(sources) if code is None else set()
     text = code or ""
     while True:
