@@ -181,6 +181,19 @@ class _Emitter:
                 dims.append(dim_expr(d))
         return "(" + "".join(f"{x}, " for x in dims) + ")"
 
+    def number(self, name: str) -> bool:
+        """Whether the value is a Python number in the generated code: int64 scalars are ints on the host (so a
+        seed never recompiles a kernel), constants literals, and arithmetic of those alone stays a number."""
+        s = self.p[name]
+        if s.op == "const" or (s.op == "scalar" and s.type.dtype == "int64"):
+            return True
+        arithmetic = s.op == "neg" or (s.op in BINARY and s.op not in ("maximum", "minimum"))
+        return arithmetic and all(self.number(a) for a in s.args)
+
+    def tensor(self, name: str, text: str) -> str:
+        """``text``, the operand ``name``, as a tensor where torch's function wants one and it may be a number."""
+        return f"_t({text})" if self.number(name) else text
+
     def dropout_args(self, s: Stmt) -> str:
         seed = s.attr("seed") if s.attr("seed") is not None else self.ident(s.args[1])
         return f"{s.attr('p')!r}, {seed}, {self.shape_expr(s.type)}"
@@ -211,11 +224,11 @@ class _Emitter:
         if op in BINARY:
             return [f"{n} = {BINARY[op].format(*args)}"]
         if op in UNARY:
-            return [f"{n} = {UNARY[op].format(args[0] if op != 'neg' else _paren(args[0]))}"]
+            return [f"{n} = {UNARY[op].format(self.tensor(s.args[0], args[0]) if op != 'neg' else _paren(args[0]))}"]
         if op == "cast":
             return [f"{n} = _t({args[0]}).to({TORCH_DTYPE[s.attr('dtype')]})"]
         if op == "where":
-            return [f"{n} = torch.where({args[0]}, {args[1]}, {args[2]})"]
+            return [f"{n} = torch.where({', '.join(self.tensor(a, x) for a, x in zip(s.args, args))})"]
         if op == "dropout" and self.dropout == "torch":
             return [f"{n} = torch.nn.functional.dropout({args[0]}, p={s.attr('p')!r}, training=True)"]
         if op == "dropout":
@@ -245,7 +258,7 @@ class _Emitter:
                     "if stage + 1 < stages:",
                     f"    dist.send({args[0]}.contiguous(), dst=_c.global_rank + _c.world)"]
         if op == "output":
-            return [f"_outputs[{s.attr('name')!r}] = {args[0]}"]
+            return [f"_outputs[{s.attr('name')!r}] = {self.tensor(s.args[0], args[0])}"]
         if op == "update":
             return []  # written at the end: every statement reads the state from before the step
         custom = self.p.custom_ops.get(op)
@@ -300,7 +313,7 @@ def lower(schedule: Schedule, backend: str = "gloo", kernels: str = "compiled", 
         else:
             s = p[unit]
             lowered.append([(x, s.name) for x in e.stmt(s)])
-    updates = [(f"{e.ident(t)}.copy_({e.ident(v)})", t) for t, v in p.updates.items() if t not in e.written]
+    updates = [(f"{e.ident(t)}.copy_({e.tensor(v, e.ident(v))})", t) for t, v in p.updates.items() if t not in e.written]
     # a value that is itself (a view of) state must be copied before any state is written
     aliased = [v for v in p.updates.values() if p[v].op in ("input", "scalar")]
     kept = set().union(*(_free_names([x for x, _ in k]) for k in e.kernels))

@@ -107,7 +107,7 @@ def pointwise(types: Sequence[TensorType], names: Sequence[str], weak: Sequence[
         dtype = promote(list(zip(types, weak)))
         if op in ("lt", "le", "gt", "ge", "eq", "ne"):
             dtype = "bool"
-        elif op in ("sqrt", "rsqrt", "exp", "log") and dtype not in FLOAT_DTYPES:
+        elif op in ("div", "sqrt", "rsqrt", "exp", "log") and dtype not in FLOAT_DTYPES:  # true division, as torch's
             dtype = "float32"
     return TensorType(shape, dtype, layout)
 

@@ -97,6 +97,27 @@ def test_unseen_programs(p, world):
     assert_all_ok(run_schedules(list(generate(prog, depth=3))[:12], check_only(world, {"N": 5, "M": 7})))
 
 
+@pytest.mark.parametrize("backend", ["gloo", "shm"])
+def test_int_scalars_reach_torch_functions_and_outputs_as_tensors(backend):
+    """int64 scalars are Python ints in the step (a new seed compiles nothing again): an expression of them
+    alone is a number, which torch.where, sqrt or exp do not take, and which an output must not be."""
+    import coconet as cc
+
+    p = cc.Program("warmup", dims=("N",))
+    g, w = p.tensor("g", ("N",), layout=cc.Local), p.tensor("w", ("N",), layout=cc.Replicated)
+    lr = p.scalar("lr")
+    step, warm = p.scalar("step", dtype="int64"), p.scalar("warm", dtype="int64")
+    lr_eff = cc.where(step < warm, lr * step / warm, lr) * cc.exp(-step / warm) * cc.sqrt(step + 1)
+    p.update(w, w - lr_eff * cc.allreduce(g))
+    p.output("ratio", (1 + step) / (warm + step))
+    p.output("power", step ** 2 - warm)
+    prog = p.ir
+    picked = [Schedule(prog)] + [s for s in generate(prog) if "fuse_collective" in s.text][:1]
+    assert len(picked) == 2
+    opts = dataclasses.replace(check_only(2, {"N": 7}), kernels="compiled", backend=backend)
+    assert_all_ok(run_schedules(picked, opts))
+
+
 def test_compiled_kernels_are_correct_and_write_state_in_place():
     """Inductor-compiled fused groups: Adam's update written into w, m, v; dropout's RNG inside the kernel,
     its seed a runtime value."""

@@ -240,3 +240,14 @@ def test_promote_matches_torch():
 def test_layout_values():
     assert str(Sliced()) == "Sliced(0)"
     assert Local() == Local() and Sliced(1) != Sliced(0)
+
+
+def test_dividing_integers_is_true_division():
+    """As torch's and NumPy's `/`: two int64 scalars divide into a float (the reference gave 0.5 for 1 / 2
+    where the listing said int64)."""
+    p = cc.Program("ratio", dims=())
+    step, warm = p.scalar("step", dtype="int64"), p.scalar("warm", dtype="int64")
+    p.output("r", step / warm)
+    p.output("d", step - warm)
+    types = {s.name: s.type.dtype for s in p.ir.stmts if s.type is not None}
+    assert types["div0"] == "float32" and types["sub0"] == "int64"
