@@ -128,12 +128,31 @@ def reaches(program: Program, sources: Iterable[str], targets: set[str], avoid: 
 
 
 def convex(program: Program, members: set[str]) -> str | None:
-    """None if running ``members`` as one unit creates no cycle; else a witness member."""
-    outside = [u for m in members for u in program.users[m] if u not in members]
-    return reaches(program, outside, members, set()) if outside else None
+    """None if running ``members`` as one unit creates no cycle; else a witness member. The program's groups
+    run as units too: a path that enters one leaves it from any of its members. Two groups convex on their
+    own can otherwise need each other first (a bucket of two all_gathers, one feeding a fused collective
+    that feeds the other), and then no order runs both."""
+    unit_of = {m: g for g in program.groups for m in g.members}
+    stack = [u for m in members for u in program.users[m] if u not in members]
+    seen: set[str] = set()
+    while stack:
+        n = stack.pop()
+        if n in members:
+            return n
+        if n in seen:
+            continue
+        group = unit_of.get(n)
+        for x in group.members if group is not None else (n,):
+            seen.add(x)
+            stack.extend(program.users[x])
+    return None
 
 
 def with_group(program: Program, group: Group) -> Program:
+    witness = convex(program, set(group.members))
+    if witness is not None:
+        raise IllegalTransform(f"running {group} as one unit would create a cycle: a path leaves it and comes "
+                               f"back into {witness}")
     return dataclasses.replace(program, groups=program.groups + (group,))
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from coconet.schedules.ir import Group, Program
-from coconet.schedules.transforms.base import Transform, ordered, reaches, with_group
+from coconet.schedules.transforms.base import Transform, convex, ordered, reaches, with_group
 
 KINDS = ("allreduce", "reduce_scatter", "all_gather")
 
@@ -42,7 +42,7 @@ class Bucket(Transform):
                 by_key.setdefault(_key(program, s.name), []).append(s.name)
         out = []
         for names in by_key.values():
-            if len(names) > 1 and independent(program, set(names)) is None:
+            if len(names) > 1 and independent(program, set(names)) is None and convex(program, set(names)) is None:
                 out.append(cls(tuple(names)))
         return out
 

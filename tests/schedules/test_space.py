@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 
+from coconet.codegen.lower import _units as units
 from coconet.errors import ScheduleError
 from coconet.schedules import equivalence
 from coconet.schedules.schedule import Schedule, sharded_by
@@ -64,6 +65,28 @@ def test_random_collective_programs(p):
     for world in (1, 2, 3, 4):
         for sched in space:
             assert_equivalent(prog, sched, world, {"N": 5, "M": 3})
+    for sched in space:  # the interpreter ignores groups; a backend must find an order that runs each as a unit
+        units(sched.scheduled)
+
+
+def test_groups_that_would_need_each_other_first_are_never_offered():
+    """Each group convex on its own, two groups can still need each other first: here a bucket of ag1 and
+    ag3 where ag1 feeds the fused collective of rs0 and rs0 feeds ag3. No backend could run that schedule."""
+    import coconet as cc
+
+    p = cc.Program("cyc", dims=("N",))
+    r1 = cc.allreduce(p.tensor("x", ("N",), layout=cc.Local))
+    r2 = cc.allreduce(p.tensor("y", ("N",), layout=cc.Local))
+    p.output("a", r1 - r2)
+    p.output("b", cc.exp(r1) + 1.0)
+    prog = p.ir
+    space = generate(prog)
+    assert not space.refused and len(space) > 20
+    for sched in space:
+        units(sched.scheduled)
+    with pytest.raises(ScheduleError, match=r"bucket\(ag1, ag3\) as one unit would create a cycle"):
+        Schedule.parse("split(ar0); split(ar1); reorder(ag0); fuse(exp0, add0); fuse_collective(rs0); "
+                       "bucket(ag1, ag3)", prog)
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
