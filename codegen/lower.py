@@ -131,6 +131,8 @@ class _Emitter:
         self.backend = backend
         self.compile = kernels == "compiled"
         self.ident = _Names(self.p)
+        # coconet's GEMM with its compiled kernels; the eager form (the eager baseline too) is plain torch
+        self.matmul = "_matmul" if self.compile else "torch.matmul"
         self.kernels: list[str] = []  # nested in step: they read its dims
         self.toplevel: list[tuple[str, str | None]] = []  # fused pointwise kernels, at module level
         self.written: set[str] = set()  # state a kernel writes in place
@@ -239,7 +241,7 @@ class _Emitter:
         if op == "norm":
             return [f"{n} = torch.linalg.vector_norm({args[0]})"]
         if op == "matmul":
-            return [f"{n} = torch.matmul({args[0]}, {args[1]})"]
+            return [f"{n} = {self.matmul}({args[0]}, {args[1]})"]
         if op == "allreduce":
             if _needs_copy(self.p, s.name):
                 return [f"{n} = _allreduced(_c, {args[0]}, {s.attr('op')!r})"]
@@ -783,7 +785,7 @@ def _lower_overlap(e: _Emitter, g: Group, chunks: int) -> list[str]:
             f"_a = {a}.reshape({a}.shape[:-1].numel(), {a}.shape[-1])",
             "_parts, _works = [], []",
             f"for _ak in torch.tensor_split(_a, {chunks}, dim=0):",
-            f"    _yk = torch.matmul(_ak, {b})",
+            f"    _yk = {e.matmul}(_ak, {b})",
             f"    _works.append(_allreduce(_c, _yk, {coll.attr('op')!r}, async_op=True))",
             "    _parts.append(_yk)",
             "for _w in _works:",
@@ -797,7 +799,7 @@ def _lower_overlap(e: _Emitter, g: Group, chunks: int) -> list[str]:
         lines += [
             "_pending = []",
             f"for _bk in torch.tensor_split({b}, {chunks}, dim=1):",
-            f"    _pending.append(_reduce_scatter(_c, torch.matmul({a}, _bk), {d}, {n}, {coll.attr('op')!r}, async_op=True))",
+            f"    _pending.append(_reduce_scatter(_c, {e.matmul}({a}, _bk), {d}, {n}, {coll.attr('op')!r}, async_op=True))",
             f"{out} = torch.cat([_finish() for _finish in _pending], dim=-1)",
         ]
     return lines

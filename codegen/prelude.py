@@ -67,6 +67,17 @@ def _allreduced(c, x, op):
     return y
 
 
+def _matmul(a, b):
+    """a (..., K) @ b (K, M). float32 on CPU goes through oneDNN's linear, as Inductor's CPU lowering does:
+    on the Megatron layer's shapes it ran faster than torch.matmul's MKL sgemm, two ranks at once
+    included (benchmarks/cpu_matmul.py). Anything else, or a torch without oneDNN, is torch.matmul."""
+    if (a.device.type == "cpu" and a.dtype == b.dtype == torch.float32 and a.dim() >= 2 and a.numel()
+            and b.numel() and torch.backends.mkldnn.is_available()):
+        y = torch.ops.mkldnn._linear_pointwise(a.reshape(-1, a.shape[-1]), b.t(), None, "none", [], "")
+        return y.reshape(a.shape[:-1] + b.shape[-1:])
+    return torch.matmul(a, b)
+
+
 def _broadcast(c, x, root):
     """In place on x: the value of group rank ``root``."""
     dist.broadcast(x, src=c.global_rank - c.rank + root, group=c.group)
@@ -342,7 +353,7 @@ def _size(sizes, name):
     return int(sizes[name])
 
 
-HELPERS = (_Ctx, _reduce_op, _allreduce, _allreduced, _broadcast, _padded, _rows_of, _reduce_scatter, _part, _all_gather, _coalesced, _launches,
+HELPERS = (_Ctx, _reduce_op, _allreduce, _allreduced, _matmul, _broadcast, _padded, _rows_of, _reduce_scatter, _part, _all_gather, _coalesced, _launches,
            _bucket_allreduce, _bucket_reduce_scatter, _bucket_all_gather, _Chunk, _reduce_scatter_chunks, _Gather,
            _flat_index, _words, philox_rounds, philox_words, philox_blocks, _dropout, _dropout_rows, _dropped, _int64, _kernel, _cache_dir, _size)
 

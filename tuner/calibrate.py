@@ -401,7 +401,7 @@ def _measure_all(s: Settings, R: int, rank: int, threads: int, dist, torch) -> d
     out["launch_s"] = timer.best(tiny, 5) / 1000
     # dropout as the generated code runs it unfused on CPU: Philox rounds in eager int64 ops, a call per
     # four elements, then the mask
-    from coconet.codegen.prelude import _dropped, _words
+    from coconet.codegen.prelude import _dropped, _matmul, _words
 
     value = torch.ones(2**18)
     # the median: interference from other work on the machine slows these long runs of ops as it slows
@@ -438,7 +438,7 @@ def _measure_all(s: Settings, R: int, rank: int, threads: int, dist, torch) -> d
     # matmul
     m = 1024
     ma, mb = torch.randn(m, m), torch.randn(m, m)
-    out["matmul_flops"] = 2 * m**3 / timer.best(lambda: torch.matmul(ma, mb), 5)
+    out["matmul_flops"] = 2 * m**3 / timer.best(lambda: _matmul(ma, mb), 5)
     # overlap: an allreduce in flight while the rank multiplies, against each alone; and while it streams
     # memory (over loopback, gloo's transfer is itself memory traffic on the same cores)
     g = torch.ones(2**22 // 4)
@@ -459,13 +459,13 @@ def _measure_all(s: Settings, R: int, rank: int, threads: int, dist, torch) -> d
     # allreduced asynchronously as soon as it is computed, against the whole matmul and then its allreduce.
     # A collective in flight beside one other matmul can look free while these chunks gain nothing: on a
     # CPU whose every core runs a rank, the collective's own threads take their time from the matmul.
-    alone_mm = timer.median(lambda: torch.matmul(ma, mb), 7)  # its result is as large as g: comm times it
+    alone_mm = timer.median(lambda: _matmul(ma, mb), 7)  # its result is as large as g: comm times it
 
     def sequential():
-        dist.all_reduce(torch.matmul(ma, mb))
+        dist.all_reduce(_matmul(ma, mb))
 
     def chunked():
-        works = [dist.all_reduce(torch.matmul(ak, mb), async_op=True) for ak in torch.tensor_split(ma, 4)]
+        works = [dist.all_reduce(_matmul(ak, mb), async_op=True) for ak in torch.tensor_split(ma, 4)]
         for w in works:
             w.wait()
 

@@ -13,6 +13,7 @@ where they dominate (the Megatron layer), the compute floor bounds every speed-u
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from typing import Iterable, Mapping
@@ -93,9 +94,11 @@ def matmul_rate(threads: int = 1, m: int | None = None, k: int | None = None, n:
                 repeats: int = 3, device: str = "cpu") -> float:
     """Flops per second of a float32 matmul at ``threads`` threads (as one rank runs it), or on the current
     CUDA device (``threads`` unused) at torch's float32 matmul precision, which the generated code runs at;
-    the best of ``repeats``. A GPU reaches its rate only on large operands (1024 x 2048 x 1024 left an
+    the best of ``repeats``, through the faster of torch.matmul and the generated code's GEMM. A GPU reaches its rate only on large operands (1024 x 2048 x 1024 left an
     H100 at two thirds of it, and a floor above a measured step), hence 8192 on each side there."""
     import torch
+
+    from coconet.codegen.prelude import _matmul
 
     side = 8192 if device == "cuda" else None
     m, k, n = m or side or 1024, k or side or 2048, n or side or 1024
@@ -105,7 +108,8 @@ def matmul_rate(threads: int = 1, m: int | None = None, k: int | None = None, n:
         torch.set_num_threads(threads)
     try:
         a, b = torch.randn(m, k, device=device), torch.randn(k, n, device=device)
-        return 2.0 * m * k * n / _best_seconds(lambda: torch.matmul(a, b), repeats, device)
+        return 2.0 * m * k * n / min(_best_seconds(functools.partial(mm, a, b), repeats, device)
+                                          for mm in (torch.matmul, _matmul))
     finally:
         torch.set_num_threads(old)
 

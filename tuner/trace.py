@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-MATMUL = {"aten::mm", "aten::matmul", "aten::bmm", "aten::addmm"}
+MATMUL = {"aten::mm", "aten::matmul", "aten::bmm", "aten::addmm", "mkldnn::_linear_pointwise"}  # the last: _matmul on CPU
 
 
 @dataclass(frozen=True)

@@ -95,3 +95,33 @@ def test_kernels_are_kept_out_of_aotautograds_cache(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     assert any((tmp_path / "fxgraph").rglob("*")), "the kernel was not stored in Inductor's cache"
     assert not any((tmp_path / "aotautograd").rglob("*"))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 6), min_size=0, max_size=3), st.integers(0, 7), st.integers(0, 5),
+       st.sampled_from(["float32", "float64", "bfloat16"]), st.booleans(), st.booleans())
+def test_the_generated_gemm_is_a_matmul(lead, k, m, dtype, strided_a, transposed_b):
+    """`_matmul` (oneDNN's linear for float32 on CPU, torch.matmul otherwise) equals a float64 product on
+    any (..., K) x (K, M): empty dims (a rank holding none of the contraction dim), a strided a, a b that
+    is a transposed view."""
+    gen = torch.Generator().manual_seed(len(lead) * 100 + k * 10 + m)
+    a = torch.randn(*lead, 2 * k if strided_a else k, generator=gen).to(getattr(torch, dtype))
+    a = a[..., ::2] if strided_a else a
+    b = torch.randn(m, k, generator=gen).to(a.dtype).t() if transposed_b else \
+        torch.randn(k, m, generator=gen).to(a.dtype)
+    got = prelude._matmul(a, b)
+    want = torch.matmul(a.double(), b.double())
+    assert got.dtype == a.dtype and got.shape == want.shape
+    tol = {"float32": 1e-5, "float64": 1e-12, "bfloat16": 2e-2}[dtype] * max(1, k)
+    assert torch.allclose(got.double(), want, rtol=tol, atol=tol)
+
+
+def test_the_generated_gemm_is_onednn_on_cpu_in_float32():
+    """The path the benchmark measured is the one taken: float32 on CPU does not fall back to torch.matmul."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch has no oneDNN")
+    a, b = torch.randn(8, 16), torch.randn(16, 4)
+    with torch.profiler.profile() as prof:
+        prelude._matmul(a, b)
+    names = {e.name for e in prof.events()}
+    assert "mkldnn::_linear_pointwise" in names and "aten::mm" not in names

@@ -4,7 +4,7 @@ from pathlib import Path
 
 from coconet.codegen.launch import Options, run_schedules
 from coconet.schedules.schedule import Schedule
-from coconet.tuner.trace import overlap
+from coconet.tuner.trace import MATMUL, overlap
 
 ROOT = Path(__file__).parents[2]
 
@@ -52,7 +52,7 @@ def test_shm_collectives_show_on_their_thread_in_the_trace(tmp_path):
     assert res.status == "ok" and res.correct
     trace = next(tmp_path.glob(f"*{ovl.hash}*_rank0.json"))
     events = json.loads(trace.read_text())["traceEvents"]
-    main = next(e["tid"] for e in events if e.get("name") == "aten::mm")
+    main = next(e["tid"] for e in events if e.get("name") in MATMUL)
     spans = [e for e in events if e.get("name", "").startswith("shm ") and e.get("ph") == "X"]
     assert spans and all(e["tid"] != main for e in spans)
     assert {e["name"] for e in spans} == {"shm _shm_reduce_scatter"}

@@ -87,6 +87,17 @@ class _Ctx:
         return x.narrow(dim, lo, hi - lo)
 
 
+def _matmul(a, b):
+    """a (..., K) @ b (K, M). float32 on CPU goes through oneDNN's linear, as Inductor's CPU lowering does:
+    on the Megatron layer's shapes it ran faster than torch.matmul's MKL sgemm, two ranks at once
+    included (benchmarks/cpu_matmul.py). Anything else, or a torch without oneDNN, is torch.matmul."""
+    if (a.device.type == "cpu" and a.dtype == b.dtype == torch.float32 and a.dim() >= 2 and a.numel()
+            and b.numel() and torch.backends.mkldnn.is_available()):
+        y = torch.ops.mkldnn._linear_pointwise(a.reshape(-1, a.shape[-1]), b.t(), None, "none", [], "")
+        return y.reshape(a.shape[:-1] + b.shape[-1:])
+    return torch.matmul(a, b)
+
+
 class _Chunk:
     """Rows [a, b) of the rows this rank holds of a dim of extent n: what one step of a chunked fused
     collective computes on. Stands in for _Ctx in the statements of the chunk."""
@@ -590,7 +601,7 @@ def step(tensors, scalars, *, group=None, stage=0, stages=1, sizes=None, custom_
     b = tensors['b']
     r = tensors['r']
     seed = int(scalars['seed'])
-    mm0 = torch.matmul(x, w)
+    mm0 = _matmul(x, w)
     ag1, = _fused_collective0(_c, mm0, b, seed, r)
     del mm0
     _outputs['out'] = ag1

@@ -51,6 +51,17 @@ def _reduce_op(op):
     return getattr(dist.ReduceOp, _OPS[op])
 
 
+def _matmul(a, b):
+    """a (..., K) @ b (K, M). float32 on CPU goes through oneDNN's linear, as Inductor's CPU lowering does:
+    on the Megatron layer's shapes it ran faster than torch.matmul's MKL sgemm, two ranks at once
+    included (benchmarks/cpu_matmul.py). Anything else, or a torch without oneDNN, is torch.matmul."""
+    if (a.device.type == "cpu" and a.dtype == b.dtype == torch.float32 and a.dim() >= 2 and a.numel()
+            and b.numel() and torch.backends.mkldnn.is_available()):
+        y = torch.ops.mkldnn._linear_pointwise(a.reshape(-1, a.shape[-1]), b.t(), None, "none", [], "")
+        return y.reshape(a.shape[:-1] + b.shape[-1:])
+    return torch.matmul(a, b)
+
+
 def _padded(c, x, dim, n):
     """x moved so that ``dim`` leads, padded to world * ceil(n / world) rows: collectives want equal parts."""
     chunk = -(-n // c.world)
@@ -192,7 +203,7 @@ def step(tensors, scalars, *, group=None, stage=0, stages=1, sizes=None, custom_
     # overlap(mm0, rs0): 4 chunks, chunk k's collective in flight while k+1 multiplies
     _pending = []
     for _bk in torch.tensor_split(w, 4, dim=1):
-        _pending.append(_reduce_scatter(_c, torch.matmul(x, _bk), 0, d_B, 'sum', async_op=True))
+        _pending.append(_reduce_scatter(_c, _matmul(x, _bk), 0, d_B, 'sum', async_op=True))
     rs0 = torch.cat([_finish() for _finish in _pending], dim=-1)
     del _pending
     ag0 = _all_gather(_c, rs0, 0, d_B)
