@@ -82,6 +82,15 @@ class Transform:
     def refuse(self, reason: str) -> IllegalTransform:
         return IllegalTransform(reason, transform=self.text())
 
+    def distinct(self, names: tuple[str, ...]) -> None:
+        # a name given twice would be deduplicated silently, so the group the
+        # user wrote would not be the one that runs
+        seen: set[str] = set()
+        for n in names:
+            if n in seen:
+                raise self.refuse(f"{n} is named twice")
+            seen.add(n)
+
     def need(self, program: Program, name: str, ops: Iterable[str], what: str) -> Stmt:
         if name not in program:
             raise self.refuse(f"the program has no statement {name!r}")

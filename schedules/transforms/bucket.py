@@ -49,6 +49,7 @@ class Bucket(Transform):
     def apply(self, program: Program) -> Program:
         if len(self.collectives) < 2:
             raise self.refuse("a bucket holds at least two collectives")
+        self.distinct(self.collectives)
         for n in self.collectives:
             s = self.need(program, n, KINDS, "a collective")
             if n in program.group_of:

@@ -70,6 +70,7 @@ class Fuse(Transform):
     def apply(self, program: Program) -> Program:
         if len(self.members) < 2:
             raise self.refuse("fusing needs at least two statements")
+        self.distinct(self.members)
         for m in self.members:
             if m not in program:
                 raise self.refuse(f"the program has no statement {m!r}")

@@ -69,6 +69,7 @@ class Reorder(Transform):
     def apply(self, program: Program) -> Program:
         self.no_groups(program)
         ag = self.need(program, self.all_gather, ("all_gather",), "an all_gather")
+        self.distinct(self.members)
         members = set(self.members) if self.members else set(region(program, ag.name))
         if not members:
             raise self.refuse(f"nothing consumes {ag.name} that could run on slices")

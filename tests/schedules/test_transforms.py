@@ -134,6 +134,18 @@ def test_fuse_refusals():
     refuses(Fuse(("add0", "drop0")), fused, "already runs in fuse")
 
 
+def test_a_statement_named_twice_is_refused():
+    # deduplicated silently, fuse(mul0, mul0) had passed as a one-member kernel
+    adam = example("adam")
+    mul = next(s.name for s in adam.stmts if s.op == "mul" and s.type.ndim > 0)
+    refuses(Fuse((mul, mul)), adam, f"{mul} is named twice")
+    refuses(Bucket(("ar0", "ar1", "ar0")), example("adam_multi"), "ar0 is named twice")
+    split = sched("adam", "split(ar0)")
+    refuses(Reorder("ag0", ("add0", "add0")), split, "add0 is named twice")
+    with pytest.raises(ScheduleError, match="named twice"):
+        Schedule.parse(f"fuse({mul}, {mul})", adam)
+
+
 def test_fuse_collective():
     p = sched("adam", "split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse_collective(rs0)")
     (group,) = p.groups
