@@ -200,6 +200,11 @@ class _Node:
     type: TensorType | None
 
 
+def _inference_key(op: str, types: list, weak: list, canon: tuple) -> tuple:
+    # typed literals: 2 and 2.0 compare equal but promote differently
+    return (op, tuple(types), tuple((type(w), w) for w in weak), canon)
+
+
 class Builder:
     """Mutable construction state; ``finish`` returns the immutable ``Program``."""
 
@@ -227,6 +232,9 @@ class Builder:
         self.custom_ops: dict[str, CustomOp] = dict(custom_ops or {})
         self.used_ops: dict[str, CustomOp] = {}
         self.reserved: set[str] = set()
+        # (op, operand types, weak literals, attrs) -> type: inference is a function of these alone, and a
+        # rewrite re-adds every statement of a program it mostly leaves alone (see ``remember``)
+        self.inferred: dict[tuple, TensorType | None] = {}
 
     # --- naming ---
 
@@ -335,7 +343,11 @@ class Builder:
             if isinstance(t.layout, Replicated) and isinstance(v.layout, Sliced):
                 args = (args[0], self.add("all_gather", (args[1],), location=location))
 
-        ty = self._infer(op, args, dict(canon), custom)
+        key = _inference_key(op, [self.type_of(a) for a in args], [self._weak(a) for a in args], canon)
+        if key in self.inferred:
+            ty = self.inferred[key]
+        else:
+            ty = self.inferred[key] = self._infer(op, args, dict(canon), custom)
 
         key = None
         if op not in EFFECTS and op not in ("input", "scalar", "recv"):
@@ -401,10 +413,21 @@ class Builder:
         if target in self.updated:
             raise ProgramError(f"{node.name} is updated twice", rule="each state is updated at most once")
 
+    def _weak(self, idx: int) -> Any:
+        node = self.nodes[idx]
+        return dict(node.attrs).get("value") if node.op == "const" else None
+
+    def remember(self, program: Program) -> None:
+        """Take the types ``program`` inferred: a rewrite of it then infers only what it changed."""
+        for s in program.stmts:
+            operands = [program[a] for a in s.args]
+            weak = [o.attr("value") if o.op == "const" else None for o in operands]
+            self.inferred.setdefault(_inference_key(s.op, [o.type for o in operands], weak, s.attrs), s.type)
+
     def _infer(self, op: str, args: tuple[int, ...], attrs: dict, custom: CustomOp | None) -> TensorType | None:
         types = [self.type_of(a) for a in args]
         names = [self.nodes[a].name for a in args]
-        weak = [dict(self.nodes[a].attrs).get("value") if self.nodes[a].op == "const" else None for a in args]
+        weak = [self._weak(a) for a in args]
         if op in ("input", "recv"):
             shape = tuple(parse_dim_checked(d, self.dims) for d in attrs["shape"])
             layout = as_layout(attrs["layout"])

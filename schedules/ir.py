@@ -173,6 +173,17 @@ class Program:
     def group_of(self) -> dict[str, Group]:
         return {m: g for g in self.groups for m in g.members}
 
+    @cached_property
+    def position(self) -> dict[str, int]:
+        """Each statement's index: statements come after their operands."""
+        return {s.name: i for i, s in enumerate(self.stmts)}
+
+    @cached_property
+    def group_spans(self) -> tuple[tuple[int, int], ...]:
+        """(first, last) position of each group's members, by first position."""
+        pos = self.position
+        return tuple(sorted((min(pos[m] for m in g.members), max(pos[m] for m in g.members)) for g in self.groups))
+
     def location(self, name: str) -> str | None:
         return self.locations.get(name)
 

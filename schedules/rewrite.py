@@ -23,6 +23,7 @@ class Rewriter:
         self.transform = transform
         self.b = Builder(program.name, program.dims, program.custom_ops)
         self.b.reserve(s.name for s in program.stmts)
+        self.b.remember(program)
         self.new: dict[str, int] = {}
         self._whole: dict[str, int] = {}
 

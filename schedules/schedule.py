@@ -97,25 +97,43 @@ class Schedule:
     def structure(self) -> str:
         return self.scheduled.hash
 
-    def describe(self) -> str:
+    def describe(self, memo: dict | None = None) -> str:
+        """One phrase per run of alike transforms. ``memo``: shared by the schedules of one program's
+        listing, whose schedules extend each other: a run is then worded once, not once per schedule that
+        starts with it (re-applying every prefix made a listing quadratic in the program's tensors)."""
         if not self.transforms:
             return "the program as written"
-        parts, prog = [], self.program
-        run: list[Transform] = []
-        start = prog  # the program a run of alike transforms starts from
-        for t in self.transforms + (None,):  # type: ignore[operator]
-            if run and (t is None or type(t) is not type(run[0])):
-                parts.append(type(run[0]).describe_many(run, start))
-                run = []
-            if t is None:
-                break
-            if not run:
-                start = prog
-            run.append(t)
-            prog = t.apply(prog)
+        memo = {} if memo is None else memo
+        parts, begin = [], 0
+        for end in range(1, len(self.transforms) + 1):
+            if end < len(self.transforms) and type(self.transforms[end]) is type(self.transforms[begin]):
+                continue
+            key = ("phrase", self.transforms[:end])
+            if key not in memo:
+                run = list(self.transforms[begin:end])
+                memo[key] = type(run[0]).describe_many(run, self._after(begin, memo))
+            parts.append(memo[key])
+            begin = end
         if self.knobs:
             parts.append(", ".join(f"{k}={v}" for k, v in self.knobs))
         return "; ".join(parts)
+
+    def _after(self, count: int, memo: dict) -> Program:
+        """The program after the first ``count`` transforms, from the longest prefix ``memo`` holds."""
+        have = count
+        while have > 0 and ("program", self.transforms[:have]) not in memo:
+            have -= 1
+        prog = memo[("program", self.transforms[:have])] if have else self.program
+        for i in range(have, count):
+            prog = self.transforms[i].apply(prog)
+            memo[("program", self.transforms[:i + 1])] = prog
+        return prog
+
+    def remember(self, memo: dict) -> dict:
+        """``memo`` for ``describe``, given this schedule's program where it is already computed."""
+        if "scheduled" in self.__dict__ and self.transforms:
+            memo[("program", self.transforms)] = self.__dict__["scheduled"]
+        return memo
 
     def to_json(self) -> dict[str, Any]:
         return {

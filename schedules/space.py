@@ -54,13 +54,21 @@ class Space:
         if self.truncated:
             head += f" (truncated at {len(self)})"
         lines = [head]
+        memo = self._memo()
         for i, s in enumerate(self.schedules):
             lines.append(f"[{i}] {s.text}")
-            lines.append(f"    {s.describe()}")
+            lines.append(f"    {s.describe(memo)}")
         return "\n".join(lines) + "\n"
+
+    def _memo(self) -> dict:
+        memo: dict = {}
+        for s in self.schedules:
+            s.remember(memo)
+        return memo
 
     def to_json(self) -> dict:
         prog = self.schedules[0].program
+        memo = self._memo()
         return {
             "program": prog.name,
             "program_hash": prog.hash,
@@ -70,7 +78,7 @@ class Space:
             "schedules": [
                 {"id": i, "text": s.text, "transforms": s.names, "hash": s.hash, "structure": s.structure,
                  "knobs": {k: {"default": d, "domain": list(dom)} for k, (d, dom) in s.knob_domains.items()},
-                 "description": s.describe()}
+                 "description": s.describe(memo)}
                 for i, s in enumerate(self.schedules)
             ],
         }

@@ -141,19 +141,68 @@ def convex(program: Program, members: set[str]) -> str | None:
     run as units too: a path that enters one leaves it from any of its members. Two groups convex on their
     own can otherwise need each other first (a bucket of two all_gathers, one feeding a fused collective
     that feeds the other), and then no order runs both."""
-    unit_of = {m: g for g in program.groups for m in g.members}
+    pos = program.position
+    # Data edges go forward in program order; only a group can lead back, so past the last member, and past
+    # every group that reaches back to it, nothing returns into the members: the search stops there
+    # (regions grow one statement at a time, and a search of the whole program each time was quadratic).
+    horizon = max(pos[m] for m in members)
+    for first, last in program.group_spans:
+        if first > horizon:
+            break
+        horizon = max(horizon, last)
+    unit_of = program.group_of
     stack = [u for m in members for u in program.users[m] if u not in members]
     seen: set[str] = set()
     while stack:
         n = stack.pop()
         if n in members:
             return n
-        if n in seen:
+        if n in seen or pos[n] > horizon:
             continue
         group = unit_of.get(n)
         for x in group.members if group is not None else (n,):
             seen.add(x)
             stack.extend(program.users[x])
+    return None
+
+
+def convex_with(program: Program, members: set[str], name: str, span: tuple[int, int] | None = None) -> str | None:
+    """``convex(program, members | {name})`` for ``members`` already convex: a path that leaves the grown
+    set and comes back into it must then start or end at ``name``, so the search runs from ``name`` alone,
+    forward along users and backward along operands. ``span``: the first and last position of the grown
+    set, where the caller keeps them (a region grown a statement at a time then costs what it adds)."""
+    pos = program.position
+    unit_of = program.group_of
+    if span is None:
+        span = (min(pos[name], *map(pos.__getitem__, members)), max(pos[name], *map(pos.__getitem__, members)))
+    low, high = span
+    # as in convex, groups reach past the grown set's ends: the searches stop where nothing can lead back
+    for first, last in program.group_spans:
+        if first > high:
+            break
+        high = max(high, last)
+    for first, last in sorted(program.group_spans, key=lambda fl: -fl[1]):
+        if last < low:
+            break
+        low = min(low, first)
+
+    def inside(n: str) -> bool:
+        return n == name or n in members
+
+    operands = lambda n: program[n].args  # noqa: E731
+    for step, beyond in ((program.users.__getitem__, lambda p: p > high), (operands, lambda p: p < low)):
+        stack = [x for x in step(name) if not inside(x)]
+        seen: set[str] = set()
+        while stack:
+            n = stack.pop()
+            if inside(n):
+                return n
+            if n in seen or beyond(pos[n]):
+                continue
+            group = unit_of.get(n)
+            for x in group.members if group is not None else (n,):
+                seen.add(x)
+                stack.extend(step(x))
     return None
 
 
@@ -166,8 +215,7 @@ def with_group(program: Program, group: Group) -> Program:
 
 
 def ordered(program: Program, names: Iterable[str]) -> tuple[str, ...]:
-    pos = {s.name: i for i, s in enumerate(program.stmts)}
-    return tuple(sorted(set(names), key=pos.__getitem__))
+    return tuple(sorted(set(names), key=program.position.__getitem__))
 
 
 def sliced_dim(program: Program, name: str) -> int | None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from coconet.schedules.ir import Group, Program
-from coconet.schedules.transforms.base import Transform, convex, is_pointwise, ordered, with_group
+from coconet.schedules.transforms.base import Transform, convex, convex_with, is_pointwise, ordered, with_group
 
 
 def _signature(program: Program, name: str):
@@ -29,6 +29,8 @@ def regions(program: Program) -> list[tuple[str, ...]]:
     convex, else the first such group that stays convex, else starts its own."""
     group_of: dict[str, int] = {}
     groups: dict[int, set[str]] = {}
+    first: dict[int, int] = {}  # each group's first position (statements join in program order)
+    pos = program.position
     for s in program.stmts:
         if not fusable(program, s.name):
             continue
@@ -36,24 +38,26 @@ def regions(program: Program) -> list[tuple[str, ...]]:
         cands = sorted({group_of[a] for a in s.args if a in group_of and _signature(program, a) == sig})
         options = ([cands] if len(cands) > 1 else []) + [[c] for c in cands]
         for option in options:
-            union = set().union(*(groups[g] for g in option)) | {s.name}
-            if convex(program, union) is None:
+            if len(option) == 1:  # one group, convex already: only a path through s can close a cycle
+                why = convex_with(program, groups[option[0]], s.name, (first[option[0]], pos[s.name]))
+            else:
+                why = convex(program, set().union(*(groups[g] for g in option)) | {s.name})
+            if why is None:
                 keep = option[0]
                 for g in option[1:]:
                     for m in groups.pop(g):
                         group_of[m] = keep
-                groups[keep] = union
+                        groups[keep].add(m)
+                    first[keep] = min(first[keep], first.pop(g))
+                groups[keep].add(s.name)
                 group_of[s.name] = keep
                 break
         else:
-            group_of[s.name] = len(group_of) + len(groups) + 1
-            groups[group_of[s.name]] = {s.name}
-    return [ordered(program, g) for _, g in sorted(groups.items(), key=lambda kv: min_pos(program, kv[1])) if len(g) > 1]
-
-
-def min_pos(program: Program, names: set[str]) -> int:
-    pos = {s.name: i for i, s in enumerate(program.stmts)}
-    return min(pos[n] for n in names)
+            # numbered by its first member: ids counted from sizes repeated after three-way merges
+            group_of[s.name] = pos[s.name]
+            groups[pos[s.name]] = {s.name}
+            first[pos[s.name]] = pos[s.name]
+    return [ordered(program, g) for _, g in sorted(groups.items(), key=lambda kv: first[kv[0]]) if len(g) > 1]
 
 
 @dataclass(frozen=True)

@@ -11,17 +11,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from coconet.schedules.ir import Group, Program
-from coconet.schedules.transforms.base import Transform, convex, is_pointwise, ordered, sliced_dim, with_group
+from coconet.schedules.transforms.base import Transform, convex_with, is_pointwise, ordered, sliced_dim, with_group
 
 
 def region(program: Program, rs: str) -> tuple[str, ...]:
     dim = sliced_dim(program, rs)
     members = {rs}
+    first = program.position[rs]  # the members are rs and statements after it, added in program order
     for s in program.stmts:
         if s.name in program.group_of or not any(a in members for a in s.args):
             continue
         ok = (is_pointwise(program, s) and sliced_dim(program, s.name) == dim) or s.op == "all_gather"
-        if ok and convex(program, members | {s.name}) is None:
+        if ok and convex_with(program, members, s.name, (first, program.position[s.name])) is None:
             members.add(s.name)
     return ordered(program, members)
 

@@ -7,12 +7,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from coconet.codegen.lower import _units as units
 from coconet.errors import ScheduleError
 from coconet.schedules import equivalence
 from coconet.schedules.schedule import Schedule, sharded_by
 from coconet.schedules.space import generate
+from coconet.schedules.transforms.base import convex, convex_with
 from tests.strategies import collective_programs, programs
 
 ROOT = Path(__file__).parents[2]
@@ -230,3 +232,39 @@ def test_zero1_shards_the_moments_even_when_weight_decay_reads_the_weights_into_
     zero1 = [s for s in space if set(s.sharded) == {"sq", "buf"}]
     assert any("fuse_collective" in s.text for s in zero1)
     assert all(not equivalence.check(s, world, {"N": 7}) for s in zero1 for world in (2, 3))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(collective_programs(), st.data())
+def test_growing_a_region_agrees_with_checking_it_whole(p, data):
+    # regions grow through convex_with, which searches from the new statement alone
+    for sched in generate(p.ir, depth=3):
+        prog = sched.scheduled
+        free = [s.name for s in prog.stmts if s.name not in prog.group_of]
+        members: set[str] = set()
+        for name in data.draw(st.lists(st.sampled_from(free), unique=True, max_size=8)) if free else []:
+            whole = convex(prog, members | {name})
+            if members:
+                assert (convex_with(prog, members, name) is None) == (whole is None), (sched.text, members, name)
+            if whole is None:
+                members.add(name)
+
+
+@pytest.mark.parametrize("name", ["adam", "adam_multi", "megatron_mlp", "lamb"])
+def test_a_listing_words_each_schedule_as_it_would_alone(name, monkeypatch):
+    space = generate(example(name))
+    alone = [Schedule.parse(s.text, s.program).describe() for s in space]
+    applied = []
+    for cls in {type(t) for s in space for t in s.transforms}:
+        monkeypatch.setattr(cls, "apply", _counting(cls.apply, applied))
+    listed = [entry["description"] for entry in space.to_json()["schedules"]]
+    assert listed == alone
+    # prefixes are applied once for the whole listing, not once per schedule that starts with them
+    assert len(applied) <= sum(len(s.transforms) for s in space) // 2
+
+
+def _counting(apply, calls):
+    def counted(self, program):
+        calls.append(self)
+        return apply(self, program)
+    return counted

@@ -8,6 +8,7 @@ import pytest
 import coconet as cc
 from coconet.errors import IllegalTransform, ScheduleError
 from coconet.schedules.schedule import Schedule
+from coconet.schedules.transforms.base import convex, convex_with
 from coconet.schedules.transforms import (
     AsSlice, Bucket, Fuse, FuseCollective, Overlap, Reorder, SliceSend, Split, TRANSFORMS,
 )
@@ -225,3 +226,58 @@ def test_every_transform_is_a_frozen_dataclass_with_a_unique_name():
     assert len({t.name for t in TRANSFORMS}) == len(TRANSFORMS)
     for t in TRANSFORMS:
         assert dataclasses.is_dataclass(t) and t.__dataclass_params__.frozen
+
+
+def _spanned():
+    """Statements x and y with a fused group whose members lie on both sides of them: y -> u -> a and
+    b -> x, the group {a, b} joining the two paths into a cycle through {x, y}."""
+    p = cc.Program("spans", dims=("N",))
+    pin = p.tensor("pin", ("N",), layout=cc.Replicated)
+    qin = p.tensor("qin", ("N",), layout=cc.Replicated)
+    b = (pin * 2.0).named("b")
+    x = (b + 1.0).named("x")
+    y = (qin * 3.0).named("y")
+    u = (y * 2.0).named("u")
+    a = (u + 1.0).named("a")
+    for name, v in (("x", x), ("a", a)):
+        p.output(name, v)
+    return Fuse(("a", "b")).apply(p.ir)
+
+
+def _spanned_backward():
+    p = cc.Program("spans", dims=("N",))
+    pin = p.tensor("pin", ("N",), layout=cc.Replicated)
+    qin = p.tensor("qin", ("N",), layout=cc.Replicated)
+    a = (pin * 2.0).named("a")
+    x = (qin + 1.0).named("x")
+    u = (x * 3.0).named("u")
+    b = (u * 2.0).named("b")
+    y = (a + 1.0).named("y")
+    for name, v in (("b", b), ("y", y)):
+        p.output(name, v)
+    return Fuse(("a", "b")).apply(p.ir)
+
+
+@pytest.mark.parametrize("build", [_spanned, _spanned_backward])
+def test_a_group_reaching_past_a_region_closes_a_cycle_through_it(build):
+    # the searches stop past the region's ends, except where a group reaches further: here the
+    # only path back into {x, y} runs through the group's far member
+    prog = build()
+    assert convex(prog, {"x", "y"}) is not None
+    assert convex_with(prog, {"x"}, "y") is not None
+    assert convex_with(prog, {"y"}, "x") is not None
+    refuses(Fuse(("x", "y")), prog, "cycle")
+
+
+def test_a_rewrite_infers_each_literal_by_its_own_type():
+    # a rewrite takes the types its source inferred; step * 2 and step * 2.0 share all but the literal's type
+    p = cc.Program("lits", dims=("N",))
+    g = p.tensor("g", ("N",), layout=cc.Local)
+    step = p.scalar("step", dtype="int64")
+    p.output("sum", cc.allreduce(g))
+    p.output("whole", (step * 2).named("twice"))
+    p.output("real", (step * 2.0).named("twice_real"))
+    before = p.ir
+    after = Split("ar0").apply(before)
+    assert before["twice"].type.dtype == "int64" and before["twice_real"].type.dtype == "float32"
+    assert after["twice"].type.dtype == "int64" and after["twice_real"].type.dtype == "float32"
