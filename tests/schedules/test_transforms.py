@@ -9,6 +9,7 @@ import coconet as cc
 from coconet.errors import IllegalTransform, ScheduleError
 from coconet.schedules.schedule import Schedule
 from coconet.schedules.transforms.base import convex, convex_with
+from coconet.schedules.transforms.fuse import regions
 from coconet.schedules.transforms import (
     AsSlice, Bucket, Fuse, FuseCollective, Overlap, Reorder, SliceSend, Split, TRANSFORMS,
 )
@@ -281,3 +282,21 @@ def test_a_rewrite_infers_each_literal_by_its_own_type():
     after = Split("ar0").apply(before)
     assert before["twice"].type.dtype == "int64" and before["twice_real"].type.dtype == "float32"
     assert after["twice"].type.dtype == "int64" and after["twice_real"].type.dtype == "float32"
+
+
+def test_regions_after_three_way_merges_keep_each_group():
+    # two where()s each merge three groups; the group started next had been given x's number, so y
+    # joined n1, which it does not read, and x was left out
+    p = cc.Program("merges", dims=("N",))
+    xs = [p.tensor(f"i{k}", ("N",), layout=cc.Replicated) for k in range(7)]
+    a = (xs[0] > 0.0).named("a")
+    b, c, d = [(xs[k] * 2.0).named(n) for k, n in ((1, "b"), (2, "c"), (3, "d"))]
+    f = (xs[4] > 0.0).named("f")
+    x = (xs[5] * 3.0).named("x")
+    m1 = cc.where(a, b, c).named("m1")
+    m2 = cc.where(f, m1, d).named("m2")
+    n1 = (xs[6] * 5.0).named("n1")
+    p.output("m2", m2)
+    p.output("n1", n1)
+    p.output("y", (x + 1.0).named("y"))
+    assert regions(p.ir) == [("a", "b", "c", "d", "f", "m1", "m2"), ("x", "y")]
