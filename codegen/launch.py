@@ -402,7 +402,7 @@ class Check:
         if not e <= tol:
             when = " after a second step on the same inputs" if key != base else ""
             self.failures.append((key, rank, f"{base}{where}{when} (relative error {e:.3g} > {tol:g}) differs from "
-                                             "the reference interpreter"))
+                                             f"the reference interpreter{self._nonfinite(base, value, self.reference[base])}"))
 
     def _source(self, key: str) -> str:
         """The statement whose value ``key`` reports (a state: the one it is updated to, if it is)."""
@@ -422,16 +422,39 @@ class Check:
         """The loosest tolerance of the dtypes the value was computed in on its way: a float32 state
         updated from a bfloat16 allreduce carries bfloat16's error (inputs are given to the oracle
         already rounded to their dtype, so they add none)."""
-        tol, todo, seen = TOLERANCE.get(self._type(key).dtype, 1e-4), [self._source(key)], set()
+        return max(TOLERANCE[d] for d in self._dtypes(key))
+
+    def _dtypes(self, key: str) -> set[str]:
+        """The float dtypes the value of ``key`` was computed in on its way from the inputs."""
+        own = self._type(key).dtype
+        out, todo, seen = {own if own in TOLERANCE else "float32"}, [self._source(key)], set()
         while todo:
             s = self.prog[todo.pop()]
             if s.name in seen or s.op in ("input", "scalar", "recv", "const"):
                 continue
             seen.add(s.name)
             if s.type is not None and s.type.dtype in TOLERANCE:
-                tol = max(tol, TOLERANCE[s.type.dtype])
+                out.add(s.type.dtype)
             todo.extend(a for a in s.args if isinstance(a, str) and a in self.prog)
-        return tol
+        return out
+
+    def _nonfinite(self, key: str, got: np.ndarray, want: np.ndarray) -> str:
+        """Why a value may be inf or NaN where the reference's is finite: the reference computes in float64,
+        so a float16 intermediate that overflows there does not."""
+        got, want = np.asarray(got), np.asarray(want)
+        if got.shape != want.shape:
+            return ""
+        count = int(np.count_nonzero(~np.isfinite(got) & np.isfinite(want)))
+        if not count:
+            return ""
+        largest, narrow = min((float(np.finfo(_NUMPY_FLOAT[d]).max), d) for d in self._dtypes(key))
+        return (f"; {count} element{'s' * (count != 1)} inf or NaN where the reference's are finite: computed in "
+                f"{narrow}, whose largest finite value is {largest:.6g}, an intermediate may overflow where the "
+                "reference interpreter, computing in float64, does not")
+
+
+# numpy's float for each dtype with the same largest finite value (bfloat16 shares float32's range)
+_NUMPY_FLOAT = {"float16": np.float16, "bfloat16": np.float32, "float32": np.float32, "float64": np.float64}
 
 
 def _died(code: int) -> str:

@@ -122,7 +122,12 @@ def _apply_step(program, step: tuple):
     """Apply a step's transforms in order. Instances of a batch were found on the
     program before the step, so an earlier one may take what a later one
     needed (two fused collectives sharing work): the later one is then left
-    out of the step, not an error. The first must apply."""
+    out of the step, not an error. The first must apply. A class that can apply a whole step in one
+    rebuild (``apply_all``) does so where that gives the same program."""
+    together = getattr(type(step[0]), "apply_all", None) if len(step) > 1 else None
+    result = together(program, step) if together is not None else None
+    if result is not None:
+        return result, tuple(step)
     applied = []
     for i, t in enumerate(step):
         try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from coconet.errors import IllegalTransform
 from coconet.schedules.ir import Program
 from coconet.schedules.rewrite import Rewriter
 from coconet.schedules.transforms.base import Transform, consumes_slices
@@ -65,6 +66,21 @@ class AsSlice(Transform):
         return [[t for t in insts if t.tensor in read]]
 
     def apply(self, program: Program) -> Program:
+        upd, ag = self._check(program)
+        rw = Rewriter(program, self.text())
+        for s in program.stmts:
+            if s.name == self.tensor:
+                rw.copy(s, attrs={**dict(s.attrs), "layout": str(program[ag.args[0]].type.layout)})
+            elif s.name == upd.name:
+                rw.copy(s, [rw[self.tensor], rw[ag.args[0]]])
+            elif self.tensor in s.args and not consumes_slices(program, s):
+                rw.copy(s, [rw.whole(a) if a == self.tensor else rw[a] for a in s.args])
+            else:
+                rw.copy(s)
+        return rw.finish()
+
+    def _check(self, program: Program):
+        """The update of the state and the all_gather it drops; refuses where this cannot apply."""
         self.no_groups(program)
         t = self.need(program, self.tensor, ("input",), "a tensor input")
         if not isinstance(t.type.layout, Replicated):
@@ -74,18 +90,40 @@ class AsSlice(Transform):
             raise self.refuse(f"{t.name} is not updated: only updated state is sharded")
         if ag is None:
             raise self.refuse(f"the new value of {t.name} is computed whole; reorder the update onto slices first")
-        sliced = program[ag.args[0]].type.layout
-        rw = Rewriter(program, self.text())
+        return upd, ag
+
+    @classmethod
+    def apply_all(cls, program: Program, transforms: tuple["AsSlice", ...]) -> Program | None:
+        """Every one of ``transforms`` in one rebuild of the program (one rebuild each made a step over k
+        tensors cost k programs), where that gives what applying them one after the other gives: each
+        applies, and no reader of the sliced state needs it whole, so the rebuild names nothing new.
+        None otherwise: apply them one by one."""
+        names = [t.tensor for t in transforms]
+        if len(set(names)) != len(names):
+            return None
+        try:
+            gathered = {t.tensor: t._check(program) for t in transforms}
+        except IllegalTransform:
+            return None
+        sliced = set(names)
+        updates = {upd.name: (tensor, ag) for tensor, (upd, ag) in gathered.items()}
+        if any(sliced.intersection(s.args) and not consumes_slices(program, s)
+               for s in program.stmts if s.name not in updates):
+            return None
+        rw = Rewriter(program, "; ".join(t.text() for t in transforms))
         for s in program.stmts:
-            if s.name == t.name:
-                rw.copy(s, attrs={**dict(s.attrs), "layout": str(sliced)})
-            elif s.name == upd.name:
-                rw.copy(s, [rw[t.name], rw[ag.args[0]]])
-            elif t.name in s.args and not consumes_slices(program, s):
-                rw.copy(s, [rw.whole(a) if a == t.name else rw[a] for a in s.args])
+            if s.name in sliced:
+                layout = program[gathered[s.name][1].args[0]].type.layout
+                rw.copy(s, attrs={**dict(s.attrs), "layout": str(layout)})
+            elif s.name in updates:
+                tensor, ag = updates[s.name]
+                rw.copy(s, [rw[tensor], rw[ag.args[0]]])
             else:
                 rw.copy(s)
-        return rw.finish()
+        result = rw.finish()
+        if not {s.name for s in result.stmts} <= {s.name for s in program.stmts}:
+            return None  # the builder made statements of its own: their names could differ one by one
+        return result
 
     @classmethod
     def describe_many(cls, transforms, program) -> str:

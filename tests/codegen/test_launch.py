@@ -382,3 +382,29 @@ def test_reports_are_checked_as_they_come_whatever_their_order():
     for r in (0, 2):
         check.add(r, reports[r])
     assert check.result()[1].startswith("stage0.state.m is missing from rank 1")
+
+
+def test_a_float16_overflow_is_named_as_the_cause():
+    """x·1000 squared passes float16's largest value (65504), so a step computing in float16 reports inf
+    where the float64 reference has 1000: the check says so instead of a bare relative error of inf."""
+    import numpy as np
+
+    import coconet as cc
+    from coconet.codegen.launch import compare
+    from coconet.schedules import interp
+
+    p = cc.Program("fp16", dims=("N",))
+    x = p.tensor("x", ("N",), layout=cc.Replicated, dtype="float16")
+    big = x * 1000.0
+    p.output("y", cc.sqrt(big * big))
+    opts = Options(world=2, sizes={"N": 6})
+    observable = interp.run(p.ir, 2, {"N": 6}, seed=opts.seed).observable()
+    reports = {r: {k: np.array(v, dtype=np.float16) for k, v in observable.items()} for r in range(2)}
+    assert compare(p.ir, reports, opts, observable)[1] is None
+    reports[1]["stage0.output.y"][2:4] = np.inf
+    err, bad = compare(p.ir, reports, opts, observable)
+    assert err == float("inf")
+    assert "2 elements inf or NaN where the reference's are finite: computed in float16, whose largest finite " \
+           "value is 65504" in bad, bad
+    reports[1]["stage0.output.y"][2:4] = 1.0  # wrong but finite: no word of overflow
+    assert "inf or NaN" not in compare(p.ir, reports, opts, observable)[1]

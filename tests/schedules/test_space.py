@@ -109,6 +109,7 @@ def test_text_round_trip_random(p):
     for sched in generate(prog, depth=4):
         again = Schedule.parse(sched.text, prog)
         assert again.text == sched.text and again.structure == sched.structure and again.hash == sched.hash
+        assert again.scheduled == sched.scheduled  # names too: later transforms name statements
 
 
 @pytest.mark.parametrize("name", sorted(SIZES))
@@ -117,6 +118,7 @@ def test_text_and_json_round_trip(name):
     for sched in generate(prog):
         again = Schedule.parse(sched.text, prog)
         assert again.text == sched.text and again.structure == sched.structure
+        assert again.scheduled == sched.scheduled
         assert Schedule.from_json(sched.to_json(), prog).hash == sched.hash
         tuned = sched.with_knobs(**{k: dom[-1] for k, (_, dom) in sched.knob_domains.items()})
         if sched.knob_domains:

@@ -4,12 +4,14 @@ import runpy
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
 
 import coconet as cc
 from coconet.errors import IllegalTransform, ScheduleError
 from coconet.schedules.schedule import Schedule
 from coconet.schedules.transforms.base import convex, convex_with
 from coconet.schedules.transforms.fuse import regions
+from tests.strategies import collective_programs
 from coconet.schedules.transforms import (
     AsSlice, Bucket, Fuse, FuseCollective, Overlap, Reorder, SliceSend, Split, TRANSFORMS,
 )
@@ -300,3 +302,62 @@ def test_regions_after_three_way_merges_keep_each_group():
     p.output("n1", n1)
     p.output("y", (x + 1.0).named("y"))
     assert regions(p.ir) == [("a", "b", "c", "d", "f", "m1", "m2"), ("x", "y")]
+
+
+def _as_slice_runs(prog):
+    """(program before, run) for every run of two or more as_slice in the schedules of ``prog``."""
+    from coconet.schedules.space import generate
+
+    for sched in generate(prog):
+        before, i, ts = prog, 0, sched.transforms
+        while i < len(ts):
+            j = i
+            while j < len(ts) and isinstance(ts[j], AsSlice):
+                j += 1
+            if j - i >= 2:
+                yield before, ts[i:j]
+            for t in ts[i:max(j, i + 1)]:
+                before = t.apply(before)
+            i = max(j, i + 1)
+
+
+def _one_by_one(prog, ts):
+    for t in ts:
+        prog = t.apply(prog)
+    return prog
+
+
+@pytest.mark.parametrize("name", ["adam", "lamb", "adam_multi"])
+def test_slicing_state_together_is_slicing_it_one_by_one(name):
+    together = 0
+    for before, run in _as_slice_runs(example(name)):
+        batch = AsSlice.apply_all(before, run)
+        if batch is not None:
+            together += 1
+            assert batch == _one_by_one(before, run)  # names and order too: later transforms name statements
+    assert together > 0
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(collective_programs())
+def test_slicing_random_state_together_is_slicing_it_one_by_one(p):
+    for before, run in _as_slice_runs(p.ir):
+        batch = AsSlice.apply_all(before, run)
+        assert batch is None or batch == _one_by_one(before, run)
+
+
+def test_slicing_state_a_reader_needs_whole_is_left_to_one_by_one():
+    # the output reads m whole: one by one, m gets an all_gather of its own, named as it is made
+    p = cc.Program("whole", dims=("N",))
+    g = p.tensor("g", ("N",), layout=cc.Local)
+    m = p.tensor("m", ("N",), layout=cc.Replicated)
+    v = p.tensor("v", ("N",), layout=cc.Replicated)
+    avg = cc.allreduce(g)
+    p.update(m, m * 0.9 + avg)
+    p.update(v, v * 0.9 + avg * avg)
+    p.output("m_before", m)
+    before = Schedule.parse("split(ar0); reorder(ag0)", p.ir).scheduled
+    run = (AsSlice("m"), AsSlice("v"))
+    assert AsSlice.apply_all(before, run) is None
+    after = _one_by_one(before, run)
+    assert any(s.op == "all_gather" and s.args == ("m",) for s in after.stmts)
