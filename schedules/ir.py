@@ -9,7 +9,9 @@ program's structural hash ignores the names of intermediate statements.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
+import itertools
 import json
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -183,6 +185,27 @@ class Program:
         """(first, last) position of each group's members, by first position."""
         pos = self.position
         return tuple(sorted((min(pos[m] for m in g.members), max(pos[m] for m in g.members)) for g in self.groups))
+
+    def group_reach(self, low: int, high: int) -> tuple[int, int]:
+        """The positions ``[low, high]`` widened by every group that straddles an end, until none does: past
+        them no path through a group (a unit: entered at one member, left from any) leads back inside."""
+        firsts, furthest, lasts, earliest = self._reach_tables
+        while True:
+            i = bisect.bisect_right(firsts, high)  # groups starting at or before high: the furthest they end
+            j = bisect.bisect_left(lasts, low)  # groups ending at or after low: the earliest they start
+            wider = (min(low, earliest[j]) if j < len(lasts) else low, max(high, furthest[i - 1]) if i else high)
+            if wider == (low, high):
+                return low, high
+            low, high = wider
+
+    @cached_property
+    def _reach_tables(self) -> tuple[list[int], list[int], list[int], list[int]]:
+        by_first = self.group_spans
+        by_last = sorted(self.group_spans, key=lambda span: span[1])
+        firsts, lasts = [f for f, _ in by_first], [last for _, last in by_last]
+        furthest = list(itertools.accumulate((last for _, last in by_first), max))
+        earliest = list(itertools.accumulate((f for f, _ in reversed(by_last)), min))[::-1]
+        return firsts, furthest, lasts, earliest
 
     def location(self, name: str) -> str | None:
         return self.locations.get(name)

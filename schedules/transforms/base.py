@@ -145,11 +145,7 @@ def convex(program: Program, members: set[str]) -> str | None:
     # Data edges go forward in program order; only a group can lead back, so past the last member, and past
     # every group that reaches back to it, nothing returns into the members: the search stops there
     # (regions grow one statement at a time, and a search of the whole program each time was quadratic).
-    horizon = max(pos[m] for m in members)
-    for first, last in program.group_spans:
-        if first > horizon:
-            break
-        horizon = max(horizon, last)
+    _, horizon = program.group_reach(max(pos[m] for m in members), max(pos[m] for m in members))
     unit_of = program.group_of
     stack = [u for m in members for u in program.users[m] if u not in members]
     seen: set[str] = set()
@@ -175,16 +171,8 @@ def convex_with(program: Program, members: set[str], name: str, span: tuple[int,
     unit_of = program.group_of
     if span is None:
         span = (min(pos[name], *map(pos.__getitem__, members)), max(pos[name], *map(pos.__getitem__, members)))
-    low, high = span
     # as in convex, groups reach past the grown set's ends: the searches stop where nothing can lead back
-    for first, last in program.group_spans:
-        if first > high:
-            break
-        high = max(high, last)
-    for first, last in sorted(program.group_spans, key=lambda fl: -fl[1]):
-        if last < low:
-            break
-        low = min(low, first)
+    low, high = program.group_reach(*span)
 
     def inside(n: str) -> bool:
         return n == name or n in members

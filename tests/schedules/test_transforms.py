@@ -294,15 +294,15 @@ def test_regions_after_three_way_merges_keep_each_group():
     assert regions(p.ir) == [("a", "b", "c", "d", "f", "m1", "m2"), ("x", "y")]
 
 
-def _as_slice_runs(prog):
-    """(program before, run) for every run of two or more as_slice in the schedules of ``prog``."""
+def _runs(prog, cls):
+    """(program before, run) for every run of two or more ``cls`` in the schedules of ``prog``."""
     from coconet.schedules.space import generate
 
     for sched in generate(prog):
         before, i, ts = prog, 0, sched.transforms
         while i < len(ts):
             j = i
-            while j < len(ts) and isinstance(ts[j], AsSlice):
+            while j < len(ts) and isinstance(ts[j], cls):
                 j += 1
             if j - i >= 2:
                 yield before, ts[i:j]
@@ -317,11 +317,12 @@ def _one_by_one(prog, ts):
     return prog
 
 
-@pytest.mark.parametrize("name", ["adam", "lamb", "adam_multi"])
-def test_slicing_state_together_is_slicing_it_one_by_one(name):
+@pytest.mark.parametrize("cls,name", [(AsSlice, "adam"), (AsSlice, "lamb"), (AsSlice, "adam_multi"),
+                                      (Split, "adam_multi")])
+def test_a_step_applied_together_is_the_step_applied_one_by_one(cls, name):
     together = 0
-    for before, run in _as_slice_runs(example(name)):
-        batch = AsSlice.apply_all(before, run)
+    for before, run in _runs(example(name), cls):
+        batch = cls.apply_all(before, run)
         if batch is not None:
             together += 1
             assert batch == _one_by_one(before, run)  # names and order too: later transforms name statements
@@ -330,10 +331,24 @@ def test_slicing_state_together_is_slicing_it_one_by_one(name):
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(collective_programs())
-def test_slicing_random_state_together_is_slicing_it_one_by_one(p):
-    for before, run in _as_slice_runs(p.ir):
-        batch = AsSlice.apply_all(before, run)
-        assert batch is None or batch == _one_by_one(before, run)
+def test_random_steps_applied_together_are_the_steps_applied_one_by_one(p):
+    for cls in (AsSlice, Split):
+        for before, run in _runs(p.ir, cls):
+            batch = cls.apply_all(before, run)
+            assert batch is None or batch == _one_by_one(before, run)
+
+
+def test_splits_are_left_one_by_one_where_an_allreduce_bears_a_name_a_split_gives():
+    # one by one, splitting the allreduce named rs0 frees that name for the next split's reduce_scatter
+    p = cc.Program("names", dims=("N",))
+    g = p.tensor("g", ("N",), layout=cc.Local)
+    h = p.tensor("h", ("N",), layout=cc.Local)
+    p.output("a", cc.allreduce(g).named("rs0"))
+    p.output("b", cc.allreduce(h))
+    run = tuple(Split(s.name) for s in p.ir.stmts if s.op == "allreduce")
+    assert Split.apply_all(p.ir, run) is None
+    assert _one_by_one(p.ir, run)["rs0"].op == "reduce_scatter"
+    assert Split.apply_all(p.ir, run[::-1]) is None  # not in program order
 
 
 def test_slicing_state_a_reader_needs_whole_is_left_to_one_by_one():
@@ -351,3 +366,23 @@ def test_slicing_state_a_reader_needs_whole_is_left_to_one_by_one():
     assert AsSlice.apply_all(before, run) is None
     after = _one_by_one(before, run)
     assert any(s.op == "all_gather" and s.args == ("m",) for s in after.stmts)
+
+
+def test_group_reach_widens_through_chains_of_groups():
+    import dataclasses
+
+    from coconet.schedules.ir import Group
+
+    p = cc.Program("reach", dims=("N",))
+    x = p.tensor("x", ("N",), layout=cc.Replicated)
+    for k in range(12):
+        p.output(f"y{k}", (x * float(k + 2)).named(f"s{k}"))
+    prog = p.ir
+    at = {f"s{k}": prog.position[f"s{k}"] for k in range(12)}
+    spans = dataclasses.replace(prog, groups=(Group("fuse", ("s1", "s4")), Group("fuse", ("s3", "s9")),
+                                              Group("fuse", ("s10", "s11"))))
+    # from s2: s1..s4 straddles it, then s3..s9 straddles s4; s10..s11 lies beyond, not reached
+    assert spans.group_reach(at["s2"], at["s2"]) == (at["s1"], at["s9"])
+    assert spans.group_reach(at["s6"], at["s6"]) == (at["s1"], at["s9"])
+    assert spans.group_reach(at["s0"], at["s0"]) == (at["s0"], at["s0"])
+    assert prog.group_reach(at["s2"], at["s5"]) == (at["s2"], at["s5"])
