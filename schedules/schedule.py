@@ -25,7 +25,11 @@ BASELINE = "baseline"
 _ITEM = re.compile(r"\s*([a-z_]+)\s*\((.*)\)\s*\Z")
 _KNOB = re.compile(r"\s*([a-z_]+)\s*=\s*([0-9]+)\s*\Z")
 MAX_KNOB = 2**40
+# A text longer than any schedule of its program is refused before parsing. Schedules of a program with
+# many tensors name every one (a split, a reorder and two as_slice per tensor, each tensor's kernel in a
+# fuse): fifty of Adam's take 12 KB, so the bound grows with the program.
 MAX_TEXT = 8192
+TEXT_PER_STATEMENT = 256
 
 
 @dataclass(frozen=True)
@@ -147,8 +151,10 @@ class Schedule:
     @classmethod
     def parse(cls, text: str, program: Program) -> "Schedule":
         """Parse canonical text; every transform is applied, so an illegal one is refused here."""
-        if not isinstance(text, str) or len(text) > MAX_TEXT:
-            raise ScheduleError(f"schedule text must be a string of at most {MAX_TEXT} characters")
+        limit = MAX_TEXT + TEXT_PER_STATEMENT * len(program)
+        if not isinstance(text, str) or len(text) > limit:
+            raise ScheduleError(f"schedule text must be a string of at most {limit} characters "
+                                f"for a program of {len(program)} statements")
         transforms, knobs = _read(text)
         if not transforms and not knobs:
             return cls(program)

@@ -270,3 +270,30 @@ def _counting(apply, calls):
         calls.append(self)
         return apply(self, program)
     return counted
+
+
+def _adam_over(tensors):
+    import coconet as cc
+
+    p = cc.Program(f"adam_{tensors}", dims=("H",))
+    lr, beta1, beta2, eps = p.scalars("lr beta1 beta2 eps")
+    for i in range(tensors):
+        g = p.tensor(f"g{i}", ("H",), layout=cc.Local)
+        w, m, v = (p.tensor(f"{n}{i}", ("H",), layout=cc.Replicated) for n in "wmv")
+        avg = cc.allreduce(g)
+        m1, v1 = beta1 * m + (1 - beta1) * avg, beta2 * v + (1 - beta2) * avg * avg
+        p.update(m, m1)
+        p.update(v, v1)
+        p.update(w, w - lr * m1 / (cc.sqrt(v1) + eps))
+    return p.ir
+
+
+def test_the_longest_schedule_of_a_program_with_many_tensors_parses():
+    # fifty tensors' ZeRO-1 schedule names each of them several times: 12 KB of text, which the fixed
+    # 8 KB bound refused when a tune resumed it or the service showed its code
+    prog = _adam_over(50)
+    longest = max(generate(prog), key=lambda s: len(s.text))
+    assert len(longest.text) > 8192
+    assert Schedule.parse(longest.text, prog).scheduled == longest.scheduled
+    with pytest.raises(ScheduleError, match=r"at most \d+ characters for a program of \d+ statements"):
+        Schedule.parse(longest.text + " " * (256 * len(prog) + 8192), prog)
