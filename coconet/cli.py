@@ -24,6 +24,24 @@ from rich.text import Text
 from coconet.errors import CoconetError
 from coconet.schedules.dims import format_sizes
 
+class _Command(typer.core.TyperCommand):
+    """A command that refuses an option of one value given twice: click keeps the last one silently, and
+    `run --backend shm --backend gloo` ran gloo alone."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        if not ctx.resilient_parsing:
+            _, _, order = self.make_parser(ctx).parse_args(args=list(args))
+            seen: set[str] = set()
+            for param in order:
+                if param.param_type_name != "option" or param.multiple or param.is_flag or param.count:
+                    continue
+                if param.name in seen:
+                    raise typer.BadParameter(f"given more than once: {ctx.info_name} takes one value",
+                                             ctx=ctx, param=param)
+                seen.add(param.name)
+        return super().parse_args(ctx, args)
+
+
 app = typer.Typer(
     name="coconet",
     help="Co-optimise computation and communication of distributed ML programs, and tune their schedules.",
@@ -140,7 +158,7 @@ def _statement_row(s: Any, sizes: dict[str, int] | None) -> dict[str, Any]:
     return row
 
 
-@app.command()
+@app.command(cls=_Command)
 @_guard
 def check(
     file: Path = typer.Argument(..., help="Program file: .py defining `program`, or exported .json."),
@@ -174,7 +192,7 @@ def check(
     console.print(table)
 
 
-@app.command()
+@app.command(cls=_Command)
 @_guard
 def export(
     file: Path = typer.Argument(..., help="Program file: .py defining `program`, or .json."),
@@ -199,7 +217,7 @@ def export(
         Console(stderr=True, highlight=False).print(f"wrote {output} ({prog.name}, hash {prog.hash})")
 
 
-@app.command()
+@app.command(cls=_Command)
 @_guard
 def schedules(
     file: Path = typer.Argument(..., help="Program file: .py defining `program`, or .json."),
@@ -323,7 +341,7 @@ def _fmt_s(x: Optional[float]) -> str:
     return f"{x * 1e9:.3g} ns"
 
 
-@app.command()
+@app.command(cls=_Command)
 @_guard
 def run(
     file: Path = typer.Argument(..., help="Program file: .py defining `program`, or .json."),
@@ -420,7 +438,7 @@ def _print_run_table(prog: Any, world: int, backend: str, sizes: dict, rows: lis
                 f"{row['schedule']}: {row['status']}: {row['error']}", markup=False)
 
 
-@app.command()
+@app.command(cls=_Command)
 @_guard
 def tune(
     file: Path = typer.Argument(..., help="The program: a .py file defining `program`, or its JSON IR."),
@@ -545,7 +563,7 @@ def _failure_text(f: dict) -> str:
     return f"{f['status']}: {' '.join(f['error'].split()) or 'no reason given'}{many}"
 
 
-@app.command()
+@app.command(cls=_Command)
 @_guard
 def sweep(
     config: Path = typer.Argument(..., help="Sweep definition (YAML): programs and sizes, topologies, worlds, "
@@ -605,7 +623,7 @@ def sweep(
             f"{doc['too_large_why']})", markup=False)
 
 
-@app.command()
+@app.command(cls=_Command)
 @_guard
 def calibrate(
     world: int = typer.Option(2, "--world", min=2, max=64, help="Ranks to time collectives among."),
@@ -742,7 +760,7 @@ def _write_report(path: Path, report: dict) -> None:
     os.replace(partial, path)
 
 
-@app.command()
+@app.command(cls=_Command)
 @_guard
 def bench(
     workload: str = typer.Argument(..., help="An example's name (adam, megatron_mlp, …) or a program file."),
@@ -929,7 +947,7 @@ def bench(
                       f"--shardable all, every one)", markup=False)
 
 
-@app.command()
+@app.command(cls=_Command)
 @_guard
 def serve(
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on; other than loopback only with "
@@ -999,7 +1017,7 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-@app.command()
+@app.command(cls=_Command)
 @_guard
 def submit(
     file: Path = typer.Argument(..., help="The program: a .py file defining `program` (run here; only its JSON IR "

@@ -134,6 +134,10 @@ def test_json_with_unknown_op(tmp_path):
     (["tune", "examples/adam.py", "--size", "N=8", "--world", "10000"], "at most 64 ranks"),
     (["tune", "examples/adam.py", "--size", "N=8", "--ray-address", "127.0.0.1:1"], "no Ray cluster answers there"),
     (["submit", "examples/adam.py", "--size", "N=8", "--server", "http://[::1"], "is not a valid URL"),
+    # one value kept silently: the last backend alone ran
+    (["run", "examples/adam.py", "--size", "N=8", "--backend", "shm", "--backend", "gloo"],
+     "Invalid value for '--backend': given more than once: run takes one value"),
+    (["tune", "examples/adam.py", "--size", "N=8", "--world", "2", "--world=3"], "'--world': given more than once"),
 ])
 def test_other_errors(args, fragment):
     assert_one_error(coconet(*args), fragment)
