@@ -133,11 +133,10 @@ class Schedule:
             memo[("program", self.transforms[:i + 1])] = prog
         return prog
 
-    def remember(self, memo: dict) -> dict:
-        """``memo`` for ``describe``, given this schedule's program where it is already computed."""
+    def remember(self, memo: dict) -> None:
+        """Gives ``memo`` (for ``describe``) this schedule's program where it is already computed."""
         if "scheduled" in self.__dict__ and self.transforms:
             memo[("program", self.transforms)] = self.__dict__["scheduled"]
-        return memo
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -145,7 +145,8 @@ def convex(program: Program, members: set[str]) -> str | None:
     # Data edges go forward in program order; only a group can lead back, so past the last member, and past
     # every group that reaches back to it, nothing returns into the members: the search stops there
     # (regions grow one statement at a time, and a search of the whole program each time was quadratic).
-    _, horizon = program.group_reach(max(pos[m] for m in members), max(pos[m] for m in members))
+    last = max(pos[m] for m in members)
+    _, horizon = program.group_reach(last, last)
     unit_of = program.group_of
     stack = [u for m in members for u in program.users[m] if u not in members]
     seen: set[str] = set()
