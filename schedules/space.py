@@ -124,8 +124,7 @@ def _apply_step(program, step: tuple):
     needed (two fused collectives sharing work): the later one is then left
     out of the step, not an error. The first must apply. A class that can apply a whole step in one
     rebuild (``apply_all``) does so where that gives the same program."""
-    together = getattr(type(step[0]), "apply_all", None) if len(step) > 1 else None
-    result = together(program, step) if together is not None else None
+    result = type(step[0]).apply_all(program, tuple(step)) if len(step) > 1 else None
     if result is not None:
         return result, tuple(step)
     applied = []

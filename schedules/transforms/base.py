@@ -33,6 +33,12 @@ class Transform:
     def apply(self, program: Program) -> Program:
         raise NotImplementedError
 
+    @classmethod
+    def apply_all(cls, program: Program, transforms: tuple["Transform", ...]) -> Program | None:
+        """``transforms`` (all of this class) applied in one rebuild where that is exactly the program applying
+        them one after the other gives, names included; None where it cannot say so."""
+        return None
+
     def describe(self, program: Program) -> str:
         return self.text()
 
