@@ -66,18 +66,7 @@ class AsSlice(Transform):
         return [[t for t in insts if t.tensor in read]]
 
     def apply(self, program: Program) -> Program:
-        upd, ag = self._check(program)
-        rw = Rewriter(program, self.text())
-        for s in program.stmts:
-            if s.name == self.tensor:
-                rw.copy(s, attrs={**dict(s.attrs), "layout": str(program[ag.args[0]].type.layout)})
-            elif s.name == upd.name:
-                rw.copy(s, [rw[self.tensor], rw[ag.args[0]]])
-            elif self.tensor in s.args and not consumes_slices(program, s):
-                rw.copy(s, [rw.whole(a) if a == self.tensor else rw[a] for a in s.args])
-            else:
-                rw.copy(s)
-        return rw.finish()
+        return _slice(program, {self.tensor: self._check(program)}, self.text())
 
     def _check(self, program: Program):
         """The update of the state and the all_gather it drops; refuses where this cannot apply."""
@@ -98,29 +87,17 @@ class AsSlice(Transform):
         tensors cost k programs), where that gives what applying them one after the other gives: each
         applies, and no reader of the sliced state needs it whole, so the rebuild names nothing new.
         None otherwise: apply them one by one."""
-        names = [t.tensor for t in transforms]
-        if len(set(names)) != len(names):
+        if len({t.tensor for t in transforms}) != len(transforms):
             return None
         try:
             gathered = {t.tensor: t._check(program) for t in transforms}
         except IllegalTransform:
             return None
-        sliced = set(names)
-        updates = {upd.name: (tensor, ag) for tensor, (upd, ag) in gathered.items()}
-        if any(sliced.intersection(s.args) and not consumes_slices(program, s)
-               for s in program.stmts if s.name not in updates):
+        own_updates = {upd.name for upd, _ in gathered.values()}
+        if any(gathered.keys() & set(s.args) and not consumes_slices(program, s)
+               for s in program.stmts if s.name not in own_updates):
             return None
-        rw = Rewriter(program, "; ".join(t.text() for t in transforms))
-        for s in program.stmts:
-            if s.name in sliced:
-                layout = program[gathered[s.name][1].args[0]].type.layout
-                rw.copy(s, attrs={**dict(s.attrs), "layout": str(layout)})
-            elif s.name in updates:
-                tensor, ag = updates[s.name]
-                rw.copy(s, [rw[tensor], rw[ag.args[0]]])
-            else:
-                rw.copy(s)
-        result = rw.finish()
+        result = _slice(program, gathered, "; ".join(t.text() for t in transforms))
         if not {s.name for s in result.stmts} <= {s.name for s in program.stmts}:
             return None  # the builder made statements of its own: their names could differ one by one
         return result
@@ -131,3 +108,22 @@ class AsSlice(Transform):
 
     def describe(self, program: Program) -> str:
         return f"{self.tensor} kept sliced"
+
+
+def _slice(program: Program, gathered: dict, text: str) -> Program:
+    """``program`` with each state of ``gathered`` (state -> its update and the all_gather that update drops)
+    kept sliced: the update takes the slices, and a reader that cannot take them gets the state whole."""
+    updates = {upd.name: (tensor, ag) for tensor, (upd, ag) in gathered.items()}
+    rw = Rewriter(program, text)
+    for s in program.stmts:
+        if s.name in gathered:
+            layout = program[gathered[s.name][1].args[0]].type.layout
+            rw.copy(s, attrs={**dict(s.attrs), "layout": str(layout)})
+        elif s.name in updates:
+            tensor, ag = updates[s.name]
+            rw.copy(s, [rw[tensor], rw[ag.args[0]]])
+        elif gathered.keys() & set(s.args) and not consumes_slices(program, s):
+            rw.copy(s, [rw.whole(a) if a in gathered else rw[a] for a in s.args])
+        else:
+            rw.copy(s)
+    return rw.finish()

@@ -28,8 +28,7 @@ def regions(program: Program) -> list[tuple[str, ...]]:
     groups of its fusable operands of the same signature when the union stays
     convex, else the first such group that stays convex, else starts its own."""
     group_of: dict[str, int] = {}
-    groups: dict[int, set[str]] = {}
-    first: dict[int, int] = {}  # each group's first position (statements join in program order)
+    groups: dict[int, set[str]] = {}  # by the position of the group's first member
     pos = program.position
     for s in program.stmts:
         if not fusable(program, s.name):
@@ -39,16 +38,15 @@ def regions(program: Program) -> list[tuple[str, ...]]:
         options = ([cands] if len(cands) > 1 else []) + [[c] for c in cands]
         for option in options:
             if len(option) == 1:  # one group, convex already: only a path through s can close a cycle
-                why = convex_with(program, groups[option[0]], s.name, (first[option[0]], pos[s.name]))
+                why = convex_with(program, groups[option[0]], s.name, (option[0], pos[s.name]))
             else:
                 why = convex(program, set().union(*(groups[g] for g in option)) | {s.name})
             if why is None:
-                keep = option[0]
+                keep = option[0]  # the earliest: it stays the merged group's first member
                 for g in option[1:]:
                     for m in groups.pop(g):
                         group_of[m] = keep
                         groups[keep].add(m)
-                    first[keep] = min(first[keep], first.pop(g))
                 groups[keep].add(s.name)
                 group_of[s.name] = keep
                 break
@@ -56,8 +54,7 @@ def regions(program: Program) -> list[tuple[str, ...]]:
             # numbered by its first member: ids counted from sizes repeated after three-way merges
             group_of[s.name] = pos[s.name]
             groups[pos[s.name]] = {s.name}
-            first[pos[s.name]] = pos[s.name]
-    return [ordered(program, g) for _, g in sorted(groups.items(), key=lambda kv: first[kv[0]]) if len(g) > 1]
+    return [ordered(program, g) for _, g in sorted(groups.items()) if len(g) > 1]
 
 
 @dataclass(frozen=True)
