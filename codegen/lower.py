@@ -646,7 +646,10 @@ def _chunked_body(e: _Emitter, g: Group, outs: list[str], chunks: int, absorbed=
         # shm: the kernel sums the chunk's rows on every rank as it reads them (sum, avg)
         parts = e.backend == "shm" and rs.attr("op") in ("sum", "avg") and rs.name not in needed
         parts = parts and e.ident.fresh(f"{e.ident(rs.name)}_parts", scope)  # the chunk's rows on every rank
-        kernel = (_chunk_kernel(e, g, compute, inplace, needed, rs if parts else None, into, parts)
+        # compiled, the kernel writes this rank's rows of a gathered state into every peer's copy as it computes
+        # them: a push after it would read them back from memory (shm.py's module doc)
+        peers = {m: f"{tmp[m]}.peer_rows(_c)" for m in into}
+        kernel = (_chunk_kernel(e, g, compute, inplace, needed, rs if parts else None, into, parts, peers)
                   if e.compile else None)
         if kernel is not None and parts:
             lines.append((f"    for _c, {parts} in _reduce_scatter_parts(_rank, {e.ident(rs.args[0])}, "
@@ -666,8 +669,10 @@ def _chunked_body(e: _Emitter, g: Group, outs: list[str], chunks: int, absorbed=
                 src = p[m].args[0]
                 lines.append((f"        {e.operand(p[src], t)}.copy_({e.ident(src)})", m))
         for m in gathers:
-            lines.append((f"        {tmp[m]}.push(_c)" if m in into
-                          else f"        {tmp[m]}.add(_c, {e.ident(p[m].args[0])})", m))
+            if m not in into:
+                lines.append((f"        {tmp[m]}.add(_c, {e.ident(p[m].args[0])})", m))
+            elif kernel is None:
+                lines.append((f"        {tmp[m]}.push(_c)", m))
     finally:
         e.chunked = None
     lines += [(f"        {tmp[o]}.append({e.ident(o)})", o) for o in sliced_outs]
@@ -698,7 +703,7 @@ def chunk_compiles(p: Program, g: Group, compute: list[str]) -> bool:
 
 
 def _chunk_kernel(e: _Emitter, g: Group, compute: list[str], inplace: dict[str, str], needed: set,
-                  parts: Stmt | None = None, into=None, parts_name: str | None = None) -> list | None:
+                  parts: Stmt | None = None, into=None, parts_name: str | None = None, peers=None) -> list | None:
     """The pointwise statements of a fused collective's chunk as one module-level function compiled by
     Inductor, called once per chunk with the chunk's rows of what it reads (cut at the call: the chunk's
     position stays out of the compiled code; dropout gets the chunk's first row as a tensor). None when a
@@ -726,9 +731,12 @@ def _chunk_kernel(e: _Emitter, g: Group, compute: list[str], inplace: dict[str, 
                      f"{args[row0]})", m))
     for o, t in inplace.items():
         body.append((f"    {e.operand(p[o], t)}.copy_({e.ident(o)})", o))
-    for m, t in (into or {}).items():  # this rank's rows of the gathered state, in place: pushed to the peers after
+    for m, t in (into or {}).items():  # this rank's rows of the gathered state, in place and in every peer's copy
         src = p[m].args[0]
         body.append((f"    {e.operand(p[src], t)}.copy_({e.ident(src)})", m))
+        rows, peer = e.ident.fresh(f"{e.ident(t)}_peers", scope), e.ident.fresh("_peer", scope)
+        args[peers[m]] = rows
+        body += [(f"    for {peer} in {rows}:", m), (f"        {peer}.copy_({e.ident(src)})", m)]
 
     def param(match: re.Match) -> str:
         expr = match.group(0)

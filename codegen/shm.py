@@ -29,8 +29,10 @@ order; elsewhere the backend refuses to start.
 The all_gather that ends a fused collective updating replicated state (ZeRO-1
 Adam's ``w``) does not go through a slot: each rank's copy of the state lives in
 a segment of its own, which its peers map, and each rank writes the rows it
-computed straight into every peer's copy as each chunk is done; one barrier,
-and every copy is whole. The state is moved into its segment on its first step
+computes straight into every peer's copy: a compiled chunk kernel stores each
+new row into this rank's copy and the peers' as it computes it, eager kernels
+copy each chunk's rows after it (a second pass that reads them back, from
+memory once a chunk outgrows the cache); one barrier, and every copy is whole. The state is moved into its segment on its first step
 (``Tensor.set_``: the caller's tensor keeps its identity and values; views of it
 taken before then keep the old memory), so later steps find it there. A state
 that cannot move (a view into a larger buffer, not contiguous) gets a shadow
@@ -565,15 +567,20 @@ class _Gather:
         return out.movedim(0, self.dim)
 
     def push(self, k):
-        """Chunk k's rows of the state, which the kernel has just written on this rank, into every peer's copy
-        (no peer reads them before the step ends)."""
-        s = self.c.shm
+        """Chunk k's rows of the state, which the kernel has just written on this rank, into every peer's copy,
+        where the kernel did not write them itself (eager kernels)."""
+        rows = self._rows(self.state, k)
+        for peer in self.peer_rows(k):
+            self.c.shm.copy(peer, rows, stream=self.stream)
+
+    def peer_rows(self, k):
+        """Chunk k's rows of every peer's copy of the state: a compiled kernel writes this rank's rows there as it
+        computes them (no peer reads them before the step ends)."""
+        return [self._rows(peer, k) for r, peer in enumerate(self.c.shm.peer_states[self.name]) if r != self.c.rank]
+
+    def _rows(self, t, k):
         lo, _ = self.c.rows(self.n)
-        span = slice(lo + k.a, lo + k.b)
-        rows = self.state.movedim(self.dim, 0)[span]
-        for r, peer in enumerate(s.peer_states[self.name]):
-            if r != self.c.rank:
-                s.copy(peer.movedim(self.dim, 0)[span], rows, stream=self.stream)
+        return t.narrow(self.dim, lo + k.a, k.b - k.a)
 
     def into(self, out):
         """Once every peer has pushed its rows, the state ``out`` is whole (copied out of its shadow where it

@@ -70,14 +70,19 @@ def test_compiled_kernels_and_timing_on_shm():
 
 
 def test_compiled_fused_collective_gathers_straight_into_the_state():
-    """ZeRO-1 Adam: each chunk writes its rows of w in place and pushes them into the peers' w; no gathered
-    temporary, no slot, no copy into w after. R = 2 and 3, uneven rows, one, two and more chunks than a rank
-    has rows (each checked at a first step and at a steady one)."""
+    """ZeRO-1 Adam: each chunk's kernel writes its rows of w in place and into the peers' w (eager: a push
+    after each chunk copies them there); no gathered temporary, no slot, no copy into w after. R = 2 and 3,
+    uneven rows, one, two and more chunks than a rank has rows (each checked at a first step and at a
+    steady one)."""
     zero1 = Schedule.parse("split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse_collective(rs0)", example("adam"))
     source = lower(zero1, "shm").source
     step = source[source.index("def step("):]
-    assert "_ag3 = _Gather(_rank, 0, d_N, w, 'w', 0)" in step and "_ag3.push(_c)" in step and "_ag3.into(w)" in step
+    assert "_ag3 = _Gather(_rank, 0, d_N, w, 'w', 0)" in step and "_ag3.into(w)" in step
+    assert "_chunk0(_ag3.peer_rows(_c), " in step and ".push(" not in step
+    assert "    for _peer in w_peers:\n        _peer.copy_(sub4)\n" in source
     assert "w.copy_(" not in step and "_ag3.add(" not in step
+    eager = lower(zero1, "shm", kernels="eager").source
+    assert "_ag3.push(_c)" in eager and ".peer_rows(" not in eager[eager.index("def step("):]
     for world, n in ((2, 1001), (3, 7)):
         results = run_schedules([zero1.with_knobs(fc_chunks=k) for k in (1, 2, 8)],
                                 Options(world=world, sizes={"N": n}, backend="shm", warmup=1, repeats=2))
@@ -85,8 +90,8 @@ def test_compiled_fused_collective_gathers_straight_into_the_state():
 
 
 def test_a_state_gathered_along_its_second_dim_is_pushed_column_by_column():
-    """``split(ar0, dim=1)`` on a 2-D state: each chunk's columns of w are pushed into the peers' w (not
-    contiguous, so copied by torch), R = 3 with uneven columns, first and steady step both checked."""
+    """``split(ar0, dim=1)`` on a 2-D state: the chunk's kernel writes each chunk's columns of w into the
+    peers' w (not contiguous), R = 3 with uneven columns, first and steady step both checked."""
     import coconet as cc
 
     p = cc.Program("cols", dims=("M", "N"))
@@ -171,7 +176,7 @@ def test_shm_module_reduces_in_shared_memory():
     src = lower(Schedule.parse("split(ar0); reorder(ag0); fuse_collective(rs0)", adam), "shm").source
     assert "for the shm backend" in src
     # w, m and v are gathered straight into the peers' state: no slot of theirs is live while chunks are reduced
-    assert "_c.shm = _Shm.of(group, 2, 4 * (d_N))" in src and src.count(".push(_c)") == 3
+    assert "_c.shm = _Shm.of(group, 2, 4 * (d_N))" in src and src.count(".peer_rows(_c)") == 3
     megatron = lower(Schedule.parse("split(ar0); reorder(ag0); fuse_collective(rs0)", example("megatron_mlp")), "shm")
     assert "_Shm.of(group, 3, " in megatron.source  # its output's gather is live while chunks are reduced
     assert "dist.all_reduce(" not in src and "_RS(" not in src and "_AG(" not in src

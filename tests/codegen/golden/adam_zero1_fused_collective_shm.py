@@ -149,15 +149,20 @@ class _Gather:
         return out.movedim(0, self.dim)
 
     def push(self, k):
-        """Chunk k's rows of the state, which the kernel has just written on this rank, into every peer's copy
-        (no peer reads them before the step ends)."""
-        s = self.c.shm
+        """Chunk k's rows of the state, which the kernel has just written on this rank, into every peer's copy,
+        where the kernel did not write them itself (eager kernels)."""
+        rows = self._rows(self.state, k)
+        for peer in self.peer_rows(k):
+            self.c.shm.copy(peer, rows, stream=self.stream)
+
+    def peer_rows(self, k):
+        """Chunk k's rows of every peer's copy of the state: a compiled kernel writes this rank's rows there as it
+        computes them (no peer reads them before the step ends)."""
+        return [self._rows(peer, k) for r, peer in enumerate(self.c.shm.peer_states[self.name]) if r != self.c.rank]
+
+    def _rows(self, t, k):
         lo, _ = self.c.rows(self.n)
-        span = slice(lo + k.a, lo + k.b)
-        rows = self.state.movedim(self.dim, 0)[span]
-        for r, peer in enumerate(s.peer_states[self.name]):
-            if r != self.c.rank:
-                s.copy(peer.movedim(self.dim, 0)[span], rows, stream=self.stream)
+        return t.narrow(self.dim, lo + k.a, k.b - k.a)
 
     def into(self, out):
         """Once every peer has pushed its rows, the state ``out`` is whole (copied out of its shadow where it
@@ -466,7 +471,7 @@ def _add_all(parts):
     return total
 
 
-def _chunk0(m_k, v_k, w_k, rs0_parts, beta1, beta2, sub0, sub1, sub2, sub3, lr, eps):
+def _chunk0(w_peers, m_k, v_k, w_k, rs0_parts, beta1, beta2, sub0, sub1, sub2, sub3, lr, eps):
     """14 statements of fused_collective(rs0, mul1, add0, mul3, mul4, add1, div0, div1, mul5, sqrt0, add2, div2, sub4, ag3) on one chunk, state written in place."""
     rs0 = _add_all(rs0_parts)
     mul0 = beta1 * m_k
@@ -486,6 +491,8 @@ def _chunk0(m_k, v_k, w_k, rs0_parts, beta1, beta2, sub0, sub1, sub2, sub3, lr, 
     m_k.copy_(add0)
     v_k.copy_(add1)
     w_k.copy_(sub4)
+    for _peer in w_peers:
+        _peer.copy_(sub4)
 
 
 _chunk0 = _kernel(_chunk0)
@@ -503,8 +510,7 @@ def step(tensors, scalars, *, group=None, stage=0, stages=1, sizes=None, custom_
         # 4 chunks: published once, each chunk reduced out of the peers' segments just before it computes
         _ag3 = _Gather(_rank, 0, d_N, w, 'w', 0)
         for _c, rs0_parts in _reduce_scatter_parts(_rank, g, 0, d_N, 4):
-            _chunk0(_c.local(m, 0), _c.local(v, 0), _c.cut(w, 0, d_N), rs0_parts, beta1, beta2, sub0, sub1, sub2, sub3, lr, eps)
-            _ag3.push(_c)
+            _chunk0(_ag3.peer_rows(_c), _c.local(m, 0), _c.local(v, 0), _c.cut(w, 0, d_N), rs0_parts, beta1, beta2, sub0, sub1, sub2, sub3, lr, eps)
         _ag3.into(w)
 
     g = tensors['g']

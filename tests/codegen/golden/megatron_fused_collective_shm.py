@@ -160,15 +160,20 @@ class _Gather:
         return out.movedim(0, self.dim)
 
     def push(self, k):
-        """Chunk k's rows of the state, which the kernel has just written on this rank, into every peer's copy
-        (no peer reads them before the step ends)."""
-        s = self.c.shm
+        """Chunk k's rows of the state, which the kernel has just written on this rank, into every peer's copy,
+        where the kernel did not write them itself (eager kernels)."""
+        rows = self._rows(self.state, k)
+        for peer in self.peer_rows(k):
+            self.c.shm.copy(peer, rows, stream=self.stream)
+
+    def peer_rows(self, k):
+        """Chunk k's rows of every peer's copy of the state: a compiled kernel writes this rank's rows there as it
+        computes them (no peer reads them before the step ends)."""
+        return [self._rows(peer, k) for r, peer in enumerate(self.c.shm.peer_states[self.name]) if r != self.c.rank]
+
+    def _rows(self, t, k):
         lo, _ = self.c.rows(self.n)
-        span = slice(lo + k.a, lo + k.b)
-        rows = self.state.movedim(self.dim, 0)[span]
-        for r, peer in enumerate(s.peer_states[self.name]):
-            if r != self.c.rank:
-                s.copy(peer.movedim(self.dim, 0)[span], rows, stream=self.stream)
+        return t.narrow(self.dim, lo + k.a, k.b - k.a)
 
     def into(self, out):
         """Once every peer has pushed its rows, the state ``out`` is whole (copied out of its shadow where it
