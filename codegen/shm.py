@@ -30,11 +30,12 @@ The all_gather that ends a fused collective updating replicated state (ZeRO-1
 Adam's ``w``) does not go through a slot: each rank's copy of the state lives in
 a segment of its own, which its peers map, and each rank writes the rows it
 computes straight into every peer's copy: a compiled chunk kernel stores each
-new row into this rank's copy and the peers' as it computes it, eager kernels
+new row into this rank's copy and the peers' as it computes it; eager kernels
 copy each chunk's rows after it (a second pass that reads them back, from
-memory once a chunk outgrows the cache); one barrier, and every copy is whole. The state is moved into its segment on its first step
-(``Tensor.set_``: the caller's tensor keeps its identity and values; views of it
-taken before then keep the old memory), so later steps find it there. A state
+memory once a chunk outgrows the cache). One barrier, and every copy is whole.
+The state is moved into its segment on its first step (``Tensor.set_``: the
+caller's tensor keeps its identity and values; views of it taken before then
+keep the old memory), so later steps find it there. A state
 that cannot move (a view into a larger buffer, not contiguous) gets a shadow
 segment instead, copied into it after the barrier. The barrier that begins the
 collective carries, per state, whether a rank made a new segment for it.
