@@ -464,7 +464,9 @@ def _died(code: int) -> str:
         name = signal.Signals(-code).name
     except ValueError:
         name = f"signal {-code}"
-    why = " (the kernel's OOM killer sends it when memory runs out: see dmesg)" if -code == signal.SIGKILL else ""
+    why = {signal.SIGKILL: " (the kernel's OOM killer sends it when memory runs out: see dmesg)",
+           signal.SIGBUS: " (a store into shared memory past what /dev/shm can hold is the usual cause: see df /dev/shm)"
+           }.get(-code, "")
     return f"was killed by {name}{why}"
 
 

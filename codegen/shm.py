@@ -141,10 +141,10 @@ class _Shm:
         self.generation += 1
         size = self.HEADER + self.slots * slot_bytes
         paths = [f"{self.prefix}-{self.generation}-{r}" for r in range(self.world)]
-        mine = torch.from_file(paths[self.rank], shared=True, size=size, dtype=torch.uint8)
+        mine = _segment(paths[self.rank], size, new=True)
         mine[:8].view(torch.int64).fill_(self.epoch)
         dist.barrier(group=self.group)  # every segment exists
-        self.segments = [mine if r == self.rank else torch.from_file(p, shared=True, size=size, dtype=torch.uint8)
+        self.segments = [mine if r == self.rank else _segment(p, size)
                          for r, p in enumerate(paths)]
         dist.barrier(group=self.group)  # every rank has mapped them: the names can go
         os.unlink(paths[self.rank])
@@ -208,7 +208,7 @@ class _Shm:
             self.made_count += 1
             news = self.made_count
             path = f"{self.prefix}-state-{self.rank}-{news}"
-            seg = _state_segment(path, t.shape, t.dtype)
+            seg = _state_segment(path, t.shape, t.dtype, new=True)
             self.made.append(path)
             moved = _movable(t)
             if moved:
@@ -268,11 +268,31 @@ def _movable(t):
             and t.untyped_storage().nbytes() == t.numel() * t.element_size())
 
 
-def _state_segment(path, shape, dtype):
-    """The file ``path`` of /dev/shm (made if new) mapped as a contiguous tensor of ``shape``."""
+def _state_segment(path, shape, dtype, new=False):
+    """The file ``path`` of /dev/shm (made if ``new``) mapped as a contiguous tensor of ``shape``."""
     nbytes = math.prod(shape) * dtype.itemsize
-    seg = torch.from_file(path, shared=True, size=max(nbytes, 64), dtype=torch.uint8)
-    return seg[:nbytes].view(dtype).view(shape)
+    return _segment(path, max(nbytes, 64), new)[:nbytes].view(dtype).view(shape)
+
+
+def _segment(path, nbytes, new=False):
+    """The file ``path`` of /dev/shm mapped as ``nbytes`` bytes; made if ``new``, its pages taken at once: tmpfs
+    hands pages out as they are first touched, so a segment past what /dev/shm can hold (64 MiB in a docker
+    container not given --shm-size) would kill its rank with SIGBUS at a later store instead of failing here."""
+    if new:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+        except OSError as e:
+            os.unlink(path)
+            room = os.statvfs(os.path.dirname(path))
+            raise RuntimeError(
+                f"shm backend: {os.path.dirname(path)} cannot hold a segment of {nbytes / 2**20:.1f} MiB "
+                f"({room.f_bavail * room.f_frsize / 2**20:.1f} MiB free of {room.f_blocks * room.f_frsize / 2**20:.1f}"
+                f" MiB; {e.strerror}): give it more room (docker run --shm-size, a larger tmpfs) or run on gloo"
+            ) from None
+        finally:
+            os.close(fd)
+    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
 
 
 def _last_level_cache():
@@ -599,7 +619,7 @@ class _Gather:
 
 from coconet.codegen.prelude import _cache_dir, _Chunk, _launches  # noqa: E402  (shared with the torch backend)
 
-HELPERS = (_Shm, _movable, _state_segment, _last_level_cache, _stream_copier, _on_comm_thread, _Done, _offsets, _publish, _shm_reduce, _shm_reduce_scatter, _shm_all_gather,
+HELPERS = (_Shm, _movable, _state_segment, _segment, _last_level_cache, _stream_copier, _on_comm_thread, _Done, _offsets, _publish, _shm_reduce, _shm_reduce_scatter, _shm_all_gather,
            _shm_allreduce, _allreduce, _allreduced, _reduce_scatter, _all_gather, _shm_broadcast, _broadcast, _bucket_allreduce,
            _bucket_reduce_scatter, _bucket_all_gather, _scatter_parts, _reduce_scatter_chunks, _reduce_scatter_parts, _add_all,
            _Gather)

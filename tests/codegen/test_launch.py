@@ -345,6 +345,7 @@ def test_a_rank_killed_by_a_signal_is_named_by_it():
     assert _died(3) == "died (exit code 3)"
     assert _died(-signal.SIGSEGV) == "was killed by SIGSEGV"
     assert _died(-signal.SIGKILL).startswith("was killed by SIGKILL (the kernel's OOM killer")
+    assert _died(-signal.SIGBUS).startswith("was killed by SIGBUS (a store into shared memory past what /dev/shm")
 
 
 def test_reports_are_checked_as_they_come_whatever_their_order():

@@ -226,3 +226,45 @@ def test_without_a_c_compiler_torch_copies_every_size(monkeypatch):
         dst = torch.zeros(100)
         assert s.copy(dst, src, stream=stream) is dst and torch.equal(dst, src)
     assert s.stream is False and looked == [1]  # looked for once
+
+
+def test_a_segment_dev_shm_cannot_hold_is_refused_when_made(monkeypatch, tmp_path):
+    """tmpfs takes a page only at its first touch: without taking them all when the segment is made, a rank
+    whose /dev/shm is too small (docker's 64 MiB) dies of SIGBUS mid-step. Made, it fails with the sizes
+    and leaves no file behind."""
+    def full(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(shm.os, "posix_fallocate", full)
+    path = tmp_path / "coconet-segment"
+    with pytest.raises(RuntimeError, match=r"cannot hold a segment of 3\.0 MiB \(.* MiB free of .* MiB; No space left"):
+        shm._segment(str(path), 3 << 20, new=True)
+    assert not path.exists()
+    monkeypatch.undo()
+    seg = shm._segment(str(path), 4096, new=True)
+    assert seg.numel() == 4096 and path.stat().st_size == 4096 and path.stat().st_blocks * 512 >= 4096  # taken
+
+
+def _small_dev_shm(megabytes: int) -> list[str] | None:
+    """A command prefix that runs its command with a /dev/shm of its own, ``megabytes`` large (a tmpfs in a
+    mount namespace: root only), or None where this machine does not allow one."""
+    prefix = ["unshare", "-m", "sh", "-c", f'mount -t tmpfs -o size={megabytes}m tmpfs /dev/shm && exec "$@"', "sh"]
+    try:
+        ok = subprocess.run([*prefix, "true"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return prefix if ok else None
+
+
+def test_too_small_dev_shm_is_a_clear_error_not_sigbus():
+    prefix = _small_dev_shm(4)
+    if prefix is None:
+        pytest.skip("needs a mount namespace of its own (unshare -m, as root) to give the ranks a small /dev/shm")
+    zero1 = "split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse_collective(rs0)"
+    proc = subprocess.run([*prefix, sys.executable, "-m", "coconet", "run", "examples/adam.py", "--world", "2",
+                           "--size", "N=2^20", "--backend", "shm", "--schedule", zero1, "--repeats", "1"],
+                          cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert "SIGBUS" not in out and "Traceback" not in out, out[-3000:]
+    assert re.search(r"shm backend: /dev/shm cannot hold a segment of [\d.]+ MiB \([\d.]+ MiB free of 4\.0 MiB", out), \
+        out[-3000:]
