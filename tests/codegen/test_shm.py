@@ -1,6 +1,7 @@
 """The shm backend on real worlds of ranks: every schedule correct, and no segment left behind."""
 
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -229,20 +230,30 @@ def test_without_a_c_compiler_torch_copies_every_size(monkeypatch):
 
 
 def test_a_segment_dev_shm_cannot_hold_is_refused_when_made(monkeypatch, tmp_path):
-    """tmpfs takes a page only at its first touch: without taking them all when the segment is made, a rank
-    whose /dev/shm is too small (docker's 64 MiB) dies of SIGBUS mid-step. Made, it fails with the sizes
-    and leaves no file behind."""
+    """tmpfs takes a page only at its first touch: unless a segment is known to fit when made, a rank whose
+    /dev/shm is too small (docker's 64 MiB) dies of SIGBUS mid-step. Made, it fails with the sizes and leaves
+    no file behind."""
     def full(fd, offset, length):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(shm.os, "posix_fallocate", full)
     path = tmp_path / "coconet-segment"
-    with pytest.raises(RuntimeError, match=r"cannot hold a segment of 3\.0 MiB \(.* MiB free of .* MiB; No space left"):
+    with pytest.raises(RuntimeError, match=r"cannot hold a segment of 3\.0 MiB \(No space left on device; .* MiB "
+                                           r"free of .* MiB\)"):
         shm._segment(str(path), 3 << 20, new=True)
     assert not path.exists()
     monkeypatch.undo()
     seg = shm._segment(str(path), 4096, new=True)
     assert seg.numel() == 4096 and path.stat().st_size == 4096 and path.stat().st_blocks * 512 >= 4096  # taken
+    path.unlink()
+    # slots, of which a rank writes only some rows, take no pages when made: they are checked for room instead
+    free = shutil.disk_usage(tmp_path).free
+    slots = shm._segment(str(path), 1 << 20, new=True, ranks=2)
+    assert slots.numel() == 1 << 20 and path.stat().st_blocks * 512 <= 1 << 16  # a page or so, not 1 MiB
+    path.unlink()
+    with pytest.raises(RuntimeError, match=r"cannot hold a segment of .* MiB \(one for each of 3 ranks; "):
+        shm._segment(str(path), free // 2, new=True, ranks=3)
+    assert not path.exists()
 
 
 def _small_dev_shm(megabytes: int) -> list[str] | None:
@@ -266,5 +277,5 @@ def test_too_small_dev_shm_is_a_clear_error_not_sigbus():
                           cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
     assert "SIGBUS" not in out and "Traceback" not in out, out[-3000:]
-    assert re.search(r"shm backend: /dev/shm cannot hold a segment of [\d.]+ MiB \([\d.]+ MiB free of 4\.0 MiB", out), \
-        out[-3000:]
+    assert re.search(r"shm backend: /dev/shm cannot hold a segment of [\d.]+ MiB \(one for each of 2 ranks; [\d.]+ "
+                     r"MiB free of 4\.0 MiB\)", out), out[-3000:]

@@ -186,7 +186,7 @@ class _Shm:
         self.generation += 1
         size = self.HEADER + self.slots * slot_bytes
         paths = [f"{self.prefix}-{self.generation}-{r}" for r in range(self.world)]
-        mine = _segment(paths[self.rank], size, new=True)
+        mine = _segment(paths[self.rank], size, new=True, ranks=self.world)
         mine[:8].view(torch.int64).fill_(self.epoch)
         dist.barrier(group=self.group)  # every segment exists
         self.segments = [mine if r == self.rank else _segment(p, size)
@@ -319,24 +319,33 @@ def _state_segment(path, shape, dtype, new=False):
     return _segment(path, max(nbytes, 64), new)[:nbytes].view(dtype).view(shape)
 
 
-def _segment(path, nbytes, new=False):
-    """The file ``path`` of /dev/shm mapped as ``nbytes`` bytes; made if ``new``, its pages taken at once: tmpfs
-    hands pages out as they are first touched, so a segment past what /dev/shm can hold (64 MiB in a docker
-    container not given --shm-size) would kill its rank with SIGBUS at a later store instead of failing here."""
+def _segment(path, nbytes, new=False, ranks=0):
+    """The file ``path`` of /dev/shm mapped as ``nbytes`` bytes, made if ``new``. tmpfs hands a page out at its
+    first touch, so a segment past what /dev/shm can hold (64 MiB in a docker container not given --shm-size)
+    would kill its rank with SIGBUS at a later store. A state's segment, all of which is written at once, takes
+    its pages when made; a group's slots, of which a rank writes only the rows its peers read, are checked
+    against the room /dev/shm has for the ``ranks`` segments like it that the group's ranks make together."""
     if new:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        why = None
         try:
-            os.posix_fallocate(fd, 0, nbytes)
+            if ranks:
+                room = os.statvfs(os.path.dirname(path))
+                if room.f_bavail * room.f_frsize < ranks * nbytes:
+                    why = f"one for each of {ranks} ranks"
+            else:
+                os.posix_fallocate(fd, 0, nbytes)
         except OSError as e:
-            os.unlink(path)
-            room = os.statvfs(os.path.dirname(path))
-            raise RuntimeError(
-                f"shm backend: {os.path.dirname(path)} cannot hold a segment of {nbytes / 2**20:.1f} MiB "
-                f"({room.f_bavail * room.f_frsize / 2**20:.1f} MiB free of {room.f_blocks * room.f_frsize / 2**20:.1f}"
-                f" MiB; {e.strerror}): give it more room (docker run --shm-size, a larger tmpfs) or run on gloo"
-            ) from None
+            why = e.strerror
         finally:
             os.close(fd)
+        if why is not None:
+            os.unlink(path)
+            room, mib = os.statvfs(os.path.dirname(path)), 2**20
+            raise RuntimeError(
+                f"shm backend: {os.path.dirname(path)} cannot hold a segment of {nbytes / mib:.1f} MiB ({why}; "
+                f"{room.f_bavail * room.f_frsize / mib:.1f} MiB free of {room.f_blocks * room.f_frsize / mib:.1f} "
+                "MiB): give it more room (docker run --shm-size, a larger tmpfs) or run on gloo")
     return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
 
 
