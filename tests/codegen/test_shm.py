@@ -90,7 +90,7 @@ def test_compiled_fused_collective_gathers_straight_into_the_state():
         assert_all_ok(results)
 
 
-def test_a_state_gathered_along_its_second_dim_is_pushed_column_by_column():
+def test_a_state_gathered_along_its_second_dim_is_written_column_by_column():
     """``split(ar0, dim=1)`` on a 2-D state: the chunk's kernel writes each chunk's columns of w into the
     peers' w (not contiguous), R = 3 with uneven columns, first and steady step both checked."""
     import coconet as cc

@@ -176,7 +176,7 @@ class _Gather:
         return t.narrow(self.dim, lo + k.a, k.b - k.a)
 
     def into(self, out):
-        """Once every peer has pushed its rows, the state ``out`` is whole (copied out of its shadow where it
+        """Once every peer has written its rows, the state ``out`` is whole (copied out of its shadow where it
         could not move into shared memory)."""
         s = self.c.shm
         s.call(s.barrier)
@@ -491,11 +491,12 @@ def _segment(path, nbytes, new=False, ranks=0):
     its pages when made; a group's slots, of which a rank writes only the rows its peers read, are checked
     against the room /dev/shm has for the ``ranks`` segments like it that the group's ranks make together."""
     if new:
+        folder = os.path.dirname(path)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         why = None
         try:
             if ranks:
-                room = os.statvfs(os.path.dirname(path))
+                room = os.statvfs(folder)
                 if room.f_bavail * room.f_frsize < ranks * nbytes:
                     why = f"one for each of {ranks} ranks"
             else:
@@ -506,9 +507,9 @@ def _segment(path, nbytes, new=False, ranks=0):
             os.close(fd)
         if why is not None:
             os.unlink(path)
-            room, mib = os.statvfs(os.path.dirname(path)), 2**20
+            room, mib = os.statvfs(folder), 2**20  # read again: what is free once this file is gone
             raise RuntimeError(
-                f"shm backend: {os.path.dirname(path)} cannot hold a segment of {nbytes / mib:.1f} MiB ({why}; "
+                f"shm backend: {folder} cannot hold a segment of {nbytes / mib:.1f} MiB ({why}; "
                 f"{room.f_bavail * room.f_frsize / mib:.1f} MiB free of {room.f_blocks * room.f_frsize / mib:.1f} "
                 "MiB): give it more room (docker run --shm-size, a larger tmpfs) or run on gloo")
     return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
