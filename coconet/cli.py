@@ -1121,7 +1121,7 @@ def _submitted(client: Any, job: dict, with_code: bool) -> dict:
     stats, base = best["stats"], best.get("baseline")
     doc["best"] = {"schedule": best["schedule"], "backend": best["backend"], "hash": best["schedule_hash"],
                    "median_s": stats["median_s"], "ci95_s": stats["ci95_s"], "source": best["source"],
-                   "sharded": best.get("sharded", []), "shardable": best.get("shardable")}
+                   "sharded": best.get("sharded", []), "shardable": best.get("shardable"), "job": best.get("job")}
     if base:
         doc["baseline"] = {"schedule": base["schedule"], "backend": base["backend"],
                            "median_s": base["stats"]["median_s"], "ci95_s": base["stats"]["ci95_s"]}
@@ -1145,6 +1145,10 @@ def _print_submitted(name: str, d: dict) -> None:
                   + (f"  {d['speedup']:.2f}x over the baseline" if d["speedup"] else ""), markup=False)
     if b["sharded"]:
         console.print(_sharded_note(b["sharded"]), markup=False)
+    if b["job"] != d["job"]:  # GET /best answers the fastest winner of the key, whoever found it
+        console.print(f"note: the server's best for this key, " + (
+            f"found by job {b['job']}" if b["job"] is not None else "recorded outside a job")
+            + f": faster than the winner of job {d['job']}", markup=False)
     if d["code"] is not None:
         console.rule(f"generated code ({b['backend']})")
         sys.stdout.write(d["code"] if d["code"].endswith("\n") else d["code"] + "\n")

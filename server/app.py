@@ -410,7 +410,7 @@ def _best_out(b: Best, asked: dict[str, int]) -> BestOut:
                    schedule_hash=m.schedule_hash, schedule_json=m.schedule_json, sharded=sharded_by(m.schedule),
                    shardable=_shardable_out(w.shardable), stats=_stats(m), source=w.source,
                    speedup=w.speedup, runner_up=_schedule_out(b.runner_up), baseline=_schedule_out(b.baseline),
-                   winner_id=w.id, created_at=w.created_at)
+                   winner_id=w.id, job=w.job_id, created_at=w.created_at)
 
 
 def _job_out(j: JobRecord) -> JobOut:

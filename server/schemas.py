@@ -162,6 +162,7 @@ class BestOut(BaseModel):
     runner_up: ScheduleOut | None
     baseline: ScheduleOut | None
     winner_id: int
+    job: int | None  # the tuning job that recorded the winner (None for one recorded outside a job)
     created_at: datetime
 
 

@@ -550,25 +550,40 @@ class Store:
         backend: str | None = None,
         shardable: str | None = None,
     ) -> Best | None:
-        """The newest valid winner for these exact sizes; else, flagged ``exact=False``, the one of the nearest
-        tuned sizes (same program, topology and dim names); None when nothing comparable was tuned.
-        ``world`` and ``backend`` narrow the search; left out, any world or backend counts. ``shardable``: only a
-        winner that answers a question allowing that state to stay sharded (``shardable.answers``); left out,
-        any winner."""
+        """The winner for these exact sizes; else, flagged ``exact=False``, the one of the nearest tuned sizes
+        (same program, topology and dim names); None when nothing comparable was tuned. The winner of a key is
+        the fastest of the current ones of its (world, backend) pairs, the current one of a pair being its
+        newest (a tuning again replaces it): a tuning narrowed to gloo after one on shm does not hide the
+        faster shm winner, as GET /results lists both. ``world`` and ``backend`` narrow the search; left out,
+        any world or backend counts. ``shardable``: only a winner that answers a question allowing that state
+        to stay sharded (``shardable.answers``); left out, any winner."""
         # The API's hot path: statements rendered once, one round trip for an exact answer.
         params = {"program": program_hash, "topology": topology, "key": sizes_key(sizes), "world": world,
                   "backend": backend}
         narrowed = (world is not None, backend is not None)
         if shardable is not None:
             _check_shardable(shardable)
-        # without a question on sharding the newest winner answers; with one, the newest of those that answer it
-        newest = self._newest[(*narrowed, shardable is None)]
+        one_pair = all(narrowed)
+        # one (world, backend) pair without a question on sharding: its newest row answers, read alone
+        newest = self._newest[(*narrowed, one_pair and shardable is None)]
 
         def answers(row: Sequence[Any]) -> bool:  # both columns are plain strings on every driver
             return shardable is None or shard.answers(row[_W_SHARDABLE], shardable, sharded_by(row[_M_SCHEDULE]))
 
+        def winner(cursor: Any, values: Mapping[str, Any]) -> list[Any] | None:
+            if one_pair:
+                return newest.first(cursor, values, answers)
+            current: dict[tuple[Any, Any], Sequence[Any]] = {}
+            for row in newest.each(cursor, values):  # newest first: the first row of a pair is its current one
+                if answers(row):
+                    current.setdefault((row[_W_WORLD], row[_W_BACKEND]), row)
+            if not current:
+                return None
+            # min keeps the first of equals: of equally fast pairs, the one tuned last
+            return newest.processed(cursor, min(current.values(), key=lambda r: float(r[_M_MEDIAN])))
+
         def read(cursor: Any) -> Best | None:
-            row = newest.first(cursor, params, answers)
+            row = winner(cursor, params)
             if row is not None:
                 return _best_of_row(row, exact=True, distance=0.0)
             near = []
@@ -577,7 +592,7 @@ class Store:
                 if d is not None:
                     near.append((d, other))
             for d, other in sorted(near):
-                row = newest.first(cursor, {**params, "key": other}, answers)
+                row = winner(cursor, {**params, "key": other})
                 if row is not None:
                     return _best_of_row(row, exact=False, distance=d)
             return None
@@ -730,24 +745,29 @@ class _Rendered:
 
     def rows(self, cursor: Any, values: Mapping[str, Any]) -> list[list[Any]]:
         self._execute(cursor, values)
-        return [self._processed(cursor, row) for row in cursor.fetchall()]
+        return [self.processed(cursor, row) for row in cursor.fetchall()]
 
     def first(self, cursor: Any, values: Mapping[str, Any], keep: Callable[[Sequence[Any]], bool]) -> list[Any] | None:
         """The first row ``keep`` takes, judged on the values as the driver gives them (before JSON and dates are
         processed: only the row kept pays for that)."""
+        for row in self.each(cursor, values):
+            if keep(row):
+                return self.processed(cursor, row)
+        return None
+
+    def each(self, cursor: Any, values: Mapping[str, Any]) -> Iterator[Sequence[Any]]:
+        """The rows as the driver gives them; ``processed`` turns the one kept into values, before the cursor
+        runs anything else."""
         self._execute(cursor, values)
         while rows := cursor.fetchmany(64):
-            for row in rows:
-                if keep(row):
-                    return self._processed(cursor, row)
-        return None
+            yield from rows
 
     def _execute(self, cursor: Any, values: Mapping[str, Any]) -> None:
         params = self._compiled.construct_params(values)
         cursor.execute(self._sql, tuple(params[k] for k in self._compiled.positiontup)
                        if self._compiled.positional else params)
 
-    def _processed(self, cursor: Any, row: Sequence[Any]) -> list[Any]:
+    def processed(self, cursor: Any, row: Sequence[Any]) -> list[Any]:
         if self._processors is None:
             self._processors = [t.result_processor(self._dialect, d[1])
                                 for t, d in zip(self._types, cursor.description)]
@@ -1072,8 +1092,8 @@ def _tuned_keys_statement(by_world: bool, by_backend: bool) -> Any:
 
 _NARROWED = [(w, b) for w in (False, True) for b in (False, True)]
 _NEWEST = {(*n, first): _newest_statement(*n, first) for n in _NARROWED for first in (False, True)}
-_W_SHARDABLE = _W_FIELDS.index("shardable")
-_M_SCHEDULE = len(_W_FIELDS) + _M_FIELDS.index("schedule")
+_W_SHARDABLE, _W_WORLD, _W_BACKEND = (_W_FIELDS.index(n) for n in ("shardable", "world", "backend"))
+_M_SCHEDULE, _M_MEDIAN = (len(_W_FIELDS) + _M_FIELDS.index(n) for n in ("schedule", "median_s"))
 _TUNED_KEYS = {n: _tuned_keys_statement(*n) for n in _NARROWED}
 
 

@@ -355,7 +355,8 @@ def _neighbours(store, space: SearchSpace, prog: Program, sizes, request: Reques
         for trial in (t.outcome.winner, t.outcome.runner_up):
             if trial is not None:
                 out.append(trial.candidate)
-    best = store.best(prog.hash, sizes, request.topology, request.world, shardable=shardable)
+    only = space.backends[0] if len(space.backends) == 1 else None  # else the fastest of any may be one not searched
+    best = store.best(prog.hash, sizes, request.topology, request.world, backend=only, shardable=shardable)
     if best is not None and best.measurement.schedule_json is not None and best.measurement.backend in space.backends:
         try:
             sched = Schedule.from_json(best.measurement.schedule_json, prog)

@@ -100,7 +100,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
         assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
         time.sleep(0.05)
     try:
-        yield {"url": f"http://127.0.0.1:{port}", "schedules": [s.text for s in generate(load_file(ADAM))]}
+        yield {"url": f"http://127.0.0.1:{port}", "db": url, "schedules": [s.text for s in generate(load_file(ADAM))]}
     finally:
         worker.stop.set()
         srv.should_exit = True
@@ -159,6 +159,29 @@ def test_submit_says_when_the_winner_leaves_state_sharded(server: dict[str, Any]
     proc = coconet("submit", ADAM, "--server", server["url"], "--size", "N=2^16", "--token", TOKEN, "--poll", "0.05")
     assert proc.returncode == 0, proc.stderr
     assert "note: the winner leaves m, v sharded (as_slice)" in proc.stdout
+
+
+def test_submit_says_when_the_servers_best_was_found_by_another_tuning(server: dict[str, Any]) -> None:
+    """GET /best answers the fastest current winner of the key: an shm winner recorded before, faster than the
+    gloo one this job finds, is what submit reports, and it says so."""
+    sizes = {"N": 2**18}
+    with Store.open(server["db"]) as store:
+        prog = load_file(ADAM)
+        store.add_program(prog)
+        sched = next(s for s in generate(prog) if not s.sharded and s.text != "baseline")
+        t = 0.5e-3
+        mid = store.add_measurement(NewMeasurement.of(sched, sizes=sizes, topology="local", world=2, backend="shm",
+                                                      samples=[t] * 5, n=5, median_s=t, ci_lo_s=t, ci_hi_s=t))
+        store.add_winner(mid)
+    proc = coconet("submit", ADAM, "--server", server["url"], "--size", "N=2^18", "--token", TOKEN, "--poll", "0.05",
+                   "--no-code")
+    assert proc.returncode == 0, proc.stderr
+    assert f"winner: shm: {sched.text}" in proc.stdout
+    assert "note: the server's best for this key, recorded outside a job: faster than the winner of job" in proc.stdout
+    proc = coconet("submit", ADAM, "--server", server["url"], "--size", "N=2^14", "--token", TOKEN, "--poll", "0.05",
+                   "--json", "--no-code")
+    doc = json.loads(proc.stdout)
+    assert doc["best"]["job"] == doc["job"]  # a key only this job tuned: its own winner
 
 
 def test_failed_job_is_one_error(server: dict[str, Any]) -> None:

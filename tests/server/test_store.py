@@ -332,6 +332,23 @@ def test_best_falls_back_to_the_nearest_tuned_size(store, mlp, adam):
     assert store.best(h, {"B": 4, "S": 512, "H": 1024}, "local", world=2, backend="gloo").winner.id == near
 
 
+def test_best_is_the_fastest_current_winner_across_backends_and_worlds(store, adam):
+    h = store.add_program(adam)
+    sizes = {"N": 2**24}
+    shm = win(store, h, sizes, 2e-3, backend="shm")
+    gloo = win(store, h, sizes, 9e-3, backend="gloo")  # a tuning narrowed to gloo, after the shm one
+    assert store.best(h, sizes, "local").winner.id == shm
+    assert store.best(h, sizes, "local", backend="gloo").winner.id == gloo
+    assert store.best(h, {"N": 2**23}, "local").winner.id == shm  # the nearest key: the same rule
+    slower = win(store, h, sizes, 12e-3, backend="shm")  # shm tuned again: its new winner replaces the old
+    assert store.best(h, sizes, "local").winner.id == gloo
+    assert store.best(h, sizes, "local", backend="shm").winner.id == slower
+    four = win(store, h, sizes, 5e-3, backend="shm", world=4)
+    assert store.best(h, sizes, "local").winner.id == four
+    assert store.best(h, sizes, "local", world=2).winner.id == gloo
+    assert {r.winner.id for r in store.results(h)} == {gloo, slower, four}
+
+
 def test_results_list_the_current_winner_per_key(store, adam):
     h = store.add_program(adam)
     win(store, h, {"N": 2**22}, 4e-3)
@@ -350,18 +367,24 @@ def test_results_list_the_current_winner_per_key(store, adam):
 
 def reference_best(store: Store, h: str, sizes: dict, topology: str, world: int | None, backend: str | None,
                    shardable: str | None = None):
-    """Store.best's rule spelled out over every winner recorded: of those answering ``shardable``, per key the
-    newest (created_at, id), then the asked key, else the nearest comparable one (distance, then the key's
-    text); (winner id, distance) or None."""
-    newest = {}
+    """Store.best's rule spelled out over every winner recorded: of those answering ``shardable``, per key and
+    (world, backend) pair the newest (created_at, id); per key the fastest of its pairs (of equals, the newest);
+    then the asked key, else the nearest comparable one (distance, then the key's text); (winner id, distance)
+    or None."""
+    current = {}
     for w in sorted(store.winners(h), key=lambda w: (w.created_at, w.id)):
         if shardable is not None and not answers(w.shardable, shardable,
                                                  sharded_by(store.measurement(w.measurement_id).schedule)):
             continue
         if w.topology == topology and world in (None, w.world) and backend in (None, w.backend):
-            newest[w.sizes_key] = w
-    near = sorted((d, key) for key, w in newest.items() if (d := size_distance(sizes, w.sizes)) is not None)
-    return (newest[near[0][1]].id, near[0][0]) if near else None
+            current[(w.sizes_key, w.world, w.backend)] = w
+    fastest = {}
+    for (key, _, _), w in current.items():
+        rank = (store.measurement(w.measurement_id).median_s, -w.created_at.timestamp(), -w.id)
+        if key not in fastest or rank < fastest[key][0]:
+            fastest[key] = (rank, w)
+    near = sorted((d, key) for key, (_, w) in fastest.items() if (d := size_distance(sizes, w.sizes)) is not None)
+    return (fastest[near[0][1]][1].id, near[0][0]) if near else None
 
 
 def test_best_follows_its_rule_on_random_stores(store, mlp):
@@ -372,7 +395,9 @@ def test_best_follows_its_rule_on_random_stores(store, mlp):
     for i in range(40):
         key = {k: rng.choice(v) for k, v in choices.items()}
         sizes = rng.choice(tuned)
-        ids = store.add_measurements([measure(h, sizes, f"s{i}-{j}", 1e-3 * (j + 1), **key) for j in range(3)])
+        # a few equal medians among the winners, so that the rule's tie-break is exercised too
+        fast = rng.choice([1e-3, 2e-3, 3e-3, 1e-3 * rng.uniform(1, 3)])
+        ids = store.add_measurements([measure(h, sizes, f"s{i}-{j}", fast * (j + 1), **key) for j in range(3)])
         roles = rng.choice([(None, None), (ids[1], None), (None, ids[2]), (ids[1], ids[2])])
         store.add_winner(ids[0], runner_up_id=roles[0], baseline_id=roles[1])
     asked = tuned[:3] + [{"B": 3, "S": 700, "H": 1024}, {"B": 1, "S": 1 << 14, "H": 4096}, {"B": 1, "S": 256}]
