@@ -239,7 +239,7 @@ class _Emitter:
         if op in ("sum", "partial_sum"):
             return [f"{n} = {args[0]}.sum()"]
         if op == "norm":
-            return [f"{n} = torch.linalg.vector_norm({args[0]})"]
+            return [f"{n} = _norm({args[0]})"]
         if op == "matmul":
             return [f"{n} = {self.matmul}({args[0]}, {args[1]})"]
         if op == "allreduce":

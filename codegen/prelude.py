@@ -353,9 +353,22 @@ def _size(sizes, name):
     return int(sizes[name])
 
 
+def _norm(x, block=4096):
+    """The L2 norm of all of x. torch.linalg.vector_norm of a whole CPU float32 tensor sums it in one pass with
+    float32 accumulators: off by 2e-4 at 2^24 elements, 2e-3 at 2^25 (against a float64 norm). The norms of
+    blocks, then the norm of those, stay within 1e-7 there, as fast; half dtypes accumulate in float32."""
+    flat = x.reshape(-1)
+    whole = flat.numel() - flat.numel() % block
+    acc = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else None
+    total = torch.linalg.vector_norm(flat[:whole].view(-1, block), dim=1, dtype=acc).square().sum()
+    if whole < flat.numel():
+        total = total + torch.linalg.vector_norm(flat[whole:], dtype=acc).square()
+    return total.sqrt().to(x.dtype)
+
+
 HELPERS = (_Ctx, _reduce_op, _allreduce, _allreduced, _matmul, _broadcast, _padded, _rows_of, _reduce_scatter, _part, _all_gather, _coalesced, _launches,
            _bucket_allreduce, _bucket_reduce_scatter, _bucket_all_gather, _Chunk, _reduce_scatter_chunks, _Gather,
-           _flat_index, _words, philox_rounds, philox_words, philox_blocks, _dropout, _dropout_rows, _dropped, _int64, _kernel, _cache_dir, _size)
+           _flat_index, _words, philox_rounds, philox_words, philox_blocks, _dropout, _dropout_rows, _dropped, _int64, _kernel, _cache_dir, _size, _norm)
 
 
 @functools.cache

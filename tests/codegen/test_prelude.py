@@ -125,3 +125,21 @@ def test_the_generated_gemm_is_onednn_on_cpu_in_float32():
         prelude._matmul(a, b)
     names = {e.name for e in prof.events()}
     assert "mkldnn::_linear_pointwise" in names and "aten::mm" not in names
+
+
+@pytest.mark.parametrize("n", [1, 4095, 4096, 4097, 2**24 + 7])
+def test_norm_holds_float32_to_its_rounding_at_any_size(n):
+    """A float32 norm within 1e-6 of float64's, where torch.linalg.vector_norm of the whole tensor drifts by
+    1.8e-4 at 2^24 elements (enough to fail every schedule of a LAMB step against the reference)."""
+    x = torch.empty(n).uniform_(0.25, 1.0, generator=torch.Generator().manual_seed(n))
+    want = x.double().norm().item()
+    got = prelude._norm(x)
+    assert got.dtype == torch.float32 and got.dim() == 0
+    assert abs(got.item() - want) / want < 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_norm_of_a_half_tensor_accumulates_in_float32(dtype):
+    x = torch.full((3, 10_000), 0.5, dtype=dtype)  # a sum of 30000 quarters: 7500, past what half holds exactly
+    got = prelude._norm(x)
+    assert got.dtype == dtype and got.item() == pytest.approx(7500**0.5, rel=4e-3)
