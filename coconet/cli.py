@@ -1146,7 +1146,7 @@ def _print_submitted(name: str, d: dict) -> None:
     if b["sharded"]:
         console.print(_sharded_note(b["sharded"]), markup=False)
     if b["job"] != d["job"]:  # GET /best answers the fastest winner of the key, whoever found it
-        console.print(f"note: the server's best for this key, " + (
+        console.print("note: the server's best for this key, " + (
             f"found by job {b['job']}" if b["job"] is not None else "recorded outside a job")
             + f": faster than the winner of job {d['job']}", markup=False)
     if d["code"] is not None:
