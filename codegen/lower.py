@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from coconet.errors import BackendError
 from coconet.schedules.dims import Dim
-from coconet.schedules.ir import Group, Program, Stmt
+from coconet.schedules.ir import EFFECTS, Group, Program, Stmt
 from coconet.schedules.schedule import Schedule
 from coconet.schedules.types import ITEMSIZE, Replicated, Sliced
 
@@ -139,6 +139,7 @@ class _Emitter:
         self.chunked: set[str] | None = None  # members of the chunked unit being emitted
         self.absorbed: dict[Group, tuple[str, ...]] = {}  # see _absorbed
         self.slotless: set[str] = set()  # shm all_gathers written straight into the peers' state (gather_into)
+        self.into_state: dict[str, str] = {}  # see gathers_into_state: all_gather → the state it writes
         self.rowwise: dict[str, Group] = {}  # absorbed Replicated statements: a chunk computes its own rows
         self.rows_only: dict[str, int] = {}  # see _rows_only: statement → the dim its readers cut
 
@@ -252,6 +253,9 @@ class _Emitter:
         if op == "all_gather":
             t = self.p[s.args[0]].type
             d = t.layout.dim
+            state = self.into_state.get(s.name)
+            if state is not None:
+                return [f"_gather_into(_c, {args[0]}, {d}, {dim_expr(t.shape[d])}, {self.ident(state)}, {state!r})"]
             return [f"{n} = _all_gather(_c, {args[0]}, {d}, {dim_expr(t.shape[d])})"]
         if op == "broadcast":
             return [f"{n} = _broadcast(_c, {args[0]}.clone(), {s.attr('root')})"]
@@ -306,6 +310,10 @@ def lower(schedule: Schedule, backend: str = "gloo", kernels: str = "compiled", 
     e.rowwise = {m: g for g, ms in e.absorbed.items() for m in ms if isinstance(p[m].type.layout, Replicated)}
     skip = {m for ms in e.absorbed.values() for m in ms}
     e.rows_only = _rows_only(p, skip)
+    if backend == "shm":
+        e.into_state = gathers_into_state(p, units, e.absorbed)
+        e.written.update(e.into_state.values())
+        e.slotless.update(e.into_state)
     lowered: list[list[tuple[str, str]]] = []  # per unit: (line, statement it implements)
     for unit in units:
         if unit in skip:
@@ -541,6 +549,33 @@ def gather_into(p: Program, backend: str, g: Group, outs: list[str], absorbed) -
     return _updated_in_place(p, g, outs, absorbed, gathered=True) if backend == "shm" else {}
 
 
+def gathers_into_state(p: Program, units: list, absorbed: dict[Group, tuple[str, ...]]) -> dict[str, str]:
+    """Ungrouped all_gathers (shm) whose value is the new value of one Replicated state and read by nothing
+    else, where the state is bound and every other reader of it runs before them (``units``: the order the step runs its
+    statements; ``absorbed``: statements that run inside their fused collective): each rank writes its rows
+    straight into its own copy of the state and every peer's, with no gathered temporary, no slot and no
+    copy into the state at the end. Each gather maps to its state."""
+    at: dict[str, int] = {}
+    for i, u in enumerate(units):
+        for m in (u.members if isinstance(u, Group) else (u,)):
+            at[m] = i
+    for g, ms in absorbed.items():
+        at.update(dict.fromkeys(ms, at[g.members[0]]))
+    found = {}
+    for s in p.stmts:
+        if s.op != "all_gather" or s.name in p.group_of or any(p[u].op != "update" for u in p.users[s.name]):
+            continue
+        targets = [t for t, v in p.updates.items() if v == s.name]
+        if len(targets) != 1 or p[targets[0]].op != "input" or p[targets[0]].type != s.type:
+            continue
+        t = targets[0]
+        # an update, output or send reading the state would see it after the step's end, or hold it
+        readers = [t] + [u for u in p.users[t] if not (p[u].op == "update" and p[u].args[0] == t)]
+        if isinstance(s.type.layout, Replicated) and all(p[u].op not in EFFECTS and at[u] < at[s.name] for u in readers):
+            found[s.name] = t
+    return found
+
+
 def _updated_in_place(p: Program, g: Group, outs: list[str], absorbed, *, gathered: bool) -> dict[str, str]:
     """Outputs of a fused collective (its all_gathers if ``gathered``, else the others) that are the new
     value of one state tensor of their type (Replicated for a gather, Sliced otherwise), read outside only
@@ -638,7 +673,7 @@ def _chunked_body(e: _Emitter, g: Group, outs: list[str], chunks: int, absorbed=
     tmp = {m: e.ident.fresh(f"_{e.ident(m)}", scope) for m in (*gathers, *sliced_outs)}
     lines += [(f"    {tmp[m]} = _Gather(_rank, {d}, {n}"
                + (f", {e.ident(into[m])}, {into[m]!r}, {words[m]})" if m in into else ")"), m) for m in gathers]
-    lines += [(f"    {tmp[o]} = []", o) for o in sliced_outs]
+    at = len(lines)  # where the sliced outputs' holders are made, once it is known whether a kernel fills them
     compute = [m for m in (*absorbed, *g.members[1:]) if p[m].op != "all_gather"]
     needed = {p[m].args[0] for m in gathers if m not in into} | set(sliced_outs)
     e.chunked = set(g.members) | set(absorbed)
@@ -649,8 +684,17 @@ def _chunked_body(e: _Emitter, g: Group, outs: list[str], chunks: int, absorbed=
         # compiled, the kernel writes this rank's rows of a gathered state into every peer's copy as it computes
         # them: a push after it would read them back from memory (shm.py's module doc)
         peers = {m: f"{tmp[m]}.peer_rows(_c)" for m in into}
-        kernel = (_chunk_kernel(e, g, compute, inplace, needed, rs if parts else None, into, parts, peers)
+        # compiled, the kernel writes each chunk's rows of a sliced output into the whole output, made before
+        # the first chunk: no list of chunks to concatenate after the last
+        buffers = {o: tmp[o] for o in sliced_outs}
+        kernel = (_chunk_kernel(e, g, compute, inplace, needed, rs if parts else None, into, parts, peers, buffers)
                   if e.compile else None)
+        if kernel is not None:
+            lines[at:at] = [(f"    {tmp[o]} = torch.empty({e.local_shape_expr(p[o].type).replace('_c.', '_rank.')}, "
+                             f"dtype={TORCH_DTYPE[p[o].type.dtype or 'float32']}, device=_rank.device)", o)
+                            for o in sliced_outs]
+        else:
+            lines[at:at] = [(f"    {tmp[o]} = []", o) for o in sliced_outs]
         if kernel is not None and parts:
             lines.append((f"    for _c, {parts} in _reduce_scatter_parts(_rank, {e.ident(rs.args[0])}, "
                           f"{d}, {n}, {chunks}):", rs.name))
@@ -675,10 +719,12 @@ def _chunked_body(e: _Emitter, g: Group, outs: list[str], chunks: int, absorbed=
                 lines.append((f"        {tmp[m]}.push(_c)", m))
     finally:
         e.chunked = None
-    lines += [(f"        {tmp[o]}.append({e.ident(o)})", o) for o in sliced_outs]
+    if kernel is None:
+        lines += [(f"        {tmp[o]}.append({e.ident(o)})", o) for o in sliced_outs]
     lines += [(f"    {tmp[m]}.into({e.ident(into[m])})" if m in into else f"    {e.ident(m)} = {tmp[m]}.result()", m)
               for m in gathers]
-    lines += [(f"    {e.ident(o)} = torch.cat({tmp[o]}, dim={p[o].type.layout.dim})", o) for o in sliced_outs]
+    lines += [(f"    {e.ident(o)} = {tmp[o]}" if kernel is not None else
+               f"    {e.ident(o)} = torch.cat({tmp[o]}, dim={p[o].type.layout.dim})", o) for o in sliced_outs]
     return lines
 
 
@@ -703,11 +749,14 @@ def chunk_compiles(p: Program, g: Group, compute: list[str]) -> bool:
 
 
 def _chunk_kernel(e: _Emitter, g: Group, compute: list[str], inplace: dict[str, str], needed: set,
-                  parts: Stmt | None = None, into=None, parts_name: str | None = None, peers=None) -> list | None:
+                  parts: Stmt | None = None, into=None, parts_name: str | None = None, peers=None,
+                  buffers=None) -> list | None:
     """The pointwise statements of a fused collective's chunk as one module-level function compiled by
     Inductor, called once per chunk with the chunk's rows of what it reads (cut at the call: the chunk's
     position stays out of the compiled code; dropout gets the chunk's first row as a tensor). None when a
-    statement needs the chunk itself or is not pointwise: the chunk then runs statement by statement."""
+    statement needs the chunk itself or is not pointwise: the chunk then runs statement by statement.
+    ``buffers``: outputs the kernel writes into (their chunk's rows of a tensor of this rank's rows, by name)
+    rather than returns."""
     p = e.p
     if not chunk_compiles(p, g, compute):
         return None
@@ -737,6 +786,9 @@ def _chunk_kernel(e: _Emitter, g: Group, compute: list[str], inplace: dict[str, 
         rows, peer = e.ident.fresh(f"{e.ident(t)}_peers", scope), e.ident.fresh("_peer", scope)
         args[peers[m]] = rows
         body += [(f"    for {peer} in {rows}:", m), (f"        {peer}.copy_({e.ident(src)})", m)]
+    buffers = buffers or {}
+    for o, buf in buffers.items():
+        body.append((f"    _c.local({buf}, {p[o].type.layout.dim}).copy_({e.ident(o)})", o))
 
     def param(match: re.Match) -> str:
         expr = match.group(0)
@@ -764,7 +816,7 @@ def _chunk_kernel(e: _Emitter, g: Group, compute: list[str], inplace: dict[str, 
         if name in used:
             args.setdefault(name, name)
     dims = [f"d_{x}" for x in p.dims if f"d_{x}" in used]
-    results = [m for m in compute if m in needed]
+    results = [m for m in compute if m in needed and m not in buffers]
     if results:
         body.append((f"    return {', '.join(e.ident(r) for r in results)}{',' if len(results) == 1 else ''}",
                      compute[-1]))
@@ -864,8 +916,8 @@ def _shm_segments(p: Program, slotless: set[str]) -> list[str]:
         if g.kind == "bucket":
             full = [p[m].type if p[m].op == "all_gather" else p[p[m].args[0]].type for m in g.members]
             sizes.append(" + ".join(f"{_nbytes_expr(t)} + 64" for t in full))
-    if not sizes:
-        return []
+    if not sizes:  # its gathers write into the state alone: the barrier's flags and words
+        return ["_c.shm = _Shm.of(group, 2, 64)"] if any(p[m].op == "all_gather" for m in slotless) else []
     gathers = max([sum(p[m].op == "all_gather" and m not in slotless for m in g.members) for g in p.groups
                    if g.kind == "fused_collective"], default=0)
     sizes = list(dict.fromkeys(sizes))

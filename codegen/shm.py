@@ -38,7 +38,11 @@ caller's tensor keeps its identity and values; views of it taken before then
 keep the old memory), so later steps find it there. A state
 that cannot move (a view into a larger buffer, not contiguous) gets a shadow
 segment instead, copied into it after the barrier. The barrier that begins the
-collective carries, per state, whether a rank made a new segment for it.
+collective carries, per state, whether a rank made a new segment for it. An
+all_gather outside a fused collective that gives a replicated state its new
+value, where nothing reads the state after it, writes the same way
+(``_gather_into``): a barrier (no rank reads its copy any more), each rank's
+rows into every copy, a barrier.
 
 A copy larger than this rank's share of the last-level cache (the cache over the
 group's ranks) is made with non-temporal stores: its destination is not read
@@ -627,9 +631,25 @@ class _Gather:
                     s.copy(out.movedim(self.dim, 0)[lo:hi], seg.movedim(self.dim, 0)[lo:hi])
 
 
+
+def _gather_into(c, x, dim, n, state, name):
+    """The all_gather of ``x`` (this rank's rows of dim ``dim``, of extent ``n``) as the new value of the
+    Replicated ``state`` called ``name``, written straight into it: this rank's rows into its own copy and
+    into every peer's (in shared memory, as a fused collective's gather into state does), with no gathered
+    temporary, no slot and no copy into the state after. The first barrier: no rank reads its copy any
+    more (the lowering takes this only where every other reader of the state comes before), and every
+    copy is mapped; the second: every copy is whole."""
+    g = _Gather(c, dim, n, state, name)
+    c.shm.call(c.shm.barrier)
+    k = _Chunk(c, n, 0, n)
+    c.shm.copy(g._rows(state, k), x)
+    for peer in g.peer_rows(k):
+        c.shm.copy(peer, x, stream=g.stream)
+    g.into(state)
+
 from coconet.codegen.prelude import _cache_dir, _Chunk, _launches  # noqa: E402  (shared with the torch backend)
 
 HELPERS = (_Shm, _movable, _state_segment, _segment, _last_level_cache, _stream_copier, _on_comm_thread, _Done, _offsets, _publish, _shm_reduce, _shm_reduce_scatter, _shm_all_gather,
            _shm_allreduce, _allreduce, _allreduced, _reduce_scatter, _all_gather, _shm_broadcast, _broadcast, _bucket_allreduce,
            _bucket_reduce_scatter, _bucket_all_gather, _scatter_parts, _reduce_scatter_chunks, _reduce_scatter_parts, _add_all,
-           _Gather)
+           _Gather, _gather_into)

@@ -37,7 +37,8 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
 from coconet.codegen.lower import chunk_compiles
-from coconet.codegen.lower import _absorbed, _fc_in_place, _group_io, _in_place, _needs_copy, _units, gather_into
+from coconet.codegen.lower import (_absorbed, _fc_in_place, _group_io, _in_place, _needs_copy, _units, gather_into,
+                                   gathers_into_state)
 from coconet.errors import CoconetError, SizeError
 from coconet.schedules.dims import Dim
 from coconet.schedules.ir import Group, Program, Stmt
@@ -149,6 +150,7 @@ class Prediction:
 class _Builder:
     def __init__(self, p: Program, backend: str, knobs: Mapping[str, int]):
         self.p, self.backend, self.knobs = p, backend, knobs
+        self.into_state: dict[str, str] = {}  # shm all_gathers written straight into state (set by plan)
         self.dims: dict[Dim, int] = {}
         self.extents: dict[tuple[tuple[int, ...], int], int] = {}
 
@@ -202,9 +204,11 @@ class _Builder:
         p = self.p
         absorbed = _absorbed(p)  # the lowering compiles kernels (coconet run's default)
         skip = {m for ms in absorbed.values() for m in ms}
+        order = _units(p)
+        self.into_state = gathers_into_state(p, order, absorbed) if self.backend == "shm" else {}
         units: list[Unit] = []
-        written: set[str] = set()
-        for u in _units(p):
+        written: set[str] = set(self.into_state.values())
+        for u in order:
             if u in skip:
                 continue
             if isinstance(u, Group):
@@ -288,6 +292,13 @@ class _Builder:
             return [Unit(s.name, ks, (self.collective(s),))]
         if op == "reduce_scatter":
             return [Unit(s.name, self.scatter_copies(s), (self.collective(s),))]
+        if op == "all_gather" and s.name in self.into_state:
+            # two barriers; this rank's rows into its own copy of the state and every peer's
+            part = p[s.args[0]].type
+            mine = self.nbytes(part, self.local(part))
+            ks = (Kernel(f"{s.name} rows", 1, mine, mine, cold=mine),
+                  Kernel(f"{s.name} peers' rows", 1, _scaled(mine, _PerWorld.PEERS), _scaled(mine, _PerWorld.PEERS)))
+            return [Unit(s.name, ks, (Comm("barrier", (), launches=2, shm=True),))]
         if op == "all_gather":
             return [Unit(s.name, self.gather_copies(s), (self.collective(s),))]
         return [Unit(s.name, (self.eager(s),))]  # a 0-d result moves no bytes: a launch
@@ -470,7 +481,7 @@ class _Builder:
                 # gloo's list all_gather lands in a flat buffer, then in the views: one more copy
                 kernels.append(Kernel(f"{m} into views", chunks, whole, whole, whole))
                 comms.append(Comm("all_gather", whole, launches=chunks))
-        for o in sliced_outs:
+        for o in sliced_outs if not compiled else ():  # compiled, the kernel writes them into the whole output
             b = self.nbytes(p[o].type, self.local(p[o].type))
             kernels.append(Kernel(f"cat {o}", 1, b, b, b))
         overlapped = 1 if shm else chunks

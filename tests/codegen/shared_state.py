@@ -1,5 +1,6 @@
 """One rank of ZeRO-1 Adam on shm, stepped with the state tensors the caller might hand it:
-``python -m tests.codegen.shared_state RANK WORLD PORT KERNELS``.
+``python -m tests.codegen.shared_state RANK WORLD PORT KERNELS [SCHEDULE]`` (the fused collective by default;
+without one, w's all_gather writes into the state all the same).
 
 Every rank runs the same steps, each on the seeded inputs put back into whatever w this rank passes,
 and compares its w with the reference interpreter's: the state moved into shared memory by the first
@@ -25,11 +26,11 @@ SCHEDULE = "split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse_collective(
 N = 1001
 
 
-def main(rank: int, world: int, port: int, kernels: str) -> None:
+def main(rank: int, world: int, port: int, kernels: str, schedule: str = SCHEDULE) -> None:
     from coconet.loader import examples_dir, load_file
 
     adam = load_file(examples_dir() / "adam.py")
-    sched = Schedule.parse(SCHEDULE, adam)
+    sched = Schedule.parse(schedule, adam)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
     ns: dict = {"__name__": "coconet_generated_shared_state"}
@@ -68,4 +69,4 @@ def main(rank: int, world: int, port: int, kernels: str) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:6])

@@ -157,6 +157,8 @@ GOLDENS = {  # name: (example, schedule, backend, lower's keywords)
     # ZeRO-1: moments sharded, the updated w gathered straight into w
     "adam_zero1_fused_collective_shm": ("adam", "split(ar0); reorder(ag0); as_slice(m); as_slice(v); "
                                         "fuse_collective(rs0)", "shm", {}),
+    # ZeRO-1 without a fused collective: the updated w's all_gather written straight into every rank's w
+    "adam_zero1_gather_into_shm": ("adam", "split(ar0); reorder(ag0); as_slice(m); as_slice(v)", "shm", {}),
     # the eager PyTorch baseline of a program without a hand-written one
     "megatron_eager_torch_dropout": ("megatron_mlp", "baseline", "gloo", {"kernels": "eager", "dropout": "torch"}),
 }

@@ -90,6 +90,50 @@ def test_compiled_fused_collective_gathers_straight_into_the_state():
         assert_all_ok(results)
 
 
+
+def test_a_gather_outside_a_fused_collective_writes_straight_into_the_state():
+    """An all_gather that is the new value of a Replicated state, outside any fused collective (Adam's m, v and w
+    after ``split; reorder``, LAMB's w after its fused collective, read by ``norm(w)`` before): each rank writes its
+    rows into its own copy and the peers', with no gathered temporary, no slot and no copy into the state at the
+    end. R = 2 and 3, uneven rows, the first step (state moved into shared memory) and a steady one."""
+    cases = {
+        "adam": ("split(ar0); reorder(ag0)", ("m", "v", "w")),
+        "lamb": ("split(ar0); reorder(ag0); fuse_collective(rs0)", ("w",)),
+    }
+    scheds = []
+    for name, (text, states) in cases.items():
+        sched = Schedule.parse(text, example(name))
+        step = lower(sched, "shm").source.split("def step(")[1]
+        for state in states:
+            assert re.search(rf"_gather_into\(_c, \w+, 0, d_N, {state}, '{state}'\)", step), step
+            assert f"{state}.copy_(" not in step
+        assert "_all_gather(" not in step
+        assert "_gather_into(" not in lower(sched, "gloo").source
+        scheds.append(sched)
+    zero1 = Schedule.parse("split(ar0); reorder(ag0); as_slice(m); as_slice(v)", example("adam"))
+    step = lower(zero1, "shm").source.split("def step(")[1]
+    assert "_gather_into(_c, sub4, 0, d_N, w, 'w')" in step and "m.copy_(add0)" in step
+    scheds.append(zero1)
+    for world, n in ((2, 1001), (3, 7)):
+        assert_all_ok(run_schedules(scheds, Options(world=world, sizes={"N": n}, backend="shm", warmup=1, repeats=2)))
+
+
+def test_a_state_read_after_its_gather_is_gathered_through_a_slot():
+    """``v`` reads the old ``w`` after the gather that gives ``w`` its new value has run: writing the peers' copies
+    then would hand ``v`` the new rows, so that gather goes through a slot and ``w`` is written at the end."""
+    import coconet as cc
+
+    p = cc.Program("late_reader", dims=("N",))
+    g, h = p.tensor("g", ("N",), layout=cc.Local), p.tensor("h", ("N",), layout=cc.Local)
+    w, v = p.tensor("w", ("N",), layout=cc.Replicated), p.tensor("v", ("N",), layout=cc.Replicated)
+    a, b = cc.allreduce(g), cc.allreduce(h)
+    p.update(w, a)
+    p.update(v, b + w)
+    sched = Schedule.parse("split(ar0)", p.ir)
+    step = lower(sched, "shm").source.split("def step(")[1]
+    assert "_gather_into(" not in step and "_all_gather(_c, rs0, 0, d_N)" in step and "w.copy_(ag0)" in step
+    assert_all_ok(run_schedules([sched], shm_only(3, {"N": 7})))
+
 def test_a_state_gathered_along_its_second_dim_is_written_column_by_column():
     """``split(ar0, dim=1)`` on a 2-D state: the chunk's kernel writes each chunk's columns of w into the
     peers' w (not contiguous), R = 3 with uneven columns, first and steady step both checked."""
@@ -106,14 +150,18 @@ def test_a_state_gathered_along_its_second_dim_is_written_column_by_column():
     assert_all_ok(results)
 
 
-@pytest.mark.parametrize("world, kernels", [(2, "compiled"), (3, "eager")])
-def test_state_in_shared_memory_whatever_tensor_the_caller_passes(world, kernels):
+@pytest.mark.parametrize("world, kernels, schedule", [
+    (2, "compiled", "split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse_collective(rs0); fc_chunks=3"),
+    (3, "eager", "split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse_collective(rs0); fc_chunks=3"),
+    (3, "compiled", "split(ar0); reorder(ag0); as_slice(m); as_slice(v)"),  # w's gather outside a fused collective
+])
+def test_state_in_shared_memory_whatever_tensor_the_caller_passes(world, kernels, schedule):
     """Steps of ZeRO-1 Adam on shm where the caller passes the moved w again, a new w on one rank only, a view
     into a larger buffer and a strided column (shadowed, the memory around them untouched): each step's w is
     the reference's on every rank (tests/codegen/shared_state.py), and no segment file is left."""
     port = free_port()
     procs = [subprocess.Popen([sys.executable, "-m", "tests.codegen.shared_state", str(r), str(world), str(port),
-                               kernels], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                               kernels, schedule], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(world)]
     outs = [p.communicate(timeout=300)[0] for p in procs]
     # every failing rank's words: the one that failed first, and those left waiting for it at a barrier
@@ -135,6 +183,21 @@ def test_compiled_fused_collective_computes_replicated_operands_on_its_chunks_ro
         results = run_schedules([sched.with_knobs(fc_chunks=k) for k in (1, 8)],
                                 Options(world=3, sizes={"N": 1001}, backend=backend, warmup=1, repeats=1))
         assert_all_ok(results)
+
+
+@pytest.mark.parametrize("backend", ["shm", "gloo"])
+def test_compiled_fused_collective_writes_its_sliced_outputs_into_one_tensor(backend):
+    """LAMB's fused collective hands ``u`` and ``u * u`` on to the norm and the update after it: compiled, the
+    chunk's kernel writes its rows of each into one tensor of this rank's rows, made before the first chunk (no
+    ``torch.cat`` of the chunks after the last); eager statements still concatenate theirs. R = 3, uneven rows,
+    one chunk and more chunks than a rank has rows."""
+    sched = Schedule.parse("split(ar0); reorder(ag0); fuse_collective(rs0)", example("lamb"))
+    step = lower(sched, backend).source.split("def step(")[1]
+    assert "_add3 = torch.empty(" in step and "_c.local(_add3, 0), _c.local(_mul8, 0)" in step
+    assert "torch.cat(" not in step and "add3 = _add3" in step
+    assert "add3 = torch.cat(_add3, dim=0)" in lower(sched, backend, kernels="eager").source
+    assert_all_ok(run_schedules([sched.with_knobs(fc_chunks=k) for k in (1, 8)],
+                                Options(world=3, sizes={"N": 7}, backend=backend, warmup=1, repeats=1)))
 
 
 @pytest.mark.parametrize("backend", ["shm", "gloo"])
