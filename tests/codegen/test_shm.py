@@ -100,7 +100,7 @@ def test_a_gather_outside_a_fused_collective_writes_straight_into_the_state():
         "adam": ("split(ar0); reorder(ag0)", ("m", "v", "w")),
         "lamb": ("split(ar0); reorder(ag0); fuse_collective(rs0)", ("w",)),
     }
-    scheds = []
+    scheds = {}
     for name, (text, states) in cases.items():
         sched = Schedule.parse(text, example(name))
         step = lower(sched, "shm").source.split("def step(")[1]
@@ -109,13 +109,15 @@ def test_a_gather_outside_a_fused_collective_writes_straight_into_the_state():
             assert f"{state}.copy_(" not in step
         assert "_all_gather(" not in step
         assert "_gather_into(" not in lower(sched, "gloo").source
-        scheds.append(sched)
+        scheds[name] = [sched]
     zero1 = Schedule.parse("split(ar0); reorder(ag0); as_slice(m); as_slice(v)", example("adam"))
     step = lower(zero1, "shm").source.split("def step(")[1]
     assert "_gather_into(_c, sub4, 0, d_N, w, 'w')" in step and "m.copy_(add0)" in step
-    scheds.append(zero1)
+    scheds["adam"].append(zero1)
     for world, n in ((2, 1001), (3, 7)):
-        assert_all_ok(run_schedules(scheds, Options(world=world, sizes={"N": n}, backend="shm", warmup=1, repeats=2)))
+        for same_program in scheds.values():
+            assert_all_ok(run_schedules(same_program, Options(world=world, sizes={"N": n}, backend="shm", warmup=1,
+                                                              repeats=2)))
 
 
 def test_a_state_read_after_its_gather_is_gathered_through_a_slot():
