@@ -551,10 +551,10 @@ def gather_into(p: Program, backend: str, g: Group, outs: list[str], absorbed) -
 
 def gathers_into_state(p: Program, units: list, absorbed: dict[Group, tuple[str, ...]]) -> dict[str, str]:
     """Ungrouped all_gathers (shm) whose value is the new value of one Replicated state and read by nothing
-    else, where the state is bound and every other reader of it runs before them (``units``: the order the step runs its
-    statements; ``absorbed``: statements that run inside their fused collective): each rank writes its rows
-    straight into its own copy of the state and every peer's, with no gathered temporary, no slot and no
-    copy into the state at the end. Each gather maps to its state."""
+    else, where the state is bound and every other reader of it runs before them (``units``: the order the
+    step runs its statements; ``absorbed``: statements that run inside their fused collective): each rank
+    writes its rows straight into its own copy of the state and every peer's, with no gathered temporary, no
+    slot and no copy into the state at the end. Each gather maps to its state."""
     at: dict[str, int] = {}
     for i, u in enumerate(units):
         for m in (u.members if isinstance(u, Group) else (u,)):
@@ -571,7 +571,8 @@ def gathers_into_state(p: Program, units: list, absorbed: dict[Group, tuple[str,
         t = targets[0]
         # an update, output or send reading the state would see it after the step's end, or hold it
         readers = [t] + [u for u in p.users[t] if not (p[u].op == "update" and p[u].args[0] == t)]
-        if isinstance(s.type.layout, Replicated) and all(p[u].op not in EFFECTS and at[u] < at[s.name] for u in readers):
+        if isinstance(s.type.layout, Replicated) and all(p[u].op not in EFFECTS and at[u] < at[s.name]
+                                                         for u in readers):
             found[s.name] = t
     return found
 

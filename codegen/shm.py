@@ -631,7 +631,6 @@ class _Gather:
                     s.copy(out.movedim(self.dim, 0)[lo:hi], seg.movedim(self.dim, 0)[lo:hi])
 
 
-
 def _gather_into(c, x, dim, n, state, name):
     """The all_gather of ``x`` (this rank's rows of dim ``dim``, of extent ``n``) as the new value of the
     Replicated ``state`` called ``name``, written straight into it: this rank's rows into its own copy and
@@ -646,6 +645,7 @@ def _gather_into(c, x, dim, n, state, name):
     for peer in g.peer_rows(k):
         c.shm.copy(peer, x, stream=g.stream)
     g.into(state)
+
 
 from coconet.codegen.prelude import _cache_dir, _Chunk, _launches  # noqa: E402  (shared with the torch backend)
 
