@@ -136,6 +136,29 @@ def test_a_state_read_after_its_gather_is_gathered_through_a_slot():
     assert "_gather_into(" not in step and "_all_gather(_c, rs0, 0, d_N)" in step and "w.copy_(ag0)" in step
     assert_all_ok(run_schedules([sched], shm_only(3, {"N": 7})))
 
+
+@pytest.mark.parametrize("kernels", ["eager", "compiled"])
+def test_a_step_whose_only_collective_gathers_into_state_maps_no_slot(kernels):
+    """The one collective of the step is an all_gather giving a Replicated state its new value: the group's
+    segments carry the barrier's header alone (no slot to size), the state is whole on every rank after the
+    first step (state moved into shared memory) and a steady one, R = 2 and 3 with uneven rows, and no
+    segment outlives the ranks."""
+    import coconet as cc
+
+    p = cc.Program("gather_only", dims=("N",))
+    x = p.tensor("x", ("N",), layout=cc.Sliced(0))
+    w = p.tensor("w", ("N",), layout=cc.Replicated)
+    p.update(w, cc.all_gather(x * p.scalar("lr")))
+    sched = Schedule.parse("", p.ir)
+    step = lower(sched, "shm").source.split("def step(")[1]
+    assert "_Shm.of(group, 2, 64)" in step and "_gather_into(_c, mul0, 0, d_N, w, 'w')" in step
+    before = set(segments())
+    for world, n in ((2, 1001), (3, 7)):
+        assert_all_ok(run_schedules([sched], Options(world=world, sizes={"N": n}, backend="shm", kernels=kernels,
+                                                     time=False, timeout_s=60, warmup=1, repeats=1)))
+    assert set(segments()) <= before
+
+
 def test_a_state_gathered_along_its_second_dim_is_written_column_by_column():
     """``split(ar0, dim=1)`` on a 2-D state: the chunk's kernel writes each chunk's columns of w into the
     peers' w (not contiguous), R = 3 with uneven columns, first and steady step both checked."""
