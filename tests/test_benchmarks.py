@@ -31,3 +31,10 @@ def test_the_single_copy_reduces_the_rows_the_publish_does(tmp_path):
         pytest.skip(f"this system refuses process_vm_readv: {report['process_vm_readv']}")
     copied = report["variants"]["single copy, chunks of 300"]
     assert copied["same_result_as_publish"] and copied["checksum"] != report["variants"]["local"]["checksum"]
+
+
+def test_the_kernel_without_dynamo_writes_what_the_compiled_one_writes():
+    # the call-cost comparison holds only between kernels that compute the same update in place
+    report = _script("kernel_call").main(["--size", "300", "--calls", "1"])
+    (point,) = report["points"]
+    assert point["same_results"] and point["wrote_in_place"]
