@@ -97,6 +97,96 @@ def test_kernels_are_kept_out_of_aotautograds_cache(tmp_path):
     assert not any((tmp_path / "aotautograd").rglob("*"))
 
 
+def _no_dynamo(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("torch.compile was called")
+    monkeypatch.setattr(torch, "compile", refuse)
+
+
+def test_a_cpu_kernel_runs_inductors_code_without_dynamo(monkeypatch):
+    """On CPU a kernel is Inductor's code for its traced graph, kept per shape and stride of its inputs: each
+    call writes its state once, lists of tensors and returned tuples come through, and a second shape (or
+    the columns of a matrix, not contiguous) gets a kernel of its own."""
+    _no_dynamo(monkeypatch)
+
+    def step(peers, m, parts, beta):
+        g = parts[0] + parts[1]
+        m1 = beta * m + g
+        m.copy_(m1)
+        for p in peers:
+            p.copy_(m1 * 2)
+        return m1 + 1, g
+
+    kernel = prelude._kernel(step)
+    for shape, cut in (((6,), lambda t: t), ((9,), lambda t: t), ((5, 4), lambda t: t[:, 1:3])):
+        m, peer, g0, g1 = (cut(torch.rand(shape)) for _ in range(4))
+        want_m = 0.5 * m + g0 + g1
+        for _ in range(2):  # the first call compiles, the second finds it
+            before = m.clone()
+            out, g = kernel([peer], m, [g0, g1], torch.tensor(0.5))
+            want = 0.5 * before + g0 + g1
+            assert torch.allclose(m, want) and torch.allclose(peer, want * 2)
+            assert torch.allclose(out, want + 1) and torch.allclose(g, g0 + g1)
+        assert not torch.allclose(want_m, m)  # the second call ran on the first's result: once per call
+
+
+def test_dropout_in_a_kernel_traces_without_dynamo(monkeypatch):
+    _no_dynamo(monkeypatch)
+    x = torch.rand(3, 16)
+    got = prelude._kernel(lambda x, seed, first: prelude._dropout_rows(x * 1.0, 0.5, seed, (8, 16), 0, first))(
+        x, prelude._int64(5), prelude._int64(2))
+    assert torch.equal(got, prelude._dropout_rows(x, 0.5, prelude._int64(5), (8, 16), 0, prelude._int64(2)))
+
+
+def test_a_kernel_compiles_once_for_a_context_made_anew_every_step(monkeypatch):
+    """A fused kernel takes the rank's _Ctx, a new object every step: it is keyed by what its attributes hold
+    (compiling on every step took 150 ms a step), and a context that differs in them compiles again."""
+    real, compiles = torch._inductor.standalone_compile, []
+
+    def counting(*args, **kwargs):
+        compiles.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch._inductor, "standalone_compile", counting)
+
+    class Ctx:
+        def __init__(self, rank):
+            self.rank, self.world, self.device = rank, 2, torch.device("cpu")
+
+    kernel = prelude._kernel(lambda c, x: x * (c.rank + 1))
+    x = torch.arange(4.0)
+    for _ in range(3):
+        assert torch.equal(kernel(Ctx(0), x), x)
+    assert len(compiles) == 1
+    assert torch.equal(kernel(Ctx(1), x), x * 2) and len(compiles) == 2
+
+
+def test_inputs_that_share_memory_go_through_torch_compile(monkeypatch):
+    """A kernel traced for separate inputs would write views of one buffer as if apart: those calls take
+    torch.compile's path, whose guards see the aliasing, even where the same shapes ran standalone before."""
+    compiled = []
+    real = torch.compile
+
+    def spy(fn, **kwargs):
+        compiled.append(fn)
+        return real(fn, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", spy)
+
+    def f(a, b, x):
+        a.copy_(x * 2)
+        b.copy_(x + 1)
+
+    kernel = prelude._kernel(f)
+    x = torch.arange(8.0)
+    a, b = torch.zeros(8), torch.zeros(8)
+    kernel(a, b, x)
+    assert not compiled and torch.equal(a, x * 2) and torch.equal(b, x + 1)
+    seg = torch.zeros(24)
+    kernel(seg[0:8], seg[16:24], x)
+    assert compiled and torch.equal(seg[0:8], x * 2) and torch.equal(seg[16:24], x + 1)
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(0, 6), min_size=0, max_size=3), st.integers(0, 7), st.integers(0, 5),
        st.sampled_from(["float32", "float64", "bfloat16"]), st.booleans(), st.booleans())

@@ -106,23 +106,97 @@ def _reduce_scatter_chunks(c, x, dim, n, count, op):
 
 
 def _kernel(fn):
-    """A fused pointwise kernel, compiled by Inductor on its first call (vectorised C++ on CPU, Triton
-    on CUDA) and loaded from Inductor's on-disk cache by later processes. Not from AOTAutograd's cache:
-    given views of one buffer that the kernel writes (the rows of several gathers in one segment), it
-    has handed later processes a kernel traced for other sizes, which failed or wrote wrong rows."""
-    compiled = torch.compile(fn, dynamic=False, fullgraph=True)
-    config = torch._functorch.config
+    """A fused pointwise kernel, compiled by Inductor on its first call with each new shape of its inputs
+    (vectorised C++ on CPU, Triton on CUDA) and loaded from Inductor's on-disk cache by later processes.
 
-    def kernel(*args):
-        # set around every call, as any call may compile (new shapes); the caller's setting comes back after.
+    On CPU the kernel is Inductor's code for the traced graph alone (``standalone_compile``): no Dynamo frame
+    or guards around each call, which cost more than a small kernel's work (benchmarks/kernel_call.py). It
+    has no guards of its own, so it is kept per signature of its inputs (shapes, strides, dtypes, the values
+    of what is not a tensor); inputs that share memory, inputs that need autograd, CUDA tensors, and graphs
+    that will not trace go through ``torch.compile``, whose guards cover them. Neither is compiled through
+    AOTAutograd's cache: given views of one buffer that the kernel writes (the rows of several gathers in
+    one segment), it has handed later processes a kernel traced for other sizes, which failed or wrote
+    wrong rows."""
+    from torch._functorch import config
+
+    dynamo = []  # torch.compile's wrapper of fn, made on the first call that needs it
+    built = {}  # signature of the inputs -> Inductor's kernel for them (None: through torch.compile)
+
+    def no_autograd_cache(call, *args):
+        # set around every call, as any call may compile; the caller's setting comes back after.
         # (config.patch would do, at twice a small kernel's cost per call)
         was = config.enable_autograd_cache
         config.enable_autograd_cache = False
         try:
-            return compiled(*args)
+            return call(*args)
         finally:
             config.enable_autograd_cache = was
+
+    def standalone(leaves, layout, tensors):
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        at = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+        returns = []  # what fn returns, seen as it is traced: None or a tensor (True), or a tuple of them
+
+        def flat(*xs):
+            full = list(leaves)
+            for i, x in zip(at, xs):
+                full[i] = x
+            args, k = [], 0
+            for kind, n in layout:  # the arguments again: leaves, and lists or tuples of them
+                args.append(full[k] if kind is None else kind(full[k:k + n]))
+                k += 1 if kind is None else n
+            out = fn(*args)
+            returns.append(out is None or isinstance(out, torch.Tensor))
+            return () if out is None else (out,) if isinstance(out, torch.Tensor) else tuple(out)
+
+        try:
+            graph = make_fx(flat, tracing_mode="fake")(*tensors)  # fake: tracing must not run the writes
+            compiled = torch._inductor.standalone_compile(graph, list(tensors), dynamic_shapes="from_example_inputs")
+        except Exception:  # data-dependent Python that only Dynamo traces, or a torch without standalone_compile
+            return None
+        if returns[0]:  # the graph's outputs are () or (the tensor,)
+            return lambda *xs: next(iter(compiled(*xs) or ()), None)
+        return lambda *xs: tuple(compiled(*xs))
+
+    def kernel(*args):
+        # flattened by hand: torch's pytree takes longer than a small kernel's whole call
+        leaves, layout = [], []
+        for a in args:
+            if isinstance(a, (list, tuple)):
+                leaves.extend(a)
+                layout.append((type(a), len(a)))
+            else:
+                leaves.append(a)
+                layout.append((None, 1))
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        grad = torch.is_grad_enabled()
+        key = (tuple(layout), grad, tuple((x.shape, x.stride(), x.dtype, x.device, x.requires_grad)
+                                          if isinstance(x, torch.Tensor) else _constant(x) for x in leaves))
+        hit = built.get(key, False)
+        separate = len({x.untyped_storage().data_ptr() for x in tensors}) == len(tensors)
+        if hit is False:
+            plain = (separate and all(x.device.type == "cpu" for x in tensors)
+                     and not (grad and any(x.requires_grad for x in tensors)))
+            hit = built[key] = no_autograd_cache(standalone, leaves, tuple(layout), tensors) if plain else None
+        if hit is None or not separate:  # inputs that share memory: the kernel was traced for separate ones
+            if not dynamo:
+                dynamo.append(torch.compile(fn, dynamic=False, fullgraph=True))
+            return no_autograd_cache(dynamo[0], *args)
+        return hit(*tensors)
     return kernel
+
+
+def _constant(x):
+    """What a compiled kernel bakes in of an argument that is not a tensor: its value, or for an object (a
+    rank's _Ctx, made anew every step) its plain attributes' values and which objects the others are."""
+    plain = (type(None), bool, int, float, str, torch.dtype, torch.device)
+    if isinstance(x, plain):
+        return type(x), x
+    state = getattr(x, "__dict__", None)
+    if state is None:
+        return type(x), id(x)
+    return type(x), tuple((k, v if isinstance(v, plain) else id(v)) for k, v in state.items())
 
 
 def _chunk0(m_k, v_k, w_k, beta1, beta2, sub0, rs0, sub1, sub2, sub3, lr, eps):
