@@ -3,7 +3,7 @@ graph handed to Inductor without Dynamo (``torch._inductor.standalone_compile``)
 the shape the shm backend's fused collective runs (two ranks' gradient rows summed, m, v and w written in
 place, w's new rows stored into a peer's copy too).
 
-    python benchmarks/kernel_call.py [--size 2^10 --size 2^18 --size 2^22] [--device cpu|cuda]
+    python benchmarks/kernel_call.py [--size N=2^10 --size N=2^18 --size N=2^22] [--device cpu|cuda]
                                      [--out benchmarks/results/kernel_call_cpu.json]
 
 Per size: the best of 5 means of ``--calls`` calls each way (on CUDA synchronised after each batch),
@@ -35,14 +35,11 @@ def adam_chunk(peer, m, v, w, g0, g1, beta1, beta2, lr, eps):
     peer.copy_(w1)
 
 
-def _count(text: str) -> int:
-    base, _, power = text.partition("^")
-    return int(base) ** int(power) if power else int(base)
-
-
 def main(argv: list[str] | None = None) -> dict:
     import torch
     from torch.fx.experimental.proxy_tensor import make_fx
+
+    from coconet.schedules.dims import parse_sizes
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--size", action="append", default=None)
@@ -55,7 +52,7 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.threads)
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     points = []
-    for n in [_count(s) for s in args.size or ["2^10", "2^18", "2^22"]]:
+    for n in [parse_sizes(s, ("N",))["N"] for s in args.size or ["N=2^10", "N=2^18", "N=2^22"]]:
         gen = torch.Generator(device=args.device).manual_seed(n)
         state = [torch.rand(n, device=args.device, generator=gen) for _ in range(6)]
         scalars = [torch.tensor(x, device=args.device) for x in (0.9, 0.999, 1e-3, 1e-8)]

@@ -119,12 +119,9 @@ def _rank(rank: int, n: int, chunks: list[int], repeats: int, rounds: int, segme
     out.put((rank, times, checks, refused))
 
 
-def _count(text: str) -> int:
-    base, _, power = text.partition("^")
-    return int(base) ** int(power) if power else int(base)
-
-
 def main(argv: list[str] | None = None) -> dict:
+    from coconet.schedules.dims import parse_sizes
+
     ap = argparse.ArgumentParser()
     ap.add_argument("--size", default="N=2^24")
     ap.add_argument("--chunk", action="append", default=None, help="floats per process_vm_readv (repeatable)")
@@ -132,8 +129,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/single_copy_w2.json")
     args = ap.parse_args(argv)
-    n = _count(args.size.split("=", 1)[-1])
-    chunks = [_count(c) for c in (args.chunk or ["2^16", "2^18"])]
+    n = parse_sizes(args.size, ("N",))["N"]
+    chunks = [parse_sizes(f"chunk={c}")["chunk"] for c in args.chunk or ["2^16", "2^18"]]
     if str(Path(__file__).parent) not in sys.path:  # spawned processes import this module by its name
         sys.path.insert(0, str(Path(__file__).parent))
     ctx = mp.get_context("spawn")

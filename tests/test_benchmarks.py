@@ -35,6 +35,6 @@ def test_the_single_copy_reduces_the_rows_the_publish_does(tmp_path):
 
 def test_the_kernel_without_dynamo_writes_what_the_compiled_one_writes():
     # the call-cost comparison holds only between kernels that compute the same update in place
-    report = _script("kernel_call").main(["--size", "300", "--calls", "1"])
+    report = _script("kernel_call").main(["--size", "N=300", "--calls", "1"])
     (point,) = report["points"]
     assert point["same_results"] and point["wrote_in_place"]
