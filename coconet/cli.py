@@ -375,7 +375,6 @@ def run(
 ) -> None:
     """Run schedules on R ranks of this machine: check every output against the reference interpreter and
     time the step (median and 95% CI of the slowest rank per step)."""
-    from coconet.codegen.launch import Options, run_schedules
     from coconet.codegen.lower import BACKENDS, KERNELS, lower
     from coconet.loader import load_file
     from coconet.schedules.dims import parse_sizes
@@ -396,6 +395,8 @@ def run(
         for sched in picked:
             gen = lower(sched, backend, kernels)
             (emit / f"{prog.name}_{sched.hash}_{backend}.py").write_text(gen.source)
+    from coconet.codegen.launch import Options, run_schedules  # torch: seconds to import, so after the checks
+
     opts = Options(world=world, sizes=sizes, backend=backend, kernels=kernels, stages=stages or 2, seed=seed, warmup=warmup,
                    repeats=repeats, check=not no_check, timeout_s=timeout,
                    trace=str(trace.resolve()) if trace is not None else None)
@@ -788,7 +789,6 @@ def bench(
     at the matmul rate, whichever is longer), per size."""
     from coconet.codegen.baselines import baseline_for
     from coconet.codegen.footprint import require_fits
-    from coconet.codegen.launch import Options, require_cuda, run_schedules
     from coconet.codegen.lower import BACKENDS
     from coconet.codegen.rank import allocator_policy
     from coconet.loader import load_file
@@ -821,11 +821,13 @@ def bench(
     bandwidths: list[float] = []
     # the matmul rate of one rank's threads (as the launcher gives them), where the program has matmuls
     nranks = world * (2 if prog.is_pipeline else 1)
-    if device == "cuda":
-        require_cuda(nranks)  # before any point is measured
     prog.require_world(world)
     for sizes in points_sizes:  # every point must fit, before the first one runs
         require_fits(prog, sizes, world, check=True)
+    from coconet.codegen.launch import Options, require_cuda, run_schedules  # torch: seconds, so after the checks
+
+    if device == "cuda":
+        require_cuda(nranks)  # before any point is measured
     cpus = os.cpu_count() or 1
     # a CUDA rank has a GPU to itself: its matmul rate is the device's, and no rank shares it
     threads = max(1, cpus // nranks) if device == "cpu" else 1

@@ -12,10 +12,11 @@ import tempfile
 from pathlib import Path
 
 from coconet.codegen.lower import Generated
-from coconet.codegen.prelude import _cache_dir
 
 
 def cache_dir() -> Path:
+    from coconet.codegen.prelude import _cache_dir  # the prelude imports torch: seconds that most callers skip
+
     return Path(_cache_dir())
 
 

@@ -141,6 +141,18 @@ def check(request: Request) -> tuple[str, ...]:
     if request.topology != LOCAL and not request.ray_address:
         raise CoconetError(f"coconet tune measures: topology {request.topology!r} needs its cluster "
                            "(--ray-address); for a prediction use coconet sweep")
+    if request.budget < 1:
+        raise CoconetError(f"budget must be at least 1 trial, got {request.budget}")
+    if request.shardable is not None:
+        shardable_text(request.program, request.shardable)  # names that are not the program's state: refused
+    request.program.require_world(request.world)
+    if not request.ray_address and request.world > MAX_RANKS:  # a Ray actor per rank, all on this machine
+        raise CoconetError(f"world {request.world}: the local Ray cluster runs at most {MAX_RANKS} ranks per stage "
+                           "on this machine (--ray-address joins a cluster for more)")
+    if not request.ray_address:  # the local cluster's ranks share this machine's memory; a cluster's, their nodes'
+        for sizes in request.sizes:
+            require_fits(request.program, sizes, request.world, check=False)
+    # last: asking torch for the GPUs imports it, seconds that a refusal above need not wait
     if request.topology == LOCAL:
         allowed = local_backends(request.world)
     else:  # a cluster that is this topology: its backends, shm only where every rank shares one node
@@ -153,17 +165,6 @@ def check(request: Request) -> tuple[str, ...]:
     if unusable:
         raise CoconetError(f"backend {', '.join(unusable)} cannot run on {request.topology} "
                            f"(it runs {', '.join(allowed)})")
-    if request.budget < 1:
-        raise CoconetError(f"budget must be at least 1 trial, got {request.budget}")
-    if request.shardable is not None:
-        shardable_text(request.program, request.shardable)  # names that are not the program's state: refused
-    request.program.require_world(request.world)
-    if not request.ray_address and request.world > MAX_RANKS:  # a Ray actor per rank, all on this machine
-        raise CoconetError(f"world {request.world}: the local Ray cluster runs at most {MAX_RANKS} ranks per stage "
-                           "on this machine (--ray-address joins a cluster for more)")
-    if not request.ray_address:  # the local cluster's ranks share this machine's memory; a cluster's, their nodes'
-        for sizes in request.sizes:
-            require_fits(request.program, sizes, request.world, check=False)
     return backends
 
 

@@ -143,6 +143,25 @@ def test_other_errors(args, fragment):
     assert_one_error(coconet(*args), fragment)
 
 
+@pytest.mark.parametrize("args", [
+    ["run", "examples/adam.py", "--size", "N=8", "--backend", "mpi"],
+    ["run", "examples/adam.py", "--size", "N=8", "--schedule", "split(nope)"],
+    ["bench", "adam", "--size", "N=8", "--backend", "nccl", "--backend", "shm"],
+    ["bench", "adam", "--size", "N=2^40"],
+    ["tune", "examples/adam.py", "--size", "N=8", "--world", "10000"],
+    ["tune", "examples/adam.py", "--size", "N=8", "--shardable", "g"],
+], ids=lambda a: " ".join(a[:1] + a[3:]))
+def test_a_refused_option_is_answered_before_torch_is_imported(args):
+    """Importing torch takes seconds: an option that cannot run is refused without it."""
+    probe = ("import runpy, sys\n"
+             f"sys.argv = ['coconet', *{args!r}]\n"
+             "try:\n    runpy.run_module('coconet', run_name='__main__')\n"
+             "except SystemExit as e:\n    print(e.code, 'torch' in sys.modules)\n")
+    env = {k: v for k, v in os.environ.items() if k != "COCONET_DEBUG"}
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+    assert proc.stderr.startswith("error: ") and proc.stdout == "2 False\n", (proc.stdout, proc.stderr)
+
+
 def test_a_lookup_in_a_store_that_does_not_exist_makes_none(tmp_path):
     db = tmp_path / "typo" / "x.db"
     assert_one_error(coconet("run", "examples/adam.py", "--size", "N=8", "--schedule", "best", "--db", f"sqlite:///{db}"),

@@ -75,7 +75,7 @@ def test_bad_candidates_are_classified_and_the_next_one_runs(ray_local):
     prog = example("adam")
     good = generate(prog)[1]
     for status, lowering in BAD.items():
-        protocol = dataclasses.replace(FAST, timeout_s=15.0 if status == "timeout" else 60.0)
+        protocol = dataclasses.replace(FAST, timeout_s=8.0 if status == "timeout" else 60.0)
         with Runner(prog, world=2, sizes={"N": 1000}, protocol=protocol, lowering=lowering) as bad:
             res = bad.measure(Schedule(prog))
             assert res.status == status, (status, res.error)
