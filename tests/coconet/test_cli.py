@@ -15,10 +15,14 @@ ROOT = Path(__file__).parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
 
 
+def quiet_env():
+    """The environment without COCONET_DEBUG, which would print an internal error's traceback, not its one line."""
+    return {k: v for k, v in os.environ.items() if k != "COCONET_DEBUG"}
+
+
 def coconet(*args, cwd=None):
-    env = {k: v for k, v in os.environ.items() if k != "COCONET_DEBUG"}
     return subprocess.run([sys.executable, "-m", "coconet", *map(str, args)], capture_output=True, text=True,
-                          cwd=cwd or ROOT, env=env, timeout=120)
+                          cwd=cwd or ROOT, env=quiet_env(), timeout=120)
 
 
 def assert_one_error(proc, *fragments):
@@ -157,8 +161,8 @@ def test_a_refused_option_is_answered_before_torch_is_imported(args):
              f"sys.argv = ['coconet', *{args!r}]\n"
              "try:\n    runpy.run_module('coconet', run_name='__main__')\n"
              "except SystemExit as e:\n    print(e.code, 'torch' in sys.modules)\n")
-    env = {k: v for k, v in os.environ.items() if k != "COCONET_DEBUG"}
-    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, env=quiet_env(),
+                          timeout=120)
     assert proc.stderr.startswith("error: ") and proc.stdout == "2 False\n", (proc.stdout, proc.stderr)
 
 
@@ -340,7 +344,7 @@ def test_bench_compares_with_torch_and_the_floor(tmp_path):
 
 def test_bench_killed_between_points_keeps_the_points_it_made(tmp_path):
     out = tmp_path / "sgd.json"
-    env = {k: v for k, v in os.environ.items() if k != "COCONET_DEBUG"}
+    env = quiet_env()
     proc = subprocess.Popen([sys.executable, "-m", "coconet", "bench", "sgd", "--world", "2", "--size", "N=3000",
                              "--size", "N=5000", "--kernels", "eager", "--backend", "shm", "--schedule", "split(ar0)",
                              "--repeats", "2", "--warmup", "1", "-o", str(out)], cwd=ROOT, env=env,
@@ -453,7 +457,7 @@ def test_a_size_too_large_for_this_machine_is_one_error():
 
 
 def test_a_reader_that_leaves_the_pipe_early_ends_the_command_quietly():
-    env = {k: v for k, v in os.environ.items() if k != "COCONET_DEBUG"}
+    env = quiet_env()
     proc = subprocess.Popen([sys.executable, "-m", "coconet", "schedules", "examples/lamb.py", "--json"], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     proc.stdout.close()  # as `| head -c 0` would, before anything is written
@@ -463,7 +467,7 @@ def test_a_reader_that_leaves_the_pipe_early_ends_the_command_quietly():
 
 
 def test_an_answer_stdout_cannot_take_is_one_error_and_a_closed_stdout_none():
-    env = {k: v for k, v in os.environ.items() if k != "COCONET_DEBUG"}
+    env = quiet_env()
     with open("/dev/full", "w") as full:
         proc = subprocess.run([sys.executable, "-m", "coconet", "check", "examples/adam.py"], cwd=ROOT, env=env,
                               stdout=full, stderr=subprocess.PIPE, text=True, timeout=60)
@@ -508,7 +512,7 @@ def test_tune_killed_mid_study_resumes_without_measuring_twice(tmp_path):
     db = f"sqlite:///{tmp_path / 'coconet.db'}"
     args = ["tune", "examples/adam.py", "--world", "2", "--size", "N=2^10", "--budget", "6", "--kernels", "eager",
             "--backend", "gloo", "--db", db, "--json"]
-    env = {k: v for k, v in os.environ.items() if k != "COCONET_DEBUG"}
+    env = quiet_env()
     with open(tmp_path / "first.log", "w") as log:
         first = subprocess.Popen([sys.executable, "-m", "coconet", *args], cwd=ROOT, env=env, stdout=log,
                                  stderr=log, start_new_session=True)
