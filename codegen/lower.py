@@ -666,8 +666,10 @@ def _chunked_body(e: _Emitter, g: Group, outs: list[str], chunks: int, absorbed=
     n = dim_expr(rs.type.shape[d])
     gathers = [m for m in g.members if p[m].op == "all_gather"]
     sliced_outs = [o for o in outs if p[o].op != "all_gather"]
-    how = ("published once, each chunk reduced out of the peers' segments just before it computes"
-           if e.backend == "shm" else "chunk k+1 is reduced while chunk k computes and chunk k-1 is gathered")
+    direct = reads_input_in_place(p, e.backend, g)
+    how = ("chunk k+1 is reduced while chunk k computes and chunk k-1 is gathered" if e.backend != "shm" else
+           f"{'read where it lies once moved into a segment' if direct else 'published once'}, each chunk "
+           "reduced out of the peers' segments just before it computes")
     lines = [(f"    # {chunks} chunk{'s' if chunks > 1 else ''}: {how}", rs.name)]
     words = {m: i for i, m in enumerate(into)}
     scope: set[str] = set()  # what the function binds besides the program's values
@@ -696,12 +698,13 @@ def _chunked_body(e: _Emitter, g: Group, outs: list[str], chunks: int, absorbed=
                             for o in sliced_outs]
         else:
             lines[at:at] = [(f"    {tmp[o]} = []", o) for o in sliced_outs]
+        where = f", {rs.args[0]!r}, {len(into)}" if direct else ""
         if kernel is not None and parts:
             lines.append((f"    for _c, {parts} in _reduce_scatter_parts(_rank, {e.ident(rs.args[0])}, "
-                          f"{d}, {n}, {chunks}):", rs.name))
+                          f"{d}, {n}, {chunks}{where}):", rs.name))
         else:
             lines.append((f"    for _c, {e.ident(rs.name)} in _reduce_scatter_chunks(_rank, {e.ident(rs.args[0])}, "
-                          f"{d}, {n}, {chunks}, {rs.attr('op')!r}):", rs.name))
+                          f"{d}, {n}, {chunks}, {rs.attr('op')!r}{where}):", rs.name))
         if kernel is not None:
             lines += kernel
         else:
@@ -727,6 +730,16 @@ def _chunked_body(e: _Emitter, g: Group, outs: list[str], chunks: int, absorbed=
     lines += [(f"    {e.ident(o)} = {tmp[o]}" if kernel is not None else
                f"    {e.ident(o)} = torch.cat({tmp[o]}, dim={p[o].type.layout.dim})", o) for o in sliced_outs]
     return lines
+
+
+def reads_input_in_place(p: Program, backend: str, g: Group) -> bool:
+    """Whether a fused collective on shm reads its reduce_scatter's operand where it lies on every rank, moved
+    into a segment of its own (``_Shm.stage_input``), rather than published into a slot: the operand is an
+    input the step leaves as it is (a gradient), and the collective gathers, so a barrier after the peers'
+    last read of it comes before any rank returns to a caller who may write the next one into it."""
+    src = p[p[g.members[0]].args[0]]
+    return (backend == "shm" and src.op == "input" and src.name not in p.updates
+            and any(p[m].op == "all_gather" for m in g.members))
 
 
 _CUT = re.compile(r"_c\.(?:local|cut)\((\w+), [^()]*\)")
@@ -895,7 +908,7 @@ def _needs_copy(p: Program, name: str) -> bool:
 
 SHM_DOC = "the shm backend (collectives in shared memory; a gloo group bootstraps it and carries send/recv)"
 SHM_IMPORTS = ["import ctypes", "import hashlib", "import math", "import os", "import platform", "import shutil",
-               "import subprocess", "import tempfile", "import time", "import uuid",
+               "import subprocess", "import tempfile", "import time", "import uuid", "import weakref",
                "from concurrent.futures import ThreadPoolExecutor", ""]
 
 

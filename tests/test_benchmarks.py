@@ -38,3 +38,27 @@ def test_the_kernel_without_dynamo_writes_what_the_compiled_one_writes():
     report = _script("kernel_call").main(["--size", "N=300", "--calls", "1"])
     (point,) = report["points"]
     assert point["same_results"] and point["wrote_in_place"]
+
+
+def test_interleaved_modules_that_compute_the_same_step_agree_and_a_broken_one_does_not(tmp_path):
+    # a ratio of step times means something only between modules that compute the same step
+    from coconet.codegen.lower import lower
+    from coconet.loader import examples_dir, load_file
+    from coconet.schedules.schedule import Schedule
+
+    program = examples_dir() / "adam.py"
+    adam = load_file(program)
+    paths = []
+    for name, text in [("as_written", ""), ("zero1", "split(ar0); reorder(ag0); as_slice(m); as_slice(v); "
+                                                     "fuse_collective(rs0); fc_chunks=3")]:
+        paths.append(tmp_path / f"{name}.py")
+        paths[-1].write_text(lower(Schedule.parse(text, adam), "shm", "eager").source)
+    broken = paths[1].read_text() + ("\n_step = step\n\n\ndef step(tensors, scalars, **kw):\n"
+                                     "    out = _step(tensors, scalars, **kw)\n    tensors['w'].mul_(1.01)\n    return out\n")
+    paths.append(tmp_path / "broken.py")
+    paths[-1].write_text(broken)
+    report = _script("interleaved").main([str(program), *map(str, paths), "--world", "2", "--size", "N=301",
+                                          "--steps", "2"])
+    diffs = [m["state_rel_diff_to_first"] for m in report["modules"]]
+    assert diffs[0] == 0 and diffs[1] < 1e-5 and diffs[2] > 1e-3
+    assert all(m["median_s"] > 0 for m in report["modules"])

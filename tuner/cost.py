@@ -36,7 +36,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
-from coconet.codegen.lower import chunk_compiles
+from coconet.codegen.lower import chunk_compiles, reads_input_in_place
 from coconet.codegen.lower import (_absorbed, _fc_in_place, _group_io, _in_place, _needs_copy, _units, gather_into,
                                    gathers_into_state)
 from coconet.errors import CoconetError, SizeError
@@ -410,11 +410,13 @@ class _Builder:
         mine_in = self.nbytes(rs.type, self.local(rs.type))
         R = _PerWorld  # the number of ranks, bound at evaluation (see _PerWorld)
         if shm:
-            # publish every row but this rank's own, once; one barrier; then per chunk the rows are
-            # reduced out of the peers' segments (by the kernel itself when it sums them as it reads)
-            kernels.append(Kernel(f"{rs.name} publish", 1, _scaled(whole_in, R.PEERS_FRACTION),
-                                  _scaled(whole_in, R.PEERS_FRACTION),
-                                  cold=_scaled(whole_in, R.PEERS_FRACTION) if self.is_cold(rs.args[0]) else ()))
+            # publish every row but this rank's own, once (unless the peers read the input where it lies); one
+            # barrier; then per chunk the rows are reduced out of the peers' segments (by the kernel itself
+            # when it sums them as it reads)
+            if not reads_input_in_place(p, self.backend, g):
+                kernels.append(Kernel(f"{rs.name} publish", 1, _scaled(whole_in, R.PEERS_FRACTION),
+                                      _scaled(whole_in, R.PEERS_FRACTION),
+                                      cold=_scaled(whole_in, R.PEERS_FRACTION) if self.is_cold(rs.args[0]) else ()))
             comms.append(Comm("barrier", (), launches=1, shm=True))
             if not parts:
                 kernels.append(Kernel(f"{rs.name} reduce", chunks, _scaled(mine_in, R.TWO_PEERS),

@@ -184,16 +184,21 @@ def test_state_in_shared_memory_whatever_tensor_the_caller_passes(world, kernels
     """Steps of ZeRO-1 Adam on shm where the caller passes the moved w again, a new w on one rank only, a view
     into a larger buffer and a strided column (shadowed, the memory around them untouched): each step's w is
     the reference's on every rank (tests/codegen/shared_state.py), and no segment file is left."""
+    run_ranks("tests.codegen.shared_state", world, kernels, schedule)
+    assert not segments()
+
+
+def run_ranks(module: str, world: int, *args: str) -> None:
+    """``python -m module RANK WORLD PORT *args`` for every rank of a world, each to print ``ok`` last."""
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.codegen.shared_state", str(r), str(world), str(port),
-                               kernels, schedule], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    procs = [subprocess.Popen([sys.executable, "-m", module, str(r), str(world), str(port), *args],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(world)]
     outs = [p.communicate(timeout=300)[0] for p in procs]
     # every failing rank's words: the one that failed first, and those left waiting for it at a barrier
     failed = [f"rank {r}:\n{out[-1500:]}" for r, (p, out) in enumerate(zip(procs, outs))
               if p.returncode != 0 or not out.rstrip().endswith("ok")]
     assert not failed, "\n".join(failed)
-    assert not segments()
 
 
 @pytest.mark.parametrize("backend", ["shm", "gloo"])
@@ -367,3 +372,13 @@ def test_too_small_dev_shm_is_a_clear_error_not_sigbus():
     assert "SIGBUS" not in out and "Traceback" not in out, out[-3000:]
     assert re.search(r"shm backend: /dev/shm cannot hold a segment of [\d.]+ MiB \(one for each of 2 ranks; [\d.]+ "
                      r"MiB free of 4\.0 MiB\)", out), out[-3000:]
+
+
+@pytest.mark.parametrize("world, kernels", [(2, "compiled"), (3, "eager")])
+def test_a_gradient_is_read_where_it_lies_whatever_tensor_the_caller_passes(world, kernels):
+    """Steps of ZeRO-1 Adam's fused collective on shm where the caller writes each gradient into the same tensor,
+    passes a new one on one rank, a view that cannot move, a new one after the moved one is gone, and a new one
+    every step: each step's w is the reference's for that step's gradients on every rank, and a rank publishes
+    its gradient exactly where its peers cannot read it in place (tests/codegen/shared_input.py)."""
+    run_ranks("tests.codegen.shared_input", world, kernels)
+    assert not segments()

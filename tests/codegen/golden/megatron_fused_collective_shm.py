@@ -25,6 +25,7 @@ import subprocess
 import tempfile
 import time
 import uuid
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -154,6 +155,7 @@ class _Gather:
         s = self.c.shm
         out = torch.empty(self.shape, dtype=self.dtype, device=self.c.device)
         s.call(s.barrier)
+        s.call(s.unlink_made)  # an input's segment made at the barrier that began the collective
         for r in range(self.c.world):
             lo, hi = self.c.rows(self.n, r)
             s.copy(out[lo:hi], s.at(r, self.slot, 0, self.dtype, self.shape)[lo:hi])
@@ -404,6 +406,10 @@ class _Shm:
         # shared state (see the module's doc): name -> (this rank's segment, whether it is the state itself),
         # name -> every rank's segment as mapped here; what the next barrier brings news of; files to unlink
         self.states, self.peer_states, self.staged, self.made, self.made_count = {}, {}, [], [], 0
+        # inputs a fused collective reduces out of their own segments (stage_input): name -> [this rank's
+        # segment, the caller's tensor on it (weak), the steps it has served]; name -> where each rank's rows
+        # are this step (its segment, or None: its slot)
+        self.inputs, self.sources = {}, {}
         limit = os.environ.get("COCONET_SHM_STREAM_BYTES", "")
         if limit and not limit.isdigit():
             raise ValueError(f"COCONET_SHM_STREAM_BYTES={limit!r}: not a number of bytes")
@@ -503,19 +509,64 @@ class _Shm:
         self.words[self.rank][(self.epoch + 1) % 2, word] = news
         self.staged.append((name, word, t.shape, t.dtype))
 
+    def stage_input(self, name, word, x):
+        """Before the barrier that begins a fused collective reducing input ``x`` (which the step does not write,
+        and whose collective ends with a barrier after the peers' last read of it): whether this rank must
+        publish x into its slot (True), or its peers read it where it is, in a segment of its own that x moved
+        into (``Tensor.set_``, as state does) on a step before, or moves into now. Word ``word`` of this rank's
+        row tells the peers which: 0 the segment they have mapped, k>0 the new file k, -1 the slot.
+
+        The caller who writes each gradient into the same tensor (``.grad`` accumulated in place, DDP's
+        gradient_as_bucket_view) then publishes nothing. A tensor that comes in place of one that served more
+        than the step it moved in, and is gone (inputs made anew for a new run of steps), takes that one's
+        segment: one copy, and the steps after publish nothing. Where each step brings a new tensor (``.grad``
+        set to None between steps) every step publishes, as before."""
+        if word >= self.STATES:
+            raise RuntimeError(f"shm: a fused collective gathering into {word} states and reducing an input")
+        held = self.inputs.get(name)
+        fits = held is not None and held[0].shape == x.shape and held[0].dtype == x.dtype
+        news = -1
+        if fits and held[1]() is x and x.data_ptr() == held[0].data_ptr():
+            held[2] += 1
+            news = 0
+        elif fits and held[1]() is None and held[2] > 1 and _movable(x):
+            held[0].copy_(x)  # every peer's reads of it ended at the barrier that ended the last step
+            with torch.no_grad():
+                x.set_(held[0].untyped_storage(), 0, x.shape, x.stride())
+            held[1:] = [weakref.ref(x), 1]
+            news = 0
+        elif not fits and _movable(x):
+            self.made_count += 1
+            news = self.made_count
+            path = f"{self.prefix}-state-{self.rank}-{news}"
+            seg = _state_segment(path, x.shape, x.dtype, new=True)
+            self.made.append(path)
+            seg.copy_(x)
+            with torch.no_grad():
+                x.set_(seg.untyped_storage(), 0, x.shape, x.stride())
+            self.inputs[name] = [seg, weakref.ref(x), 1]
+        self.words[self.rank][(self.epoch + 1) % 2, word] = news
+        self.staged.append((name, word, x.shape, x.dtype))
+        return news < 0
+
     def _map_states(self):
-        """At the barrier after stage_state: the peers' new segments mapped. A rank writes a barrier's words
-        before it arrives, and the next words to the same row only after the barrier after, which no rank
-        passes before this one has read them."""
+        """At the barrier after stage_state or stage_input: the peers' new segments mapped, and where each rank's
+        rows of a staged input are this step. A rank writes a barrier's words before it arrives, and the next
+        words to the same row only after the barrier after, which no rank passes before this one has read
+        them."""
         row = self.epoch % 2
         for name, word, shape, dtype in self.staged:
             peers = self.peer_states.setdefault(name, [None] * self.world)
+            here = []
             for r in range(self.world):
                 news = 0 if r == self.rank else int(self.words[r][row, word])
-                if news:
+                if news > 0:
                     peers[r] = _state_segment(f"{self.prefix}-state-{r}-{news}", shape, dtype)
-                elif r != self.rank and (peers[r] is None or peers[r].shape != shape or peers[r].dtype != dtype):
-                    raise RuntimeError(f"shm: rank {r} has no segment for state {name!r} shaped {tuple(shape)}")
+                elif r != self.rank and news == 0 and (peers[r] is None or peers[r].shape != shape
+                                                       or peers[r].dtype != dtype):
+                    raise RuntimeError(f"shm: rank {r} has no segment for {name!r} shaped {tuple(shape)}")
+                here.append(peers[r] if news >= 0 else None)
+            self.sources[name] = here
         self.staged = []
 
     def unlink_made(self):
@@ -542,6 +593,7 @@ class _Shm:
             if os.path.exists(path):
                 os.unlink(path)
         self.segments, self.flags, self.words, self.states, self.peer_states, self.made = [], [], [], {}, {}, []
+        self.inputs, self.sources = {}, {}
         _GROUPS.pop(self.group, None)
 
 
@@ -641,29 +693,37 @@ def _publish(c, slot, offset, rows, lo, hi):
     return mine
 
 
-def _scatter_parts(c, x, dim, n, count):
+def _scatter_parts(c, x, dim, n, count, name=None, word=0):
     """Publishes x once, then yields, for ``count`` chunks of the rows this rank holds: the chunk, its rows
-    on this rank (from x), on every peer (from their segments), and where this rank may write them."""
+    on this rank (from x), on every peer (from their segments), and where this rank may write them.
+
+    Given the input's ``name`` (and its ``word`` at the barrier), x is an input the step does not write and
+    a barrier follows the last chunk: x may then live in a segment of its own, which the peers read instead
+    of a copy of it in the slot (``_Shm.stage_input``)."""
     s = c.shm
     slot = s.call(s.take)  # after the async collectives still queued: every rank takes slots in one order
-    rows = x.movedim(dim, 0)
     lo, hi = c.rows(n)
-    s.call(_publish, c, slot, 0, rows, lo, hi)
+    publish = name is None or s.call(s.stage_input, name, word, x)  # before the rows are taken: x may move
+    rows = x.movedim(dim, 0)
+    if publish:
+        s.call(_publish, c, slot, 0, rows, lo, hi)
     s.call(s.barrier)
+    where = [None] * c.world if name is None else s.sources[name]
     per = -(-n // c.world)
     size = max(1, -(-per // count))
     for a in range(0, per, size):
         k = _Chunk(c, n, a, a + size)
         span = slice(lo + k.a, lo + k.b)
-        peers = [s.at(r, slot, 0, rows.dtype, tuple(rows.shape))[span] for r in range(c.world) if r != c.rank]
+        peers = [(s.at(r, slot, 0, rows.dtype, tuple(rows.shape)) if where[r] is None else where[r].movedim(dim, 0))[span]
+                 for r in range(c.world) if r != c.rank]
         # this rank's own rows of its slot: nobody reads them, and they stay mapped from step to step
         yield k, rows[span], peers, s.at(c.rank, slot, 0, rows.dtype, tuple(rows.shape))[span]
 
 
-def _reduce_scatter_parts(c, x, dim, n, count):
+def _reduce_scatter_parts(c, x, dim, n, count, name=None, word=0):
     """Yields (chunk, its rows on every rank, unreduced): the kernel computing on the chunk sums them as it
     reads them, so the reduced rows are never written out."""
-    for k, own, peers, _ in _scatter_parts(c, x, dim, n, count):
+    for k, own, peers, _ in _scatter_parts(c, x, dim, n, count, name, word):
         yield k, [p.movedim(0, dim) for p in [own] + peers]
 
 

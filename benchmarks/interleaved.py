@@ -1,0 +1,128 @@
+"""Generated modules stepped in turn by the same ranks, for differences smaller than this machine's drift.
+
+    python benchmarks/interleaved.py PROGRAM --world 4 --size N=2^24 --steps 40 MODULE [MODULE ...]
+                                     [--out benchmarks/results/interleaved.json]
+
+Each MODULE is a step module as ``coconet run --emit DIR`` writes it (shm or gloo), edited by hand or not;
+its header names the schedule, whose layouts give each module inputs of its own (the seeded values of
+``coconet run``). The ranks run a step of the first module, then of the second, and so on, ``--steps``
+times, each step between barriers and timed as its slowest rank. A machine whose memory bandwidth changes
+from one minute to the next (this one's does, by up to 2x) then weighs on every module alike, and the
+paired ratio of each module's step to the first's in the same turn is what the report gives, with its
+quartiles, beside each module's median. A hand edit that breaks a step shows too: every module takes as
+many steps from the same inputs, and the report gives how far its updated state (rank 0's, of the tensors
+that have the first module's shape) ends from the first module's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import queue
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+
+def _rank(rank: int, world: int, port: int, program_path: str, sizes: dict, paths: list[str], steps: int, out):
+    import torch
+    import torch.distributed as dist
+
+    from coconet.codegen.launch import Options
+    from coconet.codegen.rank import inputs
+    from coconet.loader import load_file
+    from coconet.schedules.schedule import Schedule
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    program = load_file(program_path)
+    opts = Options(world=world, sizes=sizes)
+    steps_, args = [], []
+    for path in paths:
+        source = Path(path).read_text()
+        text = re.search(r"^schedule: (.*)$", source, re.M).group(1)
+        sched = Schedule.parse(text, program)
+        ns = {"__name__": f"coconet_interleaved_{len(steps_)}"}
+        exec(compile(source, path, "exec"), ns)
+        steps_.append(ns["step"])
+        args.append(inputs(sched.scheduled, opts, 0, rank, torch.device("cpu")))
+    for step, (tensors, scalars) in zip(steps_, args):
+        for _ in range(3):  # compiles, moves state and gradient into shared memory
+            step(tensors, scalars, group=None, sizes=sizes)
+    times = [[] for _ in paths]
+    for _ in range(steps):
+        for k, (step, (tensors, scalars)) in enumerate(zip(steps_, args)):
+            dist.barrier()
+            t0 = time.perf_counter()
+            step(tensors, scalars, group=None, sizes=sizes)
+            dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+            times[k].append(float(dt))
+    if rank == 0:  # every module took as many steps from the same inputs: its state must be the first's
+        first = args[0][0]
+        agree = []
+        for tensors, _ in args:
+            same = [k for k in program.updates if k in first and tensors[k].shape == first[k].shape]
+            agree.append(max((float((tensors[k] - first[k]).abs().max() / first[k].abs().max().clamp_min(1e-30))
+                              for k in same), default=None))
+        out.put((times, agree))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    import torch.multiprocessing as mp
+
+    from coconet.codegen.launch import free_port
+    from coconet.loader import load_file
+    from coconet.schedules.dims import parse_sizes
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("program")
+    ap.add_argument("modules", nargs="+")
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--size", required=True)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    sizes = parse_sizes(args.size, load_file(args.program).dims)
+    if str(Path(__file__).parent) not in sys.path:  # spawned processes import this module by its name
+        sys.path.insert(0, str(Path(__file__).parent))
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank, args=(r, args.world, port, args.program, sizes, args.modules, args.steps, out))
+             for r in range(args.world)]
+    for p in procs:
+        p.start()
+    while True:
+        try:
+            times, agree = out.get(timeout=5)
+            break
+        except queue.Empty:
+            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if dead:  # the others wait at a barrier gloo breaks only after its timeout
+                for p in procs:
+                    p.kill()
+                raise SystemExit(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}")
+    for p in procs:
+        p.join()
+    report = {"program": args.program, "world": args.world, "sizes": sizes, "steps": args.steps, "modules": []}
+    for path, ts, diff in zip(args.modules, times, agree):
+        ratios = sorted(a / b for a, b in zip(ts, times[0]))
+        q = len(ratios) // 4
+        report["modules"].append({"module": path, "median_s": statistics.median(ts),
+                                  "ratio_to_first": statistics.median(ratios),
+                                  "ratio_quartiles": [ratios[q], ratios[-1 - q]],
+                                  "state_rel_diff_to_first": diff})
+        print(f"{path}: {statistics.median(ts) * 1e3:.1f} ms a step, {statistics.median(ratios):.3f}x the first "
+              f"[{ratios[q]:.3f}, {ratios[-1 - q]:.3f}]")
+    if args.out is not None:
+        args.out.write_text(json.dumps(report, indent=1))
+    return report
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
