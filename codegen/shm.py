@@ -229,9 +229,7 @@ class _Shm:
             self.made.append(path)
             moved = _movable(t)
             if moved:
-                seg.copy_(t)
-                with torch.no_grad():
-                    t.set_(seg.untyped_storage(), 0, t.shape, t.stride())
+                _move_into(t, seg)
             self.states[name] = (seg, moved)
         self.words[self.rank][(self.epoch + 1) % 2, word] = news
         self.staged.append((name, word, t.shape, t.dtype))
@@ -257,9 +255,7 @@ class _Shm:
             held[2] += 1
             news = 0
         elif fits and held[1]() is None and held[2] > 1 and _movable(x):
-            held[0].copy_(x)  # every peer's reads of it ended at the barrier that ended the last step
-            with torch.no_grad():
-                x.set_(held[0].untyped_storage(), 0, x.shape, x.stride())
+            _move_into(x, held[0])  # every peer's reads of it ended at the barrier that ended the last step
             held[1:] = [weakref.ref(x), 1]
             news = 0
         elif not fits and _movable(x):
@@ -268,9 +264,7 @@ class _Shm:
             path = f"{self.prefix}-state-{self.rank}-{news}"
             seg = _state_segment(path, x.shape, x.dtype, new=True)
             self.made.append(path)
-            seg.copy_(x)
-            with torch.no_grad():
-                x.set_(seg.untyped_storage(), 0, x.shape, x.stride())
+            _move_into(x, seg)
             self.inputs[name] = [seg, weakref.ref(x), 1]
         self.words[self.rank][(self.epoch + 1) % 2, word] = news
         self.staged.append((name, word, x.shape, x.dtype))
@@ -329,6 +323,13 @@ def _movable(t):
     (a view into a larger buffer, a flat parameter buffer's say, would lose its link to it) and contiguous."""
     return (t.device.type == "cpu" and t.is_contiguous() and t._base is None and t.storage_offset() == 0
             and t.untyped_storage().nbytes() == t.numel() * t.element_size())
+
+
+def _move_into(t, seg):
+    """Tensor ``t`` onto segment ``seg`` with its values (``Tensor.set_``): the caller's tensor keeps its identity."""
+    seg.copy_(t)
+    with torch.no_grad():
+        t.set_(seg.untyped_storage(), 0, t.shape, t.stride())
 
 
 def _state_segment(path, shape, dtype, new=False):
@@ -717,7 +718,7 @@ def _gather_into(c, x, dim, n, state, name):
 
 from coconet.codegen.prelude import _cache_dir, _Chunk, _launches  # noqa: E402  (shared with the torch backend)
 
-HELPERS = (_Shm, _movable, _state_segment, _segment, _last_level_cache, _stream_copier, _on_comm_thread, _Done, _offsets, _publish, _shm_reduce, _shm_reduce_scatter, _shm_all_gather,
+HELPERS = (_Shm, _movable, _move_into, _state_segment, _segment, _last_level_cache, _stream_copier, _on_comm_thread, _Done, _offsets, _publish, _shm_reduce, _shm_reduce_scatter, _shm_all_gather,
            _shm_allreduce, _allreduce, _allreduced, _reduce_scatter, _all_gather, _shm_broadcast, _broadcast, _bucket_allreduce,
            _bucket_reduce_scatter, _bucket_all_gather, _scatter_parts, _reduce_scatter_chunks, _reduce_scatter_parts, _add_all,
            _Gather, _gather_into)

@@ -336,9 +336,7 @@ class _Shm:
             self.made.append(path)
             moved = _movable(t)
             if moved:
-                seg.copy_(t)
-                with torch.no_grad():
-                    t.set_(seg.untyped_storage(), 0, t.shape, t.stride())
+                _move_into(t, seg)
             self.states[name] = (seg, moved)
         self.words[self.rank][(self.epoch + 1) % 2, word] = news
         self.staged.append((name, word, t.shape, t.dtype))
@@ -364,9 +362,7 @@ class _Shm:
             held[2] += 1
             news = 0
         elif fits and held[1]() is None and held[2] > 1 and _movable(x):
-            held[0].copy_(x)  # every peer's reads of it ended at the barrier that ended the last step
-            with torch.no_grad():
-                x.set_(held[0].untyped_storage(), 0, x.shape, x.stride())
+            _move_into(x, held[0])  # every peer's reads of it ended at the barrier that ended the last step
             held[1:] = [weakref.ref(x), 1]
             news = 0
         elif not fits and _movable(x):
@@ -375,9 +371,7 @@ class _Shm:
             path = f"{self.prefix}-state-{self.rank}-{news}"
             seg = _state_segment(path, x.shape, x.dtype, new=True)
             self.made.append(path)
-            seg.copy_(x)
-            with torch.no_grad():
-                x.set_(seg.untyped_storage(), 0, x.shape, x.stride())
+            _move_into(x, seg)
             self.inputs[name] = [seg, weakref.ref(x), 1]
         self.words[self.rank][(self.epoch + 1) % 2, word] = news
         self.staged.append((name, word, x.shape, x.dtype))
@@ -436,6 +430,13 @@ def _movable(t):
     (a view into a larger buffer, a flat parameter buffer's say, would lose its link to it) and contiguous."""
     return (t.device.type == "cpu" and t.is_contiguous() and t._base is None and t.storage_offset() == 0
             and t.untyped_storage().nbytes() == t.numel() * t.element_size())
+
+
+def _move_into(t, seg):
+    """Tensor ``t`` onto segment ``seg`` with its values (``Tensor.set_``): the caller's tensor keeps its identity."""
+    seg.copy_(t)
+    with torch.no_grad():
+        t.set_(seg.untyped_storage(), 0, t.shape, t.stride())
 
 
 def _state_segment(path, shape, dtype, new=False):
