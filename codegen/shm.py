@@ -222,11 +222,7 @@ class _Shm:
                 (t.is_contiguous() and t.data_ptr() == held[0].data_ptr()) if held[1] else not _movable(t)):
             news = 0
         else:
-            self.made_count += 1
-            news = self.made_count
-            path = f"{self.prefix}-state-{self.rank}-{news}"
-            seg = _state_segment(path, t.shape, t.dtype, new=True)
-            self.made.append(path)
+            news, seg = self._new_segment(t)
             moved = _movable(t)
             if moved:
                 _move_into(t, seg)
@@ -259,16 +255,21 @@ class _Shm:
             held[1:] = [weakref.ref(x), 1]
             news = 0
         elif not fits and _movable(x):
-            self.made_count += 1
-            news = self.made_count
-            path = f"{self.prefix}-state-{self.rank}-{news}"
-            seg = _state_segment(path, x.shape, x.dtype, new=True)
-            self.made.append(path)
+            news, seg = self._new_segment(x)
             _move_into(x, seg)
             self.inputs[name] = [seg, weakref.ref(x), 1]
         self.words[self.rank][(self.epoch + 1) % 2, word] = news
         self.staged.append((name, word, x.shape, x.dtype))
         return news < 0
+
+    def _new_segment(self, t):
+        """(its number, it): a new segment shaped like ``t`` that the peers map at the next barrier, its file
+        unlinked once they have (``unlink_made``)."""
+        self.made_count += 1
+        path = f"{self.prefix}-state-{self.rank}-{self.made_count}"
+        seg = _state_segment(path, t.shape, t.dtype, new=True)
+        self.made.append(path)
+        return self.made_count, seg
 
     def _map_states(self):
         """At the barrier after stage_state or stage_input: the peers' new segments mapped, and where each rank's
