@@ -26,6 +26,7 @@ import textwrap
 from dataclasses import dataclass
 
 from coconet.errors import BackendError
+from coconet.kernels.native import ChunkKernel, Untranslatable, c_source
 from coconet.schedules.dims import Dim
 from coconet.schedules.ir import EFFECTS, Group, Program, Stmt
 from coconet.schedules.schedule import Schedule
@@ -838,13 +839,76 @@ def _chunk_kernel(e: _Emitter, g: Group, compute: list[str], inplace: dict[str, 
     params = dims + list(args.values())
     doc = f"{len(compute)} statements of {g} on one chunk" + (", state written in place" if inplace or into else "")
     e.toplevel += [(f"def {fname}({', '.join(params)}):", g.members[0]), (f'    """{doc}."""', g.members[0])]
-    e.toplevel += body + [("", None), ("", None), (f"{fname} = _kernel({fname})", g.members[0]), ("", None)]
+    e.toplevel += body + [("", None), ("", None)]
+    native = _native_chunk(e, compute, inplace, into or {}, peers, buffers, parts, parts_name, args, dims, results)
+    if native is None:
+        e.toplevel += [(f"{fname} = _kernel({fname})", g.members[0]), ("", None)]
+    else:
+        kinds, source = native
+        e.toplevel += [(f"{fname} = _native(_kernel({fname}), {kinds!r}, r\"\"\"", g.members[0])]
+        e.toplevel += [(x, g.members[0]) for x in source.rstrip("\n").split("\n")]
+        e.toplevel += [('""")', g.members[0]), ("", None)]
     ints = {e.ident(a) for m in compute for a in p[m].args if p[a].op == "scalar" and p[a].type.dtype == "int64"}
     call_args = dims + [f"_int64({a})" if a in ints else a for a in args]
     call = f"{fname}({', '.join(call_args)})"
     if results:
         call = f"{', '.join(e.ident(r) for r in results)}{',' if len(results) == 1 else ''} = {call}"
     return [(f"        {call}", compute[0])]
+
+
+def _native_chunk(e: _Emitter, compute: list[str], inplace: dict[str, str], into, peers, buffers,
+                  parts: Stmt | None, parts_name: str | None, args: dict[str, str], dims: list[str],
+                  results: list[str]) -> tuple[str, str] | None:
+    """The chunk kernel as C (coconet.kernels.native): its parameters' kinds and its source. Only where it stores
+    a gathered state's rows into the peers' copies (shm): there its streamed stores save the read of every line
+    an ordinary store makes first. None where a statement has no translation (Inductor's kernel serves alone)."""
+    p = e.p
+    if e.backend != "shm" or not into or results:
+        return None
+    by_ident = {e.ident(s.name): s for s in p.stmts}
+    kinds: list[tuple[str, str]] = [(d, "dim") for d in dims]
+    peer_params = {args[peers[m]] for m in into}
+    for expr, param in args.items():
+        if param in peer_params:
+            kind = "peers"
+        elif param == parts_name:
+            kind = "parts"
+        elif _CUT.fullmatch(expr):
+            kind = "rows"
+        elif expr in by_ident and by_ident[expr].type is not None and by_ident[expr].type.dtype != "int64":
+            kind = "scalar" if by_ident[expr].type.shape == () else "rows"
+        else:
+            return None  # dropout's first row, an int scalar
+        kinds.append((param, kind))
+
+    def name_of(text: str) -> str | None:
+        text = _CUT.sub(lambda m: args.get(m.group(0), "?"), text)
+        return text if text.isidentifier() else None
+
+    stmts = []
+    for m in compute:
+        s = p[m]
+        if s.type is None or (s.type.dtype or "float32") != "float32" or s.op == "dropout":
+            return None
+        operands = [name_of(e.operand(s, a)) for a in s.args]
+        if None in operands:
+            return None
+        stmts.append((e.ident(m), s.op, tuple(operands), s.attr("value")))
+    writes = [(name_of(e.operand(p[o], t)), e.ident(o)) for o, t in inplace.items()]
+    writes += [(name_of(e.operand(p[p[m].args[0]], t)), e.ident(p[m].args[0])) for m, t in into.items()]
+    writes += [(name_of(f"_c.local({buf}, {p[o].type.layout.dim})"), e.ident(o)) for o, buf in (buffers or {}).items()]
+    streams = [(args[peers[m]], e.ident(p[m].args[0])) for m in into]
+    if any(t is None for t, _ in writes):
+        return None
+    spec = ChunkKernel(
+        params=tuple(kinds),
+        parts=(e.ident(parts.name), parts_name, parts.attr("op")) if parts is not None else None,
+        stmts=tuple(stmts), numbers=frozenset(e.ident(m) for m in compute if e.number(m)),
+        writes=tuple(writes), streams=tuple(streams))
+    try:
+        return spec.kinds, c_source(spec)
+    except Untranslatable:
+        return None
 
 
 def _lower_overlap(e: _Emitter, g: Group, chunks: int) -> list[str]:

@@ -30,7 +30,9 @@ The all_gather that ends a fused collective updating replicated state (ZeRO-1
 Adam's ``w``) does not go through a slot: each rank's copy of the state lives in
 a segment of its own, which its peers map, and each rank writes the rows it
 computes straight into every peer's copy: a compiled chunk kernel stores each
-new row into this rank's copy and the peers' as it computes it; eager kernels
+new row into this rank's copy and the peers' as it computes it (in C where its
+statements translate, ``coconet.kernels.native``: the peers' lines streamed past
+the cache, not read first as an ordinary store reads them); eager kernels
 copy each chunk's rows after it (a second pass that reads them back, from
 memory once a chunk outgrows the cache). One barrier, and every copy is whole.
 The state is moved into its segment on its first step (``Tensor.set_``: the
@@ -387,25 +389,82 @@ def _last_level_cache():
 
 def _stream_copier():
     """``_STREAM_C`` compiled (once per machine and compiler) and loaded; None without a C compiler."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    lib = _native_library(_STREAM_C, "stream_copy", ["-O2"], "its copy kernel")
+    if lib is None:
+        return None
+    fn = lib.coconet_stream_copy
+    fn.argtypes, fn.restype = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t), None
+    return fn
+
+
+def _native_library(source, name, flags, what):
+    """C ``source`` compiled with ``flags`` into coconet's cache (once per machine, compiler and CPU: flags may
+    say -march=native) and loaded; None without a C compiler. ``what`` it is, for the compiler's error."""
+    cc = shutil.which(os.environ.get("CC") or "cc") or shutil.which("gcc")
     if cc is None:
         return None
-    digest = hashlib.sha256(f"{cc}\n{_STREAM_C}".encode()).hexdigest()[:16]
+    cpu = ""
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line for line in f if line.startswith(("flags", "model name"))), "")
+    digest = hashlib.sha256("\n".join([cc, *flags, cpu, source]).encode()).hexdigest()[:16]
     folder = os.path.join(_cache_dir(), "kernels")
-    path = os.path.join(folder, f"stream_copy_{digest}.so")
+    path = os.path.join(folder, f"{name}_{digest}.so")
     if not os.path.exists(path):
         os.makedirs(folder, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=folder) as tmp:
-            with open(os.path.join(tmp, "stream_copy.c"), "w") as f:
-                f.write(_STREAM_C)
-            built = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", os.path.join(tmp, "stream_copy.so"),
-                                    os.path.join(tmp, "stream_copy.c")], capture_output=True, text=True)
+            with open(os.path.join(tmp, f"{name}.c"), "w") as f:
+                f.write(source)
+            built = subprocess.run([cc, *flags, "-shared", "-fPIC", "-o", os.path.join(tmp, f"{name}.so"),
+                                    os.path.join(tmp, f"{name}.c")], capture_output=True, text=True)
             if built.returncode != 0:
-                raise RuntimeError(f"shm backend: {cc} could not compile its copy kernel:\n{built.stderr}")
-            os.replace(os.path.join(tmp, "stream_copy.so"), path)  # atomic: ranks compiling at once agree
-    fn = ctypes.CDLL(path).coconet_stream_copy
-    fn.argtypes, fn.restype = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t), None
-    return fn
+                raise RuntimeError(f"shm backend: {cc} could not compile {what}:\n{built.stderr}")
+            os.replace(os.path.join(tmp, f"{name}.so"), path)  # atomic: ranks compiling at once agree
+    return ctypes.CDLL(path)
+
+
+def _native(fn, kinds, source):
+    """Chunk kernel ``fn`` run by ``source``'s C function (coconet.kernels.native) where the call's tensors
+    allow it: every tensor a contiguous float32 CPU tensor of one length, every scalar one number, nothing
+    that needs autograd; ``fn`` otherwise, and where there is no C compiler. ``kinds``: a letter per
+    parameter of fn (d a dim, s a scalar, t a tensor, l a list of tensors summed, p a list of peers' rows)."""
+    lib = []  # the C function, or None: fn serves every call
+
+    def kernel(*args):
+        if not lib:
+            # IEEE operations as written: no fused multiply-adds, no reassociation (not -ffast-math)
+            built = _native_library(source, "chunk", ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math",
+                                                      "-ffp-contract=off"], "a chunk kernel")
+            if built is not None:
+                built = built.coconet_chunk
+                built.argtypes = (ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
+                built.restype = None
+            lib.append(built)
+        if lib[0] is None:
+            return fn(*args)
+        grad = torch.is_grad_enabled()
+        ptrs, counts, scalars, n = [], [], [], None
+        for kind, x in zip(kinds, args):
+            if kind == "d":
+                continue
+            if kind == "s":
+                if isinstance(x, torch.Tensor) and (x.numel() != 1 or x.dtype != torch.float32
+                                                    or x.device.type != "cpu" or (grad and x.requires_grad)):
+                    return fn(*args)
+                scalars.append(float(x))
+                continue
+            xs = x if kind in "lp" else (x,)
+            if kind in "lp":
+                counts.append(len(xs))
+            for t in xs:
+                if (t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous()
+                        or (n is not None and t.numel() != n) or (grad and t.requires_grad)):
+                    return fn(*args)
+                n = t.numel()
+                ptrs.append(t.data_ptr())
+        lib[0](n, (ctypes.c_void_p * len(ptrs))(*ptrs), (ctypes.c_long * max(1, len(counts)))(*counts),
+               (ctypes.c_float * max(1, len(scalars)))(*scalars))
+    return kernel
 
 
 def _on_comm_thread(fn, *args):
@@ -719,7 +778,7 @@ def _gather_into(c, x, dim, n, state, name):
 
 from coconet.codegen.prelude import _cache_dir, _Chunk, _launches  # noqa: E402  (shared with the torch backend)
 
-HELPERS = (_Shm, _movable, _move_into, _state_segment, _segment, _last_level_cache, _stream_copier, _on_comm_thread, _Done, _offsets, _publish, _shm_reduce, _shm_reduce_scatter, _shm_all_gather,
+HELPERS = (_Shm, _movable, _move_into, _state_segment, _segment, _last_level_cache, _stream_copier, _native_library, _native, _on_comm_thread, _Done, _offsets, _publish, _shm_reduce, _shm_reduce_scatter, _shm_all_gather,
            _shm_allreduce, _allreduce, _allreduced, _reduce_scatter, _all_gather, _shm_broadcast, _broadcast, _bucket_allreduce,
            _bucket_reduce_scatter, _bucket_all_gather, _scatter_parts, _reduce_scatter_chunks, _reduce_scatter_parts, _add_all,
            _Gather, _gather_into)

@@ -62,3 +62,11 @@ def test_interleaved_modules_that_compute_the_same_step_agree_and_a_broken_one_d
     diffs = [m["state_rel_diff_to_first"] for m in report["modules"]]
     assert diffs[0] == 0 and diffs[1] < 1e-5 and diffs[2] > 1e-3
     assert all(m["median_s"] > 0 for m in report["modules"])
+
+
+def test_the_c_chunk_kernel_writes_inductors_bits(tmp_path, monkeypatch):
+    monkeypatch.setenv("COCONET_CACHE_DIR", str(tmp_path))
+    report = _script("native_chunk").main(["--world", "3", "--size", "N=3003", "--calls", "1"])
+    assert set(report["kinds"]) == {"inductor", "c_streamed", "c_plain"}
+    assert all(k["same_bits_as_inductor"] for k in report["kinds"].values())
+    assert len(list((tmp_path / "kernels").glob("chunk_*.so"))) == 2  # streamed and plain

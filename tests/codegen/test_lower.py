@@ -300,3 +300,29 @@ def test_generated_code_runs_where_coconet_cannot_be_imported(tmp_path, text, ba
     outs = [p.communicate(timeout=120) for p in ranks]
     for p, (out, err) in zip(ranks, outs):
         assert p.returncode == 0 and out.strip() == "ok", err[-2000:]
+
+
+def test_a_chunk_c_cannot_translate_keeps_inductors_kernel():
+    """ZeRO-1 of an update with exp in it: the chunk's kernel stays Inductor's alone; the same update without
+    exp gets the C kernel, streaming the peers' rows."""
+    from coconet import Local, Program, Replicated, allreduce, exp
+
+    def program(with_exp):
+        p = Program("decay", dims=("N",))
+        g = p.tensor("g", ("N",), layout=Local)
+        w = p.tensor("w", ("N",), layout=Replicated)
+        m = p.tensor("m", ("N",), layout=Replicated)
+        lr = p.scalar("lr")
+        s = allreduce(g)
+        m1 = m * 0.5 + s
+        p.update(m, m1)
+        p.update(w, w - lr * (exp(m1) if with_exp else m1))
+        return p.ir
+
+    for with_exp in (True, False):
+        prog = program(with_exp)
+        sched = Schedule.parse("split(ar0); reorder(ag0); as_slice(m); fuse_collective(rs0)", prog)
+        source = lower(sched, "shm").source
+        assert ("_chunk0 = _kernel(_chunk0)" in source) == with_exp
+        assert ("_chunk0 = _native(_kernel(_chunk0), " in source) != with_exp
+        assert ("void coconet_chunk(" in source) != with_exp

@@ -70,17 +70,19 @@ def test_compiled_kernels_and_timing_on_shm():
     assert all(len(r.samples) == 3 for r in results)
 
 
-def test_compiled_fused_collective_gathers_straight_into_the_state():
+def test_compiled_fused_collective_gathers_straight_into_the_state(monkeypatch, tmp_path):
     """ZeRO-1 Adam: each chunk's kernel writes its rows of w in place and into the peers' w (eager: a push
     after each chunk copies them there); no gathered temporary, no slot, no copy into w after. R = 2 and 3,
     uneven rows, one, two and more chunks than a rank has rows (each checked at a first step and at a
-    steady one)."""
+    steady one). The kernel is C (coconet.kernels.native), built into the cache by the ranks."""
+    monkeypatch.setenv("COCONET_CACHE_DIR", str(tmp_path))
     zero1 = Schedule.parse("split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse_collective(rs0)", example("adam"))
     source = lower(zero1, "shm").source
     step = source[source.index("def step("):]
     assert "_ag3 = _Gather(_rank, 0, d_N, w, 'w', 0)" in step and "_ag3.into(w)" in step
     assert "_chunk0(_ag3.peer_rows(_c), " in step and ".push(" not in step
     assert "    for _peer in w_peers:\n        _peer.copy_(sub4)\n" in source
+    assert "_chunk0 = _native(_kernel(_chunk0), 'ptttlssssssss', r\"\"\"" in source
     assert "w.copy_(" not in step and "_ag3.add(" not in step
     eager = lower(zero1, "shm", kernels="eager").source
     assert "_ag3.push(_c)" in eager and ".peer_rows(" not in eager[eager.index("def step("):]
@@ -88,6 +90,7 @@ def test_compiled_fused_collective_gathers_straight_into_the_state():
         results = run_schedules([zero1.with_knobs(fc_chunks=k) for k in (1, 2, 8)],
                                 Options(world=world, sizes={"N": n}, backend="shm", warmup=1, repeats=2))
         assert_all_ok(results)
+    assert len(list((tmp_path / "kernels").glob("chunk_*.so"))) == 1
 
 
 

@@ -494,25 +494,38 @@ def _last_level_cache():
 
 def _stream_copier():
     """``_STREAM_C`` compiled (once per machine and compiler) and loaded; None without a C compiler."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    lib = _native_library(_STREAM_C, "stream_copy", ["-O2"])
+    if lib is None:
+        return None
+    fn = lib.coconet_stream_copy
+    fn.argtypes, fn.restype = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t), None
+    return fn
+
+
+def _native_library(source, name, flags):
+    """C ``source`` compiled with ``flags`` into coconet's cache (once per machine, compiler and CPU: flags may
+    say -march=native) and loaded; None without a C compiler."""
+    cc = shutil.which(os.environ.get("CC") or "cc") or shutil.which("gcc")
     if cc is None:
         return None
-    digest = hashlib.sha256(f"{cc}\n{_STREAM_C}".encode()).hexdigest()[:16]
+    cpu = ""
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line for line in f if line.startswith(("flags", "model name"))), "")
+    digest = hashlib.sha256("\n".join([cc, *flags, cpu, source]).encode()).hexdigest()[:16]
     folder = os.path.join(_cache_dir(), "kernels")
-    path = os.path.join(folder, f"stream_copy_{digest}.so")
+    path = os.path.join(folder, f"{name}_{digest}.so")
     if not os.path.exists(path):
         os.makedirs(folder, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=folder) as tmp:
-            with open(os.path.join(tmp, "stream_copy.c"), "w") as f:
-                f.write(_STREAM_C)
-            built = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", os.path.join(tmp, "stream_copy.so"),
-                                    os.path.join(tmp, "stream_copy.c")], capture_output=True, text=True)
+            with open(os.path.join(tmp, f"{name}.c"), "w") as f:
+                f.write(source)
+            built = subprocess.run([cc, *flags, "-shared", "-fPIC", "-o", os.path.join(tmp, f"{name}.so"),
+                                    os.path.join(tmp, f"{name}.c")], capture_output=True, text=True)
             if built.returncode != 0:
-                raise RuntimeError(f"shm backend: {cc} could not compile its copy kernel:\n{built.stderr}")
-            os.replace(os.path.join(tmp, "stream_copy.so"), path)  # atomic: ranks compiling at once agree
-    fn = ctypes.CDLL(path).coconet_stream_copy
-    fn.argtypes, fn.restype = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t), None
-    return fn
+                raise RuntimeError(f"shm backend: {cc} could not compile {name}:\n{built.stderr}")
+            os.replace(os.path.join(tmp, f"{name}.so"), path)  # atomic: ranks compiling at once agree
+    return ctypes.CDLL(path)
 
 
 def _on_comm_thread(fn, *args):

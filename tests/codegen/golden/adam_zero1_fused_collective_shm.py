@@ -561,25 +561,81 @@ def _last_level_cache():
 
 def _stream_copier():
     """``_STREAM_C`` compiled (once per machine and compiler) and loaded; None without a C compiler."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    lib = _native_library(_STREAM_C, "stream_copy", ["-O2"])
+    if lib is None:
+        return None
+    fn = lib.coconet_stream_copy
+    fn.argtypes, fn.restype = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t), None
+    return fn
+
+
+def _native_library(source, name, flags):
+    """C ``source`` compiled with ``flags`` into coconet's cache (once per machine, compiler and CPU: flags may
+    say -march=native) and loaded; None without a C compiler."""
+    cc = shutil.which(os.environ.get("CC") or "cc") or shutil.which("gcc")
     if cc is None:
         return None
-    digest = hashlib.sha256(f"{cc}\n{_STREAM_C}".encode()).hexdigest()[:16]
+    cpu = ""
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line for line in f if line.startswith(("flags", "model name"))), "")
+    digest = hashlib.sha256("\n".join([cc, *flags, cpu, source]).encode()).hexdigest()[:16]
     folder = os.path.join(_cache_dir(), "kernels")
-    path = os.path.join(folder, f"stream_copy_{digest}.so")
+    path = os.path.join(folder, f"{name}_{digest}.so")
     if not os.path.exists(path):
         os.makedirs(folder, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=folder) as tmp:
-            with open(os.path.join(tmp, "stream_copy.c"), "w") as f:
-                f.write(_STREAM_C)
-            built = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", os.path.join(tmp, "stream_copy.so"),
-                                    os.path.join(tmp, "stream_copy.c")], capture_output=True, text=True)
+            with open(os.path.join(tmp, f"{name}.c"), "w") as f:
+                f.write(source)
+            built = subprocess.run([cc, *flags, "-shared", "-fPIC", "-o", os.path.join(tmp, f"{name}.so"),
+                                    os.path.join(tmp, f"{name}.c")], capture_output=True, text=True)
             if built.returncode != 0:
-                raise RuntimeError(f"shm backend: {cc} could not compile its copy kernel:\n{built.stderr}")
-            os.replace(os.path.join(tmp, "stream_copy.so"), path)  # atomic: ranks compiling at once agree
-    fn = ctypes.CDLL(path).coconet_stream_copy
-    fn.argtypes, fn.restype = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t), None
-    return fn
+                raise RuntimeError(f"shm backend: {cc} could not compile {name}:\n{built.stderr}")
+            os.replace(os.path.join(tmp, f"{name}.so"), path)  # atomic: ranks compiling at once agree
+    return ctypes.CDLL(path)
+
+
+def _native(fn, kinds, source):
+    """Chunk kernel ``fn`` run by ``source``'s C function (coconet.kernels.native) where the call's tensors
+    allow it: every tensor a contiguous float32 CPU tensor of one length, every scalar one number, nothing
+    that needs autograd; ``fn`` otherwise, and where there is no C compiler. ``kinds``: a letter per
+    parameter of fn (d a dim, s a scalar, t a tensor, l a list of tensors summed, p a list of peers' rows)."""
+    lib = []  # the C function, or None: fn serves every call
+
+    def kernel(*args):
+        if not lib:
+            built = _native_library(source, "chunk", ["-O3", "-march=native", "-fno-math-errno",
+                                                      "-fno-trapping-math", "-ffp-contract=off"])
+            if built is not None:
+                built = built.coconet_chunk
+                built.argtypes = (ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
+                built.restype = None
+            lib.append(built)
+        if lib[0] is None:
+            return fn(*args)
+        grad = torch.is_grad_enabled()
+        ptrs, counts, scalars, n = [], [], [], None
+        for kind, x in zip(kinds, args):
+            if kind == "d":
+                continue
+            if kind == "s":
+                if isinstance(x, torch.Tensor) and (x.numel() != 1 or x.dtype != torch.float32
+                                                    or x.device.type != "cpu" or (grad and x.requires_grad)):
+                    return fn(*args)
+                scalars.append(float(x))
+                continue
+            xs = x if kind in "lp" else (x,)
+            if kind in "lp":
+                counts.append(len(xs))
+            for t in xs:
+                if (t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous()
+                        or (n is not None and t.numel() != n) or (grad and t.requires_grad)):
+                    return fn(*args)
+                n = t.numel()
+                ptrs.append(t.data_ptr())
+        lib[0](n, (ctypes.c_void_p * len(ptrs))(*ptrs), (ctypes.c_long * max(1, len(counts)))(*counts),
+               (ctypes.c_float * max(1, len(scalars)))(*scalars))
+    return kernel
 
 
 def _on_comm_thread(fn, *args):
@@ -661,7 +717,168 @@ def _chunk0(w_peers, m_k, v_k, w_k, rs0_parts, beta1, beta2, sub0, sub1, sub2, s
         _peer.copy_(sub4)
 
 
-_chunk0 = _kernel(_chunk0)
+_chunk0 = _native(_kernel(_chunk0), 'ptttlssssssss', r"""
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef int v8i __attribute__((vector_size(32)));
+
+static inline v8 ld(const float *p) { v8 x; memcpy(&x, p, sizeof x); return x; }
+static inline void st(float *p, v8 x) { memcpy(p, &x, sizeof x); }
+static inline v8 vabs(v8 x) { return (v8)((v8i)x & 0x7fffffff); }
+static inline v8 vmax(v8 x, v8 y) { v8i m = (x > y) | (x != x); return (v8)(((v8i)x & m) | ((v8i)y & ~m)); }
+static inline v8 vmin(v8 x, v8 y) { v8i m = (x < y) | (x != x); return (v8)(((v8i)x & m) | ((v8i)y & ~m)); }
+static inline v8 vsqrt(v8 x) {
+#ifdef __AVX__
+    return (v8)_mm256_sqrt_ps((__m256)x);
+#else
+    float t[8]; st(t, x); for (int q = 0; q < 8; q++) t[q] = sqrtf(t[q]); return ld(t);
+#endif
+}
+/* one 64-byte line, its address aligned, past the cache */
+static inline void stream_line(float *d, v8 x, v8 y) {
+#ifdef __AVX__
+    _mm256_stream_ps(d, (__m256)x); _mm256_stream_ps(d + 8, (__m256)y);
+#else
+    float t[16] __attribute__((aligned(64))); st(t, x); st(t + 8, y);
+    for (int q = 0; q < 16; q += 4) _mm_stream_ps(d + q, _mm_load_ps(t + q));
+#endif
+}
+
+typedef struct {
+    float *const *p_w_peers;
+    long n_w_peers;
+    float *p_m_k;
+    float *p_v_k;
+    float *p_w_k;
+    float *const *p_rs0_parts;
+    long n_rs0_parts;
+    float p_beta1;
+    float p_beta2;
+    float p_sub0;
+    float p_sub1;
+    float p_sub2;
+    float p_sub3;
+    float p_lr;
+    float p_eps;
+} args_t;
+
+/* row i of the chunk; its values for the peers' copies into out */
+static inline __attribute__((always_inline)) void row(const args_t *a, long i, float *out) {
+    const float p_beta1 = a->p_beta1;
+    const float p_beta2 = a->p_beta2;
+    const float p_sub0 = a->p_sub0;
+    const float p_sub1 = a->p_sub1;
+    const float p_sub2 = a->p_sub2;
+    const float p_sub3 = a->p_sub3;
+    const float p_lr = a->p_lr;
+    const float p_eps = a->p_eps;
+    float *const p_m_k = a->p_m_k;
+    float *const p_v_k = a->p_v_k;
+    float *const p_w_k = a->p_w_k;
+    float p_rs0 = a->p_rs0_parts[0][i];
+    for (long r = 1; r < a->n_rs0_parts; r++) p_rs0 += a->p_rs0_parts[r][i];
+    const float p_mul0 = (p_beta1 * p_m_k[i]);
+    const float p_mul2 = (p_beta2 * p_v_k[i]);
+    const float p_mul1 = (p_sub0 * p_rs0);
+    const float p_add0 = (p_mul0 + p_mul1);
+    const float p_mul3 = (p_sub1 * p_rs0);
+    const float p_mul4 = (p_mul3 * p_rs0);
+    const float p_add1 = (p_mul2 + p_mul4);
+    const float p_div0 = (p_add0 / p_sub2);
+    const float p_div1 = (p_add1 / p_sub3);
+    const float p_mul5 = (p_lr * p_div0);
+    const float p_sqrt0 = sqrtf(p_div1);
+    const float p_add2 = (p_sqrt0 + p_eps);
+    const float p_div2 = (p_mul5 / p_add2);
+    const float p_sub4 = (p_w_k[i] - p_div2);
+    p_m_k[i] = p_add0;
+    p_v_k[i] = p_add1;
+    p_w_k[i] = p_sub4;
+    out[0] = p_sub4;
+}
+
+/* rows [i, i + 8) */
+static inline __attribute__((always_inline)) void rows8(const args_t *a, long i, v8 *out) {
+    const v8 p_beta1 = a->p_beta1 + (v8){0};
+    const v8 p_beta2 = a->p_beta2 + (v8){0};
+    const v8 p_sub0 = a->p_sub0 + (v8){0};
+    const v8 p_sub1 = a->p_sub1 + (v8){0};
+    const v8 p_sub2 = a->p_sub2 + (v8){0};
+    const v8 p_sub3 = a->p_sub3 + (v8){0};
+    const v8 p_lr = a->p_lr + (v8){0};
+    const v8 p_eps = a->p_eps + (v8){0};
+    float *const p_m_k = a->p_m_k;
+    float *const p_v_k = a->p_v_k;
+    float *const p_w_k = a->p_w_k;
+    v8 p_rs0 = ld(a->p_rs0_parts[0] + i);
+    for (long r = 1; r < a->n_rs0_parts; r++) p_rs0 += ld(a->p_rs0_parts[r] + i);
+    const v8 p_mul0 = (p_beta1 * ld(p_m_k + i));
+    const v8 p_mul2 = (p_beta2 * ld(p_v_k + i));
+    const v8 p_mul1 = (p_sub0 * p_rs0);
+    const v8 p_add0 = (p_mul0 + p_mul1);
+    const v8 p_mul3 = (p_sub1 * p_rs0);
+    const v8 p_mul4 = (p_mul3 * p_rs0);
+    const v8 p_add1 = (p_mul2 + p_mul4);
+    const v8 p_div0 = (p_add0 / p_sub2);
+    const v8 p_div1 = (p_add1 / p_sub3);
+    const v8 p_mul5 = (p_lr * p_div0);
+    const v8 p_sqrt0 = vsqrt(p_div1);
+    const v8 p_add2 = (p_sqrt0 + p_eps);
+    const v8 p_div2 = (p_mul5 / p_add2);
+    const v8 p_sub4 = (ld(p_w_k + i) - p_div2);
+    st(p_m_k + i, p_add0);
+    st(p_v_k + i, p_add1);
+    st(p_w_k + i, p_sub4);
+    out[0] = p_sub4;
+}
+
+void coconet_chunk(long n, void **ptr, const long *count, const float *scal) {
+    args_t a;
+    long at = 0;
+    (void)at; (void)count; (void)scal;
+    a.p_w_peers = (float *const *)(ptr + at); a.n_w_peers = count[0]; at += count[0];
+    a.p_m_k = (float *)ptr[at++];
+    a.p_v_k = (float *)ptr[at++];
+    a.p_w_k = (float *)ptr[at++];
+    a.p_rs0_parts = (float *const *)(ptr + at); a.n_rs0_parts = count[1]; at += count[1];
+    a.p_beta1 = scal[0];
+    a.p_beta2 = scal[1];
+    a.p_sub0 = scal[2];
+    a.p_sub1 = scal[3];
+    a.p_sub2 = scal[4];
+    a.p_sub3 = scal[5];
+    a.p_lr = scal[6];
+    a.p_eps = scal[7];
+    float o[1];
+    v8 x[1], y[1];
+    /* streamed where every destination has the same offset in its line, on a float */
+    uintptr_t off = a.n_w_peers ? (uintptr_t)a.p_w_peers[0] & 63 : 0;
+    int nt = (off & 3) == 0;
+    for (long r = 0; r < a.n_w_peers; r++) nt = nt && ((uintptr_t)a.p_w_peers[r] & 63) == off;
+    long head = nt ? (long)((64 - off) & 63) / 4 : 0, i = 0;
+    for (; i < head && i < n; i++) {
+        row(&a, i, o);
+        for (long r = 0; r < a.n_w_peers; r++) a.p_w_peers[r][i] = o[0];
+    }
+    for (; i + 16 <= n; i += 16) {
+        rows8(&a, i, x);
+        rows8(&a, i + 8, y);
+        for (long r = 0; r < a.n_w_peers; r++) {
+            float *d = a.p_w_peers[r] + i;
+            if (nt) stream_line(d, x[0], y[0]); else { st(d, x[0]); st(d + 8, y[0]); }
+        }
+    }
+    for (; i < n; i++) {
+        row(&a, i, o);
+        for (long r = 0; r < a.n_w_peers; r++) a.p_w_peers[r][i] = o[0];
+    }
+    _mm_sfence();  /* the streamed stores are visible before the barrier's flag after */
+}
+""")
 
 
 def step(tensors, scalars, *, group=None, stage=0, stages=1, sizes=None, custom_ops=None):

@@ -1,0 +1,235 @@
+"""A fused collective's chunk as C: the pointwise statements, one pass over the chunk's rows, with this
+rank's new rows of a gathered state stored into every peer's copy with non-temporal stores.
+
+Inductor's kernel stores into the peers' copies with ordinary stores, and an ordinary store to a line
+that is not cached reads it first (read-for-ownership): at world 4, ZeRO-1 Adam's step then moves 16
+words an element where it needs 13. Non-temporal stores skip that read, but only when they fill whole
+64-byte lines back to back (a line left half-written in a write-combining buffer goes out as partial
+writes): so the rows are computed a line (16 floats, two 8-wide vectors) at a time, and each line is
+streamed whole into every peer. The vectors are GCC's vector extensions: the compiler lowers them to
+whatever the machine has (-march=native), SSE at least.
+
+Only float32 statements of the ``OPS`` table (IEEE operations the C compiler keeps as written: no
+contraction into fused multiply-adds, no reassociation) are translated; anything else keeps
+Inductor's kernel. The generated module checks at each call that every tensor is a contiguous float32
+CPU tensor of the chunk's length and every scalar one number, and hands the call to Inductor's kernel
+otherwise (a broadcast operand, a tensor that needs autograd).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# op -> C over operand texts (each a name or a load: free to repeat), per element and per 8-wide vector.
+# maximum and minimum propagate NaN as torch's do.
+OPS = {
+    "add": ("({0} + {1})", "({0} + {1})"), "sub": ("({0} - {1})", "({0} - {1})"),
+    "mul": ("({0} * {1})", "({0} * {1})"), "div": ("({0} / {1})", "({0} / {1})"),
+    "neg": ("(-{0})", "(-{0})"), "sqrt": ("sqrtf({0})", "vsqrt({0})"),
+    "rsqrt": ("(1.0f / sqrtf({0}))", "(1.0f / vsqrt({0}))"), "abs": ("fabsf({0})", "vabs({0})"),
+    "maximum": ("(({0} > {1} || {0} != {0}) ? {0} : {1})", "vmax({0}, {1})"),
+    "minimum": ("(({0} < {1} || {0} != {0}) ? {0} : {1})", "vmin({0}, {1})"),
+}
+# host-number arithmetic (constants and int scalars), in double as Python computes it
+NUMBER_OPS = {"add": "({0} + {1})", "sub": "({0} - {1})", "mul": "({0} * {1})", "div": "({0} / {1})", "neg": "(-{0})"}
+
+LINE = 16  # float32 values per 64-byte cache line
+
+KINDS = {"dim": "d", "scalar": "s", "rows": "t", "parts": "l", "peers": "p"}
+
+_PRELUDE = """#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef int v8i __attribute__((vector_size(32)));
+
+static inline v8 ld(const float *p) { v8 x; memcpy(&x, p, sizeof x); return x; }
+static inline void st(float *p, v8 x) { memcpy(p, &x, sizeof x); }
+static inline v8 vabs(v8 x) { return (v8)((v8i)x & 0x7fffffff); }
+static inline v8 vmax(v8 x, v8 y) { v8i m = (x > y) | (x != x); return (v8)(((v8i)x & m) | ((v8i)y & ~m)); }
+static inline v8 vmin(v8 x, v8 y) { v8i m = (x < y) | (x != x); return (v8)(((v8i)x & m) | ((v8i)y & ~m)); }
+static inline v8 vsqrt(v8 x) {
+#ifdef __AVX__
+    return (v8)_mm256_sqrt_ps((__m256)x);
+#else
+    float t[8]; st(t, x); for (int q = 0; q < 8; q++) t[q] = sqrtf(t[q]); return ld(t);
+#endif
+}
+/* one 64-byte line, its address aligned, past the cache */
+static inline void stream_line(float *d, v8 x, v8 y) {
+#ifdef __AVX__
+    _mm256_stream_ps(d, (__m256)x); _mm256_stream_ps(d + 8, (__m256)y);
+#else
+    float t[16] __attribute__((aligned(64))); st(t, x); st(t + 8, y);
+    for (int q = 0; q < 16; q += 4) _mm_stream_ps(d + q, _mm_load_ps(t + q));
+#endif
+}
+"""
+
+
+@dataclass(frozen=True)
+class ChunkKernel:
+    """What a chunk computes, by the names of the Python kernel it stands in for.
+
+    ``params``: (name, kind) in the Python kernel's order; kind is ``dim`` (unused here), ``scalar`` (a
+    number or a one-element tensor), ``rows`` (the chunk's rows of a tensor), ``parts`` (the chunk's rows on
+    every rank, summed) or ``peers`` (the chunk's rows of every peer's copy of a state). ``parts``: (the value
+    they sum to, their parameter, ``sum`` or ``avg``). ``stmts``: (name, op, operands, constant) in order.
+    ``numbers``: the statements that are host numbers. ``writes``: (rows parameter, value stored into it).
+    ``streams``: (peers parameter, value stored into each)."""
+
+    params: tuple[tuple[str, str], ...]
+    parts: tuple[str, str, str] | None
+    stmts: tuple[tuple[str, str, tuple[str, ...], object], ...]
+    numbers: frozenset[str]
+    writes: tuple[tuple[str, str], ...]
+    streams: tuple[tuple[str, str], ...]
+
+    @property
+    def kinds(self) -> str:
+        return "".join(KINDS[k] for _, k in self.params)
+
+
+class Untranslatable(ValueError):
+    """The chunk has a statement the C kernel does not translate; Inductor's kernel serves."""
+
+
+def _literal(value) -> str:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise Untranslatable(f"constant {value!r}")
+    value = float(value)
+    if value != value:
+        return "NAN"
+    if abs(value) == float("inf"):
+        return "INFINITY" if value > 0 else "-INFINITY"
+    return value.hex()
+
+
+def c_source(k: ChunkKernel) -> str:
+    """The C text of ``k``: ``void coconet_chunk(long n, void **ptr, const long *count, const float *scal)``,
+    ``ptr`` the data of every rows, parts and peers tensor in parameter order, ``count`` the length of each
+    list, ``scal`` the scalars in order. Program names become ``p_<name>`` (a program may name a value ``n``).
+    Raises Untranslatable."""
+    kind = dict(k.params)
+    values = {name for name, *_ in k.stmts} | ({k.parts[0]} if k.parts else set())
+    tensors = values - k.numbers
+
+    def ref(name: str, vector: bool) -> str:
+        if name in k.numbers:
+            return f"vn_{name}" if vector else f"((float)p_{name})"
+        if name in tensors or kind.get(name) == "scalar":
+            return f"p_{name}"
+        if kind.get(name) == "rows":
+            return f"ld(p_{name} + i)" if vector else f"p_{name}[i]"
+        raise Untranslatable(f"operand {name}")
+
+    def number_ref(name: str) -> str:
+        if name in k.numbers:
+            return f"p_{name}"
+        raise Untranslatable(f"host number {name} of a tensor")
+
+    fields, unpack, scalars, lists = [], [], 0, 0
+    for name, what in k.params:
+        if what == "scalar":
+            fields.append(f"float p_{name};")
+            unpack.append(f"a.p_{name} = scal[{scalars}];")
+            scalars += 1
+        elif what == "rows":
+            fields.append(f"float *p_{name};")
+            unpack.append(f"a.p_{name} = (float *)ptr[at++];")
+        elif what in ("parts", "peers"):
+            fields += [f"float *const *p_{name};", f"long n_{name};"]
+            unpack.append(f"a.p_{name} = (float *const *)(ptr + at); a.n_{name} = count[{lists}]; at += count[{lists}];")
+            lists += 1
+    numbers = []
+    for name, op, args, value in k.stmts:
+        if name not in k.numbers:
+            continue
+        if op == "const":
+            numbers.append(f"const double p_{name} = {_literal(value)};")
+        elif op in NUMBER_OPS:
+            numbers.append(f"const double p_{name} = {NUMBER_OPS[op].format(*map(number_ref, args))};")
+        else:
+            raise Untranslatable(f"{op} of host numbers")
+
+    def body(vector: bool) -> list[str]:
+        t = "v8" if vector else "float"
+        out = [f"const {t} p_{n} = a->p_{n}" + (" + (v8){0};" if vector else ";")
+               for n, what in k.params if what == "scalar"]
+        out += [f"float *const p_{n} = a->p_{n};" for n, what in k.params if what == "rows"]
+        out += numbers
+        if vector:
+            out += [f"const v8 vn_{n} = (v8){{0}} + (float)p_{n};" for n in sorted(k.numbers)]
+        if k.parts is not None:
+            total, plist, op = k.parts
+            if kind.get(plist) != "parts" or op not in ("sum", "avg"):
+                raise Untranslatable(f"parts {plist} ({op})")
+            load = "ld(a->p_{0}[{1}] + i)" if vector else "a->p_{0}[{1}][i]"
+            out += [f"{t} p_{total} = {load.format(plist, 0)};",
+                    f"for (long r = 1; r < a->n_{plist}; r++) p_{total} += {load.format(plist, 'r')};"]
+            if op == "avg":
+                out.append(f"p_{total} /= (float)a->n_{plist};")
+        for name, op, args, value in k.stmts:
+            if name in k.numbers:
+                continue
+            if op == "const":
+                out.append(f"const {t} p_{name} = " + ("(v8){0} + " if vector else "") + f"(float){_literal(value)};")
+            elif op in OPS:
+                out.append(f"const {t} p_{name} = {OPS[op][vector].format(*(ref(x, vector) for x in args))};")
+            else:
+                raise Untranslatable(op)
+        for target, value in k.writes:
+            if kind.get(target) != "rows" or value not in values:
+                raise Untranslatable(f"a write of {value} into {target}")
+            out.append(f"st(p_{target} + i, {ref(value, True)});" if vector else f"p_{target}[i] = {ref(value, False)};")
+        for s, (target, value) in enumerate(k.streams):
+            if kind.get(target) != "peers" or value not in tensors:
+                raise Untranslatable(f"a stream of {value} into {target}")
+            out.append(f"out[{s}] = {ref(value, vector)};")
+        return out
+
+    ns = max(1, len(k.streams))
+    ind = "    "
+    lines = [_PRELUDE, "typedef struct {", *(ind + f for f in fields), "} args_t;", "",
+             "/* row i of the chunk; its values for the peers' copies into out */",
+             "static inline __attribute__((always_inline)) void row(const args_t *a, long i, float *out) {",
+             *(ind + x for x in body(False)), "}", "",
+             "/* rows [i, i + 8) */",
+             "static inline __attribute__((always_inline)) void rows8(const args_t *a, long i, v8 *out) {",
+             *(ind + x for x in body(True)), "}", "",
+             "void coconet_chunk(long n, void **ptr, const long *count, const float *scal) {",
+             ind + "args_t a;", ind + "long at = 0;", ind + "(void)at; (void)count; (void)scal;",
+             *(ind + x for x in unpack),
+             ind + f"float o[{ns}];", ind + f"v8 x[{ns}], y[{ns}];"]
+    peers = [target for target, _ in k.streams]
+    plain = [f"for (long r = 0; r < a.n_{p}; r++) a.p_{p}[r][i] = o[{s}];" for s, p in enumerate(peers)]
+    if peers:
+        lines += [
+            ind + "/* streamed where every destination has the same offset in its line, on a float */",
+            ind + f"uintptr_t off = a.n_{peers[0]} ? (uintptr_t)a.p_{peers[0]}[0] & 63 : 0;",
+            ind + "int nt = (off & 3) == 0;",
+            *(ind + f"for (long r = 0; r < a.n_{p}; r++) nt = nt && ((uintptr_t)a.p_{p}[r] & 63) == off;"
+              for p in peers),
+            ind + "long head = nt ? (long)((64 - off) & 63) / 4 : 0, i = 0;",
+            ind + "for (; i < head && i < n; i++) {",
+            ind * 2 + "row(&a, i, o);",
+            *(ind * 2 + x for x in plain),
+            ind + "}",
+        ]
+    else:
+        lines.append(ind + "long i = 0;")
+    lines += [ind + f"for (; i + {LINE} <= n; i += {LINE}) {{",
+              ind * 2 + "rows8(&a, i, x);", ind * 2 + "rows8(&a, i + 8, y);"]
+    for s, p in enumerate(peers):
+        lines += [ind * 2 + f"for (long r = 0; r < a.n_{p}; r++) {{",
+                  ind * 3 + f"float *d = a.p_{p}[r] + i;",
+                  ind * 3 + f"if (nt) stream_line(d, x[{s}], y[{s}]); else {{ st(d, x[{s}]); st(d + 8, y[{s}]); }}",
+                  ind * 2 + "}"]
+    lines += [ind + "}", ind + "for (; i < n; i++) {", ind * 2 + "row(&a, i, o);", *(ind * 2 + x for x in plain),
+              ind + "}"]
+    if peers:
+        lines.append(ind + "_mm_sfence();  /* the streamed stores are visible before the barrier's flag after */")
+    lines.append("}")
+    return "\n".join(lines) + "\n"

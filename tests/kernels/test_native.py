@@ -1,0 +1,197 @@
+"""The C chunk kernels (coconet.kernels.native) against float32 IEEE arithmetic in torch: the same bits at
+every alignment and length, streamed or not; and the generated module's wrapper handing what C cannot take
+to the kernel it stands in for."""
+
+import shutil
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from coconet.codegen import shm
+from coconet.kernels.native import OPS, ChunkKernel, Untranslatable, c_source
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
+
+# sqrt correctly rounded, as IEEE has it and C computes it: from float64, which rounds to the same float32.
+# (torch's own CPU sqrt can be an ulp off: sqrt(1.1523602f) is 1.0734805f there.)
+UNARY = {"neg": lambda a: -a, "sqrt": lambda a: torch.sqrt(a.double()).float(),
+         "rsqrt": lambda a: 1 / torch.sqrt(a.double()).float(), "abs": torch.abs}
+BINARY = {"add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
+          "div": lambda a, b: a / b, "maximum": torch.maximum, "minimum": torch.minimum}
+assert set(UNARY) | set(BINARY) == set(OPS)
+# host-number arithmetic, as Python does it (division left out: Python raises where C gives inf)
+NUMBER = {"add": lambda p, q: p + q, "sub": lambda p, q: p - q, "mul": lambda p, q: p * q, "neg": lambda p: -p}
+
+# what the Python kernel of a chunk takes, in its order: peers, two tensors it reads and writes, the parts it
+# sums, a scalar
+PARAMS = (("x_peers", "peers"), ("a", "rows"), ("b", "rows"), ("g_parts", "parts"), ("s", "scalar"))
+
+
+@st.composite
+def chunk_kernels(draw):
+    """A random chunk: statements over the reduced parts, two tensors, a scalar and host numbers; one value
+    written into each tensor, one streamed into the peers."""
+    names, numbers, stmts = ["g", "a", "b", "s"], [], []
+    for k in range(draw(st.integers(1, 8))):
+        name = f"t{k}"
+        choice = draw(st.sampled_from(["unary", "binary", "binary", "const", "number"]))
+        if choice == "const":
+            stmts.append((name, "const", (), draw(st.sampled_from([0.0, -0.0, 1.5, -2.0, 1e-8, 3, float("inf")]))))
+            numbers.append(name)
+        elif choice == "number" and numbers:
+            op = draw(st.sampled_from(sorted(NUMBER)))
+            stmts.append((name, op, tuple(draw(st.sampled_from(numbers)) for _ in range(1 if op == "neg" else 2)), None))
+            numbers.append(name)
+        elif choice == "unary":
+            stmts.append((name, draw(st.sampled_from(sorted(UNARY))), (draw(st.sampled_from(names)),), None))
+            names.append(name)
+        else:
+            pool = names + numbers
+            x, y = draw(st.sampled_from(names)), draw(st.sampled_from(pool))
+            stmts.append((name, draw(st.sampled_from(sorted(BINARY))), draw(st.permutations([x, y])), None))
+            names.append(name)
+    values = [n for n in names if n not in ("a", "b", "s")] or ["g"]
+    writes = (("a", draw(st.sampled_from(values))), ("b", draw(st.sampled_from(values))))
+    return ChunkKernel(params=PARAMS, parts=("g", "g_parts", draw(st.sampled_from(["sum", "avg"]))),
+                       stmts=tuple(stmts), numbers=frozenset(numbers), writes=writes,
+                       streams=(("x_peers", draw(st.sampled_from(values))),))
+
+
+def reference(k: ChunkKernel, peers, a, b, parts, s):
+    """The chunk as the Python kernel computes it, eagerly: numbers in double, tensors in float32."""
+    env = {"a": a.clone(), "b": b.clone(), "s": s}
+    total = parts[0]
+    for p in parts[1:]:
+        total = total + p
+    env["g"] = total / len(parts) if k.parts[2] == "avg" else total
+    for name, op, args, value in k.stmts:
+        xs = [env[x] for x in args]
+        if op == "const":
+            env[name] = value
+        elif name in k.numbers:
+            env[name] = NUMBER[op](*xs)
+        elif op in UNARY:
+            env[name] = UNARY[op](torch.as_tensor(xs[0], dtype=torch.float32) if not isinstance(xs[0], torch.Tensor) else xs[0])
+        else:
+            x, y = xs
+            if op in ("maximum", "minimum"):
+                x, y = (torch.as_tensor(v, dtype=torch.float32) for v in (x, y))
+            env[name] = BINARY[op](x, y)
+    out = {t: torch.broadcast_to(torch.as_tensor(env[v], dtype=torch.float32), a.shape) for t, v in k.writes}
+    streamed = torch.broadcast_to(torch.as_tensor(env[k.streams[0][1]], dtype=torch.float32), a.shape)
+    return out["a"], out["b"], [streamed.clone() for _ in peers]
+
+
+def cut(base, offset, n):
+    return base[offset:offset + n]
+
+
+def operands(n, offsets, peers=3, parts=3, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+
+    def noisy(offset):
+        x = torch.randn(n + 64, generator=gen)
+        x[::7] = 0.0
+        x[3::11] = float("nan")
+        x[5::13] = -x[5::13].abs()
+        return cut(x, offset, n)
+
+    return ([cut(torch.zeros(n + 64), offsets[2 + i % 2], n) for i in range(peers)],
+            noisy(offsets[0]), noisy(offsets[1]), [noisy(offsets[i % 2]) for i in range(parts)],
+            torch.tensor(0.75))
+
+
+def run_native(k, args, monkeypatch, tmp_path):
+    monkeypatch.setenv("COCONET_CACHE_DIR", str(tmp_path))
+
+    def fallback(*_):
+        raise AssertionError("the C kernel handed a call it can take to the Python kernel")
+
+    shm._native(fallback, k.kinds, c_source(k))(*args)
+
+
+@settings(max_examples=20, deadline=None)
+@given(k=chunk_kernels(), n=st.sampled_from([0, 1, 5, 16, 17, 40, 1000]),
+       offsets=st.tuples(st.sampled_from([0, 1, 3]), st.sampled_from([0, 2]), st.sampled_from([0, 5]),
+                         st.sampled_from([0, 5, 6])))
+def test_the_c_kernel_computes_the_bits_torch_does(tmp_path_factory, k, n, offsets):
+    """Streamed when the peers' rows start at one offset in their lines (offsets[2] == offsets[3]), stored
+    plainly otherwise; heads and tails of every length around the 16-float lines."""
+    peers, a, b, parts, s = operands(n, offsets)
+    want_a, want_b, want_peers = reference(k, peers, a, b, parts, s)
+    with pytest.MonkeyPatch.context() as m:
+        run_native(k, (peers, a, b, parts, s), m, tmp_path_factory.mktemp("cache"))
+    torch.testing.assert_close(a, want_a, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(b, want_b, rtol=0, atol=0, equal_nan=True)
+    for got, want in zip(peers, want_peers):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+def adam_kernel():
+    stmts = (("mul0", "mul", ("beta1", "m"), None), ("mul1", "mul", ("sub0", "g"), None),
+             ("add0", "add", ("mul0", "mul1"), None), ("mul2", "mul", ("beta1", "v"), None),
+             ("mul3", "mul", ("g", "g"), None), ("add1", "add", ("mul2", "mul3"), None),
+             ("sqrt0", "sqrt", ("add1",), None), ("add2", "add", ("sqrt0", "eps"), None),
+             ("div0", "div", ("add0", "add2"), None), ("sub4", "sub", ("w", "div0"), None))
+    params = (("w_peers", "peers"), ("m", "rows"), ("v", "rows"), ("w", "rows"), ("g_parts", "parts"),
+              ("beta1", "scalar"), ("sub0", "scalar"), ("eps", "scalar"))
+    return ChunkKernel(params=params, parts=("g", "g_parts", "sum"), stmts=stmts, numbers=frozenset(),
+                       writes=(("m", "add0"), ("v", "add1"), ("w", "sub4")), streams=(("w_peers", "sub4"),))
+
+
+def adam_args(n, peers=2):
+    return [[torch.zeros(n) for _ in range(peers)], torch.randn(n), torch.rand(n), torch.randn(n),
+            [torch.randn(n) for _ in range(3)], torch.tensor(0.9), torch.tensor(0.1), torch.tensor(1e-8)]
+
+
+def test_what_c_cannot_take_goes_to_the_python_kernel(monkeypatch, tmp_path):
+    """A broadcast operand, a tensor of another dtype, one that needs autograd, a non-contiguous one: the
+    Python kernel runs them; a well-formed call runs in C."""
+    monkeypatch.setenv("COCONET_CACHE_DIR", str(tmp_path))
+    k = adam_kernel()
+    calls = []
+    kernel = shm._native(lambda *args: calls.append(args), k.kinds, c_source(k))
+    kernel(*adam_args(100))
+    assert calls == [] and len(list((tmp_path / "kernels").glob("chunk_*.so"))) == 1
+    bad = [adam_args(100) for _ in range(5)]
+    bad[0][1] = torch.randn(1)  # m broadcast
+    bad[1][2] = torch.rand(100, dtype=torch.float64)
+    bad[2][3] = torch.randn(100, requires_grad=True)
+    bad[3][4][1] = torch.randn(200)[::2]
+    bad[4][5] = torch.tensor([0.9, 0.8])  # a scalar of two values
+    for args in bad:
+        kernel(*args)
+    assert len(calls) == 5
+
+
+def test_without_a_c_compiler_the_python_kernel_runs(monkeypatch, tmp_path):
+    monkeypatch.setenv("COCONET_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "no-such-compiler")
+    monkeypatch.setenv("PATH", str(tmp_path))
+    k = adam_kernel()
+    calls = []
+    shm._native(lambda *args: calls.append(1), k.kinds, c_source(k))(*adam_args(10))
+    assert calls == [1]
+
+
+def test_a_statement_c_has_no_translation_for_is_refused():
+    k = adam_kernel()
+    for op in ("exp", "where", "cast", "dropout", "pow"):
+        stmts = k.stmts + (("odd", op, ("m",), None),)
+        with pytest.raises(Untranslatable, match=op):
+            c_source(ChunkKernel(k.params, k.parts, stmts, k.numbers, k.writes, k.streams))
+
+
+def test_program_names_cannot_clash_with_the_kernels_own(monkeypatch, tmp_path):
+    """A program may call its values n, i, a, out or float: they become p_<name>."""
+    params = (("n_peers", "peers"), ("i", "rows"), ("float", "rows"), ("out_parts", "parts"), ("a", "scalar"))
+    stmts = (("n", "mul", ("out", "a"), None), ("j", "add", ("n", "i"), None))
+    k = ChunkKernel(params, ("out", "out_parts", "sum"), stmts, frozenset(), (("float", "j"),), (("n_peers", "n"),))
+    src = c_source(k)
+    assert "const float p_n = (p_out * p_a);" in src and "const v8 p_j = (p_n + ld(p_i + i));" in src
+    peers, i, out = [torch.zeros(37)], torch.randn(37), torch.zeros(37)
+    parts = [torch.randn(37), torch.randn(37)]
+    run_native(k, (peers, i, out, parts, torch.tensor(3.0)), monkeypatch, tmp_path)
+    assert torch.equal(peers[0], (parts[0] + parts[1]) * 3.0) and torch.equal(out, peers[0] + i)
