@@ -1044,7 +1044,10 @@ def _module(schedule: Schedule, backend: str, e: _Emitter, body, updates: list[s
         "Needs torch only.",
         *(["The group's ranks must share this node's memory: its first step maps their segments",
            "of /dev/shm (the files are gone once mapped). Its large copies compile a few lines of C",
-           "with the system's C compiler when there is one."] if backend == "shm" else []),
+           "with the system's C compiler when there is one.",
+           *(["So does a chunk kernel given in C (_native): without a compiler, Inductor's runs."]
+             if any(x.startswith("_chunk") and "= _native(" in x for x, _ in e.toplevel) else [])]
+          if backend == "shm" else []),
         *(["Dropout is torch's own (F.dropout): its masks are not coconet's counter-based ones."]
           if e.dropout == "torch" and any(s.op == "dropout" for s in p.stmts) else []),
         '"""',

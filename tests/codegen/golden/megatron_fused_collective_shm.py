@@ -660,7 +660,7 @@ def _last_level_cache():
 
 def _stream_copier():
     """``_STREAM_C`` compiled (once per machine and compiler) and loaded; None without a C compiler."""
-    lib = _native_library(_STREAM_C, "stream_copy", ["-O2"])
+    lib = _native_library(_STREAM_C, "stream_copy", ["-O2"], "its copy kernel")
     if lib is None:
         return None
     fn = lib.coconet_stream_copy
@@ -668,9 +668,9 @@ def _stream_copier():
     return fn
 
 
-def _native_library(source, name, flags):
+def _native_library(source, name, flags, what):
     """C ``source`` compiled with ``flags`` into coconet's cache (once per machine, compiler and CPU: flags may
-    say -march=native) and loaded; None without a C compiler."""
+    say -march=native) and loaded; None without a C compiler. ``what`` it is, for the compiler's error."""
     cc = shutil.which(os.environ.get("CC") or "cc") or shutil.which("gcc")
     if cc is None:
         return None
@@ -689,7 +689,7 @@ def _native_library(source, name, flags):
             built = subprocess.run([cc, *flags, "-shared", "-fPIC", "-o", os.path.join(tmp, f"{name}.so"),
                                     os.path.join(tmp, f"{name}.c")], capture_output=True, text=True)
             if built.returncode != 0:
-                raise RuntimeError(f"shm backend: {cc} could not compile {name}:\n{built.stderr}")
+                raise RuntimeError(f"shm backend: {cc} could not compile {what}:\n{built.stderr}")
             os.replace(os.path.join(tmp, f"{name}.so"), path)  # atomic: ranks compiling at once agree
     return ctypes.CDLL(path)
 
