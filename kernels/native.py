@@ -30,8 +30,8 @@ OPS = {
     "maximum": ("(({0} > {1} || {0} != {0}) ? {0} : {1})", "vmax({0}, {1})"),
     "minimum": ("(({0} < {1} || {0} != {0}) ? {0} : {1})", "vmin({0}, {1})"),
 }
-# host-number arithmetic (constants and int scalars), in double as Python computes it
-NUMBER_OPS = {"add": "({0} + {1})", "sub": "({0} - {1})", "mul": "({0} * {1})", "div": "({0} / {1})", "neg": "(-{0})"}
+# host-number arithmetic (constants and int scalars), in double as Python computes it: the per-element forms
+NUMBER_OPS = {op: OPS[op][0] for op in ("add", "sub", "mul", "div", "neg")}
 
 LINE = 16  # float32 values per 64-byte cache line
 
