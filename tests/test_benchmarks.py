@@ -70,3 +70,13 @@ def test_the_c_chunk_kernel_writes_inductors_bits(tmp_path, monkeypatch):
     assert set(report["kinds"]) == {"inductor", "c_streamed", "c_plain"}
     assert all(k["same_bits_as_inductor"] for k in report["kinds"].values())
     assert len(list((tmp_path / "kernels").glob("chunk_*.so"))) == 2  # streamed and plain
+
+
+def test_the_chunk_concurrency_runs_the_c_kernel_in_every_process_count(tmp_path, monkeypatch):
+    monkeypatch.setenv("COCONET_CACHE_DIR", str(tmp_path))
+    report = _script("chunk_concurrency").main(["--world", "3", "--size", "N=3003", "--processes", "1,2",
+                                                "--calls", "1", "--rounds", "1"])
+    assert report["chunk_kernel"] == "C" and list((tmp_path / "kernels").glob("chunk_*.so"))
+    assert report["bytes_per_call_per_process"] == (2 * 3 + 5) * 4 * 1001  # the words one rank's chunk moves
+    assert set(report["processes"]) == {"1", "2"}
+    assert all(r["chunk_GBps"] > 0 and r["add_GBps"] > 0 for r in report["processes"].values())
