@@ -1,7 +1,7 @@
 """Does the cost model order schedules as the machine does? Kendall τ of predicted against measured.
 
     nice -n 19 python benchmarks/cost_model.py [--topology local] [--rounds 2] [--repeats 15]
-        [--out benchmarks/results/cost_model_local.json]
+        [--workload adam] [--out benchmarks/results/cost_model_local.json]
 
 Every schedule of the Adam step (N=2^22) and of the Megatron layer (B=2, S=256, H=512) runs on 2 local
 ranks with gloo and with shm (``coconet.codegen.launch.run_schedules``: checked, then timed; a sample
@@ -77,6 +77,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/cost_model_local.json")
+    ap.add_argument("--workload", action="append", choices=[name for name, _ in WORKLOADS],
+                    help="Only these (repeatable; default every one).")
     ap.add_argument("--skip-measure", type=Path, default=None,
                     help="reuse the measurements of an earlier report (re-predict only)")
     args = ap.parse_args()
@@ -86,6 +88,8 @@ def main() -> None:
               "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_average": os.getloadavg()},
               "rounds": args.rounds, "repeats": args.repeats, "world": 2, "results": []}
     for name, sizes in WORKLOADS:
+        if args.workload and name not in args.workload:
+            continue
         space = generate(runpy.run_path(str(ROOT / "examples" / f"{name}.py"))["program"])
         for backend in ("gloo", "shm"):
             if earlier:

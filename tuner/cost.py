@@ -23,6 +23,8 @@ statements a fused collective absorbs, which allreduce clones its operand). Each
   as the topology lets them run together: ``overlap`` of its compute-bound time and
   ``overlap_memory`` of its memory-bound time can carry communication, and the first of ``chunks``
   chunks cannot hide any.
+- ranks beyond the topology's (a machine calibrated with 2 ranks, asked about 4): they share its memory and
+  cores, so every rate measured per rank is divided among them.
 
 Everything size-independent is computed once per (schedule, backend) and cached by the schedule's
 hash; a prediction then evaluates a few dozen products of bound dims. Predictions are model output:
@@ -297,7 +299,8 @@ class _Builder:
             part = p[s.args[0]].type
             mine = self.nbytes(part, self.local(part))
             ks = (Kernel(f"{s.name} rows", 1, mine, mine, cold=mine),
-                  Kernel(f"{s.name} peers' rows", 1, _scaled(mine, _PerWorld.PEERS), _scaled(mine, _PerWorld.PEERS)))
+                  Kernel(f"{s.name} peers' rows", 1, _scaled(mine, _PerWorld.PEERS), _scaled(mine, _PerWorld.PEERS),
+                         cold=_scaled(mine, _PerWorld.PEERS)))
             return [Unit(s.name, ks, (Comm("barrier", (), launches=2, shm=True),))]
         if op == "all_gather":
             return [Unit(s.name, self.gather_copies(s), (self.collective(s),))]
@@ -448,9 +451,11 @@ class _Builder:
                 if m in needed:
                     b = self.nbytes(p[m].type, self.local(p[m].type))
                     writes += b
-            for m in into:  # this rank's rows of the state, in place and into its segment
+            for m in into:  # this rank's rows of the state, into its own copy and every peer's: to memory
                 part = p[p[m].args[0]].type
-                writes += self.nbytes(part, self.local(part), times=2.0)
+                rows = _scaled(self.nbytes(part, self.local(part)), R.ALL)
+                writes += rows
+                cold += rows
             kernels.append(Kernel(f"{g} kernel", chunks, tuple(reads), tuple(writes), tuple(fresh),
                                   ops=self.fused_dropout_ops(compute),
                                   compiled=True, dtype=x.dtype or "float32", cold=tuple(cold)))
@@ -464,16 +469,16 @@ class _Builder:
             for m in into:
                 part = p[p[m].args[0]].type
                 b = self.nbytes(part, self.local(part))
-                kernels.append(Kernel(f"{m} rows", chunks, b + b, b + b))
+                peers = _scaled(b, R.PEERS)
+                kernels.append(Kernel(f"{m} into the peers' copies", chunks, peers, peers, cold=peers))
         for m in gathers:
             part = p[p[m].args[0]].type
             mine = self.nbytes(part, self.local(part))
             whole = self.nbytes(p[m].type, self.whole(p[m].type))
             if m in into:
-                # one barrier; every peer's rows copied from its segment straight into the state
+                # one barrier, and the state is whole: it lives in the segment the peers wrote their rows into
+                # (a state that cannot move there, a view into a larger buffer, copies them in: not priced)
                 comms.append(Comm("barrier", (), launches=1, shm=True))
-                peers = _scaled(whole, R.PEERS_FRACTION)
-                kernels.append(Kernel(f"{m} copy in", 1, peers, peers))
             elif shm:
                 # each chunk into this rank's slot; one barrier; every rank's rows copied out
                 kernels.append(Kernel(f"{m} publish", chunks, mine, mine))
@@ -707,16 +712,19 @@ def _elems(plan: Plan, sizes: Mapping[str, int], world: int) -> list[float]:
 def evaluate(plan: Plan, sizes: Mapping[str, int], topo: Topology, backend: str, world: int,
              stages: int = 1, detail: list | None = None) -> Prediction:
     elems = _elems(plan, sizes, world)
-    mem_beta = topo.memory_beta
-    cache_beta = 1.0 / (topo.cache_bandwidth_GBps * 1e9) if topo.cache_bandwidth_GBps else mem_beta
+    # more ranks than the topology places (one calibrated with R ranks a node, asked about more): the extra
+    # ranks share its nodes' memory and cores, each at this fraction of the rates measured per rank
+    crowd = max(1.0, world * stages / topo.world)
+    mem_beta = topo.memory_beta * crowd
+    cache_beta = crowd / (topo.cache_bandwidth_GBps * 1e9) if topo.cache_bandwidth_GBps else mem_beta
     buffer_limit = topo.cache_bytes / 3 if topo.cache_bandwidth_GBps else -1.0
     faults = bool(topo.fresh_cost)
     overlap_memory = topo.overlap if topo.overlap_memory is None else topo.overlap_memory
     fresh_cost = topo.fresh_s_per_byte
-    ew_rate = topo.elementwise_Gops * 1e9 if topo.elementwise_Gops else math.inf
-    eager_rate = topo.eager_elementwise_Gops * 1e9 if topo.eager_elementwise_Gops else math.inf
-    eager_launch = topo.launch_s
-    fused_launch = topo.fused_launch_s
+    ew_rate = topo.elementwise_Gops * 1e9 / crowd if topo.elementwise_Gops else math.inf
+    eager_rate = topo.eager_elementwise_Gops * 1e9 / crowd if topo.eager_elementwise_Gops else math.inf
+    eager_launch = topo.launch_s * crowd
+    fused_launch = topo.fused_launch_s * crowd
     # stage s holds ranks [s·world, (s+1)·world); a send goes world ranks on, across nodes for some rank?
     rpn = topo.ranks_per_node
     send_crosses = stages > 1 and any(r // rpn != (r + world) // rpn for r in range(min(world, rpn)))
@@ -737,10 +745,10 @@ def evaluate(plan: Plan, sizes: Mapping[str, int], topo: Topology, backend: str,
                     mem_t += b * (mem_beta - cache_beta)
             if faults and k.fresh:
                 for b in _each(k.fresh, elems, world):
-                    mem_t += b * fresh_cost(b / k.launches if k.launches > 1 else b)
+                    mem_t += b * fresh_cost(b / k.launches if k.launches > 1 else b) * crowd
             c_t = 0.0
             if k.flops:
-                c_t = _value(k.flops, elems, world) / topo.flops(k.dtype)
+                c_t = _value(k.flops, elems, world) * crowd / topo.flops(k.dtype)
             if k.ops:
                 c_t = max(c_t, _value(k.ops, elems, world) / (ew_rate if k.compiled else eager_rate))
             if c_t > mem_t:
@@ -761,7 +769,7 @@ def evaluate(plan: Plan, sizes: Mapping[str, int], topo: Topology, backend: str,
                     moved, fresh, barriers = shm_collective(c.op, per, world)
                     t = moved * mem_beta
                     if faults and fresh:
-                        t += fresh * fresh_cost(fresh)
+                        t += fresh * fresh_cost(fresh) * crowd
                     u_comm_mem += c.launches * t
                     u_comm += c.launches * (barriers * topo.shm_barrier_s + eager_launch)
                 continue

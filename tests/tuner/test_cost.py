@@ -191,3 +191,31 @@ def test_explain_adds_up():
     units = cost.explain(s, {"N": 2**20}, topo, "gloo")
     assert sum(t for _, t, _ in units) == pytest.approx(cost.predict(s, {"N": 2**20}, topo, "gloo").seconds)
     assert any("fused_collective" in what for what, _, _ in units)
+
+
+@pytest.mark.parametrize("chunks", [1, 4])
+def test_zero1_fused_collective_on_shm_moves_the_floors_bytes(chunks):
+    # the kernel reads every rank's gradient rows where they lie and writes w's new rows into every copy,
+    # the state living in the segment its peers write into: what the roofline counts, and no more
+    from coconet.tuner.roofline import bytes_moved_once
+
+    prog = space("adam")[0].program
+    s = Schedule.parse(f"split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse_collective(rs0); "
+                       f"fc_chunks={chunks}", prog)
+    topo = dataclasses.replace(load_topology("local"), ranks_per_node=4)
+    sizes = {"N": 2**24}
+    for world in (2, 3, 4):
+        moved = cost.predict(s, sizes, topo, "shm", world=world).memory_s / topo.memory_beta
+        assert moved == pytest.approx(bytes_moved_once(prog, sizes, world, {"m", "v"}) / world, rel=1e-6)
+
+
+def test_ranks_beyond_the_topologys_share_its_memory_and_cores():
+    prog = space("adam")[0].program
+    s = Schedule.parse("split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse_collective(rs0)", prog)
+    local = load_topology("local")
+    roomy = dataclasses.replace(local, ranks_per_node=2 * local.ranks_per_node)
+    sizes, world = {"N": 2**24}, 2 * local.world
+    crowded = cost.predict(s, sizes, local, "shm", world=world)
+    assert crowded.memory_s == pytest.approx(2 * cost.predict(s, sizes, roomy, "shm", world=world).memory_s)
+    # on this machine twice the ranks split the step's bytes but share its bandwidth: the step takes longer
+    assert crowded.seconds > cost.predict(s, sizes, local, "shm", world=local.world).seconds
