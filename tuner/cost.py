@@ -298,9 +298,9 @@ class _Builder:
             # two barriers; this rank's rows into its own copy of the state and every peer's
             part = p[s.args[0]].type
             mine = self.nbytes(part, self.local(part))
+            peers = _scaled(mine, _PerWorld.PEERS)
             ks = (Kernel(f"{s.name} rows", 1, mine, mine, cold=mine),
-                  Kernel(f"{s.name} peers' rows", 1, _scaled(mine, _PerWorld.PEERS), _scaled(mine, _PerWorld.PEERS),
-                         cold=_scaled(mine, _PerWorld.PEERS)))
+                  Kernel(f"{s.name} peers' rows", 1, peers, peers, cold=peers))
             return [Unit(s.name, ks, (Comm("barrier", (), launches=2, shm=True),))]
         if op == "all_gather":
             return [Unit(s.name, self.gather_copies(s), (self.collective(s),))]
@@ -712,19 +712,19 @@ def _elems(plan: Plan, sizes: Mapping[str, int], world: int) -> list[float]:
 def evaluate(plan: Plan, sizes: Mapping[str, int], topo: Topology, backend: str, world: int,
              stages: int = 1, detail: list | None = None) -> Prediction:
     elems = _elems(plan, sizes, world)
-    # more ranks than the topology places (one calibrated with R ranks a node, asked about more): the extra
-    # ranks share its nodes' memory and cores, each at this fraction of the rates measured per rank
-    crowd = max(1.0, world * stages / topo.world)
-    mem_beta = topo.memory_beta * crowd
-    cache_beta = crowd / (topo.cache_bandwidth_GBps * 1e9) if topo.cache_bandwidth_GBps else mem_beta
+    # the kernels' rates: more ranks than the topology places (one calibrated with R ranks a node, asked about
+    # more) share its nodes' memory and cores
+    each = topo.shared_by(max(1.0, world * stages / topo.world))
+    mem_beta = each.memory_beta
+    cache_beta = 1.0 / (each.cache_bandwidth_GBps * 1e9) if each.cache_bandwidth_GBps else mem_beta
     buffer_limit = topo.cache_bytes / 3 if topo.cache_bandwidth_GBps else -1.0
     faults = bool(topo.fresh_cost)
     overlap_memory = topo.overlap if topo.overlap_memory is None else topo.overlap_memory
-    fresh_cost = topo.fresh_s_per_byte
-    ew_rate = topo.elementwise_Gops * 1e9 / crowd if topo.elementwise_Gops else math.inf
-    eager_rate = topo.eager_elementwise_Gops * 1e9 / crowd if topo.eager_elementwise_Gops else math.inf
-    eager_launch = topo.launch_s * crowd
-    fused_launch = topo.fused_launch_s * crowd
+    fresh_cost = each.fresh_s_per_byte
+    ew_rate = each.elementwise_Gops * 1e9 if each.elementwise_Gops else math.inf
+    eager_rate = each.eager_elementwise_Gops * 1e9 if each.eager_elementwise_Gops else math.inf
+    eager_launch = each.launch_s
+    fused_launch = each.fused_launch_s
     # stage s holds ranks [s·world, (s+1)·world); a send goes world ranks on, across nodes for some rank?
     rpn = topo.ranks_per_node
     send_crosses = stages > 1 and any(r // rpn != (r + world) // rpn for r in range(min(world, rpn)))
@@ -745,10 +745,10 @@ def evaluate(plan: Plan, sizes: Mapping[str, int], topo: Topology, backend: str,
                     mem_t += b * (mem_beta - cache_beta)
             if faults and k.fresh:
                 for b in _each(k.fresh, elems, world):
-                    mem_t += b * fresh_cost(b / k.launches if k.launches > 1 else b) * crowd
+                    mem_t += b * fresh_cost(b / k.launches if k.launches > 1 else b)
             c_t = 0.0
             if k.flops:
-                c_t = _value(k.flops, elems, world) * crowd / topo.flops(k.dtype)
+                c_t = _value(k.flops, elems, world) / each.flops(k.dtype)
             if k.ops:
                 c_t = max(c_t, _value(k.ops, elems, world) / (ew_rate if k.compiled else eager_rate))
             if c_t > mem_t:
@@ -769,7 +769,7 @@ def evaluate(plan: Plan, sizes: Mapping[str, int], topo: Topology, backend: str,
                     moved, fresh, barriers = shm_collective(c.op, per, world)
                     t = moved * mem_beta
                     if faults and fresh:
-                        t += fresh * fresh_cost(fresh) * crowd
+                        t += fresh * fresh_cost(fresh)
                     u_comm_mem += c.launches * t
                     u_comm += c.launches * (barriers * topo.shm_barrier_s + eager_launch)
                 continue

@@ -17,6 +17,7 @@ Figures live in YAML files (``configs/topologies/*.yaml``, each number with its 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -162,6 +163,21 @@ class Topology:
     def algorithms_for(self, backend: str, op: str) -> tuple[str, ...]:
         got = self.algorithms.get(backend, {}).get(op)
         return got if got else DEFAULT_ALGORITHMS[backend][op]
+
+    def shared_by(self, k: float) -> "Topology":
+        """This topology with every rate measured per rank divided among ``k`` times as many ranks, which share
+        its nodes' memory and cores: what more ranks than it places get each."""
+        if k == 1:
+            return self
+        return dataclasses.replace(
+            self, memory_bandwidth_GBps=self.memory_bandwidth_GBps / k,
+            matmul_TFLOPS={d: tf / k for d, tf in self.matmul_TFLOPS.items()},
+            launch_s=self.launch_s * k,
+            compiled_launch_s=None if self.compiled_launch_s is None else self.compiled_launch_s * k,
+            elementwise_Gops=self.elementwise_Gops and self.elementwise_Gops / k,
+            eager_elementwise_Gops=self.eager_elementwise_Gops and self.eager_elementwise_Gops / k,
+            cache_bandwidth_GBps=self.cache_bandwidth_GBps and self.cache_bandwidth_GBps / k,
+            fresh_cost=tuple((n, c * k) for n, c in self.fresh_cost))
 
     def fresh_s_per_byte(self, nbytes: float) -> float:
         pts = self.fresh_cost
