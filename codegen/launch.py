@@ -1,9 +1,11 @@
 """Running generated schedules on R ranks of this machine: check, then time.
 
 The parent lowers every schedule, writes a job file and starts ``stages ×
-world`` rank processes (``coconet.codegen.rank``: fresh interpreters, so the
-caller's ``__main__`` is never re-imported) joined by a torch.distributed group
-on a free loopback port; each reports over its own pipe. Each rank builds its
+world`` rank processes (``coconet.codegen.rank``, forked by a fork server that
+has imported torch once, ``coconet.codegen.forkserver``: never the caller, so
+its ``__main__`` is never re-imported; CUDA ranks are fresh interpreters)
+joined by a torch.distributed group on a free loopback port; each reports over
+its own pipe. Each rank builds its
 pieces of the seeded inputs (the interpreter's ``make_inputs``: no data crosses
 processes), runs the step once and reports the values it holds — the parent
 checks each report against the reference interpreter as it comes — then times
@@ -28,7 +30,6 @@ import re
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,6 +43,7 @@ import numpy as np
 from coconet.codegen.baselines import Baseline, TorchTask
 from coconet.codegen.cache import module_path
 from coconet.codegen.footprint import require_fits
+from coconet.codegen.forkserver import kill_group, prestart, start_rank
 from coconet.codegen.lower import Generated, lower
 from coconet.codegen.rank import AGAIN
 from coconet.errors import BackendError, CoconetError
@@ -136,6 +138,8 @@ def run_schedules(schedules: Sequence[Schedule], opts: Options, program_file: st
     opts = dataclasses.replace(opts, stages=stages, sizes=dict(opts.sizes))
     program.require_world(opts.world)
     require_fits(program, opts.sizes, opts.world, check=opts.check)
+    if opts.backend != "nccl":
+        prestart()  # the ranks' torch imports, beside the lowering's
     custom = custom_payload(program, program_file)
     results: dict[int, RunResult] = {}
     tasks: list[tuple[int, Any]] = [(i, _baseline_task(b, program, opts)) for i, b in enumerate(baselines)]
@@ -193,10 +197,8 @@ def _launch(tasks, opts: Options, reference, results, custom) -> set[int]:
         for r in range(nranks):
             rfd, wfd = os.pipe()
             log = open(workdir / f"rank{r}.log", "wb")
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "coconet.codegen.rank", str(job), str(r), str(wfd)],
-                pass_fds=(wfd,), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True))  # Ctrl-C reaches the parent only; it stops the ranks
+            # in a group of their own: Ctrl-C reaches the parent only; it stops the ranks
+            procs.append(start_rank(str(job), r, log.fileno(), wfd, fresh=opts.backend == "nccl"))
             os.close(wfd)
             log.close()
             conns[Connection(rfd, writable=False)] = r
@@ -287,8 +289,7 @@ def _result(gen: Generated, status: str, error: str) -> RunResult:
 
 def _stop(procs) -> None:
     for p in procs:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
+        kill_group(p)
     for p in procs:
         p.wait()
         remove_leftover_segments(p.pid)

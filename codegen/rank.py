@@ -10,8 +10,9 @@ data)``: ``started``, one ``value`` per array it holds after each step (``(key,
 array)``, the second step's keys ending in AGAIN), ``check`` once they are all sent,
 ``time`` (rank 0: the samples) and ``error``.
 
-A rank started as a fresh interpreter (not forked, not multiprocessing-spawned)
-never re-imports the user's ``__main__``. It dies with its parent
+A rank is a fresh interpreter or a fork of the fork server's
+(``coconet.codegen.forkserver``), never of the caller, nor multiprocessing-spawned:
+it never re-imports the user's ``__main__``. It dies with its parent
 (PR_SET_PDEATHSIG), and on SIGUSR1 dumps every thread's Python stack to
 ``rankN.stack`` so the parent can say where a hung rank was.
 """

@@ -80,3 +80,10 @@ def test_the_chunk_concurrency_runs_the_c_kernel_in_every_process_count(tmp_path
     assert report["bytes_per_call_per_process"] == (2 * 3 + 5) * 4 * 1001  # the words one rank's chunk moves
     assert set(report["processes"]) == {"1", "2"}
     assert all(r["chunk_GBps"] > 0 and r["add_GBps"] > 0 for r in report["processes"].values())
+
+
+def test_the_launch_startup_times_correct_launches_each_way():
+    # a launch's time means something only if its ranks computed the step right: a wrong one stops the script
+    report = _script("launch_startup").main(["--world", "2", "--size", "N=64", "--rounds", "1"])
+    (point,) = report["worlds"]
+    assert {way: len(s) for way, s in point["samples_s"].items()} == {"fork server": 1, "fresh interpreters": 1}

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
+from coconet.codegen.forkserver import RANK_NAME
 from coconet.codegen.launch import STARTUP_S, Options, run_schedules
 from coconet.schedules.schedule import Schedule
 from coconet.schedules.space import generate
@@ -42,10 +43,12 @@ def rank_processes() -> list[int]:
             continue
         try:
             cmd = (d / "cmdline").read_bytes().split(b"\0")
+            comm = (d / "comm").read_text()
             state = (d / "stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if b"coconet.codegen.rank" in cmd and state != "Z":
+        # a fresh interpreter, or forked by the fork server, which names it
+        if (b"coconet.codegen.rank" in cmd or comm.startswith(RANK_NAME)) and state != "Z":
             pids.append(int(d.name))
     return pids
 
