@@ -27,21 +27,29 @@ ROOT = Path(__file__).resolve().parents[1]
 WAYS = {"fork server": None, "fresh interpreters": "0"}
 
 
-def _launch(schedules, opts, switch: str | None) -> float:
+def _env(way: str) -> dict[str, str]:
+    """This process's environment with the way's fork-server switch."""
     from coconet.codegen.forkserver import ENV_SWITCH
+
+    env = {k: v for k, v in os.environ.items() if k != ENV_SWITCH}
+    if WAYS[way] is not None:
+        env[ENV_SWITCH] = WAYS[way]
+    return env
+
+
+def _order(i: int) -> list[str]:
+    return list(WAYS) if i % 2 == 0 else list(WAYS)[::-1]
+
+
+def _launch(schedules, opts, way: str) -> float:
+    from unittest import mock
+
     from coconet.codegen.launch import run_schedules
 
-    old = os.environ.pop(ENV_SWITCH, None)
-    if switch is not None:
-        os.environ[ENV_SWITCH] = switch
-    try:
+    with mock.patch.dict(os.environ, _env(way), clear=True):  # the launch reads the switch from here
         t0 = time.perf_counter()
         results = run_schedules(schedules, opts)
         elapsed = time.perf_counter() - t0
-    finally:
-        os.environ.pop(ENV_SWITCH, None)
-        if old is not None:
-            os.environ[ENV_SWITCH] = old
     bad = [r for r in results if r.status != "ok"]
     if bad:
         raise SystemExit(f"{bad[0].schedule}: {bad[0].status}: {bad[0].error}")
@@ -52,18 +60,13 @@ def _commands(args, world: int) -> dict:
     import subprocess
     import sys
 
-    from coconet.codegen.forkserver import ENV_SWITCH
-
     cmd = [sys.executable, "-m", "coconet", "run", str(args.program), "--world", str(world), "--size", args.size,
            "--backend", args.backend, "--repeats", "2", "--json"]
     samples: dict[str, list[float]] = {way: [] for way in WAYS}
     for i in range(args.cold):
-        for way in (list(WAYS) if i % 2 == 0 else list(WAYS)[::-1]):
-            env = {k: v for k, v in os.environ.items() if k != ENV_SWITCH}
-            if WAYS[way] is not None:
-                env[ENV_SWITCH] = WAYS[way]
+        for way in _order(i):
             t0 = time.perf_counter()
-            done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            done = subprocess.run(cmd, env=_env(way), capture_output=True, text=True)
             samples[way].append(time.perf_counter() - t0)
             if done.returncode != 0:
                 raise SystemExit(f"{' '.join(cmd)} ({way}): exit {done.returncode}: {done.stderr[-2000:]}")
@@ -100,12 +103,11 @@ def main(argv: list[str] | None = None) -> dict:
     for world in args.world or [2, 4]:
         opts = Options(world=world, sizes=sizes, backend=args.backend, time=False, timeout_s=120, kernels="eager")
         if "fork server's first launch_s" not in report:
-            report["fork server's first launch_s"] = {"world": world, "s": _launch(schedules, opts, WAYS["fork server"])}
+            report["fork server's first launch_s"] = {"world": world, "s": _launch(schedules, opts, "fork server")}
         samples: dict[str, list[float]] = {way: [] for way in WAYS}
         for i in range(args.rounds):
-            order = list(WAYS) if i % 2 == 0 else list(WAYS)[::-1]
-            for way in order:
-                samples[way].append(_launch(schedules, opts, WAYS[way]))
+            for way in _order(i):
+                samples[way].append(_launch(schedules, opts, way))
         medians = {way: statistics.median(s) for way, s in samples.items()}
         point = {"world": world, "samples_s": samples, "median_s": medians,
                  "fresh / fork server": medians["fresh interpreters"] / medians["fork server"]}

@@ -29,7 +29,6 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any
 
 ENV_SWITCH = "COCONET_FORKSERVER"
 READY_S = 120.0  # the server's imports, on a loaded machine
@@ -74,7 +73,6 @@ class ForkServer:
     keeps the caller's threads from reading each other's replies."""
 
     def __init__(self, env: dict[str, str], cwd: str) -> None:
-        self.env, self.cwd, self.owner = env, cwd, os.getpid()
         self.codes: dict[int, int] = {}  # pid -> exit code, as the server reports it
         self.live: set[int] = set()
         self.dead = False
@@ -155,14 +153,15 @@ class Servers:
 
     def __init__(self) -> None:
         self.by_key: dict[tuple, ForkServer] = {}
+        self.pid = os.getpid()
         self.lock = threading.Lock()
 
     def get(self) -> ForkServer:
         env, cwd = dict(os.environ), os.getcwd()
         key = (sys.executable, cwd, tuple(sorted(env.items())))
         with self.lock:
-            if self.by_key and next(iter(self.by_key.values())).owner != os.getpid():
-                self.by_key = {}  # a forked copy of the caller: the servers answer the parent only
+            if self.pid != os.getpid():  # a forked copy of the caller: the servers answer the parent only
+                self.by_key, self.pid = {}, os.getpid()
             server = self.by_key.get(key)
             if server is not None and not server.dead:
                 return server
