@@ -40,6 +40,13 @@ def test_the_kernel_without_dynamo_writes_what_the_compiled_one_writes():
     assert point["same_results"] and point["wrote_in_place"]
 
 
+def test_the_kernel_wrapper_writes_what_eager_torch_writes():
+    # a wrapper's cost per step compares revisions only if each one's kernel computes the same update
+    report = _script("kernel_wrapper").main(["--rev", ".", "--size", "N=300", "--steps", "1"])
+    (point,) = report["points"]
+    assert point["same_results"] == {".": True}
+
+
 def test_interleaved_modules_that_compute_the_same_step_agree_and_a_broken_one_does_not(tmp_path):
     # a ratio of step times means something only between modules that compute the same step
     from coconet.codegen.lower import lower

@@ -187,6 +187,29 @@ def test_inputs_that_share_memory_go_through_torch_compile(monkeypatch):
     assert compiled and torch.equal(seg[0:8], x * 2) and torch.equal(seg[16:24], x + 1)
 
 
+@pytest.mark.gpu
+def test_a_cuda_kernel_goes_through_torch_compile_with_host_scalars(monkeypatch):
+    """A device kernel is torch.compile's, never traced standalone (its signature is not even built), and
+    the generated step's 0-d scalars on the host come along into it."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("standalone_compile was called")
+
+    monkeypatch.setattr(torch._inductor, "standalone_compile", refuse)
+
+    def f(m, g, beta):
+        m.copy_(beta * m + g)
+
+    kernel = prelude._kernel(f)
+    m, g = torch.rand(1000, device="cuda"), torch.rand(1000, device="cuda")
+    for _ in range(2):
+        want = 0.5 * m + g
+        kernel(m, g, torch.tensor(0.5))
+        assert torch.allclose(m, want)
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(0, 6), min_size=0, max_size=3), st.integers(0, 7), st.integers(0, 5),
        st.sampled_from(["float32", "float64", "bfloat16"]), st.booleans(), st.booleans())

@@ -167,7 +167,19 @@ def _kernel(fn):
             return lambda *xs: next(iter(compiled(*xs) or ()), None)
         return lambda *xs: tuple(compiled(*xs))
 
+    def through_dynamo(*args):
+        if not dynamo:
+            dynamo.append(torch.compile(fn, dynamic=False, fullgraph=True))
+        return no_autograd_cache(dynamo[0], *args)
+
     def kernel(*args):
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                if not a.is_cpu:
+                    # a device kernel: Dynamo's guards are its only key, and building the signature below
+                    # cost an H200's host 23-33 us a call (benchmarks/kernel_wrapper.py)
+                    return through_dynamo(*args)
+                break
         # flattened by hand: torch's pytree takes longer than a small kernel's whole call
         leaves, layout = [], []
         for a in args:
@@ -188,9 +200,7 @@ def _kernel(fn):
                      and not (grad and any(x.requires_grad for x in tensors)))
             hit = built[key] = no_autograd_cache(standalone, leaves, tuple(layout), tensors) if plain else None
         if hit is None or not separate:  # inputs that share memory: the kernel was traced for separate ones
-            if not dynamo:
-                dynamo.append(torch.compile(fn, dynamic=False, fullgraph=True))
-            return no_autograd_cache(dynamo[0], *args)
+            return through_dynamo(*args)
         return hit(*tensors)
     return kernel
 
