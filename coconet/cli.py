@@ -1104,7 +1104,8 @@ def _submitted(client: Any, job: dict, with_code: bool) -> dict:
 
     doc: dict[str, Any] = {"job": job["id"], "state": job["state"], "error": job.get("error"),
                            "program_hash": job["program"], "sizes": job["sizes"], "topology": job["topology"],
-                           "world": job["world"], "best": None, "baseline": None, "speedup": None, "code": None}
+                           "world": job["world"], "best": None, "runner_up": None, "baseline": None, "speedup": None,
+                           "code": None}
     if job["state"] != "done":
         return doc
     asked = job["shardable"]
@@ -1127,6 +1128,9 @@ def _submitted(client: Any, job: dict, with_code: bool) -> dict:
     if base:
         doc["baseline"] = {"schedule": base["schedule"], "backend": base["backend"],
                            "median_s": base["stats"]["median_s"], "ci95_s": base["stats"]["ci95_s"]}
+    up = best.get("runner_up")
+    doc["runner_up"] = None if not up else {"schedule": up["schedule"], "backend": up["backend"],
+                                             "median_s": up["stats"]["median_s"], "ci95_s": up["stats"]["ci95_s"]}
     doc["speedup"] = best.get("speedup")
     if with_code:
         doc["code"] = client.code(best["schedule_hash"], program=job["program"], backend=best["backend"])["source"]
@@ -1145,6 +1149,10 @@ def _print_submitted(name: str, d: dict) -> None:
     console.print(f"{head}\nwinner: {b['backend']}: {b['schedule']}  {_fmt_s(b['median_s'])}"
                   + (f" [{_fmt_s(ci[0])}, {_fmt_s(ci[1])}]" if ci else "")
                   + (f"  {d['speedup']:.2f}x over the baseline" if d["speedup"] else ""), markup=False)
+    up = d.get("runner_up")
+    if up:  # the search times its two fastest again, back to back: the winner won on the same machine state
+        console.print(f"runner-up, timed again with the winner: {up['backend']}: {up['schedule']}  "
+                      f"{_fmt_s(up['median_s'])}", markup=False)
     if b["sharded"]:
         console.print(_sharded_note(b["sharded"]), markup=False)
     if b["job"] != d["job"]:  # GET /best answers the fastest winner of the key, whoever found it

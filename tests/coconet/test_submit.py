@@ -69,13 +69,15 @@ class _FakeWorker(threading.Thread):
                     continue
                 ids = []
                 winner = schedules[3] if job.sizes != {"N": 2**16} else next(s for s in schedules if set(s.sharded) == {"m", "v"})
-                for i, (s, t) in enumerate(((schedules[0], 2e-3), (winner, 1e-3))):
+                runner_up = next(s for s in schedules[1:] if s is not winner and not s.sharded)
+                for i, (s, t) in enumerate(((schedules[0], 2e-3), (runner_up, 1.5e-3), (winner, 1e-3))):
                     ids.append(store.add_measurement(NewMeasurement.of(
                         s, sizes=job.sizes, topology=job.topology, world=job.world, backend="gloo",
                         samples=[t] * 5, n=5, median_s=t, ci_lo_s=t * 0.9, ci_hi_s=t * 1.1, job_id=job.id)))
-                    store.update_job(job.id, progress=Progress(done=i + 1, total=2, best_s=t))
+                    store.update_job(job.id, progress=Progress(done=i + 1, total=3, best_s=t))
                     time.sleep(0.1)  # slow enough that the client sees progress
-                store.add_winner(ids[1], baseline_id=ids[0], job_id=job.id, shardable=job.shardable)
+                store.add_winner(ids[2], runner_up_id=ids[1], baseline_id=ids[0], job_id=job.id,
+                                 shardable=job.shardable)
                 store.update_job(job.id, state="done", result={"synthetic": True})
         finally:
             store.close()
@@ -133,6 +135,9 @@ def test_submit_json(server: dict[str, Any]) -> None:
         assert d["best"]["schedule"] == server["schedules"][3] and d["best"]["median_s"] == pytest.approx(1e-3)
         assert d["best"]["ci95_s"] == pytest.approx([0.9e-3, 1.1e-3])
         assert d["baseline"]["schedule"] == "baseline" and d["speedup"] == pytest.approx(2.0)
+        # the two fastest were timed again back to back: the one behind the winner is named with its time
+        assert d["runner_up"]["schedule"] == server["schedules"][1]
+        assert d["runner_up"]["median_s"] == pytest.approx(1.5e-3)
         assert "def step(" in d["code"]
     assert proc.stderr == ""  # --json: no progress bar
 
@@ -142,6 +147,7 @@ def test_submit_human_output(server: dict[str, Any]) -> None:
     assert proc.returncode == 0, proc.stderr
     assert f"winner: gloo: {server['schedules'][3]}" in proc.stdout and "2.00x over the baseline" in proc.stdout
     assert "def step(" in proc.stdout
+    assert "runner-up, timed again with the winner: gloo: " in proc.stdout
     assert "job" in proc.stderr and "N=16384" in proc.stderr  # the progress bar
     assert "sharded" not in proc.stdout
 
