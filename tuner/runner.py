@@ -20,6 +20,7 @@ import faulthandler
 import os
 import signal
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -368,11 +369,47 @@ def connect(address: str | None = None, *, ranks: int = 1) -> None:
     actors (more than this machine's cores if need be: ranks may share a core, slower but correct)."""
     import ray
 
-    if ray.is_initialized():
-        return
-    if address:
-        require_listening(address)
-        ray.init(address=address, logging_level="ERROR", log_to_driver=False)
-    else:
-        ray.init(num_cpus=max(os.cpu_count() or 1, ranks), include_dashboard=False, logging_level="ERROR",
-                 log_to_driver=False)
+    with _CONNECTING:  # the service's job threads may all ask at once; ray.init may run once
+        if ray.is_initialized():
+            return
+        if address:
+            require_listening(address)
+            ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+        elif threading.current_thread() is threading.main_thread():
+            _start_local(ranks)
+        else:
+            _start_in_own_thread(ranks)
+
+
+_CONNECTING = threading.Lock()
+
+
+def _start_local(ranks: int) -> None:
+    import ray
+
+    ray.init(num_cpus=max(os.cpu_count() or 1, ranks), include_dashboard=False, logging_level="ERROR",
+             log_to_driver=False)
+
+
+def _start_in_own_thread(ranks: int) -> None:
+    """Ray's local processes die with the thread that started them (PR_SET_PDEATHSIG follows the thread, not
+    the process): started by a job's thread, the cluster went down when that thread ended, and at the
+    service's exit Ray's agents, left without their raylet, stayed on. A thread of its own starts it and lives
+    as long as the process, so the cluster ends with ``ray.shutdown`` at exit, as it does started from main."""
+    started = threading.Event()
+    failed: list[BaseException] = []
+
+    def own() -> None:
+        try:
+            _start_local(ranks)
+        except BaseException as e:  # handed to the caller, raised there
+            failed.append(e)
+        finally:
+            started.set()
+        if not failed:
+            threading.Event().wait()  # never set: this thread must not end while the process runs
+
+    threading.Thread(target=own, name="coconet-ray", daemon=True).start()
+    started.wait()
+    if failed:
+        raise failed[0]

@@ -116,3 +116,56 @@ def test_a_dying_rank_and_a_refused_lowering(ray_local):
     with Runner(prog, world=2, sizes={"N": 1000}, protocol=FAST, lowering=refuse) as r:
         res = r.measure(Schedule(prog))
     assert res.status == "compile_error" and "no code for this" in res.error
+
+
+def _state(pid: int) -> str | None:
+    """A process's state letter from /proc (None: gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return None
+
+
+def test_a_local_cluster_started_by_a_thread_outlives_it_and_ends_with_the_process(tmp_path):
+    """The service's job threads start the local cluster: it must serve after the thread that started it
+    ends, and go with the process when it exits, Ray's agents included (they once stayed on)."""
+    import json
+    import subprocess
+    import sys
+    import time
+
+    code = (
+        "import json, os, threading, ray\n"
+        "from pathlib import Path\n"
+        "from coconet.tuner.runner import connect\n"
+        "t = threading.Thread(target=connect, kwargs={'ranks': 1})\n"
+        "t.start(); t.join()\n"
+        "@ray.remote\n"
+        "def one():\n"
+        "    return 1\n"
+        "assert ray.get(one.remote(), timeout=60) == 1\n"
+        "parent = {}\n"
+        "for d in Path('/proc').iterdir():\n"
+        "    try:\n"
+        "        parent[int(d.name)] = int((d / 'stat').read_text().rpartition(')')[2].split()[1])\n"
+        "    except (ValueError, OSError):\n"
+        "        pass\n"
+        "mine, grew = {os.getpid()}, True\n"
+        "while grew:\n"
+        "    more = {p for p, pp in parent.items() if pp in mine} - mine\n"
+        "    mine |= more\n"
+        "    grew = bool(more)\n"
+        "print(json.dumps(sorted(mine - {os.getpid()})))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    pids = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(pids) >= 3  # the raylet, the GCS, the agents, the workers
+
+    def alive():
+        return [p for p in pids if _state(p) not in (None, "Z")]
+
+    deadline = time.monotonic() + 30
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not alive(), [Path(f"/proc/{p}/cmdline").read_bytes()[:60] for p in alive()]
