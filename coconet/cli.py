@@ -13,6 +13,7 @@ import os
 import signal
 import statistics
 import sys
+import threading
 from pathlib import Path
 from typing import Any, Callable, List, Optional
 
@@ -1200,7 +1201,12 @@ def main() -> None:
         _print_error(f"cannot write the answer to stdout: {e.strerror or e}")
         _stdout_to_devnull()
         code = 2
-    sys.exit(code if isinstance(code, int) else 0)
+    code = code if isinstance(code, int) else 0
+    if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
+        # none of coconet's threads: a program file's, refused at load. Exit would wait for it for ever.
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import contextlib
 import os
 import runpy
 import sys
+import threading
 import traceback
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,7 @@ def load_file(path: str | os.PathLike, ops: Any = None) -> Program:
 
 
 def _run_python(p: Path) -> Program:
+    before = set(threading.enumerate())
     try:
         with contextlib.redirect_stdout(sys.stderr):  # what the file prints must not mix with a --json answer
             namespace = runpy.run_path(str(p), run_name="__coconet_program__")
@@ -52,6 +54,10 @@ def _run_python(p: Path) -> Program:
         raise
     except BaseException as e:  # the user's code failed (GeneratorExit and BaseException too): where, no traceback
         raise ProgramError(f"{_user_frame(e, p)}: {type(e).__name__}{_message(e)}") from None
+    left = [t for t in threading.enumerate() if t not in before and t.is_alive() and not t.daemon]
+    if left:  # the interpreter would wait for it at exit: the command would never end
+        raise ProgramError(f"{p}: started thread {left[0].name!r}, still running after the file was loaded: a "
+                           "program file defines, it does not run (a daemon thread would not hold the process)")
     if "program" not in namespace:
         raise ProgramError(f"{p}: defines no `program` (end the file with `program = p`)")
     prog = namespace["program"]

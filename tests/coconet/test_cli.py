@@ -90,6 +90,10 @@ BAD_PROGRAMS = {
     "unreadable_message": ("class E(Exception):\n    def __str__(self):\n        raise RuntimeError('x')\nraise E()\n",
                            ["bad.py:4", "E (its message could not be read: RuntimeError)"]),
     "nul_byte": ("x = 1\0\n", ["bad.py: syntax error", "null bytes"]),
+    # a thread the file leaves running would hold the command at exit for ever: refused, and the command ends
+    "starts_a_thread": ("import threading, time\nthreading.Thread(target=time.sleep, args=(3600,), name='poller').start()\n"
+                        + HEADER + "x = p.tensor('x', ('N',), layout=Local)\np.output('y', x)\nprogram = p\n",
+                        ["bad.py: started thread 'poller'", "a program file defines, it does not run"]),
 }
 
 
