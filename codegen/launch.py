@@ -139,7 +139,7 @@ def run_schedules(schedules: Sequence[Schedule], opts: Options, program_file: st
     program.require_world(opts.world)
     require_fits(program, opts.sizes, opts.world, check=opts.check)
     if opts.backend != "nccl":
-        prestart()  # the ranks' torch imports, beside the lowering's
+        prestart(compiled=opts.kernels == "compiled")  # the ranks' imports, beside the lowering's
     custom = custom_payload(program, program_file)
     results: dict[int, RunResult] = {}
     tasks: list[tuple[int, Any]] = [(i, _baseline_task(b, program, opts)) for i, b in enumerate(baselines)]

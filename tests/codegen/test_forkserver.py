@@ -104,3 +104,30 @@ def test_without_the_server_ranks_are_fresh_interpreters(tmp_path, monkeypatch):
     assert isinstance(rank, subprocess.Popen)
     assert rank.wait(timeout=60) == 1 and "no-such-job.pkl" in (tmp_path / "rank0.log").read_text()
     os.close(r)
+
+
+def test_a_server_warmed_for_compiled_kernels_stays_single_threaded_and_forks_ranks(tmp_path):
+    """Warming Inductor in the server (its imports, the ISA probe, the pattern tables) must leave it with
+    no thread more than a cold one: a fork copies only the forking thread, and another one's locks with it."""
+    def tasks(server):
+        return len(os.listdir(f"/proc/{server.proc.pid}/task"))
+
+    def spawn_one(server, name):
+        r, w, log = _pipe_and_log(tmp_path, name)
+        rank = server.spawn(str(tmp_path / "no-such-job.pkl"), 0, log.fileno(), w)
+        os.close(w)
+        log.close()
+        assert rank.wait(timeout=120) == 1
+        os.close(r)
+
+    server = Servers().get()
+    server.warm()  # a server's first launch: its ranks warm up side by side, not the server alone first
+    spawn_one(server, "first.log")
+    assert server.warm_failures is None
+    cold = tasks(server)
+    server.warm()
+    spawn_one(server, "second.log")  # answered after the warm-up
+    # every step of the warm-up ran on this torch (one that failed would be left to the ranks)
+    assert server.warm_failures == []
+    assert tasks(server) == cold
+    server.close()
