@@ -41,6 +41,9 @@ READY_S = 120.0  # the server's imports, on a loaded machine
 PRELOAD = ("numpy", "torch", "torch.distributed", "coconet.codegen.rank", "coconet.codegen.baselines")
 COMPILER = ("torch._dynamo", "torch._inductor.compile_fx", "torch.fx.experimental.proxy_tensor",
             "coconet.codegen.prelude")  # what a rank's first compiled kernel imports
+# set anew for every test by pytest, and read by nothing at start-up: not part of a server's key (a server
+# per test would never be reused), each rank gets the caller's value at its spawn instead
+VOLATILE = ("PYTEST_CURRENT_TEST",)
 RANK_NAME = "coconet-rank"  # the forked ranks' process name (ps, /proc/PID/comm)
 _MAX_MESSAGE = 1 << 20
 
@@ -106,7 +109,8 @@ class ForkServer:
                 if self._recv(max(0.0, deadline - time.monotonic())) is None:
                     self.close()
                     raise OSError(f"the fork server did not start within {READY_S:g} s")
-            socket.send_fds(self.sock, [pickle.dumps(("spawn", job, rank))], [log_fd, pipe_fd])
+            volatile = {k: os.environ.get(k) for k in VOLATILE}
+            socket.send_fds(self.sock, [pickle.dumps(("spawn", job, rank, volatile))], [log_fd, pipe_fd])
             while True:
                 msg = self._recv(READY_S)
                 if msg is None:
@@ -181,7 +185,7 @@ class Servers:
         self.lock = threading.Lock()
 
     def get(self) -> ForkServer:
-        env, cwd = dict(os.environ), os.getcwd()
+        env, cwd = {k: v for k, v in os.environ.items() if k not in VOLATILE}, os.getcwd()
         key = (sys.executable, cwd, tuple(sorted(env.items())))
         with self.lock:
             if self.pid != os.getpid():  # a forked copy of the caller: the servers answer the parent only
@@ -268,10 +272,10 @@ def _serve(sock: socket.socket) -> None:
         if msg[0] == "warm":
             sock.send(pickle.dumps(("warmed", _warm_compiler())))
             continue
-        _, job, rank = msg
+        _, job, rank, volatile = msg
         pid = os.fork()
         if pid == 0:
-            _child(sock, (wake_r, wake_w), fds, job, rank)
+            _child(sock, (wake_r, wake_w), fds, job, rank, volatile)
         try:
             os.setpgid(pid, pid)  # set here too: the caller may signal the group before the child sets it
         except OSError:
@@ -327,9 +331,15 @@ def _reap(sock: socket.socket) -> None:
         sock.send(pickle.dumps(("exit", pid, os.waitstatus_to_exitcode(status))))
 
 
-def _child(sock: socket.socket, wake: tuple[int, int], fds: list[int], job: str, rank: int) -> None:
+def _child(sock: socket.socket, wake: tuple[int, int], fds: list[int], job: str, rank: int,
+           volatile: dict[str, str | None]) -> None:
     code = 1
     try:
+        for k, v in volatile.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
         try:
             os.setpgid(0, 0)
         except OSError:

@@ -66,6 +66,8 @@ def test_one_server_per_environment_and_an_idle_one_goes_when_the_environment_ch
     servers = Servers()
     first = servers.get()
     assert servers.get() is first
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "another test (call)")  # new for every test: not a new server
+    assert servers.get() is first
     monkeypatch.setenv("COCONET_FORKSERVER_TEST", "1")
     second = servers.get()
     assert second is not first and servers.get() is second
