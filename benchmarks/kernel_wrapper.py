@@ -44,14 +44,13 @@ def prelude_at(rev: str, scratch: Path):
 def adam_chunk(m_k, v_k, w_k, beta1, beta2, sub0, rs0, sub1, sub2, sub3, lr, eps):
     add0 = beta1 * m_k + sub0 * rs0
     add1 = beta2 * v_k + sub1 * rs0 * rs0
-    sub4 = w_k - lr * (add0 / sub2) / (torch.sqrt(add1 / sub3) + eps)
+    sub4 = w_k - lr * (add0 / sub2) / ((add1 / sub3).sqrt() + eps)
     m_k.copy_(add0)
     v_k.copy_(add1)
     w_k.copy_(sub4)
 
 
 def main(argv: list[str] | None = None) -> dict:
-    global torch
     import torch
 
     from coconet.schedules.dims import parse_sizes

@@ -364,12 +364,15 @@ def require_listening(address: str, timeout_s: float = 10.0) -> None:
                            f"({e.strerror or type(e).__name__}); start one with `ray start --head`") from None
 
 
+_CONNECTING = threading.Lock()  # the service's job threads may all ask at once; ray.init may run once
+
+
 def connect(address: str | None = None, *, ranks: int = 1) -> None:
     """Join the Ray cluster at ``address``, or start a local one with room for ``ranks`` one-CPU
     actors (more than this machine's cores if need be: ranks may share a core, slower but correct)."""
     import ray
 
-    with _CONNECTING:  # the service's job threads may all ask at once; ray.init may run once
+    with _CONNECTING:
         if ray.is_initialized():
             return
         if address:
@@ -379,9 +382,6 @@ def connect(address: str | None = None, *, ranks: int = 1) -> None:
             _start_local(ranks)
         else:
             _start_in_own_thread(ranks)
-
-
-_CONNECTING = threading.Lock()
 
 
 def _start_local(ranks: int) -> None:
