@@ -728,6 +728,8 @@ def _chunked_body(e: _Emitter, g: Group, outs: list[str], chunks: int, absorbed=
         lines += [(f"        {tmp[o]}.append({e.ident(o)})", o) for o in sliced_outs]
     lines += [(f"    {tmp[m]}.into({e.ident(into[m])})" if m in into else f"    {e.ident(m)} = {tmp[m]}.result()", m)
               for m in gathers]
+    if direct and not gathers:  # nothing gathered: the peers' reads of the input end at a barrier of its own
+        lines.append(("    _end_collective(_rank)", rs.name))
     lines += [(f"    {e.ident(o)} = {tmp[o]}" if kernel is not None else
                f"    {e.ident(o)} = torch.cat({tmp[o]}, dim={p[o].type.layout.dim})", o) for o in sliced_outs]
     return lines
@@ -736,11 +738,11 @@ def _chunked_body(e: _Emitter, g: Group, outs: list[str], chunks: int, absorbed=
 def reads_input_in_place(p: Program, backend: str, g: Group) -> bool:
     """Whether a fused collective on shm reads its reduce_scatter's operand where it lies on every rank, moved
     into a segment of its own (``_Shm.stage_input``), rather than published into a slot: the operand is an
-    input the step leaves as it is (a gradient), and the collective gathers, so a barrier after the peers'
-    last read of it comes before any rank returns to a caller who may write the next one into it."""
+    input the step leaves as it is (a gradient). The barrier that ends the collective (``_end_collective``,
+    its gathers' or its own where it gathers nothing) comes after the peers' last read of it and before any
+    rank returns to a caller who may write the next one into it."""
     src = p[p[g.members[0]].args[0]]
-    return (backend == "shm" and src.op == "input" and src.name not in p.updates
-            and any(p[m].op == "all_gather" for m in g.members))
+    return backend == "shm" and src.op == "input" and src.name not in p.updates
 
 
 _CUT = re.compile(r"_c\.(?:local|cut)\((\w+), [^()]*\)")

@@ -405,6 +405,7 @@ class _Builder:
         compute = [m for m in (*absorbed, *g.members[1:]) if p[m].op != "all_gather"]
         needed = {p[m].args[0] for m in gathers if m not in into} | set(sliced_outs)
         shm = self.backend == "shm"
+        direct = reads_input_in_place(p, self.backend, g)
         compiled = chunk_compiles(p, g, compute)
         parts = shm and rs.attr("op") in ("sum", "avg") and rs.name not in needed and compiled
         kernels: list[Kernel] = []
@@ -416,7 +417,7 @@ class _Builder:
             # publish every row but this rank's own, once (unless the peers read the input where it lies); one
             # barrier; then per chunk the rows are reduced out of the peers' segments (by the kernel itself
             # when it sums them as it reads)
-            if not reads_input_in_place(p, self.backend, g):
+            if not direct:
                 kernels.append(Kernel(f"{rs.name} publish", 1, _scaled(whole_in, R.PEERS_FRACTION),
                                       _scaled(whole_in, R.PEERS_FRACTION),
                                       cold=_scaled(whole_in, R.PEERS_FRACTION) if self.is_cold(rs.args[0]) else ()))
@@ -488,6 +489,8 @@ class _Builder:
                 # gloo's list all_gather lands in a flat buffer, then in the views: one more copy
                 kernels.append(Kernel(f"{m} into views", chunks, whole, whole, whole))
                 comms.append(Comm("all_gather", whole, launches=chunks))
+        if direct and not gathers:  # the barrier after the peers' last read of the input where it lies
+            comms.append(Comm("barrier", (), launches=1, shm=True))
         for o in sliced_outs if not compiled else ():  # compiled, the kernel writes them into the whole output
             b = self.nbytes(p[o].type, self.local(p[o].type))
             kernels.append(Kernel(f"cat {o}", 1, b, b, b))

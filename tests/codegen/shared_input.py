@@ -1,5 +1,7 @@
-"""One rank of ZeRO-1 Adam on shm, stepped with the gradient tensors a caller might hand it:
-``python -m tests.codegen.shared_input RANK WORLD PORT KERNELS``.
+"""One rank of Adam's fused collective on shm, stepped with the gradient tensors a caller might hand it:
+``python -m tests.codegen.shared_input RANK WORLD PORT KERNELS [SCHEDULE]``. The schedule is ZeRO-1's
+(``zero1``: w gathered at the collective's end) or one that leaves w sliced too (``sliced``: nothing gathered,
+the collective ends with a barrier of its own).
 
 Every step starts from the same seeded state with a gradient of its own on every rank (the seeded one,
 scaled per step), and each rank compares its w with the reference interpreter's for those gradients. What
@@ -22,14 +24,16 @@ from coconet.codegen.rank import inputs
 from coconet.schedules import interp
 from coconet.schedules.schedule import Schedule
 
-SCHEDULE = "split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse_collective(rs0); fc_chunks=3"
+SCHEDULES = {"zero1": "split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse_collective(rs0); fc_chunks=3",
+             "sliced": "split(ar0); reorder(ag0); as_slice(w); as_slice(m); as_slice(v); fuse_collective(rs0); "
+                       "fc_chunks=3"}
 N = 1001
 
 
-def main(rank: int, world: int, port: int, kernels: str) -> None:
+def main(rank: int, world: int, port: int, kernels: str, schedule: str = "zero1") -> None:
     from coconet.loader import examples_dir, load_file
 
-    sched = Schedule.parse(SCHEDULE, load_file(examples_dir() / "adam.py"))
+    sched = Schedule.parse(SCHEDULES[schedule], load_file(examples_dir() / "adam.py"))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
     ns: dict = {"__name__": "coconet_generated_shared_input"}
@@ -42,6 +46,7 @@ def main(rank: int, world: int, port: int, kernels: str) -> None:
     start, scalars = inputs(sched.scheduled, opts, 0, rank, torch.device("cpu"))
     grads = interp.make_inputs(sched.scheduled, world, {"N": N})["g"]  # every rank's, (world, N)
     w = start["w"].clone()
+    w_type = sched.scheduled["w"].type
     buffer = torch.full((2 * N + 5,), -7.0)
     held = {"A": start["g"].clone()}
 
@@ -54,20 +59,24 @@ def main(rank: int, world: int, port: int, kernels: str) -> None:
             held.pop(name, None)
         gc.collect()
 
-    # (what, the tensor this rank passes, whether this rank publishes it)
+    # (what, the tensor this rank passes, whether this rank publishes it, whether every rank holds a segment
+    # for its gradient after the step, mapped by every peer)
     cases = [
-        ("the first step (g moves into a segment)", lambda: held["A"], False),
-        ("a new gradient written into the same tensor", lambda: held["A"], False),
-        ("a new tensor on rank 1 only", lambda: fresh("B") if rank == 1 else held["A"], rank == 1),
-        ("a view into a larger buffer (cannot move)", lambda: buffer[3:3 + N], True),
-        ("the moved tensor again", lambda: held["A"], False),
-        ("a new tensor once the moved one is gone", lambda: forget("A", "B") or fresh("C"), False),
-        ("that tensor again", lambda: held["C"], False),
-        ("a new tensor each step, first", lambda: forget("C") or fresh("D"), False),
-        ("a new tensor each step, second", lambda: forget("D") or fresh("E"), True),
-        ("a new tensor each step, third", lambda: forget("E") or fresh("F"), True),
+        ("the first step (g moves into a segment)", lambda: held["A"], False, True),
+        ("a new gradient written into the same tensor", lambda: held["A"], False, True),
+        ("a new tensor on rank 1 only", lambda: fresh("B") if rank == 1 else held["A"], rank == 1, True),
+        ("a view into a larger buffer (cannot move)", lambda: buffer[3:3 + N], True, True),
+        ("the moved tensor again", lambda: held["A"], False, True),
+        ("a new tensor once the moved one is gone", lambda: forget("A", "B") or fresh("C"), False, True),
+        ("that tensor again", lambda: held["C"], False, True),
+        ("a new tensor each step, first", lambda: forget("C") or fresh("D"), False, True),
+        # D served one step: the caller sets .grad to None every step, and the segments go
+        ("a new tensor each step, second", lambda: forget("D") or fresh("E"), True, False),
+        ("a new tensor each step, third", lambda: forget("E") or fresh("F"), True, False),
+        ("that tensor again (it moves into a segment anew)", lambda: held["F"], False, True),
+        ("that tensor once more", lambda: held["F"], False, True),
     ]
-    for k, (what, make, publishes) in enumerate(cases):
+    for k, (what, make, publishes, segment) in enumerate(cases):
         scale = 0.5 + 0.25 * k
         g = make()
         g.copy_(torch.from_numpy(grads[rank] * scale).float())
@@ -77,13 +86,19 @@ def main(rank: int, world: int, port: int, kernels: str) -> None:
         published.clear()
         ns["step"](tensors, scalars, group=None, sizes={"N": N})
         want = interp.run(sched.scheduled, world, {"N": N}, inputs={"g": grads * scale}).observable()["stage0.state.w"]
+        want = interp.distribute(w_type, want, want.shape, world)[rank]  # sliced: this rank's rows
         err = float(np.max(np.abs(w.numpy() - want)) / np.max(np.abs(want)))
         assert err < 1e-5, f"rank {rank}, {what}: w differs from the reference (relative error {err:.3g})"
         assert torch.equal(g, sent), f"rank {rank}, {what}: the step changed the gradient"
         assert bool(published) == publishes, (
             f"rank {rank}, {what}: {'published' if published else 'did not publish'} its gradient")
-        seg = next(iter(ns["_GROUPS"].values())).inputs["g"][0]
-        assert (g.data_ptr() == seg.data_ptr()) == (not publishes), f"rank {rank}, {what}: g is not where it was read"
+        shm = next(iter(ns["_GROUPS"].values()))
+        seg = shm.inputs["g"][0]
+        assert (seg is not None) == segment, f"rank {rank}, {what}: {'no' if segment else 'a'} segment held for g"
+        mapped = [r for r, peer in enumerate(shm.peer_states["g"]) if r != rank and (peer is not None) != segment]
+        assert not mapped, f"rank {rank}, {what}: the segments of ranks {mapped} {'not ' if segment else ''}mapped"
+        here = seg is not None and g.data_ptr() == seg.data_ptr()
+        assert here == (not publishes), f"rank {rank}, {what}: g is not where it was read"
         if what.startswith("a view"):
             assert g._base is buffer, "a view must stay in its buffer"
             assert bool((buffer[:3] == -7).all() and (buffer[3 + N:] == -7).all()), "the buffer around g was written"
@@ -94,4 +109,4 @@ def main(rank: int, world: int, port: int, kernels: str) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:])

@@ -377,11 +377,13 @@ def test_too_small_dev_shm_is_a_clear_error_not_sigbus():
                      r"MiB free of 4\.0 MiB\)", out), out[-3000:]
 
 
-@pytest.mark.parametrize("world, kernels", [(2, "compiled"), (3, "eager")])
-def test_a_gradient_is_read_where_it_lies_whatever_tensor_the_caller_passes(world, kernels):
-    """Steps of ZeRO-1 Adam's fused collective on shm where the caller writes each gradient into the same tensor,
-    passes a new one on one rank, a view that cannot move, a new one after the moved one is gone, and a new one
-    every step: each step's w is the reference's for that step's gradients on every rank, and a rank publishes
-    its gradient exactly where its peers cannot read it in place (tests/codegen/shared_input.py)."""
-    run_ranks("tests.codegen.shared_input", world, kernels)
+@pytest.mark.parametrize("world, kernels, schedule", [(2, "compiled", "zero1"), (3, "eager", "zero1"),
+                                                      (3, "compiled", "sliced"), (2, "eager", "sliced")])
+def test_a_gradient_is_read_where_it_lies_whatever_tensor_the_caller_passes(world, kernels, schedule):
+    """Steps of Adam's fused collective on shm (ZeRO-1's, and one that leaves w sliced and so gathers nothing)
+    where the caller writes each gradient into the same tensor, passes a new one on one rank, a view that
+    cannot move, a new one after the moved one is gone, and a new one every step: each step's w is the
+    reference's for that step's gradients on every rank, and a rank publishes its gradient exactly where its
+    peers cannot read it in place (tests/codegen/shared_input.py)."""
+    run_ranks("tests.codegen.shared_input", world, kernels, schedule)
     assert not segments()

@@ -352,29 +352,38 @@ class _Shm:
         and whose collective ends with a barrier after the peers' last read of it): whether this rank must
         publish x into its slot (True), or its peers read it where it is, in a segment of its own that x moved
         into (``Tensor.set_``, as state does) on a step before, or moves into now. Word ``word`` of this rank's
-        row tells the peers which: 0 the segment they have mapped, k>0 the new file k, -1 the slot.
+        row tells the peers which: 0 the segment they have mapped, k>0 the new file k, -1 the slot, -2 the slot
+        and the segment they have mapped is gone.
 
         The caller who writes each gradient into the same tensor (``.grad`` accumulated in place, DDP's
         gradient_as_bucket_view) then publishes nothing. A tensor that comes in place of one that served more
         than the step it moved in, and is gone (inputs made anew for a new run of steps), takes that one's
-        segment: one copy, and the steps after publish nothing. Where each step brings a new tensor (``.grad``
-        set to None between steps) every step publishes, as before."""
+        segment: one copy, and the steps after publish nothing. Where the one that moved in served one step
+        only, the caller brings a new tensor every step (``zero_grad()`` sets ``.grad`` to None): each is
+        published, which copies less than moving it would, and the segment is let go on every rank, its memory
+        with it. A tensor that comes a second time after that moves into a segment of its own again."""
         if word >= self.STATES:
             raise RuntimeError(f"shm: a fused collective gathering into {word} states and reducing an input")
         held = self.inputs.get(name)
-        fits = held is not None and held[0].shape == x.shape and held[0].dtype == x.dtype
+        seg = held[0] if held is not None else None  # None while this rank publishes every step
+        fits = seg is not None and seg.shape == x.shape and seg.dtype == x.dtype
         news = -1
-        if fits and held[1]() is x and x.data_ptr() == held[0].data_ptr():
+        if fits and held[1]() is x and x.data_ptr() == seg.data_ptr():
             held[2] += 1
             news = 0
         elif fits and held[1]() is None and held[2] > 1 and _movable(x):
-            _move_into(x, held[0])  # every peer's reads of it ended at the barrier that ended the last step
+            _move_into(x, seg)  # every peer's reads of it ended at the barrier that ended the last step
             held[1:] = [weakref.ref(x), 1]
             news = 0
-        elif not fits and _movable(x):
+        elif fits and held[1]() is None and held[2] == 1:
+            self.inputs[name] = [None, weakref.ref(x), 0]
+            news = -2
+        elif not fits and _movable(x) and (seg is not None or held is None or held[1]() is x):
             news, seg = self._new_segment(x)
             _move_into(x, seg)
             self.inputs[name] = [seg, weakref.ref(x), 1]
+        elif seg is None and held is not None:
+            held[1] = weakref.ref(x)
         self.words[self.rank][(self.epoch + 1) % 2, word] = news
         self.staged.append((name, word, x.shape, x.dtype))
         return news < 0
@@ -399,6 +408,8 @@ class _Shm:
             here = []
             for r in range(self.world):
                 news = 0 if r == self.rank else int(self.words[r][row, word])
+                if news == -2:  # rank r let its segment go: so does this rank's mapping of it
+                    peers[r] = None
                 if news > 0:
                     peers[r] = _state_segment(f"{self.prefix}-state-{r}-{news}", shape, dtype)
                 elif r != self.rank and news == 0 and (peers[r] is None or peers[r].shape != shape
@@ -593,6 +604,16 @@ def _add_all(parts):
     return total
 
 
+def _end_collective(c):
+    """The barrier that ends a fused collective: no peer reads this rank's rows (in its slot, or of an input
+    where it lies) after it, and the segments made at the barrier that began it are mapped by every peer,
+    so their files go. Its gathers end with it; one that gathers nothing (its state stays sliced) ends with
+    it alone where its peers read an input where it lies, which the caller may write once the step returns."""
+    s = c.shm
+    s.call(s.barrier)
+    s.call(s.unlink_made)
+
+
 def _chunk0(m_k, v_k, w_k, rs0_parts, beta1, beta2, sub0, sub1, sub2, sub3, lr, eps):
     """14 statements of fused_collective(rs0, mul1, add0, mul3, mul4, add1, div0, div1, mul5, sqrt0, add2, div2, sub4) on one chunk, state written in place."""
     rs0 = _add_all(rs0_parts)
@@ -627,9 +648,10 @@ def step(tensors, scalars, *, group=None, stage=0, stages=1, sizes=None, custom_
 
     def _fused_collective0(_rank, beta1, m, beta2, v, g, sub0, sub1, sub2, sub3, lr, eps, w):
         """fused_collective: reduce_scatter, the computation on this rank's slice, the all_gathers, as one unit."""
-        # 4 chunks: published once, each chunk reduced out of the peers' segments just before it computes
-        for _c, rs0_parts in _reduce_scatter_parts(_rank, g, 0, d_N, 4):
+        # 4 chunks: read where it lies once moved into a segment, each chunk reduced out of the peers' segments just before it computes
+        for _c, rs0_parts in _reduce_scatter_parts(_rank, g, 0, d_N, 4, 'g', 0):
             _chunk0(_c.local(m, 0), _c.local(v, 0), _c.local(w, 0), rs0_parts, beta1, beta2, sub0, sub1, sub2, sub3, lr, eps)
+        _end_collective(_rank)
 
     g = tensors['g']
     w = tensors['w']

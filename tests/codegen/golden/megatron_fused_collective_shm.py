@@ -154,8 +154,7 @@ class _Gather:
     def result(self):
         s = self.c.shm
         out = torch.empty(self.shape, dtype=self.dtype, device=self.c.device)
-        s.call(s.barrier)
-        s.call(s.unlink_made)  # an input's segment made at the barrier that began the collective
+        _end_collective(self.c)
         for r in range(self.c.world):
             lo, hi = self.c.rows(self.n, r)
             s.copy(out[lo:hi], s.at(r, self.slot, 0, self.dtype, self.shape)[lo:hi])
@@ -181,8 +180,7 @@ class _Gather:
         """Once every peer has written its rows, the state ``out`` is whole (copied out of its shadow where it
         could not move into shared memory)."""
         s = self.c.shm
-        s.call(s.barrier)
-        s.call(s.unlink_made)
+        _end_collective(self.c)
         seg, moved = s.states[self.name]
         if not moved:
             for r in range(self.c.world):
@@ -518,29 +516,38 @@ class _Shm:
         and whose collective ends with a barrier after the peers' last read of it): whether this rank must
         publish x into its slot (True), or its peers read it where it is, in a segment of its own that x moved
         into (``Tensor.set_``, as state does) on a step before, or moves into now. Word ``word`` of this rank's
-        row tells the peers which: 0 the segment they have mapped, k>0 the new file k, -1 the slot.
+        row tells the peers which: 0 the segment they have mapped, k>0 the new file k, -1 the slot, -2 the slot
+        and the segment they have mapped is gone.
 
         The caller who writes each gradient into the same tensor (``.grad`` accumulated in place, DDP's
         gradient_as_bucket_view) then publishes nothing. A tensor that comes in place of one that served more
         than the step it moved in, and is gone (inputs made anew for a new run of steps), takes that one's
-        segment: one copy, and the steps after publish nothing. Where each step brings a new tensor (``.grad``
-        set to None between steps) every step publishes, as before."""
+        segment: one copy, and the steps after publish nothing. Where the one that moved in served one step
+        only, the caller brings a new tensor every step (``zero_grad()`` sets ``.grad`` to None): each is
+        published, which copies less than moving it would, and the segment is let go on every rank, its memory
+        with it. A tensor that comes a second time after that moves into a segment of its own again."""
         if word >= self.STATES:
             raise RuntimeError(f"shm: a fused collective gathering into {word} states and reducing an input")
         held = self.inputs.get(name)
-        fits = held is not None and held[0].shape == x.shape and held[0].dtype == x.dtype
+        seg = held[0] if held is not None else None  # None while this rank publishes every step
+        fits = seg is not None and seg.shape == x.shape and seg.dtype == x.dtype
         news = -1
-        if fits and held[1]() is x and x.data_ptr() == held[0].data_ptr():
+        if fits and held[1]() is x and x.data_ptr() == seg.data_ptr():
             held[2] += 1
             news = 0
         elif fits and held[1]() is None and held[2] > 1 and _movable(x):
-            _move_into(x, held[0])  # every peer's reads of it ended at the barrier that ended the last step
+            _move_into(x, seg)  # every peer's reads of it ended at the barrier that ended the last step
             held[1:] = [weakref.ref(x), 1]
             news = 0
-        elif not fits and _movable(x):
+        elif fits and held[1]() is None and held[2] == 1:
+            self.inputs[name] = [None, weakref.ref(x), 0]
+            news = -2
+        elif not fits and _movable(x) and (seg is not None or held is None or held[1]() is x):
             news, seg = self._new_segment(x)
             _move_into(x, seg)
             self.inputs[name] = [seg, weakref.ref(x), 1]
+        elif seg is None and held is not None:
+            held[1] = weakref.ref(x)
         self.words[self.rank][(self.epoch + 1) % 2, word] = news
         self.staged.append((name, word, x.shape, x.dtype))
         return news < 0
@@ -565,6 +572,8 @@ class _Shm:
             here = []
             for r in range(self.world):
                 news = 0 if r == self.rank else int(self.words[r][row, word])
+                if news == -2:  # rank r let its segment go: so does this rank's mapping of it
+                    peers[r] = None
                 if news > 0:
                     peers[r] = _state_segment(f"{self.prefix}-state-{r}-{news}", shape, dtype)
                 elif r != self.rank and news == 0 and (peers[r] is None or peers[r].shape != shape
@@ -757,6 +766,16 @@ def _add_all(parts):
     for p in parts[1:]:
         total = total + p
     return total
+
+
+def _end_collective(c):
+    """The barrier that ends a fused collective: no peer reads this rank's rows (in its slot, or of an input
+    where it lies) after it, and the segments made at the barrier that began it are mapped by every peer,
+    so their files go. Its gathers end with it; one that gathers nothing (its state stays sliced) ends with
+    it alone where its peers read an input where it lies, which the caller may write once the step returns."""
+    s = c.shm
+    s.call(s.barrier)
+    s.call(s.unlink_made)
 
 
 def _chunk0(d_B, d_S, d_H, row0_k, r_k, rs0_parts, b, seed):
