@@ -5,8 +5,9 @@
 For a program that is not one of the paper's workloads, ``coconet bench`` compares with the program run
 as eager PyTorch. That baseline is coconet's own reading of the program; this script puts the best
 schedule beside the baseline a user would write instead: ``dist.all_reduce`` on the gradient in place,
-then torch.optim's own step, ``fused=True`` where torch has it (Adam with amsgrad, Adagrad) and
-``foreach=True`` where it does not (RMSprop). The DSL programs are in ``benchmarks/programs/``.
+then torch.optim's own step, ``fused=True`` where torch has it (Adam with amsgrad, AdamW, Adagrad) and
+``foreach=True`` where it does not (RMSprop); AdamW's step comes after ``clip_grad_norm_``, whose global norm
+the program computes too. The DSL programs are in ``benchmarks/programs/``.
 
 First, on small inputs, torch.optim's step is checked against coconet's reference interpreter running
 the program: the two compute the same update. Then per size and round, one after the other: the
@@ -30,14 +31,18 @@ ROOT = Path(__file__).resolve().parents[1]
 PROGRAMS = ROOT / "benchmarks" / "programs"
 
 # the optimizer and its hyper-parameters, the program's scalars of the same values, the state it keeps
+# (program name -> torch's), and the max_norm the gradient is clipped to before the step (None: not clipped)
 OPTIMIZERS = {
     "rmsprop": ("RMSprop", dict(lr=1e-3, alpha=0.99, eps=1e-8, momentum=0.9, weight_decay=1e-4, foreach=True),
                 dict(lr=1e-3, alpha=0.99, eps=1e-8, momentum=0.9, weight_decay=1e-4),
-                {"sq": "square_avg", "buf": "momentum_buffer"}),
+                {"sq": "square_avg", "buf": "momentum_buffer"}, None),
     "amsgrad": ("Adam", dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, amsgrad=True, fused=True),
                 dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, t=1.0),
-                {"m": "exp_avg", "v": "exp_avg_sq", "vmax": "max_exp_avg_sq"}),
-    "adagrad": ("Adagrad", dict(lr=1e-2, eps=1e-10, fused=True), dict(lr=1e-2, eps=1e-10), {"s": "sum"}),
+                {"m": "exp_avg", "v": "exp_avg_sq", "vmax": "max_exp_avg_sq"}, None),
+    "adamw_clip": ("AdamW", dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True),
+                   dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, t=1.0, max_norm=1.0),
+                   {"m": "exp_avg", "v": "exp_avg_sq"}, 1.0),
+    "adagrad": ("Adagrad", dict(lr=1e-2, eps=1e-10, fused=True), dict(lr=1e-2, eps=1e-10), {"s": "sum"}, None),
 }
 
 
@@ -45,7 +50,7 @@ def _optimizer(name, w, state_values):
     """torch.optim's optimizer for ``w`` with its state set to ``state_values`` (program name -> tensor)."""
     import torch
 
-    cls, kwargs, _, names = OPTIMIZERS[name]
+    cls, kwargs, _, names, _ = OPTIMIZERS[name]
     opt = getattr(torch.optim, cls)([w], **kwargs)
     if state_values is None:
         return opt
@@ -59,6 +64,14 @@ def _optimizer(name, w, state_values):
             st[torch_name].copy_(state_values[prog_name])
         st["step"].zero_()
     return opt
+
+
+def _clip(name, w):
+    import torch
+
+    max_norm = OPTIMIZERS[name][4]
+    if max_norm is not None:
+        torch.nn.utils.clip_grad_norm_([w], max_norm, foreach=True)
 
 
 def check_semantics(name: str, world: int = 2, n: int = 1000) -> float:
@@ -77,6 +90,7 @@ def check_semantics(name: str, world: int = 2, n: int = 1000) -> float:
     state = {k: torch.tensor(values[k], dtype=torch.float32) for k in OPTIMIZERS[name][3]}
     opt = _optimizer(name, w, state)
     w.grad = torch.tensor(values["g"].sum(axis=0), dtype=torch.float32)
+    _clip(name, w)
     opt.step()
     worst = 0.0
     for prog_name, got in [("w", w.detach())] + [(k, opt.state[w][v]) for k, v in OPTIMIZERS[name][3].items()]:
@@ -105,6 +119,7 @@ def _rank(name: str, rank: int, world: int, port: int, n: int, repeats: int, war
         dist.barrier()
         t0 = time.perf_counter()
         dist.all_reduce(w.grad)
+        _clip(name, w)
         opt.step()
         dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
         dist.all_reduce(dt, op=dist.ReduceOp.MAX)

@@ -17,7 +17,7 @@ def _script(name):
     return module
 
 
-@pytest.mark.parametrize("program", ["rmsprop", "amsgrad", "adagrad"])
+@pytest.mark.parametrize("program", ["rmsprop", "amsgrad", "adagrad", "adamw_clip"])
 def test_the_unseen_optimizers_are_the_updates_torch_optim_makes(program):
     # the baseline they are timed against is torch.optim's: the same update, or the comparison means nothing
     assert _script("unseen_optimizers").check_semantics(program, world=3, n=257) < 1e-5
