@@ -31,10 +31,11 @@ def _rank(rank: int, world: int, port: int, program_path: str, sizes: dict, path
     import torch.distributed as dist
 
     from coconet.codegen.launch import Options
-    from coconet.codegen.rank import inputs
+    from coconet.codegen.rank import inputs, keep_freed_memory
     from coconet.loader import load_file
     from coconet.schedules.schedule import Schedule
 
+    keep_freed_memory()  # as coconet's ranks do: a temporary's pages are not faulted in anew every step
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     program = load_file(program_path)

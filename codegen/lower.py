@@ -24,6 +24,7 @@ import keyword
 import re
 import textwrap
 from dataclasses import dataclass
+from typing import Callable
 
 from coconet.errors import BackendError
 from coconet.kernels.native import ChunkKernel, Untranslatable, c_source
@@ -143,6 +144,7 @@ class _Emitter:
         self.into_state: dict[str, str] = {}  # see gathers_into_state: all_gather → the state it writes
         self.rowwise: dict[str, Group] = {}  # absorbed Replicated statements: a chunk computes its own rows
         self.rows_only: dict[str, int] = {}  # see _rows_only: statement → the dim its readers cut
+        self.fuse_absorbed: dict[Group, dict[str, int]] = {}  # see fuse_absorbed
 
     # --- expressions for one statement's local value ---
 
@@ -310,7 +312,11 @@ def lower(schedule: Schedule, backend: str = "gloo", kernels: str = "compiled", 
     e.absorbed = _absorbed(p) if e.compile else {}
     e.rowwise = {m: g for g, ms in e.absorbed.items() for m in ms if isinstance(p[m].type.layout, Replicated)}
     skip = {m for ms in e.absorbed.values() for m in ms}
-    e.rows_only = _rows_only(p, skip)
+    e.fuse_absorbed = fuse_absorbed(p, skip)
+    for ms in e.fuse_absorbed.values():
+        e.rows_only.update(ms)
+        skip.update(ms)
+    e.rows_only.update(_rows_only(p, skip))
     if backend == "shm":
         e.into_state = gathers_into_state(p, units, e.absorbed)
         e.written.update(e.into_state.values())
@@ -498,23 +504,43 @@ def _absorbed(p: Program) -> dict[Group, tuple[str, ...]]:
     return out
 
 
+def fuse_absorbed(p: Program, skip: set[str] = frozenset()) -> dict[Group, dict[str, int]]:
+    """Per fuse group, the ungrouped Replicated pointwise statements on Replicated values and scalars whose
+    readers are all the group's members on this rank's slice, or such statements (AdamW's ``w * (1 - lr *
+    wd)``, Adam's ``beta1 * m`` with m whole after ``reorder(ag0)``), each with the dim those readers cut:
+    computed inside the group's kernel on this rank's rows, not as a full pass over every rank's rows before
+    it."""
+    out = {}
+    for g in p.groups:
+        if g.kind == "fuse":
+            inside = set(g.members)
+            taken = _cut_to_rows(p, skip, inside.__contains__)
+            if taken:
+                out[g] = {s.name: taken[s.name] for s in p.stmts if s.name in taken}
+    return out
+
+
 def _rows_only(p: Program, skip: set[str]) -> dict[str, int]:
     """Ungrouped Replicated pointwise statements whose readers all cut them to this rank's rows (Adam's
     ``beta1 * m`` after ``reorder(ag0)``, read only by ``add0`` on the rank's slice), each with the dim they
     cut: computed on those rows alone instead of on every rank's, 1/R of the work and of the memory."""
-    def plain(name: str) -> bool:
-        return name not in skip and _ungrouped_pointwise(p, p[name])
+    return _cut_to_rows(p, skip, lambda u: u not in skip and _ungrouped_pointwise(p, p[u]))
 
+
+def _cut_to_rows(p: Program, skip: set[str], reader: Callable[[str], bool]) -> dict[str, int]:
+    """The ungrouped rowwise Replicated statements not in ``skip`` whose readers are all statements ``reader``
+    accepts that are Sliced on the statement's shape, or statements taken so, each with the dim they cut."""
     out: dict[str, int] = {}
     for s in reversed(p.stmts):  # readers before what they read
-        if not plain(s.name) or not s.type.shape or not p.users[s.name] or not _rowwise(p, s, s.type.shape):
+        if (s.name in skip or not _ungrouped_pointwise(p, s) or not s.type.shape or not p.users[s.name]
+                or not _rowwise(p, s, s.type.shape)):
             continue
         dims = set()
         for u in p.users[s.name]:
             ut = p[u].type
             if u in out:
                 dims.add(out[u])
-            elif plain(u) and isinstance(ut.layout, Sliced) and ut.shape == s.type.shape:
+            elif reader(u) and isinstance(ut.layout, Sliced) and ut.shape == s.type.shape:
                 dims.add(ut.layout.dim)
             else:
                 dims.add(None)
@@ -622,12 +648,13 @@ def _lower_fuse(e: _Emitter, g: Group) -> list[str]:
     """A pointwise group as one module-level function; compiled, Inductor fuses it into one loop (C++ on
     CPU, Triton on CUDA) that writes updated state in place."""
     p = e.p
-    ins, outs = _group_io(p, g)
+    absorbed = tuple(e.fuse_absorbed.get(g, ()))
+    ins, outs = _group_io(p, g, absorbed)
     inplace = _in_place(p, g, outs)
     e.written.update(inplace.values())
     rest = [o for o in outs if o not in inplace]
     body = []
-    for m in g.members:
+    for m in (*absorbed, *g.members):
         body.extend(("    " + x, m) for x in e.stmt(p[m]))
     body += [(f"    {e.ident(t)}.copy_({e.ident(o)})", o) for o, t in inplace.items()]
     if rest:

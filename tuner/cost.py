@@ -38,7 +38,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
-from coconet.codegen.lower import chunk_compiles, reads_input_in_place
+from coconet.codegen.lower import chunk_compiles, fuse_absorbed, reads_input_in_place
 from coconet.codegen.lower import (_absorbed, _fc_in_place, _group_io, _in_place, _needs_copy, _units, gather_into,
                                    gathers_into_state)
 from coconet.errors import CoconetError, SizeError
@@ -206,6 +206,8 @@ class _Builder:
         p = self.p
         absorbed = _absorbed(p)  # the lowering compiles kernels (coconet run's default)
         skip = {m for ms in absorbed.values() for m in ms}
+        rows = fuse_absorbed(p, skip)
+        skip |= {m for ms in rows.values() for m in ms}
         order = _units(p)
         self.into_state = gathers_into_state(p, order, absorbed) if self.backend == "shm" else {}
         units: list[Unit] = []
@@ -214,7 +216,7 @@ class _Builder:
             if u in skip:
                 continue
             if isinstance(u, Group):
-                unit, wrote = self.group(u, absorbed.get(u, ()))
+                unit, wrote = self.group(u, absorbed.get(u, ()), rows.get(u, {}))
                 written |= wrote
                 units.append(unit)
             else:
@@ -329,29 +331,32 @@ class _Builder:
             ks.append(Kernel(f"{s.name} contiguous", 1, mine, mine, mine))
         return tuple(ks)
 
-    def group(self, g: Group, absorbed: tuple[str, ...]) -> tuple[Unit, set[str]]:
+    def group(self, g: Group, absorbed: tuple[str, ...], rows: Mapping[str, int]) -> tuple[Unit, set[str]]:
         if g.kind == "fuse":
-            return self.fuse(g)
+            return self.fuse(g, rows)
         if g.kind == "overlap":
             return self.overlap(g), set()
         if g.kind == "bucket":
             return self.bucket(g), set()
         return self.fused_collective(g, absorbed)
 
-    def fuse(self, g: Group) -> tuple[Unit, set[str]]:
+    def fuse(self, g: Group, rows: Mapping[str, int]) -> tuple[Unit, set[str]]:
+        """``rows``: statements the kernel computes on this rank's rows (``fuse_absorbed``), each with its dim."""
         p = self.p
-        ins, outs = _group_io(p, g)
+        ins, outs = _group_io(p, g, tuple(rows))
         inplace = _in_place(p, g, outs)
+        members = (*rows, *g.members)
         custom = any(p[m].op in p.custom_ops for m in g.members)
         if custom:  # a custom op's code runs as written: statement by statement
-            return Unit(str(g), tuple(self.eager(p[m]) for m in g.members)), set(inplace.values())
+            return Unit(str(g), tuple(self.eager(p[m]) for m in members)), set(inplace.values())
         reads: list[Term] = []
         cold: list[Term] = []
         for a in ins:
             if p[a].op == "const":
                 continue
-            readers = [p[m] for m in g.members if a in p[m].args]
-            exts = {self.consumed(m, a) for m in readers}
+            readers = [p[m] for m in members if a in p[m].args]
+            exts = {self.extent(p[a].type.shape, rows[m.name]) if m.name in rows and p[a].type.shape
+                    else self.consumed(m, a) for m in readers}
             # read once, as the largest piece any member takes
             best = max((e for e in exts if e is not None), key=lambda e: self.extents_rank(e), default=None)
             reads += self.nbytes(p[a].type, best)

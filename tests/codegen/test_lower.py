@@ -12,6 +12,7 @@ from coconet.codegen.lower import lower
 from coconet.errors import BackendError
 from coconet.schedules.schedule import Schedule
 from coconet.schedules.space import generate
+from coconet.tuner import cost
 from tests.codegen import faulty
 
 ROOT = Path(__file__).parents[2]
@@ -241,6 +242,20 @@ def test_replicated_statements_read_only_on_a_slice_compute_that_slice_alone():
     assert "    sub4 = _c.cut(w, 0, d_N) - div2\n" in step  # an input is still cut where it is read
     written = lower(Schedule(example("adam")), kernels="eager").source
     assert "    mul0 = beta1 * m\n" in written  # the program as written: add0 needs every row
+
+
+def test_replicated_statements_read_only_by_a_fused_kernel_on_a_slice_run_inside_it_on_that_slice():
+    """After reorder(ag0) with m and v whole, beta1 * m and beta2 * v feed only the fused kernel's slice: the
+    kernel computes them on this rank's rows, no pass of their own before it (nor in the cost model's plan)."""
+    fuse = "fuse(mul1, add0, mul3, mul4, add1, div0, div1, mul5, sqrt0, add2, div2, sub4)"
+    sched = Schedule.parse(f"split(ar0); reorder(ag0); {fuse}", example("adam"))
+    for backend, kernels in (("gloo", "compiled"), ("shm", "compiled"), ("shm", "eager")):
+        source = lower(sched, backend, kernels).source
+        kernel, step = source.split("def _fuse0(")[1].split("\n\n\n")[0], source.split("def step(")[1]
+        assert "    mul0 = beta1 * _c.cut(m, 0, d_N)\n    mul2 = beta2 * _c.cut(v, 0, d_N)\n" in kernel
+        assert "mul0 =" not in step and "mul2 =" not in step
+    priced = [k.what for u in cost.plan(sched, "shm").units for k in u.kernels]
+    assert any(w.startswith("fuse(") for w in priced) and "mul0" not in priced and "mul2" not in priced
 
 
 STANDALONE = r'''
