@@ -76,7 +76,7 @@ def _commands(args, world: int) -> dict:
 
     cmd = [sys.executable, "-m", "coconet", "run", str(args.program), "--world", str(world), "--size", args.size,
            "--backend", args.backend, "--kernels", args.kernels, "--repeats", "2", "--json"]
-    ways = ["fork server", "fresh interpreters"]
+    ways = [w for w in WAYS if w != COLD]  # a new process: its server warms nothing before its second launch
     samples: dict[str, list[float]] = {way: [] for way in ways}
     for i in range(args.cold):
         for way in _order(i, ways):

@@ -50,9 +50,10 @@ An input that a fused collective reduces and the step leaves as it is (a gradien
 segment of its own on its first step, and its peers read their rows of it there: nothing is published. That
 takes a barrier after the peers' last read and before the step returns, for the caller may write the next
 gradient into the tensor then: the gathers that end the collective give one, and a collective that gathers
-nothing (its state stays sliced) ends with one of its own (``_end_collective``). A caller who passes another tensor (a view that cannot move, a second buffer while the
-first is alive, a new ``.grad`` every step) has it published into the slot as before; a tensor that comes in
-place of a moved one gone after serving more than one step takes its segment (``_Shm.stage_input``).
+nothing (its state stays sliced) ends with one of its own (``_end_collective``). A caller who passes another
+tensor (a view that cannot move, a second buffer while the first is alive, a new ``.grad`` every step) has it
+published into the slot as before; a tensor that comes in place of a moved one gone after serving more than one
+step takes its segment, and the segment of one that served a single step is let go (``_Shm.stage_input``).
 
 A copy larger than this rank's share of the last-level cache (the cache over the
 group's ranks) is made with non-temporal stores: its destination is not read

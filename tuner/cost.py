@@ -153,6 +153,7 @@ class _Builder:
     def __init__(self, p: Program, backend: str, knobs: Mapping[str, int]):
         self.p, self.backend, self.knobs = p, backend, knobs
         self.into_state: dict[str, str] = {}  # shm all_gathers written straight into state (set by plan)
+        self.rows: dict[str, int] = {}  # statements a fused kernel computes on this rank's rows (set by plan)
         self.dims: dict[Dim, int] = {}
         self.extents: dict[tuple[tuple[int, ...], int], int] = {}
 
@@ -178,11 +179,13 @@ class _Builder:
         return ((times * ITEMSIZE.get(t.dtype or "float32", 4), (ext,)),)
 
     def consumed(self, s: Stmt, a: str) -> int | None:
-        """The piece of operand ``a`` that ``s`` reads: a Replicated operand of a Sliced result is cut to
-        this rank's rows (as ``_Emitter.operand`` cuts it)."""
+        """The piece of operand ``a`` that ``s`` reads: a Replicated operand of a Sliced result, or of a
+        statement computed on this rank's rows, is cut to those rows (as ``_Emitter.operand`` cuts it)."""
         t, out = self.p[a].type, s.type
         if t is None or t.is_scalar:
             return None
+        if s.name in self.rows:
+            return self.extent(t.shape, self.rows[s.name])
         if out is not None and isinstance(out.layout, Sliced) and isinstance(t.layout, Replicated):
             d = out.layout.dim - (out.ndim - t.ndim)
             if d >= 0 and t.shape[d] == out.shape[out.layout.dim]:
@@ -207,7 +210,8 @@ class _Builder:
         absorbed = _absorbed(p)  # the lowering compiles kernels (coconet run's default)
         skip = {m for ms in absorbed.values() for m in ms}
         rows = fuse_absorbed(p, skip)
-        skip |= {m for ms in rows.values() for m in ms}
+        self.rows = {m: d for ms in rows.values() for m, d in ms.items()}
+        skip |= set(self.rows)
         order = _units(p)
         self.into_state = gathers_into_state(p, order, absorbed) if self.backend == "shm" else {}
         units: list[Unit] = []
@@ -355,8 +359,7 @@ class _Builder:
             if p[a].op == "const":
                 continue
             readers = [p[m] for m in members if a in p[m].args]
-            exts = {self.extent(p[a].type.shape, rows[m.name]) if m.name in rows and p[a].type.shape
-                    else self.consumed(m, a) for m in readers}
+            exts = {self.consumed(m, a) for m in readers}
             # read once, as the largest piece any member takes
             best = max((e for e in exts if e is not None), key=lambda e: self.extents_rank(e), default=None)
             reads += self.nbytes(p[a].type, best)
