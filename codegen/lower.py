@@ -142,6 +142,7 @@ class _Emitter:
         self.absorbed: dict[Group, tuple[str, ...]] = {}  # see _absorbed
         self.slotless: set[str] = set()  # shm all_gathers written straight into the peers' state (gather_into)
         self.into_state: dict[str, str] = {}  # see gathers_into_state: all_gather → the state it writes
+        self.fuse_into: dict[Group, dict[str, str]] = {}  # see fuse_gathers_into
         self.rowwise: dict[str, Group] = {}  # absorbed Replicated statements: a chunk computes its own rows
         self.rows_only: dict[str, int] = {}  # see _rows_only: statement → the dim its readers cut
         self.fuse_absorbed: dict[Group, dict[str, int]] = {}  # see fuse_absorbed
@@ -257,6 +258,8 @@ class _Emitter:
             t = self.p[s.args[0]].type
             d = t.layout.dim
             state = self.into_state.get(s.name)
+            if any(s.name in into for into in self.fuse_into.values()):
+                return []  # the kernel that computes its rows writes them into every copy of the state
             if state is not None:
                 return [f"_gather_into(_c, {args[0]}, {d}, {dim_expr(t.shape[d])}, {self.ident(state)}, {state!r})"]
             return [f"{n} = _all_gather(_c, {args[0]}, {d}, {dim_expr(t.shape[d])})"]
@@ -321,6 +324,8 @@ def lower(schedule: Schedule, backend: str = "gloo", kernels: str = "compiled", 
         e.into_state = gathers_into_state(p, units, e.absorbed)
         e.written.update(e.into_state.values())
         e.slotless.update(e.into_state)
+        if e.compile:
+            e.fuse_into = fuse_gathers_into(p, units, e.into_state, e.absorbed, e.fuse_absorbed)
     lowered: list[list[tuple[str, str]]] = []  # per unit: (line, statement it implements)
     for unit in units:
         if unit in skip:
@@ -464,9 +469,11 @@ def _lower_fused_collective(e: _Emitter, g: Group, chunks: int) -> list[str]:
     e.slotless.update(into)
     outs = [o for o in outs if o not in inplace and o not in into]
     fname = f"_{g.kind}{len(e.kernels)}"
+    ops = [p[m].op for m in g.members]
+    parts = ["reduce_scatter", "the computation on this rank's slice"]
+    parts += ["its partial sums"] * ("partial_sum" in ops) + ["the all_gathers"] * ("all_gather" in ops)
     lines = [(f"def {fname}(_rank, {', '.join(e.ident(a) for a in ins)}):", g.members[0]),
-             ('    """fused_collective: reduce_scatter, the computation on this rank\'s slice, the all_gathers, as '
-              'one unit."""', g.members[0])]
+             (f'    """fused_collective: {", ".join(parts)}, as one unit."""', g.members[0])]
     lines += _chunked_body(e, g, outs, chunks, absorbed, inplace, into)
     if outs:
         lines.append((f"    return {', '.join(e.ident(o) for o in outs)}{',' if len(outs) == 1 else ''}",
@@ -604,6 +611,48 @@ def gathers_into_state(p: Program, units: list, absorbed: dict[Group, tuple[str,
     return found
 
 
+def fuse_gathers_into(p: Program, units: list, into_state: dict[str, str], absorbed: dict[Group, tuple[str, ...]],
+                      rows: dict[Group, dict[str, int]]) -> dict[Group, dict[str, str]]:
+    """Per compiled fuse group on shm, the gathers into state (``into_state``, see gathers_into_state) of
+    values nothing else outside the group reads that its kernel can do itself: it writes each new row into its own copy of the
+    state and every peer's as it computes it, so the value is never written out to be copied. Each gather
+    maps to the value it gathers. Every reader of the state in the group must read this rank's rows of it
+    alone (a member Sliced on the state's shape, or a statement it computes on those rows: ``rows``, see
+    fuse_absorbed), and every other reader runs before the group: the peers write their rows into this
+    rank's copy while the kernel runs."""
+    at = {}
+    for i, u in enumerate(units):
+        for m in (u.members if isinstance(u, Group) else (u,)):
+            at[m] = i
+    for h, ms in (*absorbed.items(), *rows.items()):  # statements that run inside their group
+        at.update(dict.fromkeys(ms, at[h.members[0]]))
+    out: dict[Group, dict[str, str]] = {}
+    for g in p.groups:
+        if g.kind != "fuse" or any(p[m].op in p.custom_ops for m in g.members):
+            continue
+        inside = set(g.members) | set(rows.get(g, {}))
+        found = {}
+        for ag, state in into_state.items():
+            o = p[ag].args[0]
+            t = p[state].type
+            if o not in g.members or any(u != ag and u not in g.members for u in p.users[o]):
+                continue
+            d = p[o].type.layout.dim
+
+            def rows_of_state(u: str) -> bool:
+                if u in rows.get(g, {}):
+                    return rows[g][u] == d
+                ut = p[u].type
+                return isinstance(ut.layout, Sliced) and ut.layout.dim == d and ut.shape == t.shape
+
+            readers = [u for u in p.users[state] if not (p[u].op == "update" and p[u].args[0] == state)]
+            if all(rows_of_state(u) if u in inside else at[u] < at[g.members[0]] for u in readers):
+                found[ag] = o
+        if found:
+            out[g] = found
+    return out
+
+
 def _updated_in_place(p: Program, g: Group, outs: list[str], absorbed, *, gathered: bool) -> dict[str, str]:
     """Outputs of a fused collective (its all_gathers if ``gathered``, else the others) that are the new
     value of one state tensor of their type (Replicated for a gather, Sliced otherwise), read outside only
@@ -652,22 +701,32 @@ def _lower_fuse(e: _Emitter, g: Group) -> list[str]:
     ins, outs = _group_io(p, g, absorbed)
     inplace = _in_place(p, g, outs)
     e.written.update(inplace.values())
-    rest = [o for o in outs if o not in inplace]
+    into = e.fuse_into.get(g, {})  # gather -> the value whose rows the kernel writes into every copy of the state
+    rest = [o for o in outs if o not in inplace and o not in into.values()]
     body = []
     for m in (*absorbed, *g.members):
         body.extend(("    " + x, m) for x in e.stmt(p[m]))
     body += [(f"    {e.ident(t)}.copy_({e.ident(o)})", o) for o, t in inplace.items()]
+    scope = {e.ident(a) for a in ins}
+    peers = {}  # gather -> the kernel's parameter: this rank's rows of every peer's copy of the state
+    for ag, o in into.items():
+        state, peer = e.into_state[ag], e.ident.fresh("_peer", scope)
+        peers[ag] = e.ident.fresh(f"{e.ident(state)}_peers", scope)
+        body += [(f"    {e.operand(p[o], state)}.copy_({e.ident(o)})", ag),
+                 (f"    for {peer} in {peers[ag]}:", ag), (f"        {peer}.copy_({e.ident(o)})", ag)]
     if rest:
         body.append((f"    return {', '.join(e.ident(o) for o in rest)}{',' if len(rest) == 1 else ''}", g.members[-1]))
     used = _names(textwrap.dedent("\n".join(x for x, _ in body)).split("\n"))
     dims = [f"d_{d}" for d in p.dims if f"d_{d}" in used]
     custom = any(p[m].op in p.custom_ops for m in g.members)
     params = ["_c"] + dims + (["_custom"] if custom else []) + [e.ident(a) for a in ins]
-    params += [e.ident(t) for t in inplace.values() if t not in ins]
+    params += [e.ident(t) for t in (*inplace.values(), *(e.into_state[ag] for ag in into)) if t not in ins]
+    params = list(dict.fromkeys(params)) + list(peers.values())
     fname = f"_fuse{len([x for x in e.toplevel if x[0].startswith('def ')])}"
     head = [(f"def {fname}({', '.join(params)}):", g.members[0]),
             (f'    """fuse({", ".join(g.members)}): one pointwise kernel'
-             + (", state written in place" if inplace else "") + '."""', g.members[0])]
+             + (", state written in place" if inplace or into else "")
+             + (" and into every peer's copy" if into else "") + '."""', g.members[0])]
     e.toplevel += head + body + [("", None), ("", None)]
     compiled = e.compile and not custom  # a custom op's torch code may not trace; it runs as written
     if compiled:
@@ -678,9 +737,21 @@ def _lower_fuse(e: _Emitter, g: Group) -> list[str]:
         ints = {e.ident(a) for a in ins if p[a].op == "scalar" and p[a].type.dtype == "int64"}
         args = [f"_int64({a})" if a in ints else a for a in args]
     call = f"{fname}({', '.join(args)})"
-    if not rest:
+    if rest:
+        call = f"{', '.join(e.ident(o) for o in rest)}{',' if len(rest) == 1 else ''} = {call}"
+    if not into:
         return [call]
-    return [f"{', '.join(e.ident(o) for o in rest)}{',' if len(rest) == 1 else ''} = {call}"]
+    # every state's copies mapped at one barrier before the kernel, every one whole at one barrier after it
+    specs, gathers, ends = [], [], []
+    for ag, o in into.items():
+        t, state = p[o].type, e.into_state[ag]
+        d = t.layout.dim
+        specs.append(f"({d}, {dim_expr(t.shape[d])}, {e.ident(state)}, {state!r})")
+        gathers.append(e.ident.fresh(f"_{e.ident(ag)}", set()))
+        ends.append(f"{gathers[-1]}.into({e.ident(state)}{', end=False' if ends else ''})")
+    comma = "," if len(gathers) == 1 else ""
+    start = f"({', '.join(gathers)}{comma}), ({', '.join(peers.values())}{comma}) = _into_peers(_c, {', '.join(specs)})"
+    return [start, call] + ends
 
 
 def _chunked_body(e: _Emitter, g: Group, outs: list[str], chunks: int, absorbed=(), inplace=None, into=None) -> list:
@@ -693,7 +764,8 @@ def _chunked_body(e: _Emitter, g: Group, outs: list[str], chunks: int, absorbed=
     d = rs.type.layout.dim
     n = dim_expr(rs.type.shape[d])
     gathers = [m for m in g.members if p[m].op == "all_gather"]
-    sliced_outs = [o for o in outs if p[o].op != "all_gather"]
+    partials = [o for o in outs if p[o].op == "partial_sum"]
+    sliced_outs = [o for o in outs if p[o].op not in ("all_gather", "partial_sum")]
     direct = reads_input_in_place(p, e.backend, g)
     how = ("chunk k+1 is reduced while chunk k computes and chunk k-1 is gathered" if e.backend != "shm" else
            f"{'read where it lies once moved into a segment' if direct else 'published once'}, each chunk "
@@ -701,16 +773,16 @@ def _chunked_body(e: _Emitter, g: Group, outs: list[str], chunks: int, absorbed=
     lines = [(f"    # {chunks} chunk{'s' if chunks > 1 else ''}: {how}", rs.name)]
     words = {m: i for i, m in enumerate(into)}
     scope: set[str] = set()  # what the function binds besides the program's values
-    tmp = {m: e.ident.fresh(f"_{e.ident(m)}", scope) for m in (*gathers, *sliced_outs)}
+    tmp = {m: e.ident.fresh(f"_{e.ident(m)}", scope) for m in (*gathers, *sliced_outs, *partials)}
     lines += [(f"    {tmp[m]} = _Gather(_rank, {d}, {n}"
                + (f", {e.ident(into[m])}, {into[m]!r}, {words[m]})" if m in into else ")"), m) for m in gathers]
     at = len(lines)  # where the sliced outputs' holders are made, once it is known whether a kernel fills them
     compute = [m for m in (*absorbed, *g.members[1:]) if p[m].op != "all_gather"]
-    needed = {p[m].args[0] for m in gathers if m not in into} | set(sliced_outs)
+    needed = {p[m].args[0] for m in gathers if m not in into} | set(sliced_outs) | set(partials)
     e.chunked = set(g.members) | set(absorbed)
     try:
         # shm: the kernel sums the chunk's rows on every rank as it reads them (sum, avg)
-        parts = e.backend == "shm" and rs.attr("op") in ("sum", "avg") and rs.name not in needed
+        parts = sums_parts(p, e.backend, g, into)
         parts = parts and e.ident.fresh(f"{e.ident(rs.name)}_parts", scope)  # the chunk's rows on every rank
         # compiled, the kernel writes this rank's rows of a gathered state into every peer's copy as it computes
         # them: a push after it would read them back from memory (shm.py's module doc)
@@ -726,6 +798,7 @@ def _chunked_body(e: _Emitter, g: Group, outs: list[str], chunks: int, absorbed=
                             for o in sliced_outs]
         else:
             lines[at:at] = [(f"    {tmp[o]} = []", o) for o in sliced_outs]
+        lines[at:at] = [(f"    {tmp[o]} = []", o) for o in partials]  # each chunk's, added up after the last
         where = f", {rs.args[0]!r}, {len(into)}" if direct else ""
         if kernel is not None and parts:
             lines.append((f"    for _c, {parts} in _reduce_scatter_parts(_rank, {e.ident(rs.args[0])}, "
@@ -751,15 +824,28 @@ def _chunked_body(e: _Emitter, g: Group, outs: list[str], chunks: int, absorbed=
                 lines.append((f"        {tmp[m]}.push(_c)", m))
     finally:
         e.chunked = None
+    lines += [(f"        {tmp[o]}.append({e.ident(o)})", o) for o in partials]
     if kernel is None:
         lines += [(f"        {tmp[o]}.append({e.ident(o)})", o) for o in sliced_outs]
-    lines += [(f"    {tmp[m]}.into({e.ident(into[m])})" if m in into else f"    {e.ident(m)} = {tmp[m]}.result()", m)
-              for m in gathers]
+    for i, m in enumerate(gathers):  # on shm the first ends the collective, at one barrier for all
+        end = ", end=False" if i and e.backend == "shm" else ""
+        lines.append((f"    {tmp[m]}.into({e.ident(into[m])}{end})" if m in into else
+                      f"    {e.ident(m)} = {tmp[m]}.result({end.lstrip(', ')})", m))
     if direct and not gathers:  # nothing gathered: the peers' reads of the input end at a barrier of its own
         lines.append(("    _end_collective(_rank)", rs.name))
     lines += [(f"    {e.ident(o)} = {tmp[o]}" if kernel is not None else
                f"    {e.ident(o)} = torch.cat({tmp[o]}, dim={p[o].type.layout.dim})", o) for o in sliced_outs]
+    lines += [(f"    {e.ident(o)} = torch.stack({tmp[o]}).sum()", o) for o in partials]
     return lines
+
+
+def sums_parts(p: Program, backend: str, g: Group, into) -> bool:
+    """Whether a fused collective's compiled chunk kernel (shm) takes the chunk's rows on every rank unreduced
+    and sums them as it reads them (sum, avg): the reduced rows are never written out, unless the group
+    outputs them, and then only once, by the kernel. Not where a gather outside the kernel sends them."""
+    rs = p[g.members[0]]
+    sent = any(p[m].op == "all_gather" and m not in into and p[m].args[0] == rs.name for m in g.members)
+    return backend == "shm" and rs.attr("op") in ("sum", "avg") and not sent
 
 
 def reads_input_in_place(p: Program, backend: str, g: Group) -> bool:
@@ -776,9 +862,9 @@ _CUT = re.compile(r"_c\.(?:local|cut)\((\w+), [^()]*\)")
 
 
 def chunk_compiles(p: Program, g: Group, compute: list[str]) -> bool:
-    """Whether a fused collective's chunk computes in one compiled kernel: pointwise statements, and
-    dropout on values sliced as the chunks are (its mask's counters are global element indices, which the
-    kernel gets from the chunk's first row)."""
+    """Whether a fused collective's chunk computes in one compiled kernel: pointwise statements, partial sums
+    (the kernel returns the chunk's), and dropout on values sliced as the chunks are (its mask's counters are
+    global element indices, which the kernel gets from the chunk's first row)."""
     rs = p[g.members[0]]
     d = rs.type.layout.dim
     n = rs.type.shape[d]
@@ -787,7 +873,7 @@ def chunk_compiles(p: Program, g: Group, compute: list[str]) -> bool:
         if s.op == "dropout":
             t = s.type
             return isinstance(t.layout, Sliced) and t.layout.dim == d and t.shape[d] == n
-        return s.op in POINTWISE
+        return s.op in POINTWISE or s.op == "partial_sum"  # the chunk's share of the sum
 
     return bool(compute) and all(ok(p[m]) for m in compute)
 

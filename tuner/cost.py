@@ -38,9 +38,9 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
-from coconet.codegen.lower import chunk_compiles, fuse_absorbed, reads_input_in_place
+from coconet.codegen.lower import chunk_compiles, fuse_absorbed, reads_input_in_place, sums_parts
 from coconet.codegen.lower import (_absorbed, _fc_in_place, _group_io, _in_place, _needs_copy, _units, gather_into,
-                                   gathers_into_state)
+                                   fuse_gathers_into, gathers_into_state)
 from coconet.errors import CoconetError, SizeError
 from coconet.schedules.dims import Dim
 from coconet.schedules.ir import Group, Program, Stmt
@@ -153,6 +153,8 @@ class _Builder:
     def __init__(self, p: Program, backend: str, knobs: Mapping[str, int]):
         self.p, self.backend, self.knobs = p, backend, knobs
         self.into_state: dict[str, str] = {}  # shm all_gathers written straight into state (set by plan)
+        self.fuse_into: dict[Group, dict[str, str]] = {}  # and those a fuse kernel writes (set by plan)
+        self.fused_gathers: set[str] = set()
         self.rows: dict[str, int] = {}  # statements a fused kernel computes on this rank's rows (set by plan)
         self.dims: dict[Dim, int] = {}
         self.extents: dict[tuple[tuple[int, ...], int], int] = {}
@@ -212,8 +214,14 @@ class _Builder:
         rows = fuse_absorbed(p, skip)
         self.rows = {m: d for ms in rows.values() for m, d in ms.items()}
         skip |= set(self.rows)
+        for g, ms in absorbed.items():  # a chunk computes its own rows of them (the lowering's rowwise)
+            d = p[g.members[0]].type.layout.dim
+            self.rows.update((m, d) for m in ms if isinstance(p[m].type.layout, Replicated))
         order = _units(p)
         self.into_state = gathers_into_state(p, order, absorbed) if self.backend == "shm" else {}
+        # a fuse kernel's rows into every copy of the state: the gather moves no bytes of its own
+        self.fuse_into = fuse_gathers_into(p, order, self.into_state, absorbed, rows) if self.backend == "shm" else {}
+        self.fused_gathers = {ag for into in self.fuse_into.values() for ag in into}
         units: list[Unit] = []
         written: set[str] = set(self.into_state.values())
         for u in order:
@@ -300,6 +308,8 @@ class _Builder:
             return [Unit(s.name, ks, (self.collective(s),))]
         if op == "reduce_scatter":
             return [Unit(s.name, self.scatter_copies(s), (self.collective(s),))]
+        if op == "all_gather" and s.name in self.fused_gathers:
+            return []  # in the fuse kernel that computes its rows
         if op == "all_gather" and s.name in self.into_state:
             # two barriers; this rank's rows into its own copy of the state and every peer's
             part = p[s.args[0]].type
@@ -367,8 +377,13 @@ class _Builder:
                 cold += self.nbytes(p[a].type, best)
         writes: list[Term] = []
         fresh: list[Term] = []
+        into = set(self.fuse_into.get(g, {}).values())
         for o in outs:
             b = self.nbytes(p[o].type, self.local(p[o].type))
+            if o in into:  # this rank's rows into its own copy of the state and every peer's: to memory
+                writes += _scaled(b, _PerWorld.ALL)
+                cold += _scaled(b, _PerWorld.ALL)
+                continue
             writes += b
             if o not in inplace:
                 fresh += b
@@ -378,7 +393,9 @@ class _Builder:
         dtype = next((p[o].type.dtype for o in outs if p[o].type and p[o].type.dtype), "float32")
         k = Kernel(str(g), 1, tuple(reads), tuple(writes), tuple(fresh), ops=ops, dtype=dtype, compiled=True,
                    cold=tuple(cold))
-        return Unit(str(g), (k,)), set(inplace.values())
+        # its gathers into state: one barrier before the kernel writes the peers' copies, one after
+        comms = (Comm("barrier", (), launches=2, shm=True),) if into else ()
+        return Unit(str(g), (k,), comms), set(inplace.values())
 
     def dropout_cost(self) -> DropoutCost:
         return DROPOUT_PER_ELEMENT if self.backend == "nccl" else DROPOUT_PER_BLOCK
@@ -409,13 +426,13 @@ class _Builder:
         into = gather_into(p, self.backend, g, outs, absorbed)
         outs = [o for o in outs if o not in inplace and o not in into]
         gathers = [m for m in g.members if p[m].op == "all_gather"]
-        sliced_outs = [o for o in outs if p[o].op != "all_gather"]
+        sliced_outs = [o for o in outs if p[o].op not in ("all_gather", "partial_sum")]
         compute = [m for m in (*absorbed, *g.members[1:]) if p[m].op != "all_gather"]
         needed = {p[m].args[0] for m in gathers if m not in into} | set(sliced_outs)
         shm = self.backend == "shm"
         direct = reads_input_in_place(p, self.backend, g)
         compiled = chunk_compiles(p, g, compute)
-        parts = shm and rs.attr("op") in ("sum", "avg") and rs.name not in needed and compiled
+        parts = sums_parts(p, self.backend, g, into) and compiled
         kernels: list[Kernel] = []
         comms: list[Comm] = []
         whole_in = self.nbytes(x, self.whole(x))
@@ -460,6 +477,8 @@ class _Builder:
                 if m in needed:
                     b = self.nbytes(p[m].type, self.local(p[m].type))
                     writes += b
+            if rs.name in sliced_outs:  # the reduced rows, which the group hands on, into one tensor
+                writes += mine_in
             for m in into:  # this rank's rows of the state, into its own copy and every peer's: to memory
                 part = p[p[m].args[0]].type
                 rows = _scaled(self.nbytes(part, self.local(part)), R.ALL)
@@ -485,19 +504,18 @@ class _Builder:
             mine = self.nbytes(part, self.local(part))
             whole = self.nbytes(p[m].type, self.whole(p[m].type))
             if m in into:
-                # one barrier, and the state is whole: it lives in the segment the peers wrote their rows into
-                # (a state that cannot move there, a view into a larger buffer, copies them in: not priced)
-                comms.append(Comm("barrier", (), launches=1, shm=True))
+                # the state is whole: it lives in the segment the peers wrote their rows into (a state that
+                # cannot move there, a view into a larger buffer, copies them in: not priced)
+                pass
             elif shm:
-                # each chunk into this rank's slot; one barrier; every rank's rows copied out
+                # each chunk into this rank's slot; every rank's rows copied out
                 kernels.append(Kernel(f"{m} publish", chunks, mine, mine))
-                comms.append(Comm("barrier", (), launches=1, shm=True))
                 kernels.append(Kernel(f"{m} copy out", 1, whole, whole, whole))
             else:
                 # gloo's list all_gather lands in a flat buffer, then in the views: one more copy
                 kernels.append(Kernel(f"{m} into views", chunks, whole, whole, whole))
                 comms.append(Comm("all_gather", whole, launches=chunks))
-        if direct and not gathers:  # the barrier after the peers' last read of the input where it lies
+        if shm and (gathers or direct):  # one barrier ends the collective: its gathers, the peers' reads of the input
             comms.append(Comm("barrier", (), launches=1, shm=True))
         for o in sliced_outs if not compiled else ():  # compiled, the kernel writes them into the whole output
             b = self.nbytes(p[o].type, self.local(p[o].type))

@@ -4,6 +4,11 @@ each rank reduces its slice, computes on it while it is in registers or
 cache, and the gathers send the results. ``fc_chunks`` pipelines it: the slice
 is cut in that many chunks, and chunk k+1 is reduced while chunk k computes
 and chunk k-1 is gathered.
+
+The partial sums of the slice (a norm over the reduced value, as gradient
+clipping and LAMB take it) join too: each chunk adds its rows' share while
+they are in cache, so the value they sum is never written out to be read
+back. What the total feeds waits for the allreduce of the partials, outside.
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ def region(program: Program, rs: str) -> tuple[str, ...]:
     for s in program.stmts:
         if s.name in program.group_of or not any(a in members for a in s.args):
             continue
-        ok = (is_pointwise(program, s) and sliced_dim(program, s.name) == dim) or s.op == "all_gather"
+        ok = ((is_pointwise(program, s) and sliced_dim(program, s.name) == dim) or s.op == "all_gather"
+              or (s.op == "partial_sum" and sliced_dim(program, s.args[0]) == dim))
         if ok and convex_with(program, members, s.name, (first, program.position[s.name])) is None:
             members.add(s.name)
     return ordered(program, members)
@@ -65,6 +71,10 @@ class FuseCollective(Transform):
 
     def describe(self, program: Program) -> str:
         members = region(program, self.reduce_scatter)
-        work = sum(1 for m in members if program[m].op not in ("reduce_scatter", "all_gather"))
-        gathers = sum(1 for m in members if program[m].op == "all_gather")
-        return f"{self.reduce_scatter} fused with {work} statement{'s' * (work != 1)} and {gathers} all_gather{'s' * (gathers != 1)}"
+        ops = [program[m].op for m in members]
+        work = sum(1 for op in ops if op not in ("reduce_scatter", "all_gather", "partial_sum"))
+        gathers, partials = ops.count("all_gather"), ops.count("partial_sum")
+        text = f"{self.reduce_scatter} fused with {work} statement{'s' * (work != 1)}"
+        if partials:
+            text += f", {partials} partial sum{'s' * (partials != 1)}"
+        return text + f" and {gathers} all_gather{'s' * (gathers != 1)}"

@@ -162,6 +162,10 @@ GOLDENS = {  # name: (example, schedule, backend, lower's keywords)
                                         "fuse_collective(rs0)", "shm", {}),
     # ZeRO-1 without a fused collective: the updated w's all_gather written straight into every rank's w
     "adam_zero1_gather_into_shm": ("adam", "split(ar0); reorder(ag0); as_slice(m); as_slice(v)", "shm", {}),
+    # LAMB around its trust ratio: the norm's partial sum inside the fused collective, and the update's kernel
+    # writing its rows into every rank's w
+    "lamb_zero1_norm_shm": ("lamb", "split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse(mul7, sub4); "
+                            "fuse_collective(rs0)", "shm", {}),
     # the eager PyTorch baseline of a program without a hand-written one
     "megatron_eager_torch_dropout": ("megatron_mlp", "baseline", "gloo", {"kernels": "eager", "dropout": "torch"}),
 }
@@ -343,3 +347,21 @@ def test_a_chunk_c_cannot_translate_keeps_inductors_kernel():
         assert ("_chunk0 = _kernel(_chunk0)" in source) == with_exp
         assert ("_chunk0 = _native(_kernel(_chunk0), " in source) != with_exp
         assert ("void coconet_chunk(" in source) != with_exp
+
+
+def test_a_fuse_kernel_writes_into_the_peers_state_only_where_no_other_reader_runs_while_it_does():
+    """The peers write their rows into this rank's w while its kernel runs: LAMB's ``norm(w)``, which reads all
+    of w, must come before the kernel."""
+    from coconet.codegen.lower import _absorbed, _units, fuse_absorbed, fuse_gathers_into, gathers_into_state
+
+    p = Schedule.parse("split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse(mul7, sub4); fuse_collective(rs0)",
+                       example("lamb")).scheduled
+    units = _units(p)
+    absorbed = _absorbed(p)
+    into = gathers_into_state(p, units, absorbed)
+    (fuse,) = [g for g in p.groups if g.kind == "fuse"]
+    assert fuse_gathers_into(p, units, into, absorbed, fuse_absorbed(p)) == {fuse: {"ag3": "sub4"}}
+    norm = next(s.name for s in p.stmts if s.op == "norm")
+    late = [u for u in units if u != norm]
+    late.insert(late.index(fuse) + 1, norm)  # norm(w) after the kernel: it would read rows the peers wrote
+    assert fuse_gathers_into(p, late, into, absorbed, fuse_absorbed(p)) == {}

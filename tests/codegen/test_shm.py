@@ -123,6 +123,38 @@ def test_a_gather_outside_a_fused_collective_writes_straight_into_the_state():
                                                               repeats=2)))
 
 
+def test_a_fused_kernel_writes_its_rows_into_every_copy_of_the_state_it_gathers_into():
+    """LAMB's step in two passes around its trust ratio: the fused collective sums ``u * u`` chunk by chunk as it
+    computes ``u`` (no ``u * u`` written out), and the kernel of ``w - lr * trust * u`` writes each new row into
+    this rank's w and every peer's as it computes it (no temporary, no gather after). Compiled, w gathered
+    whole or m and v sharded too, R = 2 and 3, uneven rows, one chunk and more chunks than rows, the first step
+    (state moved into shared memory) and a steady one. Eager, the kernel leaves the gather to _gather_into."""
+    texts = ["split(ar0); reorder(ag0); fuse(mul7, sub4); fuse_collective(rs0)",
+             "split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse(mul7, sub4); fuse_collective(rs0)"]
+    scheds = [Schedule.parse(text, example("lamb")) for text in texts]
+    for sched in scheds:
+        src = lower(sched, "shm").source
+        step = src.split("def step(")[1]
+        assert "psum0 = torch.stack(_psum0).sum()" in step and "mul8" not in step
+        assert re.search(r"\(_ag3,\), \(w_peers,\) = _into_peers\(_c, \(0, d_N, w, 'w'\)\)\n    _fuse\d\(.*w_peers\)\n"
+                         r"    _ag3.into\(w\)\n", step), step
+        assert "    for _peer in w_peers:\n        _peer.copy_(sub4)" in src and "_gather_into(" not in step
+        assert "_gather_into(_c, sub4, 0, d_N, w, 'w')" in lower(sched, "shm", kernels="eager").source
+    # Adam with every state whole: m, v and w written by one kernel, their copies mapped at one barrier before
+    # it and whole at one barrier after it
+    adam = Schedule.parse("split(ar0); reorder(ag0); fuse(mul1, add0, mul3, mul4, add1, div0, div1, mul5, sqrt0, add2, "
+                          "div2, sub4)", example("adam"))
+    step = lower(adam, "shm").source.split("def step(")[1]
+    assert ("(_ag1, _ag2, _ag3), (m_peers, v_peers, w_peers) = _into_peers(_c, (0, d_N, m, 'm'), (0, d_N, v, 'v'), "
+            "(0, d_N, w, 'w'))") in step
+    assert "_ag1.into(m)\n    _ag2.into(v, end=False)\n    _ag3.into(w, end=False)" in step
+    for world, n in ((2, 1001), (3, 7)):
+        options = Options(world=world, sizes={"N": n}, backend="shm", warmup=1, repeats=2)
+        assert_all_ok(run_schedules([s.with_knobs(fc_chunks=k) for s in scheds for k in (1, 8)], options))
+        assert_all_ok(run_schedules([adam], options))
+    assert not segments()
+
+
 def test_a_state_read_after_its_gather_is_gathered_through_a_slot():
     """``v`` reads the old ``w`` after the gather that gives ``w`` its new value has run: writing the peers' copies
     then would hand ``v`` the new rows, so that gather goes through a slot and ``w`` is written at the end."""
@@ -220,15 +252,17 @@ def test_compiled_fused_collective_computes_replicated_operands_on_its_chunks_ro
 
 @pytest.mark.parametrize("backend", ["shm", "gloo"])
 def test_compiled_fused_collective_writes_its_sliced_outputs_into_one_tensor(backend):
-    """LAMB's fused collective hands ``u`` and ``u * u`` on to the norm and the update after it: compiled, the
-    chunk's kernel writes its rows of each into one tensor of this rank's rows, made before the first chunk (no
-    ``torch.cat`` of the chunks after the last); eager statements still concatenate theirs. R = 3, uneven rows,
-    one chunk and more chunks than a rank has rows."""
+    """LAMB's fused collective hands ``u`` on to the update after it, and the partial sum of ``u * u`` to the norm:
+    compiled, the chunk's kernel writes its rows of ``u`` into one tensor of this rank's rows, made before the
+    first chunk (no ``torch.cat`` of the chunks after the last), and returns its share of the sum; eager
+    statements still concatenate theirs. R = 3, uneven rows, one chunk and more chunks than a rank has rows."""
     sched = Schedule.parse("split(ar0); reorder(ag0); fuse_collective(rs0)", example("lamb"))
     step = lower(sched, backend).source.split("def step(")[1]
-    assert "_add3 = torch.empty(" in step and "_c.local(_add3, 0), _c.local(_mul8, 0)" in step
-    assert "torch.cat(" not in step and "add3 = _add3" in step
-    assert "add3 = torch.cat(_add3, dim=0)" in lower(sched, backend, kernels="eager").source
+    assert "_add3 = torch.empty(" in step and re.search(r"psum0,? = _chunk0\(", step) and "_c.local(_add3, 0)" in step
+    assert "torch.cat(" not in step and "add3 = _add3" in step and "_mul8" not in step
+    assert "psum0 = torch.stack(_psum0).sum()" in step
+    eager = lower(sched, backend, kernels="eager").source
+    assert "add3 = torch.cat(_add3, dim=0)" in eager and "_psum0.append(psum0)" in eager
     assert_all_ok(run_schedules([sched.with_knobs(fc_chunks=k) for k in (1, 8)],
                                 Options(world=3, sizes={"N": 7}, backend=backend, warmup=1, repeats=1)))
 

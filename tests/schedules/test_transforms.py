@@ -159,6 +159,19 @@ def test_fuse_collective():
     refuses(FuseCollective("ar0"), example("adam"), "not a reduce_scatter")
 
 
+def test_fuse_collective_takes_the_partial_sums_of_its_slices():
+    # LAMB's norm(u) over the slices: u * u is summed inside, chunk by chunk; the allreduce of the partials,
+    # and the trust ratio and update that wait for it, stay outside
+    base = sched("lamb", "split(ar0); reorder(ag0)")
+    p = sched("lamb", "split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse_collective(rs0)")
+    (group,) = p.groups
+    psum = next(m for m in group.members if p[m].op == "partial_sum")
+    assert p[p[psum].args[0]].op == "mul" and p[p[psum].args[0]].args[0] == p[p[psum].args[0]].args[1]
+    assert all(u not in group.members for u in p.users[psum]) and p[p.users[psum][0]].op == "allreduce"
+    text = FuseCollective("rs0").describe(AsSlice("v").apply(AsSlice("m").apply(base)))
+    assert text == "rs0 fused with 12 statements, 1 partial sum and 0 all_gathers"
+
+
 def test_overlap_and_bucket():
     meg = example("megatron_mlp")
     p = Overlap("mm0", "ar0").apply(meg)

@@ -209,6 +209,20 @@ def test_zero1_fused_collective_on_shm_moves_the_floors_bytes(chunks):
         assert moved == pytest.approx(bytes_moved_once(prog, sizes, world, {"m", "v"}) / world, rel=1e-6)
 
 
+def test_lamb_in_two_passes_on_shm_moves_what_its_kernels_touch():
+    # the fused collective reads every rank's gradient rows and m, v, w's rows, writes m, v and u's rows, and
+    # returns its share of sum(u * u); norm(w) reads all of w; the update's kernel reads u's and w's rows and
+    # writes w's into every rank's copy: 3N + 8N/R floats per rank, no u * u, no gathered temporary
+    prog = space("lamb")[0].program
+    s = Schedule.parse("split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse(mul7, sub4); "
+                       "fuse_collective(rs0); fc_chunks=1", prog)
+    topo = dataclasses.replace(load_topology("local"), ranks_per_node=4)
+    n = 2**24
+    for world in (2, 3, 4):
+        moved = cost.predict(s, {"N": n}, topo, "shm", world=world).memory_s / topo.memory_beta
+        assert moved == pytest.approx(4 * (3 * n + 8 * n / world), rel=1e-6)
+
+
 def test_ranks_beyond_the_topologys_share_its_memory_and_cores():
     prog = space("adam")[0].program
     s = Schedule.parse("split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse_collective(rs0)", prog)

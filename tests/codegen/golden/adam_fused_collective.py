@@ -240,7 +240,7 @@ def step(tensors, scalars, *, group=None, stage=0, stages=1, sizes=None, custom_
     d_N = tensors['g'].shape[0] if sizes is None else int(sizes['N'])
 
     def _fused_collective0(_rank, beta1, m, beta2, v, g, sub0, sub1, sub2, sub3, lr, eps, w):
-        """fused_collective: reduce_scatter, the computation on this rank's slice, the all_gathers, as one unit."""
+        """fused_collective: reduce_scatter, the computation on this rank's slice, as one unit."""
         # 4 chunks: chunk k+1 is reduced while chunk k computes and chunk k-1 is gathered
         for _c, rs0 in _reduce_scatter_chunks(_rank, g, 0, d_N, 4, 'sum'):
             _chunk0(_c.local(m, 0), _c.local(v, 0), _c.local(w, 0), beta1, beta2, sub0, rs0, sub1, sub2, sub3, lr, eps)

@@ -647,7 +647,7 @@ def step(tensors, scalars, *, group=None, stage=0, stages=1, sizes=None, custom_
     _c.shm = _Shm.of(group, 2, 4 * (d_N))
 
     def _fused_collective0(_rank, beta1, m, beta2, v, g, sub0, sub1, sub2, sub3, lr, eps, w):
-        """fused_collective: reduce_scatter, the computation on this rank's slice, the all_gathers, as one unit."""
+        """fused_collective: reduce_scatter, the computation on this rank's slice, as one unit."""
         # 4 chunks: read where it lies once moved into a segment, each chunk reduced out of the peers' segments just before it computes
         for _c, rs0_parts in _reduce_scatter_parts(_rank, g, 0, d_N, 4, 'g', 0):
             _chunk0(_c.local(m, 0), _c.local(v, 0), _c.local(w, 0), rs0_parts, beta1, beta2, sub0, sub1, sub2, sub3, lr, eps)

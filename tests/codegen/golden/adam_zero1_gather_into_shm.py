@@ -147,10 +147,13 @@ class _Gather:
         lo, _ = self.c.rows(self.n)
         self.c.shm.copy(self.c.shm.at(self.c.rank, self.slot, 0, self.dtype, self.shape)[lo + k.a:lo + k.b], part)
 
-    def result(self):
+    def result(self, end=True):
+        """The gathered value, once every rank has written its rows: after the barrier that ends the collective,
+        which this call makes unless an earlier gather's did (``end``)."""
         s = self.c.shm
         out = torch.empty(self.shape, dtype=self.dtype, device=self.c.device)
-        _end_collective(self.c)
+        if end:
+            _end_collective(self.c)
         for r in range(self.c.world):
             lo, hi = self.c.rows(self.n, r)
             s.copy(out[lo:hi], s.at(r, self.slot, 0, self.dtype, self.shape)[lo:hi])
@@ -172,11 +175,13 @@ class _Gather:
         lo, _ = self.c.rows(self.n)
         return t.narrow(self.dim, lo + k.a, k.b - k.a)
 
-    def into(self, out):
+    def into(self, out, end=True):
         """Once every peer has written its rows, the state ``out`` is whole (copied out of its shadow where it
-        could not move into shared memory)."""
+        could not move into shared memory): after the barrier that ends the collective, which this call makes
+        unless an earlier gather's did (``end``)."""
         s = self.c.shm
-        _end_collective(self.c)
+        if end:
+            _end_collective(self.c)
         seg, moved = s.states[self.name]
         if not moved:
             for r in range(self.c.world):
@@ -588,13 +593,21 @@ def _gather_into(c, x, dim, n, state, name):
     temporary, no slot and no copy into the state after. The first barrier: no rank reads its copy any
     more (the lowering takes this only where every other reader of the state comes before), and every
     copy is mapped; the second: every copy is whole."""
-    g = _Gather(c, dim, n, state, name)
-    c.shm.call(c.shm.barrier)
-    k = _Chunk(c, n, 0, n)
-    c.shm.copy(g._rows(state, k), x)
-    for peer in g.peer_rows(k):
+    (g,), (peers,) = _into_peers(c, (dim, n, state, name))
+    c.shm.copy(g._rows(state, _Chunk(c, n, 0, n)), x)
+    for peer in peers:
         c.shm.copy(peer, x, stream=g.stream)
     g.into(state)
+
+
+def _into_peers(c, *states):
+    """The start of all_gathers into Replicated states (see _gather_into), each given as (dim, n, the state,
+    its name), at one barrier: their _Gathers, whose ``into`` ends them (the first one's at one barrier for
+    all), and per state this rank's rows of every peer's copy, which a fused kernel writes as it computes
+    them. After the barrier every copy is mapped and no rank reads another's rows of its copy any more."""
+    gathers = [_Gather(c, dim, n, state, name, word) for word, (dim, n, state, name) in enumerate(states)]
+    c.shm.call(c.shm.barrier)
+    return gathers, [g.peer_rows(_Chunk(c, g.n, 0, g.n)) for g in gathers]
 
 
 

@@ -151,10 +151,13 @@ class _Gather:
         lo, _ = self.c.rows(self.n)
         self.c.shm.copy(self.c.shm.at(self.c.rank, self.slot, 0, self.dtype, self.shape)[lo + k.a:lo + k.b], part)
 
-    def result(self):
+    def result(self, end=True):
+        """The gathered value, once every rank has written its rows: after the barrier that ends the collective,
+        which this call makes unless an earlier gather's did (``end``)."""
         s = self.c.shm
         out = torch.empty(self.shape, dtype=self.dtype, device=self.c.device)
-        _end_collective(self.c)
+        if end:
+            _end_collective(self.c)
         for r in range(self.c.world):
             lo, hi = self.c.rows(self.n, r)
             s.copy(out[lo:hi], s.at(r, self.slot, 0, self.dtype, self.shape)[lo:hi])
@@ -176,11 +179,13 @@ class _Gather:
         lo, _ = self.c.rows(self.n)
         return t.narrow(self.dim, lo + k.a, k.b - k.a)
 
-    def into(self, out):
+    def into(self, out, end=True):
         """Once every peer has written its rows, the state ``out`` is whole (copied out of its shadow where it
-        could not move into shared memory)."""
+        could not move into shared memory): after the barrier that ends the collective, which this call makes
+        unless an earlier gather's did (``end``)."""
         s = self.c.shm
-        _end_collective(self.c)
+        if end:
+            _end_collective(self.c)
         seg, moved = s.states[self.name]
         if not moved:
             for r in range(self.c.world):
