@@ -695,7 +695,9 @@ def _in_place(p: Program, g: Group, outs: list[str]) -> dict[str, str]:
 
 def _lower_fuse(e: _Emitter, g: Group) -> list[str]:
     """A pointwise group as one module-level function; compiled, Inductor fuses it into one loop (C++ on
-    CPU, Triton on CUDA) that writes updated state in place."""
+    CPU, Triton on CUDA) that writes updated state in place. One that writes its rows into every peer's copy
+    of a state (``fuse_gathers_into``) takes its rows cut at the call, so that C may run it (see
+    _native_chunk): its streamed stores skip the read of every line an ordinary store makes first."""
     p = e.p
     absorbed = tuple(e.fuse_absorbed.get(g, ()))
     ins, outs = _group_io(p, g, absorbed)
@@ -714,31 +716,19 @@ def _lower_fuse(e: _Emitter, g: Group) -> list[str]:
         peers[ag] = e.ident.fresh(f"{e.ident(state)}_peers", scope)
         body += [(f"    {e.operand(p[o], state)}.copy_({e.ident(o)})", ag),
                  (f"    for {peer} in {peers[ag]}:", ag), (f"        {peer}.copy_({e.ident(o)})", ag)]
-    if rest:
-        body.append((f"    return {', '.join(e.ident(o) for o in rest)}{',' if len(rest) == 1 else ''}", g.members[-1]))
-    used = _names(textwrap.dedent("\n".join(x for x, _ in body)).split("\n"))
-    dims = [f"d_{d}" for d in p.dims if f"d_{d}" in used]
-    custom = any(p[m].op in p.custom_ops for m in g.members)
-    params = ["_c"] + dims + (["_custom"] if custom else []) + [e.ident(a) for a in ins]
-    params += [e.ident(t) for t in (*inplace.values(), *(e.into_state[ag] for ag in into)) if t not in ins]
-    params = list(dict.fromkeys(params)) + list(peers.values())
-    fname = f"_fuse{len([x for x in e.toplevel if x[0].startswith('def ')])}"
-    head = [(f"def {fname}({', '.join(params)}):", g.members[0]),
-            (f'    """fuse({", ".join(g.members)}): one pointwise kernel'
-             + (", state written in place" if inplace or into else "")
-             + (" and into every peer's copy" if into else "") + '."""', g.members[0])]
-    e.toplevel += head + body + [("", None), ("", None)]
-    compiled = e.compile and not custom  # a custom op's torch code may not trace; it runs as written
-    if compiled:
-        e.toplevel += [(f"{fname} = _kernel({fname})", g.members[0]), ("", None)]
-    args = list(params)
-    if compiled:
-        # an int argument would be baked into the compiled code: a new seed would recompile it
-        ints = {e.ident(a) for a in ins if p[a].op == "scalar" and p[a].type.dtype == "int64"}
-        args = [f"_int64({a})" if a in ints else a for a in args]
-    call = f"{fname}({', '.join(args)})"
-    if rest:
-        call = f"{', '.join(e.ident(o) for o in rest)}{',' if len(rest) == 1 else ''} = {call}"
+    compiled = e.compile and not custom_group(p, g)  # a custom op's torch code may not trace; it runs as written
+    call = None
+    if into and compiled:  # rows cut at the call: the kernel may run as C, streaming into the peers' copies
+        doc = (f"fuse({', '.join(g.members)}): one pointwise kernel on this rank's rows, state written in place "
+               "and into every peer's copy")
+        compute = [*absorbed, *g.members]
+        args = {x: x for x in peers.values()}  # the peers' rows, bound under the same names at the call
+        states = {ag: e.into_state[ag] for ag in into}
+        call = _cut_kernel(e, g, "_fuse", doc, list(body), compute, set(map(e.ident, compute)), args, scope, rest,
+                           lambda dims: _native_chunk(e, compute, inplace, states, peers, {}, None, None, args, dims,
+                                                      rest))
+    if call is None:
+        call = _whole_fuse(e, g, body, ins, inplace, into, peers, rest, compiled)
     if not into:
         return [call]
     # every state's copies mapped at one barrier before the kernel, every one whole at one barrier after it
@@ -752,6 +742,43 @@ def _lower_fuse(e: _Emitter, g: Group) -> list[str]:
     comma = "," if len(gathers) == 1 else ""
     start = f"({', '.join(gathers)}{comma}), ({', '.join(peers.values())}{comma}) = _into_peers(_c, {', '.join(specs)})"
     return [start, call] + ends
+
+
+def custom_group(p: Program, g: Group) -> bool:
+    return any(p[m].op in p.custom_ops for m in g.members)
+
+
+def _whole_fuse(e: _Emitter, g: Group, body: list, ins: list[str], inplace: dict[str, str], into, peers,
+                rest: list[str], compiled: bool) -> str:
+    """The fuse group's function taking whole tensors and ``_c`` (it cuts the rows it reads itself), Inductor's
+    where ``compiled``: its call."""
+    p = e.p
+    if rest:
+        body = body + [(f"    return {', '.join(e.ident(o) for o in rest)}{',' if len(rest) == 1 else ''}",
+                        g.members[-1])]
+    used = _names(textwrap.dedent("\n".join(x for x, _ in body)).split("\n"))
+    dims = [f"d_{d}" for d in p.dims if f"d_{d}" in used]
+    custom = custom_group(p, g)
+    params = ["_c"] + dims + (["_custom"] if custom else []) + [e.ident(a) for a in ins]
+    params += [e.ident(t) for t in (*inplace.values(), *(e.into_state[ag] for ag in into)) if t not in ins]
+    params = list(dict.fromkeys(params)) + list(peers.values())
+    fname = f"_fuse{len([x for x in e.toplevel if x[0].startswith('def ')])}"
+    head = [(f"def {fname}({', '.join(params)}):", g.members[0]),
+            (f'    """fuse({", ".join(g.members)}): one pointwise kernel'
+             + (", state written in place" if inplace or into else "")
+             + (" and into every peer's copy" if into else "") + '."""', g.members[0])]
+    e.toplevel += head + body + [("", None), ("", None)]
+    if compiled:
+        e.toplevel += [(f"{fname} = _kernel({fname})", g.members[0]), ("", None)]
+    args = list(params)
+    if compiled:
+        # an int argument would be baked into the compiled code: a new seed would recompile it
+        ints = {e.ident(a) for a in ins if p[a].op == "scalar" and p[a].type.dtype == "int64"}
+        args = [f"_int64({a})" if a in ints else a for a in args]
+    call = f"{fname}({', '.join(args)})"
+    if rest:
+        call = f"{', '.join(e.ident(o) for o in rest)}{',' if len(rest) == 1 else ''} = {call}"
+    return call
 
 
 def _chunked_body(e: _Emitter, g: Group, outs: list[str], chunks: int, absorbed=(), inplace=None, into=None) -> list:
@@ -920,6 +947,24 @@ def _chunk_kernel(e: _Emitter, g: Group, compute: list[str], inplace: dict[str, 
     for o, buf in buffers.items():
         body.append((f"    _c.local({buf}, {p[o].type.layout.dim}).copy_({e.ident(o)})", o))
 
+    defined = {e.ident(m) for m in compute} | ({e.ident(parts.name)} if parts is not None else set())
+    results = [m for m in compute if m in needed and m not in buffers]
+    doc = f"{len(compute)} statements of {g} on one chunk" + (", state written in place" if inplace or into else "")
+    call = _cut_kernel(e, g, "_chunk", doc, body, compute, defined, args, scope, results,
+                       lambda dims: _native_chunk(e, compute, inplace, into or {}, peers, buffers, parts, parts_name,
+                                                  args, dims, results), (parts_name,) if parts is not None else ())
+    return None if call is None else [(f"        {call}", compute[0])]
+
+
+def _cut_kernel(e: _Emitter, g: Group, prefix: str, doc: str, body: list, compute: list[str], defined: set[str],
+                args: dict[str, str], scope: set[str], results: list[str], native, given=()) -> str | None:
+    """A kernel whose rows of each value are cut at the call (``_c.cut``, ``_c.local``: the rank's or the chunk's
+    position stays out of the compiled code) as a module-level function, Inductor's, or C where ``native(dims)``
+    gives its kinds and source (see _native_chunk). ``args``: argument at the call -> parameter, for those the
+    body names already; the cut rows, then ``given`` (names passed as they are), then the values it reads join
+    it. The call, or None where the body needs ``_c`` itself."""
+    p = e.p
+
     def param(match: re.Match) -> str:
         expr = match.group(0)
         if expr not in args:
@@ -932,9 +977,7 @@ def _chunk_kernel(e: _Emitter, g: Group, compute: list[str], inplace: dict[str, 
     used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
     if "_c" in used:
         return None
-    defined = {e.ident(m) for m in compute} | ({e.ident(parts.name)} if parts is not None else set())
-    if parts is not None:
-        args[parts_name] = parts_name
+    args.update((name, name) for name in given)
     raw = [e.ident(a) for m in compute for a in p[m].args if e.ident(a) not in defined]
     # and values an operand stands for under another name: the chunk's reduced rows for their gather's
     # output (another reduce_scatter's rows read by this one's computation)
@@ -946,20 +989,18 @@ def _chunk_kernel(e: _Emitter, g: Group, compute: list[str], inplace: dict[str, 
         if name in used:
             args.setdefault(name, name)
     dims = [f"d_{x}" for x in p.dims if f"d_{x}" in used]
-    results = [m for m in compute if m in needed and m not in buffers]
     if results:
         body.append((f"    return {', '.join(e.ident(r) for r in results)}{',' if len(results) == 1 else ''}",
                      compute[-1]))
-    fname = f"_chunk{len([x for x in e.toplevel if x[0].startswith('def ')])}"
+    fname = f"{prefix}{len([x for x in e.toplevel if x[0].startswith('def ')])}"
     params = dims + list(args.values())
-    doc = f"{len(compute)} statements of {g} on one chunk" + (", state written in place" if inplace or into else "")
     e.toplevel += [(f"def {fname}({', '.join(params)}):", g.members[0]), (f'    """{doc}."""', g.members[0])]
     e.toplevel += body + [("", None), ("", None)]
-    native = _native_chunk(e, compute, inplace, into or {}, peers, buffers, parts, parts_name, args, dims, results)
-    if native is None:
+    built = native(dims)
+    if built is None:
         e.toplevel += [(f"{fname} = _kernel({fname})", g.members[0]), ("", None)]
     else:
-        kinds, source = native
+        kinds, source = built
         e.toplevel += [(f"{fname} = _native(_kernel({fname}), {kinds!r}, r\"\"\"", g.members[0])]
         e.toplevel += [(x, g.members[0]) for x in source.rstrip("\n").split("\n")]
         e.toplevel += [('""")', g.members[0]), ("", None)]
@@ -968,7 +1009,7 @@ def _chunk_kernel(e: _Emitter, g: Group, compute: list[str], inplace: dict[str, 
     call = f"{fname}({', '.join(call_args)})"
     if results:
         call = f"{', '.join(e.ident(r) for r in results)}{',' if len(results) == 1 else ''} = {call}"
-    return [(f"        {call}", compute[0])]
+    return call
 
 
 def _native_chunk(e: _Emitter, compute: list[str], inplace: dict[str, str], into, peers, buffers,

@@ -1,5 +1,7 @@
 """A fused collective's chunk as C: the pointwise statements, one pass over the chunk's rows, with this
-rank's new rows of a gathered state stored into every peer's copy with non-temporal stores.
+rank's new rows of a gathered state stored into every peer's copy with non-temporal stores. A fuse
+group that writes its rows into the peers' copies of a state (after a norm's allreduce, say) is one
+chunk of this rank's rows.
 
 Inductor's kernel stores into the peers' copies with ordinary stores, and an ordinary store to a line
 that is not cached reads it first (read-for-ownership): at world 4, ZeRO-1 Adam's step then moves 16

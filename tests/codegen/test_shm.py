@@ -126,7 +126,8 @@ def test_a_gather_outside_a_fused_collective_writes_straight_into_the_state():
 def test_a_fused_kernel_writes_its_rows_into_every_copy_of_the_state_it_gathers_into():
     """LAMB's step in two passes around its trust ratio: the fused collective sums ``u * u`` chunk by chunk as it
     computes ``u`` (no ``u * u`` written out), and the kernel of ``w - lr * trust * u`` writes each new row into
-    this rank's w and every peer's as it computes it (no temporary, no gather after). Compiled, w gathered
+    this rank's w and every peer's as it computes it (no temporary, no gather after; C, with streamed stores).
+    Compiled, w gathered
     whole or m and v sharded too, R = 2 and 3, uneven rows, one chunk and more chunks than rows, the first step
     (state moved into shared memory) and a steady one. Eager, the kernel leaves the gather to _gather_into."""
     texts = ["split(ar0); reorder(ag0); fuse(mul7, sub4); fuse_collective(rs0)",
@@ -136,9 +137,11 @@ def test_a_fused_kernel_writes_its_rows_into_every_copy_of_the_state_it_gathers_
         src = lower(sched, "shm").source
         step = src.split("def step(")[1]
         assert "psum0 = torch.stack(_psum0).sum()" in step and "mul8" not in step
-        assert re.search(r"\(_ag3,\), \(w_peers,\) = _into_peers\(_c, \(0, d_N, w, 'w'\)\)\n    _fuse\d\(.*w_peers\)\n"
-                         r"    _ag3.into\(w\)\n", step), step
+        # the rows it reads and writes cut at the call: C runs it, streaming its rows into the peers' copies
+        assert re.search(r"\(_ag3,\), \(w_peers,\) = _into_peers\(_c, \(0, d_N, w, 'w'\)\)\n"
+                         r"    _fuse(\d)\(w_peers, _c\.cut\(w, 0, d_N\), .*\)\n    _ag3.into\(w\)\n", step), step
         assert "    for _peer in w_peers:\n        _peer.copy_(sub4)" in src and "_gather_into(" not in step
+        assert re.search(r"_fuse\d = _native\(_kernel\(_fuse\d\), 'ptst', ", src)
         assert "_gather_into(_c, sub4, 0, d_N, w, 'w')" in lower(sched, "shm", kernels="eager").source
     # Adam with every state whole: m, v and w written by one kernel, their copies mapped at one barrier before
     # it and whole at one barrier after it

@@ -621,9 +621,10 @@ def _native_library(source, name, flags, what):
 
 
 def _native(fn, kinds, source):
-    """Chunk kernel ``fn`` run by ``source``'s C function (coconet.kernels.native) where the call's tensors
-    allow it: every tensor a contiguous float32 CPU tensor of one length, every scalar one number, nothing
-    that needs autograd; ``fn`` otherwise, and where there is no C compiler. ``kinds``: a letter per
+    """Kernel ``fn`` (a fused collective's chunk, or a fuse group's rows that it writes into the peers'
+    copies) run by ``source``'s C function (coconet.kernels.native) where the call's tensors allow it: every
+    tensor a contiguous float32 CPU tensor of one length, every scalar one number, nothing that needs
+    autograd; ``fn`` otherwise, and where there is no C compiler. ``kinds``: a letter per
     parameter of fn (d a dim, s a scalar, t a tensor, l a list of tensors summed, p a list of peers' rows)."""
     lib = []  # the C function, or None: fn serves every call
 

@@ -638,6 +638,51 @@ def _native_library(source, name, flags, what):
     return ctypes.CDLL(path)
 
 
+def _native(fn, kinds, source):
+    """Kernel ``fn`` (a fused collective's chunk, or a fuse group's rows that it writes into the peers'
+    copies) run by ``source``'s C function (coconet.kernels.native) where the call's tensors allow it: every
+    tensor a contiguous float32 CPU tensor of one length, every scalar one number, nothing that needs
+    autograd; ``fn`` otherwise, and where there is no C compiler. ``kinds``: a letter per
+    parameter of fn (d a dim, s a scalar, t a tensor, l a list of tensors summed, p a list of peers' rows)."""
+    lib = []  # the C function, or None: fn serves every call
+
+    def kernel(*args):
+        if not lib:
+            # IEEE operations as written: no fused multiply-adds, no reassociation (not -ffast-math)
+            built = _native_library(source, "chunk", ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math",
+                                                      "-ffp-contract=off"], "a chunk kernel")
+            if built is not None:
+                built = built.coconet_chunk
+                built.argtypes = (ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
+                built.restype = None
+            lib.append(built)
+        if lib[0] is None:
+            return fn(*args)
+        grad = torch.is_grad_enabled()
+        ptrs, counts, scalars, n = [], [], [], None
+        for kind, x in zip(kinds, args):
+            if kind == "d":
+                continue
+            if kind == "s":
+                if isinstance(x, torch.Tensor) and (x.numel() != 1 or x.dtype != torch.float32
+                                                    or x.device.type != "cpu" or (grad and x.requires_grad)):
+                    return fn(*args)
+                scalars.append(float(x))
+                continue
+            xs = x if kind in "lp" else (x,)
+            if kind in "lp":
+                counts.append(len(xs))
+            for t in xs:
+                if (t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous()
+                        or (n is not None and t.numel() != n) or (grad and t.requires_grad)):
+                    return fn(*args)
+                n = t.numel()
+                ptrs.append(t.data_ptr())
+        lib[0](n, (ctypes.c_void_p * len(ptrs))(*ptrs), (ctypes.c_long * max(1, len(counts)))(*counts),
+               (ctypes.c_float * max(1, len(scalars)))(*scalars))
+    return kernel
+
+
 def _on_comm_thread(fn, *args):
     """A collective on the communication thread, as one named span in a profiler trace."""
     with torch.profiler.record_function(f"shm {fn.__name__}"):
@@ -815,16 +860,110 @@ def _chunk0(m_k, v_k, w_k, _add3_k, rs0_parts, beta1, beta2, weight_decay, sub0,
 
 _chunk0 = _kernel(_chunk0)
 
-def _fuse1(_c, d_N, mul6, add3, w, w_peers):
-    """fuse(mul7, sub4): one pointwise kernel, state written in place and into every peer's copy."""
+def _fuse1(w_peers, w_k, mul6, add3):
+    """fuse(mul7, sub4): one pointwise kernel on this rank's rows, state written in place and into every peer's copy."""
     mul7 = mul6 * add3
-    sub4 = _c.cut(w, 0, d_N) - mul7
-    _c.cut(w, 0, d_N).copy_(sub4)
+    sub4 = w_k - mul7
+    w_k.copy_(sub4)
     for _peer in w_peers:
         _peer.copy_(sub4)
 
 
-_fuse1 = _kernel(_fuse1)
+_fuse1 = _native(_kernel(_fuse1), 'ptst', r"""
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef int v8i __attribute__((vector_size(32)));
+
+static inline v8 ld(const float *p) { v8 x; memcpy(&x, p, sizeof x); return x; }
+static inline void st(float *p, v8 x) { memcpy(p, &x, sizeof x); }
+static inline v8 vabs(v8 x) { return (v8)((v8i)x & 0x7fffffff); }
+static inline v8 vmax(v8 x, v8 y) { v8i m = (x > y) | (x != x); return (v8)(((v8i)x & m) | ((v8i)y & ~m)); }
+static inline v8 vmin(v8 x, v8 y) { v8i m = (x < y) | (x != x); return (v8)(((v8i)x & m) | ((v8i)y & ~m)); }
+static inline v8 vsqrt(v8 x) {
+#ifdef __AVX__
+    return (v8)_mm256_sqrt_ps((__m256)x);
+#else
+    float t[8]; st(t, x); for (int q = 0; q < 8; q++) t[q] = sqrtf(t[q]); return ld(t);
+#endif
+}
+/* one 64-byte line, its address aligned, past the cache */
+static inline void stream_line(float *d, v8 x, v8 y) {
+#ifdef __AVX__
+    _mm256_stream_ps(d, (__m256)x); _mm256_stream_ps(d + 8, (__m256)y);
+#else
+    float t[16] __attribute__((aligned(64))); st(t, x); st(t + 8, y);
+    for (int q = 0; q < 16; q += 4) _mm_stream_ps(d + q, _mm_load_ps(t + q));
+#endif
+}
+
+typedef struct {
+    float *const *p_w_peers;
+    long n_w_peers;
+    float *p_w_k;
+    float p_mul6;
+    float *p_add3;
+} args_t;
+
+/* row i of the chunk; its values for the peers' copies into out */
+static inline __attribute__((always_inline)) void row(const args_t *a, long i, float *out) {
+    const float p_mul6 = a->p_mul6;
+    float *const p_w_k = a->p_w_k;
+    float *const p_add3 = a->p_add3;
+    const float p_mul7 = (p_mul6 * p_add3[i]);
+    const float p_sub4 = (p_w_k[i] - p_mul7);
+    p_w_k[i] = p_sub4;
+    out[0] = p_sub4;
+}
+
+/* rows [i, i + 8) */
+static inline __attribute__((always_inline)) void rows8(const args_t *a, long i, v8 *out) {
+    const v8 p_mul6 = a->p_mul6 + (v8){0};
+    float *const p_w_k = a->p_w_k;
+    float *const p_add3 = a->p_add3;
+    const v8 p_mul7 = (p_mul6 * ld(p_add3 + i));
+    const v8 p_sub4 = (ld(p_w_k + i) - p_mul7);
+    st(p_w_k + i, p_sub4);
+    out[0] = p_sub4;
+}
+
+void coconet_chunk(long n, void **ptr, const long *count, const float *scal) {
+    args_t a;
+    long at = 0;
+    (void)at; (void)count; (void)scal;
+    a.p_w_peers = (float *const *)(ptr + at); a.n_w_peers = count[0]; at += count[0];
+    a.p_w_k = (float *)ptr[at++];
+    a.p_mul6 = scal[0];
+    a.p_add3 = (float *)ptr[at++];
+    float o[1];
+    v8 x[1], y[1];
+    /* streamed where every destination has the same offset in its line, on a float */
+    uintptr_t off = a.n_w_peers ? (uintptr_t)a.p_w_peers[0] & 63 : 0;
+    int nt = (off & 3) == 0;
+    for (long r = 0; r < a.n_w_peers; r++) nt = nt && ((uintptr_t)a.p_w_peers[r] & 63) == off;
+    long head = nt ? (long)((64 - off) & 63) / 4 : 0, i = 0;
+    for (; i < head && i < n; i++) {
+        row(&a, i, o);
+        for (long r = 0; r < a.n_w_peers; r++) a.p_w_peers[r][i] = o[0];
+    }
+    for (; i + 16 <= n; i += 16) {
+        rows8(&a, i, x);
+        rows8(&a, i + 8, y);
+        for (long r = 0; r < a.n_w_peers; r++) {
+            float *d = a.p_w_peers[r] + i;
+            if (nt) stream_line(d, x[0], y[0]); else { st(d, x[0]); st(d + 8, y[0]); }
+        }
+    }
+    for (; i < n; i++) {
+        row(&a, i, o);
+        for (long r = 0; r < a.n_w_peers; r++) a.p_w_peers[r][i] = o[0];
+    }
+    _mm_sfence();  /* the streamed stores are visible before the barrier's flag after */
+}
+""")
 
 
 def step(tensors, scalars, *, group=None, stage=0, stages=1, sizes=None, custom_ops=None):
@@ -872,7 +1011,7 @@ def step(tensors, scalars, *, group=None, stage=0, stages=1, sizes=None, custom_
     div3 = norm0 / norm1
     mul6 = lr * div3
     (_ag3,), (w_peers,) = _into_peers(_c, (0, d_N, w, 'w'))
-    _fuse1(_c, d_N, mul6, add3, w, w_peers)
+    _fuse1(w_peers, _c.cut(w, 0, d_N), mul6, add3)
     _ag3.into(w)
     del add3, _ag3
     return {"outputs": _outputs, "sent": _sent}
