@@ -583,18 +583,26 @@ def gather_into(p: Program, backend: str, g: Group, outs: list[str], absorbed) -
     return _updated_in_place(p, g, outs, absorbed, gathered=True) if backend == "shm" else {}
 
 
+def _positions(units: list, *inside) -> dict[str, int]:
+    """Each statement's place in ``units`` (the order the step runs them); a statement that runs inside a group
+    (``inside``: per group, its absorbed statements) takes the group's."""
+    at: dict[str, int] = {}
+    for i, u in enumerate(units):
+        for m in (u.members if isinstance(u, Group) else (u,)):
+            at[m] = i
+    for groups in inside:
+        for g, ms in groups.items():
+            at.update(dict.fromkeys(ms, at[g.members[0]]))
+    return at
+
+
 def gathers_into_state(p: Program, units: list, absorbed: dict[Group, tuple[str, ...]]) -> dict[str, str]:
     """Ungrouped all_gathers (shm) whose value is the new value of one Replicated state and read by nothing
     else, where the state is bound and every other reader of it runs before them (``units``: the order the
     step runs its statements; ``absorbed``: statements that run inside their fused collective): each rank
     writes its rows straight into its own copy of the state and every peer's, with no gathered temporary, no
     slot and no copy into the state at the end. Each gather maps to its state."""
-    at: dict[str, int] = {}
-    for i, u in enumerate(units):
-        for m in (u.members if isinstance(u, Group) else (u,)):
-            at[m] = i
-    for g, ms in absorbed.items():
-        at.update(dict.fromkeys(ms, at[g.members[0]]))
+    at = _positions(units, absorbed)
     found = {}
     for s in p.stmts:
         if s.op != "all_gather" or s.name in p.group_of or any(p[u].op != "update" for u in p.users[s.name]):
@@ -614,21 +622,16 @@ def gathers_into_state(p: Program, units: list, absorbed: dict[Group, tuple[str,
 def fuse_gathers_into(p: Program, units: list, into_state: dict[str, str], absorbed: dict[Group, tuple[str, ...]],
                       rows: dict[Group, dict[str, int]]) -> dict[Group, dict[str, str]]:
     """Per compiled fuse group on shm, the gathers into state (``into_state``, see gathers_into_state) of
-    values nothing else outside the group reads that its kernel can do itself: it writes each new row into its own copy of the
-    state and every peer's as it computes it, so the value is never written out to be copied. Each gather
-    maps to the value it gathers. Every reader of the state in the group must read this rank's rows of it
-    alone (a member Sliced on the state's shape, or a statement it computes on those rows: ``rows``, see
-    fuse_absorbed), and every other reader runs before the group: the peers write their rows into this
-    rank's copy while the kernel runs."""
-    at = {}
-    for i, u in enumerate(units):
-        for m in (u.members if isinstance(u, Group) else (u,)):
-            at[m] = i
-    for h, ms in (*absorbed.items(), *rows.items()):  # statements that run inside their group
-        at.update(dict.fromkeys(ms, at[h.members[0]]))
+    values nothing else outside the group reads that its kernel can do itself: it writes each new row into
+    its own copy of the state and every peer's as it computes it, so the value is never written out to be
+    copied. Each gather maps to the value it gathers. Every reader of the state in the group must read this
+    rank's rows of it alone (a member Sliced on the state's shape, or a statement it computes on those rows:
+    ``rows``, see fuse_absorbed), and every other reader runs before the group: the peers write their rows
+    into this rank's copy while the kernel runs."""
+    at = _positions(units, absorbed, rows)
     out: dict[Group, dict[str, str]] = {}
     for g in p.groups:
-        if g.kind != "fuse" or any(p[m].op in p.custom_ops for m in g.members):
+        if g.kind != "fuse" or custom_group(p, g):
             continue
         inside = set(g.members) | set(rows.get(g, {}))
         found = {}
@@ -855,9 +858,9 @@ def _chunked_body(e: _Emitter, g: Group, outs: list[str], chunks: int, absorbed=
     if kernel is None:
         lines += [(f"        {tmp[o]}.append({e.ident(o)})", o) for o in sliced_outs]
     for i, m in enumerate(gathers):  # on shm the first ends the collective, at one barrier for all
-        end = ", end=False" if i and e.backend == "shm" else ""
-        lines.append((f"    {tmp[m]}.into({e.ident(into[m])}{end})" if m in into else
-                      f"    {e.ident(m)} = {tmp[m]}.result({end.lstrip(', ')})", m))
+        later = i and e.backend == "shm"
+        lines.append((f"    {tmp[m]}.into({e.ident(into[m])}{', end=False' if later else ''})" if m in into else
+                      f"    {e.ident(m)} = {tmp[m]}.result({'end=False' if later else ''})", m))
     if direct and not gathers:  # nothing gathered: the peers' reads of the input end at a barrier of its own
         lines.append(("    _end_collective(_rank)", rs.name))
     lines += [(f"    {e.ident(o)} = {tmp[o]}" if kernel is not None else

@@ -38,7 +38,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
-from coconet.codegen.lower import chunk_compiles, fuse_absorbed, reads_input_in_place, sums_parts
+from coconet.codegen.lower import chunk_compiles, custom_group, fuse_absorbed, reads_input_in_place, sums_parts
 from coconet.codegen.lower import (_absorbed, _fc_in_place, _group_io, _in_place, _needs_copy, _units, gather_into,
                                    fuse_gathers_into, gathers_into_state)
 from coconet.errors import CoconetError, SizeError
@@ -360,8 +360,7 @@ class _Builder:
         ins, outs = _group_io(p, g, tuple(rows))
         inplace = _in_place(p, g, outs)
         members = (*rows, *g.members)
-        custom = any(p[m].op in p.custom_ops for m in g.members)
-        if custom:  # a custom op's code runs as written: statement by statement
+        if custom_group(p, g):  # a custom op's code runs as written: statement by statement
             return Unit(str(g), tuple(self.eager(p[m]) for m in members)), set(inplace.values())
         reads: list[Term] = []
         cold: list[Term] = []
@@ -506,8 +505,8 @@ class _Builder:
             if m in into:
                 # the state is whole: it lives in the segment the peers wrote their rows into (a state that
                 # cannot move there, a view into a larger buffer, copies them in: not priced)
-                pass
-            elif shm:
+                continue
+            if shm:
                 # each chunk into this rank's slot; every rank's rows copied out
                 kernels.append(Kernel(f"{m} publish", chunks, mine, mine))
                 kernels.append(Kernel(f"{m} copy out", 1, whole, whole, whole))
