@@ -29,7 +29,7 @@ from typing import Callable
 from coconet.errors import BackendError
 from coconet.kernels.native import ChunkKernel, Untranslatable, c_source
 from coconet.schedules.dims import Dim
-from coconet.schedules.ir import EFFECTS, Group, Program, Stmt
+from coconet.schedules.ir import COMPARE, EFFECTS, Group, Program, Stmt
 from coconet.schedules.schedule import Schedule
 from coconet.schedules.types import ITEMSIZE, Replicated, Sliced
 
@@ -1003,10 +1003,10 @@ def _cut_kernel(e: _Emitter, g: Group, prefix: str, doc: str, body: list, comput
     if built is None:
         e.toplevel += [(f"{fname} = _kernel({fname})", g.members[0]), ("", None)]
     else:
-        kinds, source = built
+        kinds, source, sums = built
         e.toplevel += [(f"{fname} = _native(_kernel({fname}), {kinds!r}, r\"\"\"", g.members[0])]
         e.toplevel += [(x, g.members[0]) for x in source.rstrip("\n").split("\n")]
-        e.toplevel += [('""")', g.members[0]), ("", None)]
+        e.toplevel += [(f'""", sums={sums})' if sums else '""")', g.members[0]), ("", None)]
     ints = {e.ident(a) for m in compute for a in p[m].args if p[a].op == "scalar" and p[a].type.dtype == "int64"}
     call_args = dims + [f"_int64({a})" if a in ints else a for a in args]
     call = f"{fname}({', '.join(call_args)})"
@@ -1017,12 +1017,13 @@ def _cut_kernel(e: _Emitter, g: Group, prefix: str, doc: str, body: list, comput
 
 def _native_chunk(e: _Emitter, compute: list[str], inplace: dict[str, str], into, peers, buffers,
                   parts: Stmt | None, parts_name: str | None, args: dict[str, str], dims: list[str],
-                  results: list[str]) -> tuple[str, str] | None:
-    """The chunk kernel as C (coconet.kernels.native): its parameters' kinds and its source. Only where it stores
-    a gathered state's rows into the peers' copies (shm): there its streamed stores save the read of every line
-    an ordinary store makes first. None where a statement has no translation (Inductor's kernel serves alone)."""
+                  results: list[str]) -> tuple[str, str, int] | None:
+    """The chunk kernel as C (coconet.kernels.native): its parameters' kinds, its source and how many partial
+    sums it returns. Only where it stores a gathered state's rows into the peers' copies (shm): there its
+    streamed stores save the read of every line an ordinary store makes first. None where a statement has no
+    translation or it returns anything but partial sums (Inductor's kernel serves alone)."""
     p = e.p
-    if e.backend != "shm" or not into or results:
+    if e.backend != "shm" or not into or any(p[r].op != "partial_sum" for r in results):
         return None
     by_ident = {e.ident(s.name): s for s in p.stmts}
     kinds: list[tuple[str, str]] = [(d, "dim") for d in dims]
@@ -1044,15 +1045,19 @@ def _native_chunk(e: _Emitter, compute: list[str], inplace: dict[str, str], into
         text = _CUT.sub(lambda m: args.get(m.group(0), "?"), text)
         return text if text.isidentifier() else None
 
-    stmts = []
+    stmts, sums = [], []
     for m in compute:
         s = p[m]
-        if s.type is None or (s.type.dtype or "float32") != "float32" or s.op == "dropout":
+        dtype = "bool" if s.op in COMPARE else "float32"
+        if s.type is None or (s.type.dtype or "float32") != dtype or s.op == "dropout":
             return None
         operands = [name_of(e.operand(s, a)) for a in s.args]
         if None in operands:
             return None
-        stmts.append((e.ident(m), s.op, tuple(operands), s.attr("value")))
+        if s.op == "partial_sum":
+            sums += [(e.ident(m), operands[0])] * (m in results)
+            continue
+        stmts.append((e.ident(m), s.op, tuple(operands), s.attr("dtype") if s.op == "cast" else s.attr("value")))
     writes = [(name_of(e.operand(p[o], t)), e.ident(o)) for o, t in inplace.items()]
     writes += [(name_of(e.operand(p[p[m].args[0]], t)), e.ident(p[m].args[0])) for m, t in into.items()]
     writes += [(name_of(f"_c.local({buf}, {p[o].type.layout.dim})"), e.ident(o)) for o, buf in (buffers or {}).items()]
@@ -1063,9 +1068,9 @@ def _native_chunk(e: _Emitter, compute: list[str], inplace: dict[str, str], into
         params=tuple(kinds),
         parts=(e.ident(parts.name), parts_name, parts.attr("op")) if parts is not None else None,
         stmts=tuple(stmts), numbers=frozenset(e.ident(m) for m in compute if e.number(m)),
-        writes=tuple(writes), streams=tuple(streams))
+        writes=tuple(writes), streams=tuple(streams), sums=tuple(sums))
     try:
-        return spec.kinds, c_source(spec)
+        return spec.kinds, c_source(spec), len(sums)
     except Untranslatable:
         return None
 

@@ -435,12 +435,13 @@ def _native_library(source, name, flags, what):
     return ctypes.CDLL(path)
 
 
-def _native(fn, kinds, source):
+def _native(fn, kinds, source, sums=0):
     """Kernel ``fn`` (a fused collective's chunk, or a fuse group's rows that it writes into the peers'
     copies) run by ``source``'s C function (coconet.kernels.native) where the call's tensors allow it: every
     tensor a contiguous float32 CPU tensor of one length, every scalar one number, nothing that needs
     autograd; ``fn`` otherwise, and where there is no C compiler. ``kinds``: a letter per
-    parameter of fn (d a dim, s a scalar, t a tensor, l a list of tensors summed, p a list of peers' rows)."""
+    parameter of fn (d a dim, s a scalar, t a tensor, l a list of tensors summed, p a list of peers' rows).
+    ``sums``: how many partial sums fn returns (as float32 scalars, in order); C returns them alike."""
     lib = []  # the C function, or None: fn serves every call
 
     def kernel(*args):
@@ -450,7 +451,7 @@ def _native(fn, kinds, source):
                                                       "-ffp-contract=off"], "a chunk kernel")
             if built is not None:
                 built = built.coconet_chunk
-                built.argtypes = (ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
+                built.argtypes = (ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
                 built.restype = None
             lib.append(built)
         if lib[0] is None:
@@ -475,8 +476,10 @@ def _native(fn, kinds, source):
                     return fn(*args)
                 n = t.numel()
                 ptrs.append(t.data_ptr())
+        out = (ctypes.c_double * max(1, sums))()
         lib[0](n, (ctypes.c_void_p * len(ptrs))(*ptrs), (ctypes.c_long * max(1, len(counts)))(*counts),
-               (ctypes.c_float * max(1, len(scalars)))(*scalars))
+               (ctypes.c_float * max(1, len(scalars)))(*scalars), out)
+        return tuple(torch.tensor(x, dtype=torch.float32) for x in out[:sums]) if sums else None
     return kernel
 
 

@@ -12,10 +12,11 @@ streamed whole into every peer. The vectors are GCC's vector extensions: the com
 whatever the machine has (-march=native), SSE at least.
 
 Only float32 statements of the ``OPS`` table (IEEE operations the C compiler keeps as written: no
-contraction into fused multiply-adds, no reassociation) are translated; anything else keeps
-Inductor's kernel. The generated module checks at each call that every tensor is a contiguous float32
-CPU tensor of the chunk's length and every scalar one number, and hands the call to Inductor's kernel
-otherwise (a broadcast operand, a tensor that needs autograd).
+contraction into fused multiply-adds, no reassociation), comparisons and the ``where`` and ``cast`` that
+read them, and partial sums (summed in double) are translated; anything else keeps Inductor's kernel.
+The generated module checks at each call that every tensor is a contiguous float32 CPU tensor of the
+chunk's length and every scalar one number, and hands the call to Inductor's kernel otherwise (a
+broadcast operand, a tensor that needs autograd).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ OPS = {
     "maximum": ("(({0} > {1} || {0} != {0}) ? {0} : {1})", "vmax({0}, {1})"),
     "minimum": ("(({0} < {1} || {0} != {0}) ? {0} : {1})", "vmin({0}, {1})"),
 }
+# comparisons: a mask, an int per element (0 or 1) and a v8i per vector (0 or -1), as GCC's vector compares give
+COMPARE = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
 # host-number arithmetic (constants and int scalars), in double as Python computes it: the per-element forms
 NUMBER_OPS = {op: OPS[op][0] for op in ("add", "sub", "mul", "div", "neg")}
 
@@ -50,8 +53,18 @@ typedef int v8i __attribute__((vector_size(32)));
 static inline v8 ld(const float *p) { v8 x; memcpy(&x, p, sizeof x); return x; }
 static inline void st(float *p, v8 x) { memcpy(p, &x, sizeof x); }
 static inline v8 vabs(v8 x) { return (v8)((v8i)x & 0x7fffffff); }
-static inline v8 vmax(v8 x, v8 y) { v8i m = (x > y) | (x != x); return (v8)(((v8i)x & m) | ((v8i)y & ~m)); }
-static inline v8 vmin(v8 x, v8 y) { v8i m = (x < y) | (x != x); return (v8)(((v8i)x & m) | ((v8i)y & ~m)); }
+static inline v8 vsel(v8i m, v8 x, v8 y) { return (v8)(((v8i)x & m) | ((v8i)y & ~m)); }
+static inline v8 vmax(v8 x, v8 y) { return vsel((x > y) | (x != x), x, y); }
+static inline v8 vmin(v8 x, v8 y) { return vsel((x < y) | (x != x), x, y); }
+/* a sum's running totals: four lanes of double, each taking two lanes of every vector summed, so that
+   nothing is summed in float (to overflow or round) and the sum costs a few vector operations a line */
+typedef float v4 __attribute__((vector_size(16)));
+typedef double v4d __attribute__((vector_size(32)));
+static inline v4d widen(v8 x) {
+    v4 lo, hi; memcpy(&lo, &x, sizeof lo); memcpy(&hi, (const char *)&x + sizeof lo, sizeof hi);
+    return __builtin_convertvector(lo, v4d) + __builtin_convertvector(hi, v4d);
+}
+static inline double hsum4(v4d x) { return (x[0] + x[1]) + (x[2] + x[3]); }
 static inline v8 vsqrt(v8 x) {
 #ifdef __AVX__
     return (v8)_mm256_sqrt_ps((__m256)x);
@@ -80,7 +93,9 @@ class ChunkKernel:
     every rank, summed) or ``peers`` (the chunk's rows of every peer's copy of a state). ``parts``: (the value
     they sum to, their parameter, ``sum`` or ``avg``). ``stmts``: (name, op, operands, constant) in order.
     ``numbers``: the statements that are host numbers. ``writes``: (rows parameter, value stored into it).
-    ``streams``: (peers parameter, value stored into each)."""
+    ``streams``: (peers parameter, value stored into each). ``sums``: (name, value): the chunk's sum of each
+    value over its rows (a partial sum), returned in order. A comparison is a mask that only ``where`` and a
+    ``cast`` to float32 (its constant the dtype) read."""
 
     params: tuple[tuple[str, str], ...]
     parts: tuple[str, str, str] | None
@@ -88,6 +103,7 @@ class ChunkKernel:
     numbers: frozenset[str]
     writes: tuple[tuple[str, str], ...]
     streams: tuple[tuple[str, str], ...]
+    sums: tuple[tuple[str, str], ...] = ()
 
     @property
     def kinds(self) -> str:
@@ -110,15 +126,18 @@ def _literal(value) -> str:
 
 
 def c_source(k: ChunkKernel) -> str:
-    """The C text of ``k``: ``void coconet_chunk(long n, void **ptr, const long *count, const float *scal)``,
-    ``ptr`` the data of every rows, parts and peers tensor in parameter order, ``count`` the length of each
-    list, ``scal`` the scalars in order. Program names become ``p_<name>`` (a program may name a value ``n``).
-    Raises Untranslatable."""
+    """The C text of ``k``: ``void coconet_chunk(long n, void **ptr, const long *count, const float *scal,
+    double *sums)``, ``ptr`` the data of every rows, parts and peers tensor in parameter order, ``count`` the
+    length of each list, ``scal`` the scalars in order, ``sums`` where the chunk's sums go. Program names
+    become ``p_<name>`` (a program may name a value ``n``). Raises Untranslatable."""
     kind = dict(k.params)
+    masks = {name for name, op, *_ in k.stmts if op in COMPARE}
     values = {name for name, *_ in k.stmts} | ({k.parts[0]} if k.parts else set())
-    tensors = values - k.numbers
+    tensors = values - k.numbers - masks
 
     def ref(name: str, vector: bool) -> str:
+        if name in masks:
+            raise Untranslatable(f"comparison {name} read as a number")
         if name in k.numbers:
             return f"vn_{name}" if vector else f"((float)p_{name})"
         if name in tensors or kind.get(name) == "scalar":
@@ -180,6 +199,17 @@ def c_source(k: ChunkKernel) -> str:
                 out.append(f"const {t} p_{name} = " + ("(v8){0} + " if vector else "") + f"(float){_literal(value)};")
             elif op in OPS:
                 out.append(f"const {t} p_{name} = {OPS[op][vector].format(*(ref(x, vector) for x in args))};")
+            elif op in COMPARE:
+                x, y = (ref(a, vector) for a in args)
+                out.append(f"const {'v8i' if vector else 'int'} p_{name} = ({x} {COMPARE[op]} {y});")
+            elif op == "where" and args[0] in masks:
+                x, y = (ref(a, vector) for a in args[1:])
+                out.append(f"const {t} p_{name} = " + (f"vsel(p_{args[0]}, {x}, {y});" if vector
+                                                       else f"(p_{args[0]} ? {x} : {y});"))
+            elif op == "cast" and value == "float32" and args[0] in masks:
+                one = "(v8){0} + 1.0f" if vector else "1.0f"
+                out.append(f"const {t} p_{name} = " + (f"vsel(p_{args[0]}, {one}, (v8){{0}});" if vector
+                                                       else f"(p_{args[0]} ? {one} : 0.0f);"))
             else:
                 raise Untranslatable(op)
         for target, value in k.writes:
@@ -190,9 +220,13 @@ def c_source(k: ChunkKernel) -> str:
             if kind.get(target) != "peers" or value not in tensors:
                 raise Untranslatable(f"a stream of {value} into {target}")
             out.append(f"out[{s}] = {ref(value, vector)};")
+        for s, (_, value) in enumerate(k.sums, len(k.streams)):
+            if value not in tensors:
+                raise Untranslatable(f"a sum of {value}")
+            out.append(f"out[{s}] = {ref(value, vector)};")
         return out
 
-    ns = max(1, len(k.streams))
+    ns, nout = len(k.streams), max(1, len(k.streams) + len(k.sums))
     ind = "    "
     lines = [_PRELUDE, "typedef struct {", *(ind + f for f in fields), "} args_t;", "",
              "/* row i of the chunk; its values for the peers' copies into out */",
@@ -201,10 +235,14 @@ def c_source(k: ChunkKernel) -> str:
              "/* rows [i, i + 8) */",
              "static inline __attribute__((always_inline)) void rows8(const args_t *a, long i, v8 *out) {",
              *(ind + x for x in body(True)), "}", "",
-             "void coconet_chunk(long n, void **ptr, const long *count, const float *scal) {",
-             ind + "args_t a;", ind + "long at = 0;", ind + "(void)at; (void)count; (void)scal;",
+             "void coconet_chunk(long n, void **ptr, const long *count, const float *scal, double *sums) {",
+             ind + "args_t a;", ind + "long at = 0;", ind + "(void)at; (void)count; (void)scal; (void)sums;",
              *(ind + x for x in unpack),
-             ind + f"float o[{ns}];", ind + f"v8 x[{ns}], y[{ns}];"]
+             ind + f"float o[{nout}];", ind + f"v8 x[{nout}], y[{nout}];"]
+    if k.sums:
+        lines.append(ind + f"double tot[{len(k.sums)}] = {{0}};")
+        lines.append(ind + f"v4d acc[{len(k.sums)}] = {{{{0}}}};")
+    summed = [f"tot[{j}] += (double)o[{s}];" for j, s in enumerate(range(ns, ns + len(k.sums)))]
     peers = [target for target, _ in k.streams]
     plain = [f"for (long r = 0; r < a.n_{p}; r++) a.p_{p}[r][i] = o[{s}];" for s, p in enumerate(peers)]
     if peers:
@@ -217,7 +255,7 @@ def c_source(k: ChunkKernel) -> str:
             ind + "long head = nt ? (long)((64 - off) & 63) / 4 : 0, i = 0;",
             ind + "for (; i < head && i < n; i++) {",
             ind * 2 + "row(&a, i, o);",
-            *(ind * 2 + x for x in plain),
+            *(ind * 2 + x for x in plain + summed),
             ind + "}",
         ]
     else:
@@ -229,8 +267,10 @@ def c_source(k: ChunkKernel) -> str:
                   ind * 3 + f"float *d = a.p_{p}[r] + i;",
                   ind * 3 + f"if (nt) stream_line(d, x[{s}], y[{s}]); else {{ st(d, x[{s}]); st(d + 8, y[{s}]); }}",
                   ind * 2 + "}"]
-    lines += [ind + "}", ind + "for (; i < n; i++) {", ind * 2 + "row(&a, i, o);", *(ind * 2 + x for x in plain),
-              ind + "}"]
+    lines += [ind * 2 + f"acc[{j}] += widen(x[{s}]) + widen(y[{s}]);" for j, s in enumerate(range(ns, ns + len(k.sums)))]
+    lines += [ind + "}", ind + "for (; i < n; i++) {", ind * 2 + "row(&a, i, o);",
+              *(ind * 2 + x for x in plain + summed), ind + "}"]
+    lines += [ind + f"sums[{j}] = tot[{j}] + hsum4(acc[{j}]);" for j in range(len(k.sums))]
     if peers:
         lines.append(ind + "_mm_sfence();  /* the streamed stores are visible before the barrier's flag after */")
     lines.append("}")

@@ -158,6 +158,34 @@ def test_a_fused_kernel_writes_its_rows_into_every_copy_of_the_state_it_gathers_
     assert not segments()
 
 
+def test_a_c_chunk_kernel_returns_its_partial_sums():
+    """SGD on an unscaled gradient that also counts its large elements (GradScaler's found_inf, made to count):
+    the fused collective's chunk runs as C (the comparison, the where, w's rows streamed into the peers' copies)
+    and returns its share of the count. buf whole and sharded, R = 2 and 3, uneven rows, one chunk and more
+    chunks than rows."""
+    import coconet as cc
+
+    p = cc.Program("count_sgd", dims=("N",))
+    g = p.tensor("g", ("N",), layout=cc.Local)
+    w, buf = p.tensor("w", ("N",), layout=cc.Replicated), p.tensor("buf", ("N",), layout=cc.Replicated)
+    lr, momentum, scale = p.scalars("lr momentum scale")
+    grad = cc.allreduce(g) / scale
+    p.output("large", cc.sum(cc.where(cc.abs(grad) <= 0.5, 0.0, 1.0)))
+    b1 = momentum * buf + grad
+    p.update(buf, b1)
+    p.update(w, w - lr * (grad + momentum * b1))
+    scheds = [Schedule.parse(f"split(ar0); reorder(ag0); {x}fuse_collective(rs0)", p.ir) for x in ("", "as_slice(buf); ")]
+    for sched in scheds:
+        src = lower(sched, "shm").source
+        assert re.search(r"_chunk0 = _native\(_kernel\(_chunk0\), '\w+', r\"\"\"", src) and '""", sums=1)' in src
+        assert re.search(r"const v8i p_le0 = \(p_abs0 <= p_c\d\);", src) and "vsel(p_le0, " in src
+        assert "psum0, = _chunk0(" in src.split("def step(")[1]
+    for world, n in ((2, 1001), (3, 7)):
+        assert_all_ok(run_schedules([s.with_knobs(fc_chunks=k) for s in scheds for k in (1, 8)],
+                                    shm_only(world, {"N": n})))
+    assert not segments()
+
+
 def test_a_state_read_after_its_gather_is_gathered_through_a_slot():
     """``v`` reads the old ``w`` after the gather that gives ``w`` its new value has run: writing the peers' copies
     then would hand ``v`` the new rows, so that gather goes through a slot and ``w`` is written at the end."""

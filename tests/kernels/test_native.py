@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coconet.codegen import shm
-from coconet.kernels.native import OPS, ChunkKernel, Untranslatable, c_source
+from coconet.kernels.native import COMPARE, OPS, ChunkKernel, Untranslatable, c_source
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
 
@@ -21,6 +21,8 @@ UNARY = {"neg": lambda a: -a, "sqrt": lambda a: torch.sqrt(a.double()).float(),
 BINARY = {"add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
           "div": lambda a, b: a / b, "maximum": torch.maximum, "minimum": torch.minimum}
 assert set(UNARY) | set(BINARY) == set(OPS)
+COMPARISONS = {"lt": torch.lt, "le": torch.le, "gt": torch.gt, "ge": torch.ge, "eq": torch.eq, "ne": torch.ne}
+assert set(COMPARISONS) == set(COMPARE)
 # host-number arithmetic, as Python does it (division left out: Python raises where C gives inf)
 NUMBER = {"add": lambda p, q: p + q, "sub": lambda p, q: p - q, "mul": lambda p, q: p * q, "neg": lambda p: -p}
 
@@ -31,20 +33,33 @@ PARAMS = (("x_peers", "peers"), ("a", "rows"), ("b", "rows"), ("g_parts", "parts
 
 @st.composite
 def chunk_kernels(draw):
-    """A random chunk: statements over the reduced parts, two tensors, a scalar and host numbers; one value
-    written into each tensor, one streamed into the peers."""
-    names, numbers, stmts = ["g", "a", "b", "s"], [], []
+    """A random chunk: statements over the reduced parts, two tensors, a scalar and host numbers, comparisons
+    and the where and cast that read them; one value written into each tensor, one streamed into the peers,
+    none to two summed."""
+    names, numbers, masks, stmts = ["g", "a", "b", "s"], [], [], []
     for k in range(draw(st.integers(1, 8))):
         name = f"t{k}"
-        choice = draw(st.sampled_from(["unary", "binary", "binary", "const", "number"]))
-        if choice == "const":
+        choice = draw(st.sampled_from(["unary", "binary", "binary", "const", "number", "compare", "where", "cast"]))
+        if choice == "compare":
+            x, y = draw(st.sampled_from(names)), draw(st.sampled_from(names + numbers))
+            stmts.append((name, draw(st.sampled_from(sorted(COMPARE))), draw(st.permutations([x, y])), None))
+            masks.append(name)
+        elif choice in ("where", "cast") and masks:
+            cond = draw(st.sampled_from(masks))
+            if choice == "cast":
+                stmts.append((name, "cast", (cond,), "float32"))
+            else:
+                pool = names + numbers
+                stmts.append((name, "where", (cond, draw(st.sampled_from(pool)), draw(st.sampled_from(pool))), None))
+            names.append(name)
+        elif choice == "const":
             stmts.append((name, "const", (), draw(st.sampled_from([0.0, -0.0, 1.5, -2.0, 1e-8, 3, float("inf")]))))
             numbers.append(name)
         elif choice == "number" and numbers:
             op = draw(st.sampled_from(sorted(NUMBER)))
             stmts.append((name, op, tuple(draw(st.sampled_from(numbers)) for _ in range(1 if op == "neg" else 2)), None))
             numbers.append(name)
-        elif choice == "unary":
+        elif choice in ("unary", "where", "cast"):
             stmts.append((name, draw(st.sampled_from(sorted(UNARY))), (draw(st.sampled_from(names)),), None))
             names.append(name)
         else:
@@ -54,9 +69,10 @@ def chunk_kernels(draw):
             names.append(name)
     values = [n for n in names if n not in ("a", "b", "s")] or ["g"]
     writes = (("a", draw(st.sampled_from(values))), ("b", draw(st.sampled_from(values))))
+    sums = tuple((f"psum{j}", draw(st.sampled_from(values))) for j in range(draw(st.integers(0, 2))))
     return ChunkKernel(params=PARAMS, parts=("g", "g_parts", draw(st.sampled_from(["sum", "avg"]))),
                        stmts=tuple(stmts), numbers=frozenset(numbers), writes=writes,
-                       streams=(("x_peers", draw(st.sampled_from(values))),))
+                       streams=(("x_peers", draw(st.sampled_from(values))),), sums=sums)
 
 
 def reference(k: ChunkKernel, peers, a, b, parts, s):
@@ -72,6 +88,13 @@ def reference(k: ChunkKernel, peers, a, b, parts, s):
             env[name] = value
         elif name in k.numbers:
             env[name] = NUMBER[op](*xs)
+        elif op in COMPARISONS:
+            x, y = (torch.as_tensor(v, dtype=torch.float32) for v in xs)
+            env[name] = COMPARISONS[op](x, y)
+        elif op == "where":
+            env[name] = torch.where(xs[0], *(torch.as_tensor(v, dtype=torch.float32) for v in xs[1:]))
+        elif op == "cast":
+            env[name] = xs[0].float()
         elif op in UNARY:
             env[name] = UNARY[op](torch.as_tensor(xs[0], dtype=torch.float32) if not isinstance(xs[0], torch.Tensor) else xs[0])
         else:
@@ -81,7 +104,9 @@ def reference(k: ChunkKernel, peers, a, b, parts, s):
             env[name] = BINARY[op](x, y)
     out = {t: torch.broadcast_to(torch.as_tensor(env[v], dtype=torch.float32), a.shape) for t, v in k.writes}
     streamed = torch.broadcast_to(torch.as_tensor(env[k.streams[0][1]], dtype=torch.float32), a.shape)
-    return out["a"], out["b"], [streamed.clone() for _ in peers]
+    sums = tuple(torch.broadcast_to(torch.as_tensor(env[v], dtype=torch.float32), a.shape).double()
+                 for _, v in k.sums)
+    return out["a"], out["b"], [streamed.clone() for _ in peers], sums
 
 
 def cut(base, offset, n):
@@ -109,7 +134,7 @@ def run_native(k, args, monkeypatch, tmp_path):
     def fallback(*_):
         raise AssertionError("the C kernel handed a call it can take to the Python kernel")
 
-    shm._native(fallback, k.kinds, c_source(k))(*args)
+    return shm._native(fallback, k.kinds, c_source(k), sums=len(k.sums))(*args)
 
 
 @settings(max_examples=20, deadline=None)
@@ -118,11 +143,19 @@ def run_native(k, args, monkeypatch, tmp_path):
                          st.sampled_from([0, 5, 6])))
 def test_the_c_kernel_computes_the_bits_torch_does(tmp_path_factory, k, n, offsets):
     """Streamed when the peers' rows start at one offset in their lines (offsets[2] == offsets[3]), stored
-    plainly otherwise; heads and tails of every length around the 16-float lines."""
+    plainly otherwise; heads and tails of every length around the 16-float lines. Sums in double, in another
+    order than the reference's: the same float32 but for its last bit."""
     peers, a, b, parts, s = operands(n, offsets)
-    want_a, want_b, want_peers = reference(k, peers, a, b, parts, s)
+    want_a, want_b, want_peers, want_sums = reference(k, peers, a, b, parts, s)
     with pytest.MonkeyPatch.context() as m:
-        run_native(k, (peers, a, b, parts, s), m, tmp_path_factory.mktemp("cache"))
+        sums = run_native(k, (peers, a, b, parts, s), m, tmp_path_factory.mktemp("cache"))
+    assert (sums is None) == (not k.sums)
+    for got, values in zip(sums or (), want_sums, strict=True):
+        assert got.dtype == torch.float32 and got.shape == ()
+        # the rounding of a double sum, in either order, weighs on what cancels by the size of what was summed
+        want = values.sum()
+        slack = 1e-12 * float(values.abs().nansum()) if torch.isfinite(want) else 0.0
+        torch.testing.assert_close(got.double(), want.float().double(), rtol=2**-23, atol=slack, equal_nan=True)
     torch.testing.assert_close(a, want_a, rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(b, want_b, rtol=0, atol=0, equal_nan=True)
     for got, want in zip(peers, want_peers):
@@ -182,6 +215,13 @@ def test_a_statement_c_has_no_translation_for_is_refused():
         stmts = k.stmts + (("odd", op, ("m",), None),)
         with pytest.raises(Untranslatable, match=op):
             c_source(ChunkKernel(k.params, k.parts, stmts, k.numbers, k.writes, k.streams))
+    # a comparison is a mask: read only by where and a cast to float32, never as a number or summed
+    mask = k.stmts + (("big", "gt", ("m", "v"), None),)
+    for stmts, sums in ((mask + (("odd", "add", ("big", "m"), None),), ()),
+                        (mask + (("odd", "cast", ("big",), "float16"),), ()),
+                        (mask, (("psum", "big"),))):
+        with pytest.raises(Untranslatable, match="big|cast"):
+            c_source(ChunkKernel(k.params, k.parts, stmts, k.numbers, k.writes, k.streams, sums))
 
 
 def test_program_names_cannot_clash_with_the_kernels_own(monkeypatch, tmp_path):

@@ -638,12 +638,13 @@ def _native_library(source, name, flags, what):
     return ctypes.CDLL(path)
 
 
-def _native(fn, kinds, source):
+def _native(fn, kinds, source, sums=0):
     """Kernel ``fn`` (a fused collective's chunk, or a fuse group's rows that it writes into the peers'
     copies) run by ``source``'s C function (coconet.kernels.native) where the call's tensors allow it: every
     tensor a contiguous float32 CPU tensor of one length, every scalar one number, nothing that needs
     autograd; ``fn`` otherwise, and where there is no C compiler. ``kinds``: a letter per
-    parameter of fn (d a dim, s a scalar, t a tensor, l a list of tensors summed, p a list of peers' rows)."""
+    parameter of fn (d a dim, s a scalar, t a tensor, l a list of tensors summed, p a list of peers' rows).
+    ``sums``: how many partial sums fn returns (as float32 scalars, in order); C returns them alike."""
     lib = []  # the C function, or None: fn serves every call
 
     def kernel(*args):
@@ -653,7 +654,7 @@ def _native(fn, kinds, source):
                                                       "-ffp-contract=off"], "a chunk kernel")
             if built is not None:
                 built = built.coconet_chunk
-                built.argtypes = (ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
+                built.argtypes = (ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
                 built.restype = None
             lib.append(built)
         if lib[0] is None:
@@ -678,8 +679,10 @@ def _native(fn, kinds, source):
                     return fn(*args)
                 n = t.numel()
                 ptrs.append(t.data_ptr())
+        out = (ctypes.c_double * max(1, sums))()
         lib[0](n, (ctypes.c_void_p * len(ptrs))(*ptrs), (ctypes.c_long * max(1, len(counts)))(*counts),
-               (ctypes.c_float * max(1, len(scalars)))(*scalars))
+               (ctypes.c_float * max(1, len(scalars)))(*scalars), out)
+        return tuple(torch.tensor(x, dtype=torch.float32) for x in out[:sums]) if sums else None
     return kernel
 
 
@@ -881,8 +884,18 @@ typedef int v8i __attribute__((vector_size(32)));
 static inline v8 ld(const float *p) { v8 x; memcpy(&x, p, sizeof x); return x; }
 static inline void st(float *p, v8 x) { memcpy(p, &x, sizeof x); }
 static inline v8 vabs(v8 x) { return (v8)((v8i)x & 0x7fffffff); }
-static inline v8 vmax(v8 x, v8 y) { v8i m = (x > y) | (x != x); return (v8)(((v8i)x & m) | ((v8i)y & ~m)); }
-static inline v8 vmin(v8 x, v8 y) { v8i m = (x < y) | (x != x); return (v8)(((v8i)x & m) | ((v8i)y & ~m)); }
+static inline v8 vsel(v8i m, v8 x, v8 y) { return (v8)(((v8i)x & m) | ((v8i)y & ~m)); }
+static inline v8 vmax(v8 x, v8 y) { return vsel((x > y) | (x != x), x, y); }
+static inline v8 vmin(v8 x, v8 y) { return vsel((x < y) | (x != x), x, y); }
+/* a sum's running totals: four lanes of double, each taking two lanes of every vector summed, so that
+   nothing is summed in float (to overflow or round) and the sum costs a few vector operations a line */
+typedef float v4 __attribute__((vector_size(16)));
+typedef double v4d __attribute__((vector_size(32)));
+static inline v4d widen(v8 x) {
+    v4 lo, hi; memcpy(&lo, &x, sizeof lo); memcpy(&hi, (const char *)&x + sizeof lo, sizeof hi);
+    return __builtin_convertvector(lo, v4d) + __builtin_convertvector(hi, v4d);
+}
+static inline double hsum4(v4d x) { return (x[0] + x[1]) + (x[2] + x[3]); }
 static inline v8 vsqrt(v8 x) {
 #ifdef __AVX__
     return (v8)_mm256_sqrt_ps((__m256)x);
@@ -930,10 +943,10 @@ static inline __attribute__((always_inline)) void rows8(const args_t *a, long i,
     out[0] = p_sub4;
 }
 
-void coconet_chunk(long n, void **ptr, const long *count, const float *scal) {
+void coconet_chunk(long n, void **ptr, const long *count, const float *scal, double *sums) {
     args_t a;
     long at = 0;
-    (void)at; (void)count; (void)scal;
+    (void)at; (void)count; (void)scal; (void)sums;
     a.p_w_peers = (float *const *)(ptr + at); a.n_w_peers = count[0]; at += count[0];
     a.p_w_k = (float *)ptr[at++];
     a.p_mul6 = scal[0];
