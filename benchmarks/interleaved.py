@@ -20,6 +20,7 @@ import argparse
 import json
 import queue
 import re
+import signal
 import statistics
 import sys
 import time
@@ -76,7 +77,7 @@ def _rank(rank: int, world: int, port: int, program_path: str, sizes: dict, path
 def main(argv: list[str] | None = None) -> dict:
     import torch.multiprocessing as mp
 
-    from coconet.codegen.launch import free_port
+    from coconet.codegen.launch import free_port, remove_leftover_segments
     from coconet.loader import load_file
     from coconet.schedules.dims import parse_sizes
 
@@ -96,20 +97,31 @@ def main(argv: list[str] | None = None) -> dict:
     port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, args.world, port, args.program, sizes, args.modules, args.steps, out))
              for r in range(args.world)]
-    for p in procs:
-        p.start()
-    while True:
-        try:
-            times, agree = out.get(timeout=5)
-            break
-        except queue.Empty:
-            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-            if dead:  # the others wait at a barrier gloo breaks only after its timeout
-                for p in procs:
-                    p.kill()
-                raise SystemExit(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}")
-    for p in procs:
-        p.join()
+    # stopped from outside (SIGTERM), it stops its ranks too and removes the segments they leave mapped
+    # by nobody, as coconet's launcher does
+    previous = signal.signal(signal.SIGTERM, lambda signum, _: sys.exit(128 + signum))
+    try:
+        for p in procs:
+            p.start()
+        while True:
+            try:
+                times, agree = out.get(timeout=5)
+                break
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if dead:  # the others wait at a barrier gloo breaks only after its timeout
+                    raise SystemExit(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}")
+        for p in procs:
+            p.join()
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            if p.pid is not None:
+                p.join()
+                remove_leftover_segments(p.pid)
+        signal.signal(signal.SIGTERM, previous)
     report = {"program": args.program, "world": args.world, "sizes": sizes, "steps": args.steps, "modules": []}
     for path, ts, diff in zip(args.modules, times, agree):
         ratios = sorted(a / b for a, b in zip(ts, times[0]))

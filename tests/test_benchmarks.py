@@ -71,6 +71,52 @@ def test_interleaved_modules_that_compute_the_same_step_agree_and_a_broken_one_d
     assert all(m["median_s"] > 0 for m in report["modules"])
 
 
+def test_interleaved_stopped_from_outside_stops_its_ranks_and_leaves_no_segment(tmp_path):
+    # a long comparison is often cut short: its ranks must not live on holding shared memory
+    import signal
+    import subprocess
+    import time
+
+    from coconet.codegen.lower import lower
+    from coconet.loader import examples_dir, load_file
+    from coconet.schedules.schedule import Schedule
+
+    program = examples_dir() / "adam.py"
+    module = tmp_path / "zero1.py"
+    module.write_text(lower(Schedule.parse("split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse_collective(rs0)",
+                                           load_file(program)), "shm", "eager").source)
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "interleaved.py"
+    proc = subprocess.Popen([sys.executable, str(script), str(program), str(module), "--world", "2",
+                             "--size", "N=4096", "--steps", "100000"], stderr=subprocess.PIPE, text=True)
+
+    def ranks():
+        out = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True, check=False).stdout
+        return [int(x) for x in out.split()]
+
+    deadline = time.monotonic() + 120
+    while not any(Path("/dev/shm").glob(f"coconet-{r}-*") for r in ranks()):  # stepping, its state in segments
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "no step"
+        time.sleep(0.2)
+    children = ranks()
+    ranks_ = [r for r in children if "resource_tracker" not in Path(f"/proc/{r}/cmdline").read_text()]
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+
+    def running(pid):  # an exited child nobody has reaped yet (a zombie) holds nothing
+        try:
+            return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+        except FileNotFoundError:
+            return False
+
+    assert len(ranks_) == 2 and not [r for r in ranks_ if running(r)]  # the ranks are gone when it exits
+    # and multiprocessing's resource tracker once it sees its pipe close
+    deadline = time.monotonic() + 10
+    while [r for r in children if running(r)] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [r for r in children if running(r)]
+    assert not [p for r in children for p in Path("/dev/shm").glob(f"coconet-{r}-*")]
+
+
 def test_the_c_chunk_kernel_writes_inductors_bits(tmp_path, monkeypatch):
     monkeypatch.setenv("COCONET_CACHE_DIR", str(tmp_path))
     report = _script("native_chunk").main(["--world", "3", "--size", "N=3003", "--calls", "1"])
