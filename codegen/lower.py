@@ -476,11 +476,11 @@ def _lower_fused_collective(e: _Emitter, g: Group, chunks: int) -> list[str]:
              (f'    """fused_collective: {", ".join(parts)}, as one unit."""', g.members[0])]
     lines += _chunked_body(e, g, outs, chunks, absorbed, inplace, into)
     if outs:
-        lines.append((f"    return {', '.join(e.ident(o) for o in outs)}{',' if len(outs) == 1 else ''}",
+        lines.append((f"    return {_tuple_text(map(e.ident, outs))}",
                       g.members[-1]))
     e.kernels.append(lines)
     call = f"{fname}(_c, {', '.join(e.ident(a) for a in ins)})"
-    return [f"{', '.join(e.ident(o) for o in outs)}{',' if len(outs) == 1 else ''} = {call}" if outs else call]
+    return [f"{_tuple_text(map(e.ident, outs))} = {call}" if outs else call]
 
 
 POINTWISE = set(BINARY) | set(UNARY) | {"cast", "where", "const"}
@@ -742,9 +742,14 @@ def _lower_fuse(e: _Emitter, g: Group) -> list[str]:
         specs.append(f"({d}, {dim_expr(t.shape[d])}, {e.ident(state)}, {state!r})")
         gathers.append(e.ident.fresh(f"_{e.ident(ag)}", set()))
         ends.append(f"{gathers[-1]}.into({e.ident(state)}{', end=False' if ends else ''})")
-    comma = "," if len(gathers) == 1 else ""
-    start = f"({', '.join(gathers)}{comma}), ({', '.join(peers.values())}{comma}) = _into_peers(_c, {', '.join(specs)})"
+    start = f"({_tuple_text(gathers)}), ({_tuple_text(peers.values())}) = _into_peers(_c, {', '.join(specs)})"
     return [start, call] + ends
+
+
+def _tuple_text(names) -> str:
+    """Names as the targets or value of a tuple in Python text: ``a, b``, and ``a,`` for one."""
+    names = list(names)
+    return ", ".join(names) + ("," if len(names) == 1 else "")
 
 
 def custom_group(p: Program, g: Group) -> bool:
@@ -757,7 +762,7 @@ def _whole_fuse(e: _Emitter, g: Group, body: list, ins: list[str], inplace: dict
     where ``compiled``: its call."""
     p = e.p
     if rest:
-        body = body + [(f"    return {', '.join(e.ident(o) for o in rest)}{',' if len(rest) == 1 else ''}",
+        body = body + [(f"    return {_tuple_text(map(e.ident, rest))}",
                         g.members[-1])]
     used = _names(textwrap.dedent("\n".join(x for x, _ in body)).split("\n"))
     dims = [f"d_{d}" for d in p.dims if f"d_{d}" in used]
@@ -780,7 +785,7 @@ def _whole_fuse(e: _Emitter, g: Group, body: list, ins: list[str], inplace: dict
         args = [f"_int64({a})" if a in ints else a for a in args]
     call = f"{fname}({', '.join(args)})"
     if rest:
-        call = f"{', '.join(e.ident(o) for o in rest)}{',' if len(rest) == 1 else ''} = {call}"
+        call = f"{_tuple_text(map(e.ident, rest))} = {call}"
     return call
 
 
@@ -993,7 +998,7 @@ def _cut_kernel(e: _Emitter, g: Group, prefix: str, doc: str, body: list, comput
             args.setdefault(name, name)
     dims = [f"d_{x}" for x in p.dims if f"d_{x}" in used]
     if results:
-        body.append((f"    return {', '.join(e.ident(r) for r in results)}{',' if len(results) == 1 else ''}",
+        body.append((f"    return {_tuple_text(map(e.ident, results))}",
                      compute[-1]))
     fname = f"{prefix}{len([x for x in e.toplevel if x[0].startswith('def ')])}"
     params = dims + list(args.values())
@@ -1011,7 +1016,7 @@ def _cut_kernel(e: _Emitter, g: Group, prefix: str, doc: str, body: list, comput
     call_args = dims + [f"_int64({a})" if a in ints else a for a in args]
     call = f"{fname}({', '.join(call_args)})"
     if results:
-        call = f"{', '.join(e.ident(r) for r in results)}{',' if len(results) == 1 else ''} = {call}"
+        call = f"{_tuple_text(map(e.ident, results))} = {call}"
     return call
 
 
@@ -1055,7 +1060,8 @@ def _native_chunk(e: _Emitter, compute: list[str], inplace: dict[str, str], into
         if None in operands:
             return None
         if s.op == "partial_sum":
-            sums += [(e.ident(m), operands[0])] * (m in results)
+            if m in results:
+                sums.append((e.ident(m), operands[0]))
             continue
         stmts.append((e.ident(m), s.op, tuple(operands), s.attr("dtype") if s.op == "cast" else s.attr("value")))
     writes = [(name_of(e.operand(p[o], t)), e.ident(o)) for o, t in inplace.items()]

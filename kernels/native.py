@@ -242,7 +242,7 @@ def c_source(k: ChunkKernel) -> str:
     if k.sums:
         lines.append(ind + f"double tot[{len(k.sums)}] = {{0}};")
         lines.append(ind + f"v4d acc[{len(k.sums)}] = {{{{0}}}};")
-    summed = [f"tot[{j}] += (double)o[{s}];" for j, s in enumerate(range(ns, ns + len(k.sums)))]
+    summed = [f"tot[{j}] += (double)o[{ns + j}];" for j in range(len(k.sums))]
     peers = [target for target, _ in k.streams]
     plain = [f"for (long r = 0; r < a.n_{p}; r++) a.p_{p}[r][i] = o[{s}];" for s, p in enumerate(peers)]
     if peers:
@@ -267,7 +267,7 @@ def c_source(k: ChunkKernel) -> str:
                   ind * 3 + f"float *d = a.p_{p}[r] + i;",
                   ind * 3 + f"if (nt) stream_line(d, x[{s}], y[{s}]); else {{ st(d, x[{s}]); st(d + 8, y[{s}]); }}",
                   ind * 2 + "}"]
-    lines += [ind * 2 + f"acc[{j}] += widen(x[{s}]) + widen(y[{s}]);" for j, s in enumerate(range(ns, ns + len(k.sums)))]
+    lines += [ind * 2 + f"acc[{j}] += widen(x[{ns + j}]) + widen(y[{ns + j}]);" for j in range(len(k.sums))]
     lines += [ind + "}", ind + "for (; i < n; i++) {", ind * 2 + "row(&a, i, o);",
               *(ind * 2 + x for x in plain + summed), ind + "}"]
     lines += [ind + f"sums[{j}] = tot[{j}] + hsum4(acc[{j}]);" for j in range(len(k.sums))]
