@@ -265,6 +265,8 @@ class _Emitter:
             return [f"{n} = _all_gather(_c, {args[0]}, {d}, {dim_expr(t.shape[d])})"]
         if op == "broadcast":
             return [f"{n} = _broadcast(_c, {args[0]}.clone(), {s.attr('root')})"]
+        if op == "slice":
+            return [f"{n} = {args[0]}"]  # the operand, cut to this rank's rows (or the chunk's)
         if op == "send":
             return [f"_sent[{s.attr('tag')!r}] = {args[0]}",
                     "if stage + 1 < stages:",
@@ -583,6 +585,19 @@ def gather_into(p: Program, backend: str, g: Group, outs: list[str], absorbed) -
     return _updated_in_place(p, g, outs, absorbed, gathered=True) if backend == "shm" else {}
 
 
+def _readers(p: Program, t: str) -> list[str]:
+    """The statements that read state ``t`` before the step's end, bar its own update; a slice of it is a view,
+    read where its own readers run, so they count too (the slice with them)."""
+    out = []
+    for u in p.users[t]:
+        if p[u].op == "update" and p[u].args[0] == t:
+            continue
+        out.append(u)
+        if p[u].op == "slice":
+            out += _readers(p, u)
+    return out
+
+
 def _positions(units: list, *inside) -> dict[str, int]:
     """Each statement's place in ``units`` (the order the step runs them); a statement that runs inside a group
     (``inside``: per group, its absorbed statements) takes the group's."""
@@ -612,7 +627,7 @@ def gathers_into_state(p: Program, units: list, absorbed: dict[Group, tuple[str,
             continue
         t = targets[0]
         # an update, output or send reading the state would see it after the step's end, or hold it
-        readers = [t] + [u for u in p.users[t] if not (p[u].op == "update" and p[u].args[0] == t)]
+        readers = [t] + _readers(p, t)
         if isinstance(s.type.layout, Replicated) and all(p[u].op not in EFFECTS and at[u] < at[s.name]
                                                          for u in readers):
             found[s.name] = t
@@ -648,7 +663,7 @@ def fuse_gathers_into(p: Program, units: list, into_state: dict[str, str], absor
                 ut = p[u].type
                 return isinstance(ut.layout, Sliced) and ut.layout.dim == d and ut.shape == t.shape
 
-            readers = [u for u in p.users[state] if not (p[u].op == "update" and p[u].args[0] == state)]
+            readers = _readers(p, state)
             if all(rows_of_state(u) if u in inside else at[u] < at[g.members[0]] for u in readers):
                 found[ag] = o
         if found:
@@ -659,8 +674,8 @@ def fuse_gathers_into(p: Program, units: list, into_state: dict[str, str], absor
 def _updated_in_place(p: Program, g: Group, outs: list[str], absorbed, *, gathered: bool) -> dict[str, str]:
     """Outputs of a fused collective (its all_gathers if ``gathered``, else the others) that are the new
     value of one state tensor of their type (Replicated for a gather, Sliced otherwise), read outside only
-    by that update (a gather's not even inside), and every reader of the state is a pointwise statement
-    inside: each reads its chunk's rows before the same kernel writes them."""
+    by that update (a gather's not even inside), and every reader of the state is a pointwise statement or
+    a slice inside: each reads its chunk's rows before the same kernel writes them."""
     inside = set(g.members) | set(absorbed)
     layout = Replicated if gathered else Sliced
     found = {}
@@ -671,9 +686,9 @@ def _updated_in_place(p: Program, g: Group, outs: list[str], absorbed, *, gather
         t = targets[0]
         if p[t].type != p[o].type or not isinstance(p[t].type.layout, layout):
             continue
-        readers = [u for u in p.users[t] if p[u].op != "update"]
+        readers = [u for u in _readers(p, t) if p[u].op != "update"]
         if all(p[u].op == "update" or (u in inside and not gathered) for u in p.users[o]) and \
-                all(u in inside and p[u].op in POINTWISE for u in readers):
+                all(u in inside and (p[u].op in POINTWISE or p[u].op == "slice") for u in readers):
             found[o] = t
     return found
 
@@ -898,8 +913,9 @@ _CUT = re.compile(r"_c\.(?:local|cut)\((\w+), [^()]*\)")
 
 def chunk_compiles(p: Program, g: Group, compute: list[str]) -> bool:
     """Whether a fused collective's chunk computes in one compiled kernel: pointwise statements, partial sums
-    (the kernel returns the chunk's), and dropout on values sliced as the chunks are (its mask's counters are
-    global element indices, which the kernel gets from the chunk's first row)."""
+    (the kernel returns the chunk's), slices of replicated values (the chunk's rows of them), and dropout on
+    values sliced as the chunks are (its mask's counters are global element indices, which the kernel gets
+    from the chunk's first row)."""
     rs = p[g.members[0]]
     d = rs.type.layout.dim
     n = rs.type.shape[d]
@@ -908,7 +924,7 @@ def chunk_compiles(p: Program, g: Group, compute: list[str]) -> bool:
         if s.op == "dropout":
             t = s.type
             return isinstance(t.layout, Sliced) and t.layout.dim == d and t.shape[d] == n
-        return s.op in POINTWISE or s.op == "partial_sum"  # the chunk's share of the sum
+        return s.op in POINTWISE or s.op in ("partial_sum", "slice")  # the chunk's share of the sum; its rows
 
     return bool(compute) and all(ok(p[m]) for m in compute)
 

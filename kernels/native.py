@@ -32,6 +32,7 @@ OPS = {
     "rsqrt": ("(1.0f / sqrtf({0}))", "(1.0f / vsqrt({0}))"), "abs": ("fabsf({0})", "vabs({0})"),
     "maximum": ("(({0} > {1} || {0} != {0}) ? {0} : {1})", "vmax({0}, {1})"),
     "minimum": ("(({0} < {1} || {0} != {0}) ? {0} : {1})", "vmin({0}, {1})"),
+    "slice": ("{0}", "{0}"),  # a chunk's rows of a replicated value are its rows of the slice
 }
 # comparisons: a mask, an int per element (0 or 1) and a v8i per vector (0 or -1), as GCC's vector compares give
 COMPARE = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}

@@ -5,7 +5,8 @@ the inference rules — so an error names the statement the user just wrote.
 Two things the semantics leave implicit are made explicit here, once, for
 both front ends: ``norm``/``sum`` of a Sliced value become a per-rank
 ``partial_sum`` and an ``allreduce``; ``update`` of Replicated state from a
-Sliced value goes through an ``all_gather``.
+Sliced value goes through an ``all_gather``; a ``slice`` of a value a rewrite
+has sliced along the same dim is that value.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ PREFIX = {
     "dropout": "drop",
     "const": "c",
     "partial_sum": "psum",
+    "slice": "sl",
     "send": "send",
 }
 _CAMEL = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
@@ -168,6 +170,7 @@ SCHEMAS: dict[str, Schema] = {
     "allreduce": {"op": (_reduce_op, "sum")},
     "reduce_scatter": {"op": (_reduce_op, "sum"), "dim": (_int, 0)},
     "broadcast": {"root": (_nonneg, 0)},
+    "slice": {"dim": (_int, 0)},
     "output": {"name": (_identifier, REQ)},
     "send": {"tag": (_identifier, "activation"), "to": (_to, NEXT_STAGE)},
 }
@@ -185,6 +188,7 @@ ARITY: dict[str, tuple[int, int]] = {
     "reduce_scatter": (1, 1),
     "all_gather": (1, 1),
     "broadcast": (1, 1),
+    "slice": (1, 1),
     "update": (2, 2),
     "output": (1, 1),
     "send": (1, 1),
@@ -330,6 +334,10 @@ class Builder:
         canon = self._check_attrs(op, attrs, custom)
 
         # Semantics made explicit (see module docstring).
+        if op == "slice" and isinstance(self.type_of(args[0]).layout, Sliced):
+            x = self.type_of(args[0])
+            if x.layout.dim == infer.normalize_dim(dict(canon)["dim"], x.ndim, label):
+                return args[0]  # a rewrite sliced the value already: each rank holds its rows
         if op in ("sum", "norm") and isinstance(self.type_of(args[0]).layout, Sliced):
             x = args[0]
             if op == "norm":
@@ -465,6 +473,8 @@ class Builder:
             return infer.all_gather(types[0], names)
         if op == "broadcast":
             return infer.broadcast(types[0], names)
+        if op == "slice":
+            return infer.slice_view(types[0], attrs["dim"], names)
         if op == "update":
             infer.update(types[0], types[1], names)
             return None

@@ -207,6 +207,16 @@ def broadcast(x: TensorType, names: Sequence[str]) -> TensorType:
     return TensorType(x.shape, x.dtype, Replicated())
 
 
+def slice_view(x: TensorType, dim: int, names: Sequence[str]) -> TensorType:
+    """Each rank's rows of a value it holds whole: no communication, so only a value every rank holds the same."""
+    if not isinstance(x.layout, Replicated):
+        raise ProgramError(f"slice of {names[0]} ({x.layout}); only Replicated values are sliced where they lie",
+                           rule="slice: R→S")
+    if x.is_scalar:
+        raise ProgramError(f"slice of scalar {names[0]}: nothing to slice", rule="slice: R→S")
+    return TensorType(x.shape, x.dtype, Sliced(normalize_dim(dim, x.ndim, names[0])))
+
+
 def _need_local(x: TensorType, names: Sequence[str], rule: str) -> None:
     if not isinstance(x.layout, Local):
         hint = " (it is already the same on every rank)" if isinstance(x.layout, Replicated) else ""

@@ -419,6 +419,11 @@ def _broadcast(ctx: _Ctx, s: Stmt) -> Pieces:
     return [ctx.vals[s.args[0]][root]] * ctx.world
 
 
+def _slice(ctx: _Ctx, s: Stmt) -> Pieces:
+    shape = concrete_shape(s.type, ctx.sizes)
+    return [piece[local_region(s.type, shape, ctx.world, r)] for r, piece in enumerate(ctx.vals[s.args[0]])]
+
+
 def _partial_sum(ctx: _Ctx, s: Stmt) -> Pieces:
     return _sum(ctx, s)
 
@@ -471,6 +476,7 @@ EVAL: dict[str, Callable[[_Ctx, Stmt], Pieces]] = {
     "reduce_scatter": _reduce_scatter,
     "all_gather": _all_gather,
     "broadcast": _broadcast,
+    "slice": _slice,
 }
 
 

@@ -30,7 +30,9 @@ POINTWISE = UNARY | BINARY | COMPARE | {"where", "dropout"}
 REDUCTIONS = frozenset({"sum", "norm", "partial_sum"})
 COLLECTIVES = frozenset({"allreduce", "reduce_scatter", "all_gather", "broadcast"})
 EFFECTS = frozenset({"update", "output", "send"})
-BUILTIN_OPS = SOURCES | POINTWISE | REDUCTIONS | COLLECTIVES | EFFECTS | {"matmul"}
+# R→S with no communication: each rank's rows of its own copy (slice_reduce makes it)
+VIEWS = frozenset({"slice"})
+BUILTIN_OPS = SOURCES | POINTWISE | REDUCTIONS | COLLECTIVES | EFFECTS | VIEWS | {"matmul"}
 
 REDUCE_OPS = ("sum", "prod", "max", "min", "avg")
 NEXT_STAGE = "next"

@@ -293,8 +293,8 @@ class _Builder:
 
     def stmt(self, s: Stmt) -> list[Unit]:
         p, op = self.p, s.op
-        if op in ("input", "scalar", "const", "update", "output", "recv"):
-            return []  # recv: the stage before pays the transfer, as its send
+        if op in ("input", "scalar", "const", "update", "output", "recv", "slice"):
+            return []  # recv: the stage before pays the transfer, as its send; a slice is a view
         if op == "send":
             t = p[s.args[0]].type
             return [Unit(s.name, (), (Comm("send", self.nbytes(t, self.local(t)), between_stages=True),))]

@@ -114,14 +114,16 @@ def _slice(program: Program, gathered: dict, text: str) -> Program:
     """``program`` with each state of ``gathered`` (state -> its update and the all_gather that update drops)
     kept sliced: the update takes the slices, and a reader that cannot take them gets the state whole."""
     updates = {upd.name: (tensor, ag) for tensor, (upd, ag) in gathered.items()}
+    layouts = {t: program[ag.args[0]].type.layout for t, (_, ag) in gathered.items()}
     rw = Rewriter(program, text)
     for s in program.stmts:
         if s.name in gathered:
-            layout = program[gathered[s.name][1].args[0]].type.layout
-            rw.copy(s, attrs={**dict(s.attrs), "layout": str(layout)})
+            rw.copy(s, attrs={**dict(s.attrs), "layout": str(layouts[s.name])})
         elif s.name in updates:
             tensor, ag = updates[s.name]
             rw.copy(s, [rw[tensor], rw[ag.args[0]]])
+        elif s.op == "slice" and s.args[0] in gathered and layouts[s.args[0]].dim == s.attr("dim"):
+            rw.copy(s)  # this rank's rows of the state are what it now holds (the builder gives the state)
         elif gathered.keys() & set(s.args) and not consumes_slices(program, s):
             rw.copy(s, [rw.whole(a) if a in gathered else rw[a] for a in s.args])
         else:

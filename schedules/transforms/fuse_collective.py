@@ -9,6 +9,9 @@ The partial sums of the slice (a norm over the reduced value, as gradient
 clipping and LAMB take it) join too: each chunk adds its rows' share while
 they are in cache, so the value they sum is never written out to be read
 back. What the total feeds waits for the allreduce of the partials, outside.
+So does the work on a ``slice`` of replicated state with the slice's rows
+(``slice_reduce``: LAMB's norm of its weights), which reads each chunk's
+rows of the state as the update does.
 """
 
 from __future__ import annotations
@@ -21,16 +24,28 @@ from coconet.schedules.transforms.base import Transform, convex_with, is_pointwi
 
 def region(program: Program, rs: str) -> tuple[str, ...]:
     dim = sliced_dim(program, rs)
+    rows = program[rs].type.shape[dim]
     members = {rs}
     first = program.position[rs]  # the members are rs and statements after it, added in program order
     for s in program.stmts:
-        if s.name in program.group_of or not any(a in members for a in s.args):
+        if s.name in program.group_of or program.position[s.name] <= first:
             continue
-        ok = ((is_pointwise(program, s) and sliced_dim(program, s.name) == dim) or s.op == "all_gather"
-              or (s.op == "partial_sum" and sliced_dim(program, s.args[0]) == dim))
+        if any(a in members for a in s.args):
+            ok = ((is_pointwise(program, s) and sliced_dim(program, s.name) == dim) or s.op == "all_gather"
+                  or (s.op == "partial_sum" and sliced_dim(program, s.args[0]) == dim))
+        else:  # rows of a replicated value that are the slice's rows: each chunk reads its own
+            ok = s.op == "slice" and sliced_dim(program, s.name) == dim and s.type.shape[dim] == rows
         if ok and convex_with(program, members, s.name, (first, program.position[s.name])) is None:
             members.add(s.name)
-    return ordered(program, members)
+    reduced = {rs}  # what reads the reduced rows
+    for m in ordered(program, members):
+        if reduced & set(program[m].args):
+            reduced.add(m)
+    if not any(is_pointwise(program, program[m]) for m in reduced):
+        return ordered(program, reduced)  # work on slices of state alone gains nothing from the collective
+    # a slice that nothing in the unit reads would only be copied out of it
+    idle = {m for m in members if program[m].op == "slice" and not members & set(program.users[m])}
+    return ordered(program, members - idle)
 
 
 @dataclass(frozen=True)

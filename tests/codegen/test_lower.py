@@ -166,6 +166,9 @@ GOLDENS = {  # name: (example, schedule, backend, lower's keywords)
     # writing its rows into every rank's w
     "lamb_zero1_norm_shm": ("lamb", "split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse(mul7, sub4); "
                             "fuse_collective(rs0)", "shm", {}),
+    # the same with norm(w) from each rank's slice: its partial sum in the same chunk kernel, beside norm(u)'s
+    "lamb_zero1_sliced_norms_shm": ("lamb", "split(ar0); reorder(ag0); as_slice(m); as_slice(v); "
+                                    "slice_reduce(norm0); fuse(mul7, sub4); fuse_collective(rs0)", "shm", {}),
     # the eager PyTorch baseline of a program without a hand-written one
     "megatron_eager_torch_dropout": ("megatron_mlp", "baseline", "gloo", {"kernels": "eager", "dropout": "torch"}),
 }

@@ -180,9 +180,38 @@ def test_a_c_chunk_kernel_returns_its_partial_sums():
         assert re.search(r"_chunk0 = _native\(_kernel\(_chunk0\), '\w+', r\"\"\"", src) and '""", sums=1)' in src
         assert re.search(r"const v8i p_le0 = \(p_abs0 <= p_c\d\);", src) and "vsel(p_le0, " in src
         assert "psum0, = _chunk0(" in src.split("def step(")[1]
+    for world, n in ((2, 1001), (3, 7)):  # compiled: the C kernel runs
+        options = Options(world=world, sizes={"N": n}, backend="shm", warmup=1, repeats=2)
+        assert_all_ok(run_schedules([s.with_knobs(fc_chunks=k) for s in scheds for k in (1, 8)], options))
+    assert not segments()
+
+
+def test_a_norm_of_state_from_its_rows_in_the_c_kernel_that_writes_the_state():
+    """Adam that also reports the norm of the weights it starts from, the norm from each rank's rows
+    (slice_reduce): the fused collective's C chunk reads each row of w once, for the update and the norm, and
+    streams the new row into the peers' copies; the partial sum comes back with it. Compiled, R = 2 and 3,
+    uneven rows, one chunk and more chunks than rows, the first step and a steady one."""
+    import coconet as cc
+
+    p = cc.Program("adam_wnorm", dims=("N",))
+    g = p.tensor("g", ("N",), layout=cc.Local)
+    w, m, v = (p.tensor(x, ("N",), layout=cc.Replicated) for x in "wmv")
+    lr, beta1, beta2, eps = p.scalars("lr beta1 beta2 eps")
+    avg = cc.allreduce(g)
+    m1, v1 = beta1 * m + (1 - beta1) * avg, beta2 * v + (1 - beta2) * avg * avg
+    p.update(m, m1)
+    p.update(v, v1)
+    p.update(w, w - lr * m1 / (cc.sqrt(v1) + eps))
+    p.output("wnorm", cc.norm(w))
+    sched = Schedule.parse("split(ar0); reorder(ag0); as_slice(m); as_slice(v); slice_reduce(norm0); "
+                           "fuse_collective(rs0)", p.ir)
+    assert "sl0" in sched.scheduled.groups[0].members
+    src = lower(sched, "shm").source
+    assert re.search(r"_chunk0 = _native\(_kernel\(_chunk0\), '\w+', r\"\"\"", src) and '""", sums=1)' in src
+    assert "const v8 p_sl0 = ld(p_w_k + i);" in src and "_norm(" not in src.split("def step(")[1]
     for world, n in ((2, 1001), (3, 7)):
-        assert_all_ok(run_schedules([s.with_knobs(fc_chunks=k) for s in scheds for k in (1, 8)],
-                                    shm_only(world, {"N": n})))
+        options = Options(world=world, sizes={"N": n}, backend="shm", warmup=1, repeats=2)
+        assert_all_ok(run_schedules([sched.with_knobs(fc_chunks=k) for k in (1, 8)], options))
     assert not segments()
 
 

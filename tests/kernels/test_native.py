@@ -17,7 +17,8 @@ pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc
 # sqrt correctly rounded, as IEEE has it and C computes it: from float64, which rounds to the same float32.
 # (torch's own CPU sqrt can be an ulp off: sqrt(1.1523602f) is 1.0734805f there.)
 UNARY = {"neg": lambda a: -a, "sqrt": lambda a: torch.sqrt(a.double()).float(),
-         "rsqrt": lambda a: 1 / torch.sqrt(a.double()).float(), "abs": torch.abs}
+         "rsqrt": lambda a: 1 / torch.sqrt(a.double()).float(), "abs": torch.abs,
+         "slice": lambda a: a}  # a chunk's rows of a replicated value, as they are
 BINARY = {"add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
           "div": lambda a, b: a / b, "maximum": torch.maximum, "minimum": torch.minimum}
 assert set(UNARY) | set(BINARY) == set(OPS)

@@ -5,15 +5,18 @@ from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import coconet as cc
 from coconet.errors import IllegalTransform, ScheduleError
+from coconet.schedules import equivalence
+from coconet.schedules.builder import Builder
 from coconet.schedules.schedule import Schedule
 from coconet.schedules.transforms.base import convex, convex_with
 from coconet.schedules.transforms.fuse import regions
 from tests.strategies import collective_programs
 from coconet.schedules.transforms import (
-    AsSlice, Bucket, Fuse, FuseCollective, Overlap, Reorder, SliceSend, Split, TRANSFORMS,
+    AsSlice, Bucket, Fuse, FuseCollective, Overlap, Reorder, SliceReduce, SliceSend, Split, TRANSFORMS,
 )
 
 ROOT = Path(__file__).parents[2]
@@ -170,6 +173,106 @@ def test_fuse_collective_takes_the_partial_sums_of_its_slices():
     assert all(u not in group.members for u in p.users[psum]) and p[p.users[psum][0]].op == "allreduce"
     text = FuseCollective("rs0").describe(AsSlice("v").apply(AsSlice("m").apply(base)))
     assert text == "rs0 fused with 12 statements, 1 partial sum and 0 all_gathers"
+
+
+def test_slice_reduce_takes_a_replicated_norm_from_the_ranks_slices():
+    lamb = example("lamb")
+    p = SliceReduce("norm0").apply(lamb)
+    root = p["norm0"]  # the name stays on the value: what reads the norm reads it unchanged
+    assert root.op == "sqrt" and p[root.args[0]].op == "allreduce"
+    psum = p[p[root.args[0]].args[0]]
+    square = p[psum.args[0]]
+    view = p[square.args[0]]
+    assert psum.op == "partial_sum" and square.op == "mul" and square.args == (view.name, view.name)
+    assert view.op == "slice" and view.args == ("w",) and view.type.layout == cc.Sliced(0)
+    assert [t.text() for t in SliceReduce.instances(lamb)] == ["slice_reduce(norm0)"]
+    # norm(u) reads the allreduced gradient: split and reorder slice it, reducing only the rows they keep
+    assert SliceReduce.instances(sched("lamb", "split(ar0)")) == [SliceReduce("norm0")]
+    assert SliceReduce.instances(p) == []
+
+
+def test_slice_reduce_refusals():
+    lamb = example("lamb")
+    refuses(SliceReduce("div3"), lamb, "not a norm or sum")
+    refuses(SliceReduce("nope"), lamb, "no statement")
+    refuses(SliceReduce("norm0", dim=1), lamb, "out of range")
+    refuses(SliceReduce("norm1"), sched("lamb", "split(ar0); reorder(ag0)"), "a sqrt")  # its partials already
+    refuses(SliceReduce("norm0"), sched("lamb", "fuse(mul7, sub4)"), "rewrites come before")
+    p = cc.Program("local_norm", dims=("N",))
+    g = p.tensor("g", ("N",), layout=cc.Local)
+    (a,) = p.scalars("a")
+    p.output("n", cc.norm(g) + cc.sum(a))
+    refuses(SliceReduce("norm0"), p.ir, "g is Local: only a value every rank holds whole")
+    refuses(SliceReduce("sum0"), p.ir, "a is a scalar")
+
+
+def test_a_slice_is_only_of_a_replicated_tensor():
+    b = Builder("s", ("N",))
+    g = b.add("input", (), {"shape": ("N",), "layout": "Local"}, name="g")
+    x = b.add("const", (), {"value": 2})
+    with pytest.raises(cc.ProgramError, match="only Replicated values"):
+        b.add("slice", (g,))
+    with pytest.raises(cc.ProgramError, match="scalar"):
+        b.add("slice", (x,))
+    rows = b.add("reduce_scatter", (g,), {"op": "sum", "dim": 0})
+    assert b.add("slice", (rows,), {"dim": 0}) == rows  # what each rank holds already
+
+
+def test_sharding_the_state_a_slice_reads_leaves_each_rank_its_rows_without_a_gather():
+    # ZeRO-3's w: its norm from the rows each rank now holds, where a gather then a slice would move all of w
+    p = sched("lamb", "split(ar0); reorder(ag0); slice_reduce(norm0); as_slice(w); as_slice(m); as_slice(v)")
+    assert not [s for s in p.stmts if s.op in ("all_gather", "slice")]
+    square = next(s for s in p.stmts if s.op == "mul" and s.args == ("w", "w"))
+    assert [p[u].op for u in p.users[square.name]] == ["partial_sum"]
+
+
+def test_fuse_collective_takes_the_work_on_a_slice_of_state_with_its_rows():
+    # LAMB's norm(w) from slices: w's rows squared and summed in the chunk that reads them for the update
+    p = sched("lamb", "split(ar0); reorder(ag0); as_slice(m); as_slice(v); slice_reduce(norm0); fuse_collective(rs0)")
+    (group,) = p.groups
+    assert [p[m].op for m in group.members].count("partial_sum") == 2
+    view = next(m for m in group.members if p[m].op == "slice")
+    assert p[view].args == ("w",)
+    before = sched("lamb", "split(ar0); reorder(ag0); as_slice(m); as_slice(v); slice_reduce(norm0)")
+    assert FuseCollective("rs0").describe(before) == "rs0 fused with 14 statements, 2 partial sums and 0 all_gathers"
+
+
+def test_fuse_collective_leaves_out_a_slice_it_would_only_copy_out():
+    b = Builder("idle", ("N",))
+    g = b.add("input", (), {"shape": ("N",), "layout": "Local"}, name="g")
+    w = b.add("input", (), {"shape": ("N",), "layout": "Replicated"}, name="w")
+    rs = b.add("reduce_scatter", (g,), {"op": "sum", "dim": 0}, name="rs0")
+    b.add("update", (w, b.add("mul", (rs, rs))))
+    b.add("output", (b.add("slice", (w,), name="sl0"),), {"name": "rows"})
+    p = b.finish()
+    assert "sl0" not in FuseCollective("rs0").apply(p).groups[0].members
+    b2 = Builder("used", ("N",))
+    g = b2.add("input", (), {"shape": ("N",), "layout": "Local"}, name="g")
+    w = b2.add("input", (), {"shape": ("N",), "layout": "Replicated"}, name="w")
+    rs = b2.add("reduce_scatter", (g,), {"op": "sum", "dim": 0}, name="rs0")
+    b2.add("update", (w, b2.add("mul", (rs, b2.add("slice", (w,), name="sl0")))))
+    assert "sl0" in FuseCollective("rs0").apply(b2.finish()).groups[0].members
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(collective_programs(), st.sampled_from([1, 2, 3, 4]))
+def test_slice_reduce_computes_what_the_program_computes(p, world):
+    prog = p.ir
+    splits = [s.name for s in prog.stmts if s.op == "allreduce" and s.type.ndim > 0]
+    for t in SliceReduce.instances(prog):
+        texts = [t.text()]
+        for ar in splits:  # and a fused collective that may take the slice's work, where one applies
+            split = Split(ar).apply(prog)
+            rs = next(s.name for s in split.stmts if s.op == "reduce_scatter" and s.name not in prog)
+            texts.append(f"split({ar}); {t.text()}; fuse_collective({rs})")
+        for text in texts:
+            try:
+                s = Schedule.parse(text, prog)
+                assert s.scheduled.groups or text == t.text()
+            except (IllegalTransform, ScheduleError):
+                assert text != t.text()
+                continue
+            assert not equivalence.check(s, world, {"N": 5, "M": 3}), text
 
 
 def test_overlap_and_bucket():
