@@ -24,7 +24,7 @@ import keyword
 import re
 import textwrap
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Mapping
 
 from coconet.errors import BackendError
 from coconet.kernels.native import ChunkKernel, Untranslatable, c_source
@@ -460,29 +460,60 @@ def _lower_group(e: _Emitter, g: Group) -> list[str]:
     return _lower_fused_collective(e, g, knobs.get("fc_chunks", 1))
 
 
+@dataclass(frozen=True)
+class FusedCollective:
+    """A fused collective as the lowering emits it and the cost model prices it: what it reads, what each chunk
+    computes, and where each result goes."""
+    rs: Stmt
+    ins: tuple[str, ...]
+    outs: tuple[str, ...]  # handed on after it: neither written in place nor gathered into state
+    inplace: Mapping[str, str]  # result -> the sliced state each chunk writes it into (_fc_in_place)
+    into: Mapping[str, str]  # all_gather -> the replicated state whose every copy it writes (gather_into)
+    gathers: tuple[str, ...]
+    partials: tuple[str, ...]  # partial sums handed on, each chunk's added up after the last
+    sliced_outs: tuple[str, ...]  # values on this rank's rows handed on, whole
+    compute: tuple[str, ...]  # what each chunk computes: its absorbed statements, then the members'
+    needed: frozenset[str]  # what the chunk's computation must give: for a gather that sends it, or handed on
+    direct: bool  # reads_input_in_place
+
+
+def fused_collective(p: Program, backend: str, g: Group, absorbed: tuple[str, ...],
+                     compiled: bool = True) -> FusedCollective:
+    ins, outs = _group_io(p, g, absorbed)
+    inplace = _fc_in_place(p, g, outs, absorbed) if compiled else {}
+    into = gather_into(p, backend, g, outs, absorbed)
+    outs = [o for o in outs if o not in inplace and o not in into]
+    gathers = tuple(m for m in g.members if p[m].op == "all_gather")
+    partials = tuple(o for o in outs if p[o].op == "partial_sum")
+    sliced_outs = tuple(o for o in outs if p[o].op not in ("all_gather", "partial_sum"))
+    needed = {p[m].args[0] for m in gathers if m not in into} | set(sliced_outs) | set(partials)
+    return FusedCollective(
+        rs=p[g.members[0]], ins=tuple(ins), outs=tuple(outs), inplace=inplace, into=into, gathers=gathers,
+        partials=partials, sliced_outs=sliced_outs,
+        compute=tuple(m for m in (*absorbed, *g.members[1:]) if p[m].op != "all_gather"),
+        needed=frozenset(needed), direct=reads_input_in_place(p, backend, g))
+
+
 def _lower_fused_collective(e: _Emitter, g: Group, chunks: int) -> list[str]:
     p = e.p
     absorbed = e.absorbed.get(g, ())
-    ins, outs = _group_io(p, g, absorbed)
-    inplace = _fc_in_place(p, g, outs, absorbed) if e.compile else {}
-    into = gather_into(p, e.backend, g, outs, absorbed)
-    e.written.update(inplace.values())
-    e.written.update(into.values())
-    e.slotless.update(into)
-    outs = [o for o in outs if o not in inplace and o not in into]
+    fc = fused_collective(p, e.backend, g, absorbed, e.compile)
+    e.written.update(fc.inplace.values())
+    e.written.update(fc.into.values())
+    e.slotless.update(fc.into)
     fname = f"_{g.kind}{len(e.kernels)}"
     ops = [p[m].op for m in g.members]
     parts = ["reduce_scatter", "the computation on this rank's slice"]
     parts += ["its partial sums"] * ("partial_sum" in ops) + ["the all_gathers"] * ("all_gather" in ops)
-    lines = [(f"def {fname}(_rank, {', '.join(e.ident(a) for a in ins)}):", g.members[0]),
+    lines = [(f"def {fname}(_rank, {', '.join(e.ident(a) for a in fc.ins)}):", g.members[0]),
              (f'    """fused_collective: {", ".join(parts)}, as one unit."""', g.members[0])]
-    lines += _chunked_body(e, g, outs, chunks, absorbed, inplace, into)
-    if outs:
-        lines.append((f"    return {_tuple_text(map(e.ident, outs))}",
+    lines += _chunked_body(e, g, fc, chunks)
+    if fc.outs:
+        lines.append((f"    return {_tuple_text(map(e.ident, fc.outs))}",
                       g.members[-1]))
     e.kernels.append(lines)
-    call = f"{fname}(_c, {', '.join(e.ident(a) for a in ins)})"
-    return [f"{_tuple_text(map(e.ident, outs))} = {call}" if outs else call]
+    call = f"{fname}(_c, {', '.join(e.ident(a) for a in fc.ins)})"
+    return [f"{_tuple_text(map(e.ident, fc.outs))} = {call}" if fc.outs else call]
 
 
 POINTWISE = set(BINARY) | set(UNARY) | {"cast", "where", "const"}
@@ -804,19 +835,15 @@ def _whole_fuse(e: _Emitter, g: Group, body: list, ins: list[str], inplace: dict
     return call
 
 
-def _chunked_body(e: _Emitter, g: Group, outs: list[str], chunks: int, absorbed=(), inplace=None, into=None) -> list:
+def _chunked_body(e: _Emitter, g: Group, fc: FusedCollective, chunks: int) -> list:
     """A fused collective as a pipeline over chunks of this rank's slice: chunk k computes as soon as its
     rows are reduced, its all_gathers start while chunk k+1 computes. The statements of a chunk see a
     _Chunk as their context ``_c``; compiled, its pointwise statements are one kernel."""
     p = e.p
-    inplace, into = inplace or {}, into or {}
-    rs = p[g.members[0]]
+    rs, inplace, into, direct = fc.rs, fc.inplace, fc.into, fc.direct
+    gathers, partials, sliced_outs = fc.gathers, fc.partials, fc.sliced_outs
     d = rs.type.layout.dim
     n = dim_expr(rs.type.shape[d])
-    gathers = [m for m in g.members if p[m].op == "all_gather"]
-    partials = [o for o in outs if p[o].op == "partial_sum"]
-    sliced_outs = [o for o in outs if p[o].op not in ("all_gather", "partial_sum")]
-    direct = reads_input_in_place(p, e.backend, g)
     how = ("chunk k+1 is reduced while chunk k computes and chunk k-1 is gathered" if e.backend != "shm" else
            f"{'read where it lies once moved into a segment' if direct else 'published once'}, each chunk "
            "reduced out of the peers' segments just before it computes")
@@ -827,9 +854,8 @@ def _chunked_body(e: _Emitter, g: Group, outs: list[str], chunks: int, absorbed=
     lines += [(f"    {tmp[m]} = _Gather(_rank, {d}, {n}"
                + (f", {e.ident(into[m])}, {into[m]!r}, {words[m]})" if m in into else ")"), m) for m in gathers]
     at = len(lines)  # where the sliced outputs' holders are made, once it is known whether a kernel fills them
-    compute = [m for m in (*absorbed, *g.members[1:]) if p[m].op != "all_gather"]
-    needed = {p[m].args[0] for m in gathers if m not in into} | set(sliced_outs) | set(partials)
-    e.chunked = set(g.members) | set(absorbed)
+    compute = list(fc.compute)
+    e.chunked = set(g.members) | set(fc.compute)
     try:
         # shm: the kernel sums the chunk's rows on every rank as it reads them (sum, avg)
         parts = sums_parts(p, e.backend, g, into)
@@ -840,7 +866,7 @@ def _chunked_body(e: _Emitter, g: Group, outs: list[str], chunks: int, absorbed=
         # compiled, the kernel writes each chunk's rows of a sliced output into the whole output, made before
         # the first chunk: no list of chunks to concatenate after the last
         buffers = {o: tmp[o] for o in sliced_outs}
-        kernel = (_chunk_kernel(e, g, compute, inplace, needed, rs if parts else None, into, parts, peers, buffers)
+        kernel = (_chunk_kernel(e, g, compute, inplace, fc.needed, rs if parts else None, into, parts, peers, buffers)
                   if e.compile else None)
         if kernel is not None:
             lines[at:at] = [(f"    {tmp[o]} = torch.empty({e.local_shape_expr(p[o].type).replace('_c.', '_rank.')}, "
@@ -859,9 +885,8 @@ def _chunked_body(e: _Emitter, g: Group, outs: list[str], chunks: int, absorbed=
         if kernel is not None:
             lines += kernel
         else:
-            for m in (*absorbed, *g.members[1:]):
-                if p[m].op != "all_gather":
-                    lines.extend(("        " + x, m) for x in e.stmt(p[m]))
+            for m in compute:
+                lines.extend(("        " + x, m) for x in e.stmt(p[m]))
             for o, t in inplace.items():
                 lines.append((f"        {e.operand(p[o], t)}.copy_({e.ident(o)})", o))
             for m, t in into.items():

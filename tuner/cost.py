@@ -38,9 +38,9 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
-from coconet.codegen.lower import chunk_compiles, custom_group, fuse_absorbed, reads_input_in_place, sums_parts
-from coconet.codegen.lower import (_absorbed, _fc_in_place, _group_io, _in_place, _needs_copy, _units, gather_into,
-                                   fuse_gathers_into, gathers_into_state)
+from coconet.codegen.lower import chunk_compiles, custom_group, fuse_absorbed, fused_collective, sums_parts
+from coconet.codegen.lower import (_absorbed, _group_io, _in_place, _needs_copy, _units, fuse_gathers_into,
+                                   gathers_into_state)
 from coconet.errors import CoconetError, SizeError
 from coconet.schedules.dims import Dim
 from coconet.schedules.ir import Group, Program, Stmt
@@ -418,19 +418,12 @@ class _Builder:
     def fused_collective(self, g: Group, absorbed: tuple[str, ...]) -> tuple[Unit, set[str]]:
         p = self.p
         chunks = self.knobs.get("fc_chunks", 1)
-        rs = p[g.members[0]]
+        fc = fused_collective(p, self.backend, g, absorbed)
+        rs, ins, inplace, into, direct = fc.rs, fc.ins, fc.inplace, fc.into, fc.direct
+        gathers, sliced_outs, compute = fc.gathers, fc.sliced_outs, fc.compute
         x = p[rs.args[0]].type
-        ins, outs = _group_io(p, g, absorbed)
-        inplace = _fc_in_place(p, g, outs, absorbed)
-        into = gather_into(p, self.backend, g, outs, absorbed)
-        outs = [o for o in outs if o not in inplace and o not in into]
-        gathers = [m for m in g.members if p[m].op == "all_gather"]
-        sliced_outs = [o for o in outs if p[o].op not in ("all_gather", "partial_sum")]
-        compute = [m for m in (*absorbed, *g.members[1:]) if p[m].op != "all_gather"]
-        needed = {p[m].args[0] for m in gathers if m not in into} | set(sliced_outs)
         shm = self.backend == "shm"
-        direct = reads_input_in_place(p, self.backend, g)
-        compiled = chunk_compiles(p, g, compute)
+        compiled = chunk_compiles(p, g, list(compute))
         parts = sums_parts(p, self.backend, g, into) and compiled
         kernels: list[Kernel] = []
         comms: list[Comm] = []
@@ -473,9 +466,8 @@ class _Builder:
                 writes += self.nbytes(p[o].type, self.local(p[o].type))
                 cold += self.nbytes(p[o].type, self.local(p[o].type))
             for m in compute:
-                if m in needed:
-                    b = self.nbytes(p[m].type, self.local(p[m].type))
-                    writes += b
+                if m in fc.needed:  # a partial sum is a scalar: no bytes
+                    writes += self.nbytes(p[m].type, self.local(p[m].type))
             if rs.name in sliced_outs:  # the reduced rows, which the group hands on, into one tensor
                 writes += mine_in
             for m in into:  # this rank's rows of the state, into its own copy and every peer's: to memory
