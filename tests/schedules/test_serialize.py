@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import runpy
 from pathlib import Path
@@ -24,6 +25,19 @@ def test_examples_round_trip(path):
     assert again.hash == prog.hash
     assert again.stmts == prog.stmts
     assert export(again) == export(prog)
+
+
+def test_scheduled_programs_round_trip():
+    """What the transforms make (partial sums, slices of replicated state) is a program like any other."""
+    from coconet.schedules.space import generate
+
+    ops = set()
+    for s in generate(example("lamb")):
+        prog = dataclasses.replace(s.scheduled, groups=())
+        again = load(export(prog))
+        assert again.hash == prog.hash and again.stmts == prog.stmts
+        ops |= {x.op for x in prog.stmts}
+    assert {"slice", "partial_sum", "reduce_scatter", "all_gather"} <= ops
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
