@@ -55,11 +55,14 @@ class SliceReduce(Transform):
             raise self.refuse(f"{x.name} is a scalar: there is nothing to slice")
         if not -x.type.ndim <= self.dim < x.type.ndim:
             raise self.refuse(f"dim {self.dim} is out of range for {x.type.shape_text()}")
+        # where its first reader is: a reduction written early (before the gradient's allreduce, say) then sits
+        # after the collective a fused collective begins with, and its partial sums can join that
+        at = min(program.users[r.name], key=program.position.__getitem__)
         rw = Rewriter(program, self.text())
         for s in program.stmts:
-            if s.name == r.name:  # the builder makes a reduction of a slice partial sums and an allreduce
-                rw.copy(s, [rw.add("slice", [rw[x.name]], {"dim": self.dim})])
-            else:
+            if s.name == at:  # the builder makes a reduction of a slice partial sums and an allreduce
+                rw.copy(r, [rw.add("slice", [rw[x.name]], {"dim": self.dim})])
+            if s.name != r.name:
                 rw.copy(s)
         return rw.finish()
 

@@ -237,6 +237,27 @@ def test_fuse_collective_takes_the_work_on_a_slice_of_state_with_its_rows():
     assert FuseCollective("rs0").describe(before) == "rs0 fused with 14 statements, 2 partial sums and 0 all_gathers"
 
 
+def test_a_norm_written_before_the_allreduce_still_joins_the_fused_collective():
+    # LARS as one might write it, the weights' norm first: sliced, it is computed where it is first read, after
+    # the collective the fused one begins with
+    p = cc.Program("lars", dims=("N",))
+    g = p.tensor("g", ("N",), layout=cc.Local)
+    w, v = p.tensor("w", ("N",), layout=cc.Replicated), p.tensor("v", ("N",), layout=cc.Replicated)
+    lr, eta = p.scalars("lr eta")
+    w_norm = cc.norm(w)
+    grad = cc.allreduce(g)
+    v1 = v + lr * eta * w_norm / cc.norm(grad) * grad
+    p.update(v, v1)
+    p.update(w, w - v1)
+    prog = p.ir
+    assert prog.position["norm0"] < prog.position["ar0"]
+    sched = Schedule.parse("split(ar0); reorder(ag0); as_slice(v); slice_reduce(norm0); fuse_collective(rs0)", prog)
+    (group,) = sched.scheduled.groups
+    assert [sched.scheduled[m].op for m in group.members].count("partial_sum") == 2 and "sl0" in group.members
+    for world in (1, 2, 3):
+        assert not equivalence.check(sched, world, {"N": 7})
+
+
 def test_fuse_collective_leaves_out_a_slice_it_would_only_copy_out():
     b = Builder("idle", ("N",))
     g = b.add("input", (), {"shape": ("N",), "layout": "Local"}, name="g")

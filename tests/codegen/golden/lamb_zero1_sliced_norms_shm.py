@@ -824,7 +824,7 @@ def _into_peers(c, *states):
 
 
 def _chunk0(m_k, v_k, w_k, _add3_k, rs0_parts, beta1, beta2, weight_decay, sub0, sub1, sub2, sub3, eps):
-    """19 statements of fused_collective(rs0, mul1, add0, mul3, mul4, add1, div0, div1, sqrt0, add2, div2, add3, sl0, mul9, psum1, mul8, psum0) on one chunk, state written in place."""
+    """19 statements of fused_collective(rs0, mul1, add0, mul3, mul4, add1, div0, div1, sqrt0, add2, div2, add3, mul8, psum0, sl0, mul9, psum1) on one chunk, state written in place."""
     rs0 = _add_all(rs0_parts)
     mul0 = beta1 * m_k
     mul2 = beta2 * v_k
@@ -840,15 +840,15 @@ def _chunk0(m_k, v_k, w_k, _add3_k, rs0_parts, beta1, beta2, weight_decay, sub0,
     add2 = sqrt0 + eps
     div2 = div0 / add2
     add3 = div2 + mul5
+    mul8 = add3 * add3
+    psum0 = mul8.sum()
     sl0 = w_k
     mul9 = sl0 * sl0
     psum1 = mul9.sum()
-    mul8 = add3 * add3
-    psum0 = mul8.sum()
     m_k.copy_(add0)
     v_k.copy_(add1)
     _add3_k.copy_(add3)
-    return psum1, psum0
+    return psum0, psum1
 
 
 _chunk0 = _kernel(_chunk0)
@@ -979,18 +979,18 @@ def step(tensors, scalars, *, group=None, stage=0, stages=1, sizes=None, custom_
     def _fused_collective0(_rank, beta1, m, beta2, v, weight_decay, w, g, sub0, sub1, sub2, sub3, eps):
         """fused_collective: reduce_scatter, the computation on this rank's slice, its partial sums, as one unit."""
         # 4 chunks: read where it lies once moved into a segment, each chunk reduced out of the peers' segments just before it computes
-        _psum1 = []
         _psum0 = []
+        _psum1 = []
         _add3 = torch.empty((_rank.rows(d_N)[1] - _rank.rows(d_N)[0], ), dtype=torch.float32, device=_rank.device)
         for _c, rs0_parts in _reduce_scatter_parts(_rank, g, 0, d_N, 4, 'g', 0):
-            psum1, psum0 = _chunk0(_c.local(m, 0), _c.local(v, 0), _c.cut(w, 0, d_N), _c.local(_add3, 0), rs0_parts, beta1, beta2, weight_decay, sub0, sub1, sub2, sub3, eps)
-            _psum1.append(psum1)
+            psum0, psum1 = _chunk0(_c.local(m, 0), _c.local(v, 0), _c.cut(w, 0, d_N), _c.local(_add3, 0), rs0_parts, beta1, beta2, weight_decay, sub0, sub1, sub2, sub3, eps)
             _psum0.append(psum0)
+            _psum1.append(psum1)
         _end_collective(_rank)
         add3 = _add3
-        psum1 = torch.stack(_psum1).sum()
         psum0 = torch.stack(_psum0).sum()
-        return add3, psum1, psum0
+        psum1 = torch.stack(_psum1).sum()
+        return add3, psum0, psum1
 
     g = tensors['g']
     w = tensors['w']
@@ -1009,13 +1009,13 @@ def step(tensors, scalars, *, group=None, stage=0, stages=1, sizes=None, custom_
     sub2 = c0 - pow0
     pow1 = beta2 ** t
     sub3 = c0 - pow1
-    add3, psum1, psum0 = _fused_collective0(_c, beta1, m, beta2, v, weight_decay, w, g, sub0, sub1, sub2, sub3, eps)
-    ar1 = psum1
-    _allreduce(_c, ar1, 'sum')
-    norm0 = torch.sqrt(ar1)
+    add3, psum0, psum1 = _fused_collective0(_c, beta1, m, beta2, v, weight_decay, w, g, sub0, sub1, sub2, sub3, eps)
     ar0 = psum0
     _allreduce(_c, ar0, 'sum')
     norm1 = torch.sqrt(ar0)
+    ar1 = psum1
+    _allreduce(_c, ar1, 'sum')
+    norm0 = torch.sqrt(ar1)
     div3 = norm0 / norm1
     mul6 = lr * div3
     (_ag3,), (w_peers,) = _into_peers(_c, (0, d_N, w, 'w'))
