@@ -195,7 +195,8 @@ class _Builder:
         return self.local(t)
 
     def is_cold(self, a: str) -> bool:
-        return self.p[a].op in ("input", "recv")
+        s = self.p[a]
+        return s.op in ("input", "recv") or (s.op == "slice" and self.is_cold(s.args[0]))  # a slice is a view
 
     def reads(self, s: Stmt, skip: set[str] = frozenset(), cold: bool = False) -> tuple[Term, ...]:
         out: list[Term] = []
