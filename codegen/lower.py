@@ -24,7 +24,7 @@ import keyword
 import re
 import textwrap
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 
 from coconet.errors import BackendError
 from coconet.kernels.native import ChunkKernel, Untranslatable, c_source
@@ -477,8 +477,8 @@ class FusedCollective:
     direct: bool  # reads_input_in_place
 
 
-def fused_collective(p: Program, backend: str, g: Group, absorbed: tuple[str, ...],
-                     compiled: bool = True) -> FusedCollective:
+def fused_collective_plan(p: Program, backend: str, g: Group, absorbed: tuple[str, ...],
+                          compiled: bool = True) -> FusedCollective:
     ins, outs = _group_io(p, g, absorbed)
     inplace = _fc_in_place(p, g, outs, absorbed) if compiled else {}
     into = gather_into(p, backend, g, outs, absorbed)
@@ -497,7 +497,7 @@ def fused_collective(p: Program, backend: str, g: Group, absorbed: tuple[str, ..
 def _lower_fused_collective(e: _Emitter, g: Group, chunks: int) -> list[str]:
     p = e.p
     absorbed = e.absorbed.get(g, ())
-    fc = fused_collective(p, e.backend, g, absorbed, e.compile)
+    fc = fused_collective_plan(p, e.backend, g, absorbed, e.compile)
     e.written.update(fc.inplace.values())
     e.written.update(fc.into.values())
     e.slotless.update(fc.into)
@@ -936,7 +936,7 @@ def reads_input_in_place(p: Program, backend: str, g: Group) -> bool:
 _CUT = re.compile(r"_c\.(?:local|cut)\((\w+), [^()]*\)")
 
 
-def chunk_compiles(p: Program, g: Group, compute: list[str]) -> bool:
+def chunk_compiles(p: Program, g: Group, compute: Sequence[str]) -> bool:
     """Whether a fused collective's chunk computes in one compiled kernel: pointwise statements, partial sums
     (the kernel returns the chunk's), slices of replicated values (the chunk's rows of them), and dropout on
     values sliced as the chunks are (its mask's counters are global element indices, which the kernel gets

@@ -38,7 +38,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
-from coconet.codegen.lower import chunk_compiles, custom_group, fuse_absorbed, fused_collective, sums_parts
+from coconet.codegen.lower import (chunk_compiles, custom_group, fuse_absorbed, fused_collective_plan,
+                                   sums_parts)
 from coconet.codegen.lower import (_absorbed, _group_io, _in_place, _needs_copy, _units, fuse_gathers_into,
                                    gathers_into_state)
 from coconet.errors import CoconetError, SizeError
@@ -419,12 +420,12 @@ class _Builder:
     def fused_collective(self, g: Group, absorbed: tuple[str, ...]) -> tuple[Unit, set[str]]:
         p = self.p
         chunks = self.knobs.get("fc_chunks", 1)
-        fc = fused_collective(p, self.backend, g, absorbed)
+        fc = fused_collective_plan(p, self.backend, g, absorbed)
         rs, ins, inplace, into, direct = fc.rs, fc.ins, fc.inplace, fc.into, fc.direct
         gathers, sliced_outs, compute = fc.gathers, fc.sliced_outs, fc.compute
         x = p[rs.args[0]].type
         shm = self.backend == "shm"
-        compiled = chunk_compiles(p, g, list(compute))
+        compiled = chunk_compiles(p, g, compute)
         parts = sums_parts(p, self.backend, g, into) and compiled
         kernels: list[Kernel] = []
         comms: list[Comm] = []

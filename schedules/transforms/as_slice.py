@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from coconet.errors import IllegalTransform
 from coconet.schedules.ir import Program
 from coconet.schedules.rewrite import Rewriter
-from coconet.schedules.transforms.base import Transform, consumes_slices
+from coconet.schedules.transforms.base import Transform, ancestors, consumes_slices
 from coconet.schedules.types import Replicated
 
 
@@ -20,16 +20,6 @@ def _gathered_update(program: Program, tensor: str):
             value = program[s.args[1]]
             return s, value if value.op == "all_gather" else None
     return None, None
-
-
-def _ancestors(program: Program, name: str) -> set[str]:
-    seen, stack = set(), [name]
-    while stack:
-        for a in program[stack.pop()].args:
-            if a not in seen:
-                seen.add(a)
-                stack.append(a)
-    return seen
 
 
 @dataclass(frozen=True)
@@ -61,7 +51,7 @@ class AsSlice(Transform):
 
         read = set()
         for target, value in program.updates.items():
-            above = _ancestors(program, value)
+            above = ancestors(program, value)
             read |= {t for t, v in program.updates.items() if t != target and computed(v) in above}
         return [[t for t in insts if t.tensor in read]]
 

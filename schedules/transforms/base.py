@@ -126,6 +126,17 @@ def consumes_slices(program: Program, s: Stmt) -> bool:
     return not any(isinstance(program[a].type.layout, Local) for a in s.args)
 
 
+def ancestors(program: Program, name: str) -> set[str]:
+    """Every statement ``name`` depends on, itself not included."""
+    seen, stack = set(), [name]
+    while stack:
+        for a in program[stack.pop()].args:
+            if a not in seen:
+                seen.add(a)
+                stack.append(a)
+    return seen
+
+
 def reaches(program: Program, sources: Iterable[str], targets: set[str], avoid: set[str]) -> str | None:
     """A target reachable from ``sources`` along data edges through statements not in ``avoid``."""
     users = program.users

@@ -11,23 +11,15 @@ from dataclasses import dataclass
 
 from coconet.schedules.ir import COLLECTIVES, Program, Stmt
 from coconet.schedules.rewrite import Rewriter
-from coconet.schedules.transforms.base import Transform
+from coconet.schedules.transforms.base import Transform, ancestors
 from coconet.schedules.types import Replicated
 
 
 def _of_state(program: Program, s: Stmt) -> bool:
     """A reduction of a value computed from what every rank holds alone (state, scalars): one downstream of
     a collective is sliced better by splitting that collective, which reduces only the rows it keeps."""
-    stack, seen = [s.args[0]], set()
-    while stack:
-        n = stack.pop()
-        if program[n].op in COLLECTIVES or program[n].op == "recv":
-            return False
-        for a in program[n].args:
-            if a not in seen:
-                seen.add(a)
-                stack.append(a)
-    return True
+    x = s.args[0]
+    return not any(program[n].op in COLLECTIVES or program[n].op == "recv" for n in {x} | ancestors(program, x))
 
 
 @dataclass(frozen=True)
