@@ -1073,6 +1073,7 @@ def _native_chunk(e: _Emitter, compute: list[str], inplace: dict[str, str], into
         return None
     by_ident = {e.ident(s.name): s for s in p.stmts}
     kinds: list[tuple[str, str]] = [(d, "dim") for d in dims]
+    constants: list[tuple[str, float]] = []
     peer_params = {args[peers[m]] for m in into}
     for expr, param in args.items():
         if param in peer_params:
@@ -1083,6 +1084,8 @@ def _native_chunk(e: _Emitter, compute: list[str], inplace: dict[str, str], into
             kind = "rows"
         elif expr in by_ident and by_ident[expr].type is not None and by_ident[expr].type.dtype != "int64":
             kind = "scalar" if by_ident[expr].type.shape == () else "rows"
+            if kind == "scalar" and by_ident[expr].op == "const":
+                constants.append((param, by_ident[expr].attr("value")))
         else:
             return None  # dropout's first row, an int scalar
         kinds.append((param, kind))
@@ -1115,7 +1118,7 @@ def _native_chunk(e: _Emitter, compute: list[str], inplace: dict[str, str], into
         params=tuple(kinds),
         parts=(e.ident(parts.name), parts_name, parts.attr("op")) if parts is not None else None,
         stmts=tuple(stmts), numbers=frozenset(e.ident(m) for m in compute if e.number(m)),
-        writes=tuple(writes), streams=tuple(streams), sums=tuple(sums))
+        writes=tuple(writes), streams=tuple(streams), sums=tuple(sums), constants=tuple(constants))
     try:
         return spec.kinds, c_source(spec), len(sums)
     except Untranslatable:

@@ -12,8 +12,10 @@ streamed whole into every peer. The vectors are GCC's vector extensions: the com
 whatever the machine has (-march=native), SSE at least.
 
 Only float32 statements of the ``OPS`` table (IEEE operations the C compiler keeps as written: no
-contraction into fused multiply-adds, no reassociation), comparisons and the ``where`` and ``cast`` that
-read them, and partial sums (summed in double) are translated; anything else keeps Inductor's kernel.
+contraction into fused multiply-adds, no reassociation), powers by the constants of ``POWERS``,
+comparisons and the ``where`` and ``cast`` that read them, and partial sums (summed in double) are
+translated; anything else keeps Inductor's kernel (exp and log among them: in 8-wide vectors, Cephes'
+polynomials made the chunk of an Adam with a softplus 1.3x slower than Inductor's Sleef).
 The generated module checks at each call that every tensor is a contiguous float32 CPU tensor of the
 chunk's length and every scalar one number, and hands the call to Inductor's kernel otherwise (a
 broadcast operand, a tensor that needs autograd).
@@ -33,6 +35,14 @@ OPS = {
     "maximum": ("(({0} > {1} || {0} != {0}) ? {0} : {1})", "vmax({0}, {1})"),
     "minimum": ("(({0} < {1} || {0} != {0}) ? {0} : {1})", "vmin({0}, {1})"),
     "slice": ("{0}", "{0}"),  # a chunk's rows of a replicated value are its rows of the slice
+}
+# x ** c for a constant c: what torch computes for these (ATen's pow of a tensor and a number multiplies,
+# divides or takes a square root), on one operand text. Any other exponent keeps Inductor's kernel.
+POWERS = {
+    0.0: ("1.0f", "((v8){{0}} + 1.0f)"), 1.0: ("{0}", "{0}"),
+    2.0: ("({0} * {0})", "({0} * {0})"), 3.0: ("(({0} * {0}) * {0})", "(({0} * {0}) * {0})"),
+    -1.0: ("(1.0f / {0})", "(1.0f / {0})"), -2.0: ("(1.0f / ({0} * {0}))", "(1.0f / ({0} * {0}))"),
+    0.5: OPS["sqrt"], -0.5: OPS["rsqrt"],
 }
 # comparisons: a mask, an int per element (0 or 1) and a v8i per vector (0 or -1), as GCC's vector compares give
 COMPARE = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
@@ -95,7 +105,8 @@ class ChunkKernel:
     they sum to, their parameter, ``sum`` or ``avg``). ``stmts``: (name, op, operands, constant) in order.
     ``numbers``: the statements that are host numbers. ``writes``: (rows parameter, value stored into it).
     ``streams``: (peers parameter, value stored into each). ``sums``: (name, value): the chunk's sum of each
-    value over its rows (a partial sum), returned in order. A comparison is a mask that only ``where`` and a
+    value over its rows (a partial sum), returned in order. ``constants``: (scalar parameter, value) for the
+    scalars that are the program's constants (a power's exponent is compiled in). A comparison is a mask that only ``where`` and a
     ``cast`` to float32 (its constant the dtype) read."""
 
     params: tuple[tuple[str, str], ...]
@@ -105,6 +116,7 @@ class ChunkKernel:
     writes: tuple[tuple[str, str], ...]
     streams: tuple[tuple[str, str], ...]
     sums: tuple[tuple[str, str], ...] = ()
+    constants: tuple[tuple[str, float], ...] = ()
 
     @property
     def kinds(self) -> str:
@@ -135,6 +147,10 @@ def c_source(k: ChunkKernel) -> str:
     masks = {name for name, op, *_ in k.stmts if op in COMPARE}
     values = {name for name, *_ in k.stmts} | ({k.parts[0]} if k.parts else set())
     tensors = values - k.numbers - masks
+    # constants by name, for pow's exponent (a constant the builder may have made from the program's int)
+    constants = {name: float(value) for name, value in
+                 [(name, value) for name, op, _, value in k.stmts if op == "const"] + list(k.constants)
+                 if isinstance(value, (int, float)) and not isinstance(value, bool)}
 
     def ref(name: str, vector: bool) -> str:
         if name in masks:
@@ -198,6 +214,9 @@ def c_source(k: ChunkKernel) -> str:
                 continue
             if op == "const":
                 out.append(f"const {t} p_{name} = " + ("(v8){0} + " if vector else "") + f"(float){_literal(value)};")
+            elif op == "pow" and constants.get(args[1]) in POWERS and args[0] not in k.numbers:
+                text = POWERS[constants[args[1]]][vector]
+                out.append(f"const {t} p_{name} = {text.format(ref(args[0], vector))};")
             elif op in OPS:
                 out.append(f"const {t} p_{name} = {OPS[op][vector].format(*(ref(x, vector) for x in args))};")
             elif op in COMPARE:

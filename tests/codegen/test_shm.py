@@ -215,6 +215,38 @@ def test_a_norm_of_state_from_its_rows_in_the_c_kernel_that_writes_the_state():
     assert not segments()
 
 
+def test_powers_by_constants_in_the_c_kernel_that_writes_the_state():
+    """Adam as people also write it (``avg ** 2``, ``v ** 0.5``, ``(…) ** -1``): the powers stay in the C chunk
+    that streams w into the peers' copies, as the products, root and quotient torch computes for them; a power
+    C has no translation for (``** 1.5``) keeps Inductor's kernel. Compiled, R = 2 and 3, uneven rows, one
+    chunk and more chunks than rows."""
+    import coconet as cc
+
+    def adam(power):
+        p = cc.Program("adam_pow", dims=("N",))
+        g = p.tensor("g", ("N",), layout=cc.Local)
+        w, m, v = (p.tensor(x, ("N",), layout=cc.Replicated) for x in "wmv")
+        lr, beta1, beta2, eps = p.scalars("lr beta1 beta2 eps")
+        avg = cc.allreduce(g)
+        m1, v1 = beta1 * m + (1 - beta1) * avg, beta2 * v + (1 - beta2) * avg ** 2
+        p.update(m, m1)
+        p.update(v, v1)
+        p.update(w, w - lr * m1 * (v1 ** power + eps) ** -1)
+        return Schedule.parse("split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse_collective(rs0)", p.ir)
+
+    src = lower(adam(1.5), "shm").source
+    assert "_chunk0 = _kernel(_chunk0)" in src and "_native(" not in src
+    sched = adam(0.5)
+    src = lower(sched, "shm").source
+    assert re.search(r"_chunk0 = _native\(_kernel\(_chunk0\), '\w+', r\"\"\"", src)
+    assert all(x in src for x in ("p_pow0 = (p_rs0 * p_rs0);", "p_pow1 = vsqrt(p_add1);",
+                                  "p_pow2 = (1.0f / p_add2);"))
+    for world, n in ((2, 1001), (3, 7)):
+        options = Options(world=world, sizes={"N": n}, backend="shm", warmup=1, repeats=2)
+        assert_all_ok(run_schedules([sched.with_knobs(fc_chunks=k) for k in (1, 8)], options))
+    assert not segments()
+
+
 def test_a_state_read_after_its_gather_is_gathered_through_a_slot():
     """``v`` reads the old ``w`` after the gather that gives ``w`` its new value has run: writing the peers' copies
     then would hand ``v`` the new rows, so that gather goes through a slot and ``w`` is written at the end."""

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coconet.codegen import shm
-from coconet.kernels.native import COMPARE, OPS, ChunkKernel, Untranslatable, c_source
+from coconet.kernels.native import COMPARE, OPS, POWERS, ChunkKernel, Untranslatable, c_source
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
 
@@ -22,6 +22,10 @@ UNARY = {"neg": lambda a: -a, "sqrt": lambda a: torch.sqrt(a.double()).float(),
 BINARY = {"add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
           "div": lambda a, b: a / b, "maximum": torch.maximum, "minimum": torch.minimum}
 assert set(UNARY) | set(BINARY) == set(OPS)
+# x ** c for the constants C translates, as torch computes them (0.5: the correctly rounded square root, see sqrt)
+POWER = {0.0: lambda a: torch.ones_like(a), 1.0: lambda a: a, 2.0: lambda a: a * a, 3.0: lambda a: a * a * a,
+         -1.0: lambda a: 1 / a, -2.0: lambda a: 1 / (a * a), 0.5: UNARY["sqrt"], -0.5: UNARY["rsqrt"]}
+assert set(POWER) == set(POWERS)
 COMPARISONS = {"lt": torch.lt, "le": torch.le, "gt": torch.gt, "ge": torch.ge, "eq": torch.eq, "ne": torch.ne}
 assert set(COMPARISONS) == set(COMPARE)
 # host-number arithmetic, as Python does it (division left out: Python raises where C gives inf)
@@ -40,8 +44,14 @@ def chunk_kernels(draw):
     names, numbers, masks, stmts = ["g", "a", "b", "s"], [], [], []
     for k in range(draw(st.integers(1, 8))):
         name = f"t{k}"
-        choice = draw(st.sampled_from(["unary", "binary", "binary", "const", "number", "compare", "where", "cast"]))
-        if choice == "compare":
+        choice = draw(st.sampled_from(["unary", "binary", "binary", "const", "number", "compare", "where", "cast",
+                                       "power"]))
+        if choice == "power":  # the exponent a constant of the chunk
+            stmts.append((f"{name}_c", "const", (), draw(st.sampled_from(sorted(POWERS)))))
+            numbers.append(f"{name}_c")
+            stmts.append((name, "pow", (draw(st.sampled_from(names)), f"{name}_c"), None))
+            names.append(name)
+        elif choice == "compare":
             x, y = draw(st.sampled_from(names)), draw(st.sampled_from(names + numbers))
             stmts.append((name, draw(st.sampled_from(sorted(COMPARE))), draw(st.permutations([x, y])), None))
             masks.append(name)
@@ -96,6 +106,8 @@ def reference(k: ChunkKernel, peers, a, b, parts, s):
             env[name] = torch.where(xs[0], *(torch.as_tensor(v, dtype=torch.float32) for v in xs[1:]))
         elif op == "cast":
             env[name] = xs[0].float()
+        elif op == "pow":
+            env[name] = POWER[float(xs[1])](torch.as_tensor(xs[0], dtype=torch.float32))
         elif op in UNARY:
             env[name] = UNARY[op](torch.as_tensor(xs[0], dtype=torch.float32) if not isinstance(xs[0], torch.Tensor) else xs[0])
         else:
@@ -212,10 +224,22 @@ def test_without_a_c_compiler_the_python_kernel_runs(monkeypatch, tmp_path):
 
 def test_a_statement_c_has_no_translation_for_is_refused():
     k = adam_kernel()
-    for op in ("exp", "where", "cast", "dropout", "pow"):
+    for op in ("exp", "log", "where", "cast", "dropout"):
         stmts = k.stmts + (("odd", op, ("m",), None),)
         with pytest.raises(Untranslatable, match=op):
             c_source(ChunkKernel(k.params, k.parts, stmts, k.numbers, k.writes, k.streams))
+    # a power: only of a tensor, by a constant C has a translation for (compiled in)
+    for exponent, constants in (("v", ()), ("beta1", ()), ("beta1", (("beta1", 0.7),)), ("c", ())):
+        stmts = k.stmts + (("c", "const", (), 1.5), ("odd", "pow", ("m", exponent), None))
+        with pytest.raises(Untranslatable, match="pow"):
+            c_source(ChunkKernel(k.params, k.parts, stmts, k.numbers | {"c"}, k.writes, k.streams,
+                                 constants=constants))
+    stmts = k.stmts + (("c", "const", (), 2), ("odd", "pow", ("c", "c"), None))
+    with pytest.raises(Untranslatable, match="pow"):
+        c_source(ChunkKernel(k.params, k.parts, stmts, k.numbers | {"c", "odd"}, k.writes, k.streams))
+    stmts = k.stmts + (("odd", "pow", ("m", "beta1"), None),)
+    src = c_source(ChunkKernel(k.params, k.parts, stmts, k.numbers, k.writes, k.streams, constants=(("beta1", 2.0),)))
+    assert "p_odd = (p_m[i] * p_m[i]);" in src and "p_odd = (ld(p_m + i) * ld(p_m + i));" in src
     # a comparison is a mask: read only by where and a cast to float32, never as a number or summed
     mask = k.stmts + (("big", "gt", ("m", "v"), None),)
     for stmts, sums in ((mask + (("odd", "add", ("big", "m"), None),), ()),
@@ -223,6 +247,22 @@ def test_a_statement_c_has_no_translation_for_is_refused():
                         (mask, (("psum", "big"),))):
         with pytest.raises(Untranslatable, match="big|cast"):
             c_source(ChunkKernel(k.params, k.parts, stmts, k.numbers, k.writes, k.streams, sums))
+
+
+def test_powers_by_a_constant_are_what_torch_computes(monkeypatch, tmp_path):
+    """``x ** c`` in C against torch's own ``x ** c`` (0.5 and -0.5 against the correctly rounded root, which
+    C's is and torch's may miss by an ulp)."""
+    monkeypatch.setenv("COCONET_CACHE_DIR", str(tmp_path))
+    _, a, _, parts, _ = operands(1000, (0, 0, 0, 0), parts=1)
+    a[::5] = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 1e-30, -3e38, 1e-45, 7.0])[:len(a[::5])].repeat(25)
+    for c in sorted(POWERS):
+        k = ChunkKernel(params=PARAMS, parts=("g", "g_parts", "sum"), stmts=(("y", "pow", ("a", "s"), None),),
+                        numbers=frozenset(), writes=(("b", "y"),), streams=(("x_peers", "y"),), constants=(("s", c),))
+        peers, b = [torch.zeros(1000)], torch.zeros(1000)
+        run_native(k, (peers, a, b, parts, torch.tensor(c)), monkeypatch, tmp_path)
+        want = POWER[c](a) if abs(c) == 0.5 else a ** c
+        torch.testing.assert_close(b, want, rtol=0, atol=0, equal_nan=True, msg=f"x ** {c}")
+        torch.testing.assert_close(peers[0], want, rtol=0, atol=0, equal_nan=True, msg=f"x ** {c}")
 
 
 def test_program_names_cannot_clash_with_the_kernels_own(monkeypatch, tmp_path):
