@@ -5,13 +5,14 @@
 
 Each MODULE is a step module as ``coconet run --emit DIR`` writes it (shm or gloo), edited by hand or not;
 its header names the schedule, whose layouts give each module inputs of its own (the seeded values of
-``coconet run``). The ranks run a step of the first module, then of the second, and so on, ``--steps``
-times, each step between barriers and timed as its slowest rank. A machine whose memory bandwidth changes
-from one minute to the next (this one's does, by up to 2x) then weighs on every module alike, and the
-paired ratio of each module's step to the first's in the same turn is what the report gives, with its
-quartiles, beside each module's median. A hand edit that breaks a step shows too: every module takes as
-many steps from the same inputs, and the report gives how far its updated state (rank 0's, of the tensors
-that have the first module's shape) ends from the first module's.
+``coconet run``). The ranks run a step of each module in turn, ``--steps`` turns, each step between
+barriers and timed as its slowest rank; turn t begins with module t (mod their number), so that none
+always has the same place in the turn. A machine whose memory bandwidth changes from one minute to the
+next (this one's does, by up to 2x) then weighs on every module alike, and the paired ratio of each
+module's step to the first's in the same turn is what the report gives, with its quartiles, beside each
+module's median. A hand edit that breaks a step shows too: every module takes as many steps from the
+same inputs, and the report gives how far its updated state (rank 0's, of the tensors that have the
+first module's shape) ends from the first module's.
 """
 
 from __future__ import annotations
@@ -54,8 +55,12 @@ def _rank(rank: int, world: int, port: int, program_path: str, sizes: dict, path
         for _ in range(3):  # compiles, moves state and gradient into shared memory
             step(tensors, scalars, group=None, sizes=sizes)
     times = [[] for _ in paths]
-    for _ in range(steps):
-        for k, (step, (tensors, scalars)) in enumerate(zip(steps_, args)):
+    for turn in range(steps):
+        # each module first in as many turns as the others, so that no place in the turn weighs on one
+        # module's ratio alone (one module stepped twice in a fixed order: the second 0.99x the first)
+        for k in (turn + j for j in range(len(paths))):
+            k %= len(paths)
+            step, (tensors, scalars) = steps_[k], args[k]
             dist.barrier()
             t0 = time.perf_counter()
             step(tensors, scalars, group=None, sizes=sizes)

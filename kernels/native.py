@@ -14,8 +14,10 @@ whatever the machine has (-march=native), SSE at least.
 Only float32 statements of the ``OPS`` table (IEEE operations the C compiler keeps as written: no
 contraction into fused multiply-adds, no reassociation), powers by the constants of ``POWERS``,
 comparisons and the ``where`` and ``cast`` that read them, and partial sums (summed in double) are
-translated; anything else keeps Inductor's kernel (exp and log among them: in 8-wide vectors, Cephes'
-polynomials made the chunk of an Adam with a softplus 1.3x slower than Inductor's Sleef).
+translated; anything else keeps Inductor's kernel. exp and log among them: in C (Cephes' polynomials,
+16 floats a vector, fused multiply-adds) the chunk of an Adam with a softplus (benchmarks/programs/sadam.py)
+stepped 1.10x Inductor's at world 2 and 0.99x at world 4, Sleef's exp and log winning back what the
+streamed stores save.
 The generated module checks at each call that every tensor is a contiguous float32 CPU tensor of the
 chunk's length and every scalar one number, and hands the call to Inductor's kernel otherwise (a
 broadcast operand, a tensor that needs autograd).
