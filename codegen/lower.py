@@ -475,6 +475,9 @@ class FusedCollective:
     compute: tuple[str, ...]  # what each chunk computes: its absorbed statements, then the members'
     needed: frozenset[str]  # what the chunk's computation must give: for a gather that sends it, or handed on
     direct: bool  # reads_input_in_place
+    # the chunk one kernel (chunk_compiles) that takes the rows on every rank unreduced (sums_parts), where the
+    # lowering compiles: its kernel, if it builds one, does
+    sums_parts: bool
 
 
 def fused_collective_plan(p: Program, backend: str, g: Group, absorbed: tuple[str, ...],
@@ -487,11 +490,12 @@ def fused_collective_plan(p: Program, backend: str, g: Group, absorbed: tuple[st
     partials = tuple(o for o in outs if p[o].op == "partial_sum")
     sliced_outs = tuple(o for o in outs if p[o].op not in ("all_gather", "partial_sum"))
     needed = {p[m].args[0] for m in gathers if m not in into} | set(sliced_outs) | set(partials)
+    compute = tuple(m for m in (*absorbed, *g.members[1:]) if p[m].op != "all_gather")
     return FusedCollective(
         rs=p[g.members[0]], ins=tuple(ins), outs=tuple(outs), inplace=inplace, into=into, gathers=gathers,
-        partials=partials, sliced_outs=sliced_outs,
-        compute=tuple(m for m in (*absorbed, *g.members[1:]) if p[m].op != "all_gather"),
-        needed=frozenset(needed), direct=reads_input_in_place(p, backend, g))
+        partials=partials, sliced_outs=sliced_outs, compute=compute, needed=frozenset(needed),
+        direct=reads_input_in_place(p, backend, g),
+        sums_parts=compiled and chunk_compiles(p, g, compute) and sums_parts(p, backend, g, into))
 
 
 def _lower_fused_collective(e: _Emitter, g: Group, chunks: int) -> list[str]:
@@ -858,8 +862,7 @@ def _chunked_body(e: _Emitter, g: Group, fc: FusedCollective, chunks: int) -> li
     e.chunked = set(g.members) | set(fc.compute)
     try:
         # shm: the kernel sums the chunk's rows on every rank as it reads them (sum, avg)
-        parts = sums_parts(p, e.backend, g, into)
-        parts = parts and e.ident.fresh(f"{e.ident(rs.name)}_parts", scope)  # the chunk's rows on every rank
+        parts = fc.sums_parts and e.ident.fresh(f"{e.ident(rs.name)}_parts", scope)  # the chunk's rows on every rank
         # compiled, the kernel writes this rank's rows of a gathered state into every peer's copy as it computes
         # them: a push after it would read them back from memory (shm.py's module doc)
         peers = {m: f"{tmp[m]}.peer_rows(_c)" for m in into}

@@ -38,8 +38,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
-from coconet.codegen.lower import (chunk_compiles, custom_group, fuse_absorbed, fused_collective_plan,
-                                   sums_parts)
+from coconet.codegen.lower import chunk_compiles, custom_group, fuse_absorbed, fused_collective_plan
 from coconet.codegen.lower import (_absorbed, _group_io, _in_place, _needs_copy, _units, fuse_gathers_into,
                                    gathers_into_state)
 from coconet.errors import CoconetError, SizeError
@@ -426,7 +425,7 @@ class _Builder:
         x = p[rs.args[0]].type
         shm = self.backend == "shm"
         compiled = chunk_compiles(p, g, compute)
-        parts = sums_parts(p, self.backend, g, into) and compiled
+        parts = fc.sums_parts
         kernels: list[Kernel] = []
         comms: list[Comm] = []
         whole_in = self.nbytes(x, self.whole(x))
