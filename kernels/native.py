@@ -108,8 +108,8 @@ class ChunkKernel:
     ``numbers``: the statements that are host numbers. ``writes``: (rows parameter, value stored into it).
     ``streams``: (peers parameter, value stored into each). ``sums``: (name, value): the chunk's sum of each
     value over its rows (a partial sum), returned in order. ``constants``: (scalar parameter, value) for the
-    scalars that are the program's constants (a power's exponent is compiled in). A comparison is a mask that only ``where`` and a
-    ``cast`` to float32 (its constant the dtype) read."""
+    scalars that are the program's constants (a power's exponent is compiled in). A comparison is a mask that
+    only ``where`` and a ``cast`` to float32 (its constant the dtype) read."""
 
     params: tuple[tuple[str, str], ...]
     parts: tuple[str, str, str] | None
@@ -149,9 +149,9 @@ def c_source(k: ChunkKernel) -> str:
     masks = {name for name, op, *_ in k.stmts if op in COMPARE}
     values = {name for name, *_ in k.stmts} | ({k.parts[0]} if k.parts else set())
     tensors = values - k.numbers - masks
-    # constants by name, for pow's exponent (a constant the builder may have made from the program's int)
-    constants = {name: float(value) for name, value in
-                 [(name, value) for name, op, _, value in k.stmts if op == "const"] + list(k.constants)
+    # the values known here, for a power's exponent: the chunk's constants and those passed in as scalars
+    known = [(name, value) for name, op, _, value in k.stmts if op == "const"] + list(k.constants)
+    constants = {name: float(value) for name, value in known
                  if isinstance(value, (int, float)) and not isinstance(value, bool)}
 
     def ref(name: str, vector: bool) -> str:
