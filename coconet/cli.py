@@ -880,9 +880,26 @@ def bench(
             medians = best.get("round_medians_s") or [best["median_s"]]
             point["best_over_floor_rounds"] = [m / f for m, f in zip(medians, point["floor_rounds_s"])]
 
-    for sizes in points_sizes:
+    def point_of(sizes: dict, per_round: list[tuple[dict, list[dict]]]) -> dict:
+        torch_row = _over_rounds([t for t, _ in per_round])
+        rows = [_over_rounds(list(same)) for same in zip(*(r for _, r in per_round))]
+        ok = [r for r in rows if r["status"] == "ok" and r["median_s"]]
+        best = min(ok, key=lambda r: r["median_s"]) if ok else None
+        point = {"sizes": sizes, "rounds_done": len(per_round),
+                 "bytes_moved_once": bytes_moved_once(prog, sizes, world, allowed), "torch": torch_row,
+                 "results": rows, "best": best}
+        ref = torch_row["median_s"] if torch_row and torch_row["median_s"] else rows[0]["median_s"]
+        for b in backends:
+            mine = [r for r in ok if r["backend"] == b]
+            point[f"best_{b}"] = min(mine, key=lambda r: r["median_s"]) if mine else None
+        point["best_speedup"] = ref / best["median_s"] if best and ref else None
+        if best and "round_medians_s" in best and "round_medians_s" in torch_row:
+            point["best_speedup_rounds"] = [t / b for t, b in zip(torch_row["round_medians_s"], best["round_medians_s"])]
+        return point
+
+    for n_point, sizes in enumerate(points_sizes):
         per_round: list[tuple[dict, list[dict]]] = []
-        for _ in range(rounds):
+        for n_round in range(rounds):
             bandwidths.append(memory_bandwidth(device=device))
             if matmuls:
                 rates.append(matmul_rate(threads, device=device) / threads)
@@ -896,24 +913,14 @@ def bench(
                     torch_row = dict(results.pop(0).to_json(), backend=b)
                 rows += [dict(r.to_json(), backend=b, sharded=sorted(s.sharded)) for r, s in zip(results, space)]
             per_round.append((torch_row, rows))
-        torch_row = _over_rounds([t for t, _ in per_round])
-        rows = [_over_rounds(list(same)) for same in zip(*(r for _, r in per_round))]
-        ok = [r for r in rows if r["status"] == "ok" and r["median_s"]]
-        best = min(ok, key=lambda r: r["median_s"]) if ok else None
-        point = {"sizes": sizes, "bytes_moved_once": bytes_moved_once(prog, sizes, world, allowed), "torch": torch_row,
-                 "results": rows, "best": best}
-        ref = torch_row["median_s"] if torch_row and torch_row["median_s"] else rows[0]["median_s"]
-        for b in backends:
-            mine = [r for r in ok if r["backend"] == b]
-            point[f"best_{b}"] = min(mine, key=lambda r: r["median_s"]) if mine else None
-        point["best_speedup"] = ref / best["median_s"] if best and ref else None
-        if best and "round_medians_s" in best and "round_medians_s" in torch_row:
-            point["best_speedup_rounds"] = [t / b for t, b in zip(torch_row["round_medians_s"], best["round_medians_s"])]
-        report["points"].append(point)
-        if output is not None and len(report["points"]) < len(points_sizes):
-            # written after every point: a run stopped later (Ctrl-C, the OOM killer) keeps the points it made
-            floors()
-            _write_report(output, dict(report, complete=False))
+            if output is not None and (n_point, n_round) != (len(points_sizes) - 1, rounds - 1):
+                # written after every round: a run stopped later (Ctrl-C, the OOM killer, a time limit) keeps the
+                # rounds it made, this point's so far as a point of fewer rounds (rounds_done)
+                report["points"].append(point_of(sizes, per_round))
+                floors()
+                _write_report(output, dict(report, complete=False))
+                report["points"].pop()
+        report["points"].append(point_of(sizes, per_round))
     bandwidths.append(memory_bandwidth(device=device))
     if matmuls:
         rates.append(matmul_rate(threads, device=device) / threads)

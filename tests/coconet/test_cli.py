@@ -346,27 +346,41 @@ def test_bench_compares_with_torch_and_the_floor(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_bench_killed_between_points_keeps_the_points_it_made(tmp_path):
-    out = tmp_path / "sgd.json"
-    env = quiet_env()
-    proc = subprocess.Popen([sys.executable, "-m", "coconet", "bench", "sgd", "--world", "2", "--size", "N=3000",
-                             "--size", "N=5000", "--kernels", "eager", "--backend", "shm", "--schedule", "split(ar0)",
-                             "--repeats", "2", "--warmup", "1", "-o", str(out)], cwd=ROOT, env=env,
+def bench_killed_at_its_first_write(out, *args) -> dict:
+    """``coconet bench sgd`` killed (as the OOM killer would) as soon as it has written ``out`` once."""
+    proc = subprocess.Popen([sys.executable, "-m", "coconet", "bench", "sgd", "--world", "2", *args, "--kernels",
+                             "eager", "--backend", "shm", "--schedule", "split(ar0)", "--repeats", "2", "--warmup", "1",
+                             "-o", str(out)], cwd=ROOT, env=quiet_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
         while not out.exists() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.02)
-        proc.kill()  # as the OOM killer would, in the second point's launch
+        proc.kill()
         _, err = proc.communicate(timeout=30)
     finally:
         proc.kill()
     report = json.loads(out.read_text())  # replaced whole: never half a file
     assert report["complete"] is False, err
+    assert not list(out.parent.glob("*.partial"))
+    return report
+
+
+def test_bench_killed_between_points_keeps_the_points_it_made(tmp_path):
+    report = bench_killed_at_its_first_write(tmp_path / "sgd.json", "--size", "N=3000", "--size", "N=5000")
     (point,) = report["points"]
-    assert point["sizes"] == {"N": 3000} and point["best"]["status"] == "ok"
+    assert point["sizes"] == {"N": 3000} and point["best"]["status"] == "ok" and point["rounds_done"] == 1
     assert point["floor_s"] == pytest.approx(point["bytes_moved_once"] / (report["memory_bandwidth_GBps"] * 1e9))
-    assert not list(tmp_path.glob("*.partial"))
+
+
+def test_bench_killed_between_rounds_keeps_the_rounds_it_made(tmp_path):
+    """The one point of a run of three rounds, killed in its second: its first round, as a point of one."""
+    report = bench_killed_at_its_first_write(tmp_path / "sgd.json", "--size", "N=3000", "--rounds", "3")
+    (point,) = report["points"]
+    assert report["rounds"] == 3 and point["rounds_done"] == 1
+    assert point["best"]["status"] == "ok" and point["torch"]["status"] == "ok"
+    assert point["best_speedup"] == point["torch"]["median_s"] / point["best"]["median_s"]
+    assert point["best_over_floor_rounds"] == pytest.approx([point["best"]["median_s"] / point["floor_rounds_s"][0]])
 
 
 def test_bench_of_a_program_without_a_hand_written_baseline_compares_with_it_as_eager_pytorch():
