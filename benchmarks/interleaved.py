@@ -58,8 +58,7 @@ def _rank(rank: int, world: int, port: int, program_path: str, sizes: dict, path
     for turn in range(steps):
         # each module first in as many turns as the others, so that no place in the turn weighs on one
         # module's ratio alone (one module stepped twice in a fixed order: the second 0.99x the first)
-        for k in (turn + j for j in range(len(paths))):
-            k %= len(paths)
+        for k in ((turn + j) % len(paths) for j in range(len(paths))):
             step, (tensors, scalars) = steps_[k], args[k]
             dist.barrier()
             t0 = time.perf_counter()

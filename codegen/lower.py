@@ -475,9 +475,8 @@ class FusedCollective:
     compute: tuple[str, ...]  # what each chunk computes: its absorbed statements, then the members'
     needed: frozenset[str]  # what the chunk's computation must give: for a gather that sends it, or handed on
     direct: bool  # reads_input_in_place
-    # the chunk one kernel (chunk_compiles) that takes the rows on every rank unreduced (sums_parts), where the
-    # lowering compiles: its kernel, if it builds one, does
-    sums_parts: bool
+    compiles: bool  # the chunk one compiled kernel (chunk_compiles), where the lowering compiles
+    sums_parts: bool  # that kernel takes the rows on every rank unreduced (sums_parts)
 
 
 def fused_collective_plan(p: Program, backend: str, g: Group, absorbed: tuple[str, ...],
@@ -491,11 +490,12 @@ def fused_collective_plan(p: Program, backend: str, g: Group, absorbed: tuple[st
     sliced_outs = tuple(o for o in outs if p[o].op not in ("all_gather", "partial_sum"))
     needed = {p[m].args[0] for m in gathers if m not in into} | set(sliced_outs) | set(partials)
     compute = tuple(m for m in (*absorbed, *g.members[1:]) if p[m].op != "all_gather")
+    compiles = compiled and chunk_compiles(p, g, compute)
     return FusedCollective(
         rs=p[g.members[0]], ins=tuple(ins), outs=tuple(outs), inplace=inplace, into=into, gathers=gathers,
         partials=partials, sliced_outs=sliced_outs, compute=compute, needed=frozenset(needed),
-        direct=reads_input_in_place(p, backend, g),
-        sums_parts=compiled and chunk_compiles(p, g, compute) and sums_parts(p, backend, g, into))
+        direct=reads_input_in_place(p, backend, g), compiles=compiles,
+        sums_parts=compiles and sums_parts(p, backend, g, into))
 
 
 def _lower_fused_collective(e: _Emitter, g: Group, chunks: int) -> list[str]:

@@ -38,7 +38,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
-from coconet.codegen.lower import chunk_compiles, custom_group, fuse_absorbed, fused_collective_plan
+from coconet.codegen.lower import custom_group, fuse_absorbed, fused_collective_plan
 from coconet.codegen.lower import (_absorbed, _group_io, _in_place, _needs_copy, _units, fuse_gathers_into,
                                    gathers_into_state)
 from coconet.errors import CoconetError, SizeError
@@ -424,8 +424,7 @@ class _Builder:
         gathers, sliced_outs, compute = fc.gathers, fc.sliced_outs, fc.compute
         x = p[rs.args[0]].type
         shm = self.backend == "shm"
-        compiled = chunk_compiles(p, g, compute)
-        parts = fc.sums_parts
+        compiled, parts = fc.compiles, fc.sums_parts
         kernels: list[Kernel] = []
         comms: list[Comm] = []
         whole_in = self.nbytes(x, self.whole(x))
