@@ -54,8 +54,9 @@ def matmul_flops_per_rank(program: Program, sizes: Mapping[str, int], world: int
     total = 0.0
     for s in program.stmts:
         if s.op == "matmul":
-            a, out = local(program[s.args[0]].type), interp.concrete_shape(s.type, sizes)
-            total += 2.0 * math.prod(out) * a[-1]
+            # the rank's own rows and columns of the product: a column-parallel one (a weight Sliced(1))
+            # holds 1/R of the columns, a row-parallel one its partial sum of every element over 1/R of K
+            total += 2.0 * math.prod(local(s.type)) * local(program[s.args[0]].type)[-1]
     return total
 
 

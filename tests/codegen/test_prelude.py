@@ -212,16 +212,18 @@ def test_a_cuda_kernel_goes_through_torch_compile_with_host_scalars(monkeypatch)
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(0, 6), min_size=0, max_size=3), st.integers(0, 7), st.integers(0, 5),
-       st.sampled_from(["float32", "float64", "bfloat16"]), st.booleans(), st.booleans())
-def test_the_generated_gemm_is_a_matmul(lead, k, m, dtype, strided_a, transposed_b):
+       st.sampled_from(["float32", "float64", "bfloat16"]), st.booleans(), st.sampled_from(["", "t", "cols"]))
+def test_the_generated_gemm_is_a_matmul(lead, k, m, dtype, strided_a, b_view):
     """`_matmul` (oneDNN's linear for float32 on CPU, torch.matmul otherwise) equals a float64 product on
     any (..., K) x (K, M): empty dims (a rank holding none of the contraction dim), a strided a, a b that
-    is a transposed view."""
+    is a transposed view or some columns of a wider weight (the overlap's chunks)."""
     gen = torch.Generator().manual_seed(len(lead) * 100 + k * 10 + m)
     a = torch.randn(*lead, 2 * k if strided_a else k, generator=gen).to(getattr(torch, dtype))
     a = a[..., ::2] if strided_a else a
-    b = torch.randn(m, k, generator=gen).to(a.dtype).t() if transposed_b else \
-        torch.randn(k, m, generator=gen).to(a.dtype)
+    if b_view == "t":
+        b = torch.randn(m, k, generator=gen).to(a.dtype).t()
+    else:
+        b = torch.randn(k, 3 * m + 1 if b_view == "cols" else m, generator=gen).to(a.dtype)[:, m:2 * m]
     got = prelude._matmul(a, b)
     want = torch.matmul(a.double(), b.double())
     assert got.dtype == a.dtype and got.shape == want.shape
@@ -238,6 +240,31 @@ def test_the_generated_gemm_is_onednn_on_cpu_in_float32():
         prelude._matmul(a, b)
     names = {e.name for e in prof.events()}
     assert "mkldnn::_linear_pointwise" in names and "aten::mm" not in names
+
+
+def test_onednn_is_handed_dense_weights_only():
+    """oneDNN's linear on a weight with strided rows (columns of a wider one, as the overlap transform
+    chunks a weight) ran 1000x slower than on a copy of it: `_matmul` hands it the copy."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch has no oneDNN")
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    weights = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func._schema.name == "mkldnn::_linear_pointwise":
+                weights.append(args[1])
+            return func(*args, **(kwargs or {}))
+
+    a, w = torch.randn(6, 16), torch.randn(16, 12)
+    with Record():
+        got = [prelude._matmul(a, chunk) for chunk in torch.tensor_split(w, 4, dim=1)]
+        prelude._matmul(a, w)
+        prelude._matmul(a, w.t().contiguous().t())
+    assert len(weights) == 6
+    assert all(x.is_contiguous() or x.t().is_contiguous() for x in weights)
+    assert torch.allclose(torch.cat(got, dim=1), a @ w, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("n", [1, 4095, 4096, 4097, 2**24 + 7])

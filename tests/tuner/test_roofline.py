@@ -40,6 +40,21 @@ def test_matmul_flops_per_rank():
     assert matmul_flops_per_rank(example("adam"), {"N": 1000}, 2) == 0
 
 
+def test_matmul_flops_of_a_column_parallel_product_are_the_ranks_columns():
+    # x (B, S, H) @ w1 (H, F) with w1 Sliced(1): rank 0 computes ceil(F/R) of the F columns over all of H,
+    # then its (B, S, F/R) @ (F/R, H) row-parallel partial sum
+    from coconet import Program, Replicated, Sliced, allreduce, matmul
+
+    p = Program("column_then_row", dims=("B", "S", "H", "F"))
+    x = p.tensor("x", ("B", "S", "H"), layout=Replicated)
+    w1 = p.tensor("w1", ("H", "F"), layout=Sliced(1))
+    w2 = p.tensor("w2", ("F", "H"), layout=Sliced(0))
+    p.output("y", allreduce(matmul(matmul(x, w1), w2)))
+    B, S, H, F = 2, 3, 5, 7
+    for world, cols in ((1, 7), (2, 4), (3, 3), (4, 2)):
+        assert matmul_flops_per_rank(p.ir, {"B": B, "S": S, "H": H, "F": F}, world) == 2 * B * S * cols * H * 2
+
+
 def test_compute_floor_shares_the_cores():
     prog, sizes = example("megatron_mlp"), {"B": 4, "S": 8, "H": 16}
     flops = matmul_flops_per_rank(prog, sizes, 2)
