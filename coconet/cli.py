@@ -897,29 +897,49 @@ def bench(
             point["best_speedup_rounds"] = [t / b for t, b in zip(torch_row["round_medians_s"], best["round_medians_s"])]
         return point
 
-    for n_point, sizes in enumerate(points_sizes):
+    def save(sizes: dict, per_round: list, in_progress: dict | None) -> None:
+        """Written as every result comes: a run stopped (Ctrl-C, the OOM killer, a time limit) keeps the points
+        it made, this point's finished rounds as a point of fewer rounds (rounds_done), and the results of the
+        round it was in (round_in_progress), which no statistic of a point takes."""
+        if output is None:
+            return
+        if per_round:
+            report["points"].append(point_of(sizes, per_round))
+        floors()
+        _write_report(output, dict(report, complete=False, round_in_progress=in_progress))
+        if per_round:
+            report["points"].pop()
+
+    def row(b: str, result, sched=None) -> dict:
+        return dict(result.to_json(), backend=b, **({} if sched is None else {"sharded": sorted(sched.sharded)}))
+
+    for sizes in points_sizes:
         per_round: list[tuple[dict, list[dict]]] = []
         for n_round in range(rounds):
             bandwidths.append(memory_bandwidth(device=device))
             if matmuls:
                 rates.append(matmul_rate(threads, device=device) / threads)
             rows, torch_row = [], None
+            in_progress: dict[str, Any] = {"sizes": sizes, "round": n_round + 1, "torch": None, "results": []}
             for k, b in enumerate(backends):  # the baseline runs once a round, in its first launch, beside them
                 opts = Options(world=world, sizes=sizes, backend=b, kernels=kernels, repeats=repeats, warmup=warmup,
                                timeout_s=timeout, stages=2, probe=True)
+                first = 1 if k == 0 else 0  # the baseline's place in the results
+
+                def landed(i: int, result, b=b, first=first) -> None:
+                    if i < first:
+                        in_progress["torch"] = row(b, result)
+                    else:
+                        in_progress["results"].append(row(b, result, space[i - first]))
+                    save(sizes, per_round, in_progress)
+
                 results = run_schedules(space, opts, program_file=str(file) if file.suffix == ".py" else None,
-                                        baselines=[baseline] if k == 0 else [])
+                                        baselines=[baseline] if k == 0 else [], on_result=landed)
                 if k == 0:
-                    torch_row = dict(results.pop(0).to_json(), backend=b)
-                rows += [dict(r.to_json(), backend=b, sharded=sorted(s.sharded)) for r, s in zip(results, space)]
+                    torch_row = row(b, results.pop(0))
+                rows += [row(b, r, s) for r, s in zip(results, space)]
             per_round.append((torch_row, rows))
-            if output is not None and (n_point, n_round) != (len(points_sizes) - 1, rounds - 1):
-                # written after every round: a run stopped later (Ctrl-C, the OOM killer, a time limit) keeps the
-                # rounds it made, this point's so far as a point of fewer rounds (rounds_done)
-                report["points"].append(point_of(sizes, per_round))
-                floors()
-                _write_report(output, dict(report, complete=False))
-                report["points"].pop()
+            save(sizes, per_round, None)
         report["points"].append(point_of(sizes, per_round))
     bandwidths.append(memory_bandwidth(device=device))
     if matmuls:

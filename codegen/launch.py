@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -115,11 +115,14 @@ def free_port() -> int:
 
 
 def run_schedules(schedules: Sequence[Schedule], opts: Options, program_file: str | None = None,
-                  baselines: Sequence[Baseline] = ()) -> list[RunResult]:
+                  baselines: Sequence[Baseline] = (),
+                  on_result: Callable[[int, RunResult], None] | None = None) -> list[RunResult]:
     """Check and time ``schedules`` (of one program) on ``opts.world`` ranks per stage, in one launch
     unless a schedule fails (the rest then run on a fresh group). ``program_file`` is where the
     program's custom ops can be re-loaded by the ranks if their code does not pickle. Hand-written
-    ``baselines`` of the same program run first, their results first."""
+    ``baselines`` of the same program run first, their results first. ``on_result(i, result)`` hears of
+    each result as it is known (``i``: its place in the list returned), so that a caller stopped before
+    the last keeps the others."""
     if not schedules:
         return []
     program = schedules[0].program
@@ -141,7 +144,7 @@ def run_schedules(schedules: Sequence[Schedule], opts: Options, program_file: st
     if opts.backend != "nccl":
         prestart(compiled=opts.kernels == "compiled")  # the ranks' imports, beside the lowering's
     custom = custom_payload(program, program_file)
-    results: dict[int, RunResult] = {}
+    results = _Results(on_result)
     tasks: list[tuple[int, Any]] = [(i, _baseline_task(b, program, opts)) for i, b in enumerate(baselines)]
     for i, sched in enumerate(schedules, start=len(baselines)):
         try:
@@ -156,6 +159,19 @@ def run_schedules(schedules: Sequence[Schedule], opts: Options, program_file: st
         done = _launch(tasks, opts, reference, results, custom)
         tasks = [t for t in tasks if t[0] not in done]
     return [results[i] for i in range(len(baselines) + len(schedules))]
+
+
+class _Results(dict):
+    """Results by task id, each handed on as it is set: a task's result is set once."""
+
+    def __init__(self, on_result: Callable[[int, RunResult], None] | None) -> None:
+        super().__init__()
+        self.on_result = on_result
+
+    def __setitem__(self, i: int, result: RunResult) -> None:
+        super().__setitem__(i, result)
+        if self.on_result is not None:
+            self.on_result(i, result)
 
 
 def _baseline_task(b: Baseline, program, opts: Options) -> TorchTask:

@@ -346,36 +346,55 @@ def test_bench_compares_with_torch_and_the_floor(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def bench_killed_at_its_first_write(out, *args) -> dict:
-    """``coconet bench sgd`` killed (as the OOM killer would) as soon as it has written ``out`` once."""
+def bench_killed_once_written(out, written, *args) -> dict:
+    """``coconet bench sgd`` killed (as the OOM killer would) as soon as ``out`` holds a report that
+    ``written`` accepts."""
     proc = subprocess.Popen([sys.executable, "-m", "coconet", "bench", "sgd", "--world", "2", *args, "--kernels",
                              "eager", "--backend", "shm", "--schedule", "split(ar0)", "--repeats", "2", "--warmup", "1",
                              "-o", str(out)], cwd=ROOT, env=quiet_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
-        while not out.exists() and proc.poll() is None and time.monotonic() < deadline:
+        # replaced whole: never half a file
+        while (not out.exists() or not written(json.loads(out.read_text()))) and proc.poll() is None \
+                and time.monotonic() < deadline:
             time.sleep(0.02)
         proc.kill()
         _, err = proc.communicate(timeout=30)
     finally:
         proc.kill()
-    report = json.loads(out.read_text())  # replaced whole: never half a file
+    report = json.loads(out.read_text())
     assert report["complete"] is False, err
     assert not list(out.parent.glob("*.partial"))
     return report
 
 
 def test_bench_killed_between_points_keeps_the_points_it_made(tmp_path):
-    report = bench_killed_at_its_first_write(tmp_path / "sgd.json", "--size", "N=3000", "--size", "N=5000")
+    report = bench_killed_once_written(tmp_path / "sgd.json", lambda r: r["points"], "--size", "N=3000",
+                                       "--size", "N=5000")
     (point,) = report["points"]
     assert point["sizes"] == {"N": 3000} and point["best"]["status"] == "ok" and point["rounds_done"] == 1
     assert point["floor_s"] == pytest.approx(point["bytes_moved_once"] / (report["memory_bandwidth_GBps"] * 1e9))
 
 
+def test_bench_killed_within_a_round_keeps_the_results_it_had(tmp_path):
+    """Killed once the baseline and the program as written are timed, before split(ar0) is: those two are in
+    the report, as the round in progress, which no point's statistics take."""
+    report = bench_killed_once_written(tmp_path / "sgd.json", lambda r: (r["round_in_progress"] or {}).get("results"),
+                                       "--size", "N=3000")
+    assert report["points"] == []
+    progress = report["round_in_progress"]
+    assert progress["sizes"] == {"N": 3000} and progress["round"] == 1
+    assert progress["torch"]["status"] == "ok" and progress["torch"]["schedule"].startswith("torch: ")
+    as_written = progress["results"][0]
+    assert as_written["schedule"] == "baseline" and as_written["status"] == "ok" and as_written["median_s"] > 0
+    assert as_written["backend"] == "shm" and as_written["sharded"] == []
+
+
 def test_bench_killed_between_rounds_keeps_the_rounds_it_made(tmp_path):
     """The one point of a run of three rounds, killed in its second: its first round, as a point of one."""
-    report = bench_killed_at_its_first_write(tmp_path / "sgd.json", "--size", "N=3000", "--rounds", "3")
+    report = bench_killed_once_written(tmp_path / "sgd.json", lambda r: r["points"], "--size", "N=3000",
+                                       "--rounds", "3")
     (point,) = report["points"]
     assert report["rounds"] == 3 and point["rounds_done"] == 1
     assert point["best"]["status"] == "ok" and point["torch"]["status"] == "ok"
