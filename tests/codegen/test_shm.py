@@ -1,6 +1,7 @@
 """The shm backend on real worlds of ranks: every schedule correct, and no segment left behind."""
 
 import re
+import runpy
 import shutil
 import subprocess
 import sys
@@ -513,3 +514,17 @@ def test_a_gradient_is_read_where_it_lies_whatever_tensor_the_caller_passes(worl
     peers cannot read it in place (tests/codegen/shared_input.py)."""
     run_ranks("tests.codegen.shared_input", world, kernels, schedule)
     assert not segments()
+
+
+BENCH_PROGRAMS = sorted((Path(__file__).parents[2] / "benchmarks" / "programs").glob("*.py"))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("path", BENCH_PROGRAMS, ids=lambda p: p.stem)
+def test_every_schedule_of_every_benchmark_program_on_shm(path, world):
+    """The programs written against the DSL for the benchmarks, none of them an example (a column-parallel
+    matmul, powers, exp and log, counts, norms of slices): their numbers stand on these being right."""
+    prog = runpy.run_path(str(path))["program"].ir
+    sizes = {d: {**SIZES, "F": 7}[d] for d in prog.dims}
+    assert_all_ok(run_schedules(list(generate(prog)), shm_only(world, sizes)))
+    assert not segments() and not rank_processes()
