@@ -342,6 +342,24 @@ def _fmt_s(x: Optional[float]) -> str:
     return f"{x * 1e9:.3g} ns"
 
 
+def _results_bar(quiet: bool):
+    """A progress bar on stderr for schedules timed one after another (none with --json): a launch of many
+    schedules is otherwise minutes of silence. Gone once the table (or an error) is printed."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Column
+
+    return Progress(TextColumn("{task.description}", table_column=Column(no_wrap=True)), BarColumn(bar_width=20),
+                    MofNCompleteColumn(), TimeElapsedColumn(),
+                    TextColumn("{task.fields[status]}", table_column=Column(ratio=1, no_wrap=True, overflow="ellipsis")),
+                    console=Console(stderr=True), disable=quiet, transient=True)
+
+
+def _result_status(backend: str, result: Any) -> str:
+    """The last result, as a bar's status: where it ran, what it is, how long a step took or why not."""
+    how = _fmt_s(result.median_s) if result.status == "ok" else result.status
+    return f"{how}  {backend} {result.schedule}"
+
+
 @app.command(cls=_Command)
 @_guard
 def run(
@@ -401,7 +419,10 @@ def run(
     opts = Options(world=world, sizes=sizes, backend=backend, kernels=kernels, stages=stages or 2, seed=seed, warmup=warmup,
                    repeats=repeats, check=not no_check, timeout_s=timeout,
                    trace=str(trace.resolve()) if trace is not None else None)
-    results = run_schedules(picked, opts, program_file=str(file) if str(file).endswith(".py") else None)
+    with _results_bar(as_json) as bar:
+        task = bar.add_task(f"{prog.name} on {world} ranks ({backend})", total=len(picked), status="")
+        results = run_schedules(picked, opts, program_file=str(file) if str(file).endswith(".py") else None,
+                                on_result=lambda i, r: bar.update(task, advance=1, status=_result_status(backend, r)))
     base = results[0].median_s
     rows = []
     for i, r in enumerate(results):
@@ -913,34 +934,39 @@ def bench(
     def row(b: str, result, sched=None) -> dict:
         return dict(result.to_json(), backend=b, **({} if sched is None else {"sharded": sorted(sched.sharded)}))
 
-    for sizes in points_sizes:
-        per_round: list[tuple[dict, list[dict]]] = []
-        for n_round in range(rounds):
-            bandwidths.append(memory_bandwidth(device=device))
-            if matmuls:
-                rates.append(matmul_rate(threads, device=device) / threads)
-            rows, torch_row = [], None
-            in_progress: dict[str, Any] = {"sizes": sizes, "round": n_round + 1, "torch": None, "results": []}
-            for k, b in enumerate(backends):  # the baseline runs once a round, in its first launch, beside them
-                opts = Options(world=world, sizes=sizes, backend=b, kernels=kernels, repeats=repeats, warmup=warmup,
-                               timeout_s=timeout, stages=2, probe=True)
-                first = 1 if k == 0 else 0  # the baseline's place in the results
+    with _results_bar(as_json) as bar:
+        for sizes in points_sizes:
+            per_round: list[tuple[dict, list[dict]]] = []
+            point_task = bar.add_task(format_sizes(sizes), total=rounds * (1 + len(space) * len(backends)), status="")
+            for n_round in range(rounds):
+                bandwidths.append(memory_bandwidth(device=device))
+                if matmuls:
+                    rates.append(matmul_rate(threads, device=device) / threads)
+                rows, torch_row = [], None
+                in_progress: dict[str, Any] = {"sizes": sizes, "round": n_round + 1, "torch": None, "results": []}
+                for k, b in enumerate(backends):  # the baseline runs once a round, in its first launch, beside them
+                    opts = Options(world=world, sizes=sizes, backend=b, kernels=kernels, repeats=repeats, warmup=warmup,
+                                   timeout_s=timeout, stages=2, probe=True)
+                    first = 1 if k == 0 else 0  # the baseline's place in the results
 
-                def landed(i: int, result, b=b, first=first) -> None:
-                    if i < first:
-                        in_progress["torch"] = row(b, result)
-                    else:
-                        in_progress["results"].append(row(b, result, space[i - first]))
-                    save(sizes, per_round, in_progress)
+                    # called from within run_schedules below, before the loops move on
+                    def landed(i: int, result, b=b, first=first) -> None:
+                        if i < first:
+                            in_progress["torch"] = row(b, result)
+                        else:
+                            in_progress["results"].append(row(b, result, space[i - first]))
+                        save(sizes, per_round, in_progress)
+                        bar.update(point_task, advance=1,
+                                   status=f"round {n_round + 1}/{rounds}  {_result_status(b, result)}")
 
-                results = run_schedules(space, opts, program_file=str(file) if file.suffix == ".py" else None,
-                                        baselines=[baseline] if k == 0 else [], on_result=landed)
-                if k == 0:
-                    torch_row = row(b, results.pop(0))
-                rows += [row(b, r, s) for r, s in zip(results, space)]
-            per_round.append((torch_row, rows))
-            save(sizes, per_round, None)
-        report["points"].append(point_of(sizes, per_round))
+                    results = run_schedules(space, opts, program_file=str(file) if file.suffix == ".py" else None,
+                                            baselines=[baseline] if k == 0 else [], on_result=landed)
+                    if k == 0:
+                        torch_row = row(b, results.pop(0))
+                    rows += [row(b, r, s) for r, s in zip(results, space)]
+                per_round.append((torch_row, rows))
+                save(sizes, per_round, None)
+            report["points"].append(point_of(sizes, per_round))
     bandwidths.append(memory_bandwidth(device=device))
     if matmuls:
         rates.append(matmul_rate(threads, device=device) / threads)
