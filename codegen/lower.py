@@ -897,7 +897,12 @@ def _chunked_body(e: _Emitter, g: Group, fc: FusedCollective, chunks: int) -> li
                 lines.append((f"        {e.operand(p[src], t)}.copy_({e.ident(src)})", m))
         for m in gathers:
             if m not in into:
-                lines.append((f"        {tmp[m]}.add(_c, {e.ident(p[m].args[0])})", m))
+                src = p[m].args[0]
+                # a value the kernel wrote into its holder (used again after the collective) is not bound
+                # in the loop: the chunk's rows of the holder are what it gathers
+                rows = (f"_c.local({tmp[src]}, {p[src].type.layout.dim})" if kernel is not None and src in buffers
+                        else e.ident(src))
+                lines.append((f"        {tmp[m]}.add(_c, {rows})", m))
             elif kernel is None:
                 lines.append((f"        {tmp[m]}.push(_c)", m))
     finally:

@@ -528,3 +528,26 @@ def test_every_schedule_of_every_benchmark_program_on_shm(path, world):
     sizes = {d: {**SIZES, "F": 7}[d] for d in prog.dims}
     assert_all_ok(run_schedules(list(generate(prog)), shm_only(world, sizes)))
     assert not segments() and not rank_processes()
+
+
+@pytest.mark.parametrize("backend", ["shm", "gloo"])
+def test_a_gathered_value_read_again_after_the_fused_collective(backend):
+    """h = allreduce(g) + x, gathered whole for a matmul and read again on this rank's rows after it
+    (out = h @ w + h): the compiled chunk kernel writes h's rows into the tensor the rest of the step reads,
+    and the gather sends those rows (it had named a value the kernel never bound: every such schedule
+    failed with an UnboundLocalError)."""
+    from coconet import Local, Program, Replicated, allreduce, matmul
+
+    p = Program("gathered_and_kept", dims=("B", "H"))
+    g = p.tensor("g", ("B", "H"), layout=Local)
+    x = p.tensor("x", ("B", "H"), layout=Replicated)
+    w = p.tensor("w", ("H", "H"), layout=Replicated)
+    h = allreduce(g) + x
+    p.output("out", matmul(h, w) + h)
+    fused = [s.with_knobs(fc_chunks=k) for s in generate(p.ir) if "fuse_collective" in s.text for k in (1, 4)]
+    assert fused
+    for world in (2, 3):
+        gen = lower(fused[0], backend, "compiled")
+        assert "_c.local(_add0, 0)" in gen.source  # the case at hand: the kernel fills a holder of h's rows
+        assert_all_ok(run_schedules(fused, Options(world=world, sizes={"B": 5, "H": 3}, backend=backend, time=False,
+                                                   timeout_s=120)))
