@@ -342,16 +342,17 @@ def _fmt_s(x: Optional[float]) -> str:
     return f"{x * 1e9:.3g} ns"
 
 
-def _results_bar(quiet: bool):
-    """A progress bar on stderr for schedules timed one after another (none with --json): a launch of many
-    schedules is otherwise minutes of silence. Gone once the table (or an error) is printed."""
+def _progress_bar(quiet: bool = False, transient: bool = False):
+    """The bar on stderr of the long commands: what, done of total, elapsed, and a status field (the last
+    result, the best so far). ``quiet`` (--json): none. ``transient``: gone once the table (or an error)
+    is printed, for commands whose table says it all."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Column
 
     return Progress(TextColumn("{task.description}", table_column=Column(no_wrap=True)), BarColumn(bar_width=20),
                     MofNCompleteColumn(), TimeElapsedColumn(),
                     TextColumn("{task.fields[status]}", table_column=Column(ratio=1, no_wrap=True, overflow="ellipsis")),
-                    console=Console(stderr=True), disable=quiet, transient=True)
+                    console=Console(stderr=True), disable=quiet, transient=transient)
 
 
 def _result_status(backend: str, result: Any) -> str:
@@ -419,7 +420,7 @@ def run(
     opts = Options(world=world, sizes=sizes, backend=backend, kernels=kernels, stages=stages or 2, seed=seed, warmup=warmup,
                    repeats=repeats, check=not no_check, timeout_s=timeout,
                    trace=str(trace.resolve()) if trace is not None else None)
-    with _results_bar(as_json) as bar:
+    with _progress_bar(quiet=as_json, transient=True) as bar:
         task = bar.add_task(f"{prog.name} on {world} ranks ({backend})", total=len(picked), status="")
         results = run_schedules(picked, opts, program_file=str(file) if str(file).endswith(".py") else None,
                                 on_result=lambda i, r: bar.update(task, advance=1, status=_result_status(backend, r)))
@@ -519,16 +520,12 @@ def tune(
 
 
 def _tune_with_progress(request: Any, store: Any, quiet: bool) -> list:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     from coconet.tuner.tune import cost_prior
     from coconet.tuner.tune import tune as run_tune
 
     if quiet:
         return run_tune(request, store, prior=cost_prior)
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-               TextColumn("{task.fields[status]}"))
-    with Progress(*columns, console=Console(stderr=True), transient=False) as bar:
+    with _progress_bar() as bar:
         tasks: dict[str, Any] = {}
 
         def show(sizes: dict, p: Any) -> None:
@@ -934,7 +931,7 @@ def bench(
     def row(b: str, result, sched=None) -> dict:
         return dict(result.to_json(), backend=b, **({} if sched is None else {"sharded": sorted(sched.sharded)}))
 
-    with _results_bar(as_json) as bar:
+    with _progress_bar(quiet=as_json, transient=True) as bar:
         for sizes in points_sizes:
             per_round: list[tuple[dict, list[dict]]] = []
             point_task = bar.add_task(format_sizes(sizes), total=rounds * (1 + len(space) * len(backends)), status="")
@@ -1131,15 +1128,11 @@ def submit(
 
 
 def _follow_jobs(client: Any, jobs: list[int], poll: float, timeout: Optional[float], quiet: bool) -> dict:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     from coconet.client import follow
 
     if quiet:
         return follow(client, jobs, poll_s=poll, timeout_s=timeout)
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-               TextColumn("{task.fields[status]}"))
-    with Progress(*columns, console=Console(stderr=True), transient=False) as bar:
+    with _progress_bar() as bar:
         tasks = {j: bar.add_task(f"job {j}", total=None, status="submitted") for j in jobs}
 
         def show(job: dict) -> None:
