@@ -31,7 +31,7 @@ from coconet.kernels.native import ChunkKernel, Untranslatable, c_source
 from coconet.schedules.dims import Dim
 from coconet.schedules.ir import COMPARE, EFFECTS, Group, Program, Stmt
 from coconet.schedules.schedule import Schedule
-from coconet.schedules.types import ITEMSIZE, Replicated, Sliced
+from coconet.schedules.types import ITEMSIZE, Local, Replicated, Sliced
 
 BACKENDS = ("gloo", "nccl", "shm")
 TORCH_DTYPE = {"float16": "torch.float16", "bfloat16": "torch.bfloat16", "float32": "torch.float32",
@@ -317,6 +317,8 @@ def lower(schedule: Schedule, backend: str = "gloo", kernels: str = "compiled", 
     e.absorbed = _absorbed(p) if e.compile else {}
     e.rowwise = {m: g for g, ms in e.absorbed.items() for m in ms if isinstance(p[m].type.layout, Replicated)}
     skip = {m for ms in e.absorbed.values() for m in ms}
+    if e.compile:
+        skip.update(m for ms in kernel_reduced(p, backend, e.absorbed).values() for m in ms)
     e.fuse_absorbed = fuse_absorbed(p, skip)
     for ms in e.fuse_absorbed.values():
         e.rows_only.update(ms)
@@ -477,6 +479,8 @@ class FusedCollective:
     direct: bool  # reads_input_in_place
     compiles: bool  # the chunk one compiled kernel (chunk_compiles), where the lowering compiles
     sums_parts: bool  # that kernel takes the rows on every rank unreduced (sums_parts)
+    pre: tuple[str, ...] = ()  # what that kernel computes on every rank's rows before it sums them (reduced_in_kernel)
+    source: str = ""  # whose rows every rank's come from: the reduce_scatter's operand, or the input pre reads
 
 
 def fused_collective_plan(p: Program, backend: str, g: Group, absorbed: tuple[str, ...],
@@ -491,11 +495,64 @@ def fused_collective_plan(p: Program, backend: str, g: Group, absorbed: tuple[st
     needed = {p[m].args[0] for m in gathers if m not in into} | set(sliced_outs) | set(partials)
     compute = tuple(m for m in (*absorbed, *g.members[1:]) if p[m].op != "all_gather")
     compiles = compiled and chunk_compiles(p, g, compute)
+    sums = compiles and sums_parts(p, backend, g, into)
+    rs = p[g.members[0]]
+    pre = reduced_in_kernel(p, g) if sums else ()
+    source = next((a for m in pre for a in p[m].args if p[a].op == "input"), rs.args[0])
+    if pre:
+        ins, _ = _group_io(p, g, (*pre, *absorbed))
     return FusedCollective(
-        rs=p[g.members[0]], ins=tuple(ins), outs=tuple(outs), inplace=inplace, into=into, gathers=gathers,
+        rs=rs, ins=tuple(ins), outs=tuple(outs), inplace=inplace, into=into, gathers=gathers,
         partials=partials, sliced_outs=sliced_outs, compute=compute, needed=frozenset(needed),
-        direct=reads_input_in_place(p, backend, g), compiles=compiles,
-        sums_parts=compiles and sums_parts(p, backend, g, into))
+        direct=reads_input_in_place(p, backend, source), compiles=compiles, sums_parts=sums, pre=pre, source=source)
+
+
+def kernel_reduced(p: Program, backend: str, absorbed: Mapping[Group, tuple[str, ...]],
+                   compiled: bool = True) -> dict[Group, tuple[str, ...]]:
+    """Per fused collective, the statements before it that its chunk kernel computes (``reduced_in_kernel``):
+    no unit of their own."""
+    out = {}
+    for g in p.groups:
+        if g.kind == "fused_collective":
+            pre = fused_collective_plan(p, backend, g, absorbed.get(g, ()), compiled).pre
+            if pre:
+                out[g] = pre
+    return out
+
+
+def reduced_in_kernel(p: Program, g: Group) -> tuple[str, ...]:
+    """The statements before a fused collective's reduce_scatter that its chunk kernel computes on each rank's
+    rows as it sums them (where it takes them unreduced, ``sums_parts``): pointwise statements of one Local
+    input the step leaves as it is (a gradient) and of numbers every rank holds alike (scalars, constants, 0-d
+    Replicated values), that nothing else reads: the gradient predivided or unscaled before its allreduce, cast
+    to float32. The reduction then reads that input where it lies (``reads_input_in_place``), and their value
+    is never written out and published (on a step of N floats: N words written and 2N read, per rank). Their
+    semantics is unchanged: each rank's rows are computed from its own input, then summed."""
+    rs = p[g.members[0]]
+    x = rs.args[0]
+    shape = p[x].type.shape
+    pre: set[str] = set()
+    leaves: set[str] = set()
+    todo = [x]
+    while todo:
+        s = p[todo.pop()]
+        if s.name in pre:
+            continue
+        if (not _ungrouped_pointwise(p, s) or s.op == "dropout" or s.type.shape != shape
+                or not isinstance(s.type.layout, Local)):
+            return ()
+        pre.add(s.name)
+        for a in s.args:
+            t = p[a]
+            if t.op == "input" and isinstance(t.type.layout, Local) and t.type.shape == shape and a not in p.updates:
+                leaves.add(a)
+            elif t.type.shape == () and isinstance(t.type.layout, Replicated):
+                continue  # the same number on every rank: the kernel's own
+            else:
+                todo.append(a)
+    if len(leaves) != 1 or any(u not in pre and u != rs.name for m in pre for u in p.users[m]):
+        return ()
+    return tuple(s.name for s in p.stmts if s.name in pre)
 
 
 def _lower_fused_collective(e: _Emitter, g: Group, chunks: int) -> list[str]:
@@ -844,14 +901,11 @@ def _chunked_body(e: _Emitter, g: Group, fc: FusedCollective, chunks: int) -> li
     rows are reduced, its all_gathers start while chunk k+1 computes. The statements of a chunk see a
     _Chunk as their context ``_c``; compiled, its pointwise statements are one kernel."""
     p = e.p
-    rs, inplace, into, direct = fc.rs, fc.inplace, fc.into, fc.direct
+    rs, inplace, into = fc.rs, fc.inplace, fc.into
     gathers, partials, sliced_outs = fc.gathers, fc.partials, fc.sliced_outs
     d = rs.type.layout.dim
     n = dim_expr(rs.type.shape[d])
-    how = ("chunk k+1 is reduced while chunk k computes and chunk k-1 is gathered" if e.backend != "shm" else
-           f"{'read where it lies once moved into a segment' if direct else 'published once'}, each chunk "
-           "reduced out of the peers' segments just before it computes")
-    lines = [(f"    # {chunks} chunk{'s' if chunks > 1 else ''}: {how}", rs.name)]
+    lines: list[tuple[str, str]] = []
     words = {m: i for i, m in enumerate(into)}
     scope: set[str] = set()  # what the function binds besides the program's values
     tmp = {m: e.ident.fresh(f"_{e.ident(m)}", scope) for m in (*gathers, *sliced_outs, *partials)}
@@ -869,8 +923,13 @@ def _chunked_body(e: _Emitter, g: Group, fc: FusedCollective, chunks: int) -> li
         # compiled, the kernel writes each chunk's rows of a sliced output into the whole output, made before
         # the first chunk: no list of chunks to concatenate after the last
         buffers = {o: tmp[o] for o in sliced_outs}
-        kernel = (_chunk_kernel(e, g, compute, inplace, fc.needed, rs if parts else None, into, parts, peers, buffers)
-                  if e.compile else None)
+        kernel = (_chunk_kernel(e, g, compute, inplace, fc.needed, rs if parts else None, into, parts, peers, buffers,
+                                fc.pre, fc.source) if e.compile else None)
+        source, direct = fc.source, fc.direct
+        if kernel is None and fc.pre:  # no kernel to compute them on every rank's rows: computed here, published
+            computed = [("    " + x, m) for m in fc.pre for x in e.stmt(p[m])]
+            lines[:0], at = computed, at + len(computed)
+            source, direct = rs.args[0], False
         if kernel is not None:
             lines[at:at] = [(f"    {tmp[o]} = torch.empty({e.local_shape_expr(p[o].type).replace('_c.', '_rank.')}, "
                              f"dtype={TORCH_DTYPE[p[o].type.dtype or 'float32']}, device=_rank.device)", o)
@@ -878,12 +937,12 @@ def _chunked_body(e: _Emitter, g: Group, fc: FusedCollective, chunks: int) -> li
         else:
             lines[at:at] = [(f"    {tmp[o]} = []", o) for o in sliced_outs]
         lines[at:at] = [(f"    {tmp[o]} = []", o) for o in partials]  # each chunk's, added up after the last
-        where = f", {rs.args[0]!r}, {len(into)}" if direct else ""
+        where = f", {source!r}, {len(into)}" if direct else ""
         if kernel is not None and parts:
-            lines.append((f"    for _c, {parts} in _reduce_scatter_parts(_rank, {e.ident(rs.args[0])}, "
+            lines.append((f"    for _c, {parts} in _reduce_scatter_parts(_rank, {e.ident(source)}, "
                           f"{d}, {n}, {chunks}{where}):", rs.name))
         else:
-            lines.append((f"    for _c, {e.ident(rs.name)} in _reduce_scatter_chunks(_rank, {e.ident(rs.args[0])}, "
+            lines.append((f"    for _c, {e.ident(rs.name)} in _reduce_scatter_chunks(_rank, {e.ident(source)}, "
                           f"{d}, {n}, {chunks}, {rs.attr('op')!r}{where}):", rs.name))
         if kernel is not None:
             lines += kernel
@@ -919,7 +978,10 @@ def _chunked_body(e: _Emitter, g: Group, fc: FusedCollective, chunks: int) -> li
     lines += [(f"    {e.ident(o)} = {tmp[o]}" if kernel is not None else
                f"    {e.ident(o)} = torch.cat({tmp[o]}, dim={p[o].type.layout.dim})", o) for o in sliced_outs]
     lines += [(f"    {e.ident(o)} = torch.stack({tmp[o]}).sum()", o) for o in partials]
-    return lines
+    how = ("chunk k+1 is reduced while chunk k computes and chunk k-1 is gathered" if e.backend != "shm" else
+           f"{'read where it lies once moved into a segment' if direct else 'published once'}, each chunk "
+           "reduced out of the peers' segments just before it computes")
+    return [(f"    # {chunks} chunk{'s' if chunks > 1 else ''}: {how}", rs.name)] + lines
 
 
 def sums_parts(p: Program, backend: str, g: Group, into) -> bool:
@@ -931,13 +993,13 @@ def sums_parts(p: Program, backend: str, g: Group, into) -> bool:
     return backend == "shm" and rs.attr("op") in ("sum", "avg") and not sent
 
 
-def reads_input_in_place(p: Program, backend: str, g: Group) -> bool:
+def reads_input_in_place(p: Program, backend: str, source: str) -> bool:
     """Whether a fused collective on shm reads its reduce_scatter's operand where it lies on every rank, moved
     into a segment of its own (``_Shm.stage_input``), rather than published into a slot: the operand is an
     input the step leaves as it is (a gradient). The barrier that ends the collective (``_end_collective``,
     its gathers' or its own where it gathers nothing) comes after the peers' last read of it and before any
     rank returns to a caller who may write the next one into it."""
-    src = p[p[g.members[0]].args[0]]
+    src = p[source]
     return backend == "shm" and src.op == "input" and src.name not in p.updates
 
 
@@ -964,13 +1026,14 @@ def chunk_compiles(p: Program, g: Group, compute: Sequence[str]) -> bool:
 
 def _chunk_kernel(e: _Emitter, g: Group, compute: list[str], inplace: dict[str, str], needed: set,
                   parts: Stmt | None = None, into=None, parts_name: str | None = None, peers=None,
-                  buffers=None) -> list | None:
+                  buffers=None, pre: tuple[str, ...] = (), source: str = "") -> list | None:
     """The pointwise statements of a fused collective's chunk as one module-level function compiled by
     Inductor, called once per chunk with the chunk's rows of what it reads (cut at the call: the chunk's
     position stays out of the compiled code; dropout gets the chunk's first row as a tensor). None when a
     statement needs the chunk itself or is not pointwise: the chunk then runs statement by statement.
     ``buffers``: outputs the kernel writes into (their chunk's rows of a tensor of this rank's rows, by name)
-    rather than returns."""
+    rather than returns. ``pre``: statements computed on every rank's rows of ``source`` before they are
+    summed (reduced_in_kernel)."""
     p = e.p
     if not chunk_compiles(p, g, compute):
         return None
@@ -979,7 +1042,13 @@ def _chunk_kernel(e: _Emitter, g: Group, compute: list[str], inplace: dict[str, 
     body: list[tuple[str, str]] = []
     scope = {parts_name} if parts is not None else set()  # the kernel's parameters but the program's values
     if parts is not None:  # the reduce_scatter's sum, fused: its rows on every rank come in unreduced
-        body.append((f"    {e.ident(parts.name)} = _add_all({parts_name})"
+        summed = parts_name
+        if pre:  # each rank's rows of the value it reduces, from its rows of the input they are computed from
+            summed = e.ident.fresh(f"_{e.ident(parts.args[0])}", scope)
+            body += [(f"    {summed} = []", parts.name), (f"    for {e.ident(source)} in {parts_name}:", parts.name)]
+            body += [("        " + x, m) for m in pre for x in e.stmt(p[m])]
+            body.append((f"        {summed}.append({e.ident(parts.args[0])})", parts.name))
+        body.append((f"    {e.ident(parts.name)} = _add_all({summed})"
                      + (f" / len({parts_name})" if parts.attr("op") == "avg" else ""), parts.name))
     args: dict[str, str] = {}  # argument at the call -> parameter of the kernel
     for m in compute:
@@ -1009,7 +1078,8 @@ def _chunk_kernel(e: _Emitter, g: Group, compute: list[str], inplace: dict[str, 
     doc = f"{len(compute)} statements of {g} on one chunk" + (", state written in place" if inplace or into else "")
     call = _cut_kernel(e, g, "_chunk", doc, body, compute, defined, args, scope, results,
                        lambda dims: _native_chunk(e, compute, inplace, into or {}, peers, buffers, parts, parts_name,
-                                                  args, dims, results), (parts_name,) if parts is not None else ())
+                                                  args, dims, results, pre, source),
+                       (parts_name,) if parts is not None else ())
     return None if call is None else [(f"        {call}", compute[0])]
 
 
@@ -1071,7 +1141,7 @@ def _cut_kernel(e: _Emitter, g: Group, prefix: str, doc: str, body: list, comput
 
 def _native_chunk(e: _Emitter, compute: list[str], inplace: dict[str, str], into, peers, buffers,
                   parts: Stmt | None, parts_name: str | None, args: dict[str, str], dims: list[str],
-                  results: list[str]) -> tuple[str, str, int] | None:
+                  results: list[str], pre: tuple[str, ...] = (), source: str = "") -> tuple[str, str, int] | None:
     """The chunk kernel as C (coconet.kernels.native): its parameters' kinds, its source and how many partial
     sums it returns. Only where it stores a gathered state's rows into the peers' copies (shm): there its
     streamed stores save the read of every line an ordinary store makes first. None where a statement has no
@@ -1102,8 +1172,10 @@ def _native_chunk(e: _Emitter, compute: list[str], inplace: dict[str, str], into
         text = _CUT.sub(lambda m: args.get(m.group(0), "?"), text)
         return text if text.isidentifier() else None
 
-    stmts, sums = [], []
-    for m in compute:
+    stmts, sums, pre_stmts = [], [], []
+    if pre and p[source].type.dtype != "float32":
+        return None
+    for m in (*pre, *compute):
         s = p[m]
         dtype = "bool" if s.op in COMPARE else "float32"
         if s.type is None or (s.type.dtype or "float32") != dtype or s.op == "dropout":
@@ -1115,7 +1187,8 @@ def _native_chunk(e: _Emitter, compute: list[str], inplace: dict[str, str], into
             if m in results:
                 sums.append((e.ident(m), operands[0]))
             continue
-        stmts.append((e.ident(m), s.op, tuple(operands), s.attr("dtype") if s.op == "cast" else s.attr("value")))
+        (pre_stmts if m in pre else stmts).append(
+            (e.ident(m), s.op, tuple(operands), s.attr("dtype") if s.op == "cast" else s.attr("value")))
     writes = [(name_of(e.operand(p[o], t)), e.ident(o)) for o, t in inplace.items()]
     writes += [(name_of(e.operand(p[p[m].args[0]], t)), e.ident(p[m].args[0])) for m, t in into.items()]
     writes += [(name_of(f"_c.local({buf}, {p[o].type.layout.dim})"), e.ident(o)) for o, buf in (buffers or {}).items()]
@@ -1126,7 +1199,8 @@ def _native_chunk(e: _Emitter, compute: list[str], inplace: dict[str, str], into
         params=tuple(kinds),
         parts=(e.ident(parts.name), parts_name, parts.attr("op")) if parts is not None else None,
         stmts=tuple(stmts), numbers=frozenset(e.ident(m) for m in compute if e.number(m)),
-        writes=tuple(writes), streams=tuple(streams), sums=tuple(sums), constants=tuple(constants))
+        writes=tuple(writes), streams=tuple(streams), sums=tuple(sums), constants=tuple(constants),
+        pre=tuple(pre_stmts), part=e.ident(source) if pre else None)
     try:
         return spec.kinds, c_source(spec), len(sums)
     except Untranslatable:

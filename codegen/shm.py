@@ -53,7 +53,10 @@ gradient into the tensor then: the gathers that end the collective give one, and
 nothing (its state stays sliced) ends with one of its own (``_end_collective``). A caller who passes another
 tensor (a view that cannot move, a second buffer while the first is alive, a new ``.grad`` every step) has it
 published into the slot as before; a tensor that comes in place of a moved one gone after serving more than one
-step takes its segment, and the segment of one that served a single step is let go (``_Shm.stage_input``).
+step takes its segment, and the segment of one that served a single step is let go (``_Shm.stage_input``). What
+the step computes from each rank's gradient before reducing it (divided by a predivide factor, unscaled, cast to
+float32) the compiled chunk kernel computes on each rank's rows as it sums them (``reduced_in_kernel`` in
+``coconet.codegen.lower``): the gradient is read where it lies all the same, and that value is never written out.
 
 A copy larger than this rank's share of the last-level cache (the cache over the
 group's ranks) is made with non-temporal stores: its destination is not read

@@ -109,7 +109,8 @@ class ChunkKernel:
     ``streams``: (peers parameter, value stored into each). ``sums``: (name, value): the chunk's sum of each
     value over its rows (a partial sum), returned in order. ``constants``: (scalar parameter, value) for the
     scalars that are the program's constants (a power's exponent is compiled in). A comparison is a mask that
-    only ``where`` and a ``cast`` to float32 (its constant the dtype) read."""
+    only ``where`` and a ``cast`` to float32 (its constant the dtype) read. ``pre``: statements computed on
+    each rank's rows before they are summed, the rows named ``part``; the last is the value summed."""
 
     params: tuple[tuple[str, str], ...]
     parts: tuple[str, str, str] | None
@@ -119,6 +120,8 @@ class ChunkKernel:
     streams: tuple[tuple[str, str], ...]
     sums: tuple[tuple[str, str], ...] = ()
     constants: tuple[tuple[str, float], ...] = ()
+    pre: tuple[tuple[str, str, tuple[str, ...], object], ...] = ()
+    part: str | None = None
 
     @property
     def kinds(self) -> str:
@@ -146,11 +149,12 @@ def c_source(k: ChunkKernel) -> str:
     length of each list, ``scal`` the scalars in order, ``sums`` where the chunk's sums go. Program names
     become ``p_<name>`` (a program may name a value ``n``). Raises Untranslatable."""
     kind = dict(k.params)
-    masks = {name for name, op, *_ in k.stmts if op in COMPARE}
-    values = {name for name, *_ in k.stmts} | ({k.parts[0]} if k.parts else set())
+    masks = {name for name, op, *_ in (*k.pre, *k.stmts) if op in COMPARE}
+    values = {name for name, *_ in (*k.pre, *k.stmts)} | ({k.parts[0]} if k.parts else set())
+    values |= {k.part} if k.part else set()
     tensors = values - k.numbers - masks
     # the values known here, for a power's exponent: the chunk's constants and those passed in as scalars
-    known = [(name, value) for name, op, _, value in k.stmts if op == "const"] + list(k.constants)
+    known = [(name, value) for name, op, _, value in (*k.pre, *k.stmts) if op == "const"] + list(k.constants)
     constants = {name: float(value) for name, value in known
                  if isinstance(value, (int, float)) and not isinstance(value, bool)}
 
@@ -194,24 +198,10 @@ def c_source(k: ChunkKernel) -> str:
         else:
             raise Untranslatable(f"{op} of host numbers")
 
-    def body(vector: bool) -> list[str]:
+    def statements(stmts, vector: bool) -> list[str]:
         t = "v8" if vector else "float"
-        out = [f"const {t} p_{n} = a->p_{n}" + (" + (v8){0};" if vector else ";")
-               for n, what in k.params if what == "scalar"]
-        out += [f"float *const p_{n} = a->p_{n};" for n, what in k.params if what == "rows"]
-        out += numbers
-        if vector:
-            out += [f"const v8 vn_{n} = (v8){{0}} + (float)p_{n};" for n in sorted(k.numbers)]
-        if k.parts is not None:
-            total, plist, op = k.parts
-            if kind.get(plist) != "parts" or op not in ("sum", "avg"):
-                raise Untranslatable(f"parts {plist} ({op})")
-            load = "ld(a->p_{0}[{1}] + i)" if vector else "a->p_{0}[{1}][i]"
-            out += [f"{t} p_{total} = {load.format(plist, 0)};",
-                    f"for (long r = 1; r < a->n_{plist}; r++) p_{total} += {load.format(plist, 'r')};"]
-            if op == "avg":
-                out.append(f"p_{total} /= (float)a->n_{plist};")
-        for name, op, args, value in k.stmts:
+        out = []
+        for name, op, args, value in stmts:
             if name in k.numbers:
                 continue
             if op == "const":
@@ -234,6 +224,32 @@ def c_source(k: ChunkKernel) -> str:
                                                        else f"(p_{args[0]} ? {one} : 0.0f);"))
             else:
                 raise Untranslatable(op)
+        return out
+
+    def body(vector: bool) -> list[str]:
+        t = "v8" if vector else "float"
+        out = [f"const {t} p_{n} = a->p_{n}" + (" + (v8){0};" if vector else ";")
+               for n, what in k.params if what == "scalar"]
+        out += [f"float *const p_{n} = a->p_{n};" for n, what in k.params if what == "rows"]
+        out += numbers
+        if vector:
+            out += [f"const v8 vn_{n} = (v8){{0}} + (float)p_{n};" for n in sorted(k.numbers)]
+        if k.parts is not None:
+            total, plist, op = k.parts
+            if kind.get(plist) != "parts" or op not in ("sum", "avg"):
+                raise Untranslatable(f"parts {plist} ({op})")
+            load = "ld(a->p_{0}[{1}] + i)" if vector else "a->p_{0}[{1}][i]"
+            if k.pre:  # each rank's rows of the value summed, from its rows of the input: summed in rank order
+                each = [f"const {t} p_{k.part} = {load.format(plist, 'r')};", *statements(k.pre, vector)]
+                out += [f"{t} p_{total};", f"for (long r = 0; r < a->n_{plist}; r++) {{",
+                        *("    " + x for x in each),
+                        f"    if (r == 0) p_{total} = p_{k.pre[-1][0]}; else p_{total} += p_{k.pre[-1][0]};", "}"]
+            else:
+                out += [f"{t} p_{total} = {load.format(plist, 0)};",
+                        f"for (long r = 1; r < a->n_{plist}; r++) p_{total} += {load.format(plist, 'r')};"]
+            if op == "avg":
+                out.append(f"p_{total} /= (float)a->n_{plist};")
+        out += statements(k.stmts, vector)
         for target, value in k.writes:
             if kind.get(target) != "rows" or value not in values:
                 raise Untranslatable(f"a write of {value} into {target}")

@@ -33,12 +33,13 @@ callers label them ``source: model``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
-from coconet.codegen.lower import custom_group, fuse_absorbed, fused_collective_plan
+from coconet.codegen.lower import custom_group, fuse_absorbed, fused_collective_plan, kernel_reduced
 from coconet.codegen.lower import (_absorbed, _group_io, _in_place, _needs_copy, _units, fuse_gathers_into,
                                    gathers_into_state)
 from coconet.errors import CoconetError, SizeError
@@ -212,6 +213,7 @@ class _Builder:
         p = self.p
         absorbed = _absorbed(p)  # the lowering compiles kernels (coconet run's default)
         skip = {m for ms in absorbed.values() for m in ms}
+        skip.update(m for ms in kernel_reduced(p, self.backend, absorbed).values() for m in ms)
         rows = fuse_absorbed(p, skip)
         self.rows = {m: d for ms in rows.values() for m, d in ms.items()}
         skip |= set(self.rows)
@@ -429,6 +431,8 @@ class _Builder:
         comms: list[Comm] = []
         whole_in = self.nbytes(x, self.whole(x))
         mine_in = self.nbytes(rs.type, self.local(rs.type))
+        # what the kernel reads of every rank's rows: the input its pre statements compute them from
+        mine_src = self.nbytes(dataclasses.replace(rs.type, dtype=p[fc.source].type.dtype), self.local(rs.type))
         R = _PerWorld  # the number of ranks, bound at evaluation (see _PerWorld)
         if shm:
             # publish every row but this rank's own, once (unless the peers read the input where it lies); one
@@ -451,7 +455,7 @@ class _Builder:
             reads: list[Term] = []
             cold: list[Term] = []
             for a in ins:
-                if a == rs.args[0] or p[a].op == "const":
+                if a == fc.source or p[a].op == "const":
                     continue
                 readers = [p[m] for m in compute if a in p[m].args]
                 exts = {self.consumed(m, a) for m in readers}
@@ -459,7 +463,7 @@ class _Builder:
                 reads += self.nbytes(p[a].type, best)
                 if self.is_cold(a):
                     cold += self.nbytes(p[a].type, best)
-            reads += _scaled(mine_in, R.ALL) if parts else mine_in
+            reads += _scaled(mine_src, R.ALL) if parts else mine_in
             writes: list[Term] = []
             fresh: list[Term] = []
             for o in inplace:

@@ -171,13 +171,24 @@ GOLDENS = {  # name: (example, schedule, backend, lower's keywords)
                                     "slice_reduce(norm0); fuse(mul7, sub4); fuse_collective(rs0)", "shm", {}),
     # the eager PyTorch baseline of a program without a hand-written one
     "megatron_eager_torch_dropout": ("megatron_mlp", "baseline", "gloo", {"kernels": "eager", "dropout": "torch"}),
+    # the gradient divided before its allreduce: each rank's rows divided in the chunk kernel as it sums them
+    "adam_predivide_zero1_shm": ("benchmarks/programs/adam_predivide.py",
+                                 ("split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse_collective(rs0)"),
+                                 "shm", {}),
 }
+
+
+def golden_program(name):
+    """An example by name, or a program file by its path from the repository's root."""
+    if name.endswith(".py"):
+        return runpy.run_path(str(ROOT / name))["program"].ir
+    return example(name)
 
 
 @pytest.mark.parametrize("golden", sorted(GOLDENS))
 def test_generated_code_golden(golden):
     name, text, backend, kw = GOLDENS[golden]
-    source = lower(Schedule.parse(text, example(name)), backend, **kw).source.replace(__version__, "VERSION")
+    source = lower(Schedule.parse(text, golden_program(name)), backend, **kw).source.replace(__version__, "VERSION")
     path = GOLDEN / f"{golden}.py"
     if os.environ.get("COCONET_UPDATE_GOLDEN"):
         path.write_text(source)

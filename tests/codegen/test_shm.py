@@ -187,6 +187,79 @@ def test_a_c_chunk_kernel_returns_its_partial_sums():
     assert not segments()
 
 
+def predivided_adam():
+    import coconet as cc
+
+    p = cc.Program("adam_predivide", dims=("N",))
+    g = p.tensor("g", ("N",), layout=cc.Local)
+    w, m, v = (p.tensor(x, ("N",), layout=cc.Replicated) for x in "wmv")
+    lr, pre = p.scalars("lr pre")
+    avg = cc.allreduce(g / pre) * (pre / 2.0)
+    m1, v1 = 0.9 * m + 0.1 * avg, 0.999 * v + 0.001 * avg * avg
+    p.update(m, m1)
+    p.update(v, v1)
+    p.update(w, w - lr * m1 / (cc.sqrt(v1) + 1e-8))
+    return p.ir
+
+
+def bf16_unscaled_sgd():
+    import coconet as cc
+
+    p = cc.Program("bf16_sgd", dims=("N",))
+    g = p.tensor("g", ("N",), layout=cc.Local, dtype="bfloat16")
+    w, buf = p.tensor("w", ("N",), layout=cc.Replicated), p.tensor("buf", ("N",), layout=cc.Replicated)
+    inv = p.scalar("inv_scale")
+    grad = cc.allreduce(cc.cast(g, "float32") * inv, op="avg")
+    b1 = 0.9 * buf + grad
+    p.update(buf, b1)
+    p.update(w, w - 0.01 * b1)
+    return p.ir
+
+
+def test_the_chunk_kernel_computes_each_ranks_gradient_before_it_sums_them():
+    """Adam on a gradient predivided before its allreduce (apex's gradient_predivide_factor) and momentum SGD
+    on a bf16 gradient cast to float32 and unscaled: the fused collective's chunk kernel computes each rank's
+    rows of the value reduced from that rank's rows of g, read where they lie, and sums those; nothing
+    computes the whole value or publishes it (it was written out, published and read back: the predivided
+    Adam's step took 1.7x as long). C for the float32 one, Inductor for the bf16 one. Compiled, R = 2 and 3,
+    uneven rows, one chunk and more chunks than rows."""
+    adam = Schedule.parse("split(ar0); reorder(ag0); fuse_collective(rs0)", predivided_adam())
+    sgd = Schedule.parse("split(ar0); reorder(ag0); fuse_collective(rs0)", bf16_unscaled_sgd())
+    src = lower(adam, "shm").source
+    step = src[src.index("def step("):]
+    assert " / pre" not in step and "_reduce_scatter_parts(_rank, g, 0, d_N, 4, 'g', 3)" in step
+    assert "    for g in rs0_parts:\n        div0 = g / pre\n" in src
+    assert re.search(r"_chunk0 = _native\(_kernel\(_chunk0\), '\w+', r\"\"\"", src)
+    assert "for (long r = 0; r < a->n_rs0_parts; r++) {" in src and "const v8 p_div0 = (p_g / p_pre);" in src
+    src = lower(sgd, "shm").source
+    step = src[src.index("def step("):]
+    assert ".to(torch.bfloat16)" not in step and ".to(torch.float32)" not in step
+    assert "_reduce_scatter_parts(_rank, g, 0, d_N, 4, 'g', 2)" in step and "_native(" not in src
+    assert "    for g in rs0_parts:\n        cast0 = _t(g).to(torch.float32)\n" in src
+    for sched in (adam, sgd):
+        for world, n in ((2, 1001), (3, 7)):
+            options = Options(world=world, sizes={"N": n}, backend="shm", warmup=1, repeats=2)
+            assert_all_ok(run_schedules([sched.with_knobs(fc_chunks=k) for k in (1, 8)], options))
+    assert not segments()
+
+
+def test_without_a_chunk_kernel_the_gradient_is_computed_whole_and_published(monkeypatch):
+    """Where no compiled kernel can take the chunk, the statements it would have computed on every rank's rows
+    run in the fused collective before it, on this rank's whole gradient, and that is published."""
+    from coconet.codegen import lower as lowering
+
+    monkeypatch.setattr(lowering, "_chunk_kernel", lambda *a, **k: None)
+    adam = Schedule.parse("split(ar0); reorder(ag0); fuse_collective(rs0); fc_chunks=4", predivided_adam())
+    src = lower(adam, "shm").source
+    fc = src[src.index("def _fused_collective0("):src.index("    g = tensors['g']")]
+    assert "        div0 = g / pre\n" in fc and "_reduce_scatter_chunks(_rank, div0, 0, d_N, 4, 'sum'):" in fc
+    assert "published once" in fc
+    for world, n in ((2, 1001), (3, 7)):
+        options = Options(world=world, sizes={"N": n}, backend="shm", warmup=1, repeats=2)
+        assert_all_ok(run_schedules([adam], options))
+    assert not segments()
+
+
 def test_a_norm_of_state_from_its_rows_in_the_c_kernel_that_writes_the_state():
     """Adam that also reports the norm of the weights it starts from, the norm from each rank's rows
     (slice_reduce): the fused collective's C chunk reads each row of w once, for the update and the norm, and

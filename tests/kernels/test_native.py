@@ -81,19 +81,24 @@ def chunk_kernels(draw):
     values = [n for n in names if n not in ("a", "b", "s")] or ["g"]
     writes = (("a", draw(st.sampled_from(values))), ("b", draw(st.sampled_from(values))))
     sums = tuple((f"psum{j}", draw(st.sampled_from(values))) for j in range(draw(st.integers(0, 2))))
+    # what each rank's rows go through before they are summed (the gradient predivided, unscaled): a chain
+    # from the rows, each statement reading the one before and maybe the scalar
+    pre, last = [], "q"
+    for j in range(draw(st.integers(0, 3))):
+        if draw(st.booleans()):
+            pre.append((f"u{j}", draw(st.sampled_from(sorted(UNARY))), (last,), None))
+        else:
+            pre.append((f"u{j}", draw(st.sampled_from(sorted(BINARY))), draw(st.permutations([last, "s"])), None))
+        last = f"u{j}"
     return ChunkKernel(params=PARAMS, parts=("g", "g_parts", draw(st.sampled_from(["sum", "avg"]))),
                        stmts=tuple(stmts), numbers=frozenset(numbers), writes=writes,
-                       streams=(("x_peers", draw(st.sampled_from(values))),), sums=sums)
+                       streams=(("x_peers", draw(st.sampled_from(values))),), sums=sums,
+                       pre=tuple(pre), part="q" if pre else None)
 
 
-def reference(k: ChunkKernel, peers, a, b, parts, s):
-    """The chunk as the Python kernel computes it, eagerly: numbers in double, tensors in float32."""
-    env = {"a": a.clone(), "b": b.clone(), "s": s}
-    total = parts[0]
-    for p in parts[1:]:
-        total = total + p
-    env["g"] = total / len(parts) if k.parts[2] == "avg" else total
-    for name, op, args, value in k.stmts:
+def evaluate(k: ChunkKernel, stmts, env):
+    """``stmts`` run eagerly on ``env``: numbers in double, tensors in float32."""
+    for name, op, args, value in stmts:
         xs = [env[x] for x in args]
         if op == "const":
             env[name] = value
@@ -115,6 +120,19 @@ def reference(k: ChunkKernel, peers, a, b, parts, s):
             if op in ("maximum", "minimum"):
                 x, y = (torch.as_tensor(v, dtype=torch.float32) for v in (x, y))
             env[name] = BINARY[op](x, y)
+    return env
+
+
+def reference(k: ChunkKernel, peers, a, b, parts, s):
+    """The chunk as the Python kernel computes it, eagerly: numbers in double, tensors in float32."""
+    env = {"a": a.clone(), "b": b.clone(), "s": s}
+    if k.pre:  # each rank's rows through the pre statements, then summed in rank order
+        parts = [evaluate(k, k.pre, {k.part: p, "s": s})[k.pre[-1][0]] for p in parts]
+    total = parts[0]
+    for p in parts[1:]:
+        total = total + p
+    env["g"] = total / len(parts) if k.parts[2] == "avg" else total
+    env = evaluate(k, k.stmts, env)
     out = {t: torch.broadcast_to(torch.as_tensor(env[v], dtype=torch.float32), a.shape) for t, v in k.writes}
     streamed = torch.broadcast_to(torch.as_tensor(env[k.streams[0][1]], dtype=torch.float32), a.shape)
     sums = tuple(torch.broadcast_to(torch.as_tensor(env[v], dtype=torch.float32), a.shape).double()

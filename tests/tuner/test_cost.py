@@ -209,6 +209,30 @@ def test_zero1_fused_collective_on_shm_moves_the_floors_bytes(chunks):
         assert moved == pytest.approx(bytes_moved_once(prog, sizes, world, {"m", "v"}) / world, rel=1e-6)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_gradient_computed_before_its_fused_collective_moves_no_bytes_of_its_own(dtype):
+    # g cast and predivided before its allreduce: the chunk kernel computes each rank's rows of that from the
+    # rank's rows of g (codegen.lower.reduced_in_kernel), so the step moves the floor's bytes, g read in its
+    # own dtype; no pass over the whole predivided value, no publish of it
+    import coconet as cc
+    from coconet.tuner.roofline import bytes_moved_once
+
+    p = cc.Program("adam_predivide", dims=("N",))
+    g = p.tensor("g", ("N",), layout=cc.Local, dtype=dtype)
+    w, m, v = (p.tensor(x, ("N",), layout=cc.Replicated) for x in "wmv")
+    lr, pre = p.scalars("lr pre")
+    avg = cc.allreduce(cc.cast(g, "float32") / pre)
+    p.update(m, 0.9 * m + 0.1 * avg)
+    p.update(v, 0.999 * v + 0.001 * avg * avg)
+    p.update(w, w - lr * (0.9 * m + 0.1 * avg) / (cc.sqrt(0.999 * v + 0.001 * avg * avg) + 1e-8))
+    s = Schedule.parse("split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse_collective(rs0); fc_chunks=4", p.ir)
+    topo = dataclasses.replace(load_topology("local"), ranks_per_node=4)
+    sizes = {"N": 2**24}
+    for world in (2, 3, 4):
+        moved = cost.predict(s, sizes, topo, "shm", world=world).memory_s / topo.memory_beta
+        assert moved == pytest.approx(bytes_moved_once(p.ir, sizes, world, {"m", "v"}) / world, rel=1e-6)
+
+
 def test_lamb_in_two_passes_on_shm_moves_what_its_kernels_touch():
     # the fused collective reads every rank's gradient rows and m, v, w's rows, writes m, v and u's rows, and
     # returns its share of sum(u * u); norm(w) reads all of w; the update's kernel reads u's and w's rows and
