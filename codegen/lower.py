@@ -959,7 +959,7 @@ def _chunked_body(e: _Emitter, g: Group, fc: FusedCollective, chunks: int) -> li
                 src = p[m].args[0]
                 # a value the kernel wrote into its holder (used again after the collective) is not bound
                 # in the loop: the chunk's rows of the holder are what it gathers
-                rows = (f"_c.local({tmp[src]}, {p[src].type.layout.dim})" if kernel is not None and src in buffers
+                rows = (_holder_rows(p, src, tmp[src]) if kernel is not None and src in buffers
                         else e.ident(src))
                 lines.append((f"        {tmp[m]}.add(_c, {rows})", m))
             elif kernel is None:
@@ -982,6 +982,12 @@ def _chunked_body(e: _Emitter, g: Group, fc: FusedCollective, chunks: int) -> li
            f"{'read where it lies once moved into a segment' if direct else 'published once'}, each chunk "
            "reduced out of the peers' segments just before it computes")
     return [(f"    # {chunks} chunk{'s' if chunks > 1 else ''}: {how}", rs.name)] + lines
+
+
+def _holder_rows(p: Program, o: str, holder: str) -> str:
+    """The chunk's rows of ``holder``, the tensor of this rank's rows a compiled chunk kernel writes the sliced
+    output ``o`` into: where the kernel writes them, and what a gather of ``o`` sends."""
+    return f"_c.local({holder}, {p[o].type.layout.dim})"
 
 
 def sums_parts(p: Program, backend: str, g: Group, into) -> bool:
@@ -1071,7 +1077,7 @@ def _chunk_kernel(e: _Emitter, g: Group, compute: list[str], inplace: dict[str, 
         body += [(f"    for {peer} in {rows}:", m), (f"        {peer}.copy_({e.ident(src)})", m)]
     buffers = buffers or {}
     for o, buf in buffers.items():
-        body.append((f"    _c.local({buf}, {p[o].type.layout.dim}).copy_({e.ident(o)})", o))
+        body.append((f"    {_holder_rows(p, o, buf)}.copy_({e.ident(o)})", o))
 
     defined = {e.ident(m) for m in compute} | ({e.ident(parts.name)} if parts is not None else set())
     results = [m for m in compute if m in needed and m not in buffers]
@@ -1191,7 +1197,7 @@ def _native_chunk(e: _Emitter, compute: list[str], inplace: dict[str, str], into
             (e.ident(m), s.op, tuple(operands), s.attr("dtype") if s.op == "cast" else s.attr("value")))
     writes = [(name_of(e.operand(p[o], t)), e.ident(o)) for o, t in inplace.items()]
     writes += [(name_of(e.operand(p[p[m].args[0]], t)), e.ident(p[m].args[0])) for m, t in into.items()]
-    writes += [(name_of(f"_c.local({buf}, {p[o].type.layout.dim})"), e.ident(o)) for o, buf in (buffers or {}).items()]
+    writes += [(name_of(_holder_rows(p, o, buf)), e.ident(o)) for o, buf in (buffers or {}).items()]
     streams = [(args[peers[m]], e.ident(p[m].args[0])) for m in into]
     if any(t is None for t, _ in writes):
         return None
