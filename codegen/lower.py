@@ -1163,7 +1163,7 @@ def _native_chunk(e: _Emitter, compute: list[str], inplace: dict[str, str], into
         if param in peer_params:
             kind = "peers"
         elif param == parts_name:
-            kind = "parts"
+            kind = "bf16 parts" if pre and p[source].type.dtype == "bfloat16" else "parts"
         elif _CUT.fullmatch(expr):
             kind = "rows"
         elif expr in by_ident and by_ident[expr].type is not None and by_ident[expr].type.dtype != "int64":
@@ -1179,7 +1179,7 @@ def _native_chunk(e: _Emitter, compute: list[str], inplace: dict[str, str], into
         return text if text.isidentifier() else None
 
     stmts, sums, pre_stmts = [], [], []
-    if pre and p[source].type.dtype != "float32":
+    if pre and p[source].type.dtype not in ("float32", "bfloat16"):
         return None
     for m in (*pre, *compute):
         s = p[m]

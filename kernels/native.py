@@ -14,13 +14,14 @@ whatever the machine has (-march=native), SSE at least.
 Only float32 statements of the ``OPS`` table (IEEE operations the C compiler keeps as written: no
 contraction into fused multiply-adds, no reassociation), powers by the constants of ``POWERS``,
 comparisons and the ``where`` and ``cast`` that read them, and partial sums (summed in double) are
-translated; anything else keeps Inductor's kernel. exp and log among them: in C (Cephes' polynomials,
+translated (and bfloat16 rows of every rank that a cast to float32 reads before they are summed, the
+mixed-precision gradient); anything else keeps Inductor's kernel. exp and log among them: in C (Cephes' polynomials,
 16 floats a vector, fused multiply-adds) the chunk of an Adam with a softplus (benchmarks/programs/sadam.py)
 stepped 1.10x Inductor's at world 2 and 0.99x at world 4, Sleef's exp and log winning back what the
 streamed stores save.
-The generated module checks at each call that every tensor is a contiguous float32 CPU tensor of the
-chunk's length and every scalar one number, and hands the call to Inductor's kernel otherwise (a
-broadcast operand, a tensor that needs autograd).
+The generated module checks at each call that every tensor is a contiguous float32 CPU tensor (the
+bfloat16 rows bfloat16) of the chunk's length and every scalar one number, and hands the call to
+Inductor's kernel otherwise (a broadcast operand, a tensor that needs autograd).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ NUMBER_OPS = {op: OPS[op][0] for op in ("add", "sub", "mul", "div", "neg")}
 
 LINE = 16  # float32 values per 64-byte cache line
 
-KINDS = {"dim": "d", "scalar": "s", "rows": "t", "parts": "l", "peers": "p"}
+KINDS = {"dim": "d", "scalar": "s", "rows": "t", "parts": "l", "bf16 parts": "h", "peers": "p"}
 
 _PRELUDE = """#include <immintrin.h>
 #include <math.h>
@@ -64,6 +65,13 @@ typedef float v8 __attribute__((vector_size(32)));
 typedef int v8i __attribute__((vector_size(32)));
 
 static inline v8 ld(const float *p) { v8 x; memcpy(&x, p, sizeof x); return x; }
+/* bfloat16 is float32's upper half: widened exactly, as torch casts it */
+typedef unsigned short v8h __attribute__((vector_size(16)));
+typedef unsigned int v8u __attribute__((vector_size(32)));
+static inline float bf16(uint16_t x) { uint32_t u = (uint32_t)x << 16; float f; memcpy(&f, &u, sizeof f); return f; }
+static inline v8 ld_bf16(const uint16_t *p) {
+    v8h h; memcpy(&h, p, sizeof h); v8u u = __builtin_convertvector(h, v8u) << 16; return (v8)u;
+}
 static inline void st(float *p, v8 x) { memcpy(p, &x, sizeof x); }
 static inline v8 vabs(v8 x) { return (v8)((v8i)x & 0x7fffffff); }
 static inline v8 vsel(v8i m, v8 x, v8 y) { return (v8)(((v8i)x & m) | ((v8i)y & ~m)); }
@@ -103,7 +111,7 @@ class ChunkKernel:
 
     ``params``: (name, kind) in the Python kernel's order; kind is ``dim`` (unused here), ``scalar`` (a
     number or a one-element tensor), ``rows`` (the chunk's rows of a tensor), ``parts`` (the chunk's rows on
-    every rank, summed) or ``peers`` (the chunk's rows of every peer's copy of a state). ``parts``: (the value
+    every rank, summed; ``bf16 parts`` where they are bfloat16, which only casts to float32 read) or ``peers`` (the chunk's rows of every peer's copy of a state). ``parts``: (the value
     they sum to, their parameter, ``sum`` or ``avg``). ``stmts``: (name, op, operands, constant) in order.
     ``numbers``: the statements that are host numbers. ``writes``: (rows parameter, value stored into it).
     ``streams``: (peers parameter, value stored into each). ``sums``: (name, value): the chunk's sum of each
@@ -183,9 +191,11 @@ def c_source(k: ChunkKernel) -> str:
         elif what == "rows":
             fields.append(f"float *p_{name};")
             unpack.append(f"a.p_{name} = (float *)ptr[at++];")
-        elif what in ("parts", "peers"):
-            fields += [f"float *const *p_{name};", f"long n_{name};"]
-            unpack.append(f"a.p_{name} = (float *const *)(ptr + at); a.n_{name} = count[{lists}]; at += count[{lists}];")
+        elif what in ("parts", "bf16 parts", "peers"):
+            element = "const uint16_t" if what == "bf16 parts" else "float"
+            fields += [f"{element} *const *p_{name};", f"long n_{name};"]
+            unpack.append(f"a.p_{name} = ({element} *const *)(ptr + at); a.n_{name} = count[{lists}]; "
+                          f"at += count[{lists}];")
             lists += 1
     numbers = []
     for name, op, args, value in k.stmts:
@@ -218,6 +228,8 @@ def c_source(k: ChunkKernel) -> str:
                 x, y = (ref(a, vector) for a in args[1:])
                 out.append(f"const {t} p_{name} = " + (f"vsel(p_{args[0]}, {x}, {y});" if vector
                                                        else f"(p_{args[0]} ? {x} : {y});"))
+            elif op == "cast" and value == "float32" and args[0] == k.part:  # the rows, loaded as float32
+                out.append(f"const {t} p_{name} = p_{args[0]};")
             elif op == "cast" and value == "float32" and args[0] in masks:
                 one = "(v8){0} + 1.0f" if vector else "1.0f"
                 out.append(f"const {t} p_{name} = " + (f"vsel(p_{args[0]}, {one}, (v8){{0}});" if vector
@@ -236,9 +248,14 @@ def c_source(k: ChunkKernel) -> str:
             out += [f"const v8 vn_{n} = (v8){{0}} + (float)p_{n};" for n in sorted(k.numbers)]
         if k.parts is not None:
             total, plist, op = k.parts
-            if kind.get(plist) != "parts" or op not in ("sum", "avg"):
+            if kind.get(plist) not in ("parts", "bf16 parts") or op not in ("sum", "avg"):
                 raise Untranslatable(f"parts {plist} ({op})")
             load = "ld(a->p_{0}[{1}] + i)" if vector else "a->p_{0}[{1}][i]"
+            if kind[plist] == "bf16 parts":  # read only through casts to float32, which widen them exactly
+                if not k.pre or any(k.part in args and (op != "cast" or value != "float32")
+                                    for _, op, args, value in k.pre):
+                    raise Untranslatable(f"bfloat16 rows {plist} read but by a cast to float32")
+                load = "ld_bf16(a->p_{0}[{1}] + i)" if vector else "bf16(a->p_{0}[{1}][i])"
             if k.pre:  # each rank's rows of the value summed, from its rows of the input: summed in rank order
                 each = [f"const {t} p_{k.part} = {load.format(plist, 'r')};", *statements(k.pre, vector)]
                 out += [f"{t} p_{total};", f"for (long r = 0; r < a->n_{plist}; r++) {{",

@@ -84,13 +84,18 @@ def chunk_kernels(draw):
     # what each rank's rows go through before they are summed (the gradient predivided, unscaled): a chain
     # from the rows, each statement reading the one before and maybe the scalar
     pre, last = [], "q"
+    bf16 = draw(st.booleans())  # the rows bfloat16, which a cast to float32 reads first (a mixed-precision gradient)
+    if bf16:
+        pre.append(("uc", "cast", ("q",), "float32"))
+        last = "uc"
     for j in range(draw(st.integers(0, 3))):
         if draw(st.booleans()):
             pre.append((f"u{j}", draw(st.sampled_from(sorted(UNARY))), (last,), None))
         else:
             pre.append((f"u{j}", draw(st.sampled_from(sorted(BINARY))), draw(st.permutations([last, "s"])), None))
         last = f"u{j}"
-    return ChunkKernel(params=PARAMS, parts=("g", "g_parts", draw(st.sampled_from(["sum", "avg"]))),
+    params = tuple((n, "bf16 parts" if bf16 and n == "g_parts" else k) for n, k in PARAMS)
+    return ChunkKernel(params=params, parts=("g", "g_parts", draw(st.sampled_from(["sum", "avg"]))),
                        stmts=tuple(stmts), numbers=frozenset(numbers), writes=writes,
                        streams=(("x_peers", draw(st.sampled_from(values))),), sums=sums,
                        pre=tuple(pre), part="q" if pre else None)
@@ -177,6 +182,8 @@ def test_the_c_kernel_computes_the_bits_torch_does(tmp_path_factory, k, n, offse
     plainly otherwise; heads and tails of every length around the 16-float lines. Sums in double, in another
     order than the reference's: the same float32 but for its last bit."""
     peers, a, b, parts, s = operands(n, offsets)
+    if "h" in k.kinds:
+        parts = [p.bfloat16() for p in parts]
     want_a, want_b, want_peers, want_sums = reference(k, peers, a, b, parts, s)
     with pytest.MonkeyPatch.context() as m:
         sums = run_native(k, (peers, a, b, parts, s), m, tmp_path_factory.mktemp("cache"))
