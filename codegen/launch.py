@@ -48,7 +48,7 @@ from coconet.codegen.lower import Generated, lower
 from coconet.codegen.rank import AGAIN
 from coconet.errors import BackendError, CoconetError
 from coconet.schedules import interp
-from coconet.schedules.equivalence import TOLERANCE, rel_err
+from coconet.schedules.equivalence import CONDITIONING, TOLERANCE, Reference, rel_err
 from coconet.schedules.schedule import Schedule
 from coconet.schedules.types import Replicated
 from coconet.tuner.stats import summarize
@@ -153,8 +153,7 @@ def run_schedules(schedules: Sequence[Schedule], opts: Options, program_file: st
             results[i] = RunResult(sched.text, sched.hash, getattr(e, "kind", "compile_error"), error=str(e))
             continue
         tasks.append((i, gen))
-    reference = interp.run(program, opts.world, opts.sizes, seed=opts.seed, stages=stages).observable() \
-        if opts.check else {}
+    reference = Reference(program, opts.world, opts.sizes, seed=opts.seed, stages=stages) if opts.check else {}
     while tasks:
         done = _launch(tasks, opts, reference, results, custom)
         tasks = [t for t in tasks if t[0] not in done]
@@ -416,10 +415,20 @@ class Check:
         e = rel_err(value, self.reference[base])
         tol = self._tolerance(base)
         self.worst = max(self.worst, e)
-        if not e <= tol:
+        own = self.reference.program_error(base) if not e <= tol and isinstance(self.reference, Reference) else 0.0
+        if not e <= max(tol, CONDITIONING * own):
             when = " after a second step on the same inputs" if key != base else ""
-            self.failures.append((key, rank, f"{base}{where}{when} (relative error {e:.3g} > {tol:g}) differs from "
-                                             f"the reference interpreter{self._nonfinite(base, value, self.reference[base])}"))
+            bound = self._allowed(base, tol, own)
+            self.failures.append((key, rank, f"{base}{where}{when} (relative error {e:.3g} > {bound}) "
+                                             f"differs from the reference interpreter"
+                                             f"{self._nonfinite(base, value, self.reference[base])}"))
+
+    def _allowed(self, key: str, tol: float, own: float) -> str:
+        if not CONDITIONING * own > tol:
+            return f"{tol:g}"
+        dtypes = " and ".join(sorted(self._dtypes(key)))
+        return (f"{CONDITIONING * own:.3g}, {CONDITIONING:g}x the {own:.3g} of the program itself computed in "
+                f"{dtypes} statement by statement: ill-conditioned on these inputs")
 
     def _source(self, key: str) -> str:
         """The statement whose value ``key`` reports (a state: the one it is updated to, if it is)."""

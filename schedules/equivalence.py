@@ -83,3 +83,40 @@ def check(schedule: Schedule, world: int, sizes: Mapping[str, int] | None = None
     ref = interp.run(prog, world, sizes, seed=seed, stages=stages).observable()
     got = interp.run(schedule.scheduled, world, sizes, seed=seed, stages=stages).observable()
     return compare(ref, got, ORACLE_TOLERANCE)
+
+
+# how much further than the program's own step in its dtypes a schedule may lie from the float64 values,
+# where that step misses them by more than its dtype's tolerance: a schedule rounds the same operations in
+# another order, so on an ill-conditioned element its error is of the program's own order, not below it
+CONDITIONING = 10.0
+
+
+class Reference(Mapping[str, np.ndarray]):
+    """The float64 values of a program's step that every backend's are checked against, by observable key;
+    and, asked for when a result misses its dtype's tolerance, how far the program's own step lies from them
+    when every statement rounds to its dtype (``interp.run(..., precision="declared")``). Where that is
+    beyond the tolerance the program is ill-conditioned on the inputs (a difference of two close values
+    divided into another, as centered RMSprop's ``sq - mg * mg`` on random moments): no schedule in that
+    dtype can do better, and it is held to ``CONDITIONING`` times that instead."""
+
+    def __init__(self, program, world: int, sizes: Mapping[str, int], *, seed: int = 0, stages: int = 1):
+        self._run = dict(program=program, world=world, sizes=dict(sizes), seed=seed, stages=stages)
+        self._values = interp.run(**self._run).observable()
+        self._own: dict[str, float] | None = None
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        return self._values[key]
+
+    def __iter__(self):
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def program_error(self, key: str) -> float:
+        """The relative error of the program's own step in its dtypes at ``key`` (computed once, for every
+        key, the first time one is asked for: then only its numbers are kept)."""
+        if self._own is None:
+            declared = interp.run(**self._run, precision="declared").observable()
+            self._own = {k: rel_err(declared[k], v) for k, v in self._values.items()}
+        return self._own[key]

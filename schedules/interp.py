@@ -8,7 +8,10 @@ Sliced (so the last ranks may hold fewer rows, or none). Inputs are rounded to
 their declared dtype first, so a float16 backend and the oracle start from
 identical values; after that everything is float64 except ``cast``, which
 rounds. Updates are simultaneous: every statement reads the state as it was
-before the step.
+before the step. With ``precision="declared"`` every statement's value is
+rounded to its own dtype instead, as a step computing statement by statement in
+the program's dtypes would hold it: how far that lies from the float64 values
+is how ill-conditioned the program is on its inputs (``equivalence.Reference``).
 
 Pipelines run stage after stage; a ``recv`` on stage 0 is an input, on stage
 s > 0 it is what stage s-1 sent with the same tag. What the last stage sends is
@@ -207,12 +210,16 @@ def run(
     inputs: Mapping[str, Any] | list[Mapping[str, Any]] | None = None,
     stages: int = 1,
     keep_values: bool = False,
+    precision: str = "float64",
 ) -> Result:
     """Run ``program`` on ``world`` simulated ranks (per stage); ``inputs`` override generated ones.
 
     A value is dropped after its last reader unless ``keep_values``: the oracle of a large step at world R
-    would otherwise hold every temporary R times over (Adam at N=2^25, world 4: 22 GB)."""
+    would otherwise hold every temporary R times over (Adam at N=2^25, world 4: 22 GB). ``precision``:
+    "float64", or "declared" (each value rounded to its dtype, the module doc)."""
     prog = as_ir(program)
+    if precision not in ("float64", "declared"):
+        raise ValueError(f"precision is 'float64' or 'declared', not {precision!r}")
     if not isinstance(world, int) or world < 1:
         raise SizeError(f"world must be a positive number of ranks, got {world!r}")
     if not isinstance(stages, int) or stages < 1:
@@ -228,7 +235,7 @@ def run(
         given = inputs[k] if isinstance(inputs, list) else (inputs or {})
         # the stage owns the values (it lets go of each once rounded into pieces)
         results.append(_run_stage(prog, world, sizes, k, make_inputs(prog, world, sizes, seed, stage=k) | dict(given),
-                                  results[-1] if results else None, keep_values))
+                                  results[-1] if results else None, keep_values, precision == "declared"))
     return Result(prog, world, sizes, results)
 
 
@@ -242,7 +249,7 @@ class _Ctx:
 
 
 def _run_stage(prog: Program, world: int, sizes: Mapping[str, int], stage: int, inputs: dict[str, Any],
-               prev: StageResult | None, keep_values: bool = True) -> StageResult:
+               prev: StageResult | None, keep_values: bool = True, declared: bool = False) -> StageResult:
     ctx = _Ctx(prog, world, sizes, stage)
     out = StageResult(values=ctx.vals)
     last = {} if keep_values else _last_readers(prog)
@@ -263,6 +270,8 @@ def _run_stage(prog: Program, world: int, sizes: Mapping[str, int], stage: int, 
                 out.sent[s.attr("tag")] = ctx.vals[s.args[0]]
             else:
                 ctx.vals[s.name] = _eval(ctx, s)
+                if declared:
+                    ctx.vals[s.name] = _rounded(ctx.vals[s.name], s.type.dtype or "float32")
         except ProgramError as err:
             if err.statement is None:
                 err.statement, err.op, err.location = s.name, s.op, prog.location(s.name)
@@ -273,6 +282,13 @@ def _run_stage(prog: Program, world: int, sizes: Mapping[str, int], stage: int, 
         if s.op != "recv" and s.name not in out.state:
             out.state[s.name] = ctx.vals[s.name]
     return out
+
+
+def _rounded(pieces: Pieces, dtype: str) -> Pieces:
+    if dtype not in ("float32", "float16", "bfloat16"):
+        return pieces
+    done: dict[int, np.ndarray] = {}  # a replicated value's ranks share one array: rounded once
+    return [done.setdefault(id(p), round_to(p, dtype)) for p in pieces]
 
 
 def _last_readers(prog: Program) -> dict[int, list[str]]:

@@ -30,7 +30,7 @@ from coconet.codegen.launch import (HANG_DUMP_S, Options, RunResult, compare, cu
                                     remove_leftover_segments, strip_program, stuck_at)
 from coconet.codegen.lower import BACKENDS, Generated, lower
 from coconet.errors import BackendError, CoconetError
-from coconet.schedules import interp
+from coconet.schedules.equivalence import Reference
 from coconet.schedules.ir import Program
 from coconet.schedules.schedule import Schedule
 
@@ -213,8 +213,8 @@ class Runner:
 
     def _ref(self):
         if self._reference is None:
-            self._reference = interp.run(self.program, self.world, self._check_sizes, seed=self.protocol.seed,
-                                         stages=self.stages).observable()
+            self._reference = Reference(self.program, self.world, self._check_sizes, seed=self.protocol.seed,
+                                        stages=self.stages)
         return self._reference
 
     def _call(self, gen: Generated, filename: str, prog, sizes, protocol) -> list[dict] | RunResult:

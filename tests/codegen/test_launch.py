@@ -412,3 +412,51 @@ def test_a_float16_overflow_is_named_as_the_cause():
            "value is 65504" in bad, bad
     reports[1]["stage0.output.y"][2:4] = 1.0  # wrong but finite: no word of overflow
     assert "inf or NaN" not in compare(p.ir, reports, opts, observable)[1]
+
+
+def centered_rmsprop():
+    """Ill-conditioned on the random inputs of a check: independent moments put ``sq - mg * mg`` near 0 at
+    some elements, which the update divides by."""
+    import coconet as cc
+
+    p = cc.Program("centered_rmsprop", dims=("N",))
+    g = p.tensor("g", ("N",), layout=cc.Local)
+    w, sq, mg = (p.tensor(n, ("N",), layout=cc.Replicated) for n in ("w", "sq", "mg"))
+    lr, alpha = p.scalars("lr alpha")
+    a = cc.allreduce(g) * 0.25
+    s1 = alpha * sq + (1 - alpha) * a * a
+    g1 = alpha * mg + (1 - alpha) * a
+    p.update(sq, s1)
+    p.update(mg, g1)
+    p.update(w, w - lr * a / (cc.sqrt(s1 - g1 * g1) + 1e-8))
+    return p.ir
+
+
+def test_an_ill_conditioned_program_is_held_to_its_own_error_in_its_dtype():
+    """The step computed in float32 statement by statement misses the float64 values by more than float32's
+    tolerance here: a schedule doing as well passes, told against 10x the program's own error; one further
+    off fails, and the message says why the bound is what it is."""
+    import numpy as np
+
+    from coconet.codegen.launch import compare
+    from coconet.schedules import interp
+    from coconet.schedules.equivalence import CONDITIONING, TOLERANCE, Reference, rel_err
+
+    prog = centered_rmsprop()
+    opts = Options(world=3, sizes={"N": 2000})
+    reference = Reference(prog, 3, opts.sizes, seed=opts.seed)
+    declared = interp.run(prog, 3, opts.sizes, seed=opts.seed, precision="declared").observable()
+    own = rel_err(declared["stage0.state.w"], reference["stage0.state.w"])
+    assert own > TOLERANCE["float32"]  # else the program is not what this test is about
+    assert reference.program_error("stage0.state.w") == own
+    reports = {r: {k: v.astype(np.float32) for k, v in declared.items()} for r in range(3)}
+    assert compare(prog, reports, opts, dict(reference))[1].startswith("stage0.state.w on rank 0")  # float32's 1e-4
+    assert compare(prog, reports, opts, reference) == (own, None)
+    bad = {r: {k: np.array(v) for k, v in rep.items()} for r, rep in reports.items()}
+    # where the error is measured against 1 (and not NaN on both sides: the square root of a negative)
+    i = int(np.nanargmin(np.abs(reference["stage0.state.w"])))
+    bad[1]["stage0.state.w"][i] += 2 * CONDITIONING * own
+    err, why = compare(prog, bad, opts, reference)
+    assert why.startswith("stage0.state.w on rank 1 (relative error"), why
+    assert f"{CONDITIONING:g}x the {own:.3g} of the program itself computed in float32 statement by statement: " \
+           "ill-conditioned on these inputs" in why, why

@@ -258,3 +258,19 @@ def test_values_are_let_go_after_their_last_reader():
     # a Replicated value is one array on every rank, not R copies
     w = kept.stages[0].values[next(s.name for s in prog.stmts if s.op == "allreduce")]
     assert all(piece is w[0] for piece in w)
+
+
+def test_declared_precision_rounds_every_value_to_its_dtype():
+    """1 + 2^-30 is 1 in float32: a difference of two values that close comes out 0 when each is rounded as
+    a float32 step holds it, and 2^-30 in float64; a float64 statement keeps its bits."""
+    p = cc.Program("close", dims=("N",))
+    x = p.tensor("x", ("N",), layout=cc.Replicated)
+    p.output("d", (x + 2.0 ** -30) - x)
+    p.output("d64", (cc.cast(x, "float64") + 2.0 ** -30) - cc.cast(x, "float64"))
+    exact = interp.run(p.ir, 2, {"N": 5}).observable()
+    declared = interp.run(p.ir, 2, {"N": 5}, precision="declared").observable()
+    assert np.allclose(exact["stage0.output.d"], 2.0 ** -30, rtol=1e-6)
+    assert np.all(declared["stage0.output.d"] == 0.0)
+    assert np.array_equal(declared["stage0.output.d64"], exact["stage0.output.d64"])
+    with pytest.raises(ValueError, match="precision"):
+        interp.run(p.ir, 2, {"N": 5}, precision="float32")
