@@ -481,6 +481,7 @@ class FusedCollective:
     sums_parts: bool  # that kernel takes the rows on every rank unreduced (sums_parts)
     pre: tuple[str, ...] = ()  # what that kernel computes on every rank's rows before it sums them (reduced_in_kernel)
     source: str = ""  # whose rows every rank's come from: the reduce_scatter's operand, or the input pre reads
+    ranked: tuple[str, ...] = ()  # the numbers of every rank's own that pre reads (rank_numbers)
 
 
 def fused_collective_plan(p: Program, backend: str, g: Group, absorbed: tuple[str, ...],
@@ -504,7 +505,8 @@ def fused_collective_plan(p: Program, backend: str, g: Group, absorbed: tuple[st
     return FusedCollective(
         rs=rs, ins=tuple(ins), outs=tuple(outs), inplace=inplace, into=into, gathers=gathers,
         partials=partials, sliced_outs=sliced_outs, compute=compute, needed=frozenset(needed),
-        direct=reads_input_in_place(p, backend, source), compiles=compiles, sums_parts=sums, pre=pre, source=source)
+        direct=reads_input_in_place(p, backend, source), compiles=compiles, sums_parts=sums, pre=pre, source=source,
+        ranked=rank_numbers(p, pre))
 
 
 def kernel_reduced(p: Program, backend: str, absorbed: Mapping[Group, tuple[str, ...]],
@@ -520,14 +522,24 @@ def kernel_reduced(p: Program, backend: str, absorbed: Mapping[Group, tuple[str,
     return out
 
 
+def rank_numbers(p: Program, pre: Sequence[str]) -> tuple[str, ...]:
+    """The 0-d Local values ``pre`` (reduced_in_kernel) reads: numbers each rank holds its own of (a weight, a
+    clip factor from its gradient's norm), which every rank posts at the barrier that begins the collective
+    (``_Shm.post``), so that the kernel computes each rank's rows with that rank's."""
+    return tuple(dict.fromkeys(a for m in pre for a in p[m].args
+                               if p[a].type.shape == () and isinstance(p[a].type.layout, Local)))
+
+
 def reduced_in_kernel(p: Program, g: Group) -> tuple[str, ...]:
     """The statements before a fused collective's reduce_scatter that its chunk kernel computes on each rank's
     rows as it sums them (where it takes them unreduced, ``sums_parts``): pointwise statements of one Local
-    input the step leaves as it is (a gradient) and of numbers every rank holds alike (scalars, constants, 0-d
-    Replicated values), that nothing else reads: the gradient predivided or unscaled before its allreduce, cast
-    to float32. The reduction then reads that input where it lies (``reads_input_in_place``), and their value
-    is never written out and published (on a step of N floats: N words written and 2N read, per rank). Their
-    semantics is unchanged: each rank's rows are computed from its own input, then summed."""
+    input the step leaves as it is (a gradient), of numbers every rank holds alike (scalars, constants, 0-d
+    Replicated values) and of float32 numbers each rank holds its own of (``rank_numbers``), that nothing else
+    reads: the gradient predivided or unscaled before its allreduce, cast to float32, weighted by the rank's
+    share of the tokens, clipped by its own norm. The reduction then reads that input where it lies
+    (``reads_input_in_place``), and their value is never written out and published (on a step of N floats: N
+    words written and 2N read, per rank). Their semantics is unchanged: each rank's rows are computed from its
+    own input, then summed."""
     rs = p[g.members[0]]
     x = rs.args[0]
     shape = p[x].type.shape
@@ -548,6 +560,8 @@ def reduced_in_kernel(p: Program, g: Group) -> tuple[str, ...]:
                 leaves.add(a)
             elif t.type.shape == () and isinstance(t.type.layout, Replicated):
                 continue  # the same number on every rank: the kernel's own
+            elif t.type.shape == () and isinstance(t.type.layout, Local) and (t.type.dtype or "float32") == "float32":
+                continue  # a number of each rank's own (rank_numbers): posted at the barrier
             else:
                 todo.append(a)
     if len(leaves) != 1 or any(u not in pre and u != rs.name for m in pre for u in p.users[m]):
@@ -923,8 +937,10 @@ def _chunked_body(e: _Emitter, g: Group, fc: FusedCollective, chunks: int) -> li
         # compiled, the kernel writes each chunk's rows of a sliced output into the whole output, made before
         # the first chunk: no list of chunks to concatenate after the last
         buffers = {o: tmp[o] for o in sliced_outs}
+        # every rank's of each of the numbers that pre reads, one tensor per number, in the order of the parts
+        ranked = {x: e.ident.fresh(f"{e.ident(x)}_ranks", scope) for x in fc.ranked} if parts else {}
         kernel = (_chunk_kernel(e, g, compute, inplace, fc.needed, rs if parts else None, into, parts, peers, buffers,
-                                fc.pre, fc.source) if e.compile else None)
+                                fc.pre, fc.source, ranked) if e.compile else None)
         source, direct = fc.source, fc.direct
         if kernel is None and fc.pre:  # no kernel to compute them on every rank's rows: computed here, published
             computed = [("    " + x, m) for m in fc.pre for x in e.stmt(p[m])]
@@ -939,7 +955,10 @@ def _chunked_body(e: _Emitter, g: Group, fc: FusedCollective, chunks: int) -> li
         lines[at:at] = [(f"    {tmp[o]} = []", o) for o in partials]  # each chunk's, added up after the last
         where = f", {source!r}, {len(into)}" if direct else ""
         if kernel is not None and parts:
-            lines.append((f"    for _c, {parts} in _reduce_scatter_parts(_rank, {e.ident(source)}, "
+            if ranked:  # posted after the words of the gathers' states and of the input (_scatter_parts)
+                where = f"{where or f', None, {len(into)}'}, numbers=({''.join(e.ident(x) + ', ' for x in ranked)})"
+            targets = "".join(f", {v}" for v in ranked.values())
+            lines.append((f"    for _c, {parts}{targets} in _reduce_scatter_parts(_rank, {e.ident(source)}, "
                           f"{d}, {n}, {chunks}{where}):", rs.name))
         else:
             lines.append((f"    for _c, {e.ident(rs.name)} in _reduce_scatter_chunks(_rank, {e.ident(source)}, "
@@ -1032,26 +1051,31 @@ def chunk_compiles(p: Program, g: Group, compute: Sequence[str]) -> bool:
 
 def _chunk_kernel(e: _Emitter, g: Group, compute: list[str], inplace: dict[str, str], needed: set,
                   parts: Stmt | None = None, into=None, parts_name: str | None = None, peers=None,
-                  buffers=None, pre: tuple[str, ...] = (), source: str = "") -> list | None:
+                  buffers=None, pre: tuple[str, ...] = (), source: str = "", ranked=None) -> list | None:
     """The pointwise statements of a fused collective's chunk as one module-level function compiled by
     Inductor, called once per chunk with the chunk's rows of what it reads (cut at the call: the chunk's
     position stays out of the compiled code; dropout gets the chunk's first row as a tensor). None when a
     statement needs the chunk itself or is not pointwise: the chunk then runs statement by statement.
     ``buffers``: outputs the kernel writes into (their chunk's rows of a tensor of this rank's rows, by name)
     rather than returns. ``pre``: statements computed on every rank's rows of ``source`` before they are
-    summed (reduced_in_kernel)."""
+    summed (reduced_in_kernel), with every rank's of the numbers in ``ranked`` (number -> the parameter
+    holding every rank's)."""
     p = e.p
     if not chunk_compiles(p, g, compute):
         return None
     rs = p[g.members[0]]
     d, n = rs.type.layout.dim, rs.type.shape[rs.type.layout.dim]
     body: list[tuple[str, str]] = []
-    scope = {parts_name} if parts is not None else set()  # the kernel's parameters but the program's values
+    ranked = ranked or {}
+    # the kernel's parameters but the program's values
+    scope = ({parts_name} | set(ranked.values())) if parts is not None else set()
     if parts is not None:  # the reduce_scatter's sum, fused: its rows on every rank come in unreduced
         summed = parts_name
         if pre:  # each rank's rows of the value it reduces, from its rows of the input they are computed from
             summed = e.ident.fresh(f"_{e.ident(parts.args[0])}", scope)
-            body += [(f"    {summed} = []", parts.name), (f"    for {e.ident(source)} in {parts_name}:", parts.name)]
+            each = ", ".join([e.ident(source), *map(e.ident, ranked)])
+            rows = f"zip({', '.join([parts_name, *ranked.values()])})" if ranked else parts_name
+            body += [(f"    {summed} = []", parts.name), (f"    for {each} in {rows}:", parts.name)]
             body += [("        " + x, m) for m in pre for x in e.stmt(p[m])]
             body.append((f"        {summed}.append({e.ident(parts.args[0])})", parts.name))
         body.append((f"    {e.ident(parts.name)} = _add_all({summed})"
@@ -1084,8 +1108,8 @@ def _chunk_kernel(e: _Emitter, g: Group, compute: list[str], inplace: dict[str, 
     doc = f"{len(compute)} statements of {g} on one chunk" + (", state written in place" if inplace or into else "")
     call = _cut_kernel(e, g, "_chunk", doc, body, compute, defined, args, scope, results,
                        lambda dims: _native_chunk(e, compute, inplace, into or {}, peers, buffers, parts, parts_name,
-                                                  args, dims, results, pre, source),
-                       (parts_name,) if parts is not None else ())
+                                                  args, dims, results, pre, source, ranked),
+                       (parts_name, *ranked.values()) if parts is not None else ())
     return None if call is None else [(f"        {call}", compute[0])]
 
 
@@ -1147,7 +1171,8 @@ def _cut_kernel(e: _Emitter, g: Group, prefix: str, doc: str, body: list, comput
 
 def _native_chunk(e: _Emitter, compute: list[str], inplace: dict[str, str], into, peers, buffers,
                   parts: Stmt | None, parts_name: str | None, args: dict[str, str], dims: list[str],
-                  results: list[str], pre: tuple[str, ...] = (), source: str = "") -> tuple[str, str, int] | None:
+                  results: list[str], pre: tuple[str, ...] = (), source: str = "",
+                  ranked=None) -> tuple[str, str, int] | None:
     """The chunk kernel as C (coconet.kernels.native): its parameters' kinds, its source and how many partial
     sums it returns. Only where it stores a gathered state's rows into the peers' copies (shm): there its
     streamed stores save the read of every line an ordinary store makes first. None where a statement has no
@@ -1164,6 +1189,8 @@ def _native_chunk(e: _Emitter, compute: list[str], inplace: dict[str, str], into
             kind = "peers"
         elif param == parts_name:
             kind = "bf16 parts" if pre and p[source].type.dtype == "bfloat16" else "parts"
+        elif param in (ranked or {}).values():
+            kind = "rank numbers"
         elif _CUT.fullmatch(expr):
             kind = "rows"
         elif expr in by_ident and by_ident[expr].type is not None and by_ident[expr].type.dtype != "int64":
@@ -1206,7 +1233,8 @@ def _native_chunk(e: _Emitter, compute: list[str], inplace: dict[str, str], into
         parts=(e.ident(parts.name), parts_name, parts.attr("op")) if parts is not None else None,
         stmts=tuple(stmts), numbers=frozenset(e.ident(m) for m in compute if e.number(m)),
         writes=tuple(writes), streams=tuple(streams), sums=tuple(sums), constants=tuple(constants),
-        pre=tuple(pre_stmts), part=e.ident(source) if pre else None)
+        pre=tuple(pre_stmts), part=e.ident(source) if pre else None,
+        ranked=tuple((e.ident(x), param) for x, param in (ranked or {}).items()))
     try:
         return spec.kinds, c_source(spec), len(sums)
     except Untranslatable:

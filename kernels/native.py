@@ -54,7 +54,7 @@ NUMBER_OPS = {op: OPS[op][0] for op in ("add", "sub", "mul", "div", "neg")}
 
 LINE = 16  # float32 values per 64-byte cache line
 
-KINDS = {"dim": "d", "scalar": "s", "rows": "t", "parts": "l", "bf16 parts": "h", "peers": "p"}
+KINDS = {"dim": "d", "scalar": "s", "rows": "t", "parts": "l", "bf16 parts": "h", "peers": "p", "rank numbers": "q"}
 
 _PRELUDE = """#include <immintrin.h>
 #include <math.h>
@@ -118,7 +118,9 @@ class ChunkKernel:
     value over its rows (a partial sum), returned in order. ``constants``: (scalar parameter, value) for the
     scalars that are the program's constants (a power's exponent is compiled in). A comparison is a mask that
     only ``where`` and a ``cast`` to float32 (its constant the dtype) read. ``pre``: statements computed on
-    each rank's rows before they are summed, the rows named ``part``; the last is the value summed."""
+    each rank's rows before they are summed, the rows named ``part``; the last is the value summed.
+    ``ranked``: (number, its ``rank numbers`` parameter: every rank's, a float32 each in the order of the
+    parts) for the numbers ``pre`` reads that each rank holds its own of."""
 
     params: tuple[tuple[str, str], ...]
     parts: tuple[str, str, str] | None
@@ -130,6 +132,7 @@ class ChunkKernel:
     constants: tuple[tuple[str, float], ...] = ()
     pre: tuple[tuple[str, str, tuple[str, ...], object], ...] = ()
     part: str | None = None
+    ranked: tuple[tuple[str, str], ...] = ()
 
     @property
     def kinds(self) -> str:
@@ -159,7 +162,7 @@ def c_source(k: ChunkKernel) -> str:
     kind = dict(k.params)
     masks = {name for name, op, *_ in (*k.pre, *k.stmts) if op in COMPARE}
     values = {name for name, *_ in (*k.pre, *k.stmts)} | ({k.parts[0]} if k.parts else set())
-    values |= {k.part} if k.part else set()
+    values |= ({k.part} if k.part else set()) | {name for name, _ in k.ranked}
     tensors = values - k.numbers - masks
     # the values known here, for a power's exponent: the chunk's constants and those passed in as scalars
     known = [(name, value) for name, op, _, value in (*k.pre, *k.stmts) if op == "const"] + list(k.constants)
@@ -191,6 +194,9 @@ def c_source(k: ChunkKernel) -> str:
         elif what == "rows":
             fields.append(f"float *p_{name};")
             unpack.append(f"a.p_{name} = (float *)ptr[at++];")
+        elif what == "rank numbers":
+            fields.append(f"const float *p_{name};")
+            unpack.append(f"a.p_{name} = (const float *)ptr[at++];")
         elif what in ("parts", "bf16 parts", "peers"):
             element = "const uint16_t" if what == "bf16 parts" else "float"
             fields += [f"{element} *const *p_{name};", f"long n_{name};"]
@@ -257,7 +263,12 @@ def c_source(k: ChunkKernel) -> str:
                     raise Untranslatable(f"bfloat16 rows {plist} read but by a cast to float32")
                 load = "ld_bf16(a->p_{0}[{1}] + i)" if vector else "bf16(a->p_{0}[{1}][i])"
             if k.pre:  # each rank's rows of the value summed, from its rows of the input: summed in rank order
-                each = [f"const {t} p_{k.part} = {load.format(plist, 'r')};", *statements(k.pre, vector)]
+                if any(kind.get(param) != "rank numbers" for _, param in k.ranked):
+                    raise Untranslatable("numbers of every rank not passed as such")
+                each = [f"const {t} p_{k.part} = {load.format(plist, 'r')};"]
+                each += [f"const {t} p_{x} = " + ("(v8){0} + " if vector else "") + f"a->p_{param}[r];"
+                         for x, param in k.ranked]
+                each += statements(k.pre, vector)
                 out += [f"{t} p_{total};", f"for (long r = 0; r < a->n_{plist}; r++) {{",
                         *("    " + x for x in each),
                         f"    if (r == 0) p_{total} = p_{k.pre[-1][0]}; else p_{total} += p_{k.pre[-1][0]};", "}"]

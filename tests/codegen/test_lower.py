@@ -175,6 +175,11 @@ GOLDENS = {  # name: (example, schedule, backend, lower's keywords)
     "adam_predivide_zero1_shm": ("benchmarks/programs/adam_predivide.py",
                                  ("split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse_collective(rs0)"),
                                  "shm", {}),
+    # each rank's gradient weighted by its own token count: every rank's count posted at the barrier, each
+    # rank's rows weighted by its count in the chunk kernel as it sums them
+    "adam_token_weighted_zero1_shm": ("benchmarks/programs/adam_token_weighted.py",
+                                      ("split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse_collective(rs0)"),
+                                      "shm", {}),
 }
 
 

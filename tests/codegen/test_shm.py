@@ -245,6 +245,64 @@ def test_the_chunk_kernel_computes_each_ranks_gradient_before_it_sums_them():
     assert not segments()
 
 
+def weighted_sgd():
+    """Each rank weights its gradient by its own token count before the sum (a Local number, as an input),
+    then divides by the total; weights w."""
+    import coconet as cc
+
+    p = cc.Program("weighted_sgd", dims=("N",))
+    g = p.tensor("g", ("N",), layout=cc.Local)
+    n = p.tensor("n", (), layout=cc.Local)
+    w, buf = p.tensor("w", ("N",), layout=cc.Replicated), p.tensor("buf", ("N",), layout=cc.Replicated)
+    grad = cc.allreduce(g * n) / cc.allreduce(n)
+    b1 = 0.9 * buf + grad
+    p.update(buf, b1)
+    p.update(w, w - 0.01 * b1)
+    return p.ir
+
+
+def locally_clipped_momentum():
+    """Each rank clips its gradient by its own norm before the sum (a Local number computed in the step),
+    and the momentum is returned as well as kept."""
+    import coconet as cc
+
+    p = cc.Program("preclip", dims=("N",))
+    g = p.tensor("g", ("N",), layout=cc.Local)
+    w, mom = p.tensor("w", ("N",), layout=cc.Replicated), p.tensor("mom", ("N",), layout=cc.Replicated)
+    scale = cc.minimum(1.0 / (cc.norm(g) + 1e-6), 1.0)
+    a = cc.allreduce(g * scale)
+    m1 = 0.9 * mom + a
+    p.update(mom, m1)
+    p.update(w, w - 0.01 * (a + 0.9 * m1))
+    p.output("m", m1)
+    return p.ir
+
+
+def test_numbers_each_rank_holds_its_own_of_are_posted_for_the_chunk_kernel():
+    """A gradient weighted by the rank's token count, or clipped by its own norm, before its allreduce: every
+    rank posts its number at the barrier that begins the fused collective, and the chunk kernel computes each
+    rank's rows with that rank's number (in C where it streams the state into the peers' copies); the
+    weighted gradient is never written out and published. Compiled, R = 2 and 3, uneven rows, one chunk and
+    more chunks than rows, the first step and a steady one."""
+    weighted = Schedule.parse("split(ar0); reorder(ag0); fuse_collective(rs0)", weighted_sgd())
+    clipped = Schedule.parse("split(ar0); reorder(ag0); fuse_collective(rs0)", locally_clipped_momentum())
+    src = lower(weighted, "shm").source
+    step = src[src.index("def step("):]
+    assert " * n" not in step
+    assert "for _c, rs0_parts, n_ranks in _reduce_scatter_parts(_rank, g, 0, d_N, 4, 'g', 2, numbers=(n, )):" in step
+    assert "    for g, n in zip(rs0_parts, n_ranks):\n        mul0 = g * n\n" in src
+    assert re.search(r"_chunk0 = _native\(_kernel\(_chunk0\), 'p+t+lq[st]*', r\"\"\"", src)
+    assert "const v8 p_n = (v8){0} + a->p_n_ranks[r];" in src and "const float p_n = a->p_n_ranks[r];" in src
+    src = lower(clipped, "shm").source
+    step = src[src.index("def step("):]
+    assert "numbers=(minimum0, )):" in step and " * minimum0" not in step
+    for sched in (weighted, clipped):
+        for world, n in ((2, 1001), (3, 7)):
+            options = Options(world=world, sizes={"N": n}, backend="shm", warmup=1, repeats=2)
+            assert_all_ok(run_schedules([sched.with_knobs(fc_chunks=k) for k in (1, 8)], options))
+    assert not segments()
+
+
 def test_without_a_chunk_kernel_the_gradient_is_computed_whole_and_published(monkeypatch):
     """Where no compiled kernel can take the chunk, the statements it would have computed on every rank's rows
     run in the fused collective before it, on this rank's whole gradient, and that is published."""

@@ -81,9 +81,11 @@ def chunk_kernels(draw):
     values = [n for n in names if n not in ("a", "b", "s")] or ["g"]
     writes = (("a", draw(st.sampled_from(values))), ("b", draw(st.sampled_from(values))))
     sums = tuple((f"psum{j}", draw(st.sampled_from(values))) for j in range(draw(st.integers(0, 2))))
-    # what each rank's rows go through before they are summed (the gradient predivided, unscaled): a chain
-    # from the rows, each statement reading the one before and maybe the scalar
+    # what each rank's rows go through before they are summed (the gradient predivided, unscaled, weighted
+    # by the rank's own number): a chain from the rows, each statement reading the one before and maybe the
+    # scalar or the rank's number
     pre, last = [], "q"
+    ranked = draw(st.booleans())
     bf16 = draw(st.booleans())  # the rows bfloat16, which a cast to float32 reads first (a mixed-precision gradient)
     if bf16:
         pre.append(("uc", "cast", ("q",), "float32"))
@@ -92,13 +94,17 @@ def chunk_kernels(draw):
         if draw(st.booleans()):
             pre.append((f"u{j}", draw(st.sampled_from(sorted(UNARY))), (last,), None))
         else:
-            pre.append((f"u{j}", draw(st.sampled_from(sorted(BINARY))), draw(st.permutations([last, "s"])), None))
+            other = draw(st.sampled_from(["s", "kr"] if ranked else ["s"]))
+            pre.append((f"u{j}", draw(st.sampled_from(sorted(BINARY))), draw(st.permutations([last, other])), None))
         last = f"u{j}"
     params = tuple((n, "bf16 parts" if bf16 and n == "g_parts" else k) for n, k in PARAMS)
+    if ranked:  # every rank's number comes after the parts
+        params = params[:4] + (("k_ranks", "rank numbers"),) + params[4:]
     return ChunkKernel(params=params, parts=("g", "g_parts", draw(st.sampled_from(["sum", "avg"]))),
                        stmts=tuple(stmts), numbers=frozenset(numbers), writes=writes,
                        streams=(("x_peers", draw(st.sampled_from(values))),), sums=sums,
-                       pre=tuple(pre), part="q" if pre else None)
+                       pre=tuple(pre), part="q" if pre else None,
+                       ranked=(("kr", "k_ranks"),) if ranked and pre else ())
 
 
 def evaluate(k: ChunkKernel, stmts, env):
@@ -128,11 +134,13 @@ def evaluate(k: ChunkKernel, stmts, env):
     return env
 
 
-def reference(k: ChunkKernel, peers, a, b, parts, s):
-    """The chunk as the Python kernel computes it, eagerly: numbers in double, tensors in float32."""
+def reference(k: ChunkKernel, peers, a, b, parts, s, ranks=None):
+    """The chunk as the Python kernel computes it, eagerly: numbers in double, tensors in float32; ``ranks``
+    every rank's number, in the order of the parts."""
     env = {"a": a.clone(), "b": b.clone(), "s": s}
-    if k.pre:  # each rank's rows through the pre statements, then summed in rank order
-        parts = [evaluate(k, k.pre, {k.part: p, "s": s})[k.pre[-1][0]] for p in parts]
+    if k.pre:  # each rank's rows through the pre statements (with the rank's number), then summed in rank order
+        parts = [evaluate(k, k.pre, {k.part: p, "s": s, "kr": None if ranks is None else ranks[r]})[k.pre[-1][0]]
+                 for r, p in enumerate(parts)]
     total = parts[0]
     for p in parts[1:]:
         total = total + p
@@ -184,9 +192,11 @@ def test_the_c_kernel_computes_the_bits_torch_does(tmp_path_factory, k, n, offse
     peers, a, b, parts, s = operands(n, offsets)
     if "h" in k.kinds:
         parts = [p.bfloat16() for p in parts]
-    want_a, want_b, want_peers, want_sums = reference(k, peers, a, b, parts, s)
+    ranks = torch.tensor([0.5, -1.25, 3.0])[:len(parts)] if "q" in k.kinds else None
+    want_a, want_b, want_peers, want_sums = reference(k, peers, a, b, parts, s, ranks)
+    args = (peers, a, b, parts, s) if ranks is None else (peers, a, b, parts, ranks, s)
     with pytest.MonkeyPatch.context() as m:
-        sums = run_native(k, (peers, a, b, parts, s), m, tmp_path_factory.mktemp("cache"))
+        sums = run_native(k, args, m, tmp_path_factory.mktemp("cache"))
     assert (sums is None) == (not k.sums)
     for got, values in zip(sums or (), want_sums, strict=True):
         assert got.dtype == torch.float32 and got.shape == ()

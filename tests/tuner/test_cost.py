@@ -209,11 +209,12 @@ def test_zero1_fused_collective_on_shm_moves_the_floors_bytes(chunks):
         assert moved == pytest.approx(bytes_moved_once(prog, sizes, world, {"m", "v"}) / world, rel=1e-6)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_gradient_computed_before_its_fused_collective_moves_no_bytes_of_its_own(dtype):
-    # g cast and predivided before its allreduce: the chunk kernel computes each rank's rows of that from the
-    # rank's rows of g (codegen.lower.reduced_in_kernel), so the step moves the floor's bytes, g read in its
-    # own dtype; no pass over the whole predivided value, no publish of it
+@pytest.mark.parametrize("dtype, weighted", [("float32", False), ("bfloat16", False), ("float32", True)])
+def test_a_gradient_computed_before_its_fused_collective_moves_no_bytes_of_its_own(dtype, weighted):
+    # g cast and predivided (and weighted by a number of the rank's own) before its allreduce: the chunk
+    # kernel computes each rank's rows of that from the rank's rows of g (codegen.lower.reduced_in_kernel), so
+    # the step moves the floor's bytes, g read in its own dtype; no pass over the whole predivided value, no
+    # publish of it
     import coconet as cc
     from coconet.tuner.roofline import bytes_moved_once
 
@@ -221,7 +222,8 @@ def test_a_gradient_computed_before_its_fused_collective_moves_no_bytes_of_its_o
     g = p.tensor("g", ("N",), layout=cc.Local, dtype=dtype)
     w, m, v = (p.tensor(x, ("N",), layout=cc.Replicated) for x in "wmv")
     lr, pre = p.scalars("lr pre")
-    avg = cc.allreduce(cc.cast(g, "float32") / pre)
+    x = cc.cast(g, "float32") / pre
+    avg = cc.allreduce(x * p.tensor("n", (), layout=cc.Local) if weighted else x)
     p.update(m, 0.9 * m + 0.1 * avg)
     p.update(v, 0.999 * v + 0.001 * avg * avg)
     p.update(w, w - lr * (0.9 * m + 0.1 * avg) / (cc.sqrt(0.999 * v + 0.001 * avg * avg) + 1e-8))

@@ -361,6 +361,23 @@ class _Shm:
         self.staged.append((name, word, x.shape, x.dtype))
         return news < 0
 
+    def post(self, word, numbers):
+        """Before a barrier: this rank's ``numbers`` (0-d float32 tensors) in its words from ``word`` on, as
+        float64 (which holds a float32 exactly), for the peers to read after it (``posted``)."""
+        if word + len(numbers) > self.words[self.rank].shape[1]:
+            raise RuntimeError(f"shm: {len(numbers)} numbers of every rank from word {word} on: "
+                               f"a barrier carries {self.words[self.rank].shape[1]}")
+        row = self.words[self.rank][(self.epoch + 1) % 2].view(torch.float64)
+        for j, x in enumerate(numbers):
+            row[word + j] = float(x)
+
+    def posted(self, word, count):
+        """After the barrier: per number posted from ``word`` on, every rank's as one float32 tensor, this
+        rank's first and then the peers' in rank order (the order of the rows every rank's reductions sum)."""
+        order = [self.rank] + [r for r in range(self.world) if r != self.rank]
+        rows = torch.stack([self.words[r][self.epoch % 2, word:word + count].view(torch.float64) for r in order])
+        return list(rows.t().to(torch.float32).contiguous())
+
     def _new_segment(self, t):
         """(its number, it): a new segment shaped like ``t`` that the peers map at the next barrier, its file
         unlinked once they have (``unlink_made``)."""

@@ -464,6 +464,23 @@ class _Shm:
         self.staged.append((name, word, x.shape, x.dtype))
         return news < 0
 
+    def post(self, word, numbers):
+        """Before a barrier: this rank's ``numbers`` (0-d float32 tensors) in its words from ``word`` on, as
+        float64 (which holds a float32 exactly), for the peers to read after it (``posted``)."""
+        if word + len(numbers) > self.words[self.rank].shape[1]:
+            raise RuntimeError(f"shm: {len(numbers)} numbers of every rank from word {word} on: "
+                               f"a barrier carries {self.words[self.rank].shape[1]}")
+        row = self.words[self.rank][(self.epoch + 1) % 2].view(torch.float64)
+        for j, x in enumerate(numbers):
+            row[word + j] = float(x)
+
+    def posted(self, word, count):
+        """After the barrier: per number posted from ``word`` on, every rank's as one float32 tensor, this
+        rank's first and then the peers' in rank order (the order of the rows every rank's reductions sum)."""
+        order = [self.rank] + [r for r in range(self.world) if r != self.rank]
+        rows = torch.stack([self.words[r][self.epoch % 2, word:word + count].view(torch.float64) for r in order])
+        return list(rows.t().to(torch.float32).contiguous())
+
     def _new_segment(self, t):
         """(its number, it): a new segment shaped like ``t`` that the peers map at the next barrier, its file
         unlinked once they have (``unlink_made``)."""
@@ -631,7 +648,7 @@ def _native(fn, kinds, source, sums=0):
     tensor a contiguous float32 CPU tensor of one length (bfloat16 where its kind says so), every scalar one
     number, nothing that needs autograd; ``fn`` otherwise, and where there is no C compiler. ``kinds``: a letter
     per parameter of fn (d a dim, s a scalar, t a tensor, l a list of tensors summed, h the same of bfloat16
-    tensors, p a list of peers' rows).
+    tensors, p a list of peers' rows, q a float32 tensor of every rank's number, one per tensor of the l or h).
     ``sums``: how many partial sums fn returns (as float32 scalars, in order); C returns them alike."""
     lib = []  # the C function, or None: fn serves every call
 
@@ -657,6 +674,11 @@ def _native(fn, kinds, source, sums=0):
                                                     or x.device.type != "cpu" or (grad and x.requires_grad)):
                     return fn(*args)
                 scalars.append(float(x))
+                continue
+            if kind == "q":
+                if x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous() or x.dim() != 1:
+                    return fn(*args)
+                ptrs.append(x.data_ptr())
                 continue
             xs = x if kind in "lhp" else (x,)
             if kind in "lhp":
@@ -750,13 +772,14 @@ def _shm_allreduce(c, xs, op, outs=None):
     return xs
 
 
-def _scatter_parts(c, x, dim, n, count, name=None, word=0):
+def _scatter_parts(c, x, dim, n, count, name=None, word=0, numbers=(), every=None):
     """Publishes x once, then yields, for ``count`` chunks of the rows this rank holds: the chunk, its rows
     on this rank (from x), on every peer (from their segments), and where this rank may write them.
 
     Given the input's ``name`` (and its ``word`` at the barrier), x is an input the step does not write and
     a barrier follows the last chunk: x may then live in a segment of its own, which the peers read instead
-    of a copy of it in the slot (``_Shm.stage_input``)."""
+    of a copy of it in the slot (``_Shm.stage_input``). ``numbers``: 0-d values of this rank posted at the
+    same barrier, every rank's appended to ``every`` (``_Shm.posted``)."""
     s = c.shm
     slot = s.call(s.take)  # after the async collectives still queued: every rank takes slots in one order
     lo, hi = c.rows(n)
@@ -764,7 +787,11 @@ def _scatter_parts(c, x, dim, n, count, name=None, word=0):
     rows = x.movedim(dim, 0)
     if publish:
         s.call(_publish, c, slot, 0, rows, lo, hi)
+    if numbers:
+        s.call(s.post, word + 1, numbers)
     s.call(s.barrier)
+    if numbers:
+        every.extend(s.call(s.posted, word + 1, len(numbers)))
     where = [None] * c.world if name is None else s.sources[name]
     per = -(-n // c.world)
     size = max(1, -(-per // count))
@@ -777,11 +804,14 @@ def _scatter_parts(c, x, dim, n, count, name=None, word=0):
         yield k, rows[span], peers, s.at(c.rank, slot, 0, rows.dtype, tuple(rows.shape))[span]
 
 
-def _reduce_scatter_parts(c, x, dim, n, count, name=None, word=0):
+def _reduce_scatter_parts(c, x, dim, n, count, name=None, word=0, numbers=()):
     """Yields (chunk, its rows on every rank, unreduced): the kernel computing on the chunk sums them as it
-    reads them, so the reduced rows are never written out."""
-    for k, own, peers, _ in _scatter_parts(c, x, dim, n, count, name, word):
-        yield k, [p.movedim(0, dim) for p in [own] + peers]
+    reads them, so the reduced rows are never written out. With ``numbers`` (0-d values every rank computes
+    its rows with before they are summed: a weight, a clip factor), then every rank's of each, in the rows'
+    order."""
+    every = []
+    for k, own, peers, _ in _scatter_parts(c, x, dim, n, count, name, word, numbers, every):
+        yield (k, [p.movedim(0, dim) for p in [own] + peers], *every)
 
 
 def _add_all(parts):
