@@ -146,6 +146,7 @@ class _Emitter:
         self.rowwise: dict[str, Group] = {}  # absorbed Replicated statements: a chunk computes its own rows
         self.rows_only: dict[str, int] = {}  # see _rows_only: statement → the dim its readers cut
         self.fuse_absorbed: dict[Group, dict[str, int]] = {}  # see fuse_absorbed
+        self.fuse_reduced: dict[Group, tuple[str, ...]] = {}  # see fuse_reduced
 
     # --- expressions for one statement's local value ---
 
@@ -320,6 +321,9 @@ def lower(schedule: Schedule, backend: str = "gloo", kernels: str = "compiled", 
     if e.compile:
         skip.update(m for ms in kernel_reduced(p, backend, e.absorbed).values() for m in ms)
     e.fuse_absorbed = fuse_absorbed(p, skip)
+    e.fuse_reduced = fuse_reduced(p) if e.compile else {}
+    for ms in e.fuse_reduced.values():
+        skip.update(ms)
     for ms in e.fuse_absorbed.values():
         e.rows_only.update(ms)
         skip.update(ms)
@@ -635,6 +639,23 @@ def fuse_absorbed(p: Program, skip: set[str] = frozenset()) -> dict[Group, dict[
     return out
 
 
+def fuse_reduced(p: Program) -> dict[Group, tuple[str, ...]]:
+    """Per fuse group of whole values (Local or Replicated), the ungrouped sums and norms of its members: its
+    kernel computes them as it computes what they sum and hands on the number, and what they sum is written
+    out only where something else reads it (a loss scaler's count of non-finite elements, ``sum(where(abs(g) >
+    t, 1, 0))``: the mask is never written). No member reads them (the group is convex), so the kernel may."""
+    out = {}
+    for g in p.groups:
+        if g.kind != "fuse" or isinstance(p[g.members[0]].type.layout, Sliced) or custom_group(p, g):
+            continue
+        inside = set(g.members)
+        taken = tuple(s.name for s in p.stmts
+                      if s.op in ("sum", "norm") and s.name not in p.group_of and s.args[0] in inside)
+        if taken:
+            out[g] = taken
+    return out
+
+
 def _rows_only(p: Program, skip: set[str]) -> dict[str, int]:
     """Ungrouped Replicated pointwise statements whose readers all cut them to this rank's rows (Adam's
     ``beta1 * m`` after ``reorder(ag0)``, read only by ``add0`` on the rank's slice), each with the dim they
@@ -824,13 +845,14 @@ def _lower_fuse(e: _Emitter, g: Group) -> list[str]:
     _native_chunk): its streamed stores skip the read of every line an ordinary store makes first."""
     p = e.p
     absorbed = tuple(e.fuse_absorbed.get(g, ()))
-    ins, outs = _group_io(p, g, absorbed)
+    reduced = e.fuse_reduced.get(g, ())
+    ins, outs = _group_io(p, g, (*absorbed, *reduced))
     inplace = _in_place(p, g, outs)
     e.written.update(inplace.values())
     into = e.fuse_into.get(g, {})  # gather -> the value whose rows the kernel writes into every copy of the state
-    rest = [o for o in outs if o not in inplace and o not in into.values()]
+    rest = [o for o in outs if o not in inplace and o not in into.values()] + list(reduced)
     body = []
-    for m in (*absorbed, *g.members):
+    for m in (*absorbed, *g.members, *reduced):
         body.extend(("    " + x, m) for x in e.stmt(p[m]))
     body += [(f"    {e.ident(t)}.copy_({e.ident(o)})", o) for o, t in inplace.items()]
     scope = {e.ident(a) for a in ins}

@@ -39,7 +39,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
-from coconet.codegen.lower import custom_group, fuse_absorbed, fused_collective_plan, kernel_reduced
+from coconet.codegen.lower import custom_group, fuse_absorbed, fuse_reduced, fused_collective_plan, kernel_reduced
 from coconet.codegen.lower import (_absorbed, _group_io, _in_place, _needs_copy, _units, fuse_gathers_into,
                                    gathers_into_state)
 from coconet.errors import CoconetError, SizeError
@@ -157,6 +157,7 @@ class _Builder:
         self.fuse_into: dict[Group, dict[str, str]] = {}  # and those a fuse kernel writes (set by plan)
         self.fused_gathers: set[str] = set()
         self.rows: dict[str, int] = {}  # statements a fused kernel computes on this rank's rows (set by plan)
+        self.reduced: dict[Group, tuple[str, ...]] = {}  # sums and norms a fuse kernel computes (set by plan)
         self.dims: dict[Dim, int] = {}
         self.extents: dict[tuple[tuple[int, ...], int], int] = {}
 
@@ -217,6 +218,8 @@ class _Builder:
         rows = fuse_absorbed(p, skip)
         self.rows = {m: d for ms in rows.values() for m, d in ms.items()}
         skip |= set(self.rows)
+        self.reduced = fuse_reduced(p)
+        skip.update(m for ms in self.reduced.values() for m in ms)
         for g, ms in absorbed.items():  # a chunk computes its own rows of them (the lowering's rowwise)
             d = p[g.members[0]].type.layout.dim
             self.rows.update((m, d) for m in ms if isinstance(p[m].type.layout, Replicated))
@@ -360,8 +363,10 @@ class _Builder:
     def fuse(self, g: Group, rows: Mapping[str, int]) -> tuple[Unit, set[str]]:
         """``rows``: statements the kernel computes on this rank's rows (``fuse_absorbed``), each with its dim."""
         p = self.p
-        ins, outs = _group_io(p, g, tuple(rows))
+        reduced = self.reduced.get(g, ())  # sums and norms of members the kernel computes (fuse_reduced)
+        ins, outs = _group_io(p, g, (*rows, *reduced))
         inplace = _in_place(p, g, outs)
+        outs = [*outs, *reduced]
         members = (*rows, *g.members)
         if custom_group(p, g):  # a custom op's code runs as written: statement by statement
             return Unit(str(g), tuple(self.eager(p[m]) for m in members)), set(inplace.values())

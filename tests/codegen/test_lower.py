@@ -127,6 +127,30 @@ def test_fused_kernel_writes_state_in_place_and_compiles():
         lower(fuse, kernels="fast")
 
 
+def test_a_fuse_kernel_computes_the_sums_and_norms_of_its_members():
+    """A loss scaler's count of non-finite elements, ``sum(where(abs(g) > t, 1, 0))``, after a group fusing the
+    mask: the group's kernel sums the mask and hands on the count, the mask never written out; a norm of a
+    member read elsewhere too is computed beside it. Eager kernels keep the statements as they are."""
+    prog = golden_program("benchmarks/programs/adam_amp_skip.py")
+    sched = Schedule.parse("split(ar1); reorder(ag0); fuse(abs0, gt0, where0); fuse_collective(rs0)", prog)
+    src = lower(sched, "shm").source
+    kernel = src[src.index("def _fuse0("):src.index("_fuse0 = _kernel")]
+    assert "    sum0 = where0.sum()\n    return sum0,\n" in kernel
+    step = src[src.index("def step("):]
+    assert "sum0, = _fuse0(_c, g, " in step and ".sum()" not in step
+    assert "sum0 = where0.sum()" in lower(sched, "shm", kernels="eager").source.split("def step(")[1]
+    import coconet as cc
+
+    p = cc.Program("norm_of_member", dims=("N",))
+    x = p.tensor("x", ("N",), layout=cc.Replicated)
+    y = x * 2.0 + 1.0
+    p.output("y", y)
+    p.output("n", cc.norm(y))
+    src = lower(Schedule.parse("fuse(mul0, add0)", p.ir)).source
+    assert "    norm0 = _norm(add0)\n    return add0, norm0\n" in src
+    assert "add0, norm0 = _fuse0(_c, x, " in src.split("def step(")[1]
+
+
 def test_int_scalars_reach_compiled_kernels_as_tensors():
     sched = Schedule.parse("fuse(add0, drop0, add1)", example("megatron_mlp"))
     assert "_fuse0(_c, d_B, d_S, d_H, ar0, b, _int64(seed), r)" in lower(sched).source

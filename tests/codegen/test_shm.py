@@ -684,3 +684,17 @@ def test_a_gathered_value_read_again_after_the_fused_collective(backend):
         assert "_c.local(_add0, 0)" in gen.source  # the case at hand: the kernel fills a holder of h's rows
         assert_all_ok(run_schedules(fused, Options(world=world, sizes={"B": 5, "H": 3}, backend=backend, time=False,
                                                    timeout_s=120)))
+
+
+def test_a_fuse_kernel_that_sums_its_mask_steps_as_the_program_does():
+    """A loss scaler's overflow count summed in the kernel that computes the mask (fuse_reduced), before
+    Adam that skips the step where any rank overflowed: correct on shm and gloo, R = 2 and 3, uneven rows,
+    with the update fused into the collective or not."""
+    prog = runpy.run_path(str(Path(__file__).parents[2] / "benchmarks/programs/adam_amp_skip.py"))["program"].ir
+    scheds = [Schedule.parse(f"{x}fuse(abs0, gt0, where0)", prog)
+              for x in ("", "split(ar1); reorder(ag0); fuse_collective(rs0); ")]
+    for backend in ("shm", "gloo"):
+        for world, n in ((2, 1001), (3, 7)):
+            options = Options(world=world, sizes={"N": n}, backend=backend, warmup=1, repeats=2)
+            assert_all_ok(run_schedules(scheds, options))
+    assert not segments()

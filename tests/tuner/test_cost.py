@@ -259,3 +259,20 @@ def test_ranks_beyond_the_topologys_share_its_memory_and_cores():
     assert crowded.memory_s == pytest.approx(2 * cost.predict(s, sizes, roomy, "shm", world=world).memory_s)
     # on this machine twice the ranks split the step's bytes but share its bandwidth: the step takes longer
     assert crowded.seconds > cost.predict(s, sizes, local, "shm", world=local.world).seconds
+
+
+def test_a_fuse_kernel_that_sums_a_member_writes_only_the_sum():
+    # a loss scaler's overflow count: the kernel computing the mask sums it (codegen.lower.fuse_reduced), so it
+    # reads g and writes one number; the mask is not written out and read back by the sum
+    import runpy
+    from pathlib import Path
+
+    prog = runpy.run_path(str(Path(__file__).parents[2] / "benchmarks/programs/adam_amp_skip.py"))["program"].ir
+    s = Schedule.parse("fuse(abs0, gt0, where0)", prog)
+    p = cost.plan(s, "gloo")
+    assert not any(u.what == "sum0" for u in p.units)
+    (k,) = next(u for u in p.units if u.what.startswith("fuse(")).kernels
+    n, world = 2**20, 2
+    elems = cost._elems(p, {"N": n}, world)
+    assert cost._value(k.read, elems, world) == 4 * n
+    assert cost._value(k.write, elems, world) == 0  # a number, which the model does not count
