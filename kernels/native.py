@@ -117,7 +117,8 @@ class ChunkKernel:
     ``streams``: (peers parameter, value stored into each). ``sums``: (name, value): the chunk's sum of each
     value over its rows (a partial sum), returned in order. ``constants``: (scalar parameter, value) for the
     scalars that are the program's constants (a power's exponent is compiled in). A comparison is a mask that
-    only ``where`` and a ``cast`` to float32 (its constant the dtype) read. ``pre``: statements computed on
+    only ``where`` and a ``cast`` to float32 (its constant the dtype) read; a scalar may be a mask that
+    ``where`` reads (a bool passed in, as 1 or 0: whether a loss scaler found an overflow). ``pre``: statements computed on
     each rank's rows before they are summed, the rows named ``part``; the last is the value summed.
     ``ranked``: (number, its ``rank numbers`` parameter: every rank's, a float32 each in the order of the
     parts) for the numbers ``pre`` reads that each rank holds its own of."""
@@ -234,6 +235,9 @@ def c_source(k: ChunkKernel) -> str:
                 x, y = (ref(a, vector) for a in args[1:])
                 out.append(f"const {t} p_{name} = " + (f"vsel(p_{args[0]}, {x}, {y});" if vector
                                                        else f"(p_{args[0]} ? {x} : {y});"))
+            elif op == "where" and kind.get(args[0]) == "scalar":  # a mask passed in: one choice for every row
+                x, y = (ref(a, vector) for a in args[1:])
+                out.append(f"const {t} p_{name} = (a->p_{args[0]} != 0.0f) ? {x} : {y};")
             elif op == "cast" and value == "float32" and args[0] == k.part:  # the rows, loaded as float32
                 out.append(f"const {t} p_{name} = p_{args[0]};")
             elif op == "cast" and value == "float32" and args[0] in masks:

@@ -688,11 +688,15 @@ def test_a_gathered_value_read_again_after_the_fused_collective(backend):
 
 def test_a_fuse_kernel_that_sums_its_mask_steps_as_the_program_does():
     """A loss scaler's overflow count summed in the kernel that computes the mask (fuse_reduced), before
-    Adam that skips the step where any rank overflowed: correct on shm and gloo, R = 2 and 3, uneven rows,
-    with the update fused into the collective or not."""
+    Adam that skips the step where any rank overflowed (in C, the fused collective's chunk): correct on shm
+    and gloo, R = 2 and 3, uneven rows, with the update fused into the collective or not."""
     prog = runpy.run_path(str(Path(__file__).parents[2] / "benchmarks/programs/adam_amp_skip.py"))["program"].ir
     scheds = [Schedule.parse(f"{x}fuse(abs0, gt0, where0)", prog)
               for x in ("", "split(ar1); reorder(ag0); fuse_collective(rs0); ")]
+    # the skip a bool the step computed before the collective: the chunk still runs as C
+    src = lower(scheds[1], "shm").source
+    assert re.search(r"_chunk1 = _native\(_kernel\(_chunk1\), '\w+', r\"\"\"", src)
+    assert "const v8 p_where1 = (a->p_lt0 != 0.0f) ? p_add0 : ld(p_m_k + i);" in src
     for backend in ("shm", "gloo"):
         for world, n in ((2, 1001), (3, 7)):
             options = Options(world=world, sizes={"N": n}, backend=backend, warmup=1, repeats=2)

@@ -311,3 +311,19 @@ def test_program_names_cannot_clash_with_the_kernels_own(monkeypatch, tmp_path):
     parts = [torch.randn(37), torch.randn(37)]
     run_native(k, (peers, i, out, parts, torch.tensor(3.0)), monkeypatch, tmp_path)
     assert torch.equal(peers[0], (parts[0] + parts[1]) * 3.0) and torch.equal(out, peers[0] + i)
+
+
+def test_a_bool_scalar_passed_in_chooses_for_every_row(monkeypatch, tmp_path):
+    """``where(ok, new, old)`` with ``ok`` a number the step computed before (a loss scaler's: no rank
+    overflowed): the C kernel takes the bool as 1 or 0 and chooses alike for every row, streamed or not."""
+    stmts = (("c", "const", (), 2.0), ("dbl", "mul", ("m", "c"), None), ("new", "where", ("ok", "dbl", "m"), None))
+    k = ChunkKernel(params=(("m_peers", "peers"), ("m", "rows"), ("ok", "scalar")), parts=None, stmts=stmts,
+                    numbers=frozenset({"c"}), writes=(("m", "new"),), streams=(("m_peers", "new"),))
+    assert "(a->p_ok != 0.0f) ? " in c_source(k)
+    for ok in (True, False):
+        m = torch.randn(37)
+        want = torch.where(torch.tensor(ok), m * 2.0, m)
+        peers = [torch.zeros(37), torch.zeros(37)]
+        run_native(k, (peers, m, torch.tensor(ok)), monkeypatch, tmp_path)
+        for got in (m, *peers):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
