@@ -665,7 +665,7 @@ def _native(fn, kinds, source, sums=0):
             if kind == "d":
                 continue
             if kind == "s":
-                if isinstance(x, torch.Tensor) and (x.numel() != 1 or x.dtype != torch.float32
+                if isinstance(x, torch.Tensor) and (x.numel() != 1 or x.dtype not in (torch.float32, torch.bool)
                                                     or x.device.type != "cpu" or (grad and x.requires_grad)):
                     return fn(*args)
                 scalars.append(float(x))
