@@ -978,7 +978,8 @@ def _chunked_body(e: _Emitter, g: Group, fc: FusedCollective, chunks: int) -> li
         where = f", {source!r}, {len(into)}" if direct else ""
         if kernel is not None and parts:
             if ranked:  # posted after the words of the gathers' states and of the input (_scatter_parts)
-                where = f"{where or f', None, {len(into)}'}, numbers=({''.join(e.ident(x) + ', ' for x in ranked)})"
+                words = where or f", None, {len(into)}"
+                where = f"{words}, numbers=({''.join(f'{e.ident(x)}, ' for x in ranked)})"
             targets = "".join(f", {v}" for v in ranked.values())
             lines.append((f"    for _c, {parts}{targets} in _reduce_scatter_parts(_rank, {e.ident(source)}, "
                           f"{d}, {n}, {chunks}{where}):", rs.name))

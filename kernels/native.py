@@ -111,15 +111,17 @@ class ChunkKernel:
 
     ``params``: (name, kind) in the Python kernel's order; kind is ``dim`` (unused here), ``scalar`` (a
     number or a one-element tensor), ``rows`` (the chunk's rows of a tensor), ``parts`` (the chunk's rows on
-    every rank, summed; ``bf16 parts`` where they are bfloat16, which only casts to float32 read) or ``peers`` (the chunk's rows of every peer's copy of a state). ``parts``: (the value
-    they sum to, their parameter, ``sum`` or ``avg``). ``stmts``: (name, op, operands, constant) in order.
-    ``numbers``: the statements that are host numbers. ``writes``: (rows parameter, value stored into it).
-    ``streams``: (peers parameter, value stored into each). ``sums``: (name, value): the chunk's sum of each
-    value over its rows (a partial sum), returned in order. ``constants``: (scalar parameter, value) for the
-    scalars that are the program's constants (a power's exponent is compiled in). A comparison is a mask that
-    only ``where`` and a ``cast`` to float32 (its constant the dtype) read; a scalar may be a mask that
-    ``where`` reads (a bool passed in, as 1 or 0: whether a loss scaler found an overflow). ``pre``: statements computed on
-    each rank's rows before they are summed, the rows named ``part``; the last is the value summed.
+    every rank, summed; ``bf16 parts`` where they are bfloat16, which only casts to float32 read), ``rank
+    numbers`` (see ``ranked``) or ``peers`` (the chunk's rows of every peer's copy of a state). ``parts``: (the
+    value they sum to, their parameter, ``sum`` or ``avg``). ``stmts``: (name, op, operands, constant) in
+    order. ``numbers``: the statements that are host numbers. ``writes``: (rows parameter, value stored into
+    it). ``streams``: (peers parameter, value stored into each). ``sums``: (name, value): the chunk's sum of
+    each value over its rows (a partial sum), returned in order. ``constants``: (scalar parameter, value) for
+    the scalars that are the program's constants (a power's exponent is compiled in). A comparison is a mask
+    that only ``where`` and a ``cast`` to float32 (its constant the dtype) read; a scalar may be a mask that
+    ``where`` reads (a bool passed in, as 1 or 0: whether a loss scaler found an overflow). ``pre``:
+    statements computed on each rank's rows before they are summed, the rows named ``part``; the last is the
+    value summed.
     ``ranked``: (number, its ``rank numbers`` parameter: every rank's, a float32 each in the order of the
     parts) for the numbers ``pre`` reads that each rank holds its own of."""
 
