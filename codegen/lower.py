@@ -41,6 +41,11 @@ BINARY = {"add": "{} + {}", "sub": "{} - {}", "mul": "{} * {}", "div": "{} / {}"
           "maximum": "torch.maximum(_t({}), _t({}))", "minimum": "torch.minimum(_t({}), _t({}))"}
 UNARY = {"neg": "-{}", "sqrt": "torch.sqrt({})", "rsqrt": "torch.rsqrt({})", "exp": "torch.exp({})",
          "log": "torch.log({})", "abs": "torch.abs({})"}
+# torch's functions with an ``out=`` for the pointwise ops: how a value is computed into a buffer it is given
+# (held_source)
+OUT = {"add": "torch.add", "sub": "torch.sub", "mul": "torch.mul", "div": "torch.div", "pow": "torch.pow",
+       "maximum": "torch.maximum", "minimum": "torch.minimum", "neg": "torch.neg", "sqrt": "torch.sqrt",
+       "rsqrt": "torch.rsqrt", "exp": "torch.exp", "log": "torch.log", "abs": "torch.abs"}
 # what the step and its kernels read besides the program's values and coconet's own ``_`` names: the
 # module's imports and step, step's parameters, the builtins the lowering calls
 RESERVED = frozenset({"torch", "dist", "math", "step", "tensors", "scalars", "group", "stage", "stages", "sizes",
@@ -147,6 +152,7 @@ class _Emitter:
         self.rows_only: dict[str, int] = {}  # see _rows_only: statement → the dim its readers cut
         self.fuse_absorbed: dict[Group, dict[str, int]] = {}  # see fuse_absorbed
         self.fuse_reduced: dict[Group, tuple[str, ...]] = {}  # see fuse_reduced
+        self.held: set[str] = set()  # see held_source: computed into the buffer _Shm.held keeps for them
 
     # --- expressions for one statement's local value ---
 
@@ -206,9 +212,20 @@ class _Emitter:
         seed = s.attr("seed") if s.attr("seed") is not None else self.ident(s.args[1])
         return f"{s.attr('p')!r}, {seed}, {self.shape_expr(s.type)}"
 
+    def into(self, s: Stmt, out: str) -> str:
+        """Pointwise statement ``s`` computed into the tensor ``out`` (an op of ``OUT``). A number stays one where
+        torch takes it (as the operator the statement is written with otherwise passes it)."""
+        wrap = s.op in ("maximum", "minimum")
+        args = [self.tensor(a, self.operand(s, a)) if k == 0 or wrap else self.operand(s, a)
+                for k, a in enumerate(s.args)]
+        return f"{OUT[s.op]}({', '.join(args)}, out={out})"
+
     def stmt(self, s: Stmt) -> list[str]:
         n, op = self.ident(s.name), s.op
         args = [self.operand(s, a) for a in s.args]
+        if s.name in self.held:
+            dtype = TORCH_DTYPE[s.type.dtype or "float32"]
+            return [f"{n} = {self.into(s, f'_c.shm.held({s.name!r}, {self.local_shape_expr(s.type)}, {dtype})')}"]
         if op == "input":
             return [f"{n} = tensors[{s.name!r}]"]
         if op == "scalar":
@@ -334,6 +351,9 @@ def lower(schedule: Schedule, backend: str = "gloo", kernels: str = "compiled", 
         e.slotless.update(e.into_state)
         if e.compile:
             e.fuse_into = fuse_gathers_into(p, units, e.into_state, e.absorbed, e.fuse_absorbed)
+        e.held = held_sources(p, backend, e.absorbed, e.compile)
+    at_end = updated_in_place(p, skip | set(e.rows_only))
+    skip |= set(at_end.values())
     lowered: list[list[tuple[str, str]]] = []  # per unit: (line, statement it implements)
     for unit in units:
         if unit in skip:
@@ -343,7 +363,9 @@ def lower(schedule: Schedule, backend: str = "gloo", kernels: str = "compiled", 
         else:
             s = p[unit]
             lowered.append([(x, s.name) for x in e.stmt(s)])
-    updates = [(f"{e.ident(t)}.copy_({e.tensor(v, e.ident(v))})", t) for t, v in p.updates.items() if t not in e.written]
+    updates = [(f"{e.ident(t)}.copy_({e.tensor(v, e.ident(v))})", t) for t, v in p.updates.items()
+               if t not in e.written and t not in at_end]
+    updates += [(e.into(p[v], e.ident(t)), v) for t, v in at_end.items()]  # after the copies: see updated_in_place
     # a value that is itself (a view of) state must be copied before any state is written
     aliased = [v for v in p.updates.values() if p[v].op in ("input", "scalar")]
     kept = set().union(*(_free_names([x for x, _ in k]) for k in e.kernels))
@@ -486,6 +508,7 @@ class FusedCollective:
     pre: tuple[str, ...] = ()  # what that kernel computes on every rank's rows before it sums them (reduced_in_kernel)
     source: str = ""  # whose rows every rank's come from: the reduce_scatter's operand, or the input pre reads
     ranked: tuple[str, ...] = ()  # the numbers of every rank's own that pre reads (rank_numbers)
+    held: bool = False  # source computed into a buffer the peers read where it lies (held_source)
 
 
 def fused_collective_plan(p: Program, backend: str, g: Group, absorbed: tuple[str, ...],
@@ -506,11 +529,38 @@ def fused_collective_plan(p: Program, backend: str, g: Group, absorbed: tuple[st
     source = next((a for m in pre for a in p[m].args if p[a].op == "input"), rs.args[0])
     if pre:
         ins, _ = _group_io(p, g, (*pre, *absorbed))
+    held = not pre and held_source(p, backend, rs)
     return FusedCollective(
         rs=rs, ins=tuple(ins), outs=tuple(outs), inplace=inplace, into=into, gathers=gathers,
         partials=partials, sliced_outs=sliced_outs, compute=compute, needed=frozenset(needed),
-        direct=reads_input_in_place(p, backend, source), compiles=compiles, sums_parts=sums, pre=pre, source=source,
-        ranked=rank_numbers(p, pre))
+        direct=held or reads_input_in_place(p, backend, source), compiles=compiles, sums_parts=sums, pre=pre,
+        source=source, ranked=rank_numbers(p, pre), held=held)
+
+
+def updated_in_place(p: Program, skip: set[str]) -> dict[str, str]:
+    """State → the value it is updated to, where that value is computed at the end of the step straight into
+    the state (``torch.mul(acc, 0.0, out=acc)``) rather than into a new tensor copied into it: a pointwise
+    statement torch computes into a buffer (``OUT``), of no group, that nothing else reads. It reads no other
+    state (written by then, or about to be), of this state only the same element (the update's type is the
+    value's), and of computed values only those of pointwise statements of no group, which are tensors of
+    their own, not views of state. One pass and one new tensor fewer (an accumulator cleared, ``w - u``)."""
+    out = {}
+    for t, v in p.updates.items():
+        s = p[v]
+        if (v in skip or s.op not in OUT or not _ungrouped_pointwise(p, s) or len(p.users[v]) != 1
+                or s.type != p[t].type or not s.type.shape):
+            continue
+        if all(a == t or (a not in p.updates and (p[a].op in ("input", "scalar", "const") or (
+                _ungrouped_pointwise(p, p[a]) and p[a].op != "cast" and a not in skip))) for a in s.args):
+            out[t] = v
+    return out
+
+
+def held_sources(p: Program, backend: str, absorbed: Mapping[Group, tuple[str, ...]],
+                 compiled: bool = True) -> set[str]:
+    """The values fused collectives reduce that the step computes into buffers of their own (held_source)."""
+    return {fc.source for g in p.groups if g.kind == "fused_collective"
+            for fc in [fused_collective_plan(p, backend, g, absorbed.get(g, ()), compiled)] if fc.held}
 
 
 def kernel_reduced(p: Program, backend: str, absorbed: Mapping[Group, tuple[str, ...]],
@@ -1049,6 +1099,20 @@ def reads_input_in_place(p: Program, backend: str, source: str) -> bool:
     rank returns to a caller who may write the next one into it."""
     src = p[source]
     return backend == "shm" and src.op == "input" and src.name not in p.updates
+
+
+def held_source(p: Program, backend: str, rs: Stmt) -> bool:
+    """Whether a fused collective on shm reads the value its reduce_scatter reduces where it lies on every
+    rank, because the step computes it into a buffer it keeps from step to step (``_Shm.held``), which moves
+    into a segment of its own as an input does (``_Shm.stage_input``), rather than into a new tensor that is
+    published into a slot: a pointwise statement torch computes into a buffer (``OUT``) that nothing else
+    reads and the chunk kernel does not compute (``reduced_in_kernel``), as a gradient accumulated over
+    micro-batches added to the last one's (``acc + g``, two inputs). Saved per rank and step: the copy into
+    the slot (N words read and written) and a new tensor's first touch of every page. The barrier that ends
+    the collective comes after the peers' last read of it, before the next step computes into it again."""
+    s = p[rs.args[0]]
+    return (backend == "shm" and s.op in OUT and _ungrouped_pointwise(p, s) and bool(s.type.shape)
+            and tuple(p.users[s.name]) == (rs.name,))
 
 
 _CUT = re.compile(r"_c\.(?:local|cut)\((\w+), [^()]*\)")

@@ -39,9 +39,10 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
-from coconet.codegen.lower import custom_group, fuse_absorbed, fuse_reduced, fused_collective_plan, kernel_reduced
-from coconet.codegen.lower import (_absorbed, _group_io, _in_place, _needs_copy, _units, fuse_gathers_into,
-                                   gathers_into_state)
+from coconet.codegen.lower import (custom_group, fuse_absorbed, fuse_reduced, fused_collective_plan, held_sources,
+                                   kernel_reduced)
+from coconet.codegen.lower import (_absorbed, _group_io, _in_place, _needs_copy, _rows_only, _units, fuse_gathers_into,
+                                   gathers_into_state, updated_in_place)
 from coconet.errors import CoconetError, SizeError
 from coconet.schedules.dims import Dim
 from coconet.schedules.ir import Group, Program, Stmt
@@ -158,6 +159,7 @@ class _Builder:
         self.fused_gathers: set[str] = set()
         self.rows: dict[str, int] = {}  # statements a fused kernel computes on this rank's rows (set by plan)
         self.reduced: dict[Group, tuple[str, ...]] = {}  # sums and norms a fuse kernel computes (set by plan)
+        self.held: set[str] = set()  # computed into a buffer kept from step to step (held_sources, set by plan)
         self.dims: dict[Dim, int] = {}
         self.extents: dict[tuple[tuple[int, ...], int], int] = {}
 
@@ -219,10 +221,13 @@ class _Builder:
         self.rows = {m: d for ms in rows.values() for m, d in ms.items()}
         skip |= set(self.rows)
         self.reduced = fuse_reduced(p)
+        self.held = held_sources(p, self.backend, absorbed)
         skip.update(m for ms in self.reduced.values() for m in ms)
         for g, ms in absorbed.items():  # a chunk computes its own rows of them (the lowering's rowwise)
             d = p[g.members[0]].type.layout.dim
             self.rows.update((m, d) for m in ms if isinstance(p[m].type.layout, Replicated))
+        at_end = updated_in_place(p, skip | set(_rows_only(p, skip)))
+        skip |= set(at_end.values())
         order = _units(p)
         self.into_state = gathers_into_state(p, order, absorbed) if self.backend == "shm" else {}
         # a fuse kernel's rows into every copy of the state: the gather moves no bytes of its own
@@ -248,6 +253,11 @@ class _Builder:
         for target, v in p.updates.items():
             if target in written:
                 continue
+            if target in at_end:  # computed into the state: no new tensor, no copy
+                k = self.eager(p[v])
+                tail.append(dataclasses.replace(k, what=f"{v} into {target}", fresh=(),
+                                                cold=k.cold + self.nbytes(p[target].type, self.local(p[target].type))))
+                continue
             t = p[target].type
             tail.append(Kernel(f"{target}.copy_", 1, self.nbytes(p[v].type, self.local(p[v].type)),
                                self.nbytes(t, self.local(t)), cold=self.nbytes(t, self.local(t))))
@@ -271,7 +281,8 @@ class _Builder:
                           dtype=t.dtype, cold=self.reads(s, cold=True))
         if s.op in ("sum", "partial_sum", "norm"):
             return Kernel(s.name, launches, self.reads(s), dtype=t.dtype or "float32", cold=self.reads(s, cold=True))
-        return Kernel(s.name, launches, self.reads(s), out, out, dtype=(t.dtype if t else None) or "float32",
+        fresh = () if s.name in self.held else out
+        return Kernel(s.name, launches, self.reads(s), out, fresh, dtype=(t.dtype if t else None) or "float32",
                       cold=self.reads(s, cold=True))
 
     def matmul(self, s: Stmt, chunks: int = 1, whole_each_chunk: int | None = None) -> Kernel:

@@ -30,18 +30,25 @@ SCHEDULES = {"zero1": "split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse_
 N = 1001
 
 
+def counting_rank(sched, kernels: str, rank: int, world: int, port: int) -> tuple[dict, list]:
+    """This rank in its gloo group, and the schedule's shm module run in a namespace of its own whose
+    ``_publish`` appends to the list returned with it."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    ns: dict = {"__name__": "coconet_generated_counting"}
+    exec(compile(lower(sched, "shm", kernels).source, "<counting_rank>", "exec"), ns)
+    ns["_Shm"].PATIENCE_S = 20.0  # no launch watches these ranks: a failed rank ends the others soon
+    published: list = []
+    publish = ns["_publish"]
+    ns["_publish"] = lambda *a: published.append(1) or publish(*a)
+    return ns, published
+
+
 def main(rank: int, world: int, port: int, kernels: str, schedule: str = "zero1") -> None:
     from coconet.loader import examples_dir, load_file
 
     sched = Schedule.parse(SCHEDULES[schedule], load_file(examples_dir() / "adam.py"))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
-    ns: dict = {"__name__": "coconet_generated_shared_input"}
-    exec(compile(lower(sched, "shm", kernels).source, "<shared_input>", "exec"), ns)
-    ns["_Shm"].PATIENCE_S = 20.0  # no launch watches these ranks: a failed rank ends the others soon
-    published = []
-    publish = ns["_publish"]
-    ns["_publish"] = lambda *a: published.append(1) or publish(*a)
+    ns, published = counting_rank(sched, kernels, rank, world, port)
     opts = Options(world=world, sizes={"N": N})
     start, scalars = inputs(sched.scheduled, opts, 0, rank, torch.device("cpu"))
     grads = interp.make_inputs(sched.scheduled, world, {"N": N})["g"]  # every rank's, (world, N)

@@ -182,7 +182,8 @@ def test_wrong_results_are_caught(monkeypatch):
 
     def broken(sched, backend, kernels):
         gen = real(sched, backend, kernels)
-        return dataclasses.replace(gen, source=gen.source.replace("w.copy_(sub0)", "w.copy_(sub0 * 1.5)"))
+        source = gen.source.replace("torch.sub(w, mul2, out=w)", "torch.sub(w, mul2 * 1.5, out=w)")
+        return dataclasses.replace(gen, source=source)
 
     monkeypatch.setattr(launch, "lower", broken)
     (res,) = run_schedules([Schedule(example("sgd"))], check_only(2, {"N": 7}))

@@ -5,6 +5,7 @@ import runpy
 import shutil
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -701,4 +702,36 @@ def test_a_fuse_kernel_that_sums_its_mask_steps_as_the_program_does():
         for world, n in ((2, 1001), (3, 7)):
             options = Options(world=world, sizes={"N": n}, backend=backend, warmup=1, repeats=2)
             assert_all_ok(run_schedules(scheds, options))
+    assert not segments()
+
+
+def test_a_held_buffer_is_the_same_tensor_every_step_until_its_shape_changes():
+    box = types.SimpleNamespace(kept={})
+    a = shm._Shm.held(box, "add0", (5,), torch.float32)
+    assert shm._Shm.held(box, "add0", (5,), torch.float32) is a
+    b = shm._Shm.held(box, "add0", (6,), torch.float32)
+    assert b is not a and b.shape == (6,)
+    assert shm._Shm.held(box, "add0", (6,), torch.bfloat16).dtype == torch.bfloat16
+
+
+def test_a_sum_of_values_of_each_ranks_own_is_computed_where_the_peers_read_it():
+    """Gradient accumulation: the fused collective reduces acc + g, which is no input but a statement of two,
+    cleared state one of them. The step computes it into a buffer it keeps (_Shm.held), which moves into a
+    segment of its own as an input does: nothing is published, on the first step or any after
+    (tests/codegen/held_input.py counts). Correct at R = 2, 3, uneven rows, 1 and 4 chunks, compiled and eager,
+    on both steps the check runs; gloo computes it as before."""
+    prog = runpy.run_path(str(Path(__file__).parents[2] / "benchmarks/programs/adam_accumulate.py"))["program"].ir
+    sched = Schedule.parse("split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse_collective(rs0)", prog)
+    for kernels in ("compiled", "eager"):
+        src = lower(sched, "shm", kernels).source
+        assert "    add0 = torch.add(acc, g, out=_c.shm.held('add0', (d_N, ), torch.float32))\n" in src
+        assert re.search(r"in _reduce_scatter_(parts|chunks)\(_rank, add0, 0, d_N, 4, ('avg', )?'add0', 1\):", src)
+        assert "read where it lies once moved into a segment" in src
+    assert "    add0 = acc + g\n" in lower(sched, "gloo").source
+    for world, n in ((2, 1001), (3, 7)):
+        for kernels in ("compiled", "eager"):
+            options = Options(world=world, sizes={"N": n}, backend="shm", warmup=1, repeats=2, kernels=kernels)
+            assert_all_ok(run_schedules([sched.with_knobs(fc_chunks=k) for k in (1, 4)], options))
+    run_ranks("tests.codegen.held_input", 3, "compiled")
+    run_ranks("tests.codegen.held_input", 2, "eager")
     assert not segments()

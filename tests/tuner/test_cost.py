@@ -276,3 +276,24 @@ def test_a_fuse_kernel_that_sums_a_member_writes_only_the_sum():
     elems = cost._elems(p, {"N": n}, world)
     assert cost._value(k.read, elems, world) == 4 * n
     assert cost._value(k.write, elems, world) == 0  # a number, which the model does not count
+
+
+def test_a_held_source_is_not_published_and_an_update_in_place_is_not_copied():
+    # gradient accumulation: acc + g computed into a buffer the peers read where it lies (codegen.lower.held_source),
+    # and acc cleared straight into itself (codegen.lower.updated_in_place): neither a publish nor a copy
+    prog = runpy.run_path(str(Path(__file__).parents[2] / "benchmarks/programs/adam_accumulate.py"))["program"].ir
+    s = Schedule.parse("split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse_collective(rs0)", prog)
+    n, world = 2**20, 2
+
+    def kernels(backend):
+        p = cost.plan(s, backend)
+        return p, {k.what: k for u in p.units for k in u.kernels}
+
+    p, ks = kernels("shm")
+    elems = cost._elems(p, {"N": n}, world)
+    assert "rs0 publish" not in ks and "acc.copy_" not in ks
+    assert cost._value(ks["add0"].fresh, elems, world) == 0
+    assert cost._value(ks["mul5 into acc"].write, elems, world) == 4 * n
+    assert cost._value(ks["mul5 into acc"].fresh, elems, world) == 0
+    p, ks = kernels("gloo")
+    assert cost._value(ks["add0"].fresh, cost._elems(p, {"N": n}, world), world) == 4 * n

@@ -111,9 +111,7 @@ def step(tensors, scalars, *, group=None, stage=0, stages=1, sizes=None, custom_
     del sqrt0
     div2 = mul5 / add2
     del mul5, add2
-    sub4 = w - div2
-    del div2
     m.copy_(add0)
     v.copy_(add1)
-    w.copy_(sub4)
+    torch.sub(w, div2, out=w)
     return {"outputs": _outputs, "sent": _sent}

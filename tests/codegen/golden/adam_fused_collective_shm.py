@@ -254,6 +254,7 @@ class _Shm:
         # segment, the caller's tensor on it (weak), the steps it has served]; name -> where each rank's rows
         # are this step (its segment, or None: its slot)
         self.inputs, self.sources = {}, {}
+        self.kept = {}  # name -> the buffer a value the step computes for a fused collective goes into (held)
         limit = os.environ.get("COCONET_SHM_STREAM_BYTES", "")
         if limit and not limit.isdigit():
             raise ValueError(f"COCONET_SHM_STREAM_BYTES={limit!r}: not a number of bytes")
@@ -387,6 +388,15 @@ class _Shm:
         self.words[self.rank][(self.epoch + 1) % 2, word] = news
         self.staged.append((name, word, x.shape, x.dtype))
         return news < 0
+
+    def held(self, name, shape, dtype):
+        """The buffer the step computes value ``name`` into for a fused collective to reduce: the same tensor
+        every step (a new one when its shape or dtype changes), so that ``stage_input`` moves it into a
+        segment once and the peers read it there from then on, where a new tensor each step is published."""
+        t = self.kept.get(name)
+        if t is None or tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+            t = self.kept[name] = torch.empty(shape, dtype=dtype)
+        return t
 
     def post(self, word, numbers):
         """Before a barrier: this rank's ``numbers`` (0-d float32 tensors) in its words from ``word`` on, as
