@@ -45,7 +45,7 @@ UNARY = {"neg": "-{}", "sqrt": "torch.sqrt({})", "rsqrt": "torch.rsqrt({})", "ex
 # (held_source)
 OUT = {"add": "torch.add", "sub": "torch.sub", "mul": "torch.mul", "div": "torch.div", "pow": "torch.pow",
        "maximum": "torch.maximum", "minimum": "torch.minimum", "neg": "torch.neg", "sqrt": "torch.sqrt",
-       "rsqrt": "torch.rsqrt", "exp": "torch.exp", "log": "torch.log", "abs": "torch.abs"}
+       "rsqrt": "torch.rsqrt", "exp": "torch.exp", "log": "torch.log", "abs": "torch.abs", "where": "torch.where"}
 # what the step and its kernels read besides the program's values and coconet's own ``_`` names: the
 # module's imports and step, step's parameters, the builtins the lowering calls
 RESERVED = frozenset({"torch", "dist", "math", "step", "tensors", "scalars", "group", "stage", "stages", "sizes",
@@ -215,7 +215,7 @@ class _Emitter:
     def into(self, s: Stmt, out: str) -> str:
         """Pointwise statement ``s`` computed into the tensor ``out`` (an op of ``OUT``). A number stays one where
         torch takes it (as the operator the statement is written with otherwise passes it)."""
-        wrap = s.op in ("maximum", "minimum")
+        wrap = s.op in ("maximum", "minimum", "where")  # tensors only
         args = [self.tensor(a, self.operand(s, a)) if k == 0 or wrap else self.operand(s, a)
                 for k, a in enumerate(s.args)]
         return f"{OUT[s.op]}({', '.join(args)}, out={out})"

@@ -419,22 +419,23 @@ def test_an_update_by_one_pointwise_statement_is_computed_into_the_state():
     into the state (no new tensor, no copy), after the copies into the others; one that reads another state
     is copied as before, since that state may be written by then. Each schedule's values are checked
     against the reference interpreter on gloo and shm (a swap of two states among them)."""
-    from coconet import Local, Program, Replicated, allreduce
+    from coconet import Local, Program, Replicated, allreduce, where
     from coconet.codegen.launch import Options, run_schedules
     from tests.codegen.test_launch import assert_all_ok
 
     p = Program("swapped", dims=("N",))
     g = p.tensor("g", ("N",), layout=Local)
-    a, b, c = (p.tensor(x, ("N",), layout=Replicated) for x in "abc")
+    a, b, c, d = (p.tensor(x, ("N",), layout=Replicated) for x in "abcd")
     s = allreduce(g)
     p.update(a, b * 2.0)
     p.update(b, a + s)
     p.update(c, c - s * 0.5)
+    p.update(d, where(c > 0.5, d * 0.5, d))  # the mask from c before c is written
     src = lower(Schedule(p.ir), "gloo").source
     body = src[src.index("def step("):]
     assert body.index("    a.copy_(mul0)\n") < body.index("    b.copy_(add0)\n") < body.index(
-        "    torch.sub(c, mul1, out=c)\n")
-    assert "sub0 =" not in body
+        "    torch.sub(c, mul1, out=c)\n    torch.where(gt0, mul2, d, out=d)\n")
+    assert "sub0 =" not in body and "where0 =" not in body
     acc = runpy.run_path(str(ROOT / "benchmarks/programs/adam_accumulate.py"))["program"].ir
     body = lower(Schedule(acc), "gloo").source
     assert "    torch.mul(acc, c1, out=acc)\n    torch.sub(w, div1, out=w)\n    return" in body
