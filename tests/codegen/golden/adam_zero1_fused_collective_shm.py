@@ -428,7 +428,8 @@ class _Shm:
         and the segment they have mapped is gone.
 
         The caller who writes each gradient into the same tensor (``.grad`` accumulated in place, DDP's
-        gradient_as_bucket_view) then publishes nothing. A tensor that comes in place of one that served more
+        gradient_as_bucket_view) then publishes nothing, and so does a step that computes x into the buffer
+        ``held`` keeps for it. A tensor that comes in place of one that served more
         than the step it moved in, and is gone (inputs made anew for a new run of steps), takes that one's
         segment: one copy, and the steps after publish nothing. Where the one that moved in served one step
         only, the caller brings a new tensor every step (``zero_grad()`` sets ``.grad`` to None): each is
