@@ -212,6 +212,14 @@ class _Emitter:
         seed = s.attr("seed") if s.attr("seed") is not None else self.ident(s.args[1])
         return f"{s.attr('p')!r}, {seed}, {self.shape_expr(s.type)}"
 
+    def kept(self, name: str, text: str) -> str:
+        """``text``, the value ``name`` that the step returns, as a copy where it is (a view of) state the step
+        updates: what it returns is the value before the update, which the state's end of step overwrites."""
+        s = self.p[name]
+        while s.op == "slice":
+            s = self.p[s.args[0]]
+        return f"{text}.clone()" if s.op == "input" and s.name in self.p.updates else text
+
     def into(self, s: Stmt, out: str) -> str:
         """Pointwise statement ``s`` computed into the tensor ``out`` (an op of ``OUT``). A number stays one where
         torch takes it (as the operator the statement is written with otherwise passes it)."""
@@ -286,11 +294,11 @@ class _Emitter:
         if op == "slice":
             return [f"{n} = {args[0]}"]  # the operand, cut to this rank's rows (or the chunk's)
         if op == "send":
-            return [f"_sent[{s.attr('tag')!r}] = {args[0]}",
+            return [f"_sent[{s.attr('tag')!r}] = {self.kept(s.args[0], args[0])}",
                     "if stage + 1 < stages:",
                     f"    dist.send({args[0]}.contiguous(), dst=_c.global_rank + _c.world)"]
         if op == "output":
-            return [f"_outputs[{s.attr('name')!r}] = {self.tensor(s.args[0], args[0])}"]
+            return [f"_outputs[{s.attr('name')!r}] = {self.kept(s.args[0], self.tensor(s.args[0], args[0]))}"]
         if op == "update":
             return []  # written at the end: every statement reads the state from before the step
         custom = self.p.custom_ops.get(op)

@@ -443,3 +443,24 @@ def test_an_update_by_one_pointwise_statement_is_computed_into_the_state():
     for backend in ("gloo", "shm"):
         opts = Options(world=2, sizes={"N": 1001}, backend=backend, time=False, timeout_s=120, kernels="eager")
         assert_all_ok(run_schedules(list(generate(p.ir)), opts))
+
+
+def test_a_state_returned_as_it_was_before_the_step_is_a_copy():
+    """p.output of a state's own value, which the step then updates: the output is the value before the
+    update (the reference's), not the tensor the end of the step overwrites (every schedule of it was a
+    wrong result, on every backend). Checked on gloo and shm, the fused kernels compiled on shm."""
+    from coconet import Local, Program, Replicated, allreduce
+    from coconet.codegen.launch import Options, run_schedules
+    from tests.codegen.test_launch import assert_all_ok
+
+    p = Program("returns_old_state", dims=("N",))
+    g = p.tensor("g", ("N",), layout=Local)
+    w = p.tensor("w", ("N",), layout=Replicated)
+    p.output("old_w", w)
+    p.output("half", w * 0.5)
+    p.update(w, w - allreduce(g) * 0.1)
+    assert "    _outputs['old_w'] = w.clone()\n" in lower(Schedule(p.ir), "gloo").source
+    scheds = list(generate(p.ir))
+    for backend, kernels in (("gloo", "eager"), ("shm", "eager"), ("shm", "compiled")):
+        opts = Options(world=2, sizes={"N": 101}, backend=backend, time=False, timeout_s=120, kernels=kernels)
+        assert_all_ok(run_schedules(scheds, opts))
