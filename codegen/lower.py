@@ -153,6 +153,7 @@ class _Emitter:
         self.fuse_absorbed: dict[Group, dict[str, int]] = {}  # see fuse_absorbed
         self.fuse_reduced: dict[Group, tuple[str, ...]] = {}  # see fuse_reduced
         self.held: set[str] = set()  # see held_source: computed into the buffer _Shm.held keeps for them
+        self.aliased: dict[str, str] = {}  # state another is updated to → its copy from before the step
 
     # --- expressions for one statement's local value ---
 
@@ -235,7 +236,8 @@ class _Emitter:
             dtype = TORCH_DTYPE[s.type.dtype or "float32"]
             return [f"{n} = {self.into(s, f'_c.shm.held({s.name!r}, {self.local_shape_expr(s.type)}, {dtype})')}"]
         if op == "input":
-            return [f"{n} = tensors[{s.name!r}]"]
+            return [f"{n} = tensors[{s.name!r}]"] + ([f"{self.aliased[s.name]} = {n}.clone()"]
+                                                     if s.name in self.aliased else [])
         if op == "scalar":
             if s.type.dtype == "int64":
                 return [f"{n} = int(scalars[{s.name!r}])"]
@@ -360,6 +362,10 @@ def lower(schedule: Schedule, backend: str = "gloo", kernels: str = "compiled", 
         if e.compile:
             e.fuse_into = fuse_gathers_into(p, units, e.into_state, e.absorbed, e.fuse_absorbed)
         e.held = held_sources(p, backend, e.absorbed, e.compile)
+    # a state another is updated to (a swap, a moment kept from the step before) is copied as the step begins,
+    # before a kernel may write it, into a name of its own: the state's name stays the caller's tensor
+    e.aliased = aliased = {v: e.ident.fresh(f"_{e.ident(v)}_before", set())
+                           for v in dict.fromkeys(p.updates.values()) if p[v].op == "input" and v in p.updates}
     at_end = updated_in_place(p, skip | set(e.rows_only))
     skip |= set(at_end.values())
     lowered: list[list[tuple[str, str]]] = []  # per unit: (line, statement it implements)
@@ -371,15 +377,13 @@ def lower(schedule: Schedule, backend: str = "gloo", kernels: str = "compiled", 
         else:
             s = p[unit]
             lowered.append([(x, s.name) for x in e.stmt(s)])
-    updates = [(f"{e.ident(t)}.copy_({e.tensor(v, e.ident(v))})", t) for t, v in p.updates.items()
+    updates = [(f"{e.ident(t)}.copy_({aliased.get(v) or e.tensor(v, e.ident(v))})", t) for t, v in p.updates.items()
                if t not in e.written and t not in at_end]
     updates += [(e.into(p[v], e.ident(t)), v) for t, v in at_end.items()]  # after the copies: see updated_in_place
-    # a value that is itself (a view of) state must be copied before any state is written
-    aliased = [v for v in p.updates.values() if p[v].op in ("input", "scalar")]
     kept = set().union(*(_free_names([x for x, _ in k]) for k in e.kernels))
     kept |= _names([x for x, _ in updates] + [e.ident(v) for v in aliased])
     body = _freeing(e, lowered, kept)
-    src, line_map = _module(schedule, backend, e, body, updates, aliased)
+    src, line_map = _module(schedule, backend, e, body, updates)
     try:
         compile(src, f"<coconet {schedule.hash}>", "exec")
     except SyntaxError as err:  # a bug of coconet's, but one schedule's: the others can still run
@@ -1447,7 +1451,7 @@ def _dims_prologue(p: Program) -> list[str]:
     return lines
 
 
-def _module(schedule: Schedule, backend: str, e: _Emitter, body, updates: list[str], aliased):
+def _module(schedule: Schedule, backend: str, e: _Emitter, body, updates: list[str]):
     from coconet import __version__
     from coconet.codegen.prelude import prelude_source
 
@@ -1502,8 +1506,6 @@ def _module(schedule: Schedule, backend: str, e: _Emitter, body, updates: list[s
     # a dim the step never reads needs no binding (kernels are nested: they read the dims too)
     lines += [("    " + x, None) for x in _dims_prologue(p) if x.split(" ")[0] in used]
     lines += rest
-    for v in aliased:
-        lines.append((f"    {e.ident(v)} = {e.ident(v)}.clone()", v))
     lines += [("    " + x, t) for x, t in updates]
     lines.append(('    return {"outputs": _outputs, "sent": _sent}', None))
     lines = e.toplevel + lines

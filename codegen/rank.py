@@ -185,7 +185,9 @@ def inputs(prog, opts, stage: int, grank: int, device):
         if s.op == "scalar":
             scalars[s.name] = int(piece) if s.type.dtype == "int64" else float(piece)
             continue
-        tensors[s.name] = torch.tensor(np.ascontiguousarray(piece), dtype=getattr(torch, s.type.dtype), device=device)
+        # ascontiguousarray makes a 0-d piece 1-d: the shape is the program's
+        piece = np.ascontiguousarray(piece).reshape(np.shape(piece))
+        tensors[s.name] = torch.tensor(piece, dtype=getattr(torch, s.type.dtype), device=device)
     return tensors, scalars
 
 

@@ -56,7 +56,7 @@ def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
         # Round-to-nearest-even on the high 16 bits of the float32 pattern.
         bits = np.ascontiguousarray(x.astype(np.float32)).view(np.uint32).astype(np.uint64)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.astype(np.uint32).view(np.float32).astype(np.float64)
+        return bits.astype(np.uint32).view(np.float32).astype(np.float64).reshape(np.shape(x))  # 0-d stays 0-d
     if dtype == "int64":
         return np.asarray(x).astype(np.int64)
     if dtype == "bool":

@@ -456,11 +456,39 @@ def test_a_state_returned_as_it_was_before_the_step_is_a_copy():
     p = Program("returns_old_state", dims=("N",))
     g = p.tensor("g", ("N",), layout=Local)
     w = p.tensor("w", ("N",), layout=Replicated)
+    t = p.tensor("t", (), layout=Replicated)  # a 0-d state: the ranks had been given it as shape (1,)
     p.output("old_w", w)
     p.output("half", w * 0.5)
-    p.update(w, w - allreduce(g) * 0.1)
+    p.output("old_t", t)
+    p.update(t, t + 1.0)
+    p.update(w, w - allreduce(g) * 0.1 * t)
     assert "    _outputs['old_w'] = w.clone()\n" in lower(Schedule(p.ir), "gloo").source
     scheds = list(generate(p.ir))
     for backend, kernels in (("gloo", "eager"), ("shm", "eager"), ("shm", "compiled")):
         opts = Options(world=2, sizes={"N": 101}, backend=backend, time=False, timeout_s=120, kernels=kernels)
+        assert_all_ok(run_schedules(scheds, opts))
+
+
+def test_states_swapped_are_copied_before_a_kernel_writes_one():
+    """a <- b, b <- a + s, with b written in place by a fused collective's kernel: a gets b as it was before
+    the step, copied as the step begins under a name of its own (it had been copied after the kernel wrote b,
+    and rebound the name b, so that b's own update went into the copy: every schedule was wrong)."""
+    from coconet import Local, Program, Sliced, reduce_scatter
+    from coconet.codegen.launch import Options, run_schedules
+    from tests.codegen.test_launch import assert_all_ok
+
+    p = Program("swapped_sliced", dims=("N",))
+    g = p.tensor("g", ("N",), layout=Local)
+    w, a, b = (p.tensor(x, ("N",), layout=Sliced(0)) for x in "wab")
+    s = reduce_scatter(g)
+    p.output("w_rows_before", w)
+    p.update(w, w - s * 0.5)
+    p.update(a, b)
+    p.update(b, a + s)
+    src = lower(Schedule(p.ir), "gloo").source
+    assert "    b = tensors['b']\n    _b_before = b.clone()\n" in src and "    a.copy_(_b_before)\n" in src
+    scheds = list(generate(p.ir))
+    assert any("fuse_collective" in x.text for x in scheds)
+    for backend, kernels in (("gloo", "eager"), ("shm", "eager"), ("shm", "compiled")):
+        opts = Options(world=3, sizes={"N": 101}, backend=backend, time=False, timeout_s=120, kernels=kernels)
         assert_all_ok(run_schedules(scheds, opts))
