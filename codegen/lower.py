@@ -342,6 +342,11 @@ def lower(schedule: Schedule, backend: str = "gloo", kernels: str = "compiled", 
     e = _Emitter(schedule, backend, kernels, dropout)
     p = e.p
     units = _units(p)
+    # every input bound (and a state another is updated to copied) before any unit runs: a unit may write a
+    # state it does not read in the program, a fused collective gathering into it
+    first = [u for u in units if not isinstance(u, Group) and p[u].op in ("input", "scalar")]
+    bound = set(first)
+    units = first + [u for u in units if isinstance(u, Group) or u not in bound]
     e.absorbed = _absorbed(p) if e.compile else {}
     e.rowwise = {m: g for g, ms in e.absorbed.items() for m in ms if isinstance(p[m].type.layout, Replicated)}
     skip = {m for ms in e.absorbed.values() for m in ms}

@@ -124,7 +124,8 @@ def collective_programs(draw):
     state_ids = {id(s) for s in state}
     derived = [e for e in pool if id(e) not in state_ids]
     for s in draw(st.lists(st.sampled_from(state), unique_by=id, min_size=1, max_size=len(state))):
-        p.update(s, draw(st.sampled_from(derived)))
+        # another state's value before the step too: states swapped, a moment kept from the step before
+        p.update(s, draw(st.sampled_from(derived + [t for t in state if t is not s])))
     if draw(st.booleans()):
-        p.output("out", draw(st.sampled_from(derived)))
+        p.output("out", draw(st.sampled_from(pool)))  # a state's own value before the step too
     return p

@@ -492,3 +492,27 @@ def test_states_swapped_are_copied_before_a_kernel_writes_one():
     for backend, kernels in (("gloo", "eager"), ("shm", "eager"), ("shm", "compiled")):
         opts = Options(world=3, sizes={"N": 101}, backend=backend, time=False, timeout_s=120, kernels=kernels)
         assert_all_ok(run_schedules(scheds, opts))
+
+
+def test_a_state_only_a_fused_collective_writes_is_bound_before_it():
+    """s1 and s2 are read by nothing but their updates, which a fused collective gathers into them, and s0
+    is updated to s2 as it was: every input is bound, and s2 copied, before the collective runs (they had
+    come after it: a NameError in the collective, found by the strategy's states updated from states)."""
+    from coconet import Local, Program, Replicated, allreduce, dropout
+    from coconet.codegen.launch import Options, run_schedules
+    from tests.codegen.test_launch import assert_all_ok
+
+    p = Program("gathered_unread", dims=("N",))
+    g = p.tensor("g", ("N",), layout=Local)
+    r = allreduce(g)  # before the states are declared: the collective's unit came before them
+    s0, s1, s2 = (p.tensor(x, ("N",), layout=Replicated) for x in ("s0", "s1", "s2"))
+    p.update(s0, s2)
+    p.update(s1, dropout(r, 0.3, 7))
+    p.update(s2, r / s0)
+    sched = Schedule.parse("split(ar0); reorder(ag0); fuse_collective(rs0)", p.ir)
+    src = lower(sched, "shm", "eager").source
+    body = src[src.index("    g = tensors['g']"):]
+    assert body.index("_s2_before = s2.clone()") < body.index("_fused_collective0(_c")
+    for backend in ("gloo", "shm"):
+        opts = Options(world=2, sizes={"N": 11}, backend=backend, time=False, timeout_s=120, kernels="eager")
+        assert_all_ok(run_schedules(list(generate(p.ir)), opts))
