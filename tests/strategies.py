@@ -105,6 +105,11 @@ def collective_programs(draw):
         s = p.tensor(f"s{i}", shape, layout=cc.Replicated)
         pool.append(s)
         state.append(s)
+    if draw(st.booleans()):
+        # a 0-d state (a step counter, a loss scale): broadcast into the others, never sliced
+        k = p.tensor("k", (), layout=cc.Replicated)
+        pool.append(k)
+        state.append(k)
     scalars = list(p.scalars("a b"))
     for _ in range(draw(st.integers(1, 10))):
         kind = draw(st.sampled_from(["bin", "bin", "scal", "unary", "norm", "drop"]))
@@ -125,7 +130,10 @@ def collective_programs(draw):
     derived = [e for e in pool if id(e) not in state_ids]
     for s in draw(st.lists(st.sampled_from(state), unique_by=id, min_size=1, max_size=len(state))):
         # another state's value before the step too: states swapped, a moment kept from the step before
-        p.update(s, draw(st.sampled_from(derived + [t for t in state if t is not s])))
+        values = [e for e in derived + [t for t in state if t is not s] if e.shape == s.shape]
+        if not s.shape:
+            values += [s + 1.0, s * draw(st.sampled_from(scalars)) + cc.norm(draw(st.sampled_from(pool)))]
+        p.update(s, draw(st.sampled_from(values)))
     if draw(st.booleans()):
         p.output("out", draw(st.sampled_from(pool)))  # a state's own value before the step too
     return p
