@@ -161,6 +161,37 @@ def test_a_kernel_compiles_once_for_a_context_made_anew_every_step(monkeypatch):
     assert torch.equal(kernel(Ctx(1), x), x * 2) and len(compiles) == 2
 
 
+def test_a_kernel_is_handed_bools_as_bytes_and_returns_bools(monkeypatch):
+    """Inductor's CPU code moves bool vectors through masked byte loads and stores (10-20x a float's on
+    AMD cores, benchmarks/cpu_masks.py): the graph it compiles takes and returns no bool tensor, and the
+    caller still gets bools, the mask of every element (a 0-d one too) as eager torch computes it."""
+    _no_dynamo(monkeypatch)
+    real, graphs = torch._inductor.standalone_compile, []
+
+    def spy(graph, inputs, **kwargs):
+        graphs.append((graph, [x.dtype for x in inputs]))
+        return real(graph, inputs, **kwargs)
+
+    monkeypatch.setattr(torch._inductor, "standalone_compile", spy)
+
+    def f(mask, x, flags):
+        c = x * 2.0
+        return torch.where(mask & flags[0], c, -c), c >= 1.0, x.sum() > 0, flags[1]
+
+    kernel = prelude._kernel(f)
+    x = torch.linspace(-2, 2, 37)
+    mask, flags = x > -0.5, [x < 1.5, torch.arange(37) % 3 == 0]
+    for _ in range(2):
+        got, want = kernel(mask, x, flags), f(mask, x, flags)
+        for g, w in zip(got, want):
+            assert g.dtype == w.dtype and torch.equal(g, w)
+    assert len(graphs) == 1
+    graph, dtypes = graphs[0]
+    outputs = [n for n in graph.graph.nodes if n.op == "output"][0].args[0]
+    assert torch.bool not in dtypes and dtypes.count(torch.uint8) == 3
+    assert all(o.meta["val"].dtype != torch.bool for o in outputs)
+
+
 def test_inputs_that_share_memory_go_through_torch_compile(monkeypatch):
     """A kernel traced for separate inputs would write views of one buffer as if apart: those calls take
     torch.compile's path, whose guards see the aliasing, even where the same shapes ran standalone before."""

@@ -137,24 +137,44 @@ def _kernel(fn):
 
         at = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         returns = []  # what fn returns, seen as it is traced: None or a tensor (True), or a tuple of them
+        # Inductor's C++ loads and stores a bool vector through masked byte loads and stores, which cost
+        # 10-20x a float's on cores where those are slow (AMD's: 200 ms against 10 ms to write a 2^24 mask,
+        # 99 ms against 15 ms to read one into a where, one thread; benchmarks/cpu_masks.py): the kernel
+        # is handed bools as bytes and writes bytes, which it converts through floats
+        bools_in = {j for j, x in enumerate(tensors) if x.dtype == torch.bool}
+        bools_out = []
 
         def flat(*xs):
             full = list(leaves)
-            for i, x in zip(at, xs):
-                full[i] = x
+            for j, (i, x) in enumerate(zip(at, xs)):
+                full[i] = x.to(torch.float32) != 0 if j in bools_in else x
             args, k = [], 0
             for kind, n in layout:  # the arguments again: leaves, and lists or tuples of them
                 args.append(full[k] if kind is None else kind(full[k:k + n]))
                 k += 1 if kind is None else n
             out = fn(*args)
             returns.append(out is None or isinstance(out, torch.Tensor))
-            return () if out is None else (out,) if isinstance(out, torch.Tensor) else tuple(out)
+            outs = () if out is None else (out,) if isinstance(out, torch.Tensor) else tuple(out)
+            bools_out.extend(i for i, o in enumerate(outs) if o.dtype == torch.bool)
+            return tuple(torch.where(o, 1.0, 0.0).to(torch.uint8) if i in bools_out else o
+                         for i, o in enumerate(outs))
+
+        def as_bytes(xs):
+            return [x.view(torch.uint8) if j in bools_in else x for j, x in enumerate(xs)]
 
         try:
-            graph = make_fx(flat, tracing_mode="fake")(*tensors)  # fake: tracing must not run the writes
-            compiled = torch._inductor.standalone_compile(graph, list(tensors), dynamic_shapes="from_example_inputs")
+            graph = make_fx(flat, tracing_mode="fake")(*as_bytes(tensors))  # fake: tracing must not run the writes
+            compiled = torch._inductor.standalone_compile(graph, as_bytes(tensors),
+                                                          dynamic_shapes="from_example_inputs")
         except Exception:  # data-dependent Python that only Dynamo traces, or a torch without standalone_compile
             return None
+        if bools_in or bools_out:
+            run = compiled
+
+            def compiled(*xs):
+                outs = run(*as_bytes(xs))
+                return [o.view(torch.bool) if i in bools_out else o for i, o in enumerate(outs)]
+
         if returns[0]:  # the graph's outputs are () or (the tensor,)
             return lambda *xs: next(iter(compiled(*xs) or ()), None)
         return lambda *xs: tuple(compiled(*xs))
