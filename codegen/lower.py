@@ -29,7 +29,7 @@ from typing import Callable, Mapping, Sequence
 from coconet.errors import BackendError
 from coconet.kernels.native import ChunkKernel, Untranslatable, c_source
 from coconet.schedules.dims import Dim
-from coconet.schedules.ir import COMPARE, EFFECTS, Group, Program, Stmt
+from coconet.schedules.ir import COMPARE, EFFECTS, VIEWS, Group, Program, Stmt
 from coconet.schedules.schedule import Schedule
 from coconet.schedules.types import ITEMSIZE, Local, Replicated, Sliced
 
@@ -143,6 +143,7 @@ class _Emitter:
         self.kernels: list[str] = []  # nested in step: they read its dims
         self.toplevel: list[tuple[str, str | None]] = []  # fused pointwise kernels, at module level
         self.written: set[str] = set()  # state a kernel writes in place
+        self.at: dict[str, int] = {}  # each statement's place in the step (_positions)
         self.chunked: set[str] | None = None  # members of the chunked unit being emitted
         self.absorbed: dict[Group, tuple[str, ...]] = {}  # see _absorbed
         self.slotless: set[str] = set()  # shm all_gathers written straight into the peers' state (gather_into)
@@ -232,7 +233,7 @@ class _Emitter:
     def stmt(self, s: Stmt) -> list[str]:
         n, op = self.ident(s.name), s.op
         args = [self.operand(s, a) for a in s.args]
-        if s.name in self.held:
+        if s.name in self.held and s.name not in self.p.group_of:
             dtype = TORCH_DTYPE[s.type.dtype or "float32"]
             return [f"{n} = {self.into(s, f'_c.shm.held({s.name!r}, {self.local_shape_expr(s.type)}, {dtype})')}"]
         if op == "input":
@@ -261,7 +262,10 @@ class _Emitter:
         if op in UNARY:
             return [f"{n} = {UNARY[op].format(self.tensor(s.args[0], args[0]) if op != 'neg' else _paren(args[0]))}"]
         if op == "cast":
-            return [f"{n} = _t({args[0]}).to({TORCH_DTYPE[s.attr('dtype')]})"]
+            # .to of a tensor's own dtype is that tensor: of state the step updates, a copy (see kept)
+            same = (self.p[s.args[0]].type.dtype or "float32") == s.attr("dtype")
+            text = f"_t({args[0]}).to({TORCH_DTYPE[s.attr('dtype')]})"
+            return [f"{n} = {self.kept(s.args[0], text) if same else text}"]
         if op == "where":
             return [f"{n} = torch.where({', '.join(self.tensor(a, x) for a, x in zip(s.args, args))})"]
         if op == "dropout" and self.dropout == "torch":
@@ -373,6 +377,8 @@ def lower(schedule: Schedule, backend: str = "gloo", kernels: str = "compiled", 
                            for v in dict.fromkeys(p.updates.values()) if p[v].op == "input" and v in p.updates}
     at_end = updated_in_place(p, skip | set(e.rows_only))
     skip |= set(at_end.values())
+    e.at = _positions(units, e.absorbed, e.fuse_absorbed, e.fuse_reduced,
+                      kernel_reduced(p, backend, e.absorbed) if e.compile else {})
     lowered: list[list[tuple[str, str]]] = []  # per unit: (line, statement it implements)
     for unit in units:
         if unit in skip:
@@ -887,10 +893,13 @@ def _updated_in_place(p: Program, g: Group, outs: list[str], absorbed, *, gather
     return found
 
 
-def _in_place(p: Program, g: Group, outs: list[str]) -> dict[str, str]:
-    """Outputs of a pointwise group that can be written straight into the state they update: the
-    value feeds only that update and every reader of the state is in the group (each element is
-    read before it is written, by the same kernel)."""
+def _in_place(p: Program, g: Group, outs: list[str], at: Mapping[str, int]) -> dict[str, str]:
+    """Outputs of a pointwise group that can be written straight into the state they update: the value feeds
+    only that update, and every reader of the state is in the group (each element is read before it is
+    written, by the same kernel) or runs before it (``at``: each statement's place in the step, _positions)
+    into a tensor of its own: a pointwise statement or a reduction, not a view or a cast (``.to`` of the
+    same dtype is the state itself), nor an effect (an output or send holds the state until the step ends).
+    An error-feedback residual ``e <- (g + e) - q`` whose ``g + e`` is another kernel's before it."""
     members = set(g.members)
     found = {}
     for o in outs:
@@ -900,7 +909,8 @@ def _in_place(p: Program, g: Group, outs: list[str]) -> dict[str, str]:
         t = targets[0]
         if p[t].type.shape != p[o].type.shape or p[t].type.layout != p[o].type.layout:
             continue
-        if all(u in members or p[u].op == "update" for u in p.users[t]):
+        if all(u in members or (p[u].op not in EFFECTS and p[u].op not in VIEWS and p[u].op != "cast"
+                                and at[u] < at[g.members[0]]) for u in _readers(p, t)):
             found[o] = t
     return found
 
@@ -914,15 +924,24 @@ def _lower_fuse(e: _Emitter, g: Group) -> list[str]:
     absorbed = tuple(e.fuse_absorbed.get(g, ()))
     reduced = e.fuse_reduced.get(g, ())
     ins, outs = _group_io(p, g, (*absorbed, *reduced))
-    inplace = _in_place(p, g, outs)
+    inplace = _in_place(p, g, outs, e.at)
     e.written.update(inplace.values())
     into = e.fuse_into.get(g, {})  # gather -> the value whose rows the kernel writes into every copy of the state
-    rest = [o for o in outs if o not in inplace and o not in into.values()] + list(reduced)
+    held = [o for o in outs if o in e.held and o not in inplace and o not in into.values()]
+    rest = [o for o in outs if o not in inplace and o not in into.values() and (into or o not in held)]
+    rest += list(reduced)
     body = []
     for m in (*absorbed, *g.members, *reduced):
         body.extend(("    " + x, m) for x in e.stmt(p[m]))
     body += [(f"    {e.ident(t)}.copy_({e.ident(o)})", o) for o, t in inplace.items()]
     scope = {e.ident(a) for a in ins}
+    # the value a fused collective reduces where it lies (held_source): the kernel stores it into the kept
+    # buffer, handed to it as an argument (a kernel writing peers' rows, cut at the call, copies it after)
+    buffers = {o: e.ident.fresh(f"_{e.ident(o)}_held", scope) for o in held}
+    made = [f"{buffers[o]} = _c.shm.held({o!r}, {e.local_shape_expr(p[o].type)}, "
+            f"{TORCH_DTYPE[p[o].type.dtype or 'float32']})" for o in held]
+    if not into:
+        body += [(f"    {buffers[o]}.copy_({e.ident(o)})", o) for o in held]
     peers = {}  # gather -> the kernel's parameter: this rank's rows of every peer's copy of the state
     for ag, o in into.items():
         state, peer = e.into_state[ag], e.ident.fresh("_peer", scope)
@@ -941,9 +960,10 @@ def _lower_fuse(e: _Emitter, g: Group) -> list[str]:
                            lambda dims: _native_chunk(e, compute, inplace, states, peers, {}, None, None, args, dims,
                                                       rest))
     if call is None:
-        call = _whole_fuse(e, g, body, ins, inplace, into, peers, rest, compiled)
+        call = _whole_fuse(e, g, body, ins, inplace, into, peers, rest, compiled, given=list(buffers.values()))
+    bound = [f"{e.ident(o)} = {buffers[o]}" + (f".copy_({e.ident(o)})" if into else "") for o in held]
     if not into:
-        return [call]
+        return [*made, call, *bound]
     # every state's copies mapped at one barrier before the kernel, every one whole at one barrier after it
     specs, gathers, ends = [], [], []
     for ag, o in into.items():
@@ -953,7 +973,7 @@ def _lower_fuse(e: _Emitter, g: Group) -> list[str]:
         gathers.append(e.ident.fresh(f"_{e.ident(ag)}", set()))
         ends.append(f"{gathers[-1]}.into({e.ident(state)}{', end=False' if ends else ''})")
     start = f"({_tuple_text(gathers)}), ({_tuple_text(peers.values())}) = _into_peers(_c, {', '.join(specs)})"
-    return [start, call] + ends
+    return [start, call] + ends + made + bound
 
 
 def _tuple_text(names) -> str:
@@ -967,7 +987,7 @@ def custom_group(p: Program, g: Group) -> bool:
 
 
 def _whole_fuse(e: _Emitter, g: Group, body: list, ins: list[str], inplace: dict[str, str], into, peers,
-                rest: list[str], compiled: bool) -> str:
+                rest: list[str], compiled: bool, given: Sequence[str] = ()) -> str:
     """The fuse group's function taking whole tensors and ``_c`` (it cuts the rows it reads itself), Inductor's
     where ``compiled``: its call."""
     p = e.p
@@ -979,7 +999,7 @@ def _whole_fuse(e: _Emitter, g: Group, body: list, ins: list[str], inplace: dict
     custom = custom_group(p, g)
     params = ["_c"] + dims + (["_custom"] if custom else []) + [e.ident(a) for a in ins]
     params += [e.ident(t) for t in (*inplace.values(), *(e.into_state[ag] for ag in into)) if t not in ins]
-    params = list(dict.fromkeys(params)) + list(peers.values())
+    params = list(dict.fromkeys(params)) + list(peers.values()) + list(given)
     fname = f"_fuse{len([x for x in e.toplevel if x[0].startswith('def ')])}"
     head = [(f"def {fname}({', '.join(params)}):", g.members[0]),
             (f'    """fuse({", ".join(g.members)}): one pointwise kernel'
@@ -1126,10 +1146,18 @@ def held_source(p: Program, backend: str, rs: Stmt) -> bool:
     reads and the chunk kernel does not compute (``reduced_in_kernel``), as a gradient accumulated over
     micro-batches added to the last one's (``acc + g``, two inputs). Saved per rank and step: the copy into
     the slot (N words read and written) and a new tensor's first touch of every page. The barrier that ends
-    the collective comes after the peers' last read of it, before the next step computes into it again."""
+    the collective comes after the peers' last read of it, before the next step computes into it again. So
+    does a fuse group's output that nothing outside the group but the reduce_scatter reads (the compressed
+    gradient of an error-feedback step): the kernel stores it into the buffer, not into a new tensor."""
     s = p[rs.args[0]]
-    return (backend == "shm" and s.op in OUT and _ungrouped_pointwise(p, s) and bool(s.type.shape)
-            and tuple(p.users[s.name]) == (rs.name,))
+    if backend != "shm" or not s.type.shape:
+        return False
+    g = p.group_of.get(s.name)
+    if g is None:
+        return s.op in OUT and _ungrouped_pointwise(p, s) and tuple(p.users[s.name]) == (rs.name,)
+    # a fuse kernel's output: the kernel writes it into the buffer as it computes it (_lower_fuse)
+    return (g.kind == "fuse" and not custom_group(p, g)
+            and all(u == rs.name or u in g.members for u in p.users[s.name]))
 
 
 _CUT = re.compile(r"_c\.(?:local|cut)\((\w+), [^()]*\)")

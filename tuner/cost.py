@@ -41,8 +41,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from coconet.codegen.lower import (custom_group, fuse_absorbed, fuse_reduced, fused_collective_plan, held_sources,
                                    kernel_reduced)
-from coconet.codegen.lower import (_absorbed, _group_io, _in_place, _needs_copy, _rows_only, _units, fuse_gathers_into,
-                                   gathers_into_state, updated_in_place)
+from coconet.codegen.lower import (_absorbed, _group_io, _in_place, _needs_copy, _positions, _rows_only, _units,
+                                   fuse_gathers_into, gathers_into_state, updated_in_place)
 from coconet.errors import CoconetError, SizeError
 from coconet.schedules.dims import Dim
 from coconet.schedules.ir import Group, Program, Stmt
@@ -159,6 +159,7 @@ class _Builder:
         self.fused_gathers: set[str] = set()
         self.rows: dict[str, int] = {}  # statements a fused kernel computes on this rank's rows (set by plan)
         self.reduced: dict[Group, tuple[str, ...]] = {}  # sums and norms a fuse kernel computes (set by plan)
+        self.at: dict[str, int] = {}  # each statement's place in the step (set by plan)
         self.held: set[str] = set()  # computed into a buffer kept from step to step (held_sources, set by plan)
         self.dims: dict[Dim, int] = {}
         self.extents: dict[tuple[tuple[int, ...], int], int] = {}
@@ -229,6 +230,7 @@ class _Builder:
         at_end = updated_in_place(p, skip | set(_rows_only(p, skip)))
         skip |= set(at_end.values())
         order = _units(p)
+        self.at = _positions(order, absorbed, rows, self.reduced, kernel_reduced(p, self.backend, absorbed))
         self.into_state = gathers_into_state(p, order, absorbed) if self.backend == "shm" else {}
         # a fuse kernel's rows into every copy of the state: the gather moves no bytes of its own
         self.fuse_into = fuse_gathers_into(p, order, self.into_state, absorbed, rows) if self.backend == "shm" else {}
@@ -376,7 +378,7 @@ class _Builder:
         p = self.p
         reduced = self.reduced.get(g, ())  # sums and norms of members the kernel computes (fuse_reduced)
         ins, outs = _group_io(p, g, (*rows, *reduced))
-        inplace = _in_place(p, g, outs)
+        inplace = _in_place(p, g, outs, self.at)
         outs = [*outs, *reduced]
         members = (*rows, *g.members)
         if custom_group(p, g):  # a custom op's code runs as written: statement by statement
@@ -403,9 +405,9 @@ class _Builder:
                 cold += _scaled(b, _PerWorld.ALL)
                 continue
             writes += b
-            if o not in inplace:
+            if o not in inplace and o not in self.held:
                 fresh += b
-            else:
+            else:  # into the state, or into the buffer a fused collective reads it from (held_source)
                 cold += b
         ops = self.fused_dropout_ops(g.members)
         dtype = next((p[o].type.dtype for o in outs if p[o].type and p[o].type.dtype), "float32")

@@ -445,6 +445,71 @@ def test_an_update_by_one_pointwise_statement_is_computed_into_the_state():
         assert_all_ok(run_schedules(list(generate(p.ir)), opts))
 
 
+def test_a_cast_of_a_state_to_its_own_dtype_is_a_copy():
+    """torch's ``.to`` of a tensor's own dtype is the tensor itself: a state cast to its own dtype and
+    returned, or kept as another state's new value, had been the state the step then overwrites (an output
+    or a state of the value after the step: a wrong result in every schedule, 14 of 26 for the update)."""
+    from coconet import Local, Program, Replicated, allreduce, cast
+    from coconet.codegen.launch import Options, run_schedules
+    from tests.codegen.test_launch import assert_all_ok
+
+    p = Program("cast_kept", dims=("N",))
+    g = p.tensor("g", ("N",), layout=Local)
+    w = p.tensor("w", ("N",), layout=Replicated)
+    prev = p.tensor("prev", ("N",), layout=Replicated)
+    p.output("old_w", cast(w, "float32"))
+    p.update(w, w - allreduce(g) * 0.1 + 0.01 * prev)
+    p.update(prev, cast(w, "float32"))
+    p.output("twice", cast(w, "float32") * 2.0)
+    assert "    cast0 = _t(w).to(torch.float32).clone()\n" in lower(Schedule(p.ir), "gloo").source
+    scheds = list(generate(p.ir))
+    for backend, kernels in (("gloo", "eager"), ("shm", "eager"), ("shm", "compiled")):
+        opts = Options(world=3, sizes={"N": 101}, backend=backend, time=False, timeout_s=120, kernels=kernels)
+        assert_all_ok(run_schedules(scheds, opts))
+
+
+def test_a_kernel_writes_a_state_in_place_when_its_other_readers_ran_before_it():
+    """A fuse group's value that updates a state is written into the state by the kernel where every reader
+    of the state outside the group runs before the kernel, into a tensor of its own (the error-feedback
+    residual: ``g + e`` in the kernel before); one reader after the kernel, or a cast of the state (to its
+    own dtype, the state itself) read after it, and the state is copied at the step's end as before. Every schedule is checked on gloo and
+    shm, compiled and eager."""
+    from coconet import Local, Program, Replicated, allreduce, cast
+    from coconet.codegen.launch import Options, run_schedules
+    from tests.codegen.test_launch import assert_all_ok
+
+    ef = runpy.run_path(str(ROOT / "benchmarks/programs/ef_sign.py"))["program"].ir
+    sched = Schedule.parse("fuse(add0, abs0, ge0); fuse(where0, sub0)", ef)
+    for backend in ("gloo", "shm"):
+        src = lower(sched, backend).source
+        kernel = src[src.index("def _fuse1("):src.index("_fuse1 = _kernel(_fuse1)")]
+        assert "    e.copy_(sub0)\n" in kernel and "e.copy_" not in src[src.index("def step("):]
+
+    def program(late: bool, view: bool):
+        p = Program("late_reader", dims=("N",))
+        g, e = p.tensor("g", ("N",), layout=Local), p.tensor("e", ("N",), layout=Local)
+        w = p.tensor("w", ("N",), layout=Replicated)
+        c = g + e
+        q = c * 0.5
+        early = cast(e, "float32") if view else e * 2.0  # a cast to its own dtype is the state itself
+        p.update(e, (c - q) * 0.9)
+        later = e * 3.0 if late else early
+        p.update(w, w - allreduce(q))
+        p.output("r", later)
+        return p.ir
+
+    for late, view in ((False, False), (True, False), (False, True)):
+        p = program(late, view)
+        v = p.updates["e"]
+        sched = Schedule.parse(f"fuse(add0, mul0); fuse({p[v].args[0]}, {v})", p)
+        src = lower(sched, "gloo").source
+        step = src[src.index("def step("):]
+        assert (f"    e.copy_({v})\n" in step) == (late or view), (late, view)
+        for backend, kernels in (("gloo", "eager"), ("shm", "eager"), ("shm", "compiled")):
+            opts = Options(world=2, sizes={"N": 101}, backend=backend, time=False, timeout_s=120, kernels=kernels)
+            assert_all_ok(run_schedules(list(generate(p)), opts))
+
+
 def test_a_state_returned_as_it_was_before_the_step_is_a_copy():
     """p.output of a state's own value, which the step then updates: the output is the value before the
     update (the reference's), not the tensor the end of the step overwrites (every schedule of it was a

@@ -714,6 +714,29 @@ def test_a_held_buffer_is_the_same_tensor_every_step_until_its_shape_changes():
     assert shm._Shm.held(box, "add0", (6,), torch.bfloat16).dtype == torch.bfloat16
 
 
+def test_a_kernel_computes_what_a_fused_collective_reduces_where_the_peers_read_it():
+    """Error feedback: the compressed gradient the fused collective reduces is a fuse kernel's output. The
+    kernel stores it into the buffer the step keeps (_Shm.held), which the peers read where it lies, and
+    writes the residual into its state; nothing is returned to be published. Correct at R = 2, 3, uneven
+    rows, compiled and eager, on both steps the check runs; gloo has no buffer to store it into."""
+    prog = runpy.run_path(str(Path(__file__).parents[2] / "benchmarks/programs/ef_sign.py"))["program"].ir
+    sched = Schedule.parse("split(ar0); reorder(ag0); fuse_collective(rs0); fuse(add0, abs0, ge0); "
+                           "fuse(where0, sub0)", prog)
+    for kernels in ("compiled", "eager"):
+        src = lower(sched, "shm", kernels).source
+        kernel = src[src.index("def _fuse1("):]
+        kernel = kernel[:kernel.index("\n\n")]
+        assert kernel.endswith("    e.copy_(sub0)\n    _where0_held.copy_(where0)") and "return" not in kernel
+        assert "    _where0_held = _c.shm.held('where0', (d_N, ), torch.float32)\n" in src
+        assert re.search(r"in _reduce_scatter_(parts|chunks)\(_rank, where0, 0, d_N, 4, ('avg', )?'where0', \d\):", src)
+    assert "_held" not in lower(sched, "gloo").source
+    for world, n in ((2, 1001), (3, 7)):
+        for kernels in ("compiled", "eager"):
+            options = Options(world=world, sizes={"N": n}, backend="shm", warmup=1, repeats=2, kernels=kernels)
+            assert_all_ok(run_schedules([sched.with_knobs(fc_chunks=k) for k in (1, 4)], options))
+    assert not segments()
+
+
 def test_a_sum_of_values_of_each_ranks_own_is_computed_where_the_peers_read_it():
     """Gradient accumulation: the fused collective reduces acc + g, which is no input but a statement of two,
     cleared state one of them. The step computes it into a buffer it keeps (_Shm.held), which moves into a
