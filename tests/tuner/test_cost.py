@@ -297,3 +297,21 @@ def test_a_held_source_is_not_published_and_an_update_in_place_is_not_copied():
     assert cost._value(ks["mul5 into acc"].fresh, elems, world) == 0
     p, ks = kernels("gloo")
     assert cost._value(ks["add0"].fresh, cost._elems(p, {"N": n}, world), world) == 4 * n
+
+
+def test_a_kernel_storing_into_state_and_into_a_held_buffer_makes_no_new_tensor():
+    # error feedback: the second kernel writes the residual into e (e's other reader ran in the first kernel)
+    # and the compressed gradient into the buffer the fused collective reads (codegen.lower._in_place,
+    # held_source): no fresh tensor, no copy into e, no publish; on gloo the compressed gradient is a new one
+    prog = runpy.run_path(str(Path(__file__).parents[2] / "benchmarks/programs/ef_sign.py"))["program"].ir
+    s = Schedule.parse("split(ar0); reorder(ag0); fuse_collective(rs0); fuse(add0, abs0, ge0); fuse(where0, sub0)",
+                       prog)
+    n, world = 2**20, 2
+    for backend, fresh in (("shm", 0), ("gloo", 4 * n)):
+        p = cost.plan(s, backend)
+        ks = {k.what: k for u in p.units for k in u.kernels}
+        elems = cost._elems(p, {"N": n}, world)
+        kernel = ks["fuse(where0, sub0)"]
+        assert "e.copy_" not in ks and "rs0 publish" not in ks
+        assert cost._value(kernel.write, elems, world) == 8 * n
+        assert cost._value(kernel.fresh, elems, world) == fresh
