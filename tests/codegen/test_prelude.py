@@ -164,7 +164,8 @@ def test_a_kernel_compiles_once_for_a_context_made_anew_every_step(monkeypatch):
 def test_a_kernel_is_handed_bools_as_bytes_and_returns_bools(monkeypatch):
     """Inductor's CPU code moves bool vectors through masked byte loads and stores (10-20x a float's on
     AMD cores, benchmarks/cpu_masks.py): the graph it compiles takes and returns no bool tensor, and the
-    caller still gets bools, the mask of every element (a 0-d one too) as eager torch computes it."""
+    caller still gets bools, the mask of every element (a 0-d one too) as eager torch computes it. A bool
+    tensor the kernel writes is handed over as it is: a converted copy would take the writes."""
     _no_dynamo(monkeypatch)
     real, graphs = torch._inductor.standalone_compile, []
 
@@ -190,6 +191,16 @@ def test_a_kernel_is_handed_bools_as_bytes_and_returns_bools(monkeypatch):
     outputs = [n for n in graph.graph.nodes if n.op == "output"][0].args[0]
     assert torch.bool not in dtypes and dtypes.count(torch.uint8) == 3
     assert all(o.meta["val"].dtype != torch.bool for o in outputs)
+
+    def rows_of_a_mask(out, x, flags):  # a chunk kernel writing its rows of a sliced mask
+        out[2:5].copy_(x[2:5] > 0.0)
+        return x * flags.to(torch.float32)
+
+    kernel = prelude._kernel(rows_of_a_mask)
+    out = torch.zeros(37, dtype=torch.bool)
+    kernel(out, x, mask)
+    assert torch.equal(out, torch.arange(37).ge(2) & torch.arange(37).lt(5) & (x > 0))
+    assert graphs[-1][1] == [torch.bool, torch.float32, torch.uint8]  # the mask it writes is handed as it is
 
 
 def test_inputs_that_share_memory_go_through_torch_compile(monkeypatch):

@@ -322,19 +322,23 @@ def _kernel(fn):
         # Inductor's C++ loads and stores a bool vector through masked byte loads and stores, which cost
         # 10-20x a float's on cores where those are slow (AMD's: 200 ms against 10 ms to write a 2^24 mask,
         # 99 ms against 15 ms to read one into a where, one thread; benchmarks/cpu_masks.py): the kernel
-        # is handed bools as bytes and writes bytes, which it converts through floats
+        # is handed bools as bytes and writes bytes, which it converts through floats. A bool tensor the
+        # kernel writes (a chunk's rows of a sliced mask) stays one: the conversion is a copy, and the
+        # writes would go into it
         bools_in = {j for j, x in enumerate(tensors) if x.dtype == torch.bool}
-        bools_out = []
+        bools_out: list[int] = []
+        written: set[int] = set()  # bool inputs the traced kernel wrote
 
         def flat(*xs):
-            full = list(leaves)
+            full, derived = list(leaves), {}
             for j, (i, x) in enumerate(zip(at, xs)):
-                full[i] = x.to(torch.float32) != 0 if j in bools_in else x
+                full[i] = derived[j] = x.to(torch.float32) != 0 if j in bools_in else x
             args, k = [], 0
             for kind, n in layout:  # the arguments again: leaves, and lists or tuples of them
                 args.append(full[k] if kind is None else kind(full[k:k + n]))
                 k += 1 if kind is None else n
             out = fn(*args)
+            written.update(j for j in bools_in if derived[j]._version)
             returns.append(out is None or isinstance(out, torch.Tensor))
             outs = () if out is None else (out,) if isinstance(out, torch.Tensor) else tuple(out)
             bools_out.extend(i for i, o in enumerate(outs) if o.dtype == torch.bool)
@@ -346,6 +350,10 @@ def _kernel(fn):
 
         try:
             graph = make_fx(flat, tracing_mode="fake")(*as_bytes(tensors))  # fake: tracing must not run the writes
+            if written:  # traced again with those handed over as they are
+                bools_in -= written
+                bools_out.clear()
+                graph = make_fx(flat, tracing_mode="fake")(*as_bytes(tensors))
             compiled = torch._inductor.standalone_compile(graph, as_bytes(tensors),
                                                           dynamic_shapes="from_example_inputs")
         except Exception:  # data-dependent Python that only Dynamo traces, or a torch without standalone_compile
