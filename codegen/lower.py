@@ -147,6 +147,7 @@ class _Emitter:
         self.chunked: set[str] | None = None  # members of the chunked unit being emitted
         self.absorbed: dict[Group, tuple[str, ...]] = {}  # see _absorbed
         self.slotless: set[str] = set()  # shm all_gathers written straight into the peers' state (gather_into)
+        self.packed: list[tuple[str, ...]] = []  # inputs a chunk kernel sums from one slot (_shm_segments)
         self.into_state: dict[str, str] = {}  # see gathers_into_state: all_gather → the state it writes
         self.fuse_into: dict[Group, dict[str, str]] = {}  # see fuse_gathers_into
         self.rowwise: dict[str, Group] = {}  # absorbed Replicated statements: a chunk computes its own rows
@@ -529,7 +530,8 @@ class FusedCollective:
     compiles: bool  # the chunk one compiled kernel (chunk_compiles), where the lowering compiles
     sums_parts: bool  # that kernel takes the rows on every rank unreduced (sums_parts)
     pre: tuple[str, ...] = ()  # what that kernel computes on every rank's rows before it sums them (reduced_in_kernel)
-    source: str = ""  # whose rows every rank's come from: the reduce_scatter's operand, or the input pre reads
+    # whose rows every rank's come from: the reduce_scatter's operand, or the inputs pre reads (program order)
+    sources: tuple[str, ...] = ()
     ranked: tuple[str, ...] = ()  # the numbers of every rank's own that pre reads (rank_numbers)
     held: bool = False  # source computed into a buffer the peers read where it lies (held_source)
 
@@ -549,15 +551,17 @@ def fused_collective_plan(p: Program, backend: str, g: Group, absorbed: tuple[st
     sums = compiles and sums_parts(p, backend, g, into)
     rs = p[g.members[0]]
     pre = reduced_in_kernel(p, g) if sums else ()
-    source = next((a for m in pre for a in p[m].args if p[a].op == "input"), rs.args[0])
+    read = {a for m in pre for a in p[m].args if p[a].op == "input" and p[a].type.shape}
+    sources = tuple(s.name for s in p.stmts if s.name in read) or (rs.args[0],)
     if pre:
         ins, _ = _group_io(p, g, (*pre, *absorbed))
     held = not pre and held_source(p, backend, rs)
+    direct = held or all(reads_input_in_place(p, backend, x, after=bool(pre)) for x in sources)
     return FusedCollective(
         rs=rs, ins=tuple(ins), outs=tuple(outs), inplace=inplace, into=into, gathers=gathers,
         partials=partials, sliced_outs=sliced_outs, compute=compute, needed=frozenset(needed),
-        direct=held or reads_input_in_place(p, backend, source), compiles=compiles, sums_parts=sums, pre=pre,
-        source=source, ranked=rank_numbers(p, pre), held=held)
+        direct=direct, compiles=compiles, sums_parts=sums, pre=pre, sources=sources,
+        ranked=rank_numbers(p, pre), held=held)
 
 
 def updated_in_place(p: Program, skip: set[str]) -> dict[str, str]:
@@ -582,7 +586,7 @@ def updated_in_place(p: Program, skip: set[str]) -> dict[str, str]:
 def held_sources(p: Program, backend: str, absorbed: Mapping[Group, tuple[str, ...]],
                  compiled: bool = True) -> set[str]:
     """The values fused collectives reduce that the step computes into buffers of their own (held_source)."""
-    return {fc.source for g in p.groups if g.kind == "fused_collective"
+    return {fc.sources[0] for g in p.groups if g.kind == "fused_collective"
             for fc in [fused_collective_plan(p, backend, g, absorbed.get(g, ()), compiled)] if fc.held}
 
 
@@ -609,14 +613,15 @@ def rank_numbers(p: Program, pre: Sequence[str]) -> tuple[str, ...]:
 
 def reduced_in_kernel(p: Program, g: Group) -> tuple[str, ...]:
     """The statements before a fused collective's reduce_scatter that its chunk kernel computes on each rank's
-    rows as it sums them (where it takes them unreduced, ``sums_parts``): pointwise statements of one Local
-    input the step leaves as it is (a gradient), of numbers every rank holds alike (scalars, constants, 0-d
-    Replicated values) and of float32 numbers each rank holds its own of (``rank_numbers``), that nothing else
-    reads: the gradient predivided or unscaled before its allreduce, cast to float32, weighted by the rank's
-    share of the tokens, clipped by its own norm. The reduction then reads that input where it lies
+    rows as it sums them (where it takes them unreduced, ``sums_parts``): pointwise statements of Local inputs
+    of the reduced value's shape (a gradient; a buffer of earlier micro-batches' gradients the step clears once
+    reduced), of numbers every rank holds alike (scalars, constants, 0-d Replicated values) and of float32
+    numbers each rank holds its own of (``rank_numbers``), that nothing else reads: the gradient predivided or
+    unscaled before its allreduce, cast to float32, weighted by the rank's share of the tokens, clipped by its
+    own norm, added to the accumulated ones. The reduction then reads those inputs where they lie
     (``reads_input_in_place``), and their value is never written out and published (on a step of N floats: N
-    words written and 2N read, per rank). Their semantics is unchanged: each rank's rows are computed from its
-    own input, then summed."""
+    words written and 2N read, per rank; N written and N read where it would have gone into a buffer the peers
+    read). Their semantics is unchanged: each rank's rows are computed from its own inputs, then summed."""
     rs = p[g.members[0]]
     x = rs.args[0]
     shape = p[x].type.shape
@@ -633,7 +638,7 @@ def reduced_in_kernel(p: Program, g: Group) -> tuple[str, ...]:
         pre.add(s.name)
         for a in s.args:
             t = p[a]
-            if t.op == "input" and isinstance(t.type.layout, Local) and t.type.shape == shape and a not in p.updates:
+            if t.op == "input" and isinstance(t.type.layout, Local) and t.type.shape == shape:
                 leaves.add(a)
             elif t.type.shape == () and isinstance(t.type.layout, Replicated):
                 continue  # the same number on every rank: the kernel's own
@@ -641,7 +646,7 @@ def reduced_in_kernel(p: Program, g: Group) -> tuple[str, ...]:
                 continue  # a number of each rank's own (rank_numbers): posted at the barrier
             else:
                 todo.append(a)
-    if len(leaves) != 1 or any(u not in pre and u != rs.name for m in pre for u in p.users[m]):
+    if not leaves or any(u not in pre and u != rs.name for m in pre for u in p.users[m]):
         return ()
     return tuple(s.name for s in p.stmts if s.name in pre)
 
@@ -957,7 +962,7 @@ def _lower_fuse(e: _Emitter, g: Group) -> list[str]:
         args = {x: x for x in peers.values()}  # the peers' rows, bound under the same names at the call
         states = {ag: e.into_state[ag] for ag in into}
         call = _cut_kernel(e, g, "_fuse", doc, list(body), compute, set(map(e.ident, compute)), args, scope, rest,
-                           lambda dims: _native_chunk(e, compute, inplace, states, peers, {}, None, None, args, dims,
+                           lambda dims: _native_chunk(e, compute, inplace, states, peers, {}, None, (), args, dims,
                                                       rest))
     if call is None:
         call = _whole_fuse(e, g, body, ins, inplace, into, peers, rest, compiled, given=list(buffers.values()))
@@ -1039,7 +1044,9 @@ def _chunked_body(e: _Emitter, g: Group, fc: FusedCollective, chunks: int) -> li
     e.chunked = set(g.members) | set(fc.compute)
     try:
         # shm: the kernel sums the chunk's rows on every rank as it reads them (sum, avg)
-        parts = fc.sums_parts and e.ident.fresh(f"{e.ident(rs.name)}_parts", scope)  # the chunk's rows on every rank
+        # the chunk's rows on every rank, of each input pre reads where there are several
+        parts = (() if not fc.sums_parts else (e.ident.fresh(f"{e.ident(rs.name)}_parts", scope),)
+                 if len(fc.sources) == 1 else tuple(e.ident.fresh(f"{e.ident(x)}_parts", scope) for x in fc.sources))
         # compiled, the kernel writes this rank's rows of a gathered state into every peer's copy as it computes
         # them: a push after it would read them back from memory (shm.py's module doc)
         peers = {m: f"{tmp[m]}.peer_rows(_c)" for m in into}
@@ -1049,12 +1056,12 @@ def _chunked_body(e: _Emitter, g: Group, fc: FusedCollective, chunks: int) -> li
         # every rank's of each of the numbers that pre reads, one tensor per number, in the order of the parts
         ranked = {x: e.ident.fresh(f"{e.ident(x)}_ranks", scope) for x in fc.ranked} if parts else {}
         kernel = (_chunk_kernel(e, g, compute, inplace, fc.needed, rs if parts else None, into, parts, peers, buffers,
-                                fc.pre, fc.source, ranked) if e.compile else None)
-        source, direct = fc.source, fc.direct
+                                fc.pre, fc.sources, ranked) if e.compile else None)
+        sources, direct = fc.sources, fc.direct
         if kernel is None and fc.pre:  # no kernel to compute them on every rank's rows: computed here, published
             computed = [("    " + x, m) for m in fc.pre for x in e.stmt(p[m])]
             lines[:0], at = computed, at + len(computed)
-            source, direct = rs.args[0], False
+            sources, direct = (rs.args[0],), False
         if kernel is not None:
             lines[at:at] = [(f"    {tmp[o]} = torch.empty({e.local_shape_expr(p[o].type).replace('_c.', '_rank.')}, "
                              f"dtype={TORCH_DTYPE[p[o].type.dtype or 'float32']}, device=_rank.device)", o)
@@ -1062,16 +1069,20 @@ def _chunked_body(e: _Emitter, g: Group, fc: FusedCollective, chunks: int) -> li
         else:
             lines[at:at] = [(f"    {tmp[o]} = []", o) for o in sliced_outs]
         lines[at:at] = [(f"    {tmp[o]} = []", o) for o in partials]  # each chunk's, added up after the last
-        where = f", {source!r}, {len(into)}" if direct else ""
+        source = e.ident(sources[0]) if len(sources) == 1 else f"({', '.join(map(e.ident, sources))})"
+        names = repr(sources[0]) if len(sources) == 1 else repr(sources)
+        where = f", {names}, {len(into)}" if direct else ""
         if kernel is not None and parts:
-            if ranked:  # posted after the words of the gathers' states and of the input (_scatter_parts)
+            if ranked:  # posted after the words of the gathers' states and of the inputs (_scatter_parts)
                 words = where or f", None, {len(into)}"
                 where = f"{words}, numbers=({''.join(f'{e.ident(x)}, ' for x in ranked)})"
             targets = "".join(f", {v}" for v in ranked.values())
-            lines.append((f"    for _c, {parts}{targets} in _reduce_scatter_parts(_rank, {e.ident(source)}, "
+            if len(sources) > 1:
+                e.packed.append(sources)
+            lines.append((f"    for _c, {', '.join(parts)}{targets} in _reduce_scatter_parts(_rank, {source}, "
                           f"{d}, {n}, {chunks}{where}):", rs.name))
         else:
-            lines.append((f"    for _c, {e.ident(rs.name)} in _reduce_scatter_chunks(_rank, {e.ident(source)}, "
+            lines.append((f"    for _c, {e.ident(rs.name)} in _reduce_scatter_chunks(_rank, {source}, "
                           f"{d}, {n}, {chunks}, {rs.attr('op')!r}{where}):", rs.name))
         if kernel is not None:
             lines += kernel
@@ -1128,14 +1139,18 @@ def sums_parts(p: Program, backend: str, g: Group, into) -> bool:
     return backend == "shm" and rs.attr("op") in ("sum", "avg") and not sent
 
 
-def reads_input_in_place(p: Program, backend: str, source: str) -> bool:
+def reads_input_in_place(p: Program, backend: str, source: str, after: bool = False) -> bool:
     """Whether a fused collective on shm reads its reduce_scatter's operand where it lies on every rank, moved
     into a segment of its own (``_Shm.stage_input``), rather than published into a slot: the operand is an
     input the step leaves as it is (a gradient). The barrier that ends the collective (``_end_collective``,
     its gathers' or its own where it gathers nothing) comes after the peers' last read of it and before any
-    rank returns to a caller who may write the next one into it."""
+    rank returns to a caller who may write the next one into it. ``after``: an input the chunk kernel reads
+    (``reduced_in_kernel``) may be a Local state, for nothing writes one before the collective has ended: its
+    new value is written in place at the step's end or by a kernel that runs after every reader of it
+    (``_in_place``), and the collective is one."""
     src = p[source]
-    return backend == "shm" and src.op == "input" and src.name not in p.updates
+    return (backend == "shm" and src.op == "input"
+            and (src.name not in p.updates or (after and isinstance(src.type.layout, Local))))
 
 
 def held_source(p: Program, backend: str, rs: Stmt) -> bool:
@@ -1182,16 +1197,16 @@ def chunk_compiles(p: Program, g: Group, compute: Sequence[str]) -> bool:
 
 
 def _chunk_kernel(e: _Emitter, g: Group, compute: list[str], inplace: dict[str, str], needed: set,
-                  parts: Stmt | None = None, into=None, parts_name: str | None = None, peers=None,
-                  buffers=None, pre: tuple[str, ...] = (), source: str = "", ranked=None) -> list | None:
+                  parts: Stmt | None = None, into=None, parts_names: tuple[str, ...] = (), peers=None,
+                  buffers=None, pre: tuple[str, ...] = (), sources: tuple[str, ...] = (), ranked=None) -> list | None:
     """The pointwise statements of a fused collective's chunk as one module-level function compiled by
     Inductor, called once per chunk with the chunk's rows of what it reads (cut at the call: the chunk's
     position stays out of the compiled code; dropout gets the chunk's first row as a tensor). None when a
     statement needs the chunk itself or is not pointwise: the chunk then runs statement by statement.
     ``buffers``: outputs the kernel writes into (their chunk's rows of a tensor of this rank's rows, by name)
-    rather than returns. ``pre``: statements computed on every rank's rows of ``source`` before they are
-    summed (reduced_in_kernel), with every rank's of the numbers in ``ranked`` (number -> the parameter
-    holding every rank's)."""
+    rather than returns. ``pre``: statements computed on every rank's rows of ``sources`` (each in the
+    parameter of ``parts_names`` at its place) before they are summed (reduced_in_kernel), with every rank's of
+    the numbers in ``ranked`` (number -> the parameter holding every rank's)."""
     p = e.p
     if not chunk_compiles(p, g, compute):
         return None
@@ -1200,18 +1215,19 @@ def _chunk_kernel(e: _Emitter, g: Group, compute: list[str], inplace: dict[str, 
     body: list[tuple[str, str]] = []
     ranked = ranked or {}
     # the kernel's parameters but the program's values
-    scope = ({parts_name} | set(ranked.values())) if parts is not None else set()
+    scope = (set(parts_names) | set(ranked.values())) if parts is not None else set()
     if parts is not None:  # the reduce_scatter's sum, fused: its rows on every rank come in unreduced
-        summed = parts_name
-        if pre:  # each rank's rows of the value it reduces, from its rows of the input they are computed from
+        summed = parts_names[0]
+        if pre:  # each rank's rows of the value it reduces, from its rows of the inputs it is computed from
             summed = e.ident.fresh(f"_{e.ident(parts.args[0])}", scope)
-            each = ", ".join([e.ident(source), *map(e.ident, ranked)])
-            rows = f"zip({', '.join([parts_name, *ranked.values()])})" if ranked else parts_name
+            each = ", ".join([*map(e.ident, sources), *map(e.ident, ranked)])
+            lists = [*parts_names, *ranked.values()]
+            rows = f"zip({', '.join(lists)})" if len(lists) > 1 else lists[0]
             body += [(f"    {summed} = []", parts.name), (f"    for {each} in {rows}:", parts.name)]
             body += [("        " + x, m) for m in pre for x in e.stmt(p[m])]
             body.append((f"        {summed}.append({e.ident(parts.args[0])})", parts.name))
         body.append((f"    {e.ident(parts.name)} = _add_all({summed})"
-                     + (f" / len({parts_name})" if parts.attr("op") == "avg" else ""), parts.name))
+                     + (f" / len({parts_names[0]})" if parts.attr("op") == "avg" else ""), parts.name))
     args: dict[str, str] = {}  # argument at the call -> parameter of the kernel
     for m in compute:
         s = p[m]
@@ -1239,9 +1255,9 @@ def _chunk_kernel(e: _Emitter, g: Group, compute: list[str], inplace: dict[str, 
     results = [m for m in compute if m in needed and m not in buffers]
     doc = f"{len(compute)} statements of {g} on one chunk" + (", state written in place" if inplace or into else "")
     call = _cut_kernel(e, g, "_chunk", doc, body, compute, defined, args, scope, results,
-                       lambda dims: _native_chunk(e, compute, inplace, into or {}, peers, buffers, parts, parts_name,
-                                                  args, dims, results, pre, source, ranked),
-                       (parts_name, *ranked.values()) if parts is not None else ())
+                       lambda dims: _native_chunk(e, compute, inplace, into or {}, peers, buffers, parts, parts_names,
+                                                  args, dims, results, pre, sources, ranked),
+                       (*parts_names, *ranked.values()) if parts is not None else ())
     return None if call is None else [(f"        {call}", compute[0])]
 
 
@@ -1302,8 +1318,8 @@ def _cut_kernel(e: _Emitter, g: Group, prefix: str, doc: str, body: list, comput
 
 
 def _native_chunk(e: _Emitter, compute: list[str], inplace: dict[str, str], into, peers, buffers,
-                  parts: Stmt | None, parts_name: str | None, args: dict[str, str], dims: list[str],
-                  results: list[str], pre: tuple[str, ...] = (), source: str = "",
+                  parts: Stmt | None, parts_names: tuple[str, ...], args: dict[str, str], dims: list[str],
+                  results: list[str], pre: tuple[str, ...] = (), sources: tuple[str, ...] = (),
                   ranked=None) -> tuple[str, str, int] | None:
     """The chunk kernel as C (coconet.kernels.native): its parameters' kinds, its source and how many partial
     sums it returns. Only where it stores a gathered state's rows into the peers' copies (shm): there its
@@ -1319,7 +1335,8 @@ def _native_chunk(e: _Emitter, compute: list[str], inplace: dict[str, str], into
     for expr, param in args.items():
         if param in peer_params:
             kind = "peers"
-        elif param == parts_name:
+        elif param in parts_names:
+            source = sources[parts_names.index(param)]
             kind = "bf16 parts" if pre and p[source].type.dtype == "bfloat16" else "parts"
         elif param in (ranked or {}).values():
             kind = "rank numbers"
@@ -1338,7 +1355,7 @@ def _native_chunk(e: _Emitter, compute: list[str], inplace: dict[str, str], into
         return text if text.isidentifier() else None
 
     stmts, sums, pre_stmts = [], [], []
-    if pre and p[source].type.dtype not in ("float32", "bfloat16"):
+    if pre and any(p[x].type.dtype not in ("float32", "bfloat16") for x in sources):
         return None
     for m in (*pre, *compute):
         s = p[m]
@@ -1362,10 +1379,11 @@ def _native_chunk(e: _Emitter, compute: list[str], inplace: dict[str, str], into
         return None
     spec = ChunkKernel(
         params=tuple(kinds),
-        parts=(e.ident(parts.name), parts_name, parts.attr("op")) if parts is not None else None,
+        parts=(e.ident(parts.name), parts_names[0], parts.attr("op")) if parts is not None else None,
         stmts=tuple(stmts), numbers=frozenset(e.ident(m) for m in compute if e.number(m)),
         writes=tuple(writes), streams=tuple(streams), sums=tuple(sums), constants=tuple(constants),
-        pre=tuple(pre_stmts), part=e.ident(source) if pre else None,
+        pre=tuple(pre_stmts), part=e.ident(sources[0]) if pre else None,
+        also=tuple(zip(map(e.ident, sources[1:]), parts_names[1:])) if pre else (),
         ranked=tuple((e.ident(x), param) for x, param in (ranked or {}).items()))
     try:
         return spec.kinds, c_source(spec), len(sums)
@@ -1442,11 +1460,12 @@ def _nbytes_expr(t) -> str:
     return " * ".join([str(ITEMSIZE.get(t.dtype or "float32", 4))] + [f"({dim_expr(d)})" for d in t.shape])
 
 
-def _shm_segments(p: Program, slotless: set[str]) -> list[str]:
+def _shm_segments(p: Program, slotless: set[str], packed: Sequence[tuple[str, ...]] = ()) -> list[str]:
     """The line mapping the group's shared segments: a slot holds the largest collective's buffer (a
-    bucket's buffers together); a chunked fused collective keeps its gathers live while it reduces, but for
-    those (``slotless``) that write into the peers' state."""
-    sizes = []
+    bucket's buffers together; the inputs a chunk kernel sums, ``packed``, where they are published); a
+    chunked fused collective keeps its gathers live while it reduces, but for those (``slotless``) that write
+    into the peers' state."""
+    sizes = [" + ".join(f"{_nbytes_expr(p[x].type)} + 64" for x in xs) for xs in packed]
     for s in p.stmts:
         if s.op in ("allreduce", "reduce_scatter", "broadcast"):
             sizes.append(_nbytes_expr(p[s.args[0]].type))
@@ -1532,7 +1551,7 @@ def _module(schedule: Schedule, backend: str, e: _Emitter, body, updates: list[s
         "    _custom = custom_ops or {}",
         "    _outputs, _sent = {}, {}",
     ]]
-    rest = [("    " + x, None) for x in _shm_segments(p, e.slotless)] if backend == "shm" else []
+    rest = [("    " + x, None) for x in _shm_segments(p, e.slotless, e.packed)] if backend == "shm" else []
     rest += [("    " + x, m) for k in e.kernels for x, m in [("", None)] + k + [("", None)]]
     rest += [("    " + x, m) for x, m in body]
     used = _names(textwrap.dedent("\n".join(x for x, _ in rest)).split("\n"))

@@ -121,7 +121,8 @@ class ChunkKernel:
     that only ``where`` and a ``cast`` to float32 (its constant the dtype) read; a scalar may be a mask that
     ``where`` reads (a bool passed in, as 1 or 0: whether a loss scaler found an overflow). ``pre``:
     statements computed on each rank's rows before they are summed, the rows named ``part``; the last is the
-    value summed.
+    value summed. ``also``: (name, parts parameter) for rows of other inputs ``pre`` reads alongside, rank by
+    rank (a gradient and the sum of the earlier micro-batches' gradients).
     ``ranked``: (number, its ``rank numbers`` parameter: every rank's, a float32 each in the order of the
     parts) for the numbers ``pre`` reads that each rank holds its own of."""
 
@@ -136,6 +137,7 @@ class ChunkKernel:
     pre: tuple[tuple[str, str, tuple[str, ...], object], ...] = ()
     part: str | None = None
     ranked: tuple[tuple[str, str], ...] = ()
+    also: tuple[tuple[str, str], ...] = ()
 
     @property
     def kinds(self) -> str:
@@ -165,7 +167,8 @@ def c_source(k: ChunkKernel) -> str:
     kind = dict(k.params)
     masks = {name for name, op, *_ in (*k.pre, *k.stmts) if op in COMPARE}
     values = {name for name, *_ in (*k.pre, *k.stmts)} | ({k.parts[0]} if k.parts else set())
-    values |= ({k.part} if k.part else set()) | {name for name, _ in k.ranked}
+    values |= ({k.part} if k.part else set()) | {name for name, _ in (*k.ranked, *k.also)}
+    rows_of = ({k.part: k.parts[1]} if k.part and k.parts else {}) | dict(k.also)  # each input's parts
     tensors = values - k.numbers - masks
     # the values known here, for a power's exponent: the chunk's constants and those passed in as scalars
     known = [(name, value) for name, op, _, value in (*k.pre, *k.stmts) if op == "const"] + list(k.constants)
@@ -240,7 +243,7 @@ def c_source(k: ChunkKernel) -> str:
             elif op == "where" and kind.get(args[0]) == "scalar":  # a mask passed in: one choice for every row
                 x, y = (ref(a, vector) for a in args[1:])
                 out.append(f"const {t} p_{name} = (a->p_{args[0]} != 0.0f) ? {x} : {y};")
-            elif op == "cast" and value == "float32" and args[0] == k.part:  # the rows, loaded as float32
+            elif op == "cast" and value == "float32" and args[0] in rows_of:  # the rows, loaded as float32
                 out.append(f"const {t} p_{name} = p_{args[0]};")
             elif op == "cast" and value == "float32" and args[0] in masks:
                 one = "(v8){0} + 1.0f" if vector else "1.0f"
@@ -262,16 +265,22 @@ def c_source(k: ChunkKernel) -> str:
             total, plist, op = k.parts
             if kind.get(plist) not in ("parts", "bf16 parts") or op not in ("sum", "avg"):
                 raise Untranslatable(f"parts {plist} ({op})")
-            load = "ld(a->p_{0}[{1}] + i)" if vector else "a->p_{0}[{1}][i]"
-            if kind[plist] == "bf16 parts":  # read only through casts to float32, which widen them exactly
-                if not k.pre or any(k.part in args and (op != "cast" or value != "float32")
-                                    for _, op, args, value in k.pre):
-                    raise Untranslatable(f"bfloat16 rows {plist} read but by a cast to float32")
-                load = "ld_bf16(a->p_{0}[{1}] + i)" if vector else "bf16(a->p_{0}[{1}][i])"
-            if k.pre:  # each rank's rows of the value summed, from its rows of the input: summed in rank order
+
+            def load(param: str, rank: str) -> str:
+                if kind.get(param) == "bf16 parts":  # read only through casts to float32, which widen exactly
+                    name = next((x for x, q in rows_of.items() if q == param), None)
+                    if name is None or any(name in args and (op != "cast" or value != "float32")
+                                           for _, op, args, value in k.pre):
+                        raise Untranslatable(f"bfloat16 rows {param} read but by a cast to float32")
+                    return f"ld_bf16(a->p_{param}[{rank}] + i)" if vector else f"bf16(a->p_{param}[{rank}][i])"
+                if kind.get(param) != "parts":
+                    raise Untranslatable(f"rows {param} of every rank not passed as such")
+                return f"ld(a->p_{param}[{rank}] + i)" if vector else f"a->p_{param}[{rank}][i]"
+
+            if k.pre:  # each rank's rows of the value summed, from its rows of the inputs: summed in rank order
                 if any(kind.get(param) != "rank numbers" for _, param in k.ranked):
                     raise Untranslatable("numbers of every rank not passed as such")
-                each = [f"const {t} p_{k.part} = {load.format(plist, 'r')};"]
+                each = [f"const {t} p_{x} = {load(param, 'r')};" for x, param in rows_of.items()]
                 each += [f"const {t} p_{x} = " + ("(v8){0} + " if vector else "") + f"a->p_{param}[r];"
                          for x, param in k.ranked]
                 each += statements(k.pre, vector)
@@ -279,8 +288,8 @@ def c_source(k: ChunkKernel) -> str:
                         *("    " + x for x in each),
                         f"    if (r == 0) p_{total} = p_{k.pre[-1][0]}; else p_{total} += p_{k.pre[-1][0]};", "}"]
             else:
-                out += [f"{t} p_{total} = {load.format(plist, 0)};",
-                        f"for (long r = 1; r < a->n_{plist}; r++) p_{total} += {load.format(plist, 'r')};"]
+                out += [f"{t} p_{total} = {load(plist, '0')};",
+                        f"for (long r = 1; r < a->n_{plist}; r++) p_{total} += {load(plist, 'r')};"]
             if op == "avg":
                 out.append(f"p_{total} /= (float)a->n_{plist};")
         out += statements(k.stmts, vector)

@@ -449,8 +449,9 @@ class _Builder:
         comms: list[Comm] = []
         whole_in = self.nbytes(x, self.whole(x))
         mine_in = self.nbytes(rs.type, self.local(rs.type))
-        # what the kernel reads of every rank's rows: the input its pre statements compute them from
-        mine_src = self.nbytes(dataclasses.replace(rs.type, dtype=p[fc.source].type.dtype), self.local(rs.type))
+        # what the kernel reads of every rank's rows: the inputs its pre statements compute them from
+        mine_src = tuple(t for x in fc.sources
+                         for t in self.nbytes(dataclasses.replace(rs.type, dtype=p[x].type.dtype), self.local(rs.type)))
         R = _PerWorld  # the number of ranks, bound at evaluation (see _PerWorld)
         if shm:
             # publish every row but this rank's own, once (unless the peers read the input where it lies); one
@@ -473,7 +474,7 @@ class _Builder:
             reads: list[Term] = []
             cold: list[Term] = []
             for a in ins:
-                if a == fc.source or p[a].op == "const":
+                if a in fc.sources or p[a].op == "const":
                     continue
                 readers = [p[m] for m in compute if a in p[m].args]
                 exts = {self.consumed(m, a) for m in readers}

@@ -737,19 +737,27 @@ def test_a_kernel_computes_what_a_fused_collective_reduces_where_the_peers_read_
     assert not segments()
 
 
-def test_a_sum_of_values_of_each_ranks_own_is_computed_where_the_peers_read_it():
+def test_a_sum_of_values_of_each_ranks_own_is_reduced_where_the_peers_read_them():
     """Gradient accumulation: the fused collective reduces acc + g, which is no input but a statement of two,
-    cleared state one of them. The step computes it into a buffer it keeps (_Shm.held), which moves into a
-    segment of its own as an input does: nothing is published, on the first step or any after
-    (tests/codegen/held_input.py counts). Correct at R = 2, 3, uneven rows, 1 and 4 chunks, compiled and eager,
-    on both steps the check runs; gloo computes it as before."""
+    cleared state one of them. Compiled, the chunk kernel adds every rank's rows of acc and g as it reads them
+    where they lie (in C), so acc + g is never written out: 2N words a step fewer per rank than computing it
+    into a buffer the peers read. Eager, the step computes it into a buffer it keeps (_Shm.held), which moves
+    into a segment of its own as an input does. Nothing is published, on the first step or any after, but a
+    tensor that cannot move (tests/codegen/held_input.py counts). Correct at R = 2, 3, uneven rows, 1 and 4
+    chunks, compiled and eager, on both steps the check runs; gloo computes it as before."""
     prog = runpy.run_path(str(Path(__file__).parents[2] / "benchmarks/programs/adam_accumulate.py"))["program"].ir
     sched = Schedule.parse("split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse_collective(rs0)", prog)
-    for kernels in ("compiled", "eager"):
-        src = lower(sched, "shm", kernels).source
-        assert "    add0 = torch.add(acc, g, out=_c.shm.held('add0', (d_N, ), torch.float32))\n" in src
-        assert re.search(r"in _reduce_scatter_(parts|chunks)\(_rank, add0, 0, d_N, 4, ('avg', )?'add0', 1\):", src)
-        assert "read where it lies once moved into a segment" in src
+    src = lower(sched, "shm", "compiled").source
+    step = src[src.index("def step("):]
+    assert "held" not in step and "add0" not in step
+    assert "_reduce_scatter_parts(_rank, (g, acc), 0, d_N, 4, ('g', 'acc'), 1):" in step
+    assert "_c.shm = _Shm.of(group, 2, max(4 * (d_N) + 64 + 4 * (d_N) + 64, 4 * (d_N)))" in step
+    assert "    for g, acc in zip(g_parts, acc_parts):\n        add0 = acc + g\n" in src
+    assert "const v8 p_acc = ld(a->p_acc_parts[r] + i);" in src and "const v8 p_add0 = (p_acc + p_g);" in src
+    src = lower(sched, "shm", "eager").source
+    assert "    add0 = torch.add(acc, g, out=_c.shm.held('add0', (d_N, ), torch.float32))\n" in src
+    assert "in _reduce_scatter_chunks(_rank, add0, 0, d_N, 4, 'avg', 'add0', 1):" in src
+    assert "read where it lies once moved into a segment" in src
     assert "    add0 = acc + g\n" in lower(sched, "gloo").source
     for world, n in ((2, 1001), (3, 7)):
         for kernels in ("compiled", "eager"):

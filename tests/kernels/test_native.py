@@ -97,14 +97,26 @@ def chunk_kernels(draw):
             other = draw(st.sampled_from(["s", "kr"] if ranked else ["s"]))
             pre.append((f"u{j}", draw(st.sampled_from(sorted(BINARY))), draw(st.permutations([last, other])), None))
         last = f"u{j}"
+    # rows of a second input read alongside, rank by rank (the sum of earlier micro-batches' gradients)
+    two = bool(pre) and draw(st.booleans())
+    bf16_two = two and draw(st.booleans())
+    if two:
+        other = "q2"
+        if bf16_two:
+            pre.append(("uc2", "cast", ("q2",), "float32"))
+            other = "uc2"
+        pre.append(("uz", draw(st.sampled_from(sorted(BINARY))), draw(st.permutations([last, other])), None))
     params = tuple((n, "bf16 parts" if bf16 and n == "g_parts" else k) for n, k in PARAMS)
+    if two:
+        params = params[:4] + (("g2_parts", "bf16 parts" if bf16_two else "parts"),) + params[4:]
     if ranked:  # every rank's number comes after the parts
-        params = params[:4] + (("k_ranks", "rank numbers"),) + params[4:]
+        params = params[:4 + two] + (("k_ranks", "rank numbers"),) + params[4 + two:]
     return ChunkKernel(params=params, parts=("g", "g_parts", draw(st.sampled_from(["sum", "avg"]))),
                        stmts=tuple(stmts), numbers=frozenset(numbers), writes=writes,
                        streams=(("x_peers", draw(st.sampled_from(values))),), sums=sums,
                        pre=tuple(pre), part="q" if pre else None,
-                       ranked=(("kr", "k_ranks"),) if ranked and pre else ())
+                       ranked=(("kr", "k_ranks"),) if ranked and pre else (),
+                       also=(("q2", "g2_parts"),) if two else ())
 
 
 def evaluate(k: ChunkKernel, stmts, env):
@@ -134,12 +146,13 @@ def evaluate(k: ChunkKernel, stmts, env):
     return env
 
 
-def reference(k: ChunkKernel, peers, a, b, parts, s, ranks=None):
+def reference(k: ChunkKernel, peers, a, b, parts, s, ranks=None, parts2=None):
     """The chunk as the Python kernel computes it, eagerly: numbers in double, tensors in float32; ``ranks``
-    every rank's number, in the order of the parts."""
+    every rank's number, in the order of the parts; ``parts2`` every rank's rows of the second input."""
     env = {"a": a.clone(), "b": b.clone(), "s": s}
     if k.pre:  # each rank's rows through the pre statements (with the rank's number), then summed in rank order
-        parts = [evaluate(k, k.pre, {k.part: p, "s": s, "kr": None if ranks is None else ranks[r]})[k.pre[-1][0]]
+        parts = [evaluate(k, k.pre, {k.part: p, "q2": None if parts2 is None else parts2[r], "s": s,
+                                     "kr": None if ranks is None else ranks[r]})[k.pre[-1][0]]
                  for r, p in enumerate(parts)]
     total = parts[0]
     for p in parts[1:]:
@@ -190,11 +203,17 @@ def test_the_c_kernel_computes_the_bits_torch_does(tmp_path_factory, k, n, offse
     plainly otherwise; heads and tails of every length around the 16-float lines. Sums in double, in another
     order than the reference's: the same float32 but for its last bit."""
     peers, a, b, parts, s = operands(n, offsets)
-    if "h" in k.kinds:
+    kind = dict(k.params)
+    if kind["g_parts"] == "bf16 parts":
         parts = [p.bfloat16() for p in parts]
+    parts2 = None
+    if k.also:
+        parts2 = [p.neg() * 0.5 for p in operands(n, offsets[::-1], seed=1)[3]]
+        if kind["g2_parts"] == "bf16 parts":
+            parts2 = [p.bfloat16() for p in parts2]
     ranks = torch.tensor([0.5, -1.25, 3.0])[:len(parts)] if "q" in k.kinds else None
-    want_a, want_b, want_peers, want_sums = reference(k, peers, a, b, parts, s, ranks)
-    args = (peers, a, b, parts, s) if ranks is None else (peers, a, b, parts, ranks, s)
+    want_a, want_b, want_peers, want_sums = reference(k, peers, a, b, parts, s, ranks, parts2)
+    args = (peers, a, b, parts, *([parts2] if parts2 is not None else []), *([ranks] if ranks is not None else []), s)
     with pytest.MonkeyPatch.context() as m:
         sums = run_native(k, args, m, tmp_path_factory.mktemp("cache"))
     assert (sums is None) == (not k.sums)

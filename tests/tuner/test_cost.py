@@ -278,25 +278,31 @@ def test_a_fuse_kernel_that_sums_a_member_writes_only_the_sum():
     assert cost._value(k.write, elems, world) == 0  # a number, which the model does not count
 
 
-def test_a_held_source_is_not_published_and_an_update_in_place_is_not_copied():
-    # gradient accumulation: acc + g computed into a buffer the peers read where it lies (codegen.lower.held_source),
-    # and acc cleared straight into itself (codegen.lower.updated_in_place): neither a publish nor a copy
+def test_sources_read_where_they_lie_are_not_published_and_an_update_in_place_is_not_copied():
+    # gradient accumulation: the chunk kernel reads every rank's acc and g where they lie
+    # (codegen.lower.reduced_in_kernel), a word more per element than Adam's kernel reading g alone, and acc + g
+    # is computed nowhere else (gloo computes it whole); acc is cleared straight into itself
+    # (codegen.lower.updated_in_place): no publish, no copy
+    text = "split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse_collective(rs0)"
     prog = runpy.run_path(str(Path(__file__).parents[2] / "benchmarks/programs/adam_accumulate.py"))["program"].ir
-    s = Schedule.parse("split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse_collective(rs0)", prog)
+    s = Schedule.parse(text, prog)
     n, world = 2**20, 2
 
-    def kernels(backend):
-        p = cost.plan(s, backend)
-        return p, {k.what: k for u in p.units for k in u.kernels}
+    def kernels(sched, backend):
+        p = cost.plan(sched, backend)
+        return cost._elems(p, {"N": n}, world), {k.what: k for u in p.units for k in u.kernels}
 
-    p, ks = kernels("shm")
-    elems = cost._elems(p, {"N": n}, world)
-    assert "rs0 publish" not in ks and "acc.copy_" not in ks
-    assert cost._value(ks["add0"].fresh, elems, world) == 0
+    elems, ks = kernels(s, "shm")
+    assert "rs0 publish" not in ks and "acc.copy_" not in ks and "add0" not in ks
     assert cost._value(ks["mul5 into acc"].write, elems, world) == 4 * n
     assert cost._value(ks["mul5 into acc"].fresh, elems, world) == 0
-    p, ks = kernels("gloo")
-    assert cost._value(ks["add0"].fresh, cost._elems(p, {"N": n}, world), world) == 4 * n
+    adam_prog = runpy.run_path(str(ROOT / "examples/adam.py"))["program"].ir
+    adam_elems, adam = kernels(Schedule.parse(text, adam_prog), "shm")
+    [fc] = [k for name, k in ks.items() if name.endswith(" kernel")]
+    [adam_fc] = [k for name, k in adam.items() if name.endswith(" kernel")]
+    assert cost._value(fc.read, elems, world) - cost._value(adam_fc.read, adam_elems, world) == 4 * n
+    elems, ks = kernels(s, "gloo")
+    assert cost._value(ks["add0"].fresh, elems, world) == 4 * n
 
 
 def test_a_kernel_storing_into_state_and_into_a_held_buffer_makes_no_new_tensor():

@@ -611,6 +611,15 @@ def _on_comm_thread(fn, *args):
         return fn(*args)
 
 
+def _offsets(nbytes):
+    """Byte offsets of buffers of ``nbytes`` packed in one slot, each on its own cache line."""
+    offsets, at = [], 0
+    for n in nbytes:
+        offsets.append(at)
+        at += -(-n // 64) * 64
+    return offsets
+
+
 def _publish(c, slot, offset, rows, lo, hi):
     """Copies ``rows`` (dim 0 leading) into this rank's slot, all but rows [lo, hi): no peer reads those."""
     mine = c.shm.at(c.rank, slot, offset, rows.dtype, tuple(rows.shape))
@@ -626,39 +635,50 @@ def _scatter_parts(c, x, dim, n, count, name=None, word=0, numbers=(), every=Non
     Given the input's ``name`` (and its ``word`` at the barrier), x is an input the step does not write and
     a barrier follows the last chunk: x may then live in a segment of its own, which the peers read instead
     of a copy of it in the slot (``_Shm.stage_input``). ``numbers``: 0-d values of this rank posted at the
-    same barrier, every rank's appended to ``every`` (``_Shm.posted``)."""
+    same barrier, every rank's appended to ``every`` (``_Shm.posted``). A tuple of inputs (and of names, with
+    words from ``word`` on) yields per chunk those three for each in turn, packed one after the other in the
+    slot where they are published: what a chunk kernel reads them from (``_reduce_scatter_parts``)."""
     s = c.shm
     slot = s.call(s.take)  # after the async collectives still queued: every rank takes slots in one order
     lo, hi = c.rows(n)
-    publish = name is None or s.call(s.stage_input, name, word, x)  # before the rows are taken: x may move
-    rows = x.movedim(dim, 0)
-    if publish:
-        s.call(_publish, c, slot, 0, rows, lo, hi)
+    xs, names = (x, name or (None,) * len(x)) if isinstance(x, tuple) else ((x,), (name,))
+    # before the rows are taken: an input may move
+    publish = [nm is None or s.call(s.stage_input, nm, word + j, t) for j, (t, nm) in enumerate(zip(xs, names))]
+    rows = [t.movedim(dim, 0) for t in xs]
+    offsets = _offsets([t.numel() * t.element_size() for t in rows])
+    for r, at, pub in zip(rows, offsets, publish):
+        if pub:
+            s.call(_publish, c, slot, at, r, lo, hi)
     if numbers:
-        s.call(s.post, word + 1, numbers)
+        s.call(s.post, word + len(xs), numbers)
     s.call(s.barrier)
     if numbers:
-        every.extend(s.call(s.posted, word + 1, len(numbers)))
-    where = [None] * c.world if name is None else s.sources[name]
+        every.extend(s.call(s.posted, word + len(xs), len(numbers)))
+    where = [[None] * c.world if nm is None else s.sources[nm] for nm in names]
     per = -(-n // c.world)
     size = max(1, -(-per // count))
     for a in range(0, per, size):
         k = _Chunk(c, n, a, a + size)
         span = slice(lo + k.a, lo + k.b)
-        peers = [(s.at(r, slot, 0, rows.dtype, tuple(rows.shape)) if where[r] is None else where[r].movedim(dim, 0))[span]
-                 for r in range(c.world) if r != c.rank]
-        # this rank's own rows of its slot: nobody reads them, and they stay mapped from step to step
-        yield k, rows[span], peers, s.at(c.rank, slot, 0, rows.dtype, tuple(rows.shape))[span]
+        each = []
+        for t, at, seg in zip(rows, offsets, where):
+            shape = tuple(t.shape)
+            peers = [(s.at(r, slot, at, t.dtype, shape) if seg[r] is None else seg[r].movedim(dim, 0))[span]
+                     for r in range(c.world) if r != c.rank]
+            # this rank's own rows of its slot: nobody reads them, and they stay mapped from step to step
+            each += [t[span], peers, s.at(c.rank, slot, at, t.dtype, shape)[span]]
+        yield (k, *each)
 
 
 def _reduce_scatter_parts(c, x, dim, n, count, name=None, word=0, numbers=()):
     """Yields (chunk, its rows on every rank, unreduced): the kernel computing on the chunk sums them as it
     reads them, so the reduced rows are never written out. With ``numbers`` (0-d values every rank computes
     its rows with before they are summed: a weight, a clip factor), then every rank's of each, in the rows'
-    order."""
+    order. A tuple of inputs (``_scatter_parts``): the chunk's rows on every rank of each, in turn."""
     every = []
-    for k, own, peers, _ in _scatter_parts(c, x, dim, n, count, name, word, numbers, every):
-        yield (k, [p.movedim(0, dim) for p in [own] + peers], *every)
+    for k, *each in _scatter_parts(c, x, dim, n, count, name, word, numbers, every):
+        rows = [[p.movedim(0, dim) for p in [own] + peers] for own, peers in zip(each[::3], each[1::3])]
+        yield (k, *rows, *every)
 
 
 def _add_all(parts):
