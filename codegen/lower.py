@@ -1130,13 +1130,18 @@ def _holder_rows(p: Program, o: str, holder: str) -> str:
     return f"_c.local({holder}, {p[o].type.layout.dim})"
 
 
+# the reductions a chunk kernel computes as it reads every rank's rows (_reduce_all, kernels.native)
+_PARTS_OPS = ("sum", "avg", "prod", "max", "min")
+
+
 def sums_parts(p: Program, backend: str, g: Group, into) -> bool:
     """Whether a fused collective's compiled chunk kernel (shm) takes the chunk's rows on every rank unreduced
-    and sums them as it reads them (sum, avg): the reduced rows are never written out, unless the group
-    outputs them, and then only once, by the kernel. Not where a gather outside the kernel sends them."""
+    and reduces them as it reads them (sum, avg, prod, max, min): the reduced rows are never written out,
+    unless the group outputs them, and then only once, by the kernel. Not where a gather outside the kernel
+    sends them. A max allreduce of each rank's |g| (an amax) then reads g where it lies too."""
     rs = p[g.members[0]]
     sent = any(p[m].op == "all_gather" and m not in into and p[m].args[0] == rs.name for m in g.members)
-    return backend == "shm" and rs.attr("op") in ("sum", "avg") and not sent
+    return backend == "shm" and rs.attr("op") in _PARTS_OPS and not sent
 
 
 def reads_input_in_place(p: Program, backend: str, source: str, after: bool = False) -> bool:
@@ -1226,7 +1231,7 @@ def _chunk_kernel(e: _Emitter, g: Group, compute: list[str], inplace: dict[str, 
             body += [(f"    {summed} = []", parts.name), (f"    for {each} in {rows}:", parts.name)]
             body += [("        " + x, m) for m in pre for x in e.stmt(p[m])]
             body.append((f"        {summed}.append({e.ident(parts.args[0])})", parts.name))
-        body.append((f"    {e.ident(parts.name)} = _add_all({summed})"
+        body.append((f"    {e.ident(parts.name)} = _reduce_all({summed}, {parts.attr('op')!r})"
                      + (f" / len({parts_names[0]})" if parts.attr("op") == "avg" else ""), parts.name))
     args: dict[str, str] = {}  # argument at the call -> parameter of the kernel
     for m in compute:

@@ -762,10 +762,12 @@ def _reduce_scatter_parts(c, x, dim, n, count, name=None, word=0, numbers=()):
         yield (k, *rows, *every)
 
 
-def _add_all(parts):
+def _reduce_all(parts, op):
+    """The reduction of every rank's rows, in the order ``_shm_reduce`` takes them (this rank's first)."""
+    combine = {"sum": torch.add, "avg": torch.add, "prod": torch.mul, "max": torch.maximum, "min": torch.minimum}[op]
     total = parts[0]
     for p in parts[1:]:
-        total = total + p
+        total = combine(total, p)
     return total
 
 
@@ -877,5 +879,5 @@ from coconet.codegen.prelude import _cache_dir, _Chunk, _launches  # noqa: E402 
 
 HELPERS = (_Shm, _movable, _move_into, _state_segment, _segment, _last_level_cache, _stream_copier, _native_library, _native, _on_comm_thread, _Done, _offsets, _publish, _shm_reduce, _shm_reduce_scatter, _shm_all_gather,
            _shm_allreduce, _allreduce, _allreduced, _reduce_scatter, _all_gather, _shm_broadcast, _broadcast, _bucket_allreduce,
-           _bucket_reduce_scatter, _bucket_all_gather, _scatter_parts, _reduce_scatter_chunks, _reduce_scatter_parts, _add_all,
+           _bucket_reduce_scatter, _bucket_all_gather, _scatter_parts, _reduce_scatter_chunks, _reduce_scatter_parts, _reduce_all,
            _Gather, _end_collective, _gather_into, _into_peers)

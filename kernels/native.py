@@ -51,6 +51,8 @@ POWERS = {
 COMPARE = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
 # host-number arithmetic (constants and int scalars), in double as Python computes it: the per-element forms
 NUMBER_OPS = {op: OPS[op][0] for op in ("add", "sub", "mul", "div", "neg")}
+# a reduction over ranks -> the op combining a running total with the next rank's rows (avg: a sum, divided after)
+REDUCE = {"sum": OPS["add"], "avg": OPS["add"], "prod": OPS["mul"], "max": OPS["maximum"], "min": OPS["minimum"]}
 
 LINE = 16  # float32 values per 64-byte cache line
 
@@ -263,8 +265,12 @@ def c_source(k: ChunkKernel) -> str:
             out += [f"const v8 vn_{n} = (v8){{0}} + (float)p_{n};" for n in sorted(k.numbers)]
         if k.parts is not None:
             total, plist, op = k.parts
-            if kind.get(plist) not in ("parts", "bf16 parts") or op not in ("sum", "avg"):
+            if kind.get(plist) not in ("parts", "bf16 parts") or op not in REDUCE:
                 raise Untranslatable(f"parts {plist} ({op})")
+
+            def combine(x: str) -> str:  # p_total <- p_total (op) x, in the order torch reduces them
+                return f"p_{total} = {REDUCE[op][vector].format(f'p_{total}', x)};"
+
 
             def load(param: str, rank: str) -> str:
                 if kind.get(param) == "bf16 parts":  # read only through casts to float32, which widen exactly
@@ -286,10 +292,10 @@ def c_source(k: ChunkKernel) -> str:
                 each += statements(k.pre, vector)
                 out += [f"{t} p_{total};", f"for (long r = 0; r < a->n_{plist}; r++) {{",
                         *("    " + x for x in each),
-                        f"    if (r == 0) p_{total} = p_{k.pre[-1][0]}; else p_{total} += p_{k.pre[-1][0]};", "}"]
+                        f"    if (r == 0) p_{total} = p_{k.pre[-1][0]}; else {combine(f'p_{k.pre[-1][0]}')}", "}"]
             else:
                 out += [f"{t} p_{total} = {load(plist, '0')};",
-                        f"for (long r = 1; r < a->n_{plist}; r++) p_{total} += {load(plist, 'r')};"]
+                        f"for (long r = 1; r < a->n_{plist}; r++) {combine(load(plist, 'r'))}"]
             if op == "avg":
                 out.append(f"p_{total} /= (float)a->n_{plist};")
         out += statements(k.stmts, vector)

@@ -98,9 +98,20 @@ def collective_programs(draw):
         x = p.tensor("x", ("N", "M"), layout=cc.Sliced(1))
         w = p.tensor("wt", ("M", "M"), layout=cc.Sliced(0))
         pool.append(cc.allreduce(cc.matmul(x, w)))
+    scalars = list(p.scalars("a b"))
+    # what each rank computes from its own before the reduction: the gradient scaled (predivided, unscaled),
+    # added to those accumulated over earlier micro-batches (a Local state the step clears or refills)
+    acc = p.tensor("acc", shape, layout=cc.Local) if draw(st.booleans()) else None
+    grads = []
     for i in range(draw(st.integers(1, 2))):
         g = p.tensor(f"g{i}", shape, layout=cc.Local)
-        pool.append(cc.allreduce(g))
+        grads.append(g)
+        pre = draw(st.sampled_from(["none", "none", "scale", "acc", "acc_scale"] if acc is not None
+                                   else ["none", "none", "scale"]))
+        x = g + acc if pre.startswith("acc") else g
+        pool.append(cc.allreduce(draw(st.sampled_from(scalars)) * x if pre.endswith("scale") else x))
+    if acc is not None:
+        p.update(acc, draw(st.sampled_from([acc * 0.0, acc + grads[0], grads[-1] * 0.5])))
     for i in range(draw(st.integers(1, 3))):
         s = p.tensor(f"s{i}", shape, layout=cc.Replicated)
         pool.append(s)
@@ -110,7 +121,6 @@ def collective_programs(draw):
         k = p.tensor("k", (), layout=cc.Replicated)
         pool.append(k)
         state.append(k)
-    scalars = list(p.scalars("a b"))
     for _ in range(draw(st.integers(1, 10))):
         kind = draw(st.sampled_from(["bin", "bin", "scal", "unary", "norm", "drop"]))
         x = draw(st.sampled_from(pool))

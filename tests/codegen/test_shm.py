@@ -23,8 +23,8 @@ from tests.codegen.test_launch import EXAMPLES, RANKS, SIZES, assert_all_ok, exa
 from tests.strategies import collective_programs
 
 
-def shm_only(world, sizes, **kw):
-    return Options(world=world, sizes=sizes, backend="shm", time=False, timeout_s=60, kernels="eager", **kw)
+def shm_only(world, sizes, kernels="eager", **kw):
+    return Options(world=world, sizes=sizes, backend="shm", time=False, timeout_s=60, kernels=kernels, **kw)
 
 
 def segments() -> list[Path]:
@@ -59,9 +59,10 @@ def test_knob_values_on_shm():
 
 
 @settings(max_examples=3, **RANKS)
-@given(collective_programs(), st.sampled_from([2, 3]))
-def test_unseen_collective_programs_on_shm(p, world):
-    assert_all_ok(run_schedules(list(generate(p.ir, depth=4)), shm_only(world, {"N": 5, "M": 7})))
+@given(collective_programs(), st.sampled_from([2, 3]), st.sampled_from(["eager", "compiled"]))
+def test_unseen_collective_programs_on_shm(p, world, kernels):
+    # compiled: chunk kernels that compute each rank's rows from its inputs before they are summed
+    assert_all_ok(run_schedules(list(generate(p.ir, depth=4)), shm_only(world, {"N": 5, "M": 7}, kernels=kernels)))
 
 
 def test_compiled_kernels_and_timing_on_shm():
@@ -298,6 +299,47 @@ def test_numbers_each_rank_holds_its_own_of_are_posted_for_the_chunk_kernel():
     step = src[src.index("def step("):]
     assert "numbers=(minimum0, )):" in step and " * minimum0" not in step
     for sched in (weighted, clipped):
+        for world, n in ((2, 1001), (3, 7)):
+            options = Options(world=world, sizes={"N": n}, backend="shm", warmup=1, repeats=2)
+            assert_all_ok(run_schedules([sched.with_knobs(fc_chunks=k) for k in (1, 8)], options))
+    assert not segments()
+
+
+def keep_masks():
+    """A product over ranks of each rank's keep-mask (1 where its gradient is finite) and a minimum over
+    ranks of its clipped gradient, both of values each rank computes from its own gradient; SGD where every
+    rank kept the element."""
+    import coconet as cc
+
+    p = cc.Program("keep_masks", dims=("N",))
+    g = p.tensor("g", ("N",), layout=cc.Local)
+    w = p.tensor("w", ("N",), layout=cc.Replicated)
+    keep = cc.allreduce(cc.where(cc.abs(g) < 1e30, 1.0, 0.0), op="prod")
+    low = cc.allreduce(cc.minimum(g * 0.5, 1.0), op="min")
+    p.update(w, cc.where(keep > 0.5, w - 0.01 * low, w))
+    return p.ir
+
+
+def test_a_max_min_or_product_over_ranks_is_taken_as_the_kernel_reads_the_rows():
+    """An amax (the maximum over ranks of each rank's |g|), a product of keep-masks and a minimum of clipped
+    gradients: the chunk kernel computes each rank's value from its rows of g, read where they lie, and
+    reduces them as it reads them, as it sums them for a sum; nothing computes |g| whole or publishes it.
+    R = 2 and 3, uneven rows, one chunk and more chunks than rows."""
+    amax = Schedule.parse("split(ar0); split(ar1); reorder(ag0); reorder(ag1); fuse_collective(rs0)",
+                          runpy.run_path(str(Path(__file__).parents[2] / "benchmarks/programs/amax_scale.py"))[
+                              "program"].ir)
+    src = lower(amax, "shm").source
+    step = src[src.index("def step("):]
+    assert "abs" not in step and "_reduce_scatter_parts(_rank, g, 0, d_N, 4, 'g', 0):" in step
+    assert "    for g in rs0_parts:\n        abs0 = torch.abs(g)\n        _abs0.append(abs0)\n" in src
+    assert "    rs0 = _reduce_all(_abs0, 'max')\n" in src
+    masks = Schedule.parse("split(ar0); split(ar1); reorder(ag0); reorder(ag1); fuse_collective(rs0); "
+                           "fuse_collective(rs1)", keep_masks())
+    src = lower(masks, "shm").source
+    assert "_reduce_all(_where0, 'prod')" in src and "_reduce_all(_minimum0, 'min')" in src
+    step = src[src.index("def step("):]
+    assert "torch.where" not in step and "torch.minimum" not in step
+    for sched in (amax, masks):
         for world, n in ((2, 1001), (3, 7)):
             options = Options(world=world, sizes={"N": n}, backend="shm", warmup=1, repeats=2)
             assert_all_ok(run_schedules([sched.with_knobs(fc_chunks=k) for k in (1, 8)], options))

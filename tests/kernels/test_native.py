@@ -26,6 +26,8 @@ assert set(UNARY) | set(BINARY) == set(OPS)
 POWER = {0.0: lambda a: torch.ones_like(a), 1.0: lambda a: a, 2.0: lambda a: a * a, 3.0: lambda a: a * a * a,
          -1.0: lambda a: 1 / a, -2.0: lambda a: 1 / (a * a), 0.5: UNARY["sqrt"], -0.5: UNARY["rsqrt"]}
 assert set(POWER) == set(POWERS)
+# every rank's rows combined in order, as codegen.shm._reduce_all does
+REDUCTIONS = {"sum": torch.add, "avg": torch.add, "prod": torch.mul, "max": torch.maximum, "min": torch.minimum}
 COMPARISONS = {"lt": torch.lt, "le": torch.le, "gt": torch.gt, "ge": torch.ge, "eq": torch.eq, "ne": torch.ne}
 assert set(COMPARISONS) == set(COMPARE)
 # host-number arithmetic, as Python does it (division left out: Python raises where C gives inf)
@@ -111,7 +113,7 @@ def chunk_kernels(draw):
         params = params[:4] + (("g2_parts", "bf16 parts" if bf16_two else "parts"),) + params[4:]
     if ranked:  # every rank's number comes after the parts
         params = params[:4 + two] + (("k_ranks", "rank numbers"),) + params[4 + two:]
-    return ChunkKernel(params=params, parts=("g", "g_parts", draw(st.sampled_from(["sum", "avg"]))),
+    return ChunkKernel(params=params, parts=("g", "g_parts", draw(st.sampled_from(sorted(REDUCTIONS)))),
                        stmts=tuple(stmts), numbers=frozenset(numbers), writes=writes,
                        streams=(("x_peers", draw(st.sampled_from(values))),), sums=sums,
                        pre=tuple(pre), part="q" if pre else None,
@@ -156,7 +158,7 @@ def reference(k: ChunkKernel, peers, a, b, parts, s, ranks=None, parts2=None):
                  for r, p in enumerate(parts)]
     total = parts[0]
     for p in parts[1:]:
-        total = total + p
+        total = REDUCTIONS[k.parts[2]](total, p)
     env["g"] = total / len(parts) if k.parts[2] == "avg" else total
     env = evaluate(k, k.stmts, env)
     out = {t: torch.broadcast_to(torch.as_tensor(env[v], dtype=torch.float32), a.shape) for t, v in k.writes}

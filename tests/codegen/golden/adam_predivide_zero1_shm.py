@@ -754,6 +754,20 @@ def _publish(c, slot, offset, rows, lo, hi):
     return mine
 
 
+def _shm_reduce(c, own, peers, op, out):
+    """out = the reduction over ranks of rows whose copy on this rank is ``own`` and on the others ``peers``."""
+    combine = {"sum": torch.add, "avg": torch.add, "prod": torch.mul, "max": torch.maximum, "min": torch.minimum}[op]
+    if not peers:
+        out.copy_(own)
+    else:
+        combine(own, peers[0], out=out)
+    for p in peers[1:]:
+        combine(out, p, out=out)
+    if op == "avg":
+        out.div_(c.world)
+    return out
+
+
 def _scatter_parts(c, x, dim, n, count, name=None, word=0, numbers=(), every=None):
     """Publishes x once, then yields, for ``count`` chunks of the rows this rank holds: the chunk, its rows
     on this rank (from x), on every peer (from their segments), and where this rank may write them.
@@ -807,10 +821,12 @@ def _reduce_scatter_parts(c, x, dim, n, count, name=None, word=0, numbers=()):
         yield (k, *rows, *every)
 
 
-def _add_all(parts):
+def _reduce_all(parts, op):
+    """The reduction of every rank's rows, in the order ``_shm_reduce`` takes them (this rank's first)."""
+    combine = {"sum": torch.add, "avg": torch.add, "prod": torch.mul, "max": torch.maximum, "min": torch.minimum}[op]
     total = parts[0]
     for p in parts[1:]:
-        total = total + p
+        total = combine(total, p)
     return total
 
 
@@ -830,7 +846,7 @@ def _chunk0(w_peers, m_k, v_k, w_k, rs0_parts, beta1, beta2, div1, sub0, sub1, l
     for g in rs0_parts:
         div0 = g / predivide
         _div0.append(div0)
-    rs0 = _add_all(_div0)
+    rs0 = _reduce_all(_div0, 'sum')
     mul1 = beta1 * m_k
     mul3 = beta2 * v_k
     mul0 = rs0 * div1
@@ -934,7 +950,7 @@ static inline __attribute__((always_inline)) void row(const args_t *a, long i, f
     for (long r = 0; r < a->n_rs0_parts; r++) {
         const float p_g = a->p_rs0_parts[r][i];
         const float p_div0 = (p_g / p_predivide);
-        if (r == 0) p_rs0 = p_div0; else p_rs0 += p_div0;
+        if (r == 0) p_rs0 = p_div0; else p_rs0 = (p_rs0 + p_div0);
     }
     const float p_mul1 = (p_beta1 * p_m_k[i]);
     const float p_mul3 = (p_beta2 * p_v_k[i]);
@@ -972,7 +988,7 @@ static inline __attribute__((always_inline)) void rows8(const args_t *a, long i,
     for (long r = 0; r < a->n_rs0_parts; r++) {
         const v8 p_g = ld(a->p_rs0_parts[r] + i);
         const v8 p_div0 = (p_g / p_predivide);
-        if (r == 0) p_rs0 = p_div0; else p_rs0 += p_div0;
+        if (r == 0) p_rs0 = p_div0; else p_rs0 = (p_rs0 + p_div0);
     }
     const v8 p_mul1 = (p_beta1 * ld(p_m_k + i));
     const v8 p_mul3 = (p_beta2 * ld(p_v_k + i));

@@ -854,10 +854,12 @@ def _reduce_scatter_parts(c, x, dim, n, count, name=None, word=0, numbers=()):
         yield (k, *rows, *every)
 
 
-def _add_all(parts):
+def _reduce_all(parts, op):
+    """The reduction of every rank's rows, in the order ``_shm_reduce`` takes them (this rank's first)."""
+    combine = {"sum": torch.add, "avg": torch.add, "prod": torch.mul, "max": torch.maximum, "min": torch.minimum}[op]
     total = parts[0]
     for p in parts[1:]:
-        total = total + p
+        total = combine(total, p)
     return total
 
 
@@ -877,7 +879,7 @@ def _chunk0(w_peers, m_k, v_k, w_k, rs0_parts, tokens_ranks, beta1, beta2, ar1, 
     for g, tokens in zip(rs0_parts, tokens_ranks):
         mul0 = g * tokens
         _mul0.append(mul0)
-    rs0 = _add_all(_mul0)
+    rs0 = _reduce_all(_mul0, 'sum')
     mul1 = beta1 * m_k
     mul3 = beta2 * v_k
     div0 = rs0 / ar1
@@ -981,7 +983,7 @@ static inline __attribute__((always_inline)) void row(const args_t *a, long i, f
         const float p_g = a->p_rs0_parts[r][i];
         const float p_tokens = a->p_tokens_ranks[r];
         const float p_mul0 = (p_g * p_tokens);
-        if (r == 0) p_rs0 = p_mul0; else p_rs0 += p_mul0;
+        if (r == 0) p_rs0 = p_mul0; else p_rs0 = (p_rs0 + p_mul0);
     }
     const float p_mul1 = (p_beta1 * p_m_k[i]);
     const float p_mul3 = (p_beta2 * p_v_k[i]);
@@ -1019,7 +1021,7 @@ static inline __attribute__((always_inline)) void rows8(const args_t *a, long i,
         const v8 p_g = ld(a->p_rs0_parts[r] + i);
         const v8 p_tokens = (v8){0} + a->p_tokens_ranks[r];
         const v8 p_mul0 = (p_g * p_tokens);
-        if (r == 0) p_rs0 = p_mul0; else p_rs0 += p_mul0;
+        if (r == 0) p_rs0 = p_mul0; else p_rs0 = (p_rs0 + p_mul0);
     }
     const v8 p_mul1 = (p_beta1 * ld(p_m_k + i));
     const v8 p_mul3 = (p_beta2 * ld(p_v_k + i));

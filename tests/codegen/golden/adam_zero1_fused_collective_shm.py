@@ -754,6 +754,20 @@ def _publish(c, slot, offset, rows, lo, hi):
     return mine
 
 
+def _shm_reduce(c, own, peers, op, out):
+    """out = the reduction over ranks of rows whose copy on this rank is ``own`` and on the others ``peers``."""
+    combine = {"sum": torch.add, "avg": torch.add, "prod": torch.mul, "max": torch.maximum, "min": torch.minimum}[op]
+    if not peers:
+        out.copy_(own)
+    else:
+        combine(own, peers[0], out=out)
+    for p in peers[1:]:
+        combine(out, p, out=out)
+    if op == "avg":
+        out.div_(c.world)
+    return out
+
+
 def _scatter_parts(c, x, dim, n, count, name=None, word=0, numbers=(), every=None):
     """Publishes x once, then yields, for ``count`` chunks of the rows this rank holds: the chunk, its rows
     on this rank (from x), on every peer (from their segments), and where this rank may write them.
@@ -807,10 +821,12 @@ def _reduce_scatter_parts(c, x, dim, n, count, name=None, word=0, numbers=()):
         yield (k, *rows, *every)
 
 
-def _add_all(parts):
+def _reduce_all(parts, op):
+    """The reduction of every rank's rows, in the order ``_shm_reduce`` takes them (this rank's first)."""
+    combine = {"sum": torch.add, "avg": torch.add, "prod": torch.mul, "max": torch.maximum, "min": torch.minimum}[op]
     total = parts[0]
     for p in parts[1:]:
-        total = total + p
+        total = combine(total, p)
     return total
 
 
@@ -826,7 +842,7 @@ def _end_collective(c):
 
 def _chunk0(w_peers, m_k, v_k, w_k, rs0_parts, beta1, beta2, sub0, sub1, sub2, sub3, lr, eps):
     """14 statements of fused_collective(rs0, mul1, add0, mul3, mul4, add1, div0, div1, mul5, sqrt0, add2, div2, sub4, ag3) on one chunk, state written in place."""
-    rs0 = _add_all(rs0_parts)
+    rs0 = _reduce_all(rs0_parts, 'sum')
     mul0 = beta1 * m_k
     mul2 = beta2 * v_k
     mul1 = sub0 * rs0
@@ -928,7 +944,7 @@ static inline __attribute__((always_inline)) void row(const args_t *a, long i, f
     float *const p_v_k = a->p_v_k;
     float *const p_w_k = a->p_w_k;
     float p_rs0 = a->p_rs0_parts[0][i];
-    for (long r = 1; r < a->n_rs0_parts; r++) p_rs0 += a->p_rs0_parts[r][i];
+    for (long r = 1; r < a->n_rs0_parts; r++) p_rs0 = (p_rs0 + a->p_rs0_parts[r][i]);
     const float p_mul0 = (p_beta1 * p_m_k[i]);
     const float p_mul2 = (p_beta2 * p_v_k[i]);
     const float p_mul1 = (p_sub0 * p_rs0);
@@ -963,7 +979,7 @@ static inline __attribute__((always_inline)) void rows8(const args_t *a, long i,
     float *const p_v_k = a->p_v_k;
     float *const p_w_k = a->p_w_k;
     v8 p_rs0 = ld(a->p_rs0_parts[0] + i);
-    for (long r = 1; r < a->n_rs0_parts; r++) p_rs0 += ld(a->p_rs0_parts[r] + i);
+    for (long r = 1; r < a->n_rs0_parts; r++) p_rs0 = (p_rs0 + ld(a->p_rs0_parts[r] + i));
     const v8 p_mul0 = (p_beta1 * ld(p_m_k + i));
     const v8 p_mul2 = (p_beta2 * ld(p_v_k + i));
     const v8 p_mul1 = (p_sub0 * p_rs0);

@@ -864,10 +864,12 @@ def _reduce_scatter_parts(c, x, dim, n, count, name=None, word=0, numbers=()):
         yield (k, *rows, *every)
 
 
-def _add_all(parts):
+def _reduce_all(parts, op):
+    """The reduction of every rank's rows, in the order ``_shm_reduce`` takes them (this rank's first)."""
+    combine = {"sum": torch.add, "avg": torch.add, "prod": torch.mul, "max": torch.maximum, "min": torch.minimum}[op]
     total = parts[0]
     for p in parts[1:]:
-        total = total + p
+        total = combine(total, p)
     return total
 
 
@@ -907,7 +909,7 @@ def _into_peers(c, *states):
 
 def _chunk0(m_k, v_k, w_k, _add3_k, rs0_parts, beta1, beta2, weight_decay, sub0, sub1, sub2, sub3, eps):
     """19 statements of fused_collective(rs0, mul1, add0, mul3, mul4, add1, div0, div1, sqrt0, add2, div2, add3, mul8, psum0, sl0, mul9, psum1) on one chunk, state written in place."""
-    rs0 = _add_all(rs0_parts)
+    rs0 = _reduce_all(rs0_parts, 'sum')
     mul0 = beta1 * m_k
     mul2 = beta2 * v_k
     mul5 = weight_decay * w_k

@@ -802,6 +802,20 @@ def _publish(c, slot, offset, rows, lo, hi):
     return mine
 
 
+def _shm_reduce(c, own, peers, op, out):
+    """out = the reduction over ranks of rows whose copy on this rank is ``own`` and on the others ``peers``."""
+    combine = {"sum": torch.add, "avg": torch.add, "prod": torch.mul, "max": torch.maximum, "min": torch.minimum}[op]
+    if not peers:
+        out.copy_(own)
+    else:
+        combine(own, peers[0], out=out)
+    for p in peers[1:]:
+        combine(out, p, out=out)
+    if op == "avg":
+        out.div_(c.world)
+    return out
+
+
 def _scatter_parts(c, x, dim, n, count, name=None, word=0, numbers=(), every=None):
     """Publishes x once, then yields, for ``count`` chunks of the rows this rank holds: the chunk, its rows
     on this rank (from x), on every peer (from their segments), and where this rank may write them.
@@ -855,10 +869,12 @@ def _reduce_scatter_parts(c, x, dim, n, count, name=None, word=0, numbers=()):
         yield (k, *rows, *every)
 
 
-def _add_all(parts):
+def _reduce_all(parts, op):
+    """The reduction of every rank's rows, in the order ``_shm_reduce`` takes them (this rank's first)."""
+    combine = {"sum": torch.add, "avg": torch.add, "prod": torch.mul, "max": torch.maximum, "min": torch.minimum}[op]
     total = parts[0]
     for p in parts[1:]:
-        total = total + p
+        total = combine(total, p)
     return total
 
 
@@ -874,7 +890,7 @@ def _end_collective(c):
 
 def _chunk0(d_B, d_S, d_H, row0_k, r_k, rs0_parts, b, seed):
     """3 statements of fused_collective(rs0, add0, drop0, add1, ag1) on one chunk."""
-    rs0 = _add_all(rs0_parts)
+    rs0 = _reduce_all(rs0_parts, 'sum')
     add0 = rs0 + b
     drop0 = _dropout_rows(add0, 0.1, seed, (d_B, d_S, d_H, ), 0, row0_k)
     add1 = drop0 + r_k
