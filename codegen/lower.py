@@ -1043,7 +1043,7 @@ def _chunked_body(e: _Emitter, g: Group, fc: FusedCollective, chunks: int) -> li
     compute = list(fc.compute)
     e.chunked = set(g.members) | set(fc.compute)
     try:
-        # shm: the kernel sums the chunk's rows on every rank as it reads them (sum, avg)
+        # shm: the kernel reduces the chunk's rows on every rank as it reads them (sums_parts)
         # the chunk's rows on every rank, of each input pre reads where there are several
         parts = (() if not fc.sums_parts else (e.ident.fresh(f"{e.ident(rs.name)}_parts", scope),)
                  if len(fc.sources) == 1 else tuple(e.ident.fresh(f"{e.ident(x)}_parts", scope) for x in fc.sources))
