@@ -109,7 +109,8 @@ def collective_programs(draw):
         pre = draw(st.sampled_from(["none", "none", "scale", "acc", "acc_scale"] if acc is not None
                                    else ["none", "none", "scale"]))
         x = g + acc if pre.startswith("acc") else g
-        pool.append(cc.allreduce(draw(st.sampled_from(scalars)) * x if pre.endswith("scale") else x))
+        op = draw(st.sampled_from(["sum", "sum", "avg", "max", "min"]))  # an amax, a minimum over ranks
+        pool.append(cc.allreduce(draw(st.sampled_from(scalars)) * x if pre.endswith("scale") else x, op=op))
     if acc is not None:
         p.update(acc, draw(st.sampled_from([acc * 0.0, acc + grads[0], grads[-1] * 0.5])))
     for i in range(draw(st.integers(1, 3))):
