@@ -271,7 +271,6 @@ def c_source(k: ChunkKernel) -> str:
             def combine(x: str) -> str:  # p_total <- p_total (op) x, in the order torch reduces them
                 return f"p_{total} = {REDUCE[op][vector].format(f'p_{total}', x)};"
 
-
             def load(param: str, rank: str) -> str:
                 if kind.get(param) == "bf16 parts":  # read only through casts to float32, which widen exactly
                     name = next((x for x, q in rows_of.items() if q == param), None)
