@@ -1130,18 +1130,15 @@ def _holder_rows(p: Program, o: str, holder: str) -> str:
     return f"_c.local({holder}, {p[o].type.layout.dim})"
 
 
-# the reductions a chunk kernel computes as it reads every rank's rows (_reduce_all, kernels.native)
-_PARTS_OPS = ("sum", "avg", "prod", "max", "min")
-
-
 def sums_parts(p: Program, backend: str, g: Group, into) -> bool:
     """Whether a fused collective's compiled chunk kernel (shm) takes the chunk's rows on every rank unreduced
-    and reduces them as it reads them (sum, avg, prod, max, min): the reduced rows are never written out,
-    unless the group outputs them, and then only once, by the kernel. Not where a gather outside the kernel
-    sends them. A max allreduce of each rank's |g| (an amax) then reads g where it lies too."""
+    and reduces them as it reads them (any of the IR's REDUCE_OPS: sum, avg, prod, max, min): the reduced rows
+    are never written out, unless the group outputs them, and then only once, by the kernel. Not where a
+    gather outside the kernel sends them. A max allreduce of each rank's |g| (an amax) then reads g where it
+    lies too."""
     rs = p[g.members[0]]
     sent = any(p[m].op == "all_gather" and m not in into and p[m].args[0] == rs.name for m in g.members)
-    return backend == "shm" and rs.attr("op") in _PARTS_OPS and not sent
+    return backend == "shm" and not sent
 
 
 def reads_input_in_place(p: Program, backend: str, source: str, after: bool = False) -> bool:

@@ -557,9 +557,14 @@ def _publish(c, slot, offset, rows, lo, hi):
     return mine
 
 
+def _combine(op):
+    """The torch op that takes one more rank's rows into a reduction over ranks (avg sums, then divides)."""
+    return {"sum": torch.add, "avg": torch.add, "prod": torch.mul, "max": torch.maximum, "min": torch.minimum}[op]
+
+
 def _shm_reduce(c, own, peers, op, out):
     """out = the reduction over ranks of rows whose copy on this rank is ``own`` and on the others ``peers``."""
-    combine = {"sum": torch.add, "avg": torch.add, "prod": torch.mul, "max": torch.maximum, "min": torch.minimum}[op]
+    combine = _combine(op)
     if not peers:
         out.copy_(own)
     else:
@@ -764,7 +769,7 @@ def _reduce_scatter_parts(c, x, dim, n, count, name=None, word=0, numbers=()):
 
 def _reduce_all(parts, op):
     """The reduction of every rank's rows, in the order ``_shm_reduce`` takes them (this rank's first)."""
-    combine = {"sum": torch.add, "avg": torch.add, "prod": torch.mul, "max": torch.maximum, "min": torch.minimum}[op]
+    combine = _combine(op)
     total = parts[0]
     for p in parts[1:]:
         total = combine(total, p)
@@ -877,7 +882,7 @@ def _into_peers(c, *states):
 
 from coconet.codegen.prelude import _cache_dir, _Chunk, _launches  # noqa: E402  (shared with the torch backend)
 
-HELPERS = (_Shm, _movable, _move_into, _state_segment, _segment, _last_level_cache, _stream_copier, _native_library, _native, _on_comm_thread, _Done, _offsets, _publish, _shm_reduce, _shm_reduce_scatter, _shm_all_gather,
+HELPERS = (_Shm, _movable, _move_into, _state_segment, _segment, _last_level_cache, _stream_copier, _native_library, _native, _on_comm_thread, _Done, _offsets, _publish, _combine, _shm_reduce, _shm_reduce_scatter, _shm_all_gather,
            _shm_allreduce, _allreduce, _allreduced, _reduce_scatter, _all_gather, _shm_broadcast, _broadcast, _bucket_allreduce,
            _bucket_reduce_scatter, _bucket_all_gather, _scatter_parts, _reduce_scatter_chunks, _reduce_scatter_parts, _reduce_all,
            _Gather, _end_collective, _gather_into, _into_peers)

@@ -628,9 +628,14 @@ def _publish(c, slot, offset, rows, lo, hi):
     return mine
 
 
+def _combine(op):
+    """The torch op that takes one more rank's rows into a reduction over ranks (avg sums, then divides)."""
+    return {"sum": torch.add, "avg": torch.add, "prod": torch.mul, "max": torch.maximum, "min": torch.minimum}[op]
+
+
 def _shm_reduce(c, own, peers, op, out):
     """out = the reduction over ranks of rows whose copy on this rank is ``own`` and on the others ``peers``."""
-    combine = {"sum": torch.add, "avg": torch.add, "prod": torch.mul, "max": torch.maximum, "min": torch.minimum}[op]
+    combine = _combine(op)
     if not peers:
         out.copy_(own)
     else:
@@ -697,7 +702,7 @@ def _reduce_scatter_parts(c, x, dim, n, count, name=None, word=0, numbers=()):
 
 def _reduce_all(parts, op):
     """The reduction of every rank's rows, in the order ``_shm_reduce`` takes them (this rank's first)."""
-    combine = {"sum": torch.add, "avg": torch.add, "prod": torch.mul, "max": torch.maximum, "min": torch.minimum}[op]
+    combine = _combine(op)
     total = parts[0]
     for p in parts[1:]:
         total = combine(total, p)
