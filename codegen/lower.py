@@ -29,6 +29,7 @@ from typing import Callable, Mapping, Sequence
 from coconet.errors import BackendError
 from coconet.kernels.native import ChunkKernel, Untranslatable, c_source
 from coconet.schedules.dims import Dim
+from coconet.schedules.infer import ONE
 from coconet.schedules.ir import COMPARE, EFFECTS, VIEWS, Group, Program, Stmt
 from coconet.schedules.schedule import Schedule
 from coconet.schedules.types import ITEMSIZE, Local, Replicated, Sliced
@@ -167,13 +168,14 @@ class _Emitter:
         if a in self.rows_only:
             return name  # this rank's rows already
         if s.name in self.rows_only and t.shape:
-            d = self.rows_only[s.name]
-            return f"_c.cut({name}, {d}, {dim_expr(t.shape[d])})"
+            d = row_dim(out_t.shape, self.rows_only[s.name], t.shape)
+            return name if d is None else f"_c.cut({name}, {d}, {dim_expr(t.shape[d])})"
         if self.chunked is not None and a in self.rowwise:
             return name  # computed on the chunk's rows already
         if self.chunked is not None and s.name in self.rowwise and t.shape:
             rs = self.p[self.rowwise[s.name].members[0]].type
-            return f"_c.cut({name}, {rs.layout.dim}, {dim_expr(rs.shape[rs.layout.dim])})"
+            d = row_dim(out_t.shape, rs.layout.dim, t.shape)
+            return name if d is None else f"_c.cut({name}, {d}, {dim_expr(t.shape[d])})"
         if self.chunked is not None and a not in self.chunked and isinstance(t.layout, Sliced):
             return f"_c.local({name}, {t.layout.dim})"
         if self.chunked is not None and a in self.chunked and self.p[a].op == "all_gather":
@@ -181,10 +183,8 @@ class _Emitter:
             return self.ident(self.p[a].args[0])
         if out_t is None or not isinstance(out_t.layout, Sliced) or not isinstance(t.layout, Replicated):
             return name
-        d = out_t.layout.dim - (out_t.ndim - t.ndim)
-        if d < 0 or t.shape[d] != out_t.shape[out_t.layout.dim]:
-            return name
-        return f"_c.cut({name}, {d}, {dim_expr(t.shape[d])})"
+        d = row_dim(out_t.shape, out_t.layout.dim, t.shape)
+        return name if d is None else f"_c.cut({name}, {d}, {dim_expr(t.shape[d])})"
 
     def shape_expr(self, t) -> str:
         return "(" + "".join(f"{dim_expr(d)}, " for d in t.shape) + ")"
@@ -735,46 +735,77 @@ def fuse_reduced(p: Program) -> dict[Group, tuple[str, ...]]:
 
 
 def _rows_only(p: Program, skip: set[str]) -> dict[str, int]:
-    """Ungrouped Replicated pointwise statements whose readers all cut them to this rank's rows (Adam's
-    ``beta1 * m`` after ``reorder(ag0)``, read only by ``add0`` on the rank's slice), each with the dim they
-    cut: computed on those rows alone instead of on every rank's, 1/R of the work and of the memory."""
-    return _cut_to_rows(p, skip, lambda u: u not in skip and _ungrouped_pointwise(p, p[u]))
+    """Replicated pointwise statements whose readers all cut them to this rank's rows (Adam's ``beta1 * m``
+    after ``reorder(ag0)``, read only by ``add0`` on the rank's slice), each with the dim they cut: computed on
+    those rows alone instead of on every rank's, 1/R of the work and of the memory. A fuse group of them
+    whose every member is so (Adafactor's ``rsqrt(r * c / mean)`` fused, read by the update on the rank's
+    rows) computes those rows in its kernel."""
+    return _cut_to_rows(p, skip, lambda u: u not in skip and (_ungrouped_pointwise(p, p[u]) or
+                                                              _fused_pointwise(p, p[u])), groups=True)
 
 
-def _cut_to_rows(p: Program, skip: set[str], reader: Callable[[str], bool]) -> dict[str, int]:
+def _cut_to_rows(p: Program, skip: set[str], reader: Callable[[str], bool], groups: bool = False) -> dict[str, int]:
     """The ungrouped rowwise Replicated statements not in ``skip`` whose readers are all statements ``reader``
-    accepts that are Sliced on the statement's shape, or statements taken so, each with the dim they cut."""
-    out: dict[str, int] = {}
-    for s in reversed(p.stmts):  # readers before what they read
-        if (s.name in skip or not _ungrouped_pointwise(p, s) or not s.type.shape or not p.users[s.name]
-                or not _rowwise(p, s, s.type.shape)):
-            continue
-        dims = set()
-        for u in p.users[s.name]:
-            ut = p[u].type
-            if u in out:
-                dims.add(out[u])
-            elif reader(u) and isinstance(ut.layout, Sliced) and ut.shape == s.type.shape:
-                dims.add(ut.layout.dim)
-            else:
-                dims.add(None)
-        if len(dims) == 1 and None not in dims:
-            out[s.name] = dims.pop()
-    return out
+    accepts that are Sliced on the statement's shape, or statements taken so, each with the dim they cut;
+    with ``groups``, the members of fuse groups all of whose members are taken so, too."""
+    banned: set[Group] = set()
+    while True:
+        out: dict[str, int] = {}
+        for s in reversed(p.stmts):  # readers before what they read
+            g = p.group_of.get(s.name)
+            member = groups and g is not None and g not in banned and _fused_pointwise(p, s)
+            if (s.name in skip or not (member or _ungrouped_pointwise(p, s)) or not s.type.shape
+                    or not p.users[s.name] or not _rowwise(p, s, s.type.shape)):
+                continue
+            dims = set()
+            for u in p.users[s.name]:
+                ut = p[u].type
+                if u in out:  # a broadcast operand of the reader's has its own dim there, or none
+                    dims.add(row_dim(ut.shape, out[u], s.type.shape))
+                elif reader(u) and isinstance(ut.layout, Sliced) and ut.shape == s.type.shape:
+                    dims.add(ut.layout.dim)
+                else:
+                    dims.add(None)
+            if len(dims) == 1 and None not in dims:
+                out[s.name] = dims.pop()
+        # a group computes on rows whole or not at all; what its members read may then be needed whole
+        partial = {p.group_of[m] for m in out if m in p.group_of
+                   and any(x not in out for x in p.group_of[m].members)}
+        if not partial:
+            return out
+        banned |= partial
 
 
 def _ungrouped_pointwise(p: Program, s: Stmt) -> bool:
     return s.name not in p.group_of and s.op in POINTWISE and s.op != "const" and s.type is not None
 
 
+def _fused_pointwise(p: Program, s: Stmt) -> bool:
+    g = p.group_of.get(s.name)
+    return (g is not None and g.kind == "fuse" and not custom_group(p, g) and s.op in POINTWISE and s.op != "const"
+            and s.type is not None)
+
+
 def _rowwise(p: Program, s: Stmt, shape) -> bool:
-    """A Replicated pointwise statement of the group's whole shape on Replicated values of that shape and
-    scalars (AdamW's ``wd * w``): each row depends on the same row of its operands only, so a chunk can
-    compute its own rows of it instead of a full pass over every rank's rows before the group."""
+    """A Replicated pointwise statement of the group's whole shape on scalars and Replicated values of that
+    shape or broadcast to it (AdamW's ``wd * w``; Adafactor's ``r * c``, an (M, 1) by a (1, K)): each row
+    depends on the same row of its operands only, or on all of a broadcast one, so a chunk can compute its own
+    rows of it instead of a full pass over every rank's rows before the group."""
     if not isinstance(s.type.layout, Replicated) or s.type.shape != shape:
         return False
-    return all(p[a].type.shape == () or (isinstance(p[a].type.layout, Replicated) and p[a].type.shape == shape)
-               for a in s.args)
+    return all(p[a].type.shape == () or (isinstance(p[a].type.layout, Replicated)
+                                         and _broadcasts(p[a].type.shape, shape)) for a in s.args)
+
+
+def _broadcasts(shape, to) -> bool:
+    return len(shape) <= len(to) and all(x == y or x == ONE for x, y in zip(reversed(shape), reversed(to)))
+
+
+def row_dim(out_shape, d: int, shape) -> int | None:
+    """The dim of an operand of ``shape`` (broadcast to ``out_shape``) that rows cut along ``d`` of the result
+    cut: None where the operand has no such dim or a size-1 one there, and is read whole."""
+    k = d - (len(out_shape) - len(shape))
+    return k if k >= 0 and shape[k] == out_shape[d] else None
 
 
 def _fc_in_place(p: Program, g: Group, outs: list[str], absorbed) -> dict[str, str]:
@@ -1365,8 +1396,9 @@ def _native_chunk(e: _Emitter, compute: list[str], inplace: dict[str, str], into
         if s.type is None or (s.type.dtype or "float32") != dtype or s.op == "dropout":
             return None
         operands = [name_of(e.operand(s, a)) for a in s.args]
-        if None in operands:
-            return None
+        if None in operands or (s.op != "partial_sum" and any(p[a].type.shape not in ((), s.type.shape)
+                                                              for a in s.args)):
+            return None  # C reads every operand row for row: one broadcast to the rows is Inductor's
         if s.op == "partial_sum":
             if m in results:
                 sums.append((e.ident(m), operands[0]))

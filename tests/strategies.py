@@ -117,6 +117,13 @@ def collective_programs(draw):
         s = p.tensor(f"s{i}", shape, layout=cc.Replicated)
         pool.append(s)
         state.append(s)
+    if two_d and draw(st.booleans()):
+        # per-row and per-column factors (Adafactor's factored moments, a per-channel scale): broadcast against
+        # the rows a schedule cuts (the column factor whole on every rank, the row factor cut with them)
+        for name, factor in (("rv", ("N", 1)), ("cv", (1, "M"))):
+            t = p.tensor(name, factor, layout=cc.Replicated)
+            pool.append(t)
+            state.append(t)
     if draw(st.booleans()):
         # a 0-d state (a step counter, a loss scale): broadcast into the others, never sliced
         k = p.tensor("k", (), layout=cc.Replicated)
@@ -144,6 +151,8 @@ def collective_programs(draw):
         values = [e for e in derived + [t for t in state if t is not s] if e.shape == s.shape]
         if not s.shape:
             values += [s + 1.0, s * draw(st.sampled_from(scalars)) + cc.norm(draw(st.sampled_from(pool)))]
+        elif not values:  # a factor nothing of its shape was computed from
+            values = [s * draw(st.sampled_from(scalars)) + cc.norm(draw(st.sampled_from(pool)))]
         p.update(s, draw(st.sampled_from(values)))
     if draw(st.booleans()):
         p.output("out", draw(st.sampled_from(pool)))  # a state's own value before the step too

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
 from coconet.codegen.lower import (custom_group, fuse_absorbed, fuse_reduced, fused_collective_plan, held_sources,
-                                   kernel_reduced)
+                                   kernel_reduced, row_dim)
 from coconet.codegen.lower import (_absorbed, _group_io, _in_place, _needs_copy, _positions, _rows_only, _units,
                                    fuse_gathers_into, gathers_into_state, updated_in_place)
 from coconet.errors import CoconetError, SizeError
@@ -157,7 +157,7 @@ class _Builder:
         self.into_state: dict[str, str] = {}  # shm all_gathers written straight into state (set by plan)
         self.fuse_into: dict[Group, dict[str, str]] = {}  # and those a fuse kernel writes (set by plan)
         self.fused_gathers: set[str] = set()
-        self.rows: dict[str, int] = {}  # statements a fused kernel computes on this rank's rows (set by plan)
+        self.rows: dict[str, int] = {}  # statements computed on this rank's rows, each with its dim (set by plan)
         self.reduced: dict[Group, tuple[str, ...]] = {}  # sums and norms a fuse kernel computes (set by plan)
         self.at: dict[str, int] = {}  # each statement's place in the step (set by plan)
         self.held: set[str] = set()  # computed into a buffer kept from step to step (held_sources, set by plan)
@@ -192,10 +192,11 @@ class _Builder:
         if t is None or t.is_scalar:
             return None
         if s.name in self.rows:
-            return self.extent(t.shape, self.rows[s.name])
+            d = row_dim(out.shape, self.rows[s.name], t.shape)
+            return self.local(t) if d is None else self.extent(t.shape, d)
         if out is not None and isinstance(out.layout, Sliced) and isinstance(t.layout, Replicated):
-            d = out.layout.dim - (out.ndim - t.ndim)
-            if d >= 0 and t.shape[d] == out.shape[out.layout.dim]:
+            d = row_dim(out.shape, out.layout.dim, t.shape)
+            if d is not None:
                 return self.extent(t.shape, d)
         return self.local(t)
 
@@ -227,7 +228,9 @@ class _Builder:
         for g, ms in absorbed.items():  # a chunk computes its own rows of them (the lowering's rowwise)
             d = p[g.members[0]].type.layout.dim
             self.rows.update((m, d) for m in ms if isinstance(p[m].type.layout, Replicated))
-        at_end = updated_in_place(p, skip | set(_rows_only(p, skip)))
+        rows_only = _rows_only(p, skip)  # computed on the rows their readers cut, as the lowering does
+        at_end = updated_in_place(p, skip | set(rows_only))
+        self.rows.update(rows_only)
         skip |= set(at_end.values())
         order = _units(p)
         self.at = _positions(order, absorbed, rows, self.reduced, kernel_reduced(p, self.backend, absorbed))
@@ -272,7 +275,7 @@ class _Builder:
     def eager(self, s: Stmt, launches: int = 1) -> Kernel:
         """One statement as torch runs it: read its operands, write a fresh result."""
         t = s.type
-        out = self.nbytes(t, self.local(t))
+        out = self.nbytes(t, self.extent(t.shape, self.rows[s.name]) if s.name in self.rows else self.local(t))
         if s.op == "dropout":
             ext, rng = self.local(t), self.dropout_cost()
             # the value read and the result written, plus the RNG's int64 passes
@@ -399,7 +402,8 @@ class _Builder:
         fresh: list[Term] = []
         into = set(self.fuse_into.get(g, {}).values())
         for o in outs:
-            b = self.nbytes(p[o].type, self.local(p[o].type))
+            t = p[o].type
+            b = self.nbytes(t, self.extent(t.shape, self.rows[o]) if o in self.rows else self.local(t))
             if o in into:  # this rank's rows into its own copy of the state and every peer's: to memory
                 writes += _scaled(b, _PerWorld.ALL)
                 cold += _scaled(b, _PerWorld.ALL)

@@ -309,6 +309,66 @@ def test_replicated_statements_read_only_by_a_fused_kernel_on_a_slice_run_inside
     assert any(w.startswith("fuse(") for w in priced) and "mul0" not in priced and "mul2" not in priced
 
 
+def factored(output=False):
+    """A step size from Adafactor-style factors of a matrix: an (M, 1) row factor times a (1, K) column factor,
+    and a (K,) per-column rate; every one broadcast to the (M, K) update. ``output``: the step returns the
+    whole of rsqrt(r * c + 1) too."""
+    import coconet as cc
+
+    p = cc.Program("factored", dims=("M", "K"))
+    g = p.tensor("g", ("M", "K"), layout=cc.Local)
+    w = p.tensor("w", ("M", "K"), layout=cc.Replicated)
+    r = p.tensor("r", ("M", 1), layout=cc.Replicated)
+    c = p.tensor("c", (1, "K"), layout=cc.Replicated)
+    s = p.tensor("s", ("K",), layout=cc.Replicated)
+    lr = p.scalar("lr")
+    rate = lr * s
+    step = cc.rsqrt(r * c + 1.0)
+    p.update(w, w - rate * step * cc.allreduce(g, op="avg"))
+    if output:
+        p.output("step", step)
+    return p.ir
+
+
+def test_a_product_of_row_and_column_factors_read_on_a_slice_is_computed_on_that_slice():
+    """r * c is (M, K) from an (M, 1) and a (1, K): each row of it needs the same row of r and all of c. Read
+    only on this rank's rows, it is computed on those rows (r cut, c whole), not whole on every rank; inside a
+    fused collective, on the chunk's rows. lr * s, a (K,) vector, has no rows to cut and stays whole."""
+    p = factored()
+    rows = Schedule.parse("split(ar0); reorder(ag0)", p)
+    for backend, kernels in (("gloo", "eager"), ("shm", "compiled")):
+        step = lower(rows, backend, kernels).source.split("def step(")[1]
+        assert "    mul0 = lr * s\n    mul1 = _c.cut(r, 0, d_M) * c\n" in step
+    fc = Schedule.parse("split(ar0); reorder(ag0); fuse_collective(rs0); fc_chunks=2", p)
+    source = lower(fc, "shm", "compiled").source
+    kernel, step = source.split("def _chunk0(")[1].split("\n\n\n")[0], source.split("def step(")[1]
+    assert "    mul1 = r_k * c\n" in kernel and "mul1 =" not in step and "    mul0 = lr * s\n" in step
+    assert "_chunk0(_ag1.peer_rows(_c), _c.cut(r, 0, d_M), _c.cut(w, 0, d_M), rs0_parts, c, " in step
+    # C reads every operand row for row; a broadcast one leaves the chunk to Inductor
+    assert "_chunk0 = _kernel(_chunk0)\n" in source and "_native(" not in source.split("def step(")[0]
+    # priced as the lowering runs them: mul1 writes this rank's rows alone (M/2 x K of 64 x 32), or nothing
+    plan = cost.plan(rows, "shm")
+    mul1 = next(k for u in plan.units for k in u.kernels if k.what == "mul1")
+    elems = cost._elems(plan, {"M": 64, "K": 32}, 2)
+    assert cost._value(mul1.write, elems, 2) == 4 * 32 * 32
+    assert cost._value(mul1.read, elems, 2) == 4 * (32 + 32)  # r's rows, all of c
+    assert "mul1" not in [k.what for u in cost.plan(fc, "shm").units for k in u.kernels]
+    # fused, the same statements make a kernel of their own that computes this rank's rows alone
+    grouped = Schedule.parse("split(ar0); reorder(ag0); fuse(mul1, add0, rsqrt0, mul2); fuse(mul3, sub0)", p)
+    for backend, kernels in (("gloo", "eager"), ("shm", "compiled")):
+        kernel = lower(grouped, backend, kernels).source.split("def _fuse0(")[1].split("\n\n\n")[0]
+        assert "    mul1 = _c.cut(r, 0, d_M) * c\n" in kernel
+    plan = cost.plan(grouped, "shm")
+    k = next(k for u in plan.units for k in u.kernels if k.what == "fuse(mul1, add0, rsqrt0, mul2)")
+    elems = cost._elems(plan, {"M": 64, "K": 32}, 2)
+    assert cost._value(k.write, elems, 2) == 4 * 32 * 32 and cost._value(k.read, elems, 2) == 4 * (32 + 32 + 32)
+    # a member read whole elsewhere (an output) keeps the group whole
+    whole = factored(output=True)
+    step = lower(Schedule.parse("split(ar0); reorder(ag0); fuse(mul1, add0, rsqrt0, mul2)", whole),
+                 "gloo", "eager").source.split("def _fuse0(")[1].split("\n\n\n")[0]
+    assert "    mul1 = r * c\n" in step
+
+
 STANDALONE = r'''
 import importlib.util
 import sys

@@ -19,6 +19,7 @@ from coconet.codegen.lower import lower
 from coconet.schedules.schedule import Schedule
 from coconet.schedules.space import generate
 from tests.codegen import faulty
+from tests.codegen.test_lower import factored
 from tests.codegen.test_launch import EXAMPLES, RANKS, SIZES, assert_all_ok, example, rank_processes
 from tests.strategies import collective_programs
 
@@ -343,6 +344,17 @@ def test_a_max_min_or_product_over_ranks_is_taken_as_the_kernel_reads_the_rows()
         for world, n in ((2, 1001), (3, 7)):
             options = Options(world=world, sizes={"N": n}, backend="shm", warmup=1, repeats=2)
             assert_all_ok(run_schedules([sched.with_knobs(fc_chunks=k) for k in (1, 8)], options))
+    assert not segments()
+
+
+def test_factors_broadcast_to_the_rows_a_rank_computes():
+    """Every schedule of a step from (M, 1) by (1, K) factors and a (K,) rate, which the ranks compute on their
+    rows (test_lower's factored), and of the same step returning the factors' product whole: R = 2 and 3, rows
+    uneven, compiled and eager."""
+    for p in (factored(), factored(output=True)):
+        for world, sizes in ((2, {"M": 7, "K": 5}), (3, {"M": 8, "K": 3})):
+            for kernels in ("compiled", "eager"):
+                assert_all_ok(run_schedules(list(generate(p)), shm_only(world, sizes, kernels)))
     assert not segments()
 
 
