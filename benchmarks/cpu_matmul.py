@@ -1,5 +1,6 @@
 """Which GEMM should the generated code call on CPU? torch.matmul (MKL's sgemm in the CPU wheels) against
-oneDNN's linear (`_matmul` of the generated modules), on the Megatron layer's shapes.
+oneDNN's linear (`_matmul` of the generated modules), on the Megatron layer's shapes and on products with
+one row or one column (row and column sums as products with ones).
 
     python benchmarks/cpu_matmul.py [--procs 1 2] [--pairs 5] [--out benchmarks/results/cpu_matmul.json]
 
@@ -31,7 +32,19 @@ SHAPES = [  # (name, rows, contraction, cols, columns of the weight the cols are
     ("H=512 R=4", 4096, 512, 512, 512),
     ("H=1024 R=2, rows/4", 512, 2048, 1024, 1024),
     ("H=1024 R=2, cols/4", 2048, 2048, 256, 1024),
+    # a matrix's row and column sums as products with ones (Adafactor's factored moments), one rank's rows
+    ("row sums 2048x4096", 2048, 4096, 1, 1),
+    ("column sums 2048x4096", 1, 2048, 4096, 4096),
 ]
+
+
+def _onednn(a, b):
+    """oneDNN's linear as `_matmul` calls it where it takes it (a strided weight copied first)."""
+    import torch
+
+    if not (b.is_contiguous() or b.t().is_contiguous()):
+        b = b.contiguous()
+    return torch.ops.mkldnn._linear_pointwise(a, b.t(), None, "none", [], "")
 
 
 def _best(fn, a, b, calls=3):
@@ -47,8 +60,6 @@ def _best(fn, a, b, calls=3):
 def _pairs(shape, pairs, start=None):
     import torch
 
-    from coconet.codegen.prelude import _matmul
-
     torch.set_num_threads(1)
     _, m, k, n, width = shape
     gen = torch.Generator().manual_seed(0)
@@ -56,12 +67,12 @@ def _pairs(shape, pairs, start=None):
     ref = a.double() @ b.double()
     scale = ref.abs().max().item()
     errs = {name: ((fn(a, b).double() - ref).abs().max().item() / scale)
-            for name, fn in (("mkl", torch.matmul), ("onednn", _matmul))}
+            for name, fn in (("mkl", torch.matmul), ("onednn", _onednn))}
     if start is not None:
         start.wait()
     out = {"mkl": [], "onednn": []}
     for i in range(pairs):
-        order = (("mkl", torch.matmul), ("onednn", _matmul))[:: 1 if i % 2 == 0 else -1]
+        order = (("mkl", torch.matmul), ("onednn", _onednn))[:: 1 if i % 2 == 0 else -1]
         for name, fn in order:
             out[name].append(_best(fn, a, b))
     return {"seconds": out, "max_rel_err": errs}
@@ -101,6 +112,8 @@ def main() -> None:
     args = ap.parse_args()
     import torch
 
+    from coconet.tuner.calibrate import cpu_model
+
     rows = []
     for procs in args.procs:
         for shape in SHAPES:
@@ -109,7 +122,7 @@ def main() -> None:
             print(f"{r['shape']:<22} procs={procs}  MKL {r['mkl_GFLOPs']:6.1f}  oneDNN {r['onednn_GFLOPs']:6.1f} "
                   f"GFLOP/s  oneDNN/MKL {r['onednn_over_mkl']:.3f} (pairs {min(r['ratios']):.2f}-{max(r['ratios']):.2f})",
                   flush=True)
-    doc = {"torch": torch.__version__, "machine": platform.machine(), "processor": platform.processor(),
+    doc = {"torch": torch.__version__, "machine": platform.machine(), "processor": cpu_model(),
            "mkldnn": torch.backends.mkldnn.is_available(), "pairs": args.pairs, "results": rows,
            "command": "python benchmarks/cpu_matmul.py " + " ".join(
                ["--procs", *map(str, args.procs), "--pairs", str(args.pairs)])}

@@ -69,10 +69,12 @@ def _allreduced(c, x, op):
 
 def _matmul(a, b):
     """a (..., K) @ b (K, M). float32 on CPU goes through oneDNN's linear, as Inductor's CPU lowering does:
-    on the Megatron layer's shapes it ran faster than torch.matmul's MKL sgemm, two ranks at once
-    included (benchmarks/cpu_matmul.py). Anything else, or a torch without oneDNN, is torch.matmul."""
+    on the Megatron layer's shapes it ran 1.07-1.25x torch.matmul's MKL sgemm where first measured, two
+    ranks at once included, and 0.85-0.99x on an Intel Xeon (benchmarks/cpu_matmul.py). A product with
+    one row or one column (a matrix's row or column sums as a product with ones) is torch.matmul: MKL's
+    gemv ran it 1.9-2.4x as fast as oneDNN there. Anything else, or a torch without oneDNN, too."""
     if (a.device.type == "cpu" and a.dtype == b.dtype == torch.float32 and a.dim() >= 2 and a.numel()
-            and b.numel() and torch.backends.mkldnn.is_available()):
+            and b.numel() and a.numel() > a.shape[-1] and b.shape[-1] > 1 and torch.backends.mkldnn.is_available()):
         if not (b.is_contiguous() or b.t().is_contiguous()):
             # a weight whose rows are strided (the overlap's column chunks of a weight): oneDNN's linear on
             # one took 15 s where the same chunk copied took 11 ms (2048 x 1024 x 256); the copy is 1/m of
