@@ -1,7 +1,7 @@
 """Adam after gradient accumulation: the last micro-batch's gradient is added to the sum of the earlier ones,
 which the step keeps in a buffer of each rank's own and clears, and the total is averaged over the ranks in
-one allreduce (DDP's ``no_sync`` for all but the last micro-batch). The sum of two values of each rank's own
-is computed into a buffer the fused collective reads where it lies, not published into a slot."""
+one allreduce (DDP's ``no_sync`` for all but the last micro-batch). The fused collective's chunk kernel reads
+every rank's rows of acc and g where they lie and sums them as it reduces them: acc + g is never written out."""
 
 from coconet import Local, Program, Replicated, allreduce, sqrt
 
