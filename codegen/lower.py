@@ -29,7 +29,7 @@ from typing import Callable, Mapping, Sequence
 from coconet.errors import BackendError
 from coconet.kernels.native import ChunkKernel, Untranslatable, c_source
 from coconet.schedules.dims import Dim
-from coconet.schedules.infer import ONE
+from coconet.schedules.infer import broadcast_shapes
 from coconet.schedules.ir import COMPARE, EFFECTS, VIEWS, Group, Program, Stmt
 from coconet.schedules.schedule import Schedule
 from coconet.schedules.types import ITEMSIZE, Local, Replicated, Sliced
@@ -794,11 +794,7 @@ def _rowwise(p: Program, s: Stmt, shape) -> bool:
     if not isinstance(s.type.layout, Replicated) or s.type.shape != shape:
         return False
     return all(p[a].type.shape == () or (isinstance(p[a].type.layout, Replicated)
-                                         and _broadcasts(p[a].type.shape, shape)) for a in s.args)
-
-
-def _broadcasts(shape, to) -> bool:
-    return len(shape) <= len(to) and all(x == y or x == ONE for x, y in zip(reversed(shape), reversed(to)))
+                                         and broadcast_shapes((p[a].type.shape, shape)) == shape) for a in s.args)
 
 
 def row_dim(out_shape, d: int, shape) -> int | None:

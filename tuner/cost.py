@@ -177,6 +177,11 @@ class _Builder:
             return None
         return self.extent(t.shape, t.layout.dim if isinstance(t.layout, Sliced) else None)
 
+    def written(self, name: str) -> int | None:
+        """The piece of its value a statement writes: its rows where it is computed on them (``rows``)."""
+        t = self.p[name].type
+        return self.extent(t.shape, self.rows[name]) if name in self.rows else self.local(t)
+
     def whole(self, t: TensorType) -> int | None:
         return None if t.is_scalar else self.extent(t.shape, None)
 
@@ -275,7 +280,7 @@ class _Builder:
     def eager(self, s: Stmt, launches: int = 1) -> Kernel:
         """One statement as torch runs it: read its operands, write a fresh result."""
         t = s.type
-        out = self.nbytes(t, self.extent(t.shape, self.rows[s.name]) if s.name in self.rows else self.local(t))
+        out = self.nbytes(t, self.written(s.name))
         if s.op == "dropout":
             ext, rng = self.local(t), self.dropout_cost()
             # the value read and the result written, plus the RNG's int64 passes
@@ -402,8 +407,7 @@ class _Builder:
         fresh: list[Term] = []
         into = set(self.fuse_into.get(g, {}).values())
         for o in outs:
-            t = p[o].type
-            b = self.nbytes(t, self.extent(t.shape, self.rows[o]) if o in self.rows else self.local(t))
+            b = self.nbytes(p[o].type, self.written(o))
             if o in into:  # this rank's rows into its own copy of the state and every peer's: to memory
                 writes += _scaled(b, _PerWorld.ALL)
                 cold += _scaled(b, _PerWorld.ALL)
