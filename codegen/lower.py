@@ -1441,6 +1441,17 @@ def _lower_overlap(e: _Emitter, g: Group, chunks: int) -> list[str]:
             "        _w.wait()",
             f"{out} = torch.cat(_parts).reshape({a}.shape[:-1] + ({b}.shape[-1],))",
         ]
+    elif coll.type.layout.dim == coll.type.ndim - 1:
+        # scattered along the columns: every chunk is a band of rows whose columns the ranks share out
+        n, op = dim_expr(coll.type.shape[-1]), coll.attr("op")
+        lines += [
+            f"_a = {a}.reshape({a}.shape[:-1].numel(), {a}.shape[-1])",
+            "_pending = []",
+            f"for _ak in torch.tensor_split(_a, {chunks}, dim=0):",
+            f"    _pending.append(_reduce_scatter(_c, {e.matmul}(_ak, {b}), 1, {n}, {op!r}, async_op=True))",
+            "_parts = [_finish() for _finish in _pending]",
+            f"{out} = torch.cat(_parts).reshape({a}.shape[:-1] + (_parts[0].shape[-1],))",
+        ]
     else:
         d = coll.type.layout.dim
         n = dim_expr(coll.type.shape[d])

@@ -6,7 +6,9 @@ Two things the semantics leave implicit are made explicit here, once, for
 both front ends: ``norm``/``sum`` of a Sliced value become a per-rank
 ``partial_sum`` and an ``allreduce``; ``update`` of Replicated state from a
 Sliced value goes through an ``all_gather``; a ``slice`` of a value a rewrite
-has sliced along the same dim is that value.
+has sliced along the same dim is that value; ``matmul`` of Replicated ``a`` by
+``b`` Sliced along its rows is this rank's columns of ``a`` times those rows, a
+partial product, and an ``allreduce``.
 """
 
 from __future__ import annotations
@@ -345,6 +347,11 @@ class Builder:
             part = self.add("partial_sum", (x,), location=location)
             total = self.add("allreduce", (part,), {"op": "sum"}, location=location)
             return self.add("sqrt", (total,), location=location, name=name) if op == "norm" else total
+        if op == "matmul" and self._partial_product(args):
+            # R×S(0): each rank multiplies its columns of a by its rows of b, and the partial products add up
+            a = self.add("slice", (args[0],), {"dim": -1}, location=location)
+            part = self.add("matmul", (a, args[1]), location=location)
+            return self.add("allreduce", (part,), {"op": "sum"}, location=location)
         if op == "update":
             self._check_update_target(args[0])
             t, v = self.type_of(args[0]), self.type_of(args[1])
@@ -410,6 +417,11 @@ class Builder:
             except ValueError as e:
                 raise ProgramError(f"attribute {key}: {e}", rule=f"attributes of {op}") from None
         return tuple(sorted(out.items()))
+
+    def _partial_product(self, args: tuple[int, ...]) -> bool:
+        a, b = (self.type_of(x) for x in args)
+        return (isinstance(a.layout, Replicated) and a.ndim >= 1 and b.ndim == 2 and isinstance(b.layout, Sliced)
+                and b.layout.dim == 0 and a.shape[-1] == b.shape[0] and "bool" not in (a.dtype, b.dtype))
 
     def _check_update_target(self, target: int) -> None:
         node = self.nodes[target]

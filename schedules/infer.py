@@ -145,7 +145,8 @@ def reduction(x: TensorType, op: str, names: Sequence[str]) -> TensorType:
 
 
 def matmul(a: TensorType, b: TensorType, names: Sequence[str]) -> TensorType:
-    """R×R→R · L×R→L · S(d)×R→S(d) for a non-contracted d · R×S(last)→S(last) · S(last)×S(0)→L."""
+    """R×R→R · L×R→L · S(d)×R→S(d) for a non-contracted d · R×S(last)→S(last) · S(last)×S(0)→L. (R×S(0)
+    never arrives here: the builder makes it S(last)×S(0) partials and an allreduce.)"""
     if b.ndim != 2 or a.ndim < 1:
         raise ProgramError(
             f"matmul({_fmt(names, (a, b))}) needs a (..., K) and b (K, M)", rule="matmul shapes (..., K) x (K, M)"
@@ -176,7 +177,7 @@ def matmul(a: TensorType, b: TensorType, names: Sequence[str]) -> TensorType:
     if layout is None:
         raise ProgramError(
             f"no matmul rule for {la} x {lb} ({_fmt(names, (a, b))}); allowed: R×R→R, L×R→L, "
-            "S(d)×R→S(d) for d not contracted, R×S(last)→S(last), S(last)×S(0)→L",
+            "S(d)×R→S(d) for d not contracted, R×S(last)→S(last), S(last)×S(0)→L, R×S(0)→R (partials + allreduce)",
             rule="matmul layouts",
         )
     return TensorType(shape, dtype, layout)

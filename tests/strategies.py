@@ -117,6 +117,7 @@ def collective_programs(draw):
         s = p.tensor(f"s{i}", shape, layout=cc.Replicated)
         pool.append(s)
         state.append(s)
+    products = []
     if two_d and draw(st.booleans()):
         # per-row and per-column factors (Adafactor's factored moments, a per-channel scale): broadcast against
         # the rows a schedule cuts (the column factor whole on every rank, the row factor cut with them)
@@ -124,16 +125,27 @@ def collective_programs(draw):
             t = p.tensor(name, factor, layout=cc.Replicated)
             pool.append(t)
             state.append(t)
+    if two_d and draw(st.booleans()):
+        # row or column sums (what feeds such factors) of reduced values: a product on the rows a rank holds,
+        # or partial products of its rows and an allreduce
+        products = [p.tensor("by_col", ("M", 1), layout=cc.Replicated),
+                    p.tensor("by_row", (1, "N"), layout=cc.Replicated)]
     if draw(st.booleans()):
         # a 0-d state (a step counter, a loss scale): broadcast into the others, never sliced
         k = p.tensor("k", (), layout=cc.Replicated)
         pool.append(k)
         state.append(k)
     for _ in range(draw(st.integers(1, 10))):
-        kind = draw(st.sampled_from(["bin", "bin", "scal", "unary", "norm", "drop"]))
+        kind = draw(st.sampled_from(["bin", "bin", "scal", "unary", "norm", "drop"] + ["prod"] * 2 * bool(products)))
         x = draw(st.sampled_from(pool))
         y = draw(st.sampled_from(pool))
-        if kind == "bin":
+        if kind == "prod":
+            full = [e for e in pool if e.shape == grads[0].shape]
+            x = draw(st.sampled_from(full))
+            prod = cc.matmul(x, products[0]) if draw(st.booleans()) else cc.matmul(products[1], x)
+            pool.append(prod)  # a factor's new value, or broadcast into the next statement
+            e = x / (prod * prod + 1.0)
+        elif kind == "bin":
             e = draw(st.sampled_from(POINTWISE_BINARY))(x, y)
         elif kind == "scal":
             e = draw(st.sampled_from(scalars)) * x + draw(st.sampled_from([0.5, 1.0, 2.0]))

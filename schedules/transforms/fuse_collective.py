@@ -22,6 +22,11 @@ from coconet.schedules.ir import Group, Program
 from coconet.schedules.transforms.base import Transform, convex_with, is_pointwise, ordered, sliced_dim, with_group
 
 
+def _rows(program: Program, name: str, dim: int):
+    """The extent of ``name``'s dim ``dim`` where it is sliced along that dim; None otherwise."""
+    return program[name].type.shape[dim] if sliced_dim(program, name) == dim else None
+
+
 def region(program: Program, rs: str) -> tuple[str, ...]:
     dim = sliced_dim(program, rs)
     rows = program[rs].type.shape[dim]
@@ -31,10 +36,11 @@ def region(program: Program, rs: str) -> tuple[str, ...]:
         if s.name in program.group_of or program.position[s.name] <= first:
             continue
         if any(a in members for a in s.args):
-            ok = ((is_pointwise(program, s) and sliced_dim(program, s.name) == dim) or s.op == "all_gather"
-                  or (s.op == "partial_sum" and sliced_dim(program, s.args[0]) == dim))
+            # the slice's rows are a chunk's: work sliced along a dim of another extent is cut otherwise
+            ok = ((is_pointwise(program, s) and _rows(program, s.name, dim) == rows) or s.op == "all_gather"
+                  or (s.op == "partial_sum" and _rows(program, s.args[0], dim) == rows))
         else:  # rows of a replicated value that are the slice's rows: each chunk reads its own
-            ok = s.op == "slice" and sliced_dim(program, s.name) == dim and s.type.shape[dim] == rows
+            ok = s.op == "slice" and _rows(program, s.name, dim) == rows
         if ok and convex_with(program, members, s.name, (first, program.position[s.name])) is None:
             members.add(s.name)
     reduced = {rs}  # what reads the reduced rows

@@ -1,7 +1,9 @@
 """reorder(ag): run the work that consumes an all_gather's output on the slices
 before it (CoCoNet §4.2). Replicated operands of that work become zero-copy
 slices; a norm or sum of a now-sliced value becomes a partial reduction plus an
-allreduce; values still needed whole are all-gathered after the work.
+allreduce, and so does a product that contracts the sliced rows (Adafactor's
+column sums); a product of the sliced rows by a whole matrix stays on the rows.
+Values still needed whole are all-gathered after the work.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from dataclasses import dataclass
 
 from coconet.schedules.ir import Program, Stmt
 from coconet.schedules.rewrite import Rewriter
-from coconet.schedules.transforms.base import Transform, consumes_slices, is_pointwise, ordered
+from coconet.schedules.transforms.base import Transform, consumes_slices, is_pointwise, ordered, sliced_dim
 from coconet.schedules.types import Local, Sliced
 
 
@@ -18,6 +20,8 @@ def slices_align(program: Program, s: Stmt, sliced: dict[str, int]) -> tuple[boo
     """Can ``s`` run on slices when the values in ``sliced`` are sliced along the dims given? Every
     sliced operand must land on one dim of the result (broadcasting aligns trailing dims), and that
     dim must not be a broadcast one. Returns (ok, the result's sliced dim or None)."""
+    if s.op == "matmul":
+        return _product_slices(program, s, sliced)
     out = s.type
     dims = set()
     for a in s.args:
@@ -36,13 +40,30 @@ def slices_align(program: Program, s: Stmt, sliced: dict[str, int]) -> tuple[boo
     return True, (dims.pop() if dims else None)
 
 
+def _product_slices(program: Program, s: Stmt, sliced: dict[str, int]) -> tuple[bool, int | None]:
+    """A product with one operand sliced: a's non-contracted rows give the result's; b's columns give its last
+    dim; b's rows (the contracted dim) give partial products that an allreduce sums, so the result is whole."""
+    (a, da), (b, db) = ((x, sliced.get(x, sliced_dim(program, x))) for x in s.args)
+    if da is not None and db is not None:
+        return False, None
+    if da is not None:
+        return (da != program[a].type.ndim - 1), da
+    if db is not None:
+        return True, (s.type.ndim - 1 if db == 1 else None)
+    return True, None
+
+
+def _is_product(program: Program, s: Stmt) -> bool:
+    return s.op == "matmul" and not any(isinstance(program[a].type.layout, Local) for a in s.args)
+
+
 def region(program: Program, ag: str) -> tuple[str, ...]:
     """The largest set of statements downstream of ``ag`` that can run on its slices."""
     members: set[str] = set()
     frontier = {ag}
     sliced = {ag: program[program[ag].args[0]].type.layout.dim}
     for s in program.stmts:
-        if any(a in frontier for a in s.args) and consumes_slices(program, s):
+        if any(a in frontier for a in s.args) and (consumes_slices(program, s) or _is_product(program, s)):
             ok, dim = slices_align(program, s, sliced)
             if not ok:
                 continue
@@ -88,8 +109,8 @@ class Reorder(Transform):
             local = [a for a in s.args if isinstance(program[a].type.layout, Local)]
             if local:
                 raise self.refuse(f"{m} reads Local {local[0]}: a per-rank value cannot be combined with slices")
-            if not (is_pointwise(program, s) or s.op in ("sum", "norm")):
-                raise self.refuse(f"{m} is a {s.op}; only pointwise work and reductions run on slices")
+            if not (is_pointwise(program, s) or s.op in ("sum", "norm", "matmul")):
+                raise self.refuse(f"{m} is a {s.op}; only pointwise work, reductions and products run on slices")
             if not any(a in members or a == ag.name for a in s.args) or m not in reachable:
                 raise self.refuse(f"{m} does not consume {ag.name} or the work moved with it")
         source = ag.args[0]

@@ -23,7 +23,14 @@ class Split(Transform):
     def instances(cls, program: Program) -> list[Transform]:
         if program.groups:
             return []
-        return [cls(s.name) for s in program.stmts if s.op == "allreduce" and s.type.ndim > 0]
+        out = []
+        for s in program.stmts:
+            if s.op == "allreduce":
+                # along a dim of extent 1 every row would be rank 0's: slice the first dim with more
+                dim = next((d for d, n in enumerate(s.type.shape) if n.value != 1), None)
+                if dim is not None:
+                    out.append(cls(s.name, dim))
+        return out
 
     def apply(self, program: Program) -> Program:
         self._check(program)

@@ -204,6 +204,10 @@ GOLDENS = {  # name: (example, schedule, backend, lower's keywords)
     "adam_token_weighted_zero1_shm": ("benchmarks/programs/adam_token_weighted.py",
                                       ("split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse_collective(rs0)"),
                                       "shm", {}),
+    # Adafactor's sums on this rank's rows: the row sums a gemv of its rows, the column sums partial products of
+    # its columns of the ones by its rows, scattered along the columns in chunks of rows as they are multiplied
+    "adafactor_row_products_overlap": ("benchmarks/programs/adafactor.py",
+                                       "split(ar0); reorder(ag0); split(ar0, dim=1); overlap(mm2, rs1)", "gloo", {}),
 }
 
 

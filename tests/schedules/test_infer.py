@@ -115,7 +115,7 @@ A3 = ["Replicated", "Local", "Sliced(0)", "Sliced(1)", "Sliced(2)"]
 B2 = ["Replicated", "Local", "Sliced(0)", "Sliced(1)"]
 MATMUL = {
     (R, R): R, (L, R): L, ("Sliced(0)", R): "Sliced(0)", ("Sliced(1)", R): "Sliced(1)",
-    (R, "Sliced(1)"): "Sliced(2)", ("Sliced(2)", "Sliced(0)"): L,
+    (R, "Sliced(1)"): "Sliced(2)", ("Sliced(2)", "Sliced(0)"): L, (R, "Sliced(0)"): R,
 }
 
 
@@ -131,6 +131,15 @@ def test_matmul_table(la, lb):
         y = cc.matmul(a, b)
         assert str(y.layout) == want
         assert [str(d) for d in y.shape] == ["N", "M", "N"]
+
+
+def test_a_replicated_matrix_times_rows_is_partial_products_and_an_allreduce():
+    p, a, b = build(("M", "K"), R, ("K", "N"), "Sliced(0)")
+    p.output("y", cc.matmul(a, b))
+    prog = p.ir
+    ops = [(s.op, tuple(prog[x].op for x in s.args), str(s.type.layout)) for s in prog.stmts[2:5]]
+    assert ops == [("slice", ("input",), "Sliced(1)"), ("matmul", ("slice", "input"), L),
+                       ("allreduce", ("matmul",), R)]
 
 
 def test_matmul_shapes():

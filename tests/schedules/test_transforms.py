@@ -89,6 +89,39 @@ def test_reorder_inserts_partial_norms_for_lamb():
     assert [s.op for s in p.stmts].count("partial_sum") == 2
 
 
+def adafactor():
+    return runpy.run_path(str(ROOT / "benchmarks" / "programs" / "adafactor.py"))["program"].ir
+
+
+def test_reorder_takes_row_and_column_sums_onto_the_rows():
+    # Adafactor: g^2's row sums are products of its rows, computed on this rank's; its column sums contract
+    # the rows, so each rank multiplies its columns of the ones by its rows, and an allreduce adds them up
+    p = Schedule.parse("split(ar0); reorder(ag0)", adafactor()).scheduled
+    rows, cols = (s for s in p.stmts if s.op == "matmul")
+    assert str(rows.type.layout) == "Sliced(0)" and rows.args[1] == "ones_k"
+    assert p[cols.args[0]].op == "slice" and p[cols.args[0]].attr("dim") == -1 and p[cols.args[0]].args == ("ones_m",)
+    assert str(cols.type.layout) == "Local" and [p[u].op for u in p.users[cols.name]] == ["allreduce"]
+    # r's and w's new values are gathered, c's comes whole out of its allreduce, and g^2 is never gathered
+    assert sorted(t for t, v in p.updates.items() if p[v].op == "all_gather") == ["r", "w"]
+    assert [s.op for s in p.stmts].count("all_gather") == 2
+
+
+def test_split_slices_a_dim_longer_than_one():
+    # a (1, K) column sum: split along dim 0 would give every row to rank 0
+    p = Schedule.parse("split(ar0); reorder(ag0)", adafactor()).scheduled
+    ar = next(s.name for s in p.stmts if s.op == "allreduce" and s.type.ndim == 2)
+    assert Split.instances(p) == [Split(ar, dim=1)]
+
+
+def test_fuse_collective_leaves_out_work_sliced_along_rows_of_another_extent():
+    # the (1, K) sums scattered along their one row: the (M, K) update sliced along its M rows is not the
+    # chunk's rows, and stays out of the fused collective
+    text = "split(ar0); reorder(ag0); split(ar0, dim=0); as_slice(w); reorder(ag0); fuse_collective(rs1)"
+    p = Schedule.parse(text, adafactor()).scheduled
+    (group,) = p.groups
+    assert {p[m].type.shape[0].value for m in group.members if p[m].op not in ("all_gather",)} == {1}
+
+
 def test_as_slice_shards_state():
     p = sched("adam", "split(ar0); reorder(ag0); as_slice(m); as_slice(v)")
     assert str(p["m"].type.layout) == "Sliced(0)" and str(p["v"].type.layout) == "Sliced(0)"
