@@ -776,14 +776,17 @@ def _cut_to_rows(p: Program, skip: set[str], reader: Callable[[str], bool], grou
         banned |= partial
 
 
+def _pointwise_value(s: Stmt) -> bool:
+    return s.op in POINTWISE and s.op != "const" and s.type is not None
+
+
 def _ungrouped_pointwise(p: Program, s: Stmt) -> bool:
-    return s.name not in p.group_of and s.op in POINTWISE and s.op != "const" and s.type is not None
+    return s.name not in p.group_of and _pointwise_value(s)
 
 
 def _fused_pointwise(p: Program, s: Stmt) -> bool:
     g = p.group_of.get(s.name)
-    return (g is not None and g.kind == "fuse" and not custom_group(p, g) and s.op in POINTWISE and s.op != "const"
-            and s.type is not None)
+    return g is not None and g.kind == "fuse" and not custom_group(p, g) and _pointwise_value(s)
 
 
 def _rowwise(p: Program, s: Stmt, shape) -> bool:

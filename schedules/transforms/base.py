@@ -117,11 +117,12 @@ def is_pointwise(program: Program, s: Stmt) -> bool:
     return op is not None and op.kind == "pointwise" and s.op not in ARITY
 
 
-def consumes_slices(program: Program, s: Stmt) -> bool:
+def consumes_slices(program: Program, s: Stmt, products: bool = False) -> bool:
     """Can ``s`` take a Sliced operand in place of a Replicated one? Pointwise work
     and reductions can (reductions become partial sums + allreduce), unless a
-    Local operand would meet the slice."""
-    if not (is_pointwise(program, s) or s.op in ("sum", "norm")):
+    Local operand would meet the slice; with ``products``, a matmul may too (which
+    operand is sliced decides: ``reorder.slices_align``)."""
+    if not (is_pointwise(program, s) or s.op in ("sum", "norm") or (products and s.op == "matmul")):
         return False
     return not any(isinstance(program[a].type.layout, Local) for a in s.args)
 

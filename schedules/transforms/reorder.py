@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from coconet.schedules.ir import Program, Stmt
 from coconet.schedules.rewrite import Rewriter
 from coconet.schedules.transforms.base import Transform, consumes_slices, is_pointwise, ordered, sliced_dim
-from coconet.schedules.types import Local, Sliced
+from coconet.schedules.types import Local
 
 
 def slices_align(program: Program, s: Stmt, sliced: dict[str, int]) -> tuple[bool, int | None]:
@@ -26,7 +26,7 @@ def slices_align(program: Program, s: Stmt, sliced: dict[str, int]) -> tuple[boo
     dims = set()
     for a in s.args:
         t = program[a].type
-        d = sliced.get(a, t.layout.dim if isinstance(t.layout, Sliced) else None)
+        d = sliced.get(a, sliced_dim(program, a))
         if d is None:
             continue
         if s.op in ("sum", "norm"):
@@ -53,17 +53,13 @@ def _product_slices(program: Program, s: Stmt, sliced: dict[str, int]) -> tuple[
     return True, None
 
 
-def _is_product(program: Program, s: Stmt) -> bool:
-    return s.op == "matmul" and not any(isinstance(program[a].type.layout, Local) for a in s.args)
-
-
 def region(program: Program, ag: str) -> tuple[str, ...]:
     """The largest set of statements downstream of ``ag`` that can run on its slices."""
     members: set[str] = set()
     frontier = {ag}
     sliced = {ag: program[program[ag].args[0]].type.layout.dim}
     for s in program.stmts:
-        if any(a in frontier for a in s.args) and (consumes_slices(program, s) or _is_product(program, s)):
+        if any(a in frontier for a in s.args) and consumes_slices(program, s, products=True):
             ok, dim = slices_align(program, s, sliced)
             if not ok:
                 continue
