@@ -11,16 +11,15 @@ from coconet.schedules.space import generate
 
 ROOT = Path(__file__).parents[2]
 EXAMPLES = sorted(p.stem for p in (ROOT / "examples").glob("*.py"))
-SIZES = {"N": 1000003, "B": 2, "S": 33, "H": 257}
+BENCH_PROGRAMS = sorted((ROOT / "benchmarks" / "programs").glob("*.py"))
+SIZES = {"N": 1000003, "B": 2, "S": 33, "H": 257, "M": 37, "K": 29, "F": 7}
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", EXAMPLES)
-def test_every_schedule_of_every_example_on_nccl(name):
+def assert_every_schedule_ok_on_nccl(path):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     world = torch.cuda.device_count()
-    prog = runpy.run_path(str(ROOT / "examples" / f"{name}.py"))["program"].ir
+    prog = runpy.run_path(str(path))["program"].ir
     if prog.is_pipeline and world < 2:
         # NCCL refuses two ranks on one GPU in a group, and a pipeline needs a rank per stage
         world, stages = 1, 1
@@ -32,3 +31,17 @@ def test_every_schedule_of_every_example_on_nccl(name):
     bad = [(r.schedule, r.status, r.error) for r in results if r.status != "ok" or not r.correct]
     assert not bad, bad
     assert all(r.median_s > 0 for r in results)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_every_schedule_of_every_example_on_nccl(name):
+    assert_every_schedule_ok_on_nccl(ROOT / "examples" / f"{name}.py")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", BENCH_PROGRAMS, ids=lambda p: p.stem)
+def test_every_schedule_of_every_benchmark_program_on_nccl(path):
+    """Products taken onto rows or columns (Adafactor's factors, the MLP's column-parallel matmul), counts,
+    powers, norms of slices: the programs behind the CPU benchmarks, on CUDA tensors."""
+    assert_every_schedule_ok_on_nccl(path)
