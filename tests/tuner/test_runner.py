@@ -72,35 +72,33 @@ BAD = {
 
 
 def test_bad_candidates_are_classified_and_the_next_one_runs(ray_local):
+    """One runner meets every kind of bad candidate between two good ones: each is classified with its
+    cause, and the next candidate runs (on a fresh group where a rank failed)."""
     prog = example("adam")
     good = generate(prog)[1]
-    for status, lowering in BAD.items():
-        protocol = dataclasses.replace(FAST, timeout_s=8.0 if status == "timeout" else 60.0)
-        with Runner(prog, world=2, sizes={"N": 1000}, protocol=protocol, lowering=lowering) as bad:
-            res = bad.measure(Schedule(prog))
-            assert res.status == status, (status, res.error)
-            assert res.error and res.samples == []
-        if status == "compile_error":
-            assert "this kernel does not compile" in res.error
-        if status == "runtime_error":
-            assert res.error.startswith("rank 1") and "boom on purpose" in res.error
-        if status == "wrong_result":
-            assert "state.w" in res.error and res.correct is False
-        if status == "timeout":  # each rank's stack says where it was: rank 1 asleep, rank 0 waiting for it
-            assert "rank 1 at line" in res.error and "rank 0 in statement ar0 (allreduce)" in res.error
+    kinds = ["compile_error", "runtime_error", "wrong_result", "writes_its_input"]
     # every updated value right, the caller's gradient written over: wrong too
-    with Runner(prog, world=2, sizes={"N": 1000}, protocol=FAST,
-                lowering=wrapped("", "    out = _generated(tensors, scalars, **kw)\n    tensors['g'].add_(1.0)")) as bad:
+    writes_input = wrapped("", "    out = _generated(tensors, scalars, **kw)\n    tensors['g'].add_(1.0)")
+    lowerings = iter([lower, *(BAD.get(k, writes_input) for k in kinds), lower])
+    with Runner(prog, world=2, sizes={"N": 1000}, protocol=FAST, lowering=lambda *a: next(lowerings)(*a)) as r:
+        assert r.measure(good).status == "ok"
+        got = {k: r.measure(Schedule(prog)) for k in kinds}
+        assert r.measure(good).status == "ok"
+    for kind, res in got.items():
+        assert res.status == kind.replace("writes_its_input", "wrong_result"), (kind, res.error)
+        assert res.error and res.samples == []
+    assert "this kernel does not compile" in got["compile_error"].error
+    assert got["runtime_error"].error.startswith("rank 1") and "boom on purpose" in got["runtime_error"].error
+    assert "state.w" in got["wrong_result"].error and got["wrong_result"].correct is False
+    assert got["writes_its_input"].correct is False
+    assert re.match(r"rank [01]: the step wrote into input g, which the program does not update",
+                    got["writes_its_input"].error)
+    with Runner(prog, world=2, sizes={"N": 1000}, protocol=dataclasses.replace(FAST, timeout_s=8.0),
+                lowering=BAD["timeout"]) as bad:
         res = bad.measure(Schedule(prog))
-    assert res.status == "wrong_result" and res.correct is False
-    assert re.match(r"rank [01]: the step wrote into input g, which the program does not update", res.error)
-    # one runner, a failing candidate between good ones: the group is rebuilt and the next one runs
-    lowerings = iter([lower, BAD["runtime_error"], lower])
-    with Runner(prog, world=2, sizes={"N": 1000}, protocol=FAST,
-                lowering=lambda *a: next(lowerings)(*a)) as r:
-        assert r.measure(good).status == "ok"
-        assert r.measure(good).status == "runtime_error"
-        assert r.measure(good).status == "ok"
+    assert res.status == "timeout" and res.error and res.samples == []
+    # each rank's stack says where it was: rank 1 asleep, rank 0 waiting for it
+    assert "rank 1 at line" in res.error and "rank 0 in statement ar0 (allreduce)" in res.error
 
 
 def test_a_dying_rank_and_a_refused_lowering(ray_local):
