@@ -238,8 +238,7 @@ class Builder:
         self.custom_ops: dict[str, CustomOp] = dict(custom_ops or {})
         self.used_ops: dict[str, CustomOp] = {}
         self.reserved: set[str] = set()
-        # (op, operand types, weak literals, attrs) -> type: inference is a function of these alone, and a
-        # rewrite re-adds every statement of a program it mostly leaves alone (see ``remember``)
+        # (op, operand types, weak literals, attrs) -> type: inference is a function of these alone
         self.inferred: dict[tuple, TensorType | None] = {}
 
     # --- naming ---
@@ -306,8 +305,26 @@ class Builder:
     ) -> int:
         attrs = dict(attrs or {})
         label = name or self._peek_name(op)
+        return self._labelled(op, label, location, lambda: self._add(op, tuple(args), attrs, name, location, label))
+
+    def add_verified(self, op: str, args: tuple[int, ...], canon: tuple, ty: TensorType, *, name: str | None = None,
+                     location: str | None = None) -> int:
+        """A statement verified before with operands of these very types (a rewrite's copy of one it left
+        alone): its canonical attributes and its type are taken as they are, not checked and inferred again,
+        which made a schedule of a program with many tensors take seconds to apply."""
+        def add() -> int:
+            self._check_room(op, name)
+            if op == "update":
+                self._check_update_target(args[0])
+            return self._append(op, args, canon, ty, name, location,
+                                self.custom_ops.get(op) if op not in BUILTIN_OPS else None)
+
+        return self._labelled(op, name or self._peek_name(op), location, add)
+
+    @staticmethod
+    def _labelled(op: str, label: str, location: str | None, add) -> int:
         try:
-            return self._add(op, tuple(args), attrs, name, location, label)
+            return add()
         except ProgramError as err:
             if err.statement is None:
                 err.statement = label
@@ -316,13 +333,16 @@ class Builder:
                 err.location = location
             raise
 
-    def _add(self, op: str, args: tuple[int, ...], attrs: dict, name: str | None, location: str | None, label: str) -> int:
+    def _check_room(self, op: str, name: str | None) -> None:
         if len(self.nodes) >= MAX_STATEMENTS:
             raise ProgramError(f"program has more than {MAX_STATEMENTS} statements", rule="program size")
         if name is not None:
             self._check_name(name, op)
             if name in self.index:
                 raise ProgramError(f"name {name!r} is defined twice", rule="statement names are unique")
+
+    def _add(self, op: str, args: tuple[int, ...], attrs: dict, name: str | None, location: str | None, label: str) -> int:
+        self._check_room(op, name)
         custom = self.custom_ops.get(op) if op not in BUILTIN_OPS else None
         if op not in BUILTIN_OPS and custom is None:
             raise ProgramError(
@@ -363,7 +383,10 @@ class Builder:
             ty = self.inferred[key]
         else:
             ty = self.inferred[key] = self._infer(op, args, dict(canon), custom)
+        return self._append(op, args, canon, ty, name, location, custom)
 
+    def _append(self, op: str, args: tuple[int, ...], canon: tuple, ty: TensorType | None, name: str | None,
+                location: str | None, custom: CustomOp | None) -> int:
         key = None
         if op not in EFFECTS and op not in ("input", "scalar", "recv"):
             # typed: the literals 2 and 2.0 compare equal in Python but promote differently
@@ -436,13 +459,6 @@ class Builder:
     def _weak(self, idx: int) -> Any:
         node = self.nodes[idx]
         return dict(node.attrs).get("value") if node.op == "const" else None
-
-    def remember(self, program: Program) -> None:
-        """Take the types ``program`` inferred: a rewrite of it then infers only what it changed."""
-        for s in program.stmts:
-            operands = [program[a] for a in s.args]
-            weak = [o.attr("value") if o.op == "const" else None for o in operands]
-            self.inferred.setdefault(_inference_key(s.op, [o.type for o in operands], weak, s.attrs), s.type)
 
     def _infer(self, op: str, args: tuple[int, ...], attrs: dict, custom: CustomOp | None) -> TensorType | None:
         types = [self.type_of(a) for a in args]
