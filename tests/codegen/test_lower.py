@@ -536,8 +536,8 @@ def test_a_kernel_writes_a_state_in_place_when_its_other_readers_ran_before_it()
     """A fuse group's value that updates a state is written into the state by the kernel where every reader
     of the state outside the group runs before the kernel, into a tensor of its own (the error-feedback
     residual: ``g + e`` in the kernel before); one reader after the kernel, or a cast of the state (to its
-    own dtype, the state itself) read after it, and the state is copied at the step's end as before. Every schedule is checked on gloo and
-    shm, compiled and eager."""
+    own dtype, the state itself) read after it, and the state is copied at the step's end as before. Every
+    schedule is checked on gloo (eager) and shm (compiled)."""
     from coconet import Local, Program, Replicated, allreduce, cast
     from coconet.codegen.launch import Options, run_schedules
     from tests.codegen.test_launch import assert_all_ok
@@ -569,7 +569,7 @@ def test_a_kernel_writes_a_state_in_place_when_its_other_readers_ran_before_it()
         src = lower(sched, "gloo").source
         step = src[src.index("def step("):]
         assert (f"    e.copy_({v})\n" in step) == (late or view), (late, view)
-        for backend, kernels in (("gloo", "eager"), ("shm", "eager"), ("shm", "compiled")):
+        for backend, kernels in (("gloo", "eager"), ("shm", "compiled")):
             opts = Options(world=2, sizes={"N": 101}, backend=backend, time=False, timeout_s=120, kernels=kernels)
             assert_all_ok(run_schedules(list(generate(p)), opts))
 
