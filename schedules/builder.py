@@ -206,6 +206,11 @@ class _Node:
     type: TensorType | None
 
 
+def typed_attrs(canon: tuple) -> tuple:
+    """Attributes compared with their Python types: the literals 2 and 2.0 compare equal but promote differently."""
+    return tuple((k, type(v), v) for k, v in canon)
+
+
 def _inference_key(op: str, types: list, weak: list, canon: tuple) -> tuple:
     # typed literals: 2 and 2.0 compare equal but promote differently
     return (op, tuple(types), tuple((type(w), w) for w in weak), canon)
@@ -389,8 +394,7 @@ class Builder:
                 location: str | None, custom: CustomOp | None) -> int:
         key = None
         if op not in EFFECTS and op not in ("input", "scalar", "recv"):
-            # typed: the literals 2 and 2.0 compare equal in Python but promote differently
-            key = (op, args, tuple((k, type(v), v) for k, v in canon))
+            key = (op, args, typed_attrs(canon))
             if key in self.cons:
                 return self.cons[key]
         if op == "update":

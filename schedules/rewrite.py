@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any, Iterable, Mapping
 
 from coconet.errors import IllegalTransform, ProgramError
-from coconet.schedules.builder import Builder
+from coconet.schedules.builder import Builder, typed_attrs
 from coconet.schedules.ir import Group, Program, Stmt
 from coconet.schedules.types import Sliced
 
@@ -56,7 +56,7 @@ class Rewriter:
         o, node = self.src[old], self.b.nodes[idx]
         if node.type != o.type or (node.op == "const") != (o.op == "const"):
             return False
-        return o.op != "const" or _typed(node.attrs) == _typed(o.attrs)
+        return o.op != "const" or typed_attrs(node.attrs) == typed_attrs(o.attrs)
 
     def whole(self, old: str) -> int:
         """The rewritten value of ``old`` as a Replicated value: one all_gather, shared, if it is now Sliced."""
@@ -81,10 +81,6 @@ class Rewriter:
             return self.b.finish(tuple(groups))
         except ProgramError as e:
             raise IllegalTransform(f"the rewritten program is not legal: {e}", transform=self.transform) from None
-
-
-def _typed(attrs: tuple) -> tuple:
-    return tuple((k, type(v), v) for k, v in attrs)
 
 
 def require(cond: bool, reason: str, transform: str) -> None:
