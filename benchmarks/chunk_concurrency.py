@@ -1,17 +1,18 @@
 """What rate ZeRO-1 Adam's chunk kernel can reach on this machine when several ranks run it at once, against
-the kernel the bench's floor is measured with.
+the kernels the bench's floor is measured with.
 
     python benchmarks/chunk_concurrency.py [--world 4] [--size N=2^24] [--processes 1,2,4]
                                            [--calls 10] [--rounds 3] [--out benchmarks/results/chunk_concurrency.json]
 
-The floor of ``coconet bench`` is the step's bytes at the best rate of ``a.add_(b)`` on all cores: three
-streams. One rank's chunk of the shm backend's ZeRO-1 Adam (the generated module's C kernel, as
+The floor of ``coconet bench`` is the step's bytes at the best rate of its probe's kernels on all cores
+(coconet.tuner.bandwidth): ``a.add_(b)``, three streams, and a C pass updating three states from one gradient,
+seven. One rank's chunk of the shm backend's ZeRO-1 Adam (the generated module's C kernel, as
 ``native_chunk.py`` builds it) reads world gradient parts and m, v, w, writes m, v, w and streams w's rows into
 world - 1 peers' copies: 2·world + 5 streams. Here P processes (one thread each, as ranks run) call the chunk
-at once, each on its own rows, and then call ``a.add_(b)`` sized to move the same bytes; each call starts at a
-barrier and lasts from the first process's start to the last one's end. Reported per P: both aggregate rates
-(the bytes all P moved over that span), their paired ratio, and each against the floor kernel's best rate,
-sampled in this process between rounds. P above the cores shows what time-sharing them costs.
+at once, each on its own rows, and then each of the probe's kernels on about the same bytes; each call starts
+at a barrier and lasts from the first process's start to the last one's end. Reported per P: the aggregate
+rates (the bytes all P moved over that span), the chunk's paired ratio to each kernel, and the chunk against the
+floor's best rate, sampled in this process between rounds. P above the cores shows what time-sharing them costs.
 """
 
 from __future__ import annotations
@@ -30,13 +31,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEDULE = "split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse_collective(rs0)"
-KINDS = ("chunk", "add")
+KINDS = ("chunk", "add", "states")
 
 
 def _worker(index: int, world: int, n: int, calls: int, barriers: dict, orders, results) -> None:
     import torch
 
     from coconet.codegen.lower import lower
+    from coconet.tuner.bandwidth import kernels
     from coconet.loader import load_file
     from coconet.schedules.schedule import Schedule
 
@@ -50,14 +52,19 @@ def _worker(index: int, world: int, n: int, calls: int, barriers: dict, orders, 
     m, v, w = torch.zeros(n), torch.rand(n, generator=gen), torch.rand(n, generator=gen)
     peers = [torch.zeros(n) for _ in range(world - 1)]
     scalars = [torch.tensor(x) for x in (0.9, 0.999, 0.1, 0.001, 0.5, 0.6, 1e-3, 1e-8)]
-    words = 2 * world + 5
-    # a.add_(b) moves three words an element: sized to move what the chunk moves
-    a, b = torch.ones(words * n // 3), torch.ones(words * n // 3)
-    run = {"chunk": lambda: chunk(peers, m, v, w, parts, *scalars), "add": lambda: a.add_(b)}
-    for fn in run.values():  # compiles the C kernel (once per machine), faults every page in
+    nbytes = (2 * world + 5) * 4 * n
+    # the probe's a += b moves 1.5x its buffers' bytes: sized to move what the chunk moves
+    probe = {k.name: k for k in kernels(nbytes * 2 // 3)}
+    if len(probe) < 2:
+        raise SystemExit("the probe's C kernel needs a C compiler")
+    add, states = probe.values()
+    run = {"chunk": (lambda: chunk(peers, m, v, w, parts, *scalars), nbytes), "add": (add.run, add.nbytes),
+           "states": (states.run, states.nbytes)}
+    for fn, _ in run.values():  # compiles the C kernels (once per machine), faults every page in
         fn()
     compiler = shutil.which(os.environ.get("CC") or "cc") or shutil.which("gcc")  # as _native_library looks
-    results.put(("ready", index, (words * 4 * n, "C" if compiler else "Inductor's (no C compiler)")))
+    moved = {k: b for k, (_, b) in run.items()}
+    results.put(("ready", index, (moved, "C" if compiler else "Inductor's (no C compiler)")))
     while True:
         order = orders.get()
         if order is None:
@@ -67,7 +74,7 @@ def _worker(index: int, world: int, n: int, calls: int, barriers: dict, orders, 
         for _ in range(calls):
             barriers[procs].wait()
             t0 = time.perf_counter()
-            run[kind]()
+            run[kind][0]()
             spans.append((t0, time.perf_counter()))
         results.put((kind, index, spans))
 
@@ -85,7 +92,7 @@ def _get(results, procs):
 
 def main(argv: list[str] | None = None) -> dict:
     from coconet.schedules.dims import parse_sizes
-    from coconet.tuner.roofline import memory_bandwidth
+    from coconet.tuner.bandwidth import memory_bandwidth
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--world", type=int, default=4)
@@ -112,7 +119,8 @@ def main(argv: list[str] | None = None) -> dict:
     for p in procs:
         p.start()
     try:
-        nbytes, kernel = 0, ""
+        nbytes: dict[str, int] = {}
+        kernel = ""
         for _ in procs:
             _, _, (nbytes, kernel) = _get(results, procs)
         rates: dict[tuple[str, int], list[float]] = {(k, p): [] for k in KINDS for p in counts}
@@ -126,7 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
                     got = [_get(results, procs)[2] for _ in range(p)]
                     for call in zip(*got):
                         span = max(t1 for _, t1 in call) - min(t0 for t0, _ in call)
-                        rates[kind, p].append(p * nbytes / span)
+                        rates[kind, p].append(p * nbytes[kind] / span)
         floor_samples.append(memory_bandwidth())
     finally:
         for q in orders:
@@ -134,28 +142,32 @@ def main(argv: list[str] | None = None) -> dict:
         for p in procs:
             p.join(timeout=30)
     floor = max(floor_samples)
+
+    def over(p: int, kind: str) -> float:
+        return statistics.median(c / a for c, a in zip(rates["chunk", p], rates[kind, p]))
+
     report = {
         "world": args.world, "rows_per_process": n, "bytes_per_call_per_process": nbytes, "calls": args.calls,
         "rounds": args.rounds, "chunk_kernel": kernel, "cpus": os.cpu_count(), "machine": platform.processor() or platform.machine(),
-        "floor_kernel": "a.add_(b), all threads, one process (coconet bench's floor)",
+        "floor_kernel": "the best of a.add_(b) and the C states kernel, all threads, one process "
+                        "(coconet bench's floor)",
         "floor_kernel_GBps": floor / 1e9, "floor_kernel_median_GBps": statistics.median(floor_samples) / 1e9,
         "floor_kernel_samples_GBps": [b / 1e9 for b in floor_samples],
         "processes": {
             str(p): {
-                "chunk_GBps": statistics.median(rates["chunk", p]) / 1e9,
-                "add_GBps": statistics.median(rates["add", p]) / 1e9,
-                "chunk_best_GBps": max(rates["chunk", p]) / 1e9,
-                "add_best_GBps": max(rates["add", p]) / 1e9,
-                "chunk_over_add": statistics.median(c / a for c, a in zip(rates["chunk", p], rates["add", p])),
+                **{f"{k}_GBps": statistics.median(rates[k, p]) / 1e9 for k in KINDS},
+                **{f"{k}_best_GBps": max(rates[k, p]) / 1e9 for k in KINDS},
+                "chunk_over_add": over(p, "add"), "chunk_over_states": over(p, "states"),
                 "chunk_over_floor_kernel": statistics.median(rates["chunk", p]) / floor,
             } for p in counts},
     }
     print(f"floor kernel: {report['floor_kernel_GBps']:.1f} GB/s (best of {len(floor_samples)}; their median "
           f"{report['floor_kernel_median_GBps']:.1f})")
     for p, r in report["processes"].items():
-        print(f"{p} process(es), medians (best): chunk {r['chunk_GBps']:.1f} ({r['chunk_best_GBps']:.1f}) GB/s, "
-              f"add_ {r['add_GBps']:.1f} ({r['add_best_GBps']:.1f}) GB/s, "
-              f"chunk/add_ {r['chunk_over_add']:.3f}, chunk/floor kernel {r['chunk_over_floor_kernel']:.3f}")
+        print(f"{p} process(es), medians (best): " + ", ".join(
+            f"{k} {r[f'{k}_GBps']:.1f} ({r[f'{k}_best_GBps']:.1f}) GB/s" for k in KINDS)
+            + f"; chunk/add_ {r['chunk_over_add']:.3f}, chunk/states {r['chunk_over_states']:.3f}, "
+              f"chunk/floor kernel {r['chunk_over_floor_kernel']:.3f}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2) + "\n")

@@ -797,6 +797,8 @@ def bench(
     timeout: float = typer.Option(600.0, "--timeout", min=1.0),
     schedule: List[str] = typer.Option(["all"], "--schedule", help="Which schedules (as `coconet run`: text, id "
                                        "or `all`); the program as written always runs first."),
+    knobs: str = typer.Option("default", "--knobs", help="default: each schedule at its knobs' defaults (or the "
+                              "values its text gives); all: each schedule at every combination of its knobs' values."),
     shardable: List[str] = typer.Option([], "--shardable", help=f"{SHARDABLE_HELP} Schedules sharding other "
                                         "state are left out: the baseline leaves it whole."),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="Write the JSON here too."),
@@ -813,12 +815,14 @@ def bench(
     from coconet.loader import load_file
     from coconet.schedules import shardable as shard
     from coconet.schedules.dims import parse_sizes
-    from coconet.tuner.roofline import bytes_moved_once, compute_floor, matmul_flops_per_rank, matmul_rate, \
-        memory_bandwidth
+    from coconet.tuner.bandwidth import memory_bandwidths
+    from coconet.tuner.roofline import bytes_moved_once, compute_floor, matmul_flops_per_rank, matmul_rate
 
     for b in backend:
         if b not in BACKENDS:
             raise CoconetError(f"unknown backend {b!r} (use {', '.join(BACKENDS)})")
+    if knobs not in ("default", "all"):
+        raise CoconetError(f"--knobs {knobs!r}: use default or all")
     backends = list(dict.fromkeys(backend))
     # one floor per point: the memory and matmul rates of the device the ranks' tensors live on
     device = "cuda" if "nccl" in backends else "cpu"
@@ -833,11 +837,23 @@ def bench(
     baseline = baseline_for(prog)
     allowed = shard.resolve(prog, shardable) if shardable else set(baseline.shardable)
     picked = _pick_schedules(prog, schedule, 6)
+    if knobs == "all":
+        from coconet.tuner.search import knob_variants
+
+        picked = list({v.hash: v for s in picked for v in knob_variants(s)}.values())
     space = [s for s in picked if set(s.sharded) <= allowed]
     left_out = [{"schedule": s.text, "sharded": sorted(s.sharded)} for s in picked if not set(s.sharded) <= allowed]
     # Measured again before every round and after the last, in this run: load from elsewhere on the
     # machine comes and goes, and the floor takes the best the machine showed.
     bandwidths: list[float] = []
+    by_kernel: dict[str, list[float]] = {}  # the probe's kernels' rates, each sample
+
+    def sample_bandwidth() -> None:
+        got = memory_bandwidths(device=device)
+        for name, rate in got.items():
+            by_kernel.setdefault(name, []).append(rate / 1e9)
+        bandwidths.append(max(got.values()))
+
     # the matmul rate of one rank's threads (as the launcher gives them), where the program has matmuls
     nranks = world * (2 if prog.is_pipeline else 1)
     prog.require_world(world)
@@ -855,6 +871,7 @@ def bench(
     rates: list[float] = []
     report: dict[str, Any] = {
         "workload": prog.name, "program_hash": prog.hash, "world": world, "backends": backends, "kernels": kernels,
+        "knobs": knobs,
         "torch_baseline": baseline.doc, "rank_allocator": allocator_policy(), "cpus": os.cpu_count(), "rounds": rounds,
         "shardable": sorted(allowed), "left_out": left_out, "floor_device": _device_name(device), "points": []}
 
@@ -866,6 +883,7 @@ def bench(
         top = max(bandwidths + probed)
         report["memory_bandwidth_GBps"] = top / 1e9
         report["memory_bandwidth_samples_GBps"] = [b / 1e9 for b in bandwidths]
+        report["memory_bandwidth_kernels_GBps"] = by_kernel
         report["memory_bandwidth_launches_GBps"] = [b / 1e9 for b in probed]
         if matmuls:
             report["matmul_GFLOPs_per_thread"] = max(rates) / 1e9
@@ -936,7 +954,7 @@ def bench(
             per_round: list[tuple[dict, list[dict]]] = []
             point_task = bar.add_task(format_sizes(sizes), total=rounds * (1 + len(space) * len(backends)), status="")
             for n_round in range(rounds):
-                bandwidths.append(memory_bandwidth(device=device))
+                sample_bandwidth()
                 if matmuls:
                     rates.append(matmul_rate(threads, device=device) / threads)
                 rows, torch_row = [], None
@@ -964,7 +982,7 @@ def bench(
                 per_round.append((torch_row, rows))
                 save(sizes, per_round, None)
             report["points"].append(point_of(sizes, per_round))
-    bandwidths.append(memory_bandwidth(device=device))
+    sample_bandwidth()
     if matmuls:
         rates.append(matmul_rate(threads, device=device) / threads)
     floors()

@@ -265,28 +265,34 @@ def _trace(step, tensors, scalars, kwargs, out: Path) -> None:
     dist.barrier()  # every rank's trace is written before rank 0 reports
 
 
-def probe_bandwidth(nbytes: int = 2**26, repeats: int = 3) -> list[float]:
-    """Bytes per second through memory while every rank of the launch runs an in-place add (``a += b``: read
-    a and b, write a, ``nbytes`` each) at once, right after the timed steps, each sample timed like a step.
-    This machine's bandwidth comes in modes lasting minutes: a floor sampled elsewhere in a long run may be
-    of another mode than the steps it is set against."""
+def probe_bandwidth(nbytes: int = 2**27, repeats: int = 3) -> list[float]:
+    """Bytes per second through memory while every rank of the launch runs the floor's probe kernels
+    (coconet.tuner.bandwidth, ``nbytes`` each) at once, right after the timed steps, each call timed like a
+    step; a sample per repeat, the faster kernel's. This machine's bandwidth comes in modes lasting minutes:
+    a floor sampled elsewhere in a long run may be of another mode than the steps it is set against."""
     import torch
     import torch.distributed as dist
 
-    a = torch.ones(nbytes // 4)
-    b = torch.ones_like(a)
-    a.add_(b)  # its pages faulted in, as the steps' are
+    from coconet.tuner.bandwidth import close, kernels
+
+    probe = kernels(nbytes, torch.get_num_threads())
     out = []
-    for _ in range(repeats):
-        dist.barrier()
-        t0 = time.perf_counter()
-        a.add_(b)
-        # from the first rank's start to the last one's end, on the clock the ranks of one machine share: with
-        # more ranks than cores, a rank may run only once another has finished, and its own time alone would
-        # count the two adds as done at once
-        span = torch.tensor([-t0, time.perf_counter()], dtype=torch.float64)
-        dist.all_reduce(span, op=dist.ReduceOp.MAX)
-        out.append(3 * nbytes * dist.get_world_size() / float(span.sum()))
+    try:
+        for _ in range(repeats):
+            best = 0.0
+            for k in probe:
+                dist.barrier()
+                t0 = time.perf_counter()
+                k.run()
+                # from the first rank's start to the last one's end, on the clock the ranks of one machine share:
+                # with more ranks than cores, a rank may run only once another has finished, and its own time
+                # alone would count the two calls as done at once
+                span = torch.tensor([-t0, time.perf_counter()], dtype=torch.float64)
+                dist.all_reduce(span, op=dist.ReduceOp.MAX)
+                best = max(best, k.nbytes * dist.get_world_size() / float(span.sum()))
+            out.append(best)
+    finally:
+        close(probe)
     return out
 
 

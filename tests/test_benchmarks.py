@@ -130,9 +130,9 @@ def test_the_chunk_concurrency_runs_the_c_kernel_in_every_process_count(tmp_path
     report = _script("chunk_concurrency").main(["--world", "3", "--size", "N=3003", "--processes", "1,2",
                                                 "--calls", "1", "--rounds", "1"])
     assert report["chunk_kernel"] == "C" and list((tmp_path / "kernels").glob("chunk_*.so"))
-    assert report["bytes_per_call_per_process"] == (2 * 3 + 5) * 4 * 1001  # the words one rank's chunk moves
+    assert report["bytes_per_call_per_process"]["chunk"] == (2 * 3 + 5) * 4 * 1001  # the words one rank's chunk moves
     assert set(report["processes"]) == {"1", "2"}
-    assert all(r["chunk_GBps"] > 0 and r["add_GBps"] > 0 for r in report["processes"].values())
+    assert all(r["chunk_GBps"] > 0 and r["add_GBps"] > 0 and r["states_GBps"] > 0 for r in report["processes"].values())
 
 
 def test_the_launch_startup_times_correct_launches_each_way():

@@ -1,5 +1,6 @@
 """The floor under a step's time: the larger of the bytes it must move once, at the machine's memory
-bandwidth, and its matmuls' flops on the busiest rank, at that rank's matmul rate.
+bandwidth (``coconet.tuner.bandwidth``), and its matmuls' flops on the busiest rank, at that rank's matmul
+rate.
 
 Every input is read once (a Local input once per rank: each rank holds its own). A result is written
 once where one copy serves, and once per rank where every rank must hold it after the step: the ranks
@@ -68,7 +69,7 @@ def compute_floor(program: Program, sizes: Mapping[str, int], world: int, rate_p
     return flops * world / (rate_per_thread * min(cpus, world * threads)) if flops else 0.0
 
 
-def _best_seconds(fn, repeats: int, device: str) -> float:
+def best_seconds(fn, repeats: int, device: str) -> float:
     """The fastest of ``repeats`` calls after one untimed call; on CUDA timed by events on the stream, so
     the host's launch does not count and the kernel's queueing does."""
     import torch
@@ -109,29 +110,7 @@ def matmul_rate(threads: int = 1, m: int | None = None, k: int | None = None, n:
         torch.set_num_threads(threads)
     try:
         a, b = torch.randn(m, k, device=device), torch.randn(k, n, device=device)
-        return 2.0 * m * k * n / min(_best_seconds(functools.partial(mm, a, b), repeats, device)
+        return 2.0 * m * k * n / min(best_seconds(functools.partial(mm, a, b), repeats, device)
                                           for mm in (torch.matmul, _matmul))
-    finally:
-        torch.set_num_threads(old)
-
-
-def memory_bandwidth(nbytes: int = 2**28, threads: int | None = None, repeats: int = 5, device: str = "cpu") -> float:
-    """Bytes per second that an in-place read-modify-write (``a += b``: read a and b, write a) moves
-    through this machine's memory, all threads, or through the current CUDA device's memory; the best
-    of ``repeats``.
-
-    The update kernels this floor stands under are in-place read-modify-writes too, so this is the
-    rate they could reach; a plain copy writes to fresh pages and, on a loaded machine, reads low.
-    The best sample, not the median: the floor must not sit above what the machine can do.
-    """
-    import torch
-
-    old = torch.get_num_threads()
-    if threads and device == "cpu":
-        torch.set_num_threads(threads)
-    try:
-        a = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-        b = torch.ones_like(a)
-        return 3 * nbytes / _best_seconds(lambda: a.add_(b), repeats, device)
     finally:
         torch.set_num_threads(old)

@@ -317,6 +317,10 @@ def test_bench_compares_with_torch_and_the_floor(tmp_path):
     assert all(b > 0 for b in launches) and report["memory_bandwidth_launches_GBps"] == launches
     assert report["memory_bandwidth_GBps"] == max(report["memory_bandwidth_samples_GBps"] + launches)
     assert len(report["memory_bandwidth_samples_GBps"]) == 3
+    # each sample the faster of the probe's kernels, each kernel's rates kept
+    kernels = report["memory_bandwidth_kernels_GBps"]
+    assert set(kernels) == {"a += b", "x += g, y += g*g, z -= g"}
+    assert report["memory_bandwidth_samples_GBps"] == [max(r) for r in zip(*kernels.values())]
     assert report["backends"] == ["gloo", "shm"]
     # torch.optim leaves w whole: the schedules that shard it are not compared with it
     assert report["shardable"] == ["m", "v"]
@@ -403,8 +407,10 @@ def test_bench_killed_between_rounds_keeps_the_rounds_it_made(tmp_path):
 
 
 def test_bench_of_a_program_without_a_hand_written_baseline_compares_with_it_as_eager_pytorch():
+    FC = "split(ar0); reorder(ag0); fuse_collective(rs0)"
     proc = coconet("bench", "sgd", "--world", "2", "--size", "N=3000", "--kernels", "eager", "--backend", "shm",
-                   "--schedule", "split(ar0)", "--repeats", "2", "--warmup", "1", "--json")
+                   "--schedule", "split(ar0)", "--schedule", f"{FC}; fc_chunks=2", "--knobs", "all",
+                   "--repeats", "2", "--warmup", "1", "--json")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report["torch_baseline"] == "eager PyTorch: a torch op per statement, torch.distributed collectives"
@@ -412,7 +418,10 @@ def test_bench_of_a_program_without_a_hand_written_baseline_compares_with_it_as_
     (point,) = report["points"]
     assert point["torch"]["schedule"] == "torch: " + report["torch_baseline"]
     assert point["torch"]["status"] == "ok" and point["torch"]["correct"] is True
-    assert [r["schedule"] for r in point["results"]] == ["baseline", "split(ar0)"]
+    # --knobs all: the schedule at every value of its knob, whatever its text gave
+    assert [r["schedule"] for r in point["results"]] == ["baseline", "split(ar0)"] + [
+        f"{FC}; fc_chunks={c}" for c in (1, 2, 4, 8)]
+    assert all(r["status"] == "ok" and r["correct"] for r in point["results"])
     assert point["best_speedup"] == point["torch"]["median_s"] / point["best"]["median_s"]
 
 
@@ -455,6 +464,7 @@ def test_bench_errors():
     assert_one_error(coconet("bench", "nosuch", "--size", "N=4"), "no workload 'nosuch'", "adam")
     assert_one_error(coconet("bench", "adam", "--size", "N=4", "--shardable", "q"), "shardable q: not replicated state adam updates")
     assert_one_error(coconet("bench", "adam", "--size", "M=4"), "does not have")
+    assert_one_error(coconet("bench", "adam", "--size", "N=4", "--knobs", "some"), "--knobs 'some'", "default or all")
     # refused before its first point runs
     assert_one_error(coconet("bench", "adam", "--size", "N=4", "--size", "N=2^40"), "N=1099511627776", "of memory")
 

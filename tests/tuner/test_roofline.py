@@ -3,7 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from coconet.tuner.roofline import bytes_moved_once, compute_floor, matmul_flops_per_rank, matmul_rate, memory_bandwidth
+from coconet.tuner.bandwidth import memory_bandwidth
+from coconet.tuner.roofline import bytes_moved_once, compute_floor, matmul_flops_per_rank, matmul_rate
 
 ROOT = Path(__file__).parents[2]
 
@@ -25,10 +26,6 @@ def test_bytes_moved_once():
     B, S, H = 2, 3, 5
     want = 4 * (B * S * 4 * H + 4 * H * H + H + B * S * H + 2 * B * S * H)
     assert bytes_moved_once(example("megatron_mlp"), {"B": B, "S": S, "H": H}, 2) == want
-
-
-def test_memory_bandwidth_is_a_rate():
-    assert memory_bandwidth(nbytes=2**22, repeats=2) > 1e8
 
 
 def test_matmul_flops_per_rank():
@@ -77,5 +74,5 @@ def test_cuda_rates_are_the_devices():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     # far above what host memory or host cores give: the floor of a CUDA run is the GPU's
-    assert memory_bandwidth(nbytes=2**28, repeats=3, device="cuda") > 2e11
+    assert memory_bandwidth(nbytes=2**29, repeats=3, device="cuda") > 2e11
     assert matmul_rate(m=2048, k=2048, n=2048, repeats=3, device="cuda") > 1e12
