@@ -1,10 +1,10 @@
 """The machine's memory bandwidth, as the floor takes it: the best rate of a few in-place streaming kernels.
 
 One kernel does not show what the memory system can do. ``a += b`` (three streams, torch's kernel on all
-threads) is the classic probe, but on the 2-core Xeon this was built on, a kernel updating three states
-from one gradient in a single pass (four reads, three writes, C) moved 1.27-1.33x its bytes a second,
-two processes or four at once, and so did the fused chunk kernels of the steps this floor stands under:
-against ``a += b`` alone, a step could sit below its floor. So the probe runs both and takes the faster;
+threads) is the classic probe, but on a 2-core Xeon a kernel updating three states from one gradient in a
+single pass (four reads, three writes, C) moved 1.2-1.4x its bytes a second, one process or several at
+once, and so did the fused chunk kernels of the steps this floor stands under: against ``a += b`` alone,
+a step could sit below its floor. So the probe runs both and takes the faster;
 the C kernel where a C compiler exists (``a += b`` alone otherwise), and on CPU tensors only: on a GPU
 ``a += b`` reaches the device's bandwidth.
 """
