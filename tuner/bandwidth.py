@@ -41,9 +41,8 @@ class Kernel(NamedTuple):
 
 
 def kernels(nbytes: int, threads: int = 1, device: str = "cpu") -> list[Kernel]:
-    """The probe's kernels over buffers of ``nbytes`` bytes in all a kernel (``a += b``: a and b of nbytes/2
-    each), pages faulted in; the C kernel split over ``threads`` threads. Its pool's threads live as long as
-    the returned kernels."""
+    """The probe's kernels, each over ``nbytes`` of buffers (a and b nbytes/2 each; x, y, z and g nbytes/4),
+    their pages faulted in; the C kernel split over ``threads`` threads, whose pool ``close`` ends."""
     import torch
 
     a = torch.ones(max(1, nbytes // 8), dtype=torch.float32, device=device)
