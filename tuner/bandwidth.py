@@ -38,6 +38,7 @@ class Kernel(NamedTuple):
     run: Callable[[], None]
     nbytes: int  # bytes one call moves: every stream read or written once
     buffers: tuple  # the tensors it reads and writes, in the order of its name
+    pool: ThreadPoolExecutor | None = None  # the threads it runs on, which ``close`` ends
 
 
 def kernels(nbytes: int, threads: int = 1, device: str = "cpu") -> list[Kernel]:
@@ -55,22 +56,20 @@ def kernels(nbytes: int, threads: int = 1, device: str = "cpu") -> list[Kernel]:
         return out
     n = max(8, nbytes // 16 // 8 * 8)
     x, y, z, g = (torch.zeros(n, dtype=torch.float32) for _ in range(4))
-    if threads <= 1:
-        def states() -> None:
-            fn(x.data_ptr(), y.data_ptr(), z.data_ptr(), g.data_ptr(), n)
-    else:
-        # ctypes lets go of the GIL for the call: the threads run at once, each on its own rows
-        cuts = [n * i // threads // 8 * 8 for i in range(threads)] + [n]
-        pool = ThreadPoolExecutor(threads, thread_name_prefix="coconet-probe")
-        parts = [(x.data_ptr() + 4 * lo, y.data_ptr() + 4 * lo, z.data_ptr() + 4 * lo, g.data_ptr() + 4 * lo, hi - lo)
-                 for lo, hi in zip(cuts, cuts[1:])]
+    threads = max(1, threads)
+    cuts = [n * i // threads // 8 * 8 for i in range(threads)] + [n]
+    parts = [(x.data_ptr() + 4 * lo, y.data_ptr() + 4 * lo, z.data_ptr() + 4 * lo, g.data_ptr() + 4 * lo, hi - lo)
+             for lo, hi in zip(cuts, cuts[1:])]
+    # ctypes lets go of the GIL for the call: the threads run at once, each on its own rows
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="coconet-probe") if threads > 1 else None
 
-        def states() -> None:
-            for f in [pool.submit(fn, *p) for p in parts]:
-                f.result()
-        # the pool ends with the kernel that holds it
-        states.pool = pool  # type: ignore[attr-defined]
-    out.append(Kernel("x += g, y += g*g, z -= g", states, 7 * n * 4, (x, y, z, g)))
+    def states() -> None:
+        if pool is None:
+            fn(*parts[0])
+            return
+        for f in [pool.submit(fn, *p) for p in parts]:
+            f.result()
+    out.append(Kernel("x += g, y += g*g, z -= g", states, 7 * n * 4, (x, y, z, g), pool))
     for k in out:
         k.run()  # pages faulted in, code loaded
     return out
@@ -114,6 +113,5 @@ def memory_bandwidths(nbytes: int = 2**29, threads: int | None = None, repeats: 
 
 def close(probe: list[Kernel]) -> None:
     for k in probe:
-        pool = getattr(k.run, "pool", None)
-        if pool is not None:
-            pool.shutdown()
+        if k.pool is not None:
+            k.pool.shutdown()
