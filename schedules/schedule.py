@@ -52,10 +52,7 @@ class Schedule:
     @cached_property
     def scheduled(self) -> Program:
         """The program with every transform applied (raises IllegalTransform)."""
-        prog = self.program
-        for t in self.transforms:
-            prog = t.apply(prog)
-        return prog
+        return _apply(self.program, self.transforms)
 
     @property
     def sharded(self) -> tuple[str, ...]:
@@ -128,9 +125,8 @@ class Schedule:
         while have > 0 and ("program", self.transforms[:have]) not in memo:
             have -= 1
         prog = memo[("program", self.transforms[:have])] if have else self.program
-        for i in range(have, count):
-            prog = self.transforms[i].apply(prog)
-            memo[("program", self.transforms[:i + 1])] = prog
+        if count > have:
+            prog = memo[("program", self.transforms[:count])] = _apply(prog, self.transforms[have:count])
         return prog
 
     def remember(self, memo: dict) -> None:
@@ -191,6 +187,25 @@ class Schedule:
             attrs = [f"{k}={v}" for k, v in s.attrs if k not in ("shape", "dtype", "layout")]
             lines.append(f"{s.name:<{width}} = {s.op}({', '.join(list(s.args) + attrs)})  {typ}{where}".rstrip())
         return "\n".join(lines)
+
+
+def _apply(program: Program, transforms: tuple[Transform, ...]) -> Program:
+    """``transforms`` applied in order; a run of one class in one rebuild where the class can (``apply_all``):
+    one rebuild per transform made reading a schedule of k tensors cost k² statement copies."""
+    i = 0
+    while i < len(transforms):
+        j = i + 1
+        while j < len(transforms) and type(transforms[j]) is type(transforms[i]):
+            j += 1
+        run = transforms[i:j]
+        batched = type(run[0]).apply_all(program, run) if len(run) > 1 else None
+        if batched is not None:
+            program = batched
+        else:
+            for t in run:
+                program = t.apply(program)
+        i = j
+    return program
 
 
 def _read(text: str) -> tuple[list[Transform], dict[str, int]]:

@@ -297,3 +297,20 @@ def test_the_longest_schedule_of_a_program_with_many_tensors_parses():
     assert Schedule.parse(longest.text, prog).scheduled == longest.scheduled
     with pytest.raises(ScheduleError, match=r"at most \d+ characters for a program of \d+ statements"):
         Schedule.parse(longest.text + " " * (256 * len(prog) + 8192), prog)
+
+
+def test_reading_a_schedule_rebuilds_its_program_once_per_run_of_a_batched_transform(monkeypatch):
+    # twenty tensors' ZeRO-1 schedule: twenty splits, as_slices of forty moments at least; one rebuild per
+    # transform made reading it cost (tensors x statements) copies
+    from coconet.schedules import rewrite
+
+    prog = _adam_over(20)
+    zero1 = next(s for s in generate(prog) if s.sharded and "fuse" not in s.text)
+    names = zero1.names
+    assert names.count("split") == 20 and names.count("as_slice") >= 40
+    rebuilds = []
+    finish = rewrite.Rewriter.finish
+    monkeypatch.setattr(rewrite.Rewriter, "finish", lambda self, *a: rebuilds.append(self) or finish(self, *a))
+    again = Schedule.parse(zero1.text, prog)
+    assert again.scheduled == zero1.scheduled
+    assert len(rebuilds) == len(names) - names.count("split") - names.count("as_slice") + 2
