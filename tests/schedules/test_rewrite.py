@@ -37,3 +37,23 @@ def test_a_copy_of_an_untouched_program_is_the_program():
     for s in ir.stmts:
         r.copy(s)
     assert r.finish().stmts == ir.stmts
+
+
+def test_a_copy_past_the_size_bound_is_refused_naming_the_statement(monkeypatch):
+    # the copy of a statement left alone skips the checks its program passed, not the program's size bound
+    from coconet.errors import IllegalTransform
+    from coconet.schedules import builder
+
+    p = Program("bound", dims=("N",))
+    g = p.tensor("g", ("N",), layout=Local)
+    w = p.tensor("w", ("N",), layout=Replicated)
+    p.update(w, w - 0.1 * allreduce(g) * 2)
+    ir = p.ir
+    r = Rewriter(ir, "test")
+    monkeypatch.setattr(builder, "MAX_STATEMENTS", 3)
+    with pytest.raises(IllegalTransform) as err:
+        for s in ir.stmts:
+            r.copy(s)
+    fourth = ir.stmts[3]
+    assert f"statement {fourth.name} ({fourth.op}): program has more than 3 statements" in str(err.value)
+    assert err.value.transform == "test"

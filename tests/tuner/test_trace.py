@@ -49,7 +49,7 @@ def test_shm_collectives_show_on_their_thread_in_the_trace(tmp_path):
     opts = Options(world=2, sizes={"B": 4, "S": 64, "H": 128}, backend="shm", kernels="eager", warmup=0,
                    repeats=1, trace=str(tmp_path))
     (res,) = run_schedules([ovl], opts)
-    assert res.status == "ok" and res.correct
+    assert res.status == "ok" and res.correct, res.error
     trace = next(tmp_path.glob(f"*{ovl.hash}*_rank0.json"))
     events = json.loads(trace.read_text())["traceEvents"]
     main = next(e["tid"] for e in events if e.get("name") in MATMUL)
