@@ -108,6 +108,11 @@ class Options:
     probe: bool = False  # after the timed steps, the ranks measure the memory bandwidth together (CPU)
 
 
+# A port free when chosen may be taken by the time rank 0 listens on it (an outgoing connection of any other
+# process can get it): the launch is made again on another port, this many times in all.
+PORT_TRIES = 3
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -154,8 +159,12 @@ def run_schedules(schedules: Sequence[Schedule], opts: Options, program_file: st
             continue
         tasks.append((i, gen))
     reference = Reference(program, opts.world, opts.sizes, seed=opts.seed, stages=stages) if opts.check else {}
+    tries = PORT_TRIES
     while tasks:
-        done = _launch(tasks, opts, reference, results, custom)
+        done = _launch(tasks, opts, reference, results, custom, retry_port=tries > 1)
+        if done is None:  # the group's port was taken before rank 0 listened on it
+            tries -= 1
+            continue
         tasks = [t for t in tasks if t[0] not in done]
     return [results[i] for i in range(len(baselines) + len(schedules))]
 
@@ -193,8 +202,9 @@ def custom_payload(program, program_file: str | None):
                            "define them in an importable module", kind="compile_error") from None
 
 
-def _launch(tasks, opts: Options, reference, results, custom) -> set[int]:
-    """One group of ranks runs the tasks in order until one fails; returns the task ids finished."""
+def _launch(tasks, opts: Options, reference, results, custom, retry_port: bool = False) -> set[int] | None:
+    """One group of ranks runs the tasks in order until one fails; returns the task ids finished. None, where
+    ``retry_port``, if the group never formed because its port was taken: nothing ran, launch again."""
     nranks = opts.world * opts.stages
     workdir = Path(tempfile.mkdtemp(prefix="coconet-run-"))
     job = workdir / "job.pkl"
@@ -248,6 +258,8 @@ def _launch(tasks, opts: Options, reference, results, custom) -> set[int]:
                     done.add(current)
                     return done
                 if kind == "error":
+                    if task is None and retry_port and "EADDRINUSE" in data.get("error", ""):
+                        return None
                     if task is None:  # the group never formed: every task fails alike
                         for i, gen in tasks:
                             results[i] = _result(gen, "runtime_error", f"rank {rank}: {data['error']}")

@@ -461,3 +461,49 @@ def test_an_ill_conditioned_program_is_held_to_its_own_error_in_its_dtype():
     assert why.startswith("stage0.state.w on rank 1 (relative error"), why
     assert f"{CONDITIONING:g}x the {own:.3g} of the program itself computed in float32 statement by statement: " \
            "ill-conditioned on these inputs" in why, why
+
+
+def _taken_port(held):
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    held.append(s)
+    return s.getsockname()[1]
+
+
+def test_a_group_whose_port_was_taken_is_launched_again_on_another(monkeypatch):
+    # the port is free when chosen, and another process takes it before rank 0 listens on it
+    from coconet.codegen import launch
+
+    held, chosen = [], []
+    real = launch.free_port
+
+    def port():
+        chosen.append(_taken_port(held) if len(chosen) < launch.PORT_TRIES - 1 else real())
+        return chosen[-1]
+
+    monkeypatch.setattr(launch, "free_port", port)
+    try:
+        (res,) = run_schedules([Schedule(example("adam"))], check_only(2, SIZES))
+    finally:
+        for s in held:
+            s.close()
+    assert res.status == "ok" and res.correct
+    assert len(chosen) == launch.PORT_TRIES and len(set(chosen)) == len(chosen)
+
+
+def test_a_port_taken_every_time_fails_the_launch_naming_the_cause(monkeypatch):
+    from coconet.codegen import launch
+
+    held = []
+    monkeypatch.setattr(launch, "free_port", lambda: _taken_port(held))
+    try:
+        results = run_schedules([Schedule(example("adam")), Schedule(example("adam"))], check_only(2, SIZES))
+    finally:
+        for s in held:
+            s.close()
+    assert len(held) == launch.PORT_TRIES
+    assert all(r.status == "runtime_error" and "EADDRINUSE" in r.error for r in results)
+    assert not rank_processes()
