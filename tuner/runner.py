@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from coconet.codegen.launch import (HANG_DUMP_S, Options, RunResult, compare, custom_payload, describe_error,
-                                    remove_leftover_segments, strip_program, stuck_at)
+from coconet.codegen.launch import (HANG_DUMP_S, PORT_TRIES, Options, RunResult, compare, custom_payload,
+                                    describe_error, remove_leftover_segments, strip_program, stuck_at)
 from coconet.codegen.lower import BACKENDS, Generated, lower
 from coconet.errors import BackendError, CoconetError
 from coconet.schedules.equivalence import Reference
@@ -280,6 +280,16 @@ class Runner:
     def _group(self) -> list:
         if self._actors:
             return self._actors
+        tries = PORT_TRIES
+        while True:
+            try:
+                return self._form_group()
+            except _PortTaken:
+                tries -= 1
+                if not tries:
+                    raise
+
+    def _form_group(self) -> list:
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -310,7 +320,8 @@ class Runner:
                     timeout=self.protocol.timeout_s + 30)
         except Exception as e:
             self._reset()
-            raise CoconetError(f"the ranks did not form a group: {_first_line(e)}") from None
+            error = _PortTaken if "EADDRINUSE" in str(e) else CoconetError
+            raise error(f"the ranks did not form a group: {_first_line(e)}") from None
         return self._actors
 
     def _reset(self) -> None:
@@ -330,6 +341,10 @@ class Runner:
             self._reset()
 
 
+class _PortTaken(CoconetError):
+    """Rank 0's port, free when it chose it, was taken before it listened: the group is formed again."""
+
+
 def _dead_rank(pending: list, rank_of: dict, wait_s: float = DEATH_NOTICE_S) -> str | None:
     import ray
 
@@ -345,6 +360,9 @@ def _dead_rank(pending: list, rank_of: dict, wait_s: float = DEATH_NOTICE_S) -> 
 
 
 def _first_line(e: BaseException) -> str:
+    cause = getattr(e, "cause", None)  # a Ray task's error: its first line is Ray's, naming the task
+    if isinstance(cause, BaseException):
+        e = cause
     text = str(e).strip().splitlines()
     return text[0] if text else type(e).__name__
 

@@ -167,3 +167,45 @@ def test_a_local_cluster_started_by_a_thread_outlives_it_and_ends_with_the_proce
     while alive() and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not alive(), [Path(f"/proc/{p}/cmdline").read_bytes()[:60] for p in alive()]
+
+
+def _held_port(held):
+    import socket
+
+    s = socket.socket()
+    s.bind(("", 0))  # every address: rank 0's store, on any of them, finds the port taken
+    s.listen()
+    held.append(s)
+    return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("taken", [1, 3])
+def test_a_group_whose_port_was_taken_is_formed_again(ray_local, monkeypatch, taken):
+    # rank 0 chooses a port free then; another process takes it before rank 0 listens on it, ``taken`` times
+    import ray
+
+    from coconet.tuner.runner import PORT_TRIES
+
+    held, real_get = [], ray.get
+
+    def get(refs, *args, **kwargs):
+        out = real_get(refs, *args, **kwargs)
+        where = isinstance(out, list) and out and isinstance(out[0], tuple) and len(out[0]) == 4
+        if where and len(held) < taken:
+            out = [(out[0][0], _held_port(held), *out[0][2:])] + out[1:]
+        return out
+
+    monkeypatch.setattr(ray, "get", get)
+    prog = example("adam")
+    try:
+        with Runner(prog, world=2, sizes={"N": 100}, backend="gloo", protocol=FAST) as r:
+            res = r.measure(Schedule(prog))
+    finally:
+        for s in held:
+            s.close()
+    if taken < PORT_TRIES:
+        assert res.status == "ok" and res.correct, res.error
+    else:
+        assert res.status == "runtime_error" and res.error.startswith("the ranks did not form a group: ")
+        assert "EADDRINUSE" in res.error, res.error
+    assert len(held) == taken
