@@ -113,6 +113,11 @@ class Options:
 PORT_TRIES = 3
 
 
+def port_taken(error: str) -> bool:
+    """Whether a group failed to form because its port was taken (torch's store names the errno)."""
+    return "EADDRINUSE" in error
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -258,7 +263,7 @@ def _launch(tasks, opts: Options, reference, results, custom, retry_port: bool =
                     done.add(current)
                     return done
                 if kind == "error":
-                    if task is None and retry_port and "EADDRINUSE" in data.get("error", ""):
+                    if task is None and retry_port and port_taken(data.get("error", "")):
                         return None
                     if task is None:  # the group never formed: every task fails alike
                         for i, gen in tasks:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import re
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -192,19 +193,14 @@ class Schedule:
 def _apply(program: Program, transforms: tuple[Transform, ...]) -> Program:
     """``transforms`` applied in order; a run of one class in one rebuild where the class can (``apply_all``):
     one rebuild per transform made reading a schedule of k tensors cost k² statement copies."""
-    i = 0
-    while i < len(transforms):
-        j = i + 1
-        while j < len(transforms) and type(transforms[j]) is type(transforms[i]):
-            j += 1
-        run = transforms[i:j]
-        batched = type(run[0]).apply_all(program, run) if len(run) > 1 else None
+    for cls, group in itertools.groupby(transforms, key=type):
+        run = tuple(group)
+        batched = cls.apply_all(program, run) if len(run) > 1 else None
         if batched is not None:
             program = batched
-        else:
-            for t in run:
-                program = t.apply(program)
-        i = j
+            continue
+        for t in run:
+            program = t.apply(program)
     return program
 
 

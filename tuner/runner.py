@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from coconet.codegen.launch import (HANG_DUMP_S, PORT_TRIES, Options, RunResult, compare, custom_payload,
-                                    describe_error, remove_leftover_segments, strip_program, stuck_at)
+                                    describe_error, port_taken, remove_leftover_segments, strip_program, stuck_at)
 from coconet.codegen.lower import BACKENDS, Generated, lower
 from coconet.errors import BackendError, CoconetError
 from coconet.schedules.equivalence import Reference
@@ -320,7 +320,7 @@ class Runner:
                     timeout=self.protocol.timeout_s + 30)
         except Exception as e:
             self._reset()
-            error = _PortTaken if "EADDRINUSE" in str(e) else CoconetError
+            error = _PortTaken if port_taken(str(e)) else CoconetError
             raise error(f"the ranks did not form a group: {_first_line(e)}") from None
         return self._actors
 

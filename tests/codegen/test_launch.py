@@ -18,6 +18,7 @@ from coconet.codegen.launch import STARTUP_S, Options, run_schedules
 from coconet.schedules.schedule import Schedule
 from coconet.schedules.space import generate
 from tests.codegen import faulty
+from tests.ports import hold_port
 from tests.strategies import collective_programs, programs
 
 ROOT = Path(__file__).parents[2]
@@ -463,16 +464,6 @@ def test_an_ill_conditioned_program_is_held_to_its_own_error_in_its_dtype():
            "ill-conditioned on these inputs" in why, why
 
 
-def _taken_port(held):
-    import socket
-
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    s.listen()
-    held.append(s)
-    return s.getsockname()[1]
-
-
 def test_a_group_whose_port_was_taken_is_launched_again_on_another(monkeypatch):
     # the port is free when chosen, and another process takes it before rank 0 listens on it
     from coconet.codegen import launch
@@ -481,7 +472,7 @@ def test_a_group_whose_port_was_taken_is_launched_again_on_another(monkeypatch):
     real = launch.free_port
 
     def port():
-        chosen.append(_taken_port(held) if len(chosen) < launch.PORT_TRIES - 1 else real())
+        chosen.append(hold_port(held) if len(chosen) < launch.PORT_TRIES - 1 else real())
         return chosen[-1]
 
     monkeypatch.setattr(launch, "free_port", port)
@@ -498,7 +489,7 @@ def test_a_port_taken_every_time_fails_the_launch_naming_the_cause(monkeypatch):
     from coconet.codegen import launch
 
     held = []
-    monkeypatch.setattr(launch, "free_port", lambda: _taken_port(held))
+    monkeypatch.setattr(launch, "free_port", lambda: hold_port(held))
     try:
         results = run_schedules([Schedule(example("adam")), Schedule(example("adam"))], check_only(2, SIZES))
     finally:

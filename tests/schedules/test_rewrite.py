@@ -27,12 +27,16 @@ def test_a_copy_onto_another_literal_is_typed_by_that_literal(literal, dtype):
     assert ir["mul0"].type.dtype == "int64"
 
 
-def test_a_copy_of_an_untouched_program_is_the_program():
-    p = Program("same", dims=("N",))
+def _sgd():
+    p = Program("sgd", dims=("N",))
     g = p.tensor("g", ("N",), layout=Local)
     w = p.tensor("w", ("N",), layout=Replicated)
     p.update(w, w - 0.1 * allreduce(g) * 2)
-    ir = p.ir
+    return p.ir
+
+
+def test_a_copy_of_an_untouched_program_is_the_program():
+    ir = _sgd()
     r = Rewriter(ir, "test")
     for s in ir.stmts:
         r.copy(s)
@@ -44,11 +48,7 @@ def test_a_copy_past_the_size_bound_is_refused_naming_the_statement(monkeypatch)
     from coconet.errors import IllegalTransform
     from coconet.schedules import builder
 
-    p = Program("bound", dims=("N",))
-    g = p.tensor("g", ("N",), layout=Local)
-    w = p.tensor("w", ("N",), layout=Replicated)
-    p.update(w, w - 0.1 * allreduce(g) * 2)
-    ir = p.ir
+    ir = _sgd()
     r = Rewriter(ir, "test")
     monkeypatch.setattr(builder, "MAX_STATEMENTS", 3)
     with pytest.raises(IllegalTransform) as err:

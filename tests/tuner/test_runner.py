@@ -12,6 +12,7 @@ from coconet.errors import BackendError
 from coconet.schedules.schedule import Schedule
 from coconet.schedules.space import generate
 from coconet.tuner.runner import Protocol, Runner
+from tests.ports import hold_port
 
 ROOT = Path(__file__).parents[2]
 FAST = Protocol(warmup=1, min_repeats=5, max_repeats=12, max_time_s=2.0, kernels="eager", timeout_s=60.0)
@@ -169,16 +170,6 @@ def test_a_local_cluster_started_by_a_thread_outlives_it_and_ends_with_the_proce
     assert not alive(), [Path(f"/proc/{p}/cmdline").read_bytes()[:60] for p in alive()]
 
 
-def _held_port(held):
-    import socket
-
-    s = socket.socket()
-    s.bind(("", 0))  # every address: rank 0's store, on any of them, finds the port taken
-    s.listen()
-    held.append(s)
-    return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("taken", [1, 3])
 def test_a_group_whose_port_was_taken_is_formed_again(ray_local, monkeypatch, taken):
     # rank 0 chooses a port free then; another process takes it before rank 0 listens on it, ``taken`` times
@@ -192,7 +183,7 @@ def test_a_group_whose_port_was_taken_is_formed_again(ray_local, monkeypatch, ta
         out = real_get(refs, *args, **kwargs)
         where = isinstance(out, list) and out and isinstance(out[0], tuple) and len(out[0]) == 4
         if where and len(held) < taken:
-            out = [(out[0][0], _held_port(held), *out[0][2:])] + out[1:]
+            out = [(out[0][0], hold_port(held), *out[0][2:])] + out[1:]
         return out
 
     monkeypatch.setattr(ray, "get", get)
