@@ -102,20 +102,41 @@ class AsSlice(Transform):
 
 def _slice(program: Program, gathered: dict, text: str) -> Program:
     """``program`` with each state of ``gathered`` (state -> its update and the all_gather that update drops)
-    kept sliced: the update takes the slices, and a reader that cannot take them gets the state whole."""
+    kept sliced: the update takes the slices, and a reader that cannot take them gets the state whole. So does
+    a reader that could, but whose sliced result would meet other slices along another dim further on (a
+    column factor added to rows a schedule already cut): each try that fails at a statement gives the state
+    whole to the readers of it upstream of that statement, until the rewrite holds or no such reader is left."""
+    whole: set[str] = set()
+    while True:
+        failed = _try_slice(program, gathered, text, frozenset(whole))
+        if isinstance(failed, Program):
+            return failed
+        at, error = failed
+        readers = {s.name for s in program.stmts if gathered.keys() & set(s.args) and consumes_slices(program, s)}
+        culprits = (readers & (ancestors(program, at) | {at})) - whole
+        if not culprits:
+            raise error
+        whole |= culprits
+
+
+def _try_slice(program: Program, gathered: dict, text: str, whole: frozenset[str]):
+    """The rewritten program, or (the statement it failed at, the refusal)."""
     updates = {upd.name: (tensor, ag) for tensor, (upd, ag) in gathered.items()}
     layouts = {t: program[ag.args[0]].type.layout for t, (_, ag) in gathered.items()}
     rw = Rewriter(program, text)
     for s in program.stmts:
-        if s.name in gathered:
-            rw.copy(s, attrs={**dict(s.attrs), "layout": str(layouts[s.name])})
-        elif s.name in updates:
-            tensor, ag = updates[s.name]
-            rw.copy(s, [rw[tensor], rw[ag.args[0]]])
-        elif s.op == "slice" and s.args[0] in gathered and layouts[s.args[0]].dim == s.attr("dim"):
-            rw.copy(s)  # this rank's rows of the state are what it now holds (the builder gives the state)
-        elif gathered.keys() & set(s.args) and not consumes_slices(program, s):
-            rw.copy(s, [rw.whole(a) if a in gathered else rw[a] for a in s.args])
-        else:
-            rw.copy(s)
+        try:
+            if s.name in gathered:
+                rw.copy(s, attrs={**dict(s.attrs), "layout": str(layouts[s.name])})
+            elif s.name in updates:
+                tensor, ag = updates[s.name]
+                rw.copy(s, [rw[tensor], rw[ag.args[0]]])
+            elif s.op == "slice" and s.args[0] in gathered and layouts[s.args[0]].dim == s.attr("dim"):
+                rw.copy(s)  # this rank's rows of the state are what it now holds (the builder gives the state)
+            elif gathered.keys() & set(s.args) and (s.name in whole or not consumes_slices(program, s)):
+                rw.copy(s, [rw.whole(a) if a in gathered else rw[a] for a in s.args])
+            else:
+                rw.copy(s)
+        except IllegalTransform as e:
+            return s.name, e
     return rw.finish()

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from coconet.schedules.ir import Program, Stmt
 from coconet.schedules.rewrite import Rewriter
 from coconet.schedules.transforms.base import Transform, consumes_slices, is_pointwise, ordered, sliced_dim
-from coconet.schedules.types import Local
+from coconet.schedules.types import Local, Sliced
 
 
 def slices_align(program: Program, s: Stmt, sliced: dict[str, int]) -> tuple[bool, int | None]:
@@ -117,7 +117,9 @@ class Reorder(Transform):
             elif s.op in ("all_gather", "partial_sum", "update"):
                 rw.copy(s)  # these take slices; an update gathers only into Replicated state
             elif any(a in members for a in s.args):
-                rw.copy(s, [rw.whole(a) if a in members else rw[a] for a in s.args])
+                # a member that was already sliced (it read other slices too) stays as its readers took it
+                rw.copy(s, [rw.whole(a) if a in members and not isinstance(program[a].type.layout, Sliced)
+                            else rw[a] for a in s.args])
             else:
                 rw.copy(s)
         return rw.finish()

@@ -152,6 +152,42 @@ def test_as_slice_gathers_for_readers_that_need_the_whole_state():
     assert prog[mm.args[0]].op == "all_gather" and prog[prog[mm.args[0]].args[0]].name == "m"
 
 
+def test_as_slice_gathers_for_a_reader_whose_slices_would_meet_others_along_another_dim():
+    # cv (a column factor) kept sliced along its columns, s1 along its rows: s0 + cv could take cv's
+    # slices, but its result meets s1's rows, so that reader gets cv whole
+    p = cc.Program("a", dims=("N", "M"))
+    g = p.tensor("g", ("N", "M"), layout=cc.Local)
+    s0, s1 = (p.tensor(n, ("N", "M"), layout=cc.Replicated) for n in ("s0", "s1"))
+    cv = p.tensor("cv", (1, "M"), layout=cc.Replicated)
+    by_row = p.tensor("by_row", (1, "N"), layout=cc.Replicated)
+    p.update(cv, by_row @ (s1 - (s0 + cv)))
+    p.update(s1, cc.allreduce(g))
+    text = "split(ar0); as_slice(s1); split(ar0, dim=1); as_slice(cv)"
+    prog = Schedule.parse(text, p.ir).scheduled
+    assert str(prog["cv"].type.layout) == "Sliced(1)" and str(prog["s1"].type.layout) == "Sliced(0)"
+    add = next(s for s in prog.stmts if s.op == "add")
+    assert prog[add.args[1]].op == "all_gather" and prog[add.args[1]].args == ("cv",)
+    assert AsSlice("cv") in AsSlice.instances(Schedule.parse(text.rsplit(";", 1)[0], p.ir).scheduled)
+    for world in (1, 2, 3):
+        assert not equivalence.check(Schedule.parse(text, p.ir), world, {"N": 6, "M": 4})
+
+
+def test_reorder_leaves_work_already_on_slices_as_its_readers_took_it():
+    # after reorder(ag0), d = ag1 - rs0 is already on rows, and the product takes them as partial products;
+    # moving d onto rs1's rows must not hand the product d whole (no matmul rule for its sliced ones row)
+    p = cc.Program("r", dims=("N", "M"))
+    g0, g1 = (p.tensor(n, ("N", "M"), layout=cc.Local) for n in ("g0", "g1"))
+    by_row = p.tensor("by_row", (1, "N"), layout=cc.Replicated)
+    p.output("o", by_row @ (cc.allreduce(g1) - cc.allreduce(g0)))
+    text = "split(ar0); split(ar1); reorder(ag0); reorder(ag1)"
+    prog = Schedule.parse(text, p.ir).scheduled
+    assert "all_gather" not in [s.op for s in prog.stmts]
+    mm = next(s for s in prog.stmts if s.op == "matmul")
+    assert prog[mm.args[1]].op == "sub" and str(mm.type.layout) == "Local"
+    for world in (1, 2, 3):
+        assert not equivalence.check(Schedule.parse(text, p.ir), world, {"N": 6, "M": 4})
+
+
 def test_fuse_refuses_a_cycle():
     p = cc.Program("f", dims=("N",))
     x = p.tensor("x", ("N",), layout=cc.Replicated)
