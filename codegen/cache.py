@@ -22,7 +22,7 @@ def cache_dir() -> Path:
 
 def module_path(gen: Generated) -> Path:
     """Write the module if it is not cached yet; return its path."""
-    path = cache_dir() / "codegen" / f"coconet_{gen.key}.py"
+    path = Path(gen.path)
     if path.exists() and path.read_text() == gen.source:
         return path
     path.parent.mkdir(parents=True, exist_ok=True)

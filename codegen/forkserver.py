@@ -25,6 +25,7 @@ it (tqdm's monitor thread off).
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import select
@@ -38,7 +39,10 @@ import traceback
 
 ENV_SWITCH = "COCONET_FORKSERVER"
 READY_S = 120.0  # the server's imports, on a loaded machine
-PRELOAD = ("numpy", "torch", "torch.distributed", "coconet.codegen.rank", "coconet.codegen.baselines")
+# coconet.codegen.launch: a rank's job holds the launch's Options, so unpickling it imported the launcher (and
+# the lowering) in every rank of every launch
+PRELOAD = ("numpy", "torch", "torch.distributed", "coconet.codegen.rank", "coconet.codegen.baselines",
+           "coconet.codegen.launch")
 COMPILER = ("torch._dynamo", "torch._inductor.compile_fx", "torch.fx.experimental.proxy_tensor",
             "coconet.codegen.prelude")  # what a rank's first compiled kernel imports
 # set anew for every test by pytest, and read by nothing at start-up: not part of a server's key (a server
@@ -250,6 +254,7 @@ def _serve(sock: socket.socket) -> None:
 
     for name in PRELOAD:
         importlib.import_module(name)
+    _freeze()
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
@@ -270,7 +275,9 @@ def _serve(sock: socket.socket) -> None:
             return
         msg = pickle.loads(data)
         if msg[0] == "warm":
-            sock.send(pickle.dumps(("warmed", _warm_compiler())))
+            warmed = _warm_compiler()
+            _freeze()
+            sock.send(pickle.dumps(("warmed", warmed)))
             continue
         _, job, rank, volatile = msg
         pid = os.fork()
@@ -283,6 +290,14 @@ def _serve(sock: socket.socket) -> None:
         for fd in fds:
             os.close(fd)
         sock.send(pickle.dumps(("pid", pid)))
+
+
+def _freeze() -> None:
+    """Keep what the server imported out of every garbage collection of its ranks: with torch loaded, a rank's
+    full collections walked millions of objects it will never free, a few milliseconds each, triggered by
+    whatever allocated next (a module's code loaded for each schedule). A fork inherits the frozen set."""
+    gc.collect()
+    gc.freeze()
 
 
 def _warm_compiler() -> list[str]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import ast
 import functools
 import keyword
+import marshal
 import re
 import textwrap
 from dataclasses import dataclass
@@ -129,6 +130,24 @@ class Generated:
     @property
     def key(self) -> str:
         return f"{self.schedule.hash}_{self.backend}_{self.kernels}" + ("_torchdropout" if self.dropout == "torch" else "")
+
+    @functools.cached_property
+    def path(self) -> str:
+        """The module's file in the cache (``cache.module_path`` writes it there)."""
+        from coconet.codegen.cache import cache_dir
+
+        return str(cache_dir() / "codegen" / f"coconet_{self.key}.py")
+
+    @functools.cached_property
+    def code(self) -> bytes:
+        """The module compiled, as ``marshal`` bytes, under its file's name: compiled once here for every
+        rank that runs it (its helpers make a module hundreds of lines; each rank compiling it cost more than
+        its checked steps at small sizes)."""
+        try:
+            return marshal.dumps(compile(self.source, self.path, "exec"))
+        except SyntaxError as err:  # a bug of coconet's, but one schedule's: the others can still run
+            raise BackendError(f"the code generated for schedule {self.schedule.text!r} does not compile: {err}",
+                               kind="compile_error") from err
 
 
 class _Emitter:
@@ -396,12 +415,9 @@ def lower(schedule: Schedule, backend: str = "gloo", kernels: str = "compiled", 
     kept |= _names([x for x, _ in updates] + [e.ident(v) for v in aliased])
     body = _freeing(e, lowered, kept)
     src, line_map = _module(schedule, backend, e, body, updates)
-    try:
-        compile(src, f"<coconet {schedule.hash}>", "exec")
-    except SyntaxError as err:  # a bug of coconet's, but one schedule's: the others can still run
-        raise BackendError(f"the code generated for schedule {schedule.text!r} does not compile: {err}",
-                           kind="compile_error") from err
-    return Generated(schedule, backend, src, line_map, kernels, dropout)
+    gen = Generated(schedule, backend, src, line_map, kernels, dropout)
+    gen.code  # noqa: B018 -- compiled now: code that does not compile is refused here, not on the ranks
+    return gen
 
 
 # names every step binds for its whole length

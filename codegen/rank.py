@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import faulthandler
+import marshal
 import os
 import pickle
 import platform
@@ -121,16 +122,16 @@ def _run(job: dict[str, Any], rank: int, conn: Connection) -> int:
         return 1
     stage = rank // world
     group = groups[stage]
-    for task, source, path, prog in job["tasks"]:
+    for task, code, path, prog in job["tasks"]:
         conn.send(("started", task, rank, None))
         ns: dict[str, Any] = {"__name__": f"coconet_generated_{task}"}
         try:
-            if source is None:  # a hand-written baseline
+            if code is None:  # a hand-written baseline
                 from coconet.codegen.baselines import BASELINES
 
                 step = BASELINES[path.split(":", 1)[1]].make()
             else:
-                exec(compile(source, path, "exec"), ns)
+                exec(marshal.loads(code), ns)  # compiled by the caller with ``path`` as its file
                 step = ns["step"]
             kwargs = dict(group=group, stage=stage, stages=stages, sizes=dict(opts.sizes), custom_ops=custom)
             if opts.check:
