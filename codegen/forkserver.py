@@ -25,7 +25,6 @@ it (tqdm's monitor thread off).
 
 from __future__ import annotations
 
-import gc
 import os
 import pickle
 import select
@@ -254,7 +253,9 @@ def _serve(sock: socket.socket) -> None:
 
     for name in PRELOAD:
         importlib.import_module(name)
-    _freeze()
+    from coconet.codegen.rank import freeze_imports
+
+    freeze_imports()
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
@@ -276,7 +277,7 @@ def _serve(sock: socket.socket) -> None:
         msg = pickle.loads(data)
         if msg[0] == "warm":
             warmed = _warm_compiler()
-            _freeze()
+            freeze_imports()
             sock.send(pickle.dumps(("warmed", warmed)))
             continue
         _, job, rank, volatile = msg
@@ -290,14 +291,6 @@ def _serve(sock: socket.socket) -> None:
         for fd in fds:
             os.close(fd)
         sock.send(pickle.dumps(("pid", pid)))
-
-
-def _freeze() -> None:
-    """Keep what the server imported out of every garbage collection of its ranks: with torch loaded, a rank's
-    full collections walked millions of objects it will never free, a few milliseconds each, triggered by
-    whatever allocated next (a module's code loaded for each schedule). A fork inherits the frozen set."""
-    gc.collect()
-    gc.freeze()
 
 
 def _warm_compiler() -> list[str]:

@@ -64,7 +64,7 @@ class _Rank:
     def __init__(self, rank: int, world: int, stages: int, backend: str, threads: int, custom) -> None:
         import torch
 
-        from coconet.codegen.rank import _custom_ops, keep_freed_memory
+        from coconet.codegen.rank import _custom_ops, freeze_imports, keep_freed_memory
 
         keep_freed_memory()
         self.rank, self.world, self.stages, self.backend = rank, world, stages, backend
@@ -75,6 +75,7 @@ class _Rank:
         faulthandler.register(signal.SIGUSR1, file=self._stack, all_threads=True)
         self.custom = _custom_ops(custom)
         self.group = None
+        freeze_imports()
 
     def where(self) -> tuple[str, int, int, str]:
         import ray

@@ -5,6 +5,7 @@ They live in an importable module so that the rank processes can unpickle them.
 (and creates it), so only the first launch that reaches the op fails.
 """
 
+import gc
 import os
 import time
 
@@ -44,6 +45,12 @@ def _die(x):
     return x * 2
 
 
+def _tell_frozen(x):
+    if dist.get_rank() == 1:
+        raise RuntimeError(f"{gc.get_freeze_count()} objects frozen")
+    return x * 2
+
+
 def _double(x):
     return x * 2
 
@@ -51,6 +58,7 @@ def _double(x):
 boom = cc.custom_op("boom", reference=_double, torch=_raise)
 hang = cc.custom_op("hang", reference=_double, torch=_hang)
 die = cc.custom_op("die", reference=_double, torch=_die)
+frozen = cc.custom_op("frozen", reference=_double, torch=_tell_frozen)  # how many objects GC leaves alone
 
 
 def program(op):

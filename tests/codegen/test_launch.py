@@ -2,6 +2,7 @@
 
 import dataclasses
 import os
+import re
 import runpy
 import signal
 import subprocess
@@ -154,6 +155,15 @@ def test_a_raising_rank_names_rank_and_statement_and_the_rest_still_run(tmp_path
     assert "rank 1 in statement boom0 (boom)" in bad.error and "boom on purpose" in bad.error
     assert good.status == "ok" and good.correct
     assert not rank_processes()
+
+
+@pytest.mark.parametrize("server", ["1", "0"])
+def test_a_rank_keeps_what_it_imported_out_of_its_garbage_collections(server, monkeypatch):
+    # forked from the server (frozen there) or a fresh interpreter (frozen once its group formed)
+    monkeypatch.setenv("COCONET_FORKSERVER", server)
+    (res,) = run_schedules([Schedule(faulty.program(faulty.frozen))], check_only(2, {"N": 6}))
+    assert res.status == "runtime_error", res.error
+    assert int(re.search(r"(\d+) objects frozen", res.error).group(1)) > 100_000  # torch's modules and tables
 
 
 def test_a_hanging_rank_is_stopped_and_located():

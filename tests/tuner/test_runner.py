@@ -65,8 +65,10 @@ BAD = {
         "import torch\n\ndef _broken(gm, example_inputs):\n    raise RuntimeError('this kernel does not compile')\n\n"
         "_kernel = torch.compile(lambda x: x * 2, backend=_broken)",
         "    _kernel(tensors['w'])\n    out = _generated(tensors, scalars, **kw)"),
-    "runtime_error": wrapped("", "    if rank == 1:\n        raise RuntimeError('boom on purpose')\n"
-                                 "    out = _generated(tensors, scalars, **kw)"),
+    # the count: what the rank keeps out of its garbage collections (what it imported, torch's included)
+    "runtime_error": wrapped("import gc", "    if rank == 1:\n        raise RuntimeError("
+                                          "f'boom on purpose, {gc.get_freeze_count()} objects frozen')\n"
+                                          "    out = _generated(tensors, scalars, **kw)"),
     "wrong_result": wrapped("", "    out = _generated(tensors, scalars, **kw)\n    tensors['w'].add_(1.0)"),
     "timeout": wrapped("", "    if rank == 1:\n        time.sleep(3600)\n    out = _generated(tensors, scalars, **kw)"),
 }
@@ -90,6 +92,7 @@ def test_bad_candidates_are_classified_and_the_next_one_runs(ray_local):
         assert res.error and res.samples == []
     assert "this kernel does not compile" in got["compile_error"].error
     assert got["runtime_error"].error.startswith("rank 1") and "boom on purpose" in got["runtime_error"].error
+    assert int(re.search(r"(\d+) objects frozen", got["runtime_error"].error).group(1)) > 100_000
     assert "state.w" in got["wrong_result"].error and got["wrong_result"].correct is False
     assert got["writes_its_input"].correct is False
     assert re.match(r"rank [01]: the step wrote into input g, which the program does not update",
