@@ -134,6 +134,7 @@ class TorchTask:
     source: str | None = None
     path: str | None = None
     line_map: dict | None = None
+    code: bytes | None = None  # the eager module compiled (``Generated.code``), for the ranks to load
 
     @property
     def key(self) -> str:

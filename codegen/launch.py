@@ -23,7 +23,6 @@ Ctrl-C nor a crash leaves a process behind.
 from __future__ import annotations
 
 import dataclasses
-import marshal
 import math
 import os
 import pickle
@@ -193,7 +192,7 @@ def _baseline_task(b: Baseline, program, opts: Options) -> TorchTask:
         return TorchTask(b, Schedule(program))
     # torch.distributed collectives: the shm backend's ranks form a gloo group too
     gen = lower(Schedule(program), "nccl" if opts.backend == "nccl" else "gloo", "eager", dropout="torch")
-    return TorchTask(b, Schedule(program), gen.source, str(module_path(gen)), gen.line_map)
+    return TorchTask(b, Schedule(program), gen.source, str(module_path(gen)), gen.line_map, gen.code)
 
 
 def custom_payload(program, program_file: str | None):
@@ -218,7 +217,7 @@ def _launch(tasks, opts: Options, reference, results, custom, retry_port: bool =
         pickle.dump(list(sys.path), f)
         pickle.dump({"options": opts, "port": free_port(), "custom": custom,
                      "threads": max(1, (os.cpu_count() or 1) // nranks),
-                     "tasks": [(i, _code(gen), _task_path(gen), strip_program(gen.schedule.scheduled))
+                     "tasks": [(i, gen.code, _task_path(gen), strip_program(gen.schedule.scheduled))
                                for i, gen in tasks]}, f)
     procs, conns = [], {}
     by_id = dict(tasks)
@@ -298,13 +297,6 @@ def _launch(tasks, opts: Options, reference, results, custom, retry_port: bool =
         for conn in conns:
             conn.close()
         shutil.rmtree(workdir, ignore_errors=True)
-
-
-def _code(task) -> bytes | None:
-    """The task's module compiled, for every rank to load (None: a hand-written baseline)."""
-    if isinstance(task, TorchTask):
-        return None if task.source is None else marshal.dumps(compile(task.source, task.path, "exec"))
-    return task.code
 
 
 def _task_path(task) -> str:

@@ -106,13 +106,13 @@ def _slice(program: Program, gathered: dict, text: str) -> Program:
     a reader that could, but whose sliced result would meet other slices along another dim further on (a
     column factor added to rows a schedule already cut): each try that fails at a statement gives the state
     whole to the readers of it upstream of that statement, until the rewrite holds or no such reader is left."""
+    readers = {s.name for s in program.stmts if gathered.keys() & set(s.args) and consumes_slices(program, s)}
     whole: set[str] = set()
     while True:
         failed = _try_slice(program, gathered, text, frozenset(whole))
         if isinstance(failed, Program):
             return failed
         at, error = failed
-        readers = {s.name for s in program.stmts if gathered.keys() & set(s.args) and consumes_slices(program, s)}
         culprits = (readers & (ancestors(program, at) | {at})) - whole
         if not culprits:
             raise error
