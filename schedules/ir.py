@@ -10,6 +10,7 @@ program's structural hash ignores the names of intermediate statements.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -97,6 +98,16 @@ class Program:
     custom_ops: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
     # Where each statement was written (file:line), for error messages only.
     locations: Mapping[str, str] = field(default_factory=dict, compare=False, hash=False, repr=False)
+
+    def with_groups(self, groups: tuple[Group, ...]) -> Program:
+        """This program with other groups. The statements are the same objects, so what is computed from them
+        alone is handed over rather than computed again: a schedule adds its groups one transform at a time,
+        and each had cost a pass over every statement."""
+        out = dataclasses.replace(self, groups=groups)
+        for key in _OF_STATEMENTS:
+            if key in self.__dict__:
+                out.__dict__[key] = self.__dict__[key]
+        return out
 
     @cached_property
     def by_name(self) -> dict[str, Stmt]:
@@ -211,6 +222,10 @@ class Program:
 
     def location(self, name: str) -> str | None:
         return self.locations.get(name)
+
+
+# the cached properties of a Program that read its statements alone (not its groups)
+_OF_STATEMENTS = ("by_name", "users", "stmt_hashes", "position")
 
 
 def _jsonable(value: Any) -> Any:

@@ -218,7 +218,7 @@ def with_group(program: Program, group: Group) -> Program:
     if witness is not None:
         raise IllegalTransform(f"running {group} as one unit would create a cycle: a path leaves it and comes "
                                f"back into {witness}")
-    return dataclasses.replace(program, groups=program.groups + (group,))
+    return program.with_groups(program.groups + (group,))
 
 
 def ordered(program: Program, names: Iterable[str]) -> tuple[str, ...]:

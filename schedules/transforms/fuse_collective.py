@@ -16,6 +16,7 @@ rows of the state as the update does.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 from coconet.schedules.ir import Group, Program
@@ -31,18 +32,32 @@ def region(program: Program, rs: str) -> tuple[str, ...]:
     dim = sliced_dim(program, rs)
     rows = program[rs].type.shape[dim]
     members = {rs}
-    first = program.position[rs]  # the members are rs and statements after it, added in program order
-    for s in program.stmts:
-        if s.name in program.group_of or program.position[s.name] <= first:
+    pos = program.position
+    first = pos[rs]
+    # The members are rs and statements after it, added in program order: those that read a member, and
+    # slices. Only they are visited (a scan of every statement after rs, for each reduce_scatter, was half
+    # of a space's generation for a program of many tensors); a member's readers come after it, so the
+    # order holds.
+    heap = [pos[u] for u in program.users[rs]] + [i for i, s in enumerate(program.stmts)
+                                                   if s.op == "slice" and i > first]
+    heapq.heapify(heap)
+    visited: set[int] = set()
+    while heap:
+        at = heapq.heappop(heap)
+        s = program.stmts[at]
+        if at in visited or s.name in program.group_of:
             continue
+        visited.add(at)
         if any(a in members for a in s.args):
             # the slice's rows are a chunk's: work sliced along a dim of another extent is cut otherwise
             ok = ((is_pointwise(program, s) and _rows(program, s.name, dim) == rows) or s.op == "all_gather"
                   or (s.op == "partial_sum" and _rows(program, s.args[0], dim) == rows))
         else:  # rows of a replicated value that are the slice's rows: each chunk reads its own
             ok = s.op == "slice" and _rows(program, s.name, dim) == rows
-        if ok and convex_with(program, members, s.name, (first, program.position[s.name])) is None:
+        if ok and convex_with(program, members, s.name, (first, at)) is None:
             members.add(s.name)
+            for u in program.users[s.name]:
+                heapq.heappush(heap, pos[u])
     reduced = {rs}  # what reads the reduced rows
     for m in ordered(program, members):
         if reduced & set(program[m].args):

@@ -71,6 +71,26 @@ def test_random_collective_programs(p):
         units(sched.scheduled)
 
 
+@pytest.mark.parametrize("name", sorted(SIZES))
+def test_what_a_schedule_hands_on_from_its_statements_is_what_they_give(name):
+    """A group added to a program keeps the tables read off its statements (Program.with_groups): in every
+    schedule they are what the scheduled program's statements give when computed anew."""
+    import dataclasses
+
+    from coconet.schedules.ir import _OF_STATEMENTS
+
+    carried = 0
+    for sched in generate(example(name)):
+        prog = sched.scheduled
+        fresh = dataclasses.replace(prog)
+        for key in _OF_STATEMENTS:
+            if key in prog.__dict__:
+                carried += 1
+                assert prog.__dict__[key] == getattr(fresh, key), (sched.text, key)
+        assert prog.hash == fresh.hash and prog.group_of == fresh.group_of
+    assert carried
+
+
 def test_groups_that_would_need_each_other_first_are_never_offered():
     """Each group convex on its own, two groups can still need each other first: here a bucket of ag1 and
     ag3 where ag1 feeds the fused collective of rs0 and rs0 feeds ag3. No backend could run that schedule."""
