@@ -15,7 +15,7 @@ from coconet.schedules import equivalence
 from coconet.schedules.schedule import Schedule, sharded_by
 from coconet.schedules.space import generate
 from coconet.schedules.transforms.base import convex, convex_with
-from tests.strategies import collective_programs, programs
+from tests.strategies import adam_over, collective_programs, programs
 
 ROOT = Path(__file__).parents[2]
 GOLDEN = Path(__file__).parent / "golden"
@@ -292,26 +292,10 @@ def _counting(apply, calls):
     return counted
 
 
-def _adam_over(tensors):
-    import coconet as cc
-
-    p = cc.Program(f"adam_{tensors}", dims=("H",))
-    lr, beta1, beta2, eps = p.scalars("lr beta1 beta2 eps")
-    for i in range(tensors):
-        g = p.tensor(f"g{i}", ("H",), layout=cc.Local)
-        w, m, v = (p.tensor(f"{n}{i}", ("H",), layout=cc.Replicated) for n in "wmv")
-        avg = cc.allreduce(g)
-        m1, v1 = beta1 * m + (1 - beta1) * avg, beta2 * v + (1 - beta2) * avg * avg
-        p.update(m, m1)
-        p.update(v, v1)
-        p.update(w, w - lr * m1 / (cc.sqrt(v1) + eps))
-    return p.ir
-
-
 def test_the_longest_schedule_of_a_program_with_many_tensors_parses():
     # fifty tensors' ZeRO-1 schedule names each of them several times: 12 KB of text, which the fixed
     # 8 KB bound refused when a tune resumed it or the service showed its code
-    prog = _adam_over(50)
+    prog = adam_over(50)
     longest = max(generate(prog), key=lambda s: len(s.text))
     assert len(longest.text) > 8192
     assert Schedule.parse(longest.text, prog).scheduled == longest.scheduled
@@ -320,17 +304,17 @@ def test_the_longest_schedule_of_a_program_with_many_tensors_parses():
 
 
 def test_reading_a_schedule_rebuilds_its_program_once_per_run_of_a_batched_transform(monkeypatch):
-    # twenty tensors' ZeRO-1 schedule: twenty splits, as_slices of forty moments at least; one rebuild per
-    # transform made reading it cost (tensors x statements) copies
+    # twenty tensors' ZeRO-1 schedule: twenty splits, twenty reorders, as_slices of forty moments at least; one
+    # rebuild per transform made reading it cost (tensors x statements) copies
     from coconet.schedules import rewrite
 
-    prog = _adam_over(20)
+    prog = adam_over(20)
     zero1 = next(s for s in generate(prog) if s.sharded and "fuse" not in s.text)
     names = zero1.names
-    assert names.count("split") == 20 and names.count("as_slice") >= 40
+    assert names.count("split") == names.count("reorder") == 20 and names.count("as_slice") >= 40
     rebuilds = []
     finish = rewrite.Rewriter.finish
     monkeypatch.setattr(rewrite.Rewriter, "finish", lambda self, *a: rebuilds.append(self) or finish(self, *a))
     again = Schedule.parse(zero1.text, prog)
     assert again.scheduled == zero1.scheduled
-    assert len(rebuilds) == len(names) - names.count("split") - names.count("as_slice") + 2
+    assert len(rebuilds) == len(names) - names.count("split") - names.count("reorder") - names.count("as_slice") + 3

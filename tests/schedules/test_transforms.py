@@ -14,7 +14,7 @@ from coconet.schedules.builder import Builder
 from coconet.schedules.schedule import Schedule
 from coconet.schedules.transforms.base import convex, convex_with
 from coconet.schedules.transforms.fuse import regions
-from tests.strategies import collective_programs
+from tests.strategies import adam_over, collective_programs
 from coconet.schedules.transforms import (
     AsSlice, Bucket, Fuse, FuseCollective, Overlap, Reorder, SliceReduce, SliceSend, Split, TRANSFORMS,
 )
@@ -523,25 +523,54 @@ def _one_by_one(prog, ts):
     return prog
 
 
+def _same(batch, one_by_one) -> bool:
+    # names and order too (later transforms name statements), and where each statement was written
+    return batch == one_by_one and batch.locations == one_by_one.locations
+
+
 @pytest.mark.parametrize("cls,name", [(AsSlice, "adam"), (AsSlice, "lamb"), (AsSlice, "adam_multi"),
-                                      (Split, "adam_multi")])
+                                      (Split, "adam_multi"), (Reorder, "adam_multi")])
 def test_a_step_applied_together_is_the_step_applied_one_by_one(cls, name):
     together = 0
     for before, run in _runs(example(name), cls):
         batch = cls.apply_all(before, run)
         if batch is not None:
             together += 1
-            assert batch == _one_by_one(before, run)  # names and order too: later transforms name statements
+            assert _same(batch, _one_by_one(before, run))
     assert together > 0
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(collective_programs())
 def test_random_steps_applied_together_are_the_steps_applied_one_by_one(p):
-    for cls in (AsSlice, Split):
+    for cls in (AsSlice, Split, Reorder):
         for before, run in _runs(p.ir, cls):
             batch = cls.apply_all(before, run)
-            assert batch is None or batch == _one_by_one(before, run)
+            assert batch is None or _same(batch, _one_by_one(before, run))
+
+
+def test_reorders_applied_together_name_what_they_make_with_the_names_the_ones_before_freed():
+    """One by one, reorder(ag0) drops ag0 and the next reorder's first all_gather takes its name: the batch
+    names what it makes as that sequence would."""
+    before = Schedule.parse("; ".join(f"split(ar{i})" for i in range(4)), adam_over(4)).scheduled
+    run = tuple(Reorder(f"ag{i}") for i in range(4))
+    batch = Reorder.apply_all(before, run)
+    assert batch is not None and _same(batch, _one_by_one(before, run))
+    made = [s.name for s in batch.stmts if s.op == "all_gather"]
+    assert "ag0" in made and made != sorted(made, key=lambda n: int(n[2:]))  # freed names reused, out of order
+
+
+def test_reorders_whose_work_meets_are_left_one_by_one():
+    # h reads the gathers of both allreduces: either reorder rewrites it, so they cannot be told apart
+    p = cc.Program("meet", dims=("N",))
+    g0, g1 = (p.tensor(f"g{i}", ("N",), layout=cc.Local) for i in range(2))
+    w = p.tensor("w", ("N",), layout=cc.Replicated)
+    p.update(w, w - (cc.allreduce(g0) * 0.5 + cc.allreduce(g1) * 0.25))
+    before = Schedule.parse("split(ar0); split(ar1)", p.ir).scheduled
+    run = (Reorder("ag0"), Reorder("ag1"))
+    assert Reorder.apply_all(before, run) is None
+    sched = Schedule.parse("split(ar0); split(ar1); reorder(ag0); reorder(ag1)", p.ir)
+    assert _same(sched.scheduled, _one_by_one(before, run))
 
 
 def test_splits_are_left_one_by_one_where_an_allreduce_bears_a_name_a_split_gives():
