@@ -550,15 +550,16 @@ def test_tune_json_then_run_the_best(tmp_path):
                      "--shardable all` first")
 
 
-def test_tune_killed_mid_study_resumes_without_measuring_twice(tmp_path):
+def test_tune_killed_mid_study_resumes_without_measuring_twice(tmp_path, ray_local):
     """SIGKILL of `coconet tune` in the middle of its study, with no chance to clean up: the run again
-    reuses every result the first one recorded and measures only the rest."""
+    reuses every result the first one recorded and measures only the rest. Both join the tests' Ray cluster
+    (`tune --json then run the best` starts a local one, as the README's first command does)."""
     from coconet.server.store import Store
 
     prog = runpy.run_path(str(ROOT / "examples" / "adam.py"))["program"].ir
     db = f"sqlite:///{tmp_path / 'coconet.db'}"
     args = ["tune", "examples/adam.py", "--world", "2", "--size", "N=2^10", "--budget", "6", "--kernels", "eager",
-            "--backend", "gloo", "--db", db, "--json"]
+            "--backend", "gloo", "--db", db, "--json", "--ray-address", ray_local.get_runtime_context().gcs_address]
     env = quiet_env()
     with open(tmp_path / "first.log", "w") as log:
         first = subprocess.Popen([sys.executable, "-m", "coconet", *args], cwd=ROOT, env=env, stdout=log,
@@ -577,7 +578,7 @@ def test_tune_killed_mid_study_resumes_without_measuring_twice(tmp_path):
         first.wait()
     finally:
         try:
-            os.killpg(first.pid, signal.SIGKILL)  # the local Ray it started
+            os.killpg(first.pid, signal.SIGKILL)  # anything it started
         except ProcessLookupError:
             pass
     with Store.open(db) as store:

@@ -1,10 +1,14 @@
 """The shm backend on real worlds of ranks: every schedule correct, and no segment left behind."""
 
+import multiprocessing
+import os
 import re
 import runpy
 import shutil
 import subprocess
 import sys
+import tempfile
+import time
 import types
 from pathlib import Path
 
@@ -18,7 +22,7 @@ from coconet.codegen.launch import Options, free_port, run_schedules
 from coconet.codegen.lower import lower
 from coconet.schedules.schedule import Schedule
 from coconet.schedules.space import generate
-from tests.codegen import faulty
+from tests.codegen import faulty, warm_rank
 from tests.codegen.test_lower import factored
 from tests.codegen.test_launch import EXAMPLES, RANKS, SIZES, assert_all_ok, example, rank_processes
 from tests.strategies import collective_programs
@@ -506,15 +510,28 @@ def test_state_in_shared_memory_whatever_tensor_the_caller_passes(world, kernels
 
 
 def run_ranks(module: str, world: int, *args: str) -> None:
-    """``python -m module RANK WORLD PORT *args`` for every rank of a world, each to print ``ok`` last."""
+    """``python -m module RANK WORLD PORT *args`` for every rank of a world, each to print ``ok`` last: forked
+    from a warm interpreter (tests/codegen/warm_rank.py), as a launch's ranks are."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(warm_rank.PRELOAD)  # read when the server starts: the first call's
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", module, str(r), str(world), str(port), *args],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(world)]
-    outs = [p.communicate(timeout=300)[0] for p in procs]
+    with tempfile.TemporaryDirectory() as logs:
+        paths = [os.path.join(logs, f"rank{r}.log") for r in range(world)]
+        procs = [ctx.Process(target=warm_rank.main, args=(module, [str(r), str(world), str(port), *args], path))
+                 for r, path in enumerate(paths)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + 300
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in procs:
+            if p.exitcode is None:
+                p.kill()
+                p.join()
+        outs = [Path(path).read_text(errors="replace") for path in paths]
     # every failing rank's words: the one that failed first, and those left waiting for it at a barrier
-    failed = [f"rank {r}:\n{out[-1500:]}" for r, (p, out) in enumerate(zip(procs, outs))
-              if p.returncode != 0 or not out.rstrip().endswith("ok")]
+    failed = [f"rank {r} (exit {p.exitcode}):\n{out[-1500:]}" for r, (p, out) in enumerate(zip(procs, outs))
+              if p.exitcode != 0 or not out.rstrip().endswith("ok")]
     assert not failed, "\n".join(failed)
 
 
