@@ -189,6 +189,14 @@ class Program:
         return {m: g for g in self.groups for m in g.members}
 
     @cached_property
+    def of_op(self) -> dict[str, tuple[str, ...]]:
+        """The statements of each op, in program order."""
+        out: dict[str, list[str]] = {}
+        for s in self.stmts:
+            out.setdefault(s.op, []).append(s.name)
+        return {op: tuple(names) for op, names in out.items()}
+
+    @cached_property
     def position(self) -> dict[str, int]:
         """Each statement's index: statements come after their operands."""
         return {s.name: i for i, s in enumerate(self.stmts)}
@@ -225,7 +233,7 @@ class Program:
 
 
 # the cached properties of a Program that read its statements alone (not its groups)
-_OF_STATEMENTS = ("by_name", "users", "stmt_hashes", "position")
+_OF_STATEMENTS = ("by_name", "users", "stmt_hashes", "position", "of_op")
 
 
 def _jsonable(value: Any) -> Any:

@@ -38,8 +38,7 @@ def region(program: Program, rs: str) -> tuple[str, ...]:
     # slices. Only they are visited (a scan of every statement after rs, for each reduce_scatter, was half
     # of a space's generation for a program of many tensors); a member's readers come after it, so the
     # order holds.
-    heap = [pos[u] for u in program.users[rs]] + [i for i, s in enumerate(program.stmts)
-                                                   if s.op == "slice" and i > first]
+    heap = [pos[u] for u in program.users[rs]] + [pos[x] for x in program.of_op.get("slice", ()) if pos[x] > first]
     heapq.heapify(heap)
     visited: set[int] = set()
     while heap:

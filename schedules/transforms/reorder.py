@@ -9,6 +9,7 @@ Values still needed whole are all-gathered after the work.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from dataclasses import dataclass
 
 from coconet.errors import IllegalTransform
@@ -59,15 +60,26 @@ def _product_slices(program: Program, s: Stmt, sliced: dict[str, int]) -> tuple[
 def region(program: Program, ag: str) -> tuple[str, ...]:
     """The largest set of statements downstream of ``ag`` that can run on its slices."""
     members: set[str] = set()
-    frontier = {ag}
     sliced = {ag: program[program[ag].args[0]].type.layout.dim}
-    for s in program.stmts:
-        if any(a in frontier for a in s.args) and consumes_slices(program, s, products=True):
+    # the readers of ag and of what joins, in program order (a reader comes after what it reads): only they
+    # are visited, not every statement, for each all_gather
+    pos = program.position
+    heap = [pos[u] for u in program.users[ag]]
+    heapq.heapify(heap)
+    visited: set[int] = set()
+    while heap:
+        at = heapq.heappop(heap)
+        if at in visited:
+            continue
+        visited.add(at)
+        s = program.stmts[at]
+        if consumes_slices(program, s, products=True):
             ok, dim = slices_align(program, s, sliced)
             if not ok:
                 continue
             members.add(s.name)
-            frontier.add(s.name)
+            for u in program.users[s.name]:
+                heapq.heappush(heap, pos[u])
             if dim is not None:
                 sliced[s.name] = dim
     return ordered(program, members)
