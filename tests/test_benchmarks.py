@@ -140,3 +140,18 @@ def test_the_launch_startup_times_correct_launches_each_way():
     report = _script("launch_startup").main(["--world", "2", "--size", "N=64", "--rounds", "1"])
     (point,) = report["worlds"]
     assert {way: len(s) for way, s in point["samples_s"].items()} == {"fork server": 1, "fresh interpreters": 1}
+
+
+def test_the_space_scaling_compares_ways_that_give_the_same_schedules(tmp_path):
+    from coconet.schedules.transforms import Reorder
+
+    batched = Reorder.apply_all
+    out = tmp_path / "space.json"
+    report = _script("space_scaling").main(["--tensors", "3", "--tensors", "5", "--rounds", "2", "--out", str(out)])
+    assert Reorder.apply_all == batched  # the one-by-one way's refusal ends with it
+    assert [p["tensors"] for p in report["points"]] == [3, 5]
+    for point in report["points"]:
+        assert point["schedules"] > 1 and point["longest_schedule_transforms"] >= 3 * point["tensors"]
+        for way in ("together", "one by one"):
+            assert len(point[way]["rounds"]["generate_s"]) == 2 and point[way]["read_back_s"] > 0
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
