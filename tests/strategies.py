@@ -8,6 +8,9 @@ the error paths.
 
 from __future__ import annotations
 
+import runpy
+from pathlib import Path
+
 from hypothesis import strategies as st
 
 import coconet as cc
@@ -171,16 +174,9 @@ def collective_programs(draw):
     return p
 
 
+
 def adam_over(tensors: int):
-    """Adam over many tensors, each with its own allreduce: the program a model's parameter list makes."""
-    p = cc.Program(f"adam_{tensors}", dims=("H",))
-    lr, beta1, beta2, eps = p.scalars("lr beta1 beta2 eps")
-    for i in range(tensors):
-        g = p.tensor(f"g{i}", ("H",), layout=cc.Local)
-        w, m, v = (p.tensor(f"{n}{i}", ("H",), layout=cc.Replicated) for n in "wmv")
-        avg = cc.allreduce(g)
-        m1, v1 = beta1 * m + (1 - beta1) * avg, beta2 * v + (1 - beta2) * avg * avg
-        p.update(m, m1)
-        p.update(v, v1)
-        p.update(w, w - lr * m1 / (cc.sqrt(v1) + eps))
-    return p.ir
+    """Adam over many tensors, each with its own allreduce: the program a model's parameter list makes, as
+    benchmarks/space_scaling.py times it."""
+    path = Path(__file__).parents[1] / "benchmarks" / "space_scaling.py"
+    return runpy.run_path(str(path))["adam_over"](tensors)
