@@ -174,7 +174,6 @@ def collective_programs(draw):
     return p
 
 
-
 def adam_over(tensors: int):
     """Adam over many tensors, each with its own allreduce: the program a model's parameter list makes, as
     benchmarks/space_scaling.py times it."""

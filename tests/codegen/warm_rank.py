@@ -7,9 +7,10 @@ import os
 import runpy
 import sys
 
-PRELOAD = ["numpy", "torch", "torch.distributed", "torch._dynamo", "torch._inductor.compile_fx",
-           "torch.fx.experimental.proxy_tensor", "coconet.codegen.prelude", "coconet.codegen.lower",
-           "coconet.codegen.launch", "coconet.schedules.interp", __name__]
+from coconet.codegen import forkserver
+
+# what the launch's fork server imports, and its warm-up's compiler, then what the rank scripts add
+PRELOAD = [*forkserver.PRELOAD, *forkserver.COMPILER, "coconet.codegen.lower", "coconet.schedules.interp", __name__]
 
 
 def main(module: str, argv: list[str], log: str) -> None:
