@@ -10,7 +10,8 @@ bucket), which only say which statements a backend runs as one unit.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, Iterable
+import heapq
+from typing import Any, Callable, ClassVar, Iterable
 
 from coconet.errors import IllegalTransform
 from coconet.schedules.builder import ARITY
@@ -219,6 +220,27 @@ def with_group(program: Program, group: Group) -> Program:
         raise IllegalTransform(f"running {group} as one unit would create a cycle: a path leaves it and comes "
                                f"back into {witness}")
     return program.with_groups(program.groups + (group,))
+
+
+def grow_in_order(program: Program, seeds: Iterable[int], join: Callable[[Stmt, int], bool]) -> None:
+    """Offer ``join`` the statements at positions ``seeds`` and the readers of every statement it takes, each
+    once, in program order: a region grown from a statement by its readers visits only those, not every
+    statement after it (which, for each collective of a program of many tensors, was most of a space's
+    generation). A reader comes after what it reads, so what ``join`` took is always before what it is
+    offered."""
+    pos, users = program.position, program.users
+    heap = list(seeds)
+    heapq.heapify(heap)
+    visited: set[int] = set()
+    while heap:
+        at = heapq.heappop(heap)
+        if at in visited:
+            continue
+        visited.add(at)
+        s = program.stmts[at]
+        if join(s, at):
+            for u in users[s.name]:
+                heapq.heappush(heap, pos[u])
 
 
 def ordered(program: Program, names: Iterable[str]) -> tuple[str, ...]:

@@ -16,11 +16,12 @@ rows of the state as the update does.
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
 
-from coconet.schedules.ir import Group, Program
-from coconet.schedules.transforms.base import Transform, convex_with, is_pointwise, ordered, sliced_dim, with_group
+from coconet.schedules.ir import Group, Program, Stmt
+from coconet.schedules.transforms.base import (
+    Transform, convex_with, grow_in_order, is_pointwise, ordered, sliced_dim, with_group,
+)
 
 
 def _rows(program: Program, name: str, dim: int):
@@ -34,19 +35,11 @@ def region(program: Program, rs: str) -> tuple[str, ...]:
     members = {rs}
     pos = program.position
     first = pos[rs]
-    # The members are rs and statements after it, added in program order: those that read a member, and
-    # slices. Only they are visited (a scan of every statement after rs, for each reduce_scatter, was half
-    # of a space's generation for a program of many tensors); a member's readers come after it, so the
-    # order holds.
-    heap = [pos[u] for u in program.users[rs]] + [pos[x] for x in program.of_op.get("slice", ()) if pos[x] > first]
-    heapq.heapify(heap)
-    visited: set[int] = set()
-    while heap:
-        at = heapq.heappop(heap)
-        s = program.stmts[at]
-        if at in visited or s.name in program.group_of:
-            continue
-        visited.add(at)
+    # the members are rs and statements after it, offered in program order: readers of a member, and slices
+
+    def join(s: Stmt, at: int) -> bool:
+        if s.name in program.group_of:
+            return False
         if any(a in members for a in s.args):
             # the slice's rows are a chunk's: work sliced along a dim of another extent is cut otherwise
             ok = ((is_pointwise(program, s) and _rows(program, s.name, dim) == rows) or s.op == "all_gather"
@@ -55,8 +48,11 @@ def region(program: Program, rs: str) -> tuple[str, ...]:
             ok = s.op == "slice" and _rows(program, s.name, dim) == rows
         if ok and convex_with(program, members, s.name, (first, at)) is None:
             members.add(s.name)
-            for u in program.users[s.name]:
-                heapq.heappush(heap, pos[u])
+            return True
+        return False
+
+    slices = [pos[x] for x in program.of_op.get("slice", ()) if pos[x] > first]
+    grow_in_order(program, [pos[u] for u in program.users[rs]] + slices, join)
     reduced = {rs}  # what reads the reduced rows
     for m in ordered(program, members):
         if reduced & set(program[m].args):

@@ -9,14 +9,15 @@ Values still needed whole are all-gathered after the work.
 from __future__ import annotations
 
 import dataclasses
-import heapq
 from dataclasses import dataclass
 
 from coconet.errors import IllegalTransform
 from coconet.schedules.builder import PREFIX
 from coconet.schedules.ir import Program, Stmt
 from coconet.schedules.rewrite import Rewriter
-from coconet.schedules.transforms.base import Transform, consumes_slices, is_pointwise, ordered, sliced_dim
+from coconet.schedules.transforms.base import (
+    Transform, consumes_slices, grow_in_order, is_pointwise, ordered, sliced_dim,
+)
 from coconet.schedules.types import Local, Sliced
 
 
@@ -61,27 +62,19 @@ def region(program: Program, ag: str) -> tuple[str, ...]:
     """The largest set of statements downstream of ``ag`` that can run on its slices."""
     members: set[str] = set()
     sliced = {ag: program[program[ag].args[0]].type.layout.dim}
-    # the readers of ag and of what joins, in program order (a reader comes after what it reads): only they
-    # are visited, not every statement, for each all_gather
-    pos = program.position
-    heap = [pos[u] for u in program.users[ag]]
-    heapq.heapify(heap)
-    visited: set[int] = set()
-    while heap:
-        at = heapq.heappop(heap)
-        if at in visited:
-            continue
-        visited.add(at)
-        s = program.stmts[at]
-        if consumes_slices(program, s, products=True):
-            ok, dim = slices_align(program, s, sliced)
-            if not ok:
-                continue
-            members.add(s.name)
-            for u in program.users[s.name]:
-                heapq.heappush(heap, pos[u])
-            if dim is not None:
-                sliced[s.name] = dim
+
+    def join(s: Stmt, at: int) -> bool:
+        if not consumes_slices(program, s, products=True):
+            return False
+        ok, dim = slices_align(program, s, sliced)
+        if not ok:
+            return False
+        members.add(s.name)
+        if dim is not None:
+            sliced[s.name] = dim
+        return True
+
+    grow_in_order(program, (program.position[u] for u in program.users[ag]), join)
     return ordered(program, members)
 
 
