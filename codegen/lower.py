@@ -1379,17 +1379,19 @@ def _native_chunk(e: _Emitter, compute: list[str], inplace: dict[str, str], into
     by_ident = {e.ident(s.name): s for s in p.stmts}
     kinds: list[tuple[str, str]] = [(d, "dim") for d in dims]
     constants: list[tuple[str, float]] = []
-    peer_params = {args[peers[m]] for m in into}
+    peer_params = {args[peers[m]]: p[m].type.dtype for m in into}
     for expr, param in args.items():
+        cut = _CUT.fullmatch(expr)
         if param in peer_params:
-            kind = "peers"
+            kind = "bf16 peers" if peer_params[param] == "bfloat16" else "peers"
         elif param in parts_names:
             source = sources[parts_names.index(param)]
             kind = "bf16 parts" if pre and p[source].type.dtype == "bfloat16" else "parts"
         elif param in (ranked or {}).values():
             kind = "rank numbers"
-        elif _CUT.fullmatch(expr):
-            kind = "rows"
+        elif cut:
+            tensor = by_ident.get(cut.group(1))
+            kind = "bf16 rows" if tensor is not None and tensor.type.dtype == "bfloat16" else "rows"
         elif expr in by_ident and by_ident[expr].type is not None and by_ident[expr].type.dtype != "int64":
             kind = "scalar" if by_ident[expr].type.shape == () else "rows"
             if kind == "scalar" and by_ident[expr].op == "const":
@@ -1407,7 +1409,8 @@ def _native_chunk(e: _Emitter, compute: list[str], inplace: dict[str, str], into
         return None
     for m in (*pre, *compute):
         s = p[m]
-        dtype = "bool" if s.op in COMPARE else "float32"
+        dtype = ("bool" if s.op in COMPARE
+                 else "bfloat16" if s.op == "cast" and s.attr("dtype") == "bfloat16" else "float32")
         if s.type is None or (s.type.dtype or "float32") != dtype or s.op == "dropout":
             return None
         operands = [name_of(e.operand(s, a)) for a in s.args]

@@ -15,7 +15,9 @@ Only float32 statements of the ``OPS`` table (IEEE operations the C compiler kee
 contraction into fused multiply-adds, no reassociation), powers by the constants of ``POWERS``,
 comparisons and the ``where`` and ``cast`` that read them, and partial sums (summed in double) are
 translated (and bfloat16 rows of every rank that a cast to float32 reads before they are summed, the
-mixed-precision gradient); anything else keeps Inductor's kernel. exp and log among them: in C (Cephes' polynomials,
+mixed-precision gradient; and a cast to bfloat16 that is only stored, into a bfloat16 state and the peers'
+copies of it: the bfloat16 copy of the weights that mixed-precision training keeps beside the float32
+master); anything else keeps Inductor's kernel. exp and log among them: in C (Cephes' polynomials,
 16 floats a vector, fused multiply-adds) the chunk of an Adam with a softplus (benchmarks/programs/sadam.py)
 stepped 1.10x Inductor's at world 2 and 0.99x at world 4, Sleef's exp and log winning back what the
 streamed stores save.
@@ -56,7 +58,8 @@ REDUCE = {"sum": OPS["add"], "avg": OPS["add"], "prod": OPS["mul"], "max": OPS["
 
 LINE = 16  # float32 values per 64-byte cache line
 
-KINDS = {"dim": "d", "scalar": "s", "rows": "t", "parts": "l", "bf16 parts": "h", "peers": "p", "rank numbers": "q"}
+KINDS = {"dim": "d", "scalar": "s", "rows": "t", "parts": "l", "bf16 parts": "h", "peers": "p", "rank numbers": "q",
+         "bf16 rows": "u", "bf16 peers": "b"}
 
 _PRELUDE = """#include <immintrin.h>
 #include <math.h>
@@ -75,6 +78,20 @@ static inline v8 ld_bf16(const uint16_t *p) {
     v8h h; memcpy(&h, p, sizeof h); v8u u = __builtin_convertvector(h, v8u) << 16; return (v8)u;
 }
 static inline void st(float *p, v8 x) { memcpy(p, &x, sizeof x); }
+/* a cast to bfloat16 as torch rounds it (to nearest, ties to even; every NaN 0xffff), kept as the float32 it
+   widens back to: stored, its upper half is the bfloat16 */
+static inline float round_bf16(float x) {
+    uint32_t u; memcpy(&u, &x, sizeof u);
+    u = x != x ? 0xffff0000u : (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    float f; memcpy(&f, &u, sizeof f); return f;
+}
+static inline v8 vround_bf16(v8 x) {
+    v8u u = (v8u)x, nan = (v8u)(x != x);
+    return (v8)((nan & 0xffff0000u) | (~nan & ((u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u)));
+}
+static inline uint16_t bits_bf16(float x) { uint32_t u; memcpy(&u, &x, sizeof u); return (uint16_t)(u >> 16); }
+static inline v8h vbits_bf16(v8 x) { return __builtin_convertvector((v8u)x >> 16, v8h); }
+static inline void st_bf16(uint16_t *p, v8 x) { v8h h = vbits_bf16(x); memcpy(p, &h, sizeof h); }
 static inline v8 vabs(v8 x) { return (v8)((v8i)x & 0x7fffffff); }
 static inline v8 vsel(v8i m, v8 x, v8 y) { return (v8)(((v8i)x & m) | ((v8i)y & ~m)); }
 static inline v8 vmax(v8 x, v8 y) { return vsel((x > y) | (x != x), x, y); }
@@ -114,7 +131,9 @@ class ChunkKernel:
     ``params``: (name, kind) in the Python kernel's order; kind is ``dim`` (unused here), ``scalar`` (a
     number or a one-element tensor), ``rows`` (the chunk's rows of a tensor), ``parts`` (the chunk's rows on
     every rank, summed; ``bf16 parts`` where they are bfloat16, which only casts to float32 read), ``rank
-    numbers`` (see ``ranked``) or ``peers`` (the chunk's rows of every peer's copy of a state). ``parts``: (the
+    numbers`` (see ``ranked``) or ``peers`` (the chunk's rows of every peer's copy of a state); ``bf16 rows``
+    and ``bf16 peers`` the same of a bfloat16 state, which only the values of casts to bfloat16 are stored
+    into. ``parts``: (the
     value they sum to, their parameter, ``sum`` or ``avg``). ``stmts``: (name, op, operands, constant) in
     order. ``numbers``: the statements that are host numbers. ``writes``: (rows parameter, value stored into
     it). ``streams``: (peers parameter, value stored into each). ``sums``: (name, value): the chunk's sum of
@@ -168,6 +187,9 @@ def c_source(k: ChunkKernel) -> str:
     become ``p_<name>`` (a program may name a value ``n``). Raises Untranslatable."""
     kind = dict(k.params)
     masks = {name for name, op, *_ in (*k.pre, *k.stmts) if op in COMPARE}
+    # casts to bfloat16: held as the float32 they widen to, read only by stores into bfloat16 tensors (and a
+    # cast back to float32); arithmetic on them would round as torch's bfloat16 kernels do, which C does not
+    halves = {name for name, op, _, value in k.stmts if op == "cast" and value == "bfloat16"}
     values = {name for name, *_ in (*k.pre, *k.stmts)} | ({k.parts[0]} if k.parts else set())
     values |= ({k.part} if k.part else set()) | {name for name, _ in (*k.ranked, *k.also)}
     rows_of = ({k.part: k.parts[1]} if k.part and k.parts else {}) | dict(k.also)  # each input's parts
@@ -177,9 +199,11 @@ def c_source(k: ChunkKernel) -> str:
     constants = {name: float(value) for name, value in known
                  if isinstance(value, (int, float)) and not isinstance(value, bool)}
 
-    def ref(name: str, vector: bool) -> str:
+    def ref(name: str, vector: bool, stored: str = "float32") -> str:
         if name in masks:
             raise Untranslatable(f"comparison {name} read as a number")
+        if (name in halves) != (stored == "bfloat16"):
+            raise Untranslatable(f"{name} read as {stored}" if name in halves else f"{name} stored as {stored}")
         if name in k.numbers:
             return f"vn_{name}" if vector else f"((float)p_{name})"
         if name in tensors or kind.get(name) == "scalar":
@@ -199,14 +223,15 @@ def c_source(k: ChunkKernel) -> str:
             fields.append(f"float p_{name};")
             unpack.append(f"a.p_{name} = scal[{scalars}];")
             scalars += 1
-        elif what == "rows":
-            fields.append(f"float *p_{name};")
-            unpack.append(f"a.p_{name} = (float *)ptr[at++];")
+        elif what in ("rows", "bf16 rows"):
+            element = "uint16_t" if what == "bf16 rows" else "float"
+            fields.append(f"{element} *p_{name};")
+            unpack.append(f"a.p_{name} = ({element} *)ptr[at++];")
         elif what == "rank numbers":
             fields.append(f"const float *p_{name};")
             unpack.append(f"a.p_{name} = (const float *)ptr[at++];")
-        elif what in ("parts", "bf16 parts", "peers"):
-            element = "const uint16_t" if what == "bf16 parts" else "float"
+        elif what in ("parts", "bf16 parts", "peers", "bf16 peers"):
+            element = {"bf16 parts": "const uint16_t", "bf16 peers": "uint16_t"}.get(what, "float")
             fields += [f"{element} *const *p_{name};", f"long n_{name};"]
             unpack.append(f"a.p_{name} = ({element} *const *)(ptr + at); a.n_{name} = count[{lists}]; "
                           f"at += count[{lists}];")
@@ -245,8 +270,10 @@ def c_source(k: ChunkKernel) -> str:
             elif op == "where" and kind.get(args[0]) == "scalar":  # a mask passed in: one choice for every row
                 x, y = (ref(a, vector) for a in args[1:])
                 out.append(f"const {t} p_{name} = (a->p_{args[0]} != 0.0f) ? {x} : {y};")
-            elif op == "cast" and value == "float32" and args[0] in rows_of:  # the rows, loaded as float32
-                out.append(f"const {t} p_{name} = p_{args[0]};")
+            elif op == "cast" and value == "float32" and (args[0] in rows_of or args[0] in halves):
+                out.append(f"const {t} p_{name} = p_{args[0]};")  # rows loaded as float32; a bfloat16 widened
+            elif op == "cast" and value == "bfloat16" and name in halves and args[0] not in k.numbers:
+                out.append(f"const {t} p_{name} = {'vround_bf16' if vector else 'round_bf16'}({ref(args[0], vector)});")
             elif op == "cast" and value == "float32" and args[0] in masks:
                 one = "(v8){0} + 1.0f" if vector else "1.0f"
                 out.append(f"const {t} p_{name} = " + (f"vsel(p_{args[0]}, {one}, (v8){{0}});" if vector
@@ -260,6 +287,7 @@ def c_source(k: ChunkKernel) -> str:
         out = [f"const {t} p_{n} = a->p_{n}" + (" + (v8){0};" if vector else ";")
                for n, what in k.params if what == "scalar"]
         out += [f"float *const p_{n} = a->p_{n};" for n, what in k.params if what == "rows"]
+        out += [f"uint16_t *const p_{n} = a->p_{n};" for n, what in k.params if what == "bf16 rows"]
         out += numbers
         if vector:
             out += [f"const v8 vn_{n} = (v8){{0}} + (float)p_{n};" for n in sorted(k.numbers)]
@@ -299,13 +327,18 @@ def c_source(k: ChunkKernel) -> str:
                 out.append(f"p_{total} /= (float)a->n_{plist};")
         out += statements(k.stmts, vector)
         for target, value in k.writes:
-            if kind.get(target) != "rows" or value not in values:
+            if kind.get(target) not in ("rows", "bf16 rows") or value not in values:
                 raise Untranslatable(f"a write of {value} into {target}")
-            out.append(f"st(p_{target} + i, {ref(value, True)});" if vector else f"p_{target}[i] = {ref(value, False)};")
+            if kind[target] == "bf16 rows":
+                out.append(f"st_bf16(p_{target} + i, {ref(value, True, 'bfloat16')});" if vector
+                           else f"p_{target}[i] = bits_bf16({ref(value, False, 'bfloat16')});")
+            else:
+                out.append(f"st(p_{target} + i, {ref(value, True)});" if vector
+                           else f"p_{target}[i] = {ref(value, False)};")
         for s, (target, value) in enumerate(k.streams):
-            if kind.get(target) != "peers" or value not in tensors:
+            if kind.get(target) not in ("peers", "bf16 peers") or value not in tensors:
                 raise Untranslatable(f"a stream of {value} into {target}")
-            out.append(f"out[{s}] = {ref(value, vector)};")
+            out.append(f"out[{s}] = {ref(value, vector, 'bfloat16' if kind[target] == 'bf16 peers' else 'float32')};")
         for s, (_, value) in enumerate(k.sums, len(k.streams)):
             if value not in tensors:
                 raise Untranslatable(f"a sum of {value}")
@@ -330,14 +363,19 @@ def c_source(k: ChunkKernel) -> str:
         lines.append(ind + f"v4d acc[{len(k.sums)}] = {{{{0}}}};")
     summed = [f"tot[{j}] += (double)o[{ns + j}];" for j in range(len(k.sums))]
     peers = [target for target, _ in k.streams]
-    plain = [f"for (long r = 0; r < a.n_{p}; r++) a.p_{p}[r][i] = o[{s}];" for s, p in enumerate(peers)]
-    if peers:
+    # a bfloat16 line holds 32 rows, two of the loop's steps: streamed half a line at a time, the lines went
+    # out as partial writes (world 4: the step 1.3x what it takes with plain stores), so they are stored plainly
+    halved = {p for p in peers if kind[p] == "bf16 peers"}
+    streamed = [p for p in peers if p not in halved]
+    plain = [f"for (long r = 0; r < a.n_{p}; r++) a.p_{p}[r][i] = " + (f"bits_bf16(o[{s}]);" if p in halved
+                                                                        else f"o[{s}];") for s, p in enumerate(peers)]
+    if streamed:
         lines += [
             ind + "/* streamed where every destination has the same offset in its line, on a float */",
-            ind + f"uintptr_t off = a.n_{peers[0]} ? (uintptr_t)a.p_{peers[0]}[0] & 63 : 0;",
+            ind + f"uintptr_t off = a.n_{streamed[0]} ? (uintptr_t)a.p_{streamed[0]}[0] & 63 : 0;",
             ind + "int nt = (off & 3) == 0;",
             *(ind + f"for (long r = 0; r < a.n_{p}; r++) nt = nt && ((uintptr_t)a.p_{p}[r] & 63) == off;"
-              for p in peers),
+              for p in streamed),
             ind + "long head = nt ? (long)((64 - off) & 63) / 4 : 0, i = 0;",
             ind + "for (; i < head && i < n; i++) {",
             ind * 2 + "row(&a, i, o);",
@@ -349,10 +387,11 @@ def c_source(k: ChunkKernel) -> str:
     lines += [ind + f"for (; i + {LINE} <= n; i += {LINE}) {{",
               ind * 2 + "rows8(&a, i, x);", ind * 2 + "rows8(&a, i + 8, y);"]
     for s, p in enumerate(peers):
+        store = (f"st_bf16(d, x[{s}]); st_bf16(d + 8, y[{s}]);" if p in halved
+                 else f"if (nt) stream_line(d, x[{s}], y[{s}]); else {{ st(d, x[{s}]); st(d + 8, y[{s}]); }}")
         lines += [ind * 2 + f"for (long r = 0; r < a.n_{p}; r++) {{",
-                  ind * 3 + f"float *d = a.p_{p}[r] + i;",
-                  ind * 3 + f"if (nt) stream_line(d, x[{s}], y[{s}]); else {{ st(d, x[{s}]); st(d + 8, y[{s}]); }}",
-                  ind * 2 + "}"]
+                  ind * 3 + f"{'uint16_t' if p in halved else 'float'} *d = a.p_{p}[r] + i;",
+                  ind * 3 + store, ind * 2 + "}"]
     lines += [ind * 2 + f"acc[{j}] += widen(x[{ns + j}]) + widen(y[{ns + j}]);" for j in range(len(k.sums))]
     lines += [ind + "}", ind + "for (; i < n; i++) {", ind * 2 + "row(&a, i, o);",
               *(ind * 2 + x for x in plain + summed), ind + "}"]

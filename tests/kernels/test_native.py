@@ -2,6 +2,7 @@
 every alignment and length, streamed or not; and the generated module's wrapper handing what C cannot take
 to the kernel it stands in for."""
 
+import dataclasses
 import shutil
 
 import pytest
@@ -187,6 +188,27 @@ def operands(n, offsets, peers=3, parts=3, seed=0):
             torch.tensor(0.75))
 
 
+def chunk_inputs(k, n, offsets):
+    """What the Python kernel of a chunk_kernels() kernel takes: the peers, a and b, every rank's parts
+    (bfloat16 where the kernel says so), a second input's parts and every rank's number where the kernel reads
+    them (else None), s."""
+    peers, a, b, parts, s = operands(n, offsets)
+    kind = dict(k.params)
+    if kind["g_parts"] == "bf16 parts":
+        parts = [p.bfloat16() for p in parts]
+    parts2 = None
+    if k.also:
+        parts2 = [p.neg() * 0.5 for p in operands(n, offsets[::-1], seed=1)[3]]
+        if kind["g2_parts"] == "bf16 parts":
+            parts2 = [p.bfloat16() for p in parts2]
+    ranks = torch.tensor([0.5, -1.25, 3.0])[:len(parts)] if "q" in k.kinds else None
+    return peers, a, b, parts, parts2, ranks, s
+
+
+def given_after_parts(parts2, ranks):
+    return (*([parts2] if parts2 is not None else []), *([ranks] if ranks is not None else []))
+
+
 def run_native(k, args, monkeypatch, tmp_path):
     monkeypatch.setenv("COCONET_CACHE_DIR", str(tmp_path))
 
@@ -204,18 +226,9 @@ def test_the_c_kernel_computes_the_bits_torch_does(tmp_path_factory, k, n, offse
     """Streamed when the peers' rows start at one offset in their lines (offsets[2] == offsets[3]), stored
     plainly otherwise; heads and tails of every length around the 16-float lines. Sums in double, in another
     order than the reference's: the same float32 but for its last bit."""
-    peers, a, b, parts, s = operands(n, offsets)
-    kind = dict(k.params)
-    if kind["g_parts"] == "bf16 parts":
-        parts = [p.bfloat16() for p in parts]
-    parts2 = None
-    if k.also:
-        parts2 = [p.neg() * 0.5 for p in operands(n, offsets[::-1], seed=1)[3]]
-        if kind["g2_parts"] == "bf16 parts":
-            parts2 = [p.bfloat16() for p in parts2]
-    ranks = torch.tensor([0.5, -1.25, 3.0])[:len(parts)] if "q" in k.kinds else None
+    peers, a, b, parts, parts2, ranks, s = chunk_inputs(k, n, offsets)
     want_a, want_b, want_peers, want_sums = reference(k, peers, a, b, parts, s, ranks, parts2)
-    args = (peers, a, b, parts, *([parts2] if parts2 is not None else []), *([ranks] if ranks is not None else []), s)
+    args = (peers, a, b, parts, *given_after_parts(parts2, ranks), s)
     with pytest.MonkeyPatch.context() as m:
         sums = run_native(k, args, m, tmp_path_factory.mktemp("cache"))
     assert (sums is None) == (not k.sums)
@@ -229,6 +242,83 @@ def test_the_c_kernel_computes_the_bits_torch_does(tmp_path_factory, k, n, offse
     torch.testing.assert_close(b, want_b, rtol=0, atol=0, equal_nan=True)
     for got, want in zip(peers, want_peers):
         torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+def assert_same_bfloat16(got, want, msg=""):
+    """The same bits, but for a NaN's (torch's own kernels round a NaN to 0xffff vectorised and to 0x7fc0 one
+    at a time)."""
+    assert got.dtype == want.dtype == torch.bfloat16, msg
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan), msg
+    assert torch.equal(got.view(torch.int16)[~nan], want.view(torch.int16)[~nan]), msg
+
+
+@settings(max_examples=12, deadline=None)
+@given(k=chunk_kernels(), n=st.sampled_from([0, 1, 5, 16, 17, 33, 40, 1000]),
+       offsets=st.tuples(st.sampled_from([0, 1, 3]), st.sampled_from([0, 2]), st.sampled_from([0, 5]),
+                         st.sampled_from([0, 5, 6])),
+       halves=st.tuples(st.sampled_from([0, 1, 8, 16]), st.sampled_from([0, 3, 8, 16, 24])), data=st.data())
+def test_a_value_cast_to_bfloat16_is_stored_as_torch_rounds_it(tmp_path_factory, k, n, offsets, halves, data):
+    """A bfloat16 state beside the float32 ones (the copy of the weights mixed-precision training keeps):
+    a value of the chunk cast to bfloat16, stored into this rank's rows and the peers' copies at every offset
+    of those in their lines, beside the float32 peers (streamed or not), with the bits torch's cast gives."""
+    # the value also streamed into the float32 peers: the bfloat16 must be torch's cast of what C computed
+    # (a sign of zero from maximum or minimum may differ from the reference's, as torch's own kernels differ)
+    tensors = [x for x, op, *_ in k.stmts if x not in k.numbers and op not in COMPARE] + ["g"]
+    value = data.draw(st.sampled_from(tensors))
+    params = k.params[:1] + (("y_peers", "bf16 peers"),) + k.params[1:3] + (("c", "bf16 rows"),) + k.params[3:]
+    k = dataclasses.replace(k, params=params, stmts=k.stmts + (("h", "cast", (value,), "bfloat16"),),
+                            writes=k.writes + (("c", "h"),), streams=(("x_peers", value), ("y_peers", "h")))
+    peers, a, b, parts, parts2, ranks, s = chunk_inputs(k, n, offsets)
+    halves_peers = [cut(torch.zeros(n + 64, dtype=torch.bfloat16), halves[1], n) for _ in range(3)]
+    c = cut(torch.zeros(n + 64, dtype=torch.bfloat16), halves[0], n)
+    args = (peers, halves_peers, a, b, c, parts, *given_after_parts(parts2, ranks), s)
+    with pytest.MonkeyPatch.context() as m:
+        run_native(k, args, m, tmp_path_factory.mktemp("cache"))
+    want = peers[0].to(torch.bfloat16)
+    assert_same_bfloat16(c, want, "this rank's rows")
+    for got in halves_peers:
+        assert_same_bfloat16(got, want, "a peer's copy")
+
+
+def test_the_rounding_to_bfloat16_is_torchs_at_its_edges(monkeypatch, tmp_path):
+    """Ties to even either way, a carry into the exponent, the largest float rounding to infinity, subnormals,
+    signed zeros and NaNs of either sign: as torch's cast gives them, in the vector loop and one by one."""
+    edges = [1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8, 1.0 + 2.0 ** -8 + 2.0 ** -20, 2.0 - 2.0 ** -9, 3.4028235e38,
+             3.3961776e38, 1e-40, -1e-45, 0.0, -0.0, float("inf"), -float("inf"), float("nan"), -float("nan"),
+             -1.00390625, 65504.0, 1.1754944e-38]
+    x = torch.tensor(edges * 6 + edges[:5])  # vectors of 8 and a tail
+    k = ChunkKernel(params=(("y_peers", "bf16 peers"), ("a", "rows"), ("c", "bf16 rows"), ("g_parts", "parts")),
+                    parts=("g", "g_parts", "sum"), stmts=(("h", "cast", ("a",), "bfloat16"),), numbers=frozenset(),
+                    writes=(("c", "h"),), streams=(("y_peers", "h"),))
+    peers, c = [torch.zeros(len(x), dtype=torch.bfloat16)], torch.zeros(len(x), dtype=torch.bfloat16)
+    run_native(k, (peers, x, c, [torch.zeros(len(x))]), monkeypatch, tmp_path)
+    want = x.to(torch.bfloat16)
+    assert_same_bfloat16(c, want)
+    assert_same_bfloat16(peers[0], want)
+    assert torch.equal(c.view(torch.int16)[x.isnan()], torch.full((int(x.isnan().sum()),), -1, dtype=torch.int16))
+
+
+def test_a_bfloat16_value_is_only_stored():
+    """Arithmetic on a value cast to bfloat16 rounds as torch's bfloat16 kernels do, which C does not: such a
+    value read but by a store into a bfloat16 tensor (or a cast back to float32), summed, stored into a float32
+    tensor, or a float32 value stored into a bfloat16 one, keeps Inductor's kernel."""
+    params = (("x_peers", "peers"), ("y_peers", "bf16 peers"), ("a", "rows"), ("c", "bf16 rows"),
+              ("g_parts", "parts"))
+    h = (("y0", "mul", ("a", "g"), None), ("h", "cast", ("a",), "bfloat16"))
+
+    def kernel(stmts=h, writes=(("c", "h"),), streams=(("x_peers", "y0"), ("y_peers", "h")), sums=()):
+        return ChunkKernel(params, ("g", "g_parts", "sum"), stmts, frozenset(), writes, streams, sums)
+
+    assert "vround_bf16(ld(p_a + i))" in c_source(kernel())
+    widened = c_source(kernel(h + (("f", "cast", ("h",), "float32"), ("y", "mul", ("f", "g"), None)),
+                              streams=(("x_peers", "y"), ("y_peers", "h"))))
+    assert "const v8 p_f = p_h;" in widened
+    for bad in (kernel(h + (("y", "mul", ("h", "g"), None),)), kernel(writes=(("c", "h"), ("a", "h"))),
+                kernel(writes=(("c", "y0"),)), kernel(streams=(("x_peers", "h"), ("y_peers", "h"))),
+                kernel(streams=(("x_peers", "y0"), ("y_peers", "y0"))), kernel(sums=(("psum", "h"),))):
+        with pytest.raises(Untranslatable):
+            c_source(bad)
 
 
 def adam_kernel():
