@@ -700,7 +700,8 @@ def _native(fn, kinds, source, sums=0):
     tensor a contiguous float32 CPU tensor of one length (bfloat16 where its kind says so), every scalar one
     number, nothing that needs autograd; ``fn`` otherwise, and where there is no C compiler. ``kinds``: a letter
     per parameter of fn (d a dim, s a scalar, t a tensor, l a list of tensors summed, h the same of bfloat16
-    tensors, p a list of peers' rows, q a float32 tensor of every rank's number, one per tensor of the l or h).
+    tensors, p a list of peers' rows, q a float32 tensor of every rank's number, one per tensor of the l or h;
+    u and b a bfloat16 tensor and a list of peers' bfloat16 rows).
     ``sums``: how many partial sums fn returns (as float32 scalars, in order); C returns them alike."""
     lib = []  # the C function, or None: fn serves every call
 
@@ -732,10 +733,10 @@ def _native(fn, kinds, source, sums=0):
                     return fn(*args)
                 ptrs.append(x.data_ptr())
                 continue
-            xs = x if kind in "lhp" else (x,)
-            if kind in "lhp":
+            xs = x if kind in "lhpb" else (x,)
+            if kind in "lhpb":
                 counts.append(len(xs))
-            dtype = torch.bfloat16 if kind == "h" else torch.float32
+            dtype = torch.bfloat16 if kind in "hub" else torch.float32
             for t in xs:
                 if (t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous()
                         or (n is not None and t.numel() != n) or (grad and t.requires_grad)):
@@ -979,6 +980,20 @@ static inline v8 ld_bf16(const uint16_t *p) {
     v8h h; memcpy(&h, p, sizeof h); v8u u = __builtin_convertvector(h, v8u) << 16; return (v8)u;
 }
 static inline void st(float *p, v8 x) { memcpy(p, &x, sizeof x); }
+/* a cast to bfloat16 as torch rounds it (to nearest, ties to even; every NaN 0xffff), kept as the float32 it
+   widens back to: stored, its upper half is the bfloat16 */
+static inline float round_bf16(float x) {
+    uint32_t u; memcpy(&u, &x, sizeof u);
+    u = x != x ? 0xffff0000u : (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    float f; memcpy(&f, &u, sizeof f); return f;
+}
+static inline v8 vround_bf16(v8 x) {
+    v8u u = (v8u)x, nan = (v8u)(x != x);
+    return (v8)((nan & 0xffff0000u) | (~nan & ((u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u)));
+}
+static inline uint16_t bits_bf16(float x) { uint32_t u; memcpy(&u, &x, sizeof u); return (uint16_t)(u >> 16); }
+static inline v8h vbits_bf16(v8 x) { return __builtin_convertvector((v8u)x >> 16, v8h); }
+static inline void st_bf16(uint16_t *p, v8 x) { v8h h = vbits_bf16(x); memcpy(p, &h, sizeof h); }
 static inline v8 vabs(v8 x) { return (v8)((v8i)x & 0x7fffffff); }
 static inline v8 vsel(v8i m, v8 x, v8 y) { return (v8)(((v8i)x & m) | ((v8i)y & ~m)); }
 static inline v8 vmax(v8 x, v8 y) { return vsel((x > y) | (x != x), x, y); }
