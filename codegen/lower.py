@@ -1379,6 +1379,7 @@ def _native_chunk(e: _Emitter, compute: list[str], inplace: dict[str, str], into
     by_ident = {e.ident(s.name): s for s in p.stmts}
     kinds: list[tuple[str, str]] = [(d, "dim") for d in dims]
     constants: list[tuple[str, float]] = []
+    host: set[str] = set()
     peer_params = {args[peers[m]]: p[m].type.dtype for m in into}
     for expr, param in args.items():
         cut = _CUT.fullmatch(expr)
@@ -1396,6 +1397,8 @@ def _native_chunk(e: _Emitter, compute: list[str], inplace: dict[str, str], into
             kind = "scalar" if by_ident[expr].type.shape == () else "rows"
             if kind == "scalar" and by_ident[expr].op == "const":
                 constants.append((param, by_ident[expr].attr("value")))
+            if kind == "scalar" and e.number(by_ident[expr].name):
+                host.add(param)
         else:
             return None  # dropout's first row, an int scalar
         kinds.append((param, kind))
@@ -1434,6 +1437,7 @@ def _native_chunk(e: _Emitter, compute: list[str], inplace: dict[str, str], into
         parts=(e.ident(parts.name), parts_names[0], parts.attr("op")) if parts is not None else None,
         stmts=tuple(stmts), numbers=frozenset(e.ident(m) for m in compute if e.number(m)),
         writes=tuple(writes), streams=tuple(streams), sums=tuple(sums), constants=tuple(constants),
+        host=frozenset(host),
         pre=tuple(pre_stmts), part=e.ident(sources[0]) if pre else None,
         also=tuple(zip(map(e.ident, sources[1:]), parts_names[1:])) if pre else (),
         ranked=tuple((e.ident(x), param) for x, param in (ranked or {}).items()))

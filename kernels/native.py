@@ -21,6 +21,10 @@ master); anything else keeps Inductor's kernel. exp and log among them: in C (Ce
 16 floats a vector, fused multiply-adds) the chunk of an Adam with a softplus (benchmarks/programs/sadam.py)
 stepped 1.10x Inductor's at world 2 and 0.99x at world 4, Sleef's exp and log winning back what the
 streamed stores save.
+The bits are those of Inductor's kernel, which the chunk stands in for, but for a power by -0.5 or -2:
+here the reciprocal of the correctly rounded square root or square, as eager torch computes it, where
+Inductor's kernel is at times an ulp from it. A host number divided by a tensor is the tensor's reciprocal
+times the number, as both compute it (RDIV).
 The generated module checks at each call that every tensor is a contiguous float32 CPU tensor (the
 bfloat16 rows bfloat16) of the chunk's length and every scalar one number, and hands the call to
 Inductor's kernel otherwise (a broadcast operand, a tensor that needs autograd).
@@ -41,6 +45,9 @@ OPS = {
     "minimum": ("(({0} < {1} || {0} != {0}) ? {0} : {1})", "vmin({0}, {1})"),
     "slice": ("{0}", "{0}"),  # a chunk's rows of a replicated value are its rows of the slice
 }
+# a host number divided by a tensor: torch's Tensor.__rtruediv__ multiplies the number by the tensor's
+# reciprocal (eager and compiled alike), an ulp from the quotient at times
+RDIV = ("((1.0f / {1}) * {0})", "((1.0f / {1}) * {0})")
 # x ** c for a constant c: what torch computes for these (ATen's pow of a tensor and a number multiplies,
 # divides or takes a square root), on one operand text. Any other exponent keeps Inductor's kernel.
 POWERS = {
@@ -133,14 +140,16 @@ class ChunkKernel:
     every rank, summed; ``bf16 parts`` where they are bfloat16, which only casts to float32 read), ``rank
     numbers`` (see ``ranked``) or ``peers`` (the chunk's rows of every peer's copy of a state); ``bf16 rows``
     and ``bf16 peers`` the same of a bfloat16 state, which only the values of casts to bfloat16 are stored
-    into. ``parts``: (the
-    value they sum to, their parameter, ``sum`` or ``avg``). ``stmts``: (name, op, operands, constant) in
-    order. ``numbers``: the statements that are host numbers. ``writes``: (rows parameter, value stored into
-    it). ``streams``: (peers parameter, value stored into each). ``sums``: (name, value): the chunk's sum of
-    each value over its rows (a partial sum), returned in order. ``constants``: (scalar parameter, value) for
-    the scalars that are the program's constants (a power's exponent is compiled in). A comparison is a mask
-    that only ``where`` and a ``cast`` to float32 (its constant the dtype) read; a scalar may be a mask that
-    ``where`` reads (a bool passed in, as 1 or 0: whether a loss scaler found an overflow). ``pre``:
+    into. ``parts``: (the value they sum to, their parameter, ``sum`` or ``avg``). ``stmts``: (name, op,
+    operands, constant) in order. ``numbers``: the statements that are host numbers. ``writes``: (rows
+    parameter, value stored into it). ``streams``: (peers parameter, value stored into each). ``sums``: (name,
+    value): the chunk's sum of each value over its rows (a partial sum), returned in order. ``constants``:
+    (scalar parameter, value) for the scalars that are the program's constants (a power's exponent is
+    compiled in). ``host``: the scalar parameters that the Python kernel is given as Python numbers, not
+    tensors (a constant, arithmetic of constants), which torch divides by a tensor otherwise (see RDIV). A
+    comparison is a mask that only ``where`` and a ``cast`` to float32 (its constant the dtype) read; a
+    scalar may be a mask that ``where`` reads (a bool passed in, as 1 or 0: whether a loss scaler found an
+    overflow). ``pre``:
     statements computed on each rank's rows before they are summed, the rows named ``part``; the last is the
     value summed. ``also``: (name, parts parameter) for rows of other inputs ``pre`` reads alongside, rank by
     rank (a gradient and the sum of the earlier micro-batches' gradients).
@@ -155,6 +164,7 @@ class ChunkKernel:
     streams: tuple[tuple[str, str], ...]
     sums: tuple[tuple[str, str], ...] = ()
     constants: tuple[tuple[str, float], ...] = ()
+    host: frozenset[str] = frozenset()
     pre: tuple[tuple[str, str, tuple[str, ...], object], ...] = ()
     part: str | None = None
     ranked: tuple[tuple[str, str], ...] = ()
@@ -258,6 +268,8 @@ def c_source(k: ChunkKernel) -> str:
             elif op == "pow" and constants.get(args[1]) in POWERS and args[0] not in k.numbers:
                 text = POWERS[constants[args[1]]][vector]
                 out.append(f"const {t} p_{name} = {text.format(ref(args[0], vector))};")
+            elif op == "div" and args[0] in k.numbers | k.host:
+                out.append(f"const {t} p_{name} = {RDIV[vector].format(*(ref(x, vector) for x in args))};")
             elif op in OPS:
                 out.append(f"const {t} p_{name} = {OPS[op][vector].format(*(ref(x, vector) for x in args))};")
             elif op in COMPARE:

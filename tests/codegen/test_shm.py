@@ -1,5 +1,6 @@
 """The shm backend on real worlds of ranks: every schedule correct, and no segment left behind."""
 
+import inspect
 import multiprocessing
 import os
 import re
@@ -460,6 +461,61 @@ def test_powers_by_constants_in_the_c_kernel_that_writes_the_state():
         options = Options(world=world, sizes={"N": n}, backend="shm", warmup=1, repeats=2)
         assert_all_ok(run_schedules([sched.with_knobs(fc_chunks=k) for k in (1, 8)], options))
     assert not segments()
+
+
+def test_the_c_chunk_divides_a_number_by_a_tensor_as_torch_does(monkeypatch, tmp_path):
+    """``3.0 / x`` in torch is x's reciprocal times 3 (Tensor.__rtruediv__, eager and compiled), an ulp from
+    the quotient for about one value in five; the chunk's constants reach its kernel as Python numbers. The C
+    chunk of a fused collective computes the bits of the Python kernel it stands in for, the generated
+    module's own, called on the same rows; ``lr / x`` (lr a one-element tensor) stays a quotient."""
+    import coconet as cc
+
+    p = cc.Program("rdiv", dims=("N",))
+    g = p.tensor("g", ("N",), layout=cc.Local)
+    w, m = (p.tensor(x, ("N",), layout=cc.Replicated) for x in "wm")
+    lr = p.scalar("lr")
+    avg = cc.allreduce(g)
+    m1 = 0.9 * m + 0.1 * avg
+    p.update(m, m1)
+    p.update(w, w - 3.0 / (cc.sqrt(m1 * m1) + 1.0) - lr / (avg * avg + 0.5))
+    source = lower(Schedule.parse("split(ar0); reorder(ag0); as_slice(m); fuse_collective(rs0)", p.ir), "shm").source
+    native = re.search(r'\n_chunk0 = _native\(_kernel\(_chunk0\), \'(\w+)\', r"""(.*?)"""\)', source, re.S)
+    assert native, "the chunk has no C kernel"
+    kinds, c = native.groups()
+    assert "((1.0f / p_add1) * p_c" in c and re.search(r"p_div1 = \(p_lr / p_add\d\);", c)
+    python = {}
+    exec(compile(source[:native.start()], "rdiv", "exec"), python)  # the module up to its kernel's C
+    params = list(inspect.signature(python["_chunk0"]).parameters)
+    numbers = dict(re.findall(r"^ +(c\d+) = (\S+)$", source, re.M))
+    gen = torch.Generator().manual_seed(0)
+
+    def args(rows):
+        out = []
+        for name, kind in zip(params, kinds, strict=True):
+            if kind == "p":
+                out.append([torch.zeros(rows) for _ in range(2)])
+            elif kind == "l":
+                out.append([torch.randn(rows, generator=gen) for _ in range(3)])
+            elif kind == "t":
+                out.append(torch.randn(rows, generator=gen))
+            else:
+                out.append(float(numbers[name]) if name in numbers else torch.tensor(0.01))
+        return out
+
+    def fallback(*_):
+        raise AssertionError("the C kernel handed the call to the Python kernel")
+
+    monkeypatch.setenv("COCONET_CACHE_DIR", str(tmp_path))
+    kernel = shm._native(fallback, kinds, c)
+    for rows in (4096, 37):
+        want = args(rows)
+        got = [[x.clone() for x in a] if isinstance(a, list) else a.clone() if isinstance(a, torch.Tensor) else a
+               for a in want]
+        python["_chunk0"](*want)
+        kernel(*got)
+        for x, y in zip(got, want):
+            for u, v in zip(*((x, y) if isinstance(x, list) else ([x], [y]))):
+                assert torch.equal(u, v) if isinstance(u, torch.Tensor) else u == v
 
 
 def test_a_state_read_after_its_gather_is_gathered_through_a_slot():
