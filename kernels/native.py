@@ -130,6 +130,14 @@ static inline void stream_line(float *d, v8 x, v8 y) {
 }
 """
 
+# one 64-byte line of 32 bfloat16 values, its address aligned, past the cache: four 16-byte streamed stores
+# back to back fill the write-combining buffer whole
+_BF16_LINE = """static inline void stream_line_bf16(uint16_t *d, v8 x, v8 y, v8 z, v8 w) {
+    const v8h h[4] = {vbits_bf16(x), vbits_bf16(y), vbits_bf16(z), vbits_bf16(w)};
+    for (int q = 0; q < 4; q++) _mm_stream_si128((__m128i *)d + q, (__m128i)h[q]);
+}
+"""
+
 
 @dataclass(frozen=True)
 class ChunkKernel:
@@ -375,36 +383,68 @@ def c_source(k: ChunkKernel) -> str:
         lines.append(ind + f"v4d acc[{len(k.sums)}] = {{{{0}}}};")
     summed = [f"tot[{j}] += (double)o[{ns + j}];" for j in range(len(k.sums))]
     peers = [target for target, _ in k.streams]
-    # a bfloat16 line holds 32 rows, two of the loop's steps: streamed half a line at a time, the lines went
-    # out as partial writes (world 4: the step 1.3x what it takes with plain stores), so they are stored plainly
     halved = {p for p in peers if kind[p] == "bf16 peers"}
     streamed = [p for p in peers if p not in halved]
     plain = [f"for (long r = 0; r < a.n_{p}; r++) a.p_{p}[r][i] = " + (f"bits_bf16(o[{s}]);" if p in halved
                                                                         else f"o[{s}];") for s, p in enumerate(peers)]
-    if streamed:
+
+    def same_offset(flag: str, off: str, group: list[str]) -> list[str]:
+        return [ind + f"for (long r = 0; r < a.n_{p}; r++) {flag} = {flag} && ((uintptr_t)a.p_{p}[r] & 63) == {off};"
+                for p in group]
+
+    if halved:
+        # a bfloat16 line holds 32 rows: the loop takes 32 a step so that each line is streamed whole (half a
+        # line a step went out as partial writes), from the row where the bfloat16 copies' lines start; the
+        # float32 copies are streamed too where their lines start on that row
+        first = sorted(halved)[0]
+        lines[0] = _PRELUDE + _BF16_LINE
+        lines += [ind + f"uintptr_t off16 = a.n_{first} ? (uintptr_t)a.p_{first}[0] & 63 : 0;",
+                  ind + "int nt16 = (off16 & 1) == 0;", *same_offset("nt16", "off16", sorted(halved)),
+                  ind + "long head = nt16 ? (long)((64 - off16) & 63) / 2 : 0, i = 0;"]
+        if streamed:
+            lines += [ind + f"uintptr_t off = a.n_{streamed[0]} ? (uintptr_t)a.p_{streamed[0]}[0] & 63 : 0;",
+                      ind + "int nt = (off & 3) == 0 && ((off + 4 * (uintptr_t)head) & 63) == 0;",
+                      *same_offset("nt", "off", streamed)]
+        lines += [ind + "for (; i < head && i < n; i++) {", ind * 2 + "row(&a, i, o);",
+                  *(ind * 2 + x for x in plain + summed), ind + "}"]
+        step, parts = 2 * LINE, ("x", "y", "z", "u")
+    elif streamed:
         lines += [
             ind + "/* streamed where every destination has the same offset in its line, on a float */",
             ind + f"uintptr_t off = a.n_{streamed[0]} ? (uintptr_t)a.p_{streamed[0]}[0] & 63 : 0;",
             ind + "int nt = (off & 3) == 0;",
-            *(ind + f"for (long r = 0; r < a.n_{p}; r++) nt = nt && ((uintptr_t)a.p_{p}[r] & 63) == off;"
-              for p in streamed),
+            *same_offset("nt", "off", streamed),
             ind + "long head = nt ? (long)((64 - off) & 63) / 4 : 0, i = 0;",
             ind + "for (; i < head && i < n; i++) {",
             ind * 2 + "row(&a, i, o);",
             *(ind * 2 + x for x in plain + summed),
             ind + "}",
         ]
+        step, parts = LINE, ("x", "y")
     else:
         lines.append(ind + "long i = 0;")
-    lines += [ind + f"for (; i + {LINE} <= n; i += {LINE}) {{",
-              ind * 2 + "rows8(&a, i, x);", ind * 2 + "rows8(&a, i + 8, y);"]
+        step, parts = LINE, ("x", "y")
+    if len(parts) > 2:
+        lines.append(ind + f"v8 {', '.join(f'{v}[{nout}]' for v in parts[2:])};")
+    lines += [ind + f"for (; i + {step} <= n; i += {step}) {{",
+              *(ind * 2 + f"rows8(&a, {'i' if j == 0 else f'i + {8 * j}'}, {v});" for j, v in enumerate(parts))]
     for s, p in enumerate(peers):
-        store = (f"st_bf16(d, x[{s}]); st_bf16(d + 8, y[{s}]);" if p in halved
-                 else f"if (nt) stream_line(d, x[{s}], y[{s}]); else {{ st(d, x[{s}]); st(d + 8, y[{s}]); }}")
+        if p in halved:
+            store = (f"if (nt16) stream_line_bf16(d, {', '.join(f'{v}[{s}]' for v in parts)}); else {{ "
+                     + " ".join(f"st_bf16(d{f' + {8 * j}' if j else ''}, {v}[{s}]);" for j, v in enumerate(parts))
+                     + " }")
+        elif len(parts) == 2:
+            store = f"if (nt) stream_line(d, x[{s}], y[{s}]); else {{ st(d, x[{s}]); st(d + 8, y[{s}]); }}"
+        else:
+            store = ("if (nt) { " + " ".join(f"stream_line(d{f' + {16 * j}' if j else ''}, {parts[2 * j]}[{s}], "
+                                             f"{parts[2 * j + 1]}[{s}]);" for j in range(len(parts) // 2))
+                     + " } else { " + " ".join(f"st(d{f' + {8 * j}' if j else ''}, {v}[{s}]);"
+                                               for j, v in enumerate(parts)) + " }")
         lines += [ind * 2 + f"for (long r = 0; r < a.n_{p}; r++) {{",
                   ind * 3 + f"{'uint16_t' if p in halved else 'float'} *d = a.p_{p}[r] + i;",
                   ind * 3 + store, ind * 2 + "}"]
-    lines += [ind * 2 + f"acc[{j}] += widen(x[{ns + j}]) + widen(y[{ns + j}]);" for j in range(len(k.sums))]
+    lines += [ind * 2 + f"acc[{j}] += " + " + ".join(f"widen({v}[{ns + j}])" for v in parts) + ";"
+              for j in range(len(k.sums))]
     lines += [ind + "}", ind + "for (; i < n; i++) {", ind * 2 + "row(&a, i, o);",
               *(ind * 2 + x for x in plain + summed), ind + "}"]
     lines += [ind + f"sums[{j}] = tot[{j}] + hsum4(acc[{j}]);" for j in range(len(k.sums))]

@@ -257,11 +257,13 @@ def assert_same_bfloat16(got, want, msg=""):
 @given(k=chunk_kernels(), n=st.sampled_from([0, 1, 5, 16, 17, 33, 40, 1000]),
        offsets=st.tuples(st.sampled_from([0, 1, 3]), st.sampled_from([0, 2]), st.sampled_from([0, 5]),
                          st.sampled_from([0, 5, 6])),
-       halves=st.tuples(st.sampled_from([0, 1, 8, 16]), st.sampled_from([0, 3, 8, 16, 24])), data=st.data())
+       halves=st.tuples(st.sampled_from([0, 1, 8, 16]), st.sampled_from([0, 3, 8, 16, 24]),
+                        st.sampled_from([0, 3, 24])), data=st.data())
 def test_a_value_cast_to_bfloat16_is_stored_as_torch_rounds_it(tmp_path_factory, k, n, offsets, halves, data):
     """A bfloat16 state beside the float32 ones (the copy of the weights mixed-precision training keeps):
     a value of the chunk cast to bfloat16, stored into this rank's rows and the peers' copies at every offset
-    of those in their lines, beside the float32 peers (streamed or not), with the bits torch's cast gives."""
+    of those in their lines (32 rows a line, streamed where every copy starts at one offset in its line,
+    stored plainly otherwise), beside the float32 peers (streamed or not), with the bits torch's cast gives."""
     # the value also streamed into the float32 peers: the bfloat16 must be torch's cast of what C computed
     # (a sign of zero from maximum or minimum may differ from the reference's, as torch's own kernels differ)
     tensors = [x for x, op, *_ in k.stmts if x not in k.numbers and op not in COMPARE] + ["g"]
@@ -270,7 +272,7 @@ def test_a_value_cast_to_bfloat16_is_stored_as_torch_rounds_it(tmp_path_factory,
     k = dataclasses.replace(k, params=params, stmts=k.stmts + (("h", "cast", (value,), "bfloat16"),),
                             writes=k.writes + (("c", "h"),), streams=(("x_peers", value), ("y_peers", "h")))
     peers, a, b, parts, parts2, ranks, s = chunk_inputs(k, n, offsets)
-    halves_peers = [cut(torch.zeros(n + 64, dtype=torch.bfloat16), halves[1], n) for _ in range(3)]
+    halves_peers = [cut(torch.zeros(n + 64, dtype=torch.bfloat16), halves[1 + i % 2], n) for i in range(3)]
     c = cut(torch.zeros(n + 64, dtype=torch.bfloat16), halves[0], n)
     args = (peers, halves_peers, a, b, c, parts, *given_after_parts(parts2, ranks), s)
     with pytest.MonkeyPatch.context() as m:
