@@ -85,6 +85,8 @@ static inline v8 ld_bf16(const uint16_t *p) {
     v8h h; memcpy(&h, p, sizeof h); v8u u = __builtin_convertvector(h, v8u) << 16; return (v8)u;
 }
 static inline void st(float *p, v8 x) { memcpy(p, &x, sizeof x); }
+/* x in every lane (as (v8){0} + x would not be for x = -0.0, which the sign of an infinity after may show) */
+static inline v8 splat(float x) { return (v8){x, x, x, x, x, x, x, x}; }
 /* a cast to bfloat16 as torch rounds it (to nearest, ties to even; every NaN 0xffff), kept as the float32 it
    widens back to: stored, its upper half is the bfloat16 */
 static inline float round_bf16(float x) {
@@ -272,7 +274,8 @@ def c_source(k: ChunkKernel) -> str:
             if name in k.numbers:
                 continue
             if op == "const":
-                out.append(f"const {t} p_{name} = " + ("(v8){0} + " if vector else "") + f"(float){_literal(value)};")
+                lit = f"(float){_literal(value)}"
+                out.append(f"const {t} p_{name} = " + (f"splat({lit});" if vector else f"{lit};"))
             elif op == "pow" and constants.get(args[1]) in POWERS and args[0] not in k.numbers:
                 text = POWERS[constants[args[1]]][vector]
                 out.append(f"const {t} p_{name} = {text.format(ref(args[0], vector))};")
@@ -304,13 +307,13 @@ def c_source(k: ChunkKernel) -> str:
 
     def body(vector: bool) -> list[str]:
         t = "v8" if vector else "float"
-        out = [f"const {t} p_{n} = a->p_{n}" + (" + (v8){0};" if vector else ";")
+        out = [f"const {t} p_{n} = " + (f"splat(a->p_{n});" if vector else f"a->p_{n};")
                for n, what in k.params if what == "scalar"]
         out += [f"float *const p_{n} = a->p_{n};" for n, what in k.params if what == "rows"]
         out += [f"uint16_t *const p_{n} = a->p_{n};" for n, what in k.params if what == "bf16 rows"]
         out += numbers
         if vector:
-            out += [f"const v8 vn_{n} = (v8){{0}} + (float)p_{n};" for n in sorted(k.numbers)]
+            out += [f"const v8 vn_{n} = splat((float)p_{n});" for n in sorted(k.numbers)]
         if k.parts is not None:
             total, plist, op = k.parts
             if kind.get(plist) not in ("parts", "bf16 parts") or op not in REDUCE:
@@ -334,7 +337,7 @@ def c_source(k: ChunkKernel) -> str:
                 if any(kind.get(param) != "rank numbers" for _, param in k.ranked):
                     raise Untranslatable("numbers of every rank not passed as such")
                 each = [f"const {t} p_{x} = {load(param, 'r')};" for x, param in rows_of.items()]
-                each += [f"const {t} p_{x} = " + ("(v8){0} + " if vector else "") + f"a->p_{param}[r];"
+                each += [f"const {t} p_{x} = " + (f"splat(a->p_{param}[r]);" if vector else f"a->p_{param}[r];")
                          for x, param in k.ranked]
                 each += statements(k.pre, vector)
                 out += [f"{t} p_{total};", f"for (long r = 0; r < a->n_{plist}; r++) {{",

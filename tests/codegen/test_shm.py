@@ -321,7 +321,7 @@ def test_numbers_each_rank_holds_its_own_of_are_posted_for_the_chunk_kernel():
     assert "for _c, rs0_parts, n_ranks in _reduce_scatter_parts(_rank, g, 0, d_N, 4, 'g', 2, numbers=(n, )):" in step
     assert "    for g, n in zip(rs0_parts, n_ranks):\n        mul0 = g * n\n" in src
     assert re.search(r"_chunk0 = _native\(_kernel\(_chunk0\), 'p+t+lq[st]*', r\"\"\"", src)
-    assert "const v8 p_n = (v8){0} + a->p_n_ranks[r];" in src and "const float p_n = a->p_n_ranks[r];" in src
+    assert "const v8 p_n = splat(a->p_n_ranks[r]);" in src and "const float p_n = a->p_n_ranks[r];" in src
     src = lower(clipped, "shm").source
     step = src[src.index("def step("):]
     assert "numbers=(minimum0, )):" in step and " * minimum0" not in step

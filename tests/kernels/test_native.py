@@ -20,15 +20,27 @@ pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc
 UNARY = {"neg": lambda a: -a, "sqrt": lambda a: torch.sqrt(a.double()).float(),
          "rsqrt": lambda a: 1 / torch.sqrt(a.double()).float(), "abs": torch.abs,
          "slice": lambda a: a}  # a chunk's rows of a replicated value, as they are
+
+
+def maximum(a, b):
+    """torch.maximum as Inductor's kernel and torch's vectorised loop compute it: NaN from either, b of +0 and
+    -0 (torch's scalar loop, below 8 elements, takes a), which a division after shows as the sign of an inf."""
+    return torch.where((a > b) | a.isnan(), a, b)
+
+
+def minimum(a, b):
+    return torch.where((a < b) | a.isnan(), a, b)
+
+
 BINARY = {"add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
-          "div": lambda a, b: a / b, "maximum": torch.maximum, "minimum": torch.minimum}
+          "div": lambda a, b: a / b, "maximum": maximum, "minimum": minimum}
 assert set(UNARY) | set(BINARY) == set(OPS)
 # x ** c for the constants C translates, as torch computes them (0.5: the correctly rounded square root, see sqrt)
 POWER = {0.0: lambda a: torch.ones_like(a), 1.0: lambda a: a, 2.0: lambda a: a * a, 3.0: lambda a: a * a * a,
          -1.0: lambda a: 1 / a, -2.0: lambda a: 1 / (a * a), 0.5: UNARY["sqrt"], -0.5: UNARY["rsqrt"]}
 assert set(POWER) == set(POWERS)
 # every rank's rows combined in order, as codegen.shm._reduce_all does
-REDUCTIONS = {"sum": torch.add, "avg": torch.add, "prod": torch.mul, "max": torch.maximum, "min": torch.minimum}
+REDUCTIONS = {"sum": torch.add, "avg": torch.add, "prod": torch.mul, "max": maximum, "min": minimum}
 COMPARISONS = {"lt": torch.lt, "le": torch.le, "gt": torch.gt, "ge": torch.ge, "eq": torch.eq, "ne": torch.ne}
 assert set(COMPARISONS) == set(COMPARE)
 # host-number arithmetic, as Python does it (division left out: Python raises where C gives inf)
@@ -411,6 +423,33 @@ def test_powers_by_a_constant_are_what_torch_computes(monkeypatch, tmp_path):
         want = POWER[c](a) if abs(c) == 0.5 else a ** c
         torch.testing.assert_close(b, want, rtol=0, atol=0, equal_nan=True, msg=f"x ** {c}")
         torch.testing.assert_close(peers[0], want, rtol=0, atol=0, equal_nan=True, msg=f"x ** {c}")
+
+
+def test_a_negative_zero_reaches_every_lane(monkeypatch, tmp_path):
+    """-0.0 as a constant of the chunk, a number computed from constants, a scalar passed in or a rank's
+    number, each the divisor of the rows: the vector loop's lanes get -0.0, not the +0.0 that adding it to a
+    zero vector makes (the sign of the inf shows which); rows one by one and 8 and 16 at a time."""
+    monkeypatch.setenv("COCONET_CACHE_DIR", str(tmp_path))
+    numbers = (("z", "const", (), -0.0), ("one", "const", (), 1.0), ("nz", "mul", ("z", "one"), None))
+    for divisor in ("z", "nz", "s", "kr"):
+        if divisor == "kr":  # each rank's rows divided by its own number before they are summed
+            k = ChunkKernel(params=(("x_peers", "peers"), ("a", "rows"), ("g_parts", "parts"),
+                                    ("k_ranks", "rank numbers")),
+                            parts=("g", "g_parts", "sum"), stmts=(("d", "neg", ("g",), None),), numbers=frozenset(),
+                            writes=(("a", "d"),), streams=(("x_peers", "d"),), pre=(("u", "div", ("q", "kr"), None),),
+                            part="q", ranked=(("kr", "k_ranks"),))
+        else:
+            k = ChunkKernel(params=(("x_peers", "peers"), ("a", "rows"), ("g_parts", "parts"), ("s", "scalar")),
+                            parts=("g", "g_parts", "sum"), stmts=numbers + (("d", "div", ("g", divisor), None),),
+                            numbers=frozenset({"z", "one", "nz"}), writes=(("a", "d"),), streams=(("x_peers", "d"),))
+        for n in (5, 16, 40):
+            parts = [torch.linspace(-2, 3, n), torch.linspace(-4, 6, n)]
+            peers, a = [torch.zeros(n)], torch.zeros(n)
+            last = torch.tensor([-0.0, -0.0]) if divisor == "kr" else torch.tensor(-0.0)
+            run_native(k, (peers, a, parts, last), monkeypatch, tmp_path)
+            want = -(parts[0] / -0.0 + parts[1] / -0.0) if divisor == "kr" else (parts[0] + parts[1]) / -0.0
+            for got in (a, peers[0]):
+                torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True, msg=f"{divisor}, {n} rows")
 
 
 def test_program_names_cannot_clash_with_the_kernels_own(monkeypatch, tmp_path):

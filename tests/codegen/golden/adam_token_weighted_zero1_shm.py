@@ -924,6 +924,8 @@ static inline v8 ld_bf16(const uint16_t *p) {
     v8h h; memcpy(&h, p, sizeof h); v8u u = __builtin_convertvector(h, v8u) << 16; return (v8)u;
 }
 static inline void st(float *p, v8 x) { memcpy(p, &x, sizeof x); }
+/* x in every lane (as (v8){0} + x would not be for x = -0.0, which the sign of an infinity after may show) */
+static inline v8 splat(float x) { return (v8){x, x, x, x, x, x, x, x}; }
 /* a cast to bfloat16 as torch rounds it (to nearest, ties to even; every NaN 0xffff), kept as the float32 it
    widens back to: stored, its upper half is the bfloat16 */
 static inline float round_bf16(float x) {
@@ -1026,20 +1028,20 @@ static inline __attribute__((always_inline)) void row(const args_t *a, long i, f
 
 /* rows [i, i + 8) */
 static inline __attribute__((always_inline)) void rows8(const args_t *a, long i, v8 *out) {
-    const v8 p_beta1 = a->p_beta1 + (v8){0};
-    const v8 p_beta2 = a->p_beta2 + (v8){0};
-    const v8 p_ar1 = a->p_ar1 + (v8){0};
-    const v8 p_sub0 = a->p_sub0 + (v8){0};
-    const v8 p_sub1 = a->p_sub1 + (v8){0};
-    const v8 p_lr = a->p_lr + (v8){0};
-    const v8 p_eps = a->p_eps + (v8){0};
+    const v8 p_beta1 = splat(a->p_beta1);
+    const v8 p_beta2 = splat(a->p_beta2);
+    const v8 p_ar1 = splat(a->p_ar1);
+    const v8 p_sub0 = splat(a->p_sub0);
+    const v8 p_sub1 = splat(a->p_sub1);
+    const v8 p_lr = splat(a->p_lr);
+    const v8 p_eps = splat(a->p_eps);
     float *const p_m_k = a->p_m_k;
     float *const p_v_k = a->p_v_k;
     float *const p_w_k = a->p_w_k;
     v8 p_rs0;
     for (long r = 0; r < a->n_rs0_parts; r++) {
         const v8 p_g = ld(a->p_rs0_parts[r] + i);
-        const v8 p_tokens = (v8){0} + a->p_tokens_ranks[r];
+        const v8 p_tokens = splat(a->p_tokens_ranks[r]);
         const v8 p_mul0 = (p_g * p_tokens);
         if (r == 0) p_rs0 = p_mul0; else p_rs0 = (p_rs0 + p_mul0);
     }

@@ -980,6 +980,8 @@ static inline v8 ld_bf16(const uint16_t *p) {
     v8h h; memcpy(&h, p, sizeof h); v8u u = __builtin_convertvector(h, v8u) << 16; return (v8)u;
 }
 static inline void st(float *p, v8 x) { memcpy(p, &x, sizeof x); }
+/* x in every lane (as (v8){0} + x would not be for x = -0.0, which the sign of an infinity after may show) */
+static inline v8 splat(float x) { return (v8){x, x, x, x, x, x, x, x}; }
 /* a cast to bfloat16 as torch rounds it (to nearest, ties to even; every NaN 0xffff), kept as the float32 it
    widens back to: stored, its upper half is the bfloat16 */
 static inline float round_bf16(float x) {
@@ -1045,7 +1047,7 @@ static inline __attribute__((always_inline)) void row(const args_t *a, long i, f
 
 /* rows [i, i + 8) */
 static inline __attribute__((always_inline)) void rows8(const args_t *a, long i, v8 *out) {
-    const v8 p_mul6 = a->p_mul6 + (v8){0};
+    const v8 p_mul6 = splat(a->p_mul6);
     float *const p_w_k = a->p_w_k;
     float *const p_add3 = a->p_add3;
     const v8 p_mul7 = (p_mul6 * ld(p_add3 + i));
