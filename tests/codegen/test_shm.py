@@ -465,7 +465,7 @@ def test_powers_by_constants_in_the_c_kernel_that_writes_the_state():
 
 def test_the_c_chunk_divides_a_number_by_a_tensor_as_torch_does(monkeypatch, tmp_path):
     """``3.0 / x`` in torch is x's reciprocal times 3 (Tensor.__rtruediv__, eager and compiled), an ulp from
-    the quotient for about one value in five; the chunk's constants reach its kernel as Python numbers. The C
+    the quotient for a quarter of the values; the chunk's constants reach its kernel as Python numbers. The C
     chunk of a fused collective computes the bits of the Python kernel it stands in for, the generated
     module's own, called on the same rows; ``lr / x`` (lr a one-element tensor) stays a quotient."""
     import coconet as cc
