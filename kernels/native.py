@@ -369,8 +369,11 @@ def c_source(k: ChunkKernel) -> str:
         return out
 
     ns, nout = len(k.streams), max(1, len(k.streams) + len(k.sums))
+    peers = [target for target, _ in k.streams]
+    halved = {p for p in peers if kind[p] == "bf16 peers"}
+    streamed = [p for p in peers if p not in halved]
     ind = "    "
-    lines = [_PRELUDE, "typedef struct {", *(ind + f for f in fields), "} args_t;", "",
+    lines = [_PRELUDE + (_BF16_LINE if halved else ""), "typedef struct {", *(ind + f for f in fields), "} args_t;", "",
              "/* row i of the chunk; its values for the peers' copies into out */",
              "static inline __attribute__((always_inline)) void row(const args_t *a, long i, float *out) {",
              *(ind + x for x in body(False)), "}", "",
@@ -385,11 +388,12 @@ def c_source(k: ChunkKernel) -> str:
         lines.append(ind + f"double tot[{len(k.sums)}] = {{0}};")
         lines.append(ind + f"v4d acc[{len(k.sums)}] = {{{{0}}}};")
     summed = [f"tot[{j}] += (double)o[{ns + j}];" for j in range(len(k.sums))]
-    peers = [target for target, _ in k.streams]
-    halved = {p for p in peers if kind[p] == "bf16 peers"}
-    streamed = [p for p in peers if p not in halved]
     plain = [f"for (long r = 0; r < a.n_{p}; r++) a.p_{p}[r][i] = " + (f"bits_bf16(o[{s}]);" if p in halved
                                                                         else f"o[{s}];") for s, p in enumerate(peers)]
+
+    def one_by_one(until: str) -> list[str]:  # rows i .. until, one at a time (a head or the tail)
+        return [ind + f"for (; {until}; i++) {{", ind * 2 + "row(&a, i, o);",
+                *(ind * 2 + x for x in plain + summed), ind + "}"]
 
     def same_offset(flag: str, off: str, group: list[str]) -> list[str]:
         return [ind + f"for (long r = 0; r < a.n_{p}; r++) {flag} = {flag} && ((uintptr_t)a.p_{p}[r] & 63) == {off};"
@@ -400,7 +404,6 @@ def c_source(k: ChunkKernel) -> str:
         # line a step went out as partial writes), from the row where the bfloat16 copies' lines start; the
         # float32 copies are streamed too where their lines start on that row
         first = sorted(halved)[0]
-        lines[0] = _PRELUDE + _BF16_LINE
         lines += [ind + f"uintptr_t off16 = a.n_{first} ? (uintptr_t)a.p_{first}[0] & 63 : 0;",
                   ind + "int nt16 = (off16 & 1) == 0;", *same_offset("nt16", "off16", sorted(halved)),
                   ind + "long head = nt16 ? (long)((64 - off16) & 63) / 2 : 0, i = 0;"]
@@ -408,9 +411,9 @@ def c_source(k: ChunkKernel) -> str:
             lines += [ind + f"uintptr_t off = a.n_{streamed[0]} ? (uintptr_t)a.p_{streamed[0]}[0] & 63 : 0;",
                       ind + "int nt = (off & 3) == 0 && ((off + 4 * (uintptr_t)head) & 63) == 0;",
                       *same_offset("nt", "off", streamed)]
-        lines += [ind + "for (; i < head && i < n; i++) {", ind * 2 + "row(&a, i, o);",
-                  *(ind * 2 + x for x in plain + summed), ind + "}"]
-        step, parts = 2 * LINE, ("x", "y", "z", "u")
+        lines += one_by_one("i < head && i < n")
+        parts = ("x", "y", "z", "u")
+        lines.append(ind + f"v8 z[{nout}], u[{nout}];")
     elif streamed:
         lines += [
             ind + "/* streamed where every destination has the same offset in its line, on a float */",
@@ -418,38 +421,37 @@ def c_source(k: ChunkKernel) -> str:
             ind + "int nt = (off & 3) == 0;",
             *same_offset("nt", "off", streamed),
             ind + "long head = nt ? (long)((64 - off) & 63) / 4 : 0, i = 0;",
-            ind + "for (; i < head && i < n; i++) {",
-            ind * 2 + "row(&a, i, o);",
-            *(ind * 2 + x for x in plain + summed),
-            ind + "}",
+            *one_by_one("i < head && i < n"),
         ]
-        step, parts = LINE, ("x", "y")
+        parts = ("x", "y")
     else:
         lines.append(ind + "long i = 0;")
-        step, parts = LINE, ("x", "y")
-    if len(parts) > 2:
-        lines.append(ind + f"v8 {', '.join(f'{v}[{nout}]' for v in parts[2:])};")
+        parts = ("x", "y")
+
+    def at(j: int, width: int) -> str:
+        return f"d + {width * j}" if j else "d"
+
+    def branch(flag: str, fast: list[str], slow: list[str]) -> str:
+        streamed_text = fast[0] if len(fast) == 1 else "{ " + " ".join(fast) + " }"
+        return f"if ({flag}) {streamed_text} else {{ {' '.join(slow)} }}"
+
+    step = LINE * len(parts) // 2  # two vectors of 8 a float32 line
     lines += [ind + f"for (; i + {step} <= n; i += {step}) {{",
               *(ind * 2 + f"rows8(&a, {'i' if j == 0 else f'i + {8 * j}'}, {v});" for j, v in enumerate(parts))]
     for s, p in enumerate(peers):
         if p in halved:
-            store = (f"if (nt16) stream_line_bf16(d, {', '.join(f'{v}[{s}]' for v in parts)}); else {{ "
-                     + " ".join(f"st_bf16(d{f' + {8 * j}' if j else ''}, {v}[{s}]);" for j, v in enumerate(parts))
-                     + " }")
-        elif len(parts) == 2:
-            store = f"if (nt) stream_line(d, x[{s}], y[{s}]); else {{ st(d, x[{s}]); st(d + 8, y[{s}]); }}"
+            store = branch("nt16", [f"stream_line_bf16(d, {', '.join(f'{v}[{s}]' for v in parts)});"],
+                           [f"st_bf16({at(j, 8)}, {v}[{s}]);" for j, v in enumerate(parts)])
         else:
-            store = ("if (nt) { " + " ".join(f"stream_line(d{f' + {16 * j}' if j else ''}, {parts[2 * j]}[{s}], "
-                                             f"{parts[2 * j + 1]}[{s}]);" for j in range(len(parts) // 2))
-                     + " } else { " + " ".join(f"st(d{f' + {8 * j}' if j else ''}, {v}[{s}]);"
-                                               for j, v in enumerate(parts)) + " }")
+            store = branch("nt", [f"stream_line({at(j, 16)}, {parts[2 * j]}[{s}], {parts[2 * j + 1]}[{s}]);"
+                                  for j in range(len(parts) // 2)],
+                           [f"st({at(j, 8)}, {v}[{s}]);" for j, v in enumerate(parts)])
         lines += [ind * 2 + f"for (long r = 0; r < a.n_{p}; r++) {{",
                   ind * 3 + f"{'uint16_t' if p in halved else 'float'} *d = a.p_{p}[r] + i;",
                   ind * 3 + store, ind * 2 + "}"]
     lines += [ind * 2 + f"acc[{j}] += " + " + ".join(f"widen({v}[{ns + j}])" for v in parts) + ";"
               for j in range(len(k.sums))]
-    lines += [ind + "}", ind + "for (; i < n; i++) {", ind * 2 + "row(&a, i, o);",
-              *(ind * 2 + x for x in plain + summed), ind + "}"]
+    lines += [ind + "}", *one_by_one("i < n")]
     lines += [ind + f"sums[{j}] = tot[{j}] + hsum4(acc[{j}]);" for j in range(len(k.sums))]
     if peers:
         lines.append(ind + "_mm_sfence();  /* the streamed stores are visible before the barrier's flag after */")
