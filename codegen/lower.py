@@ -1099,10 +1099,15 @@ def _chunked_body(e: _Emitter, g: Group, fc: FusedCollective, chunks: int) -> li
         # compiled, the kernel writes each chunk's rows of a sliced output into the whole output, made before
         # the first chunk: no list of chunks to concatenate after the last
         buffers = {o: tmp[o] for o in sliced_outs}
+        # shm, compiled: a value gathered and not handed on is written by the kernel into this rank's slot,
+        # which the peers copy it out of: it is never returned and copied in
+        slots = {p[m].args[0]: f"{tmp[m]}.own(_c, {TORCH_DTYPE[p[m].type.dtype or 'float32']}, {e.shape_expr(p[m].type)})"
+                 for m in gathers if e.backend == "shm" and m not in into and p[m].args[0] in compute
+                 and p[m].args[0] not in buffers}
         # every rank's of each of the numbers that pre reads, one tensor per number, in the order of the parts
         ranked = {x: e.ident.fresh(f"{e.ident(x)}_ranks", scope) for x in fc.ranked} if parts else {}
         kernel = (_chunk_kernel(e, g, compute, inplace, fc.needed, rs if parts else None, into, parts, peers, buffers,
-                                fc.pre, fc.sources, ranked) if e.compile else None)
+                                fc.pre, fc.sources, ranked, slots) if e.compile else None)
         sources, direct = fc.sources, fc.direct
         if kernel is None and fc.pre:  # no kernel to compute them on every rank's rows: computed here, published
             computed = [("    " + x, m) for m in fc.pre for x in e.stmt(p[m])]
@@ -1141,7 +1146,7 @@ def _chunked_body(e: _Emitter, g: Group, fc: FusedCollective, chunks: int) -> li
                 src = p[m].args[0]
                 lines.append((f"        {e.operand(p[src], t)}.copy_({e.ident(src)})", m))
         for m in gathers:
-            if m not in into:
+            if m not in into and not (kernel is not None and p[m].args[0] in slots):
                 src = p[m].args[0]
                 # a value the kernel wrote into its holder (used again after the collective) is not bound
                 # in the loop: the chunk's rows of the holder are what it gathers
@@ -1246,13 +1251,15 @@ def chunk_compiles(p: Program, g: Group, compute: Sequence[str]) -> bool:
 
 def _chunk_kernel(e: _Emitter, g: Group, compute: list[str], inplace: dict[str, str], needed: set,
                   parts: Stmt | None = None, into=None, parts_names: tuple[str, ...] = (), peers=None,
-                  buffers=None, pre: tuple[str, ...] = (), sources: tuple[str, ...] = (), ranked=None) -> list | None:
+                  buffers=None, pre: tuple[str, ...] = (), sources: tuple[str, ...] = (), ranked=None,
+                  slots=None) -> list | None:
     """The pointwise statements of a fused collective's chunk as one module-level function compiled by
     Inductor, called once per chunk with the chunk's rows of what it reads (cut at the call: the chunk's
     position stays out of the compiled code; dropout gets the chunk's first row as a tensor). None when a
     statement needs the chunk itself or is not pointwise: the chunk then runs statement by statement.
     ``buffers``: outputs the kernel writes into (their chunk's rows of a tensor of this rank's rows, by name)
-    rather than returns. ``pre``: statements computed on every rank's rows of ``sources`` (each in the
+    rather than returns; ``slots`` the same of values written into the chunk's rows of this rank's slot of their
+    gather (by name: the call that gives those rows). ``pre``: statements computed on every rank's rows of ``sources`` (each in the
     parameter of ``parts_names`` at its place) before they are summed (reduced_in_kernel), with every rank's of
     the numbers in ``ranked`` (number -> the parameter holding every rank's)."""
     p = e.p
@@ -1298,13 +1305,17 @@ def _chunk_kernel(e: _Emitter, g: Group, compute: list[str], inplace: dict[str, 
     buffers = buffers or {}
     for o, buf in buffers.items():
         body.append((f"    {_holder_rows(p, o, buf)}.copy_({e.ident(o)})", o))
+    slots = slots or {}
+    for o, rows in slots.items():
+        args[rows] = e.ident.fresh(f"{e.ident(o)}_slot", scope)
+        body.append((f"    {args[rows]}.copy_({e.ident(o)})", o))
 
     defined = {e.ident(m) for m in compute} | ({e.ident(parts.name)} if parts is not None else set())
-    results = [m for m in compute if m in needed and m not in buffers]
+    results = [m for m in compute if m in needed and m not in buffers and m not in slots]
     doc = f"{len(compute)} statements of {g} on one chunk" + (", state written in place" if inplace or into else "")
     call = _cut_kernel(e, g, "_chunk", doc, body, compute, defined, args, scope, results,
                        lambda dims: _native_chunk(e, compute, inplace, into or {}, peers, buffers, parts, parts_names,
-                                                  args, dims, results, pre, sources, ranked),
+                                                  args, dims, results, pre, sources, ranked, slots),
                        (*parts_names, *ranked.values()) if parts is not None else ())
     return None if call is None else [(f"        {call}", compute[0])]
 
@@ -1368,15 +1379,18 @@ def _cut_kernel(e: _Emitter, g: Group, prefix: str, doc: str, body: list, comput
 def _native_chunk(e: _Emitter, compute: list[str], inplace: dict[str, str], into, peers, buffers,
                   parts: Stmt | None, parts_names: tuple[str, ...], args: dict[str, str], dims: list[str],
                   results: list[str], pre: tuple[str, ...] = (), sources: tuple[str, ...] = (),
-                  ranked=None) -> tuple[str, str, int] | None:
+                  ranked=None, slots=None) -> tuple[str, str, int] | None:
     """The chunk kernel as C (coconet.kernels.native): its parameters' kinds, its source and how many partial
-    sums it returns. Only where it stores a gathered state's rows into the peers' copies (shm): there its
-    streamed stores save the read of every line an ordinary store makes first. None where a statement has no
+    sums it returns. Only where it stores a gathered state's rows into the peers' copies (shm), where its
+    streamed stores save the read of every line an ordinary store makes first, or a gathered value into this
+    rank's slot (``slots``). None where a statement has no
     translation or it returns anything but partial sums (Inductor's kernel serves alone)."""
     p = e.p
-    if e.backend != "shm" or not into or any(p[r].op != "partial_sum" for r in results):
+    slots = slots or {}
+    if e.backend != "shm" or not (into or slots) or any(p[r].op != "partial_sum" for r in results):
         return None
     by_ident = {e.ident(s.name): s for s in p.stmts}
+    slot_params = {args[rows]: o for o, rows in slots.items()}
     kinds: list[tuple[str, str]] = [(d, "dim") for d in dims]
     constants: list[tuple[str, float]] = []
     host: set[str] = set()
@@ -1390,6 +1404,8 @@ def _native_chunk(e: _Emitter, compute: list[str], inplace: dict[str, str], into
             kind = "bf16 parts" if pre and p[source].type.dtype == "bfloat16" else "parts"
         elif param in (ranked or {}).values():
             kind = "rank numbers"
+        elif param in slot_params:
+            kind = "bf16 rows" if p[slot_params[param]].type.dtype == "bfloat16" else "rows"
         elif cut:
             tensor = by_ident.get(cut.group(1))
             kind = "bf16 rows" if tensor is not None and tensor.type.dtype == "bfloat16" else "rows"
@@ -1429,6 +1445,7 @@ def _native_chunk(e: _Emitter, compute: list[str], inplace: dict[str, str], into
     writes = [(name_of(e.operand(p[o], t)), e.ident(o)) for o, t in inplace.items()]
     writes += [(name_of(e.operand(p[p[m].args[0]], t)), e.ident(p[m].args[0])) for m, t in into.items()]
     writes += [(name_of(_holder_rows(p, o, buf)), e.ident(o)) for o, buf in (buffers or {}).items()]
+    writes += [(param, e.ident(o)) for param, o in slot_params.items()]
     streams = [(args[peers[m]], e.ident(p[m].args[0])) for m in into]
     if any(t is None for t, _ in writes):
         return None

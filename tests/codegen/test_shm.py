@@ -479,12 +479,20 @@ def test_the_c_chunk_divides_a_number_by_a_tensor_as_torch_does(monkeypatch, tmp
     p.update(m, m1)
     p.update(w, w - 3.0 / (cc.sqrt(m1 * m1) + 1.0) - lr / (avg * avg + 0.5))
     source = lower(Schedule.parse("split(ar0); reorder(ag0); as_slice(m); fuse_collective(rs0)", p.ir), "shm").source
+    c, runs = c_chunk_and_python(source, monkeypatch, tmp_path)
+    assert_same_bits(runs)
+    assert "((1.0f / p_add1) * p_c" in c and re.search(r"p_div1 = \(p_lr / p_add\d\);", c)
+
+
+def c_chunk_and_python(source: str, monkeypatch, tmp_path) -> tuple[str, list[tuple[dict, dict]]]:
+    """Runs the C of a generated module's chunk kernel, with any hand-off to Python an error, and the module's
+    own Python ``_chunk0`` (eager torch) on the same random rows, 4096 and 37: the C source, and for each
+    length every parameter's values after the C and after the Python (rows, peers' copies, slots)."""
     native = re.search(r'\n_chunk0 = _native\(_kernel\(_chunk0\), \'(\w+)\', r"""(.*?)"""\)', source, re.S)
     assert native, "the chunk has no C kernel"
     kinds, c = native.groups()
-    assert "((1.0f / p_add1) * p_c" in c and re.search(r"p_div1 = \(p_lr / p_add\d\);", c)
     python = {}
-    exec(compile(source[:native.start()], "rdiv", "exec"), python)  # the module up to its kernel's C
+    exec(compile(source[:native.start()], "chunk", "exec"), python)  # the module up to its kernel's C
     params = list(inspect.signature(python["_chunk0"]).parameters)
     numbers = dict(re.findall(r"^ +(c\d+) = (\S+)$", source, re.M))
     gen = torch.Generator().manual_seed(0)
@@ -492,12 +500,12 @@ def test_the_c_chunk_divides_a_number_by_a_tensor_as_torch_does(monkeypatch, tmp
     def args(rows):
         out = []
         for name, kind in zip(params, kinds, strict=True):
-            if kind == "p":
-                out.append([torch.zeros(rows) for _ in range(2)])
+            if kind in "pb":
+                out.append([torch.zeros(rows, dtype=torch.bfloat16 if kind == "b" else None) for _ in range(2)])
             elif kind == "l":
                 out.append([torch.randn(rows, generator=gen) for _ in range(3)])
-            elif kind == "t":
-                out.append(torch.randn(rows, generator=gen))
+            elif kind in "tu":  # magnitudes: a second moment's square root is a number
+                out.append(torch.randn(rows, generator=gen).abs().to(torch.bfloat16 if kind == "u" else torch.float32))
             else:
                 out.append(float(numbers[name]) if name in numbers else torch.tensor(0.01))
         return out
@@ -507,15 +515,68 @@ def test_the_c_chunk_divides_a_number_by_a_tensor_as_torch_does(monkeypatch, tmp
 
     monkeypatch.setenv("COCONET_CACHE_DIR", str(tmp_path))
     kernel = shm._native(fallback, kinds, c)
+    runs = []
     for rows in (4096, 37):
         want = args(rows)
         got = [[x.clone() for x in a] if isinstance(a, list) else a.clone() if isinstance(a, torch.Tensor) else a
                for a in want]
         python["_chunk0"](*want)
         kernel(*got)
-        for x, y in zip(got, want):
+        runs.append((dict(zip(params, got)), dict(zip(params, want))))
+    return c, runs
+
+
+def assert_same_bits(runs, names=None):
+    for got, want in runs:
+        for name in names or got:
+            x, y = got[name], want[name]
             for u, v in zip(*((x, y) if isinstance(x, list) else ([x], [y]))):
-                assert torch.equal(u, v) if isinstance(u, torch.Tensor) else u == v
+                assert torch.equal(u, v) if isinstance(u, torch.Tensor) else u == v, name
+
+
+def adam_ema_program():
+    return runpy.run_path(str(Path(__file__).parents[2] / "benchmarks/programs/adam_ema.py"))["program"].ir
+
+
+def test_a_gathered_output_is_written_into_its_slot_by_the_chunk_kernel(monkeypatch, tmp_path):
+    """Adam with an average of the weights, the new weights returned in bfloat16 (benchmarks/programs/
+    adam_ema.py), and a float32 output beside it: the fused collective's chunk kernel writes each gathered
+    output's rows into this rank's slot of its gather, from which every rank copies them out, and is C with
+    the state whole or sliced (it had returned them, to be copied in, and kept the chunk in Inductor's
+    kernel). The bits are the Python kernel's; every rank's outputs the reference's, R = 2 and 3, uneven
+    rows, one chunk and several."""
+    import coconet as cc
+
+    prog = adam_ema_program()
+    p = cc.Program("two_outputs", dims=("N",))
+    g = p.tensor("g", ("N",), layout=cc.Local)
+    w = p.tensor("w", ("N",), layout=cc.Replicated)
+    w1 = w - 0.01 * cc.allreduce(g)
+    p.update(w, w1)
+    p.output("w16", cc.cast(w1, "bfloat16"))
+    p.output("step", (w1 - w) * 3.0)
+    cases = [(s, f32) for f32, q in ((False, prog), (True, p.ir)) for s in generate(q)
+             if "fuse_collective" in s.text and "bucket" not in s.text]
+    assert any("as_slice(ema)" in s.text for s, _ in cases) and any("as_slice" not in s.text for s, _ in cases)
+    for s, f32 in cases:
+        source = lower(s, "shm").source
+        step = source[source.index("def step("):]
+        assert ".own(_c, torch.bfloat16, (d_N, ))" in step and ".add(_c" not in step, s.text
+        assert "st_bf16(p_cast0_slot + i, " in source, s.text
+        assert (".own(_c, torch.float32, (d_N, ))" in step) == f32, s.text
+        _, runs = c_chunk_and_python(source, monkeypatch, tmp_path)
+        if f32:
+            assert_same_bits(runs)
+        else:  # eager torch's square root is at times an ulp from the correctly rounded one, C's and Inductor's
+            for got, want in runs:  # the slot holds the new weights C wrote, rounded
+                assert torch.equal(got["cast0_slot"], got["w_k"].to(torch.bfloat16)), s.text
+                torch.testing.assert_close(got["w_k"], want["w_k"], rtol=1e-6, atol=0)  # an ulp, carried on
+                torch.testing.assert_close(got["cast0_slot"].float(), want["cast0_slot"].float(), rtol=2 ** -7, atol=0)
+    for world, n in ((2, 1001), (3, 37)):
+        for f32 in (False, True):
+            assert_all_ok(run_schedules([s.with_knobs(fc_chunks=k) for s, x in cases if x == f32 for k in (1, 4)],
+                                        Options(world=world, sizes={"N": n}, backend="shm", warmup=1, repeats=2)))
+    assert not segments()
 
 
 def test_a_state_read_after_its_gather_is_gathered_through_a_slot():

@@ -141,6 +141,16 @@ class _Gather:
         lo, _ = self.c.rows(self.n)
         self.c.shm.copy(self.c.shm.at(self.c.rank, self.slot, 0, self.dtype, self.shape)[lo + k.a:lo + k.b], part)
 
+    def own(self, k, dtype, shape):
+        """Chunk k's rows of this rank's slot, for the gathered value of ``shape`` and ``dtype``: a compiled
+        chunk kernel writes them there as it computes them, where a returned chunk would be copied in by add."""
+        if self.slot is None:
+            self.slot = self.c.shm.call(self.c.shm.take)
+        self.shape = (shape[self.dim],) + tuple(shape[:self.dim]) + tuple(shape[self.dim + 1:])
+        self.dtype = dtype
+        lo, _ = self.c.rows(self.n)
+        return self.c.shm.at(self.c.rank, self.slot, 0, dtype, self.shape)[lo + k.a:lo + k.b].movedim(0, self.dim)
+
     def result(self, end=True):
         """The gathered value, once every rank has written its rows: after the barrier that ends the collective,
         which this call makes unless an earlier gather's did (``end``)."""

@@ -158,6 +158,16 @@ class _Gather:
         lo, _ = self.c.rows(self.n)
         self.c.shm.copy(self.c.shm.at(self.c.rank, self.slot, 0, self.dtype, self.shape)[lo + k.a:lo + k.b], part)
 
+    def own(self, k, dtype, shape):
+        """Chunk k's rows of this rank's slot, for the gathered value of ``shape`` and ``dtype``: a compiled
+        chunk kernel writes them there as it computes them, where a returned chunk would be copied in by add."""
+        if self.slot is None:
+            self.slot = self.c.shm.call(self.c.shm.take)
+        self.shape = (shape[self.dim],) + tuple(shape[:self.dim]) + tuple(shape[self.dim + 1:])
+        self.dtype = dtype
+        lo, _ = self.c.rows(self.n)
+        return self.c.shm.at(self.c.rank, self.slot, 0, dtype, self.shape)[lo + k.a:lo + k.b].movedim(0, self.dim)
+
     def result(self, end=True):
         """The gathered value, once every rank has written its rows: after the barrier that ends the collective,
         which this call makes unless an earlier gather's did (``end``)."""
@@ -895,13 +905,13 @@ def _end_collective(c):
     s.call(s.unlink_made)
 
 
-def _chunk0(d_B, d_S, d_H, row0_k, r_k, rs0_parts, b, seed):
+def _chunk0(d_B, d_S, d_H, row0_k, add1_slot, r_k, rs0_parts, b, seed):
     """3 statements of fused_collective(rs0, add0, drop0, add1, ag1) on one chunk."""
     rs0 = _reduce_all(rs0_parts, 'sum')
     add0 = rs0 + b
     drop0 = _dropout_rows(add0, 0.1, seed, (d_B, d_S, d_H, ), 0, row0_k)
     add1 = drop0 + r_k
-    return add1,
+    add1_slot.copy_(add1)
 
 
 _chunk0 = _kernel(_chunk0)
@@ -921,8 +931,7 @@ def step(tensors, scalars, *, group=None, stage=0, stages=1, sizes=None, custom_
         # 4 chunks: published once, each chunk reduced out of the peers' segments just before it computes
         _ag1 = _Gather(_rank, 0, d_B)
         for _c, rs0_parts in _reduce_scatter_parts(_rank, mm0, 0, d_B, 4):
-            add1, = _chunk0(d_B, d_S, d_H, _int64(_c.rows(d_B)[0]), _c.cut(r, 0, d_B), rs0_parts, b, _int64(seed))
-            _ag1.add(_c, add1)
+            _chunk0(d_B, d_S, d_H, _int64(_c.rows(d_B)[0]), _ag1.own(_c, torch.float32, (d_B, d_S, d_H, )), _c.cut(r, 0, d_B), rs0_parts, b, _int64(seed))
         ag1 = _ag1.result()
         return ag1,
 
