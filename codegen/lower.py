@@ -245,6 +245,11 @@ class _Emitter:
     def into(self, s: Stmt, out: str) -> str:
         """Pointwise statement ``s`` computed into the tensor ``out`` (an op of ``OUT``). A number stays one where
         torch takes it (as the operator the statement is written with otherwise passes it)."""
+        if s.op == "div" and self.number(s.args[0]):
+            # ``c / x`` is x's reciprocal times c in torch (Tensor.__rtruediv__), at times an ulp from the quotient
+            # that ``torch.div(c, x)`` gives: the bits of the same statement computed into a new tensor
+            return (f"torch.mul(torch.reciprocal({self.operand(s, s.args[1])}, out={out}), "
+                    f"{self.operand(s, s.args[0])}, out={out})")
         wrap = s.op in ("maximum", "minimum", "where")  # tensors only
         args = [self.tensor(a, self.operand(s, a)) if k == 0 or wrap else self.operand(s, a)
                 for k, a in enumerate(s.args)]

@@ -113,6 +113,32 @@ def test_fused_collective_kernel_takes_dropout_with_the_chunks_first_row():
     assert "_chunk0" not in eager and "drop0 = _dropout(_c, add0, 0.1, seed" in eager
 
 
+def test_a_number_over_a_tensor_computed_into_a_buffer_has_the_bits_of_the_operator():
+    """``3.0 / x`` computed straight into the state it updates (or into a held buffer) is x's reciprocal times 3,
+    as torch's operator computes it (Tensor.__rtruediv__): ``torch.div(3.0, x, out=)``, the quotient, is an ulp
+    from it for a quarter of the values, so a schedule that computes it into a buffer stepped other bits than
+    one that does not."""
+    import re
+
+    import torch
+
+    import coconet as cc
+
+    p = cc.Program("rdiv_into", dims=("N",))
+    g = p.tensor("g", ("N",), layout=cc.Local)
+    u = p.tensor("u", ("N",), layout=cc.Replicated)
+    p.update(u, 3.0 / (cc.allreduce(g) + 1.0))
+    step = lower(Schedule(p.ir), "gloo", "eager").source.split("def step(")[1]
+    line = re.search(r"^ +(torch\.\w+\(.*out=u\))$", step, re.M)
+    assert line, "u is not computed into in place"
+    x = torch.rand(1 << 16, generator=torch.Generator().manual_seed(0)) + 0.5
+    ns = {"torch": torch, "add0": x, "u": torch.empty_like(x), "c1": 3.0}
+    assert "c1 = 3.0" in step and "add0 = " in step
+    eval(line.group(1), ns)
+    assert torch.equal(ns["u"], 3.0 / x)
+    assert not torch.equal(torch.div(3.0, x), 3.0 / x)  # what the check tells apart
+
+
 def test_fused_kernel_writes_state_in_place_and_compiles():
     prog = example("adam")
     fuse = next(s for s in generate(prog) if s.text.startswith("fuse("))
