@@ -1106,7 +1106,8 @@ def _chunked_body(e: _Emitter, g: Group, fc: FusedCollective, chunks: int) -> li
         buffers = {o: tmp[o] for o in sliced_outs}
         # shm, compiled: a value gathered and not handed on is written by the kernel into this rank's slot,
         # which the peers copy it out of: it is never returned and copied in
-        slots = {p[m].args[0]: f"{tmp[m]}.own(_c, {TORCH_DTYPE[p[m].type.dtype or 'float32']}, {e.shape_expr(p[m].type)})"
+        slots = {p[m].args[0]: (f"{tmp[m]}.own(_c, {TORCH_DTYPE[p[m].type.dtype or 'float32']}, "
+                                f"{e.shape_expr(p[m].type)})")
                  for m in gathers if e.backend == "shm" and m not in into and p[m].args[0] in compute
                  and p[m].args[0] not in buffers}
         # every rank's of each of the numbers that pre reads, one tensor per number, in the order of the parts
@@ -1263,10 +1264,11 @@ def _chunk_kernel(e: _Emitter, g: Group, compute: list[str], inplace: dict[str, 
     position stays out of the compiled code; dropout gets the chunk's first row as a tensor). None when a
     statement needs the chunk itself or is not pointwise: the chunk then runs statement by statement.
     ``buffers``: outputs the kernel writes into (their chunk's rows of a tensor of this rank's rows, by name)
-    rather than returns; ``slots`` the same of values written into the chunk's rows of this rank's slot of their
-    gather (by name: the call that gives those rows). ``pre``: statements computed on every rank's rows of ``sources`` (each in the
-    parameter of ``parts_names`` at its place) before they are summed (reduced_in_kernel), with every rank's of
-    the numbers in ``ranked`` (number -> the parameter holding every rank's)."""
+    rather than returns; ``slots`` the same of values written into the chunk's rows of this rank's slot of
+    their gather (by name: the call that gives those rows). ``pre``: statements computed on every rank's rows
+    of ``sources`` (each in the parameter of ``parts_names`` at its place) before they are summed
+    (reduced_in_kernel), with every rank's of the numbers in ``ranked`` (number -> the parameter holding every
+    rank's)."""
     p = e.p
     if not chunk_compiles(p, g, compute):
         return None

@@ -18,10 +18,10 @@ translated (and bfloat16 rows of every rank that a cast to float32 reads before 
 mixed-precision gradient; and a cast to bfloat16 that is only stored, into a bfloat16 state and the peers'
 copies of it, the bfloat16 copy of the weights that mixed-precision training keeps beside the float32
 master, or into this rank's slot of the gather of a program output); anything else keeps Inductor's kernel.
-A chunk is C where it stores into the peers' copies of a state or into a gather's slot. exp and log among them: in C (Cephes' polynomials,
-16 floats a vector, fused multiply-adds) the chunk of an Adam with a softplus (benchmarks/programs/sadam.py)
-stepped 1.10x Inductor's at world 2 and 0.99x at world 4, Sleef's exp and log winning back what the
-streamed stores save.
+exp and log among them: in C (Cephes' polynomials, 16 floats a vector, fused multiply-adds) the chunk of an
+Adam with a softplus (benchmarks/programs/sadam.py) stepped 1.10x Inductor's at world 2 and 0.99x at world
+4, Sleef's exp and log winning back what the streamed stores save. A chunk is C only where it stores into
+the peers' copies of a state or into a gather's slot: with neither, C and Inductor's kernel step alike.
 The bits are those of Inductor's kernel, which the chunk stands in for, but for a power by -0.5 or -2:
 here the reciprocal of the correctly rounded square root or square, as eager torch computes it, where
 Inductor's kernel is at times an ulp from it. A host number divided by a tensor is the tensor's reciprocal
