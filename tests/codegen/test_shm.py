@@ -526,9 +526,9 @@ def c_chunk_and_python(source: str, monkeypatch, tmp_path) -> tuple[str, list[tu
     return c, runs
 
 
-def assert_same_bits(runs, names=None):
+def assert_same_bits(runs):
     for got, want in runs:
-        for name in names or got:
+        for name in got:
             x, y = got[name], want[name]
             for u, v in zip(*((x, y) if isinstance(x, list) else ([x], [y]))):
                 assert torch.equal(u, v) if isinstance(u, torch.Tensor) else u == v, name

@@ -140,21 +140,21 @@ class _Gather:
 
     def add(self, k, x):
         part = x.movedim(self.dim, 0)
-        if self.slot is None:
-            self.slot = self.c.shm.call(self.c.shm.take)
-        self.shape, self.dtype = (self.n,) + tuple(part.shape[1:]), part.dtype
-        lo, _ = self.c.rows(self.n)
-        self.c.shm.copy(self.c.shm.at(self.c.rank, self.slot, 0, self.dtype, self.shape)[lo + k.a:lo + k.b], part)
+        self.c.shm.copy(self._slot_rows(k, part.dtype, tuple(part.shape[1:])), part)
 
     def own(self, k, dtype, shape):
         """Chunk k's rows of this rank's slot, for the gathered value of ``shape`` and ``dtype``: a compiled
         chunk kernel writes them there as it computes them, where a returned chunk would be copied in by add."""
+        rest = tuple(shape[:self.dim]) + tuple(shape[self.dim + 1:])
+        return self._slot_rows(k, dtype, rest).movedim(0, self.dim)
+
+    def _slot_rows(self, k, dtype, rest):
+        """Chunk k's rows of this rank's slot, the gathered dim first (``rest``: the other dims)."""
         if self.slot is None:
             self.slot = self.c.shm.call(self.c.shm.take)
-        self.shape = (shape[self.dim],) + tuple(shape[:self.dim]) + tuple(shape[self.dim + 1:])
-        self.dtype = dtype
+        self.shape, self.dtype = (self.n,) + rest, dtype
         lo, _ = self.c.rows(self.n)
-        return self.c.shm.at(self.c.rank, self.slot, 0, dtype, self.shape)[lo + k.a:lo + k.b].movedim(0, self.dim)
+        return self.c.shm.at(self.c.rank, self.slot, 0, dtype, self.shape)[lo + k.a:lo + k.b]
 
     def result(self, end=True):
         """The gathered value, once every rank has written its rows: after the barrier that ends the collective,
