@@ -155,3 +155,38 @@ def test_the_space_scaling_compares_ways_that_give_the_same_schedules(tmp_path):
         for way in ("together", "one by one"):
             assert len(point[way]["rounds"]["generate_s"]) == 2 and point[way]["read_back_s"] > 0
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_every_schedule_keeps_each_programs_rows_and_names_what_failed_or_ran_out_of_time(tmp_path):
+    import json
+    import subprocess
+
+    from coconet.loader import examples_dir, load_file
+    from coconet.schedules.space import generate
+
+    script = ROOT / "benchmarks" / "every_schedule.py"
+    sgd = examples_dir() / "sgd.py"
+    broken = tmp_path / "broken.py"
+    broken.write_text("raise RuntimeError('this program does not load')\n")
+    slow = tmp_path / "slow.py"
+    slow.write_text("import time\ntime.sleep(600)\n")
+
+    def every(*programs, deadline):
+        out = tmp_path / "rows.jsonl"
+        done = subprocess.run([sys.executable, str(script), *map(str, programs), "--backend", "gloo", "--kernels",
+                               "eager", "--jobs", "2", "--deadline-s", str(deadline), "--out", str(out)],
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        return [json.loads(line) for line in out.read_text().splitlines()]
+
+    rows = every(sgd, broken, deadline=240)
+    found = [r for r in rows if "schedule" in r]
+    assert sorted(r["schedule"] for r in found) == sorted(s.text for s in generate(load_file(sgd)))
+    assert all(r["status"] == "ok" and r["correct"] and r["program"] == "sgd" for r in found)
+    [failed] = [r for r in rows if "schedule" not in r]
+    assert failed["program"] == "broken" and failed["returncode"] != 0 and not failed["stopped_at_deadline"]
+    assert "this program does not load" in failed["tail"]
+
+    *stopped, queued = every(slow, slow, sgd, deadline=2)  # two at a time: the third never starts
+    assert [(r["program"], r["stopped_at_deadline"], r["rows"]) for r in stopped] == [("slow", True, 0)] * 2
+    assert queued == {"program": "sgd", "not_started": True}
