@@ -161,11 +161,17 @@ def test_every_schedule_keeps_each_programs_rows_and_names_what_failed_or_ran_ou
     import json
     import subprocess
 
-    from coconet.loader import examples_dir, load_file
+    from coconet.loader import load_file
     from coconet.schedules.space import generate
 
     script = ROOT / "benchmarks" / "every_schedule.py"
-    sgd = examples_dir() / "sgd.py"
+    sgd = tmp_path / "sgd.py"  # plain SGD: ten schedules, a few seconds at world 1
+    sgd.write_text("from coconet import Local, Program, Replicated, allreduce\n"
+                   "p = Program('sgd', dims=('N',))\n"
+                   "g = p.tensor('g', ('N',), layout=Local)\n"
+                   "w = p.tensor('w', ('N',), layout=Replicated)\n"
+                   "p.update(w, w - p.scalar('lr') * allreduce(g))\n"
+                   "program = p\n")
     broken = tmp_path / "broken.py"
     broken.write_text("raise RuntimeError('this program does not load')\n")
     slow = tmp_path / "slow.py"
