@@ -6,8 +6,8 @@
 #   bash benchmarks/gpu_checks.sh OUTDIR [SECONDS]
 #
 # SECONDS (default 900) bounds the whole run: the last step, every schedule with compiled kernels, gets
-# what the others left. Results: OUTDIR/gpu_kernels.json, bench_{adam,megatron}_nccl_w1.{json,png},
-# every_schedule_nccl_{eager,compiled}.jsonl; the log on stdout.
+# what the others left. Results: OUTDIR/gpu_kernels.json, kernel_call_cuda_host_scalars.json,
+# bench_{adam,megatron}_nccl_w1.{json,png}, every_schedule_nccl_{eager,compiled}.jsonl; the log on stdout.
 set -u
 out=${1:?usage: gpu_checks.sh OUTDIR [SECONDS]}
 budget=${2:-900}
@@ -39,6 +39,10 @@ step env 60 bash -c "nvidia-smi --query-gpu=name,driver_version,memory.total,clo
   $py -c 'import torch, triton, numpy; print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda,
   \"triton\", triton.__version__, \"numpy\", numpy.__version__, torch.cuda.get_device_name())'"
 step kernels 200 $py benchmarks/gpu_kernels.py --out "$out/gpu_kernels.json"
+# Whether Inductor compiles a chunk standalone (no Dynamo around each call) with the step's scalars on the
+# host beside CUDA tensors, as the CPU path does, and what that saves a call
+step kernel-call 90 $py benchmarks/kernel_call.py --device cuda --scalars host --size N=2^10 --size N=2^20 \
+    --size N=2^24 --out "$out/kernel_call_cuda_host_scalars.json"
 step gpu-tests 120 $py -m pytest -q -m gpu --import-mode=append -p no:cacheprovider \
     tests/codegen/test_prelude.py tests/kernels/test_rng.py tests/tuner/test_roofline.py
 step every-eager 100 $py benchmarks/every_schedule.py --backend nccl --kernels eager --jobs 12 \
