@@ -6,8 +6,11 @@
 #   bash benchmarks/gpu_checks.sh OUTDIR [SECONDS]
 #
 # SECONDS (default 900) bounds the whole run: the last step, every schedule with compiled kernels, gets
-# what the others left. Results: OUTDIR/gpu_kernels.json, kernel_call_cuda_host_scalars.json,
-# bench_{adam,megatron}_nccl_w1.{json,png}, every_schedule_nccl_{eager,compiled}.jsonl; the log on stdout.
+# what the others left. coconet must be importable (`pip install -e .`; where only torch is installed,
+# `pip install --no-deps .` does: the checks need numpy, typer, rich and matplotlib beside it, not Ray,
+# Optuna, SQLAlchemy or the server's packages). Results: OUTDIR/gpu_kernels.json,
+# kernel_call_cuda_host_scalars.json, bench_{adam,megatron}_nccl_w1.{json,png},
+# every_schedule_nccl_{eager,compiled}.jsonl; the log on stdout.
 set -u
 out=${1:?usage: gpu_checks.sh OUTDIR [SECONDS]}
 budget=${2:-900}
