@@ -67,3 +67,4 @@ else
     echo "=== every-compiled: skipped, $rest s left of the run's $budget"
 fi
 echo "=== done after $((SECONDS - start)) s"
+$py benchmarks/gpu_summary.py "$out"

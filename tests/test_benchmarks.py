@@ -196,3 +196,27 @@ def test_every_schedule_keeps_each_programs_rows_and_names_what_failed_or_ran_ou
     *stopped, queued = every(slow, slow, sgd, deadline=2)  # two at a time: the third never starts
     assert [(r["program"], r["stopped_at_deadline"], r["rows"]) for r in stopped] == [("slow", True, 0)] * 2
     assert queued == {"program": "sgd", "not_started": True}
+
+
+def test_the_gpu_summary_names_failures_stopped_programs_and_missing_files(tmp_path, capsys):
+    import json
+
+    rows = [{"schedule": "split(ar0)", "status": "ok", "correct": True, "error": None, "program": "adam"},
+            {"schedule": "fuse(mul0)", "status": "runtime_error", "correct": None, "error": "CUDA error: boom",
+             "program": "adam"},
+            {"program": "lamb", "stopped_at_deadline": True, "returncode": -9, "rows": 0, "tail": ""},
+            {"program": "sgd", "not_started": True}]
+    (tmp_path / "every_schedule_nccl_eager.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    point = {"sizes": {"N": 8}, "torch": {"status": "runtime_error", "median_s": None, "error": "no NCCL"},
+             "results": [{"status": "ok", "correct": True}], "best_speedup": None, "best_over_floor": 1.5,
+             "best": {"median_s": 2e-6, "schedule": "fuse(mul0)"}}
+    (tmp_path / "bench_adam_nccl_w1.json").write_text(json.dumps(
+        {"workload": "adam", "world": 1, "backends": ["nccl"], "complete": False, "points": [point]}))
+    (tmp_path / "gpu_kernels.json").write_text('{"device": "H200"')  # cut off mid-write
+    _script("gpu_summary").main(tmp_path)
+    out = capsys.readouterr().out
+    assert "1/2 schedules ok in 1 programs; stopped or not started: lamb, sgd" in out
+    assert "adam: fuse(mul0)  runtime_error: CUDA error: boom" in out
+    assert "torch runtime_error: no NCCL, best 2 us (0.00x; 1.50x the floor) fuse(mul0); 1/1 ok" in out
+    assert "--- gpu_kernels.json\nunreadable: JSONDecodeError" in out
+    assert out.count("missing") == 3  # kernel_call, megatron's bench, the compiled run
