@@ -42,13 +42,12 @@ def run_one(path: Path, args: argparse.Namespace) -> None:
     scheds = list(generate(prog))
     # a pipeline needs a rank per stage, and NCCL refuses two ranks of one group on one GPU
     stages = 2 if prog.is_pipeline and args.world >= 2 else 1
-    world = args.world if stages == 1 or args.world >= 2 else 1
-    opts = Options(world=world, sizes={d: SIZES[d] for d in prog.dims}, backend=args.backend,
+    opts = Options(world=args.world, sizes={d: SIZES[d] for d in prog.dims}, backend=args.backend,
                    kernels=args.kernels, stages=stages, warmup=2, repeats=5, timeout_s=args.timeout_s)
     start = time.perf_counter()
 
     def landed(i: int, result) -> None:
-        row = dict(result.to_json(), program=path.stem, backend=args.backend, kernels=args.kernels, world=world,
+        row = dict(result.to_json(), program=path.stem, backend=args.backend, kernels=args.kernels, world=args.world,
                    stages=stages, seconds_since_start=round(time.perf_counter() - start, 2))
         print(json.dumps(row), flush=True)
 

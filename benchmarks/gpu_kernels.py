@@ -137,9 +137,10 @@ def main() -> None:
         # one step against the update in float64, before the timed calls move the state on
         m64, v64, w64, g64 = (x.double() for x in (m, v, w, g))
         ours_step()
-        m64 = 0.9 * m64 + 0.1 * g64
-        v64 = 0.999 * v64 + 0.001 * g64 * g64
-        w64 -= 1e-3 * (m64 / (1 - 0.9**3)) / ((v64 / (1 - 0.999**3)).sqrt() + 1e-8)
+        b1, b2, lr, eps, t = (float(s[k]) for k in ("beta1", "beta2", "lr", "eps", "t"))
+        m64 = b1 * m64 + (1 - b1) * g64
+        v64 = b2 * v64 + (1 - b2) * g64 * g64
+        w64 -= lr * (m64 / (1 - b1**t)) / ((v64 / (1 - b2**t)).sqrt() + eps)
         err = max(float((x.double() - ref).norm() / ref.norm()) for x, ref in ((m, m64), (v, v64), (w, w64)))
         ours = timings(ours_step)
         p = torch.nn.Parameter(torch.rand(n, device=dev))

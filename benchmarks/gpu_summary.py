@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import sys
-from collections import Counter
 from pathlib import Path
 
 
@@ -62,8 +61,7 @@ def every(path: Path) -> list[str]:
     found = [r for r in rows if "schedule" in r]
     bad = [r for r in found if not (r["status"] == "ok" and r["correct"])]
     stopped = [r for r in rows if "schedule" not in r]
-    per_program = Counter(r["program"] for r in found)
-    lines = [f"{len(found) - len(bad)}/{len(found)} schedules ok in {len(per_program)} programs; "
+    lines = [f"{len(found) - len(bad)}/{len(found)} schedules ok in {len({r['program'] for r in found})} programs; "
              f"stopped or not started: {', '.join(r['program'] for r in stopped) or 'none'}"]
     lines += [f"  {r['program']}: {r['schedule'][:70]}  {r['status']}: {(r['error'] or '')[:160]}" for r in bad[:15]]
     return lines
