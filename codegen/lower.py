@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 from coconet.errors import BackendError
-from coconet.kernels.native import ChunkKernel, Untranslatable, c_source
+from coconet.kernels.native import HALF, ChunkKernel, Untranslatable, c_source
 from coconet.schedules.dims import Dim
 from coconet.schedules.infer import broadcast_shapes
 from coconet.schedules.ir import COMPARE, EFFECTS, VIEWS, Group, Program, Stmt
@@ -1402,20 +1402,23 @@ def _native_chunk(e: _Emitter, compute: list[str], inplace: dict[str, str], into
     constants: list[tuple[str, float]] = []
     host: set[str] = set()
     peer_params = {args[peers[m]]: p[m].type.dtype for m in into}
+
+    def of(dtype, kind: str) -> str:  # the kind of rows of a half-precision dtype (bf16 rows, f16 peers, …)
+        return f"{HALF[dtype]} {kind}" if dtype in HALF else kind
+
     for expr, param in args.items():
         cut = _CUT.fullmatch(expr)
         if param in peer_params:
-            kind = "bf16 peers" if peer_params[param] == "bfloat16" else "peers"
+            kind = of(peer_params[param], "peers")
         elif param in parts_names:
-            source = sources[parts_names.index(param)]
-            kind = "bf16 parts" if pre and p[source].type.dtype == "bfloat16" else "parts"
+            kind = of(p[sources[parts_names.index(param)]].type.dtype, "parts") if pre else "parts"
         elif param in (ranked or {}).values():
             kind = "rank numbers"
         elif param in slot_params:
-            kind = "bf16 rows" if p[slot_params[param]].type.dtype == "bfloat16" else "rows"
+            kind = of(p[slot_params[param]].type.dtype, "rows")
         elif cut:
             tensor = by_ident.get(cut.group(1))
-            kind = "bf16 rows" if tensor is not None and tensor.type.dtype == "bfloat16" else "rows"
+            kind = of(tensor.type.dtype, "rows") if tensor is not None else "rows"
         elif expr in by_ident and by_ident[expr].type is not None and by_ident[expr].type.dtype != "int64":
             kind = "scalar" if by_ident[expr].type.shape == () else "rows"
             if kind == "scalar" and by_ident[expr].op == "const":
@@ -1431,12 +1434,12 @@ def _native_chunk(e: _Emitter, compute: list[str], inplace: dict[str, str], into
         return text if text.isidentifier() else None
 
     stmts, sums, pre_stmts = [], [], []
-    if pre and any(p[x].type.dtype not in ("float32", "bfloat16") for x in sources):
+    if pre and any(p[x].type.dtype != "float32" and p[x].type.dtype not in HALF for x in sources):
         return None
     for m in (*pre, *compute):
         s = p[m]
         dtype = ("bool" if s.op in COMPARE
-                 else "bfloat16" if s.op == "cast" and s.attr("dtype") == "bfloat16" else "float32")
+                 else s.attr("dtype") if s.op == "cast" and s.attr("dtype") in HALF else "float32")
         if s.type is None or (s.type.dtype or "float32") != dtype or s.op == "dropout":
             return None
         operands = [name_of(e.operand(s, a)) for a in s.args]

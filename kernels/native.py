@@ -14,10 +14,12 @@ whatever the machine has (-march=native), SSE at least.
 Only float32 statements of the ``OPS`` table (IEEE operations the C compiler keeps as written: no
 contraction into fused multiply-adds, no reassociation), powers by the constants of ``POWERS``,
 comparisons and the ``where`` and ``cast`` that read them, and partial sums (summed in double) are
-translated (and bfloat16 rows of every rank that a cast to float32 reads before they are summed, the
-mixed-precision gradient; and a cast to bfloat16 that is only stored, into a bfloat16 state and the peers'
-copies of it, the bfloat16 copy of the weights that mixed-precision training keeps beside the float32
-master, or into this rank's slot of the gather of a program output); anything else keeps Inductor's kernel.
+translated (and bfloat16 or float16 rows of every rank that a cast to float32 reads before they are summed,
+the mixed-precision gradient; and a cast to bfloat16 or float16 that is only stored, into a state of that
+dtype and the peers' copies of it, the half-precision copy of the weights that mixed-precision training keeps
+beside the float32 master, or into this rank's slot of the gather of a program output); anything else keeps
+Inductor's kernel. float16 is converted as torch's vectorised cast converts it, by F16C where the machine
+has it and by hand where it does not.
 exp and log among them: in C (Cephes' polynomials, 16 floats a vector, fused multiply-adds) the chunk of an
 Adam with a softplus (benchmarks/programs/sadam.py) stepped 1.10x Inductor's at world 2 and 0.99x at world
 4, Sleef's exp and log winning back what the streamed stores save. A chunk is C only where it stores into
@@ -27,7 +29,7 @@ here the reciprocal of the correctly rounded square root or square, as eager tor
 Inductor's kernel is at times an ulp from it. A host number divided by a tensor is the tensor's reciprocal
 times the number, as both compute it (RDIV).
 The generated module checks at each call that every tensor is a contiguous float32 CPU tensor (the
-bfloat16 rows bfloat16) of the chunk's length and every scalar one number, and hands the call to
+half-precision rows of their dtype) of the chunk's length and every scalar one number, and hands the call to
 Inductor's kernel otherwise (a broadcast operand, a tensor that needs autograd).
 """
 
@@ -66,8 +68,20 @@ REDUCE = {"sum": OPS["add"], "avg": OPS["add"], "prod": OPS["mul"], "max": OPS["
 
 LINE = 16  # float32 values per 64-byte cache line
 
+# the half-precision dtypes, by the name their C helpers take (ld_bf16, round_f16, …): a value of one is held as
+# the float32 it widens to
+HALF = {"bfloat16": "bf16", "float16": "f16"}
+DTYPE = {tag: dtype for dtype, tag in HALF.items()}
+
 KINDS = {"dim": "d", "scalar": "s", "rows": "t", "parts": "l", "bf16 parts": "h", "peers": "p", "rank numbers": "q",
-         "bf16 rows": "u", "bf16 peers": "b"}
+         "bf16 rows": "u", "bf16 peers": "b", "f16 parts": "k", "f16 rows": "x", "f16 peers": "y"}
+
+
+def half(kind: str | None) -> str | None:
+    """The half-precision tag of a kind (``bf16 rows`` -> ``bf16``); None for a float32 one."""
+    tag = (kind or "").split(" ")[0]
+    return tag if tag in DTYPE else None
+
 
 _PRELUDE = """#include <immintrin.h>
 #include <math.h>
@@ -133,10 +147,43 @@ static inline void stream_line(float *d, v8 x, v8 y) {
 }
 """
 
-# one 64-byte line of 32 bfloat16 values, its address aligned, past the cache: four 16-byte streamed stores
-# back to back fill the write-combining buffer whole
-_BF16_LINE = """static inline void stream_line_bf16(uint16_t *d, v8 x, v8 y, v8 z, v8 w) {
-    const v8h h[4] = {vbits_bf16(x), vbits_bf16(y), vbits_bf16(z), vbits_bf16(w)};
+_F16 = """/* float16 as torch's vectorised cast has it (F16C's conversions): widened exactly, rounded to nearest, ties to
+   even. Without F16C, by hand (FP16's fp16_ieee_{to,from}_fp32_value): the same bits but a NaN's payload */
+#ifdef __F16C__
+static inline float f16(uint16_t x) { return _cvtsh_ss(x); }
+static inline uint16_t bits_f16(float x) { return (uint16_t)_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT); }
+static inline v8 vwiden_f16(v8h h) { return (v8)_mm256_cvtph_ps((__m128i)h); }
+static inline v8h vbits_f16(v8 x) { return (v8h)_mm256_cvtps_ph((__m256)x, _MM_FROUND_TO_NEAREST_INT); }
+#else
+static inline float f16(uint16_t x) {
+    const uint32_t w = (uint32_t)x << 16, sign = w & 0x80000000u, two_w = w + w;
+    uint32_t u = (two_w >> 4) + (0xe0u << 23); float normal; memcpy(&normal, &u, sizeof u); normal *= 0x1.0p-112f;
+    u = (two_w >> 17) | (126u << 23); float subnormal; memcpy(&subnormal, &u, sizeof u); subnormal -= 0.5f;
+    const float f = two_w < (1u << 27) ? subnormal : normal;
+    memcpy(&u, &f, sizeof u); u |= sign; float r; memcpy(&r, &u, sizeof r); return r;
+}
+static inline uint16_t bits_f16(float x) {
+    float base = (fabsf(x) * 0x1.0p+112f) * 0x1.0p-110f;
+    uint32_t w; memcpy(&w, &x, sizeof w);
+    const uint32_t shl1 = w + w, sign = w & 0x80000000u;
+    uint32_t bias = shl1 & 0xff000000u; if (bias < 0x71000000u) bias = 0x71000000u;
+    bias = (bias >> 1) + 0x07800000u; float b; memcpy(&b, &bias, sizeof b); base = b + base;
+    uint32_t bits; memcpy(&bits, &base, sizeof bits);
+    return (uint16_t)((sign >> 16) | (shl1 > 0xff000000u ? 0x7e00u : ((bits >> 13) & 0x7c00u) + (bits & 0x0fffu)));
+}
+static inline v8 vwiden_f16(v8h h) { float t[8]; for (int q = 0; q < 8; q++) t[q] = f16(h[q]); return ld(t); }
+static inline v8h vbits_f16(v8 x) { float t[8]; st(t, x); v8h h; for (int q = 0; q < 8; q++) h[q] = bits_f16(t[q]); return h; }
+#endif
+static inline v8 ld_f16(const uint16_t *p) { v8h h; memcpy(&h, p, sizeof h); return vwiden_f16(h); }
+static inline float round_f16(float x) { return f16(bits_f16(x)); }
+static inline v8 vround_f16(v8 x) { return vwiden_f16(vbits_f16(x)); }
+static inline void st_f16(uint16_t *p, v8 x) { v8h h = vbits_f16(x); memcpy(p, &h, sizeof h); }
+"""
+
+# one 64-byte line of 32 half-precision values, its address aligned, past the cache: four 16-byte streamed
+# stores back to back fill the write-combining buffer whole
+_HALF_LINE = """static inline void stream_line_TAG(uint16_t *d, v8 x, v8 y, v8 z, v8 w) {
+    const v8h h[4] = {vbits_TAG(x), vbits_TAG(y), vbits_TAG(z), vbits_TAG(w)};
     for (int q = 0; q < 4; q++) _mm_stream_si128((__m128i *)d + q, (__m128i)h[q]);
 }
 """
@@ -148,9 +195,10 @@ class ChunkKernel:
 
     ``params``: (name, kind) in the Python kernel's order; kind is ``dim`` (unused here), ``scalar`` (a
     number or a one-element tensor), ``rows`` (the chunk's rows of a tensor), ``parts`` (the chunk's rows on
-    every rank, summed; ``bf16 parts`` where they are bfloat16, which only casts to float32 read), ``rank
-    numbers`` (see ``ranked``) or ``peers`` (the chunk's rows of every peer's copy of a state); ``bf16 rows``
-    and ``bf16 peers`` the same of a bfloat16 state, which only the values of casts to bfloat16 are stored
+    every rank, summed; ``bf16 parts`` or ``f16 parts`` where they are bfloat16 or float16, which only casts
+    to float32 read), ``rank numbers`` (see ``ranked``) or ``peers`` (the chunk's rows of every peer's copy of
+    a state); ``bf16 rows`` and ``bf16 peers`` (``f16 …``) the same of a bfloat16 (float16) state, which only
+    the values of casts to its dtype are stored
     into. ``parts``: (the value they sum to, their parameter, ``sum`` or ``avg``). ``stmts``: (name, op,
     operands, constant) in order. ``numbers``: the statements that are host numbers. ``writes``: (rows
     parameter, value stored into it). ``streams``: (peers parameter, value stored into each). ``sums``: (name,
@@ -208,9 +256,10 @@ def c_source(k: ChunkKernel) -> str:
     become ``p_<name>`` (a program may name a value ``n``). Raises Untranslatable."""
     kind = dict(k.params)
     masks = {name for name, op, *_ in (*k.pre, *k.stmts) if op in COMPARE}
-    # casts to bfloat16: held as the float32 they widen to, read only by stores into bfloat16 tensors (and a
-    # cast back to float32); arithmetic on them would round as torch's bfloat16 kernels do, which C does not
-    halves = {name for name, op, _, value in k.stmts if op == "cast" and value == "bfloat16"}
+    # casts to a half-precision dtype: held as the float32 they widen to, read only by stores into tensors of
+    # that dtype (and a cast back to float32); arithmetic on them would round as torch's half-precision
+    # kernels do, which C does not
+    halves = {name: value for name, op, _, value in k.stmts if op == "cast" and value in HALF}
     values = {name for name, *_ in (*k.pre, *k.stmts)} | ({k.parts[0]} if k.parts else set())
     values |= ({k.part} if k.part else set()) | {name for name, _ in (*k.ranked, *k.also)}
     rows_of = ({k.part: k.parts[1]} if k.part and k.parts else {}) | dict(k.also)  # each input's parts
@@ -223,7 +272,7 @@ def c_source(k: ChunkKernel) -> str:
     def ref(name: str, vector: bool, stored: str = "float32") -> str:
         if name in masks:
             raise Untranslatable(f"comparison {name} read as a number")
-        if (name in halves) != (stored == "bfloat16"):
+        if halves.get(name, "float32") != stored:
             raise Untranslatable(f"{name} read as {stored}" if name in halves else f"{name} stored as {stored}")
         if name in k.numbers:
             return f"vn_{name}" if vector else f"((float)p_{name})"
@@ -244,15 +293,15 @@ def c_source(k: ChunkKernel) -> str:
             fields.append(f"float p_{name};")
             unpack.append(f"a.p_{name} = scal[{scalars}];")
             scalars += 1
-        elif what in ("rows", "bf16 rows"):
-            element = "uint16_t" if what == "bf16 rows" else "float"
+        elif what == "rows" or what.endswith(" rows") and half(what):
+            element = "uint16_t" if half(what) else "float"
             fields.append(f"{element} *p_{name};")
             unpack.append(f"a.p_{name} = ({element} *)ptr[at++];")
         elif what == "rank numbers":
             fields.append(f"const float *p_{name};")
             unpack.append(f"a.p_{name} = (const float *)ptr[at++];")
-        elif what in ("parts", "bf16 parts", "peers", "bf16 peers"):
-            element = {"bf16 parts": "const uint16_t", "bf16 peers": "uint16_t"}.get(what, "float")
+        elif what.endswith(("parts", "peers")):
+            element = ("const uint16_t" if what.endswith("parts") else "uint16_t") if half(what) else "float"
             fields += [f"{element} *const *p_{name};", f"long n_{name};"]
             unpack.append(f"a.p_{name} = ({element} *const *)(ptr + at); a.n_{name} = count[{lists}]; "
                           f"at += count[{lists}];")
@@ -295,9 +344,10 @@ def c_source(k: ChunkKernel) -> str:
                 x, y = (ref(a, vector) for a in args[1:])
                 out.append(f"const {t} p_{name} = (a->p_{args[0]} != 0.0f) ? {x} : {y};")
             elif op == "cast" and value == "float32" and (args[0] in rows_of or args[0] in halves):
-                out.append(f"const {t} p_{name} = p_{args[0]};")  # rows loaded as float32; a bfloat16 widened
-            elif op == "cast" and value == "bfloat16" and name in halves and args[0] not in k.numbers:
-                out.append(f"const {t} p_{name} = {'vround_bf16' if vector else 'round_bf16'}({ref(args[0], vector)});")
+                out.append(f"const {t} p_{name} = p_{args[0]};")  # rows loaded as float32; a half widened
+            elif op == "cast" and value in HALF and halves.get(name) == value and args[0] not in k.numbers:
+                rounded = f"{'vround' if vector else 'round'}_{HALF[value]}"
+                out.append(f"const {t} p_{name} = {rounded}({ref(args[0], vector)});")
             elif op == "cast" and value == "float32" and args[0] in masks:
                 one = "(v8){0} + 1.0f" if vector else "1.0f"
                 out.append(f"const {t} p_{name} = " + (f"vsel(p_{args[0]}, {one}, (v8){{0}});" if vector
@@ -311,25 +361,26 @@ def c_source(k: ChunkKernel) -> str:
         out = [f"const {t} p_{n} = " + (f"splat(a->p_{n});" if vector else f"a->p_{n};")
                for n, what in k.params if what == "scalar"]
         out += [f"float *const p_{n} = a->p_{n};" for n, what in k.params if what == "rows"]
-        out += [f"uint16_t *const p_{n} = a->p_{n};" for n, what in k.params if what == "bf16 rows"]
+        out += [f"uint16_t *const p_{n} = a->p_{n};" for n, what in k.params if what.endswith(" rows") and half(what)]
         out += numbers
         if vector:
             out += [f"const v8 vn_{n} = splat((float)p_{n});" for n in sorted(k.numbers)]
         if k.parts is not None:
             total, plist, op = k.parts
-            if kind.get(plist) not in ("parts", "bf16 parts") or op not in REDUCE:
+            if not kind.get(plist, "").endswith("parts") or op not in REDUCE:
                 raise Untranslatable(f"parts {plist} ({op})")
 
             def combine(x: str) -> str:  # p_total <- p_total (op) x, in the order torch reduces them
                 return f"p_{total} = {REDUCE[op][vector].format(f'p_{total}', x)};"
 
             def load(param: str, rank: str) -> str:
-                if kind.get(param) == "bf16 parts":  # read only through casts to float32, which widen exactly
+                tag = half(kind.get(param))
+                if tag and kind[param].endswith("parts"):  # read only through casts to float32: widened exactly
                     name = next((x for x, q in rows_of.items() if q == param), None)
                     if name is None or any(name in args and (op != "cast" or value != "float32")
                                            for _, op, args, value in k.pre):
-                        raise Untranslatable(f"bfloat16 rows {param} read but by a cast to float32")
-                    return f"ld_bf16(a->p_{param}[{rank}] + i)" if vector else f"bf16(a->p_{param}[{rank}][i])"
+                        raise Untranslatable(f"{DTYPE[tag]} rows {param} read but by a cast to float32")
+                    return f"ld_{tag}(a->p_{param}[{rank}] + i)" if vector else f"{tag}(a->p_{param}[{rank}][i])"
                 if kind.get(param) != "parts":
                     raise Untranslatable(f"rows {param} of every rank not passed as such")
                 return f"ld(a->p_{param}[{rank}] + i)" if vector else f"a->p_{param}[{rank}][i]"
@@ -351,18 +402,19 @@ def c_source(k: ChunkKernel) -> str:
                 out.append(f"p_{total} /= (float)a->n_{plist};")
         out += statements(k.stmts, vector)
         for target, value in k.writes:
-            if kind.get(target) not in ("rows", "bf16 rows") or value not in values:
+            tag = half(kind.get(target))
+            if not kind.get(target, "").endswith("rows") or value not in values:
                 raise Untranslatable(f"a write of {value} into {target}")
-            if kind[target] == "bf16 rows":
-                out.append(f"st_bf16(p_{target} + i, {ref(value, True, 'bfloat16')});" if vector
-                           else f"p_{target}[i] = bits_bf16({ref(value, False, 'bfloat16')});")
+            if tag:
+                out.append(f"st_{tag}(p_{target} + i, {ref(value, True, DTYPE[tag])});" if vector
+                           else f"p_{target}[i] = bits_{tag}({ref(value, False, DTYPE[tag])});")
             else:
                 out.append(f"st(p_{target} + i, {ref(value, True)});" if vector
                            else f"p_{target}[i] = {ref(value, False)};")
         for s, (target, value) in enumerate(k.streams):
-            if kind.get(target) not in ("peers", "bf16 peers") or value not in tensors:
+            if not kind.get(target, "").endswith("peers") or value not in tensors:
                 raise Untranslatable(f"a stream of {value} into {target}")
-            out.append(f"out[{s}] = {ref(value, vector, 'bfloat16' if kind[target] == 'bf16 peers' else 'float32')};")
+            out.append(f"out[{s}] = {ref(value, vector, DTYPE.get(half(kind[target]), 'float32'))};")
         for s, (_, value) in enumerate(k.sums, len(k.streams)):
             if value not in tensors:
                 raise Untranslatable(f"a sum of {value}")
@@ -371,10 +423,12 @@ def c_source(k: ChunkKernel) -> str:
 
     ns, nout = len(k.streams), max(1, len(k.streams) + len(k.sums))
     peers = [target for target, _ in k.streams]
-    halved = {p for p in peers if kind[p] == "bf16 peers"}
+    halved = {p: half(kind[p]) for p in peers if half(kind[p])}
     streamed = [p for p in peers if p not in halved]
     ind = "    "
-    lines = [_PRELUDE + (_BF16_LINE if halved else ""), "typedef struct {", *(ind + f for f in fields), "} args_t;", "",
+    f16 = "float16" in halves.values() or any(half(what) == "f16" for _, what in k.params)
+    lines = [_PRELUDE + (_F16 if f16 else "")
+             + "".join(_HALF_LINE.replace("TAG", tag) for tag in sorted(set(halved.values()))), "typedef struct {", *(ind + f for f in fields), "} args_t;", "",
              "/* row i of the chunk; its values for the peers' copies into out */",
              "static inline __attribute__((always_inline)) void row(const args_t *a, long i, float *out) {",
              *(ind + x for x in body(False)), "}", "",
@@ -389,7 +443,7 @@ def c_source(k: ChunkKernel) -> str:
         lines.append(ind + f"double tot[{len(k.sums)}] = {{0}};")
         lines.append(ind + f"v4d acc[{len(k.sums)}] = {{{{0}}}};")
     summed = [f"tot[{j}] += (double)o[{ns + j}];" for j in range(len(k.sums))]
-    plain = [f"for (long r = 0; r < a.n_{p}; r++) a.p_{p}[r][i] = " + (f"bits_bf16(o[{s}]);" if p in halved
+    plain = [f"for (long r = 0; r < a.n_{p}; r++) a.p_{p}[r][i] = " + (f"bits_{halved[p]}(o[{s}]);" if p in halved
                                                                         else f"o[{s}];") for s, p in enumerate(peers)]
 
     def one_by_one(until: str) -> list[str]:  # rows i .. until, one at a time (a head or the tail)
@@ -401,8 +455,8 @@ def c_source(k: ChunkKernel) -> str:
                 for p in group]
 
     if halved:
-        # a bfloat16 line holds 32 rows: the loop takes 32 a step so that each line is streamed whole (half a
-        # line a step went out as partial writes), from the row where the bfloat16 copies' lines start; the
+        # a half-precision line holds 32 rows: the loop takes 32 a step so that each line is streamed whole (half
+        # a line a step went out as partial writes), from the row where the half copies' lines start; the
         # float32 copies are streamed too where their lines start on that row
         first = sorted(halved)[0]
         lines += [ind + f"uintptr_t off16 = a.n_{first} ? (uintptr_t)a.p_{first}[0] & 63 : 0;",
@@ -441,8 +495,9 @@ def c_source(k: ChunkKernel) -> str:
               *(ind * 2 + f"rows8(&a, {'i' if j == 0 else f'i + {8 * j}'}, {v});" for j, v in enumerate(parts))]
     for s, p in enumerate(peers):
         if p in halved:
-            store = branch("nt16", [f"stream_line_bf16(d, {', '.join(f'{v}[{s}]' for v in parts)});"],
-                           [f"st_bf16({at(j, 8)}, {v}[{s}]);" for j, v in enumerate(parts)])
+            tag = halved[p]
+            store = branch("nt16", [f"stream_line_{tag}(d, {', '.join(f'{v}[{s}]' for v in parts)});"],
+                           [f"st_{tag}({at(j, 8)}, {v}[{s}]);" for j, v in enumerate(parts)])
         else:
             store = branch("nt", [f"stream_line({at(j, 16)}, {parts[2 * j]}[{s}], {parts[2 * j + 1]}[{s}]);"
                                   for j in range(len(parts) // 2)],

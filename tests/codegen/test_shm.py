@@ -102,13 +102,15 @@ def test_compiled_fused_collective_gathers_straight_into_the_state(monkeypatch, 
     assert len(list((tmp_path / "kernels").glob("chunk_*.so"))) == 1
 
 
-def test_the_bfloat16_copy_of_the_weights_is_written_by_the_c_chunk():
-    """Mixed-precision Adam (benchmarks/programs/adam_bf16_params.py): the fused collective's chunk kernel
-    rounds the new weights to bfloat16 and stores them into this rank's rows and the peers' copies in C,
-    beside the float32 state (a cast to bfloat16 had kept Inductor's kernel for the whole chunk, whose
-    ordinary stores into the peers' copies read each line first). The copy every rank ends with is the
-    reference's, moments whole and sharded, R = 2 and 3, uneven rows, one chunk and several."""
-    prog = runpy.run_path(str(Path(__file__).parents[2] / "benchmarks/programs/adam_bf16_params.py"))["program"].ir
+@pytest.mark.parametrize("name,tag,letters,worlds", [("adam_bf16_params", "bf16", "buh", ((2, 1001), (3, 37))),
+                                                      ("adam_fp16_params", "f16", "yxk", ((3, 37),))])
+def test_the_half_precision_copy_of_the_weights_is_written_by_the_c_chunk(name, tag, letters, worlds):
+    """Mixed-precision Adam (benchmarks/programs/adam_bf16_params.py, adam_fp16_params.py): the fused
+    collective's chunk kernel rounds the new weights to the half dtype and stores them into this rank's rows
+    and the peers' copies in C, beside the float32 state (a cast to bfloat16 had kept Inductor's kernel for the
+    whole chunk, whose ordinary stores into the peers' copies read each line first). The copy every rank ends
+    with is the reference's, moments whole and sharded, uneven rows, one chunk and several."""
+    prog = runpy.run_path(str(Path(__file__).parents[2] / f"benchmarks/programs/{name}.py"))["program"].ir
     fused = [s for s in generate(prog) if "fuse_collective" in s.text]
     assert any("as_slice(m)" in s.text for s in fused) and any("as_slice" not in s.text for s in fused)
     whole = [s for s in fused if "as_slice(w16)" not in s.text]  # a copy left sharded goes to no peer
@@ -116,9 +118,9 @@ def test_the_bfloat16_copy_of_the_weights_is_written_by_the_c_chunk():
     for s in whole:
         source = lower(s, "shm").source
         kinds = re.search(r"_chunk0 = _native\(_kernel\(_chunk0\), '(\w+)'", source)
-        assert kinds and {"b", "u", "h"} <= set(kinds.group(1)), s.text  # w16's peers and rows, g's bf16 parts
-        assert "st_bf16(p_w16_k + i, p_cast1);" in source and "st_bf16(d, x[" in source
-    for world, n in ((2, 1001), (3, 37)):
+        assert kinds and set(letters) <= set(kinds.group(1)), s.text  # w16's peers and rows, g's half parts
+        assert f"st_{tag}(p_w16_k + i, p_cast1);" in source and f"st_{tag}(d, x[" in source
+    for world, n in worlds:
         assert_all_ok(run_schedules([s.with_knobs(fc_chunks=k) for s in fused for k in (1, 4)],
                                     Options(world=world, sizes={"N": n}, backend="shm", warmup=1, repeats=2)))
     assert not segments()

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coconet.codegen import shm
-from coconet.kernels.native import COMPARE, OPS, POWERS, ChunkKernel, Untranslatable, c_source
+from coconet.kernels.native import COMPARE, HALF, OPS, POWERS, ChunkKernel, Untranslatable, c_source
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
 
@@ -101,8 +101,9 @@ def chunk_kernels(draw):
     # scalar or the rank's number
     pre, last = [], "q"
     ranked = draw(st.booleans())
-    bf16 = draw(st.booleans())  # the rows bfloat16, which a cast to float32 reads first (a mixed-precision gradient)
-    if bf16:
+    # the rows bfloat16 or float16, which a cast to float32 reads first (a mixed-precision gradient)
+    half = draw(st.sampled_from([None, "bfloat16", "float16"]))
+    if half:
         pre.append(("uc", "cast", ("q",), "float32"))
         last = "uc"
     for j in range(draw(st.integers(0, 3))):
@@ -114,16 +115,16 @@ def chunk_kernels(draw):
         last = f"u{j}"
     # rows of a second input read alongside, rank by rank (the sum of earlier micro-batches' gradients)
     two = bool(pre) and draw(st.booleans())
-    bf16_two = two and draw(st.booleans())
+    half_two = draw(st.sampled_from([None, "bfloat16", "float16"])) if two else None
     if two:
         other = "q2"
-        if bf16_two:
+        if half_two:
             pre.append(("uc2", "cast", ("q2",), "float32"))
             other = "uc2"
         pre.append(("uz", draw(st.sampled_from(sorted(BINARY))), draw(st.permutations([last, other])), None))
-    params = tuple((n, "bf16 parts" if bf16 and n == "g_parts" else k) for n, k in PARAMS)
+    params = tuple((n, f"{HALF[half]} parts" if half and n == "g_parts" else k) for n, k in PARAMS)
     if two:
-        params = params[:4] + (("g2_parts", "bf16 parts" if bf16_two else "parts"),) + params[4:]
+        params = params[:4] + (("g2_parts", f"{HALF[half_two]} parts" if half_two else "parts"),) + params[4:]
     if ranked:  # every rank's number comes after the parts
         params = params[:4 + two] + (("k_ranks", "rank numbers"),) + params[4 + two:]
     return ChunkKernel(params=params, parts=("g", "g_parts", draw(st.sampled_from(sorted(REDUCTIONS)))),
@@ -202,19 +203,21 @@ def operands(n, offsets, peers=3, parts=3, seed=0):
 
 def chunk_inputs(k, n, offsets):
     """What the Python kernel of a chunk_kernels() kernel takes: the peers, a and b, every rank's parts
-    (bfloat16 where the kernel says so), a second input's parts and every rank's number where the kernel reads
-    them (else None), s."""
+    (bfloat16 or float16 where the kernel says so), a second input's parts and every rank's number where the
+    kernel reads them (else None), s."""
     peers, a, b, parts, s = operands(n, offsets)
     kind = dict(k.params)
-    if kind["g_parts"] == "bf16 parts":
-        parts = [p.bfloat16() for p in parts]
+    parts = [p.to(dtype_of(kind["g_parts"])) for p in parts]
     parts2 = None
     if k.also:
-        parts2 = [p.neg() * 0.5 for p in operands(n, offsets[::-1], seed=1)[3]]
-        if kind["g2_parts"] == "bf16 parts":
-            parts2 = [p.bfloat16() for p in parts2]
+        parts2 = [p.neg().mul(0.5).to(dtype_of(kind["g2_parts"])) for p in operands(n, offsets[::-1], seed=1)[3]]
     ranks = torch.tensor([0.5, -1.25, 3.0])[:len(parts)] if "q" in k.kinds else None
     return peers, a, b, parts, parts2, ranks, s
+
+
+def dtype_of(kind: str) -> torch.dtype:
+    tag = kind.split(" ")[0]
+    return getattr(torch, next((dtype for dtype, t in HALF.items() if t == tag), "float32"))
 
 
 def given_after_parts(parts2, ranks):
@@ -256,10 +259,10 @@ def test_the_c_kernel_computes_the_bits_torch_does(tmp_path_factory, k, n, offse
         torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
 
 
-def assert_same_bfloat16(got, want, msg=""):
-    """The same bits, but for a NaN's (torch's own kernels round a NaN to 0xffff vectorised and to 0x7fc0 one
-    at a time)."""
-    assert got.dtype == want.dtype == torch.bfloat16, msg
+def assert_same_half(got, want, msg=""):
+    """The same bits, but for a NaN's (torch's own kernels round a NaN to bfloat16 0xffff vectorised and to
+    0x7fc0 one at a time; to float16, F16C keeps some of a NaN's payload where torch's scalar cast does not)."""
+    assert got.dtype == want.dtype and want.dtype in (torch.bfloat16, torch.float16), msg
     nan = want.isnan()
     assert torch.equal(got.isnan(), nan), msg
     assert torch.equal(got.view(torch.int16)[~nan], want.view(torch.int16)[~nan]), msg
@@ -270,67 +273,106 @@ def assert_same_bfloat16(got, want, msg=""):
        offsets=st.tuples(st.sampled_from([0, 1, 3]), st.sampled_from([0, 2]), st.sampled_from([0, 5]),
                          st.sampled_from([0, 5, 6])),
        halves=st.tuples(st.sampled_from([0, 1, 8, 16]), st.sampled_from([0, 3, 8, 16, 24]),
-                        st.sampled_from([0, 3, 24])), data=st.data())
-def test_a_value_cast_to_bfloat16_is_stored_as_torch_rounds_it(tmp_path_factory, k, n, offsets, halves, data):
-    """A bfloat16 state beside the float32 ones (the copy of the weights mixed-precision training keeps):
-    a value of the chunk cast to bfloat16, stored into this rank's rows and the peers' copies at every offset
+                        st.sampled_from([0, 3, 24])), dtype=st.sampled_from(sorted(HALF)), data=st.data())
+def test_a_value_cast_to_half_precision_is_stored_as_torch_rounds_it(tmp_path_factory, k, n, offsets, halves,
+                                                                     dtype, data):
+    """A bfloat16 or float16 state beside the float32 ones (the copy of the weights mixed-precision training
+    keeps): a value of the chunk cast to it, stored into this rank's rows and the peers' copies at every offset
     of those in their lines (32 rows a line, streamed where every copy starts at one offset in its line,
     stored plainly otherwise), beside the float32 peers (streamed or not), with the bits torch's cast gives."""
     # the value also streamed into the float32 peers: the bfloat16 must be torch's cast of what C computed
     # (a sign of zero from maximum or minimum may differ from the reference's, as torch's own kernels differ)
     tensors = [x for x, op, *_ in k.stmts if x not in k.numbers and op not in COMPARE] + ["g"]
     value = data.draw(st.sampled_from(tensors))
-    params = k.params[:1] + (("y_peers", "bf16 peers"),) + k.params[1:3] + (("c", "bf16 rows"),) + k.params[3:]
-    k = dataclasses.replace(k, params=params, stmts=k.stmts + (("h", "cast", (value,), "bfloat16"),),
+    tag = HALF[dtype]
+    params = k.params[:1] + ((("y_peers", f"{tag} peers"),) + k.params[1:3] + (("c", f"{tag} rows"),)
+                             + k.params[3:])
+    k = dataclasses.replace(k, params=params, stmts=k.stmts + (("h", "cast", (value,), dtype),),
                             writes=k.writes + (("c", "h"),), streams=(("x_peers", value), ("y_peers", "h")))
     peers, a, b, parts, parts2, ranks, s = chunk_inputs(k, n, offsets)
-    halves_peers = [cut(torch.zeros(n + 64, dtype=torch.bfloat16), halves[1 + i % 2], n) for i in range(3)]
-    c = cut(torch.zeros(n + 64, dtype=torch.bfloat16), halves[0], n)
+    halves_peers = [cut(torch.zeros(n + 64, dtype=getattr(torch, dtype)), halves[1 + i % 2], n) for i in range(3)]
+    c = cut(torch.zeros(n + 64, dtype=getattr(torch, dtype)), halves[0], n)
     args = (peers, halves_peers, a, b, c, parts, *given_after_parts(parts2, ranks), s)
     with pytest.MonkeyPatch.context() as m:
         run_native(k, args, m, tmp_path_factory.mktemp("cache"))
-    want = peers[0].to(torch.bfloat16)
-    assert_same_bfloat16(c, want, "this rank's rows")
+    want = peers[0].to(getattr(torch, dtype))
+    assert_same_half(c, want, "this rank's rows")
     for got in halves_peers:
-        assert_same_bfloat16(got, want, "a peer's copy")
+        assert_same_half(got, want, "a peer's copy")
 
 
-def test_the_rounding_to_bfloat16_is_torchs_at_its_edges(monkeypatch, tmp_path):
-    """Ties to even either way, a carry into the exponent, the largest float rounding to infinity, subnormals,
-    signed zeros and NaNs of either sign: as torch's cast gives them, in the vector loop and one by one."""
+@pytest.mark.parametrize("dtype,flags", [("bfloat16", ()), ("float16", ()), ("float16", ("-mno-f16c",))],
+                         ids=["bfloat16", "float16", "float16-by-hand"])
+def test_the_rounding_to_half_precision_is_torchs_at_its_edges(monkeypatch, tmp_path, dtype, flags):
+    """Ties to even either way, a carry into the exponent, the largest values rounding to infinity, subnormals
+    of either dtype, signed zeros and NaNs of either sign: as torch's cast gives them, in the vector loop and
+    one by one; float16 through F16C and, on a machine without it, by hand."""
+    if flags:  # the same source compiled as for a machine without F16C
+        build = shm._native_library
+        monkeypatch.setattr(shm, "_native_library", lambda source, name, f, what: build(source, name, [*f, *flags], what))
     edges = [1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8, 1.0 + 2.0 ** -8 + 2.0 ** -20, 2.0 - 2.0 ** -9, 3.4028235e38,
              3.3961776e38, 1e-40, -1e-45, 0.0, -0.0, float("inf"), -float("inf"), float("nan"), -float("nan"),
-             -1.00390625, 65504.0, 1.1754944e-38]
+             -1.00390625, 65504.0, 1.1754944e-38,
+             # float16's: ties at 1 and 2048, the largest finite and the first value that rounds past it,
+             # subnormals and the ties between them, the smallest normal, below half the smallest subnormal
+             1.0 + 2.0 ** -11, 1.0 + 3 * 2.0 ** -11, 2049.0, 2051.0, 65519.99, 65520.0, -65536.0, 2.0 ** -24,
+             2.0 ** -25, 3 * 2.0 ** -25, -5 * 2.0 ** -25, 2.0 ** -14 - 2.0 ** -25, 2.0 ** -26, 1e-3, 0.1]
     x = torch.tensor(edges * 6 + edges[:5])  # vectors of 8 and a tail
-    k = ChunkKernel(params=(("y_peers", "bf16 peers"), ("a", "rows"), ("c", "bf16 rows"), ("g_parts", "parts")),
-                    parts=("g", "g_parts", "sum"), stmts=(("h", "cast", ("a",), "bfloat16"),), numbers=frozenset(),
+    tag = HALF[dtype]
+    k = ChunkKernel(params=(("y_peers", f"{tag} peers"), ("a", "rows"), ("c", f"{tag} rows"), ("g_parts", "parts")),
+                    parts=("g", "g_parts", "sum"), stmts=(("h", "cast", ("a",), dtype),), numbers=frozenset(),
                     writes=(("c", "h"),), streams=(("y_peers", "h"),))
-    peers, c = [torch.zeros(len(x), dtype=torch.bfloat16)], torch.zeros(len(x), dtype=torch.bfloat16)
+    peers, c = [torch.zeros(len(x), dtype=getattr(torch, dtype))], torch.zeros(len(x), dtype=getattr(torch, dtype))
     run_native(k, (peers, x, c, [torch.zeros(len(x))]), monkeypatch, tmp_path)
-    want = x.to(torch.bfloat16)
-    assert_same_bfloat16(c, want)
-    assert_same_bfloat16(peers[0], want)
-    assert torch.equal(c.view(torch.int16)[x.isnan()], torch.full((int(x.isnan().sum()),), -1, dtype=torch.int16))
+    want = x.to(getattr(torch, dtype))
+    assert_same_half(c, want)
+    assert_same_half(peers[0], want)
+    if dtype == "bfloat16":
+        assert torch.equal(c.view(torch.int16)[x.isnan()], torch.full((int(x.isnan().sum()),), -1, dtype=torch.int16))
 
 
-def test_a_bfloat16_value_is_only_stored():
-    """Arithmetic on a value cast to bfloat16 rounds as torch's bfloat16 kernels do, which C does not: such a
-    value read but by a store into a bfloat16 tensor (or a cast back to float32), summed, stored into a float32
-    tensor, or a float32 value stored into a bfloat16 one, keeps Inductor's kernel."""
-    params = (("x_peers", "peers"), ("y_peers", "bf16 peers"), ("a", "rows"), ("c", "bf16 rows"),
-              ("g_parts", "parts"))
-    h = (("y0", "mul", ("a", "g"), None), ("h", "cast", ("a",), "bfloat16"))
+def test_float16_rows_are_widened_as_torch_casts_them(monkeypatch, tmp_path):
+    """Every float16 bit pattern, read by a cast to float32 before the ranks' rows are summed (the gradient of
+    mixed-precision training), F16C and by hand: the float32 torch's cast gives, NaNs NaN."""
+    bits = torch.arange(-2 ** 15, 2 ** 15, dtype=torch.int32).to(torch.int16)
+    rows = bits.view(torch.float16)
+    k = ChunkKernel(params=(("a", "rows"), ("g_parts", "f16 parts")), parts=("g", "g_parts", "sum"), stmts=(),
+                    numbers=frozenset(), writes=(("a", "g"),), streams=(), pre=(("uc", "cast", ("q",), "float32"),),
+                    part="q")
+    want = rows.float()
+    for flags in ((), ("-mno-f16c",)):
+        with pytest.MonkeyPatch.context() as m:
+            build = shm._native_library
+            m.setattr(shm, "_native_library", lambda source, name, f, what: build(source, name, [*f, *flags], what))
+            a = torch.zeros(len(rows))
+            run_native(k, (a, [rows]), m, tmp_path / "-".join(flags or ("f16c",)))
+        nan = want.isnan()
+        assert torch.equal(a.isnan(), nan), flags
+        assert torch.equal(a.view(torch.int32)[~nan], want.view(torch.int32)[~nan]), flags
+
+
+@pytest.mark.parametrize("dtype", sorted(HALF))
+def test_a_half_precision_value_is_only_stored(dtype):
+    """Arithmetic on a value cast to bfloat16 or float16 rounds as torch's kernels of that dtype do, which C
+    does not: such a value read but by a store into a tensor of its dtype (or a cast back to float32), summed,
+    stored into a float32 tensor or one of the other half dtype, or a float32 value stored into a half one,
+    keeps Inductor's kernel."""
+    tag, other = HALF[dtype], next(t for d, t in HALF.items() if d != dtype)
+    params = (("x_peers", "peers"), ("y_peers", f"{tag} peers"), ("a", "rows"), ("c", f"{tag} rows"),
+              ("e", f"{other} rows"), ("g_parts", "parts"))
+    h = (("y0", "mul", ("a", "g"), None), ("h", "cast", ("a",), dtype))
 
     def kernel(stmts=h, writes=(("c", "h"),), streams=(("x_peers", "y0"), ("y_peers", "h")), sums=()):
         return ChunkKernel(params, ("g", "g_parts", "sum"), stmts, frozenset(), writes, streams, sums)
 
-    assert "vround_bf16(ld(p_a + i))" in c_source(kernel())
+    assert f"vround_{tag}(ld(p_a + i))" in c_source(kernel())
     widened = c_source(kernel(h + (("f", "cast", ("h",), "float32"), ("y", "mul", ("f", "g"), None)),
                               streams=(("x_peers", "y"), ("y_peers", "h"))))
     assert "const v8 p_f = p_h;" in widened
     for bad in (kernel(h + (("y", "mul", ("h", "g"), None),)), kernel(writes=(("c", "h"), ("a", "h"))),
                 kernel(writes=(("c", "y0"),)), kernel(streams=(("x_peers", "h"), ("y_peers", "h"))),
-                kernel(streams=(("x_peers", "y0"), ("y_peers", "y0"))), kernel(sums=(("psum", "h"),))):
+                kernel(streams=(("x_peers", "y0"), ("y_peers", "y0"))), kernel(sums=(("psum", "h"),)),
+                kernel(writes=(("c", "h"), ("e", "h")))):
         with pytest.raises(Untranslatable):
             c_source(bad)
 

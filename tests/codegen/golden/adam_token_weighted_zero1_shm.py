@@ -694,11 +694,12 @@ def _native_library(source, name, flags, what):
 def _native(fn, kinds, source, sums=0):
     """Kernel ``fn`` (a fused collective's chunk, or a fuse group's rows that it writes into the peers'
     copies) run by ``source``'s C function (coconet.kernels.native) where the call's tensors allow it: every
-    tensor a contiguous float32 CPU tensor of one length (bfloat16 where its kind says so), every scalar one
-    number, nothing that needs autograd; ``fn`` otherwise, and where there is no C compiler. ``kinds``: a letter
-    per parameter of fn (d a dim, s a scalar, t a tensor, l a list of tensors summed, h the same of bfloat16
-    tensors, p a list of peers' rows, q a float32 tensor of every rank's number, one per tensor of the l or h;
-    u and b a bfloat16 tensor and a list of peers' bfloat16 rows).
+    tensor a contiguous float32 CPU tensor of one length (bfloat16 or float16 where its kind says so), every
+    scalar one number, nothing that needs autograd; ``fn`` otherwise, and where there is no C compiler.
+    ``kinds``: a letter per parameter of fn (d a dim, s a scalar, t a tensor, l a list of tensors summed, h the
+    same of bfloat16 tensors, p a list of peers' rows, q a float32 tensor of every rank's number, one per tensor
+    of the l or h; u and b a bfloat16 tensor and a list of peers' bfloat16 rows; k, x and y the float16 h, u
+    and b).
     ``sums``: how many partial sums fn returns (as float32 scalars, in order); C returns them alike."""
     lib = []  # the C function, or None: fn serves every call
 
@@ -730,10 +731,10 @@ def _native(fn, kinds, source, sums=0):
                     return fn(*args)
                 ptrs.append(x.data_ptr())
                 continue
-            xs = x if kind in "lhpb" else (x,)
-            if kind in "lhpb":
+            xs = x if kind in "lhpbky" else (x,)
+            if kind in "lhpbky":
                 counts.append(len(xs))
-            dtype = torch.bfloat16 if kind in "hub" else torch.float32
+            dtype = torch.bfloat16 if kind in "hub" else torch.float16 if kind in "kxy" else torch.float32
             for t in xs:
                 if (t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous()
                         or (n is not None and t.numel() != n) or (grad and t.requires_grad)):
