@@ -232,6 +232,10 @@ GOLDENS = {  # name: (example, schedule, backend, lower's keywords)
     "adam_token_weighted_zero1_shm": ("benchmarks/programs/adam_token_weighted.py",
                                       ("split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse_collective(rs0)"),
                                       "shm", {}),
+    # float16 mixed precision, state whole: each rank's float16 gradient widened as the chunk kernel sums it,
+    # and the float16 copy of the new weights rounded and streamed, 32 rows a line, into every rank's copy (C)
+    "adam_fp16_params_fused_collective_shm": ("benchmarks/programs/adam_fp16_params.py",
+                                              "split(ar0); reorder(ag0); fuse_collective(rs0)", "shm", {}),
     # Adafactor's sums on this rank's rows: the row sums a gemv of its rows, the column sums partial products of
     # its columns of the ones by its rows, scattered along the columns in chunks of rows as they are multiplied
     "adafactor_row_products_overlap": ("benchmarks/programs/adafactor.py",
