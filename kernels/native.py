@@ -15,7 +15,8 @@ Only float32 statements of the ``OPS`` table (IEEE operations the C compiler kee
 contraction into fused multiply-adds, no reassociation), powers by the constants of ``POWERS``,
 comparisons and the ``where`` and ``cast`` that read them, and partial sums (summed in double) are
 translated (and bfloat16 or float16 rows of every rank that a cast to float32 reads before they are summed,
-the mixed-precision gradient; and a cast to bfloat16 or float16 that is only stored, into a state of that
+the mixed-precision gradient; the rows of a bfloat16 or float16 state that a cast to float32 reads, moments
+kept in half precision; and a cast to bfloat16 or float16 that is only stored, into a state of that
 dtype and the peers' copies of it, the half-precision copy of the weights that mixed-precision training keeps
 beside the float32 master, or into this rank's slot of the gather of a program output); anything else keeps
 Inductor's kernel. float16 is converted as torch's vectorised cast converts it, by F16C where the machine
@@ -147,8 +148,8 @@ static inline void stream_line(float *d, v8 x, v8 y) {
 }
 """
 
-_F16 = """/* float16 as torch's vectorised cast has it (F16C's conversions): widened exactly, rounded to nearest, ties to
-   even. Without F16C, by hand (FP16's fp16_ieee_{to,from}_fp32_value): the same bits but a NaN's payload */
+_F16 = """/* float16 as torch's vectorised cast has it (F16C's conversions): widened exactly, rounded to nearest,
+   ties to even. Without F16C, by hand (FP16's fp16_ieee_{to,from}_fp32_value): the same bits but a NaN's payload */
 #ifdef __F16C__
 static inline float f16(uint16_t x) { return _cvtsh_ss(x); }
 static inline uint16_t bits_f16(float x) { return (uint16_t)_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT); }
@@ -172,7 +173,9 @@ static inline uint16_t bits_f16(float x) {
     return (uint16_t)((sign >> 16) | (shl1 > 0xff000000u ? 0x7e00u : ((bits >> 13) & 0x7c00u) + (bits & 0x0fffu)));
 }
 static inline v8 vwiden_f16(v8h h) { float t[8]; for (int q = 0; q < 8; q++) t[q] = f16(h[q]); return ld(t); }
-static inline v8h vbits_f16(v8 x) { float t[8]; st(t, x); v8h h; for (int q = 0; q < 8; q++) h[q] = bits_f16(t[q]); return h; }
+static inline v8h vbits_f16(v8 x) {
+    float t[8]; st(t, x); v8h h; for (int q = 0; q < 8; q++) h[q] = bits_f16(t[q]); return h;
+}
 #endif
 static inline v8 ld_f16(const uint16_t *p) { v8h h; memcpy(&h, p, sizeof h); return vwiden_f16(h); }
 static inline float round_f16(float x) { return f16(bits_f16(x)); }
@@ -345,6 +348,11 @@ def c_source(k: ChunkKernel) -> str:
                 out.append(f"const {t} p_{name} = (a->p_{args[0]} != 0.0f) ? {x} : {y};")
             elif op == "cast" and value == "float32" and (args[0] in rows_of or args[0] in halves):
                 out.append(f"const {t} p_{name} = p_{args[0]};")  # rows loaded as float32; a half widened
+            elif op == "cast" and value == "float32" and half(kind.get(args[0])) and kind[args[0]].endswith("rows"):
+                # a half-precision state's rows (moments kept in bfloat16), widened exactly as they are loaded
+                tag = half(kind[args[0]])
+                out.append(f"const {t} p_{name} = " + (f"ld_{tag}(p_{args[0]} + i);" if vector
+                                                       else f"{tag}(p_{args[0]}[i]);"))
             elif op == "cast" and value in HALF and halves.get(name) == value and args[0] not in k.numbers:
                 rounded = f"{'vround' if vector else 'round'}_{HALF[value]}"
                 out.append(f"const {t} p_{name} = {rounded}({ref(args[0], vector)});")
@@ -428,7 +436,8 @@ def c_source(k: ChunkKernel) -> str:
     ind = "    "
     f16 = "float16" in halves.values() or any(half(what) == "f16" for _, what in k.params)
     lines = [_PRELUDE + (_F16 if f16 else "")
-             + "".join(_HALF_LINE.replace("TAG", tag) for tag in sorted(set(halved.values()))), "typedef struct {", *(ind + f for f in fields), "} args_t;", "",
+             + "".join(_HALF_LINE.replace("TAG", tag) for tag in sorted(set(halved.values()))),
+             "typedef struct {", *(ind + f for f in fields), "} args_t;", "",
              "/* row i of the chunk; its values for the peers' copies into out */",
              "static inline __attribute__((always_inline)) void row(const args_t *a, long i, float *out) {",
              *(ind + x for x in body(False)), "}", "",

@@ -126,6 +126,25 @@ def test_the_half_precision_copy_of_the_weights_is_written_by_the_c_chunk(name, 
     assert not segments()
 
 
+def test_moments_kept_in_bfloat16_are_widened_and_written_back_by_the_c_chunk():
+    """Adam with bfloat16 moments (benchmarks/programs/adam_bf16_states.py): the fused collective's C chunk loads
+    the moments' bfloat16 rows through their casts to float32 and stores the new ones, rounded, into this rank's
+    rows and the peers' copies (a bfloat16 state read had kept Inductor's kernel for the whole chunk). Each
+    schedule whose chunk is C (the moments whole, their casts in the chunk or in a fuse kernel before it) ends
+    with the reference's state: uneven rows, one chunk and several. (The every-schedule test runs the rest.)"""
+    prog = runpy.run_path(str(Path(__file__).parents[2] / "benchmarks/programs/adam_bf16_states.py"))["program"].ir
+    whole = Schedule.parse("split(ar0); reorder(ag0); fuse_collective(rs0)", prog)
+    source = lower(whole, "shm").source
+    kinds = re.search(r"_chunk0 = _native\(_kernel\(_chunk0\), '(\w+)'", source)
+    assert kinds and kinds.group(1).count("u") == 2 and kinds.group(1).count("b") == 2  # m, v: rows and peers
+    assert "ld_bf16(p_m_k + i)" in source and "ld_bf16(p_v_k + i)" in source and "st_bf16(p_m_k + i, " in source
+    in_c = [s for s in generate(prog) if "fuse_collective" in s.text and "= _native(" in lower(s, "shm").source]
+    assert whole in in_c and len(in_c) >= 4
+    assert_all_ok(run_schedules([s.with_knobs(fc_chunks=k) for s in in_c for k in (1, 4)],
+                                Options(world=3, sizes={"N": 37}, backend="shm", warmup=1, repeats=2)))
+    assert not segments()
+
+
 def test_a_gather_outside_a_fused_collective_writes_straight_into_the_state():
     """An all_gather that is the new value of a Replicated state, outside any fused collective (Adam's m, v and w
     after ``split; reorder``, LAMB's w after its fused collective, read by ``norm(w)`` before): each rank writes its

@@ -309,7 +309,8 @@ def test_the_rounding_to_half_precision_is_torchs_at_its_edges(monkeypatch, tmp_
     one by one; float16 through F16C and, on a machine without it, by hand."""
     if flags:  # the same source compiled as for a machine without F16C
         build = shm._native_library
-        monkeypatch.setattr(shm, "_native_library", lambda source, name, f, what: build(source, name, [*f, *flags], what))
+        monkeypatch.setattr(shm, "_native_library",
+                            lambda source, name, f, what: build(source, name, [*f, *flags], what))
     edges = [1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8, 1.0 + 2.0 ** -8 + 2.0 ** -20, 2.0 - 2.0 ** -9, 3.4028235e38,
              3.3961776e38, 1e-40, -1e-45, 0.0, -0.0, float("inf"), -float("inf"), float("nan"), -float("nan"),
              -1.00390625, 65504.0, 1.1754944e-38,
@@ -349,6 +350,36 @@ def test_float16_rows_are_widened_as_torch_casts_them(monkeypatch, tmp_path):
         nan = want.isnan()
         assert torch.equal(a.isnan(), nan), flags
         assert torch.equal(a.view(torch.int32)[~nan], want.view(torch.int32)[~nan]), flags
+
+
+@pytest.mark.parametrize("dtype", sorted(HALF))
+@pytest.mark.parametrize("n,offset,peer_offset", [(1000, 0, 0), (1000, 3, 3), (77, 5, 8), (5, 1, 1)])
+def test_a_half_precision_state_is_read_through_its_cast_and_written_back(monkeypatch, tmp_path, dtype, n, offset,
+                                                                          peer_offset):
+    """Moments kept in bfloat16 or float16 (a low-precision optimizer state): the chunk reads the state's rows
+    through a cast to float32, widened as they are loaded, and writes the new value, cast back, into the same rows
+    and every peer's copy. The bits are torch's: the state's cast, float32 arithmetic, the cast back."""
+    tag, half_dtype = HALF[dtype], getattr(torch, dtype)
+    k = ChunkKernel(params=(("y_peers", f"{tag} peers"), ("x_peers", "peers"), ("c", f"{tag} rows"),
+                            ("g_parts", "parts"), ("s", "scalar")),
+                    parts=("g", "g_parts", "sum"),
+                    stmts=(("f", "cast", ("c",), "float32"), ("y0", "mul", ("s", "f"), None),
+                           ("y", "add", ("y0", "g"), None), ("h", "cast", ("y",), dtype)),
+                    numbers=frozenset(), writes=(("c", "h"),), streams=(("x_peers", "y"), ("y_peers", "h")))
+    source = c_source(k)
+    assert f"ld_{tag}(p_c + i)" in source and f"{tag}(p_c[i])" in source
+    peers, _, _, parts, s = operands(n, (offset, 0, peer_offset, peer_offset))
+    c = cut(torch.randn(n + 64, generator=torch.Generator().manual_seed(2)).to(half_dtype), offset, n)
+    c[::9] = float("inf")
+    want = s * c.float() + (parts[0] + parts[1] + parts[2])
+    half_peers = [cut(torch.zeros(n + 64, dtype=half_dtype), peer_offset, n) for _ in range(2)]
+    run_native(k, (half_peers, peers, c, parts, s), monkeypatch, tmp_path)
+    torch.testing.assert_close(peers[0], want, rtol=0, atol=0, equal_nan=True)
+    assert_same_half(c, want.to(half_dtype))
+    for got in half_peers:
+        assert_same_half(got, want.to(half_dtype))
+    with pytest.raises(Untranslatable):  # the state's rows read but through the cast: torch's half arithmetic
+        c_source(dataclasses.replace(k, stmts=(("y0", "mul", ("s", "c"), None),) + k.stmts[2:]))
 
 
 @pytest.mark.parametrize("dtype", sorted(HALF))

@@ -957,8 +957,8 @@ static inline void stream_line(float *d, v8 x, v8 y) {
     for (int q = 0; q < 16; q += 4) _mm_stream_ps(d + q, _mm_load_ps(t + q));
 #endif
 }
-/* float16 as torch's vectorised cast has it (F16C's conversions): widened exactly, rounded to nearest, ties to
-   even. Without F16C, by hand (FP16's fp16_ieee_{to,from}_fp32_value): the same bits but a NaN's payload */
+/* float16 as torch's vectorised cast has it (F16C's conversions): widened exactly, rounded to nearest,
+   ties to even. Without F16C, by hand (FP16's fp16_ieee_{to,from}_fp32_value): the same bits but a NaN's payload */
 #ifdef __F16C__
 static inline float f16(uint16_t x) { return _cvtsh_ss(x); }
 static inline uint16_t bits_f16(float x) { return (uint16_t)_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT); }
@@ -982,7 +982,9 @@ static inline uint16_t bits_f16(float x) {
     return (uint16_t)((sign >> 16) | (shl1 > 0xff000000u ? 0x7e00u : ((bits >> 13) & 0x7c00u) + (bits & 0x0fffu)));
 }
 static inline v8 vwiden_f16(v8h h) { float t[8]; for (int q = 0; q < 8; q++) t[q] = f16(h[q]); return ld(t); }
-static inline v8h vbits_f16(v8 x) { float t[8]; st(t, x); v8h h; for (int q = 0; q < 8; q++) h[q] = bits_f16(t[q]); return h; }
+static inline v8h vbits_f16(v8 x) {
+    float t[8]; st(t, x); v8h h; for (int q = 0; q < 8; q++) h[q] = bits_f16(t[q]); return h;
+}
 #endif
 static inline v8 ld_f16(const uint16_t *p) { v8h h; memcpy(&h, p, sizeof h); return vwiden_f16(h); }
 static inline float round_f16(float x) { return f16(bits_f16(x)); }
