@@ -84,6 +84,11 @@ def half(kind: str | None) -> str | None:
     return tag if tag in DTYPE else None
 
 
+def unhalved(kind: str | None) -> str | None:
+    """A kind without its half-precision tag (``f16 peers`` -> ``peers``); a float32 kind as it is."""
+    return kind.split(" ", 1)[1] if half(kind) else kind
+
+
 _PRELUDE = """#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -296,15 +301,15 @@ def c_source(k: ChunkKernel) -> str:
             fields.append(f"float p_{name};")
             unpack.append(f"a.p_{name} = scal[{scalars}];")
             scalars += 1
-        elif what == "rows" or what.endswith(" rows") and half(what):
+        elif unhalved(what) == "rows":
             element = "uint16_t" if half(what) else "float"
             fields.append(f"{element} *p_{name};")
             unpack.append(f"a.p_{name} = ({element} *)ptr[at++];")
         elif what == "rank numbers":
             fields.append(f"const float *p_{name};")
             unpack.append(f"a.p_{name} = (const float *)ptr[at++];")
-        elif what.endswith(("parts", "peers")):
-            element = ("const uint16_t" if what.endswith("parts") else "uint16_t") if half(what) else "float"
+        elif unhalved(what) in ("parts", "peers"):
+            element = ("const uint16_t" if unhalved(what) == "parts" else "uint16_t") if half(what) else "float"
             fields += [f"{element} *const *p_{name};", f"long n_{name};"]
             unpack.append(f"a.p_{name} = ({element} *const *)(ptr + at); a.n_{name} = count[{lists}]; "
                           f"at += count[{lists}];")
@@ -348,7 +353,7 @@ def c_source(k: ChunkKernel) -> str:
                 out.append(f"const {t} p_{name} = (a->p_{args[0]} != 0.0f) ? {x} : {y};")
             elif op == "cast" and value == "float32" and (args[0] in rows_of or args[0] in halves):
                 out.append(f"const {t} p_{name} = p_{args[0]};")  # rows loaded as float32; a half widened
-            elif op == "cast" and value == "float32" and half(kind.get(args[0])) and kind[args[0]].endswith("rows"):
+            elif op == "cast" and value == "float32" and half(kind.get(args[0])) and unhalved(kind[args[0]]) == "rows":
                 # a half-precision state's rows (moments kept in bfloat16), widened exactly as they are loaded
                 tag = half(kind[args[0]])
                 out.append(f"const {t} p_{name} = " + (f"ld_{tag}(p_{args[0]} + i);" if vector
@@ -369,13 +374,13 @@ def c_source(k: ChunkKernel) -> str:
         out = [f"const {t} p_{n} = " + (f"splat(a->p_{n});" if vector else f"a->p_{n};")
                for n, what in k.params if what == "scalar"]
         out += [f"float *const p_{n} = a->p_{n};" for n, what in k.params if what == "rows"]
-        out += [f"uint16_t *const p_{n} = a->p_{n};" for n, what in k.params if what.endswith(" rows") and half(what)]
+        out += [f"uint16_t *const p_{n} = a->p_{n};" for n, what in k.params if half(what) and unhalved(what) == "rows"]
         out += numbers
         if vector:
             out += [f"const v8 vn_{n} = splat((float)p_{n});" for n in sorted(k.numbers)]
         if k.parts is not None:
             total, plist, op = k.parts
-            if not kind.get(plist, "").endswith("parts") or op not in REDUCE:
+            if unhalved(kind.get(plist)) != "parts" or op not in REDUCE:
                 raise Untranslatable(f"parts {plist} ({op})")
 
             def combine(x: str) -> str:  # p_total <- p_total (op) x, in the order torch reduces them
@@ -383,7 +388,7 @@ def c_source(k: ChunkKernel) -> str:
 
             def load(param: str, rank: str) -> str:
                 tag = half(kind.get(param))
-                if tag and kind[param].endswith("parts"):  # read only through casts to float32: widened exactly
+                if tag and unhalved(kind[param]) == "parts":  # read only through casts to float32: widened exactly
                     name = next((x for x, q in rows_of.items() if q == param), None)
                     if name is None or any(name in args and (op != "cast" or value != "float32")
                                            for _, op, args, value in k.pre):
@@ -411,7 +416,7 @@ def c_source(k: ChunkKernel) -> str:
         out += statements(k.stmts, vector)
         for target, value in k.writes:
             tag = half(kind.get(target))
-            if not kind.get(target, "").endswith("rows") or value not in values:
+            if unhalved(kind.get(target)) != "rows" or value not in values:
                 raise Untranslatable(f"a write of {value} into {target}")
             if tag:
                 out.append(f"st_{tag}(p_{target} + i, {ref(value, True, DTYPE[tag])});" if vector
@@ -420,7 +425,7 @@ def c_source(k: ChunkKernel) -> str:
                 out.append(f"st(p_{target} + i, {ref(value, True)});" if vector
                            else f"p_{target}[i] = {ref(value, False)};")
         for s, (target, value) in enumerate(k.streams):
-            if not kind.get(target, "").endswith("peers") or value not in tensors:
+            if unhalved(kind.get(target)) != "peers" or value not in tensors:
                 raise Untranslatable(f"a stream of {value} into {target}")
             out.append(f"out[{s}] = {ref(value, vector, DTYPE.get(half(kind[target]), 'float32'))};")
         for s, (_, value) in enumerate(k.sums, len(k.streams)):

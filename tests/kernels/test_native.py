@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coconet.codegen import shm
-from coconet.kernels.native import COMPARE, HALF, OPS, POWERS, ChunkKernel, Untranslatable, c_source
+from coconet.kernels.native import COMPARE, DTYPE, HALF, OPS, POWERS, ChunkKernel, Untranslatable, c_source, half
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
 
@@ -216,8 +216,17 @@ def chunk_inputs(k, n, offsets):
 
 
 def dtype_of(kind: str) -> torch.dtype:
-    tag = kind.split(" ")[0]
-    return getattr(torch, next((dtype for dtype, t in HALF.items() if t == tag), "float32"))
+    return getattr(torch, DTYPE.get(half(kind), "float32"))
+
+
+def without_f16c(monkeypatch):
+    """The C kernels compiled as for a machine without F16C (float16 converted by hand)."""
+    build = shm._native_library
+
+    def without(source, name, flags, what):
+        return build(source, name, [*flags, "-mno-f16c"], what)
+
+    monkeypatch.setattr(shm, "_native_library", without)
 
 
 def given_after_parts(parts2, ranks):
@@ -301,16 +310,14 @@ def test_a_value_cast_to_half_precision_is_stored_as_torch_rounds_it(tmp_path_fa
         assert_same_half(got, want, "a peer's copy")
 
 
-@pytest.mark.parametrize("dtype,flags", [("bfloat16", ()), ("float16", ()), ("float16", ("-mno-f16c",))],
+@pytest.mark.parametrize("dtype,by_hand", [("bfloat16", False), ("float16", False), ("float16", True)],
                          ids=["bfloat16", "float16", "float16-by-hand"])
-def test_the_rounding_to_half_precision_is_torchs_at_its_edges(monkeypatch, tmp_path, dtype, flags):
+def test_the_rounding_to_half_precision_is_torchs_at_its_edges(monkeypatch, tmp_path, dtype, by_hand):
     """Ties to even either way, a carry into the exponent, the largest values rounding to infinity, subnormals
     of either dtype, signed zeros and NaNs of either sign: as torch's cast gives them, in the vector loop and
     one by one; float16 through F16C and, on a machine without it, by hand."""
-    if flags:  # the same source compiled as for a machine without F16C
-        build = shm._native_library
-        monkeypatch.setattr(shm, "_native_library",
-                            lambda source, name, f, what: build(source, name, [*f, *flags], what))
+    if by_hand:
+        without_f16c(monkeypatch)
     edges = [1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8, 1.0 + 2.0 ** -8 + 2.0 ** -20, 2.0 - 2.0 ** -9, 3.4028235e38,
              3.3961776e38, 1e-40, -1e-45, 0.0, -0.0, float("inf"), -float("inf"), float("nan"), -float("nan"),
              -1.00390625, 65504.0, 1.1754944e-38,
@@ -341,15 +348,15 @@ def test_float16_rows_are_widened_as_torch_casts_them(monkeypatch, tmp_path):
                     numbers=frozenset(), writes=(("a", "g"),), streams=(), pre=(("uc", "cast", ("q",), "float32"),),
                     part="q")
     want = rows.float()
-    for flags in ((), ("-mno-f16c",)):
+    for by_hand in (False, True):
         with pytest.MonkeyPatch.context() as m:
-            build = shm._native_library
-            m.setattr(shm, "_native_library", lambda source, name, f, what: build(source, name, [*f, *flags], what))
+            if by_hand:
+                without_f16c(m)
             a = torch.zeros(len(rows))
-            run_native(k, (a, [rows]), m, tmp_path / "-".join(flags or ("f16c",)))
+            run_native(k, (a, [rows]), m, tmp_path / ("by-hand" if by_hand else "f16c"))
         nan = want.isnan()
-        assert torch.equal(a.isnan(), nan), flags
-        assert torch.equal(a.view(torch.int32)[~nan], want.view(torch.int32)[~nan]), flags
+        assert torch.equal(a.isnan(), nan), by_hand
+        assert torch.equal(a.view(torch.int32)[~nan], want.view(torch.int32)[~nan]), by_hand
 
 
 @pytest.mark.parametrize("dtype", sorted(HALF))
