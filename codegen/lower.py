@@ -1411,7 +1411,7 @@ def _native_chunk(e: _Emitter, compute: list[str], inplace: dict[str, str], into
         if param in peer_params:
             kind = of(peer_params[param], "peers")
         elif param in parts_names:
-            kind = of(p[sources[parts_names.index(param)]].type.dtype, "parts") if pre else "parts"
+            kind = of(p[sources[parts_names.index(param)]].type.dtype if pre else parts.type.dtype, "parts")
         elif param in (ranked or {}).values():
             kind = "rank numbers"
         elif param in slot_params:

@@ -268,6 +268,9 @@ def c_source(k: ChunkKernel) -> str:
     # that dtype (and a cast back to float32); arithmetic on them would round as torch's half-precision
     # kernels do, which C does not
     halves = {name: value for name, op, _, value in k.stmts if op == "cast" and value in HALF}
+    summed_half = half(kind.get(k.parts[1])) if k.parts and not k.pre else None
+    if summed_half:  # half-precision rows summed as they are: the total is a value of that dtype too
+        halves[k.parts[0]] = DTYPE[summed_half]
     values = {name for name, *_ in (*k.pre, *k.stmts)} | ({k.parts[0]} if k.parts else set())
     values |= ({k.part} if k.part else set()) | {name for name, _ in (*k.ranked, *k.also)}
     rows_of = ({k.part: k.parts[1]} if k.part and k.parts else {}) | dict(k.also)  # each input's parts
@@ -383,15 +386,21 @@ def c_source(k: ChunkKernel) -> str:
             if unhalved(kind.get(plist)) != "parts" or op not in REDUCE:
                 raise Untranslatable(f"parts {plist} ({op})")
 
+            def rounded(x: str) -> str:
+                # torch's half-precision add (mul, div) rounds each result to its dtype: so does the sum here,
+                # computed in float32 first (exact, or rounded twice to the same value: 24 >= 2 * 11 + 2 bits)
+                return f"{'vround' if vector else 'round'}_{summed_half}({x})" if summed_half else x
+
             def combine(x: str) -> str:  # p_total <- p_total (op) x, in the order torch reduces them
-                return f"p_{total} = {REDUCE[op][vector].format(f'p_{total}', x)};"
+                combined = REDUCE[op][vector].format(f'p_{total}', x)
+                return f"p_{total} = {combined if op in ('max', 'min') else rounded(combined)};"
 
             def load(param: str, rank: str) -> str:
                 tag = half(kind.get(param))
-                if tag and unhalved(kind[param]) == "parts":  # read only through casts to float32: widened exactly
-                    name = next((x for x, q in rows_of.items() if q == param), None)
-                    if name is None or any(name in args and (op != "cast" or value != "float32")
-                                           for _, op, args, value in k.pre):
+                if tag and unhalved(kind[param]) == "parts":  # widened exactly: summed as they are, or (pre) read
+                    name = next((x for x, q in rows_of.items() if q == param), None)  # only through casts to float32
+                    if k.pre and (name is None or any(name in args and (op != "cast" or value != "float32")
+                                                      for _, op, args, value in k.pre)):
                         raise Untranslatable(f"{DTYPE[tag]} rows {param} read but by a cast to float32")
                     return f"ld_{tag}(a->p_{param}[{rank}] + i)" if vector else f"{tag}(a->p_{param}[{rank}][i])"
                 if kind.get(param) != "parts":
@@ -412,7 +421,8 @@ def c_source(k: ChunkKernel) -> str:
                 out += [f"{t} p_{total} = {load(plist, '0')};",
                         f"for (long r = 1; r < a->n_{plist}; r++) {combine(load(plist, 'r'))}"]
             if op == "avg":
-                out.append(f"p_{total} /= (float)a->n_{plist};")
+                out.append(f"p_{total} = {rounded(f'p_{total} / (float)a->n_{plist}')};" if summed_half
+                           else f"p_{total} /= (float)a->n_{plist};")
         out += statements(k.stmts, vector)
         for target, value in k.writes:
             tag = half(kind.get(target))

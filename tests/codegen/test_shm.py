@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from coconet.codegen import shm
 from coconet.codegen.launch import Options, free_port, run_schedules
 from coconet.codegen.lower import lower
+from coconet.kernels import native
 from coconet.schedules.schedule import Schedule
 from coconet.schedules.space import generate
 from tests.codegen import faulty, warm_rank
@@ -144,6 +145,31 @@ def test_moments_kept_in_bfloat16_are_widened_and_written_back_by_the_c_chunk():
                                 Options(world=3, sizes={"N": 37}, backend="shm", warmup=1, repeats=2)))
     assert not segments()
 
+
+
+def test_a_float16_gradient_averaged_in_float16_is_summed_by_the_c_chunk(monkeypatch, tmp_path):
+    """Adam on a float16 gradient reduced in float16 (benchmarks/programs/adam_fp16_grads.py, DeepSpeed's fp16
+    default): the fused collective's C chunk widens the peers' float16 rows and rounds every partial sum and the
+    average to float16 as torch's half add and divide do (the chunk had stayed Inductor's, which sums in float32
+    and rounds once). The moments, which only add and multiply, have the Python chunk's bits over three ranks'
+    rows; every schedule ends with the reference's state, R = 2 and 3, uneven rows, one chunk and several."""
+    prog = runpy.run_path(str(Path(__file__).parents[2] / "benchmarks/programs/adam_fp16_grads.py"))["program"].ir
+    fused = [s for s in generate(prog) if "fuse_collective" in s.text]
+    in_c = [s for s in fused if "= _native(" in lower(s, "shm").source]
+    assert [s for s in fused if "as_slice(w16)" not in s.text] == in_c
+    for s in in_c:
+        source = lower(s, "shm").source
+        assert "p_rs0 = vround_f16((p_rs0 + ld_f16(a->p_rs0_parts[r] + i)));" in source, s.text
+        assert "p_rs0 = vround_f16(p_rs0 / (float)a->n_rs0_parts);" in source, s.text
+        _, runs = c_chunk_and_python(source, monkeypatch, tmp_path)
+        for got, want in runs:
+            moments = [x for x in got if x.startswith(("m_", "v_"))]  # their rows, and peers' copies if whole
+            assert {"m_k", "v_k"} <= set(moments), s.text
+            assert_same_bits([({x: got[x] for x in moments}, want)])
+    for world, n in ((2, 1001), (3, 37)):
+        assert_all_ok(run_schedules([s.with_knobs(fc_chunks=k) for s in fused for k in (1, 4)],
+                                    Options(world=world, sizes={"N": n}, backend="shm", warmup=1, repeats=2)))
+    assert not segments()
 
 def test_a_gather_outside_a_fused_collective_writes_straight_into_the_state():
     """An all_gather that is the new value of a Replicated state, outside any fused collective (Adam's m, v and w
@@ -509,24 +535,26 @@ def c_chunk_and_python(source: str, monkeypatch, tmp_path) -> tuple[str, list[tu
     """Runs the C of a generated module's chunk kernel, with any hand-off to Python an error, and the module's
     own Python ``_chunk0`` (eager torch) on the same random rows, 4096 and 37: the C source, and for each
     length every parameter's values after the C and after the Python (rows, peers' copies, slots)."""
-    native = re.search(r'\n_chunk0 = _native\(_kernel\(_chunk0\), \'(\w+)\', r"""(.*?)"""\)', source, re.S)
-    assert native, "the chunk has no C kernel"
-    kinds, c = native.groups()
+    call = re.search(r'\n_chunk0 = _native\(_kernel\(_chunk0\), \'(\w+)\', r"""(.*?)"""\)', source, re.S)
+    assert call, "the chunk has no C kernel"
+    kinds, c = call.groups()
     python = {}
-    exec(compile(source[:native.start()], "chunk", "exec"), python)  # the module up to its kernel's C
+    exec(compile(source[:call.start()], "chunk", "exec"), python)  # the module up to its kernel's C
     params = list(inspect.signature(python["_chunk0"]).parameters)
     numbers = dict(re.findall(r"^ +(c\d+) = (\S+)$", source, re.M))
     gen = torch.Generator().manual_seed(0)
 
     def args(rows):
         out = []
-        for name, kind in zip(params, kinds, strict=True):
-            if kind in "pb":
-                out.append([torch.zeros(rows, dtype=torch.bfloat16 if kind == "b" else None) for _ in range(2)])
-            elif kind == "l":
-                out.append([torch.randn(rows, generator=gen) for _ in range(3)])
-            elif kind in "tu":  # magnitudes: a second moment's square root is a number
-                out.append(torch.randn(rows, generator=gen).abs().to(torch.bfloat16 if kind == "u" else torch.float32))
+        for name, letter in zip(params, kinds, strict=True):
+            kind = next(k for k, x in native.KINDS.items() if x == letter)
+            dtype = getattr(torch, native.DTYPE[native.half(kind)]) if native.half(kind) else torch.float32
+            if native.unhalved(kind) == "peers":
+                out.append([torch.zeros(rows, dtype=dtype) for _ in range(2)])
+            elif native.unhalved(kind) == "parts":
+                out.append([torch.randn(rows, generator=gen).to(dtype) for _ in range(3)])
+            elif native.unhalved(kind) == "rows":  # magnitudes: a second moment's square root is a number
+                out.append(torch.randn(rows, generator=gen).abs().to(dtype))
             else:
                 out.append(float(numbers[name]) if name in numbers else torch.tensor(0.01))
         return out
@@ -997,3 +1025,18 @@ def test_a_sum_of_values_of_each_ranks_own_is_reduced_where_the_peers_read_them(
     run_ranks("tests.codegen.held_input", 3, "compiled")
     run_ranks("tests.codegen.held_input", 2, "eager")
     assert not segments()
+
+
+def test_the_runtime_reads_each_chunk_parameter_as_the_kind_native_gives_it():
+    """shm's _native is pasted into generated modules, so it cannot import native.KINDS: its letters for lists
+    and for half precision are kept by hand, and a letter missed there would pass a half tensor to C as float32."""
+    source = inspect.getsource(shm._native)
+    lists = re.search(r'xs = x if kind in "(\w+)"', source).group(1)
+    assert f'if kind in "{lists}":' in source
+    widths = dict(re.findall(r'torch\.(bfloat16|float16) if kind in "(\w+)"', source))
+    letters = native.KINDS
+    assert set(lists) == {letters[k] for k in letters if native.unhalved(k) in ("parts", "peers")}
+    for dtype, tag in native.HALF.items():
+        assert set(widths[dtype]) == {letters[k] for k in letters if native.half(k) == tag}
+    single = {letters[k] for k in letters if native.unhalved(k) == "rows"}
+    assert set(letters.values()) == {"d", "s", "q"} | set(lists) | single

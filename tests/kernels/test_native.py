@@ -359,6 +359,40 @@ def test_float16_rows_are_widened_as_torch_casts_them(monkeypatch, tmp_path):
         assert torch.equal(a.view(torch.int32)[~nan], want.view(torch.int32)[~nan]), by_hand
 
 
+@settings(max_examples=16, deadline=None)
+@given(dtype=st.sampled_from(sorted(HALF)), op=st.sampled_from(sorted(REDUCTIONS)), ranks=st.integers(1, 4),
+       n=st.sampled_from([1, 7, 8, 33, 1000]), offset=st.sampled_from([0, 1, 5]), scale=st.sampled_from([1.0, 3e2, 2e4]))
+def test_half_precision_rows_summed_as_they_are_round_every_partial_total(tmp_path_factory, dtype, op, ranks, n,
+                                                                        offset, scale):
+    """A float16 or bfloat16 gradient reduced in its own dtype (``cast(allreduce(g), float32)``, as DDP reduces
+    a half gradient): every rank's rows widened, combined in rank order, each partial total rounded to the dtype
+    as torch's half add rounds it (and an average's division after): the bits of the Python chunk's
+    ``_reduce_all``, overflow to infinity and NaNs included."""
+    tag, half_dtype = HALF[dtype], getattr(torch, dtype)
+    gen = torch.Generator().manual_seed(ranks * 1000 + n)
+    rows = []
+    for r in range(ranks):
+        x = torch.randn(n + 8, generator=gen) * scale
+        x[r::17] = float("nan")
+        x[(r + 5)::23] = float("inf") * (-1) ** r
+        rows.append(cut(x.to(half_dtype), offset, n))
+    k = ChunkKernel(params=(("a", "rows"), ("g_parts", f"{tag} parts")), parts=("g", "g_parts", op),
+                    stmts=(("f", "cast", ("g",), "float32"),), numbers=frozenset(), writes=(("a", "f"),), streams=())
+    assert f"p_g = vround_{tag}((p_g + ld_{tag}(" in c_source(dataclasses.replace(k, parts=("g", "g_parts", "sum")))
+    want = rows[0]
+    for x in rows[1:]:
+        want = REDUCTIONS[op](want, x)
+    if op == "avg":
+        want = want / ranks
+    a = torch.zeros(n)
+    with pytest.MonkeyPatch.context() as m:
+        run_native(k, (a, rows), m, tmp_path_factory.mktemp("cache"))
+    assert_same_half(a.to(half_dtype), want)
+    assert torch.equal(a.isnan(), want.isnan()) and torch.equal(a[~a.isnan()], want.float()[~a.isnan()])
+    with pytest.raises(Untranslatable):  # the half total read by arithmetic: torch's half kernels round it again
+        c_source(dataclasses.replace(k, stmts=(("y", "mul", ("g", "g"), None),), writes=(("a", "y"),)))
+
+
 @pytest.mark.parametrize("dtype", sorted(HALF))
 @pytest.mark.parametrize("n,offset,peer_offset", [(1000, 0, 0), (1000, 3, 3), (77, 5, 8), (5, 1, 1)])
 def test_a_half_precision_state_is_read_through_its_cast_and_written_back(monkeypatch, tmp_path, dtype, n, offset,
