@@ -1440,6 +1440,8 @@ def _native_chunk(e: _Emitter, compute: list[str], inplace: dict[str, str], into
         s = p[m]
         dtype = ("bool" if s.op in COMPARE
                  else s.attr("dtype") if s.op == "cast" and s.attr("dtype") in HALF else "float32")
+        # arithmetic kept in a half dtype is Inductor's: torch's kernels round every op to it, which C can do
+        # but at a cost that outweighs what it saves (benchmarks/results/interleaved_adam_bf16_rounded_w*.json)
         if s.type is None or (s.type.dtype or "float32") != dtype or s.op == "dropout":
             return None
         operands = [name_of(e.operand(s, a)) for a in s.args]

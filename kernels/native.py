@@ -264,9 +264,10 @@ def c_source(k: ChunkKernel) -> str:
     become ``p_<name>`` (a program may name a value ``n``). Raises Untranslatable."""
     kind = dict(k.params)
     masks = {name for name, op, *_ in (*k.pre, *k.stmts) if op in COMPARE}
-    # casts to a half-precision dtype: held as the float32 they widen to, read only by stores into tensors of
-    # that dtype (and a cast back to float32); arithmetic on them would round as torch's half-precision
-    # kernels do, which C does not
+    # values of a half-precision dtype (casts to one, a sum of half rows): held as the float32 they widen to,
+    # which arithmetic whose result is float32 reads exactly, as torch promotes them; stored only into tensors of
+    # that dtype, never summed over the rows. (Arithmetic whose result stays half is the lowering's to refuse:
+    # rounding every op as torch's half kernels do made C slower than Inductor's chunk, which rounds once.)
     halves = {name: value for name, op, _, value in k.stmts if op == "cast" and value in HALF}
     summed_half = half(kind.get(k.parts[1])) if k.parts and not k.pre else None
     if summed_half:  # half-precision rows summed as they are: the total is a value of that dtype too
@@ -280,17 +281,22 @@ def c_source(k: ChunkKernel) -> str:
     constants = {name: float(value) for name, value in known
                  if isinstance(value, (int, float)) and not isinstance(value, bool)}
 
-    def ref(name: str, vector: bool, stored: str = "float32") -> str:
+    def ref(name: str, vector: bool, stored: str | None = None) -> str:
+        """``name``'s value as float32, read by arithmetic or (``stored``) stored as a tensor of that dtype."""
         if name in masks:
             raise Untranslatable(f"comparison {name} read as a number")
-        if halves.get(name, "float32") != stored:
-            raise Untranslatable(f"{name} read as {stored}" if name in halves else f"{name} stored as {stored}")
+        held = halves.get(name) or DTYPE.get(half(kind.get(name)), "float32")
+        if stored is not None and held != stored:
+            raise Untranslatable(f"{name} ({held}) stored as {stored}")
         if name in k.numbers:
             return f"vn_{name}" if vector else f"((float)p_{name})"
         if name in tensors or kind.get(name) == "scalar":
             return f"p_{name}"
         if kind.get(name) == "rows":
             return f"ld(p_{name} + i)" if vector else f"p_{name}[i]"
+        if unhalved(kind.get(name)) == "rows":  # a half-precision state's rows, widened exactly as they load
+            tag = half(kind[name])
+            return f"ld_{tag}(p_{name} + i)" if vector else f"{tag}(p_{name}[i])"
         raise Untranslatable(f"operand {name}")
 
     def number_ref(name: str) -> str:
@@ -336,40 +342,33 @@ def c_source(k: ChunkKernel) -> str:
                 continue
             if op == "const":
                 lit = f"(float){_literal(value)}"
-                out.append(f"const {t} p_{name} = " + (f"splat({lit});" if vector else f"{lit};"))
+                expr = f"splat({lit})" if vector else lit
             elif op == "pow" and constants.get(args[1]) in POWERS and args[0] not in k.numbers:
-                text = POWERS[constants[args[1]]][vector]
-                out.append(f"const {t} p_{name} = {text.format(ref(args[0], vector))};")
+                expr = POWERS[constants[args[1]]][vector].format(ref(args[0], vector))
             elif op == "div" and args[0] in k.numbers | k.host:
-                out.append(f"const {t} p_{name} = {RDIV[vector].format(*(ref(x, vector) for x in args))};")
+                expr = RDIV[vector].format(*(ref(x, vector) for x in args))
             elif op in OPS:
-                out.append(f"const {t} p_{name} = {OPS[op][vector].format(*(ref(x, vector) for x in args))};")
+                expr = OPS[op][vector].format(*(ref(x, vector) for x in args))
             elif op in COMPARE:
                 x, y = (ref(a, vector) for a in args)
                 out.append(f"const {'v8i' if vector else 'int'} p_{name} = ({x} {COMPARE[op]} {y});")
+                continue
             elif op == "where" and args[0] in masks:
                 x, y = (ref(a, vector) for a in args[1:])
-                out.append(f"const {t} p_{name} = " + (f"vsel(p_{args[0]}, {x}, {y});" if vector
-                                                       else f"(p_{args[0]} ? {x} : {y});"))
+                expr = f"vsel(p_{args[0]}, {x}, {y})" if vector else f"(p_{args[0]} ? {x} : {y})"
             elif op == "where" and kind.get(args[0]) == "scalar":  # a mask passed in: one choice for every row
                 x, y = (ref(a, vector) for a in args[1:])
-                out.append(f"const {t} p_{name} = (a->p_{args[0]} != 0.0f) ? {x} : {y};")
-            elif op == "cast" and value == "float32" and (args[0] in rows_of or args[0] in halves):
-                out.append(f"const {t} p_{name} = p_{args[0]};")  # rows loaded as float32; a half widened
-            elif op == "cast" and value == "float32" and half(kind.get(args[0])) and unhalved(kind[args[0]]) == "rows":
-                # a half-precision state's rows (moments kept in bfloat16), widened exactly as they are loaded
-                tag = half(kind[args[0]])
-                out.append(f"const {t} p_{name} = " + (f"ld_{tag}(p_{args[0]} + i);" if vector
-                                                       else f"{tag}(p_{args[0]}[i]);"))
-            elif op == "cast" and value in HALF and halves.get(name) == value and args[0] not in k.numbers:
-                rounded = f"{'vround' if vector else 'round'}_{HALF[value]}"
-                out.append(f"const {t} p_{name} = {rounded}({ref(args[0], vector)});")
+                expr = f"(a->p_{args[0]} != 0.0f) ? {x} : {y}"
             elif op == "cast" and value == "float32" and args[0] in masks:
                 one = "(v8){0} + 1.0f" if vector else "1.0f"
-                out.append(f"const {t} p_{name} = " + (f"vsel(p_{args[0]}, {one}, (v8){{0}});" if vector
-                                                       else f"(p_{args[0]} ? {one} : 0.0f);"))
+                expr = f"vsel(p_{args[0]}, {one}, (v8){{0}})" if vector else f"(p_{args[0]} ? {one} : 0.0f)"
+            elif op == "cast" and value == "float32" and args[0] not in k.numbers:
+                expr = ref(args[0], vector)  # float32 already, or a half widened exactly as it was loaded
+            elif op == "cast" and value in HALF and args[0] not in k.numbers:
+                expr = f"{'vround' if vector else 'round'}_{HALF[value]}({ref(args[0], vector)})"
             else:
                 raise Untranslatable(op)
+            out.append(f"const {t} p_{name} = {expr};")
         return out
 
     def body(vector: bool) -> list[str]:
@@ -432,8 +431,8 @@ def c_source(k: ChunkKernel) -> str:
                 out.append(f"st_{tag}(p_{target} + i, {ref(value, True, DTYPE[tag])});" if vector
                            else f"p_{target}[i] = bits_{tag}({ref(value, False, DTYPE[tag])});")
             else:
-                out.append(f"st(p_{target} + i, {ref(value, True)});" if vector
-                           else f"p_{target}[i] = {ref(value, False)};")
+                out.append(f"st(p_{target} + i, {ref(value, True, 'float32')});" if vector
+                           else f"p_{target}[i] = {ref(value, False, 'float32')};")
         for s, (target, value) in enumerate(k.streams):
             if unhalved(kind.get(target)) != "peers" or value not in tensors:
                 raise Untranslatable(f"a stream of {value} into {target}")
@@ -441,7 +440,7 @@ def c_source(k: ChunkKernel) -> str:
         for s, (_, value) in enumerate(k.sums, len(k.streams)):
             if value not in tensors:
                 raise Untranslatable(f"a sum of {value}")
-            out.append(f"out[{s}] = {ref(value, vector)};")
+            out.append(f"out[{s}] = {ref(value, vector, 'float32')};")
         return out
 
     ns, nout = len(k.streams), max(1, len(k.streams) + len(k.sums))

@@ -171,6 +171,21 @@ def test_a_float16_gradient_averaged_in_float16_is_summed_by_the_c_chunk(monkeyp
                                     Options(world=world, sizes={"N": n}, backend="shm", warmup=1, repeats=2)))
     assert not segments()
 
+
+def test_arithmetic_kept_in_bfloat16_stays_in_inductors_chunk():
+    """Pure-bf16 Adam (benchmarks/programs/adam_bf16.py: no float32 master copy): torch keeps every op of the
+    update in bfloat16, rounding each result, and so would C; measured, that rounding made the C chunk 3.4x the
+    step of Inductor's at world 2 (benchmarks/results/interleaved_adam_bf16_rounded_w2.json), so such a chunk
+    stays Inductor's. Every fused schedule, compiled, ends with the reference's state: R = 2 and 3, uneven rows."""
+    prog = runpy.run_path(str(Path(__file__).parents[2] / "benchmarks/programs/adam_bf16.py"))["program"].ir
+    fused = [s for s in generate(prog) if "fuse_collective" in s.text]
+    assert fused and not any("= _native(" in lower(s, "shm").source for s in fused)
+    for world, n in ((2, 1001), (3, 37)):
+        assert_all_ok(run_schedules([s.with_knobs(fc_chunks=k) for s in fused for k in (1, 4)],
+                                    Options(world=world, sizes={"N": n}, backend="shm", warmup=1, repeats=2)))
+    assert not segments()
+
+
 def test_a_gather_outside_a_fused_collective_writes_straight_into_the_state():
     """An all_gather that is the new value of a Replicated state, outside any fused collective (Adam's m, v and w
     after ``split; reorder``, LAMB's w after its fused collective, read by ``norm(w)`` before): each rank writes its

@@ -389,8 +389,8 @@ def test_half_precision_rows_summed_as_they_are_round_every_partial_total(tmp_pa
         run_native(k, (a, rows), m, tmp_path_factory.mktemp("cache"))
     assert_same_half(a.to(half_dtype), want)
     assert torch.equal(a.isnan(), want.isnan()) and torch.equal(a[~a.isnan()], want.float()[~a.isnan()])
-    with pytest.raises(Untranslatable):  # the half total read by arithmetic: torch's half kernels round it again
-        c_source(dataclasses.replace(k, stmts=(("y", "mul", ("g", "g"), None),), writes=(("a", "y"),)))
+    with pytest.raises(Untranslatable):  # the half total is no float32 value to store as it is
+        c_source(dataclasses.replace(k, stmts=(), writes=(("a", "g"),)))
 
 
 @pytest.mark.parametrize("dtype", sorted(HALF))
@@ -412,6 +412,7 @@ def test_a_half_precision_state_is_read_through_its_cast_and_written_back(monkey
     peers, _, _, parts, s = operands(n, (offset, 0, peer_offset, peer_offset))
     c = cut(torch.randn(n + 64, generator=torch.Generator().manual_seed(2)).to(half_dtype), offset, n)
     c[::9] = float("inf")
+    before = c.clone()
     want = s * c.float() + (parts[0] + parts[1] + parts[2])
     half_peers = [cut(torch.zeros(n + 64, dtype=half_dtype), peer_offset, n) for _ in range(2)]
     run_native(k, (half_peers, peers, c, parts, s), monkeypatch, tmp_path)
@@ -419,16 +420,24 @@ def test_a_half_precision_state_is_read_through_its_cast_and_written_back(monkey
     assert_same_half(c, want.to(half_dtype))
     for got in half_peers:
         assert_same_half(got, want.to(half_dtype))
-    with pytest.raises(Untranslatable):  # the state's rows read but through the cast: torch's half arithmetic
-        c_source(dataclasses.replace(k, stmts=(("y0", "mul", ("s", "c"), None),) + k.stmts[2:]))
+    # read by arithmetic whose result torch promotes to float32 (a product with the float32 g), the rows widen
+    # all the same
+    g = parts[0] + parts[1] + parts[2]
+    direct = dataclasses.replace(k, stmts=(("y0", "mul", ("g", "c"), None),) + k.stmts[2:])
+    assert (g * before).dtype == torch.float32
+    want = g * before + g
+    c, half_peers = before.clone(), [torch.zeros(n, dtype=half_dtype) for _ in range(2)]
+    run_native(direct, (half_peers, peers, c, parts, s), monkeypatch, tmp_path)
+    torch.testing.assert_close(peers[0], want, rtol=0, atol=0, equal_nan=True)
+    assert_same_half(c, want.to(half_dtype))
 
 
 @pytest.mark.parametrize("dtype", sorted(HALF))
-def test_a_half_precision_value_is_only_stored(dtype):
-    """Arithmetic on a value cast to bfloat16 or float16 rounds as torch's kernels of that dtype do, which C
-    does not: such a value read but by a store into a tensor of its dtype (or a cast back to float32), summed,
-    stored into a float32 tensor or one of the other half dtype, or a float32 value stored into a half one,
-    keeps Inductor's kernel."""
+def test_a_half_precision_value_is_stored_only_into_its_dtype(dtype):
+    """A value cast to bfloat16 or float16 is held as the float32 it widens to: arithmetic reads it so (a product
+    with a float32 tensor is float32 in torch too), and a cast back to float32 is that value. Stored into a
+    float32 tensor or one of the other half dtype, summed over the rows, or a float32 value stored into a half
+    tensor, it keeps Inductor's kernel."""
     tag, other = HALF[dtype], next(t for d, t in HALF.items() if d != dtype)
     params = (("x_peers", "peers"), ("y_peers", f"{tag} peers"), ("a", "rows"), ("c", f"{tag} rows"),
               ("e", f"{other} rows"), ("g_parts", "parts"))
@@ -441,8 +450,10 @@ def test_a_half_precision_value_is_only_stored(dtype):
     widened = c_source(kernel(h + (("f", "cast", ("h",), "float32"), ("y", "mul", ("f", "g"), None)),
                               streams=(("x_peers", "y"), ("y_peers", "h"))))
     assert "const v8 p_f = p_h;" in widened
-    for bad in (kernel(h + (("y", "mul", ("h", "g"), None),)), kernel(writes=(("c", "h"), ("a", "h"))),
-                kernel(writes=(("c", "y0"),)), kernel(streams=(("x_peers", "h"), ("y_peers", "h"))),
+    assert "const v8 p_y = (p_h * p_g);" in c_source(kernel(h + (("y", "mul", ("h", "g"), None),),
+                                                            streams=(("x_peers", "y"), ("y_peers", "h"))))
+    for bad in (kernel(writes=(("c", "h"), ("a", "h"))), kernel(writes=(("c", "y0"),)),
+                kernel(streams=(("x_peers", "h"), ("y_peers", "h"))),
                 kernel(streams=(("x_peers", "y0"), ("y_peers", "y0"))), kernel(sums=(("psum", "h"),)),
                 kernel(writes=(("c", "h"), ("e", "h")))):
         with pytest.raises(Untranslatable):
