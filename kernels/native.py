@@ -425,7 +425,8 @@ def c_source(k: ChunkKernel) -> str:
         out += statements(k.stmts, vector)
         for target, value in k.writes:
             tag = half(kind.get(target))
-            if unhalved(kind.get(target)) != "rows" or value not in values:
+            # a value of the chunk, or rows passed in as they are (Adan keeps the reduced gradient it was given)
+            if unhalved(kind.get(target)) != "rows" or (value not in values and unhalved(kind.get(value)) != "rows"):
                 raise Untranslatable(f"a write of {value} into {target}")
             if tag:
                 out.append(f"st_{tag}(p_{target} + i, {ref(value, True, DTYPE[tag])});" if vector

@@ -186,6 +186,27 @@ def test_arithmetic_kept_in_bfloat16_stays_in_inductors_chunk():
     assert not segments()
 
 
+
+def test_a_reduced_gradient_kept_as_state_is_stored_by_the_c_chunk(monkeypatch, tmp_path):
+    """Adan (benchmarks/programs/adan.py) keeps the reduced gradient as next step's previous one (``p.update(gp,
+    grad)``). Where the fused collective reduces before its kernel (gp sliced, no reorder), the kernel is given the
+    reduced rows and stores them into gp as they are, in C (it had kept Inductor's kernel). The state the kernel
+    writes has the Python chunk's bits (the new weights aside: they pass through a square root); every such
+    schedule ends with the reference's state, R = 2 and 3, uneven rows, one chunk and several."""
+    prog = runpy.run_path(str(Path(__file__).parents[2] / "benchmarks/programs/adan.py"))["program"].ir
+    stored = [s for s in generate(prog) if "fuse_collective" in s.text
+              and "st(p_gp_k + i, ld(p_rs0 + i));" in lower(s, "shm").source]
+    assert len(stored) >= 2
+    for s in stored:
+        _, runs = c_chunk_and_python(lower(s, "shm").source, monkeypatch, tmp_path)
+        for got, want in runs:
+            assert "gp_k" in got, s.text
+            assert_same_bits([({x: got[x] for x in got if x.startswith(("gp_", "d_", "n_"))}, want)])
+    for world, n in ((2, 1001), (3, 37)):
+        assert_all_ok(run_schedules([s.with_knobs(fc_chunks=k) for s in stored for k in (1, 4)],
+                                    Options(world=world, sizes={"N": n}, backend="shm", warmup=1, repeats=2)))
+    assert not segments()
+
 def test_a_gather_outside_a_fused_collective_writes_straight_into_the_state():
     """An all_gather that is the new value of a Replicated state, outside any fused collective (Adam's m, v and w
     after ``split; reorder``, LAMB's w after its fused collective, read by ``norm(w)`` before): each rank writes its

@@ -604,3 +604,21 @@ def test_a_bool_scalar_passed_in_chooses_for_every_row(monkeypatch, tmp_path):
         run_native(k, (peers, m, torch.tensor(ok)), monkeypatch, tmp_path)
         for got in (m, *peers):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_rows_passed_in_are_stored_as_they_are(monkeypatch, tmp_path):
+    """Adan keeps the reduced gradient it was given as next step's previous gradient (``p.update(gp, grad)``), read
+    by the chunk as well: where the reduction ran before the kernel, the chunk stores its rows of ``grad`` into
+    ``gp`` after reading ``gp``'s old rows, and streams a value computed from both into the peers."""
+    stmts = (("diff", "sub", ("g", "gp"), None),)
+    k = ChunkKernel(params=(("d_peers", "peers"), ("gp", "rows"), ("g", "rows")), parts=None, stmts=stmts,
+                    numbers=frozenset(), writes=(("gp", "g"),), streams=(("d_peers", "diff"),))
+    assert "st(p_gp + i, ld(p_g + i));" in c_source(k)
+    g, gp = torch.randn(1001), torch.randn(1001)
+    want_diff, peers = g - gp, [torch.zeros(1001), torch.zeros(1001)]
+    run_native(k, (peers, gp, g), monkeypatch, tmp_path)
+    torch.testing.assert_close(gp, g, rtol=0, atol=0)
+    for got in peers:
+        torch.testing.assert_close(got, want_diff, rtol=0, atol=0)
+    with pytest.raises(Untranslatable):  # a scalar is no rows to store
+        c_source(dataclasses.replace(k, params=k.params + (("s", "scalar"),), writes=(("gp", "s"),)))
