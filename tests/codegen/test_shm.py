@@ -127,7 +127,7 @@ def test_the_half_precision_copy_of_the_weights_is_written_by_the_c_chunk(name, 
     assert not segments()
 
 
-def test_moments_kept_in_bfloat16_are_widened_and_written_back_by_the_c_chunk():
+def test_moments_kept_in_bfloat16_are_widened_and_written_back_by_the_c_chunk(monkeypatch, tmp_path):
     """Adam with bfloat16 moments (benchmarks/programs/adam_bf16_states.py): the fused collective's C chunk loads
     the moments' bfloat16 rows through their casts to float32 and stores the new ones, rounded, into this rank's
     rows and the peers' copies (a bfloat16 state read had kept Inductor's kernel for the whole chunk). Each
@@ -140,7 +140,17 @@ def test_moments_kept_in_bfloat16_are_widened_and_written_back_by_the_c_chunk():
     assert kinds and kinds.group(1).count("u") == 2 and kinds.group(1).count("b") == 2  # m, v: rows and peers
     assert "ld_bf16(p_m_k + i)" in source and "ld_bf16(p_v_k + i)" in source and "st_bf16(p_m_k + i, " in source
     in_c = [s for s in generate(prog) if "fuse_collective" in s.text and "= _native(" in lower(s, "shm").source]
-    assert whole in in_c and len(in_c) >= 4
+    assert whole in in_c and len(in_c) >= 8
+    # the moments' all_gathers bucketed: the chunk writes the new bfloat16 rows into the bucket's buffers, whose
+    # rows it takes as bfloat16 (it had taken them as float32 and kept Inductor's kernel)
+    bucketed = [s for s in in_c if "bucket(" in s.text]
+    assert len(bucketed) == 4
+    for s in bucketed:
+        source = lower(s, "shm").source
+        assert "st_bf16(p__cast2_k + i, p_cast2);" in source, s.text
+        _, runs = c_chunk_and_python(source, monkeypatch, tmp_path)
+        for got, want in runs:
+            assert_same_bits([({x: got[x] for x in got if x.startswith("_cast")}, want)])
     assert_all_ok(run_schedules([s.with_knobs(fc_chunks=k) for s in in_c for k in (1, 4)],
                                 Options(world=3, sizes={"N": 37}, backend="shm", warmup=1, repeats=2)))
     assert not segments()
@@ -569,14 +579,14 @@ def test_the_c_chunk_divides_a_number_by_a_tensor_as_torch_does(monkeypatch, tmp
 
 def c_chunk_and_python(source: str, monkeypatch, tmp_path) -> tuple[str, list[tuple[dict, dict]]]:
     """Runs the C of a generated module's chunk kernel, with any hand-off to Python an error, and the module's
-    own Python ``_chunk0`` (eager torch) on the same random rows, 4096 and 37: the C source, and for each
+    own Python chunk (eager torch) on the same random rows, 4096 and 37: the C source, and for each
     length every parameter's values after the C and after the Python (rows, peers' copies, slots)."""
-    call = re.search(r'\n_chunk0 = _native\(_kernel\(_chunk0\), \'(\w+)\', r"""(.*?)"""\)', source, re.S)
+    call = re.search(r'\n(_chunk\d+) = _native\(_kernel\(\1\), \'(\w+)\', r"""(.*?)"""\)', source, re.S)
     assert call, "the chunk has no C kernel"
-    kinds, c = call.groups()
+    chunk, kinds, c = call.groups()
     python = {}
     exec(compile(source[:call.start()], "chunk", "exec"), python)  # the module up to its kernel's C
-    params = list(inspect.signature(python["_chunk0"]).parameters)
+    params = list(inspect.signature(python[chunk]).parameters)
     numbers = dict(re.findall(r"^ +(c\d+) = (\S+)$", source, re.M))
     gen = torch.Generator().manual_seed(0)
 
@@ -605,7 +615,7 @@ def c_chunk_and_python(source: str, monkeypatch, tmp_path) -> tuple[str, list[tu
         want = args(rows)
         got = [[x.clone() for x in a] if isinstance(a, list) else a.clone() if isinstance(a, torch.Tensor) else a
                for a in want]
-        python["_chunk0"](*want)
+        python[chunk](*want)
         kernel(*got)
         runs.append((dict(zip(params, got)), dict(zip(params, want))))
     return c, runs
