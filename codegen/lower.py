@@ -1402,7 +1402,7 @@ def _native_chunk(e: _Emitter, compute: list[str], inplace: dict[str, str], into
     constants: list[tuple[str, float]] = []
     host: set[str] = set()
     peer_params = {args[peers[m]]: p[m].type.dtype for m in into}
-    holders = {buf: o for o, buf in (buffers or {}).items()}
+    holders = {buf: p[o] for o, buf in (buffers or {}).items()}  # the buffer a sliced output is written into
 
     def of(dtype, kind: str) -> str:  # the kind of rows of a half-precision dtype (bf16 rows, f16 peers, …)
         return f"{HALF[dtype]} {kind}" if dtype in HALF else kind
@@ -1417,8 +1417,8 @@ def _native_chunk(e: _Emitter, compute: list[str], inplace: dict[str, str], into
             kind = "rank numbers"
         elif param in slot_params:
             kind = of(p[slot_params[param]].type.dtype, "rows")
-        elif cut:  # rows of a tensor, or of the buffer a sliced output is written into (its dtype the output's)
-            tensor = by_ident.get(cut.group(1)) or (p[holders[cut.group(1)]] if cut.group(1) in holders else None)
+        elif cut:  # rows of a tensor, or of a holder (its dtype the output's)
+            tensor = by_ident.get(cut.group(1)) or holders.get(cut.group(1))
             kind = of(tensor.type.dtype, "rows") if tensor is not None else "rows"
         elif expr in by_ident and by_ident[expr].type is not None and by_ident[expr].type.dtype != "int64":
             kind = "scalar" if by_ident[expr].type.shape == () else "rows"

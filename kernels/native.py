@@ -89,6 +89,11 @@ def unhalved(kind: str | None) -> str | None:
     return kind.split(" ", 1)[1] if half(kind) else kind
 
 
+def _rounded(tag: str, x: str, vector: bool) -> str:
+    """C text of ``x`` rounded to the half dtype ``tag`` (``bf16``, ``f16``) as torch casts it, kept as float32."""
+    return f"{'vround' if vector else 'round'}_{tag}({x})"
+
+
 _PRELUDE = """#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -365,7 +370,7 @@ def c_source(k: ChunkKernel) -> str:
             elif op == "cast" and value == "float32" and args[0] not in k.numbers:
                 expr = ref(args[0], vector)  # float32 already, or a half widened exactly as it was loaded
             elif op == "cast" and value in HALF and args[0] not in k.numbers:
-                expr = f"{'vround' if vector else 'round'}_{HALF[value]}({ref(args[0], vector)})"
+                expr = _rounded(HALF[value], ref(args[0], vector), vector)
             else:
                 raise Untranslatable(op)
             out.append(f"const {t} p_{name} = {expr};")
@@ -388,7 +393,7 @@ def c_source(k: ChunkKernel) -> str:
             def rounded(x: str) -> str:
                 # torch's half-precision add (mul, div) rounds each result to its dtype: so does the sum here,
                 # computed in float32 first (exact, or rounded twice to the same value: 24 >= 2 * 11 + 2 bits)
-                return f"{'vround' if vector else 'round'}_{summed_half}({x})" if summed_half else x
+                return _rounded(summed_half, x, vector) if summed_half else x
 
             def combine(x: str) -> str:  # p_total <- p_total (op) x, in the order torch reduces them
                 combined = REDUCE[op][vector].format(f'p_{total}', x)
@@ -397,10 +402,11 @@ def c_source(k: ChunkKernel) -> str:
             def load(param: str, rank: str) -> str:
                 tag = half(kind.get(param))
                 if tag and unhalved(kind[param]) == "parts":  # widened exactly: summed as they are, or (pre) read
-                    name = next((x for x, q in rows_of.items() if q == param), None)  # only through casts to float32
-                    if k.pre and (name is None or any(name in args and (op != "cast" or value != "float32")
-                                                      for _, op, args, value in k.pre)):
-                        raise Untranslatable(f"{DTYPE[tag]} rows {param} read but by a cast to float32")
+                    if k.pre:  # only through casts to float32
+                        name = next((x for x, q in rows_of.items() if q == param), None)
+                        if name is None or any(name in args and (op != "cast" or value != "float32")
+                                               for _, op, args, value in k.pre):
+                            raise Untranslatable(f"{DTYPE[tag]} rows {param} read but by a cast to float32")
                     return f"ld_{tag}(a->p_{param}[{rank}] + i)" if vector else f"{tag}(a->p_{param}[{rank}][i])"
                 if kind.get(param) != "parts":
                     raise Untranslatable(f"rows {param} of every rank not passed as such")

@@ -38,6 +38,20 @@ def segments() -> list[Path]:
     return list(Path("/dev/shm").glob("coconet-*"))
 
 
+def bench_program(name: str):
+    """The IR of benchmarks/programs/<name>.py."""
+    return runpy.run_path(str(Path(__file__).parents[2] / f"benchmarks/programs/{name}.py"))["program"].ir
+
+
+def assert_right_on_shm(schedules, worlds=((2, 1001), (3, 37))):
+    """Each schedule compiled at one chunk and four, on shm at each (world, N): every rank ends with the
+    reference's state, and nothing is left in /dev/shm."""
+    for world, n in worlds:
+        assert_all_ok(run_schedules([s.with_knobs(fc_chunks=k) for s in schedules for k in (1, 4)],
+                                    Options(world=world, sizes={"N": n}, backend="shm", warmup=1, repeats=2)))
+    assert not segments()
+
+
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_every_schedule_of_every_example_on_shm(name, world):
@@ -111,7 +125,7 @@ def test_the_half_precision_copy_of_the_weights_is_written_by_the_c_chunk(name, 
     and the peers' copies in C, beside the float32 state (a cast to bfloat16 had kept Inductor's kernel for the
     whole chunk, whose ordinary stores into the peers' copies read each line first). The copy every rank ends
     with is the reference's, moments whole and sharded, uneven rows, one chunk and several."""
-    prog = runpy.run_path(str(Path(__file__).parents[2] / f"benchmarks/programs/{name}.py"))["program"].ir
+    prog = bench_program(name)
     fused = [s for s in generate(prog) if "fuse_collective" in s.text]
     assert any("as_slice(m)" in s.text for s in fused) and any("as_slice" not in s.text for s in fused)
     whole = [s for s in fused if "as_slice(w16)" not in s.text]  # a copy left sharded goes to no peer
@@ -121,10 +135,7 @@ def test_the_half_precision_copy_of_the_weights_is_written_by_the_c_chunk(name, 
         kinds = re.search(r"_chunk0 = _native\(_kernel\(_chunk0\), '(\w+)'", source)
         assert kinds and set(letters) <= set(kinds.group(1)), s.text  # w16's peers and rows, g's half parts
         assert f"st_{tag}(p_w16_k + i, p_cast1);" in source and f"st_{tag}(d, x[" in source
-    for world, n in worlds:
-        assert_all_ok(run_schedules([s.with_knobs(fc_chunks=k) for s in fused for k in (1, 4)],
-                                    Options(world=world, sizes={"N": n}, backend="shm", warmup=1, repeats=2)))
-    assert not segments()
+    assert_right_on_shm(fused, worlds)
 
 
 def test_moments_kept_in_bfloat16_are_widened_and_written_back_by_the_c_chunk(monkeypatch, tmp_path):
@@ -133,7 +144,7 @@ def test_moments_kept_in_bfloat16_are_widened_and_written_back_by_the_c_chunk(mo
     rows and the peers' copies (a bfloat16 state read had kept Inductor's kernel for the whole chunk). Each
     schedule whose chunk is C (the moments whole, their casts in the chunk or in a fuse kernel before it) ends
     with the reference's state: uneven rows, one chunk and several. (The every-schedule test runs the rest.)"""
-    prog = runpy.run_path(str(Path(__file__).parents[2] / "benchmarks/programs/adam_bf16_states.py"))["program"].ir
+    prog = bench_program("adam_bf16_states")
     whole = Schedule.parse("split(ar0); reorder(ag0); fuse_collective(rs0)", prog)
     source = lower(whole, "shm").source
     kinds = re.search(r"_chunk0 = _native\(_kernel\(_chunk0\), '(\w+)'", source)
@@ -151,10 +162,7 @@ def test_moments_kept_in_bfloat16_are_widened_and_written_back_by_the_c_chunk(mo
         _, runs = c_chunk_and_python(source, monkeypatch, tmp_path)
         for got, want in runs:
             assert_same_bits([({x: got[x] for x in got if x.startswith("_cast")}, want)])
-    assert_all_ok(run_schedules([s.with_knobs(fc_chunks=k) for s in in_c for k in (1, 4)],
-                                Options(world=3, sizes={"N": 37}, backend="shm", warmup=1, repeats=2)))
-    assert not segments()
-
+    assert_right_on_shm(in_c, worlds=((3, 37),))
 
 
 def test_a_float16_gradient_averaged_in_float16_is_summed_by_the_c_chunk(monkeypatch, tmp_path):
@@ -163,7 +171,7 @@ def test_a_float16_gradient_averaged_in_float16_is_summed_by_the_c_chunk(monkeyp
     average to float16 as torch's half add and divide do (the chunk had stayed Inductor's, which sums in float32
     and rounds once). The moments, which only add and multiply, have the Python chunk's bits over three ranks'
     rows; every schedule ends with the reference's state, R = 2 and 3, uneven rows, one chunk and several."""
-    prog = runpy.run_path(str(Path(__file__).parents[2] / "benchmarks/programs/adam_fp16_grads.py"))["program"].ir
+    prog = bench_program("adam_fp16_grads")
     fused = [s for s in generate(prog) if "fuse_collective" in s.text]
     in_c = [s for s in fused if "= _native(" in lower(s, "shm").source]
     assert [s for s in fused if "as_slice(w16)" not in s.text] == in_c
@@ -176,10 +184,7 @@ def test_a_float16_gradient_averaged_in_float16_is_summed_by_the_c_chunk(monkeyp
             moments = [x for x in got if x.startswith(("m_", "v_"))]  # their rows, and peers' copies if whole
             assert {"m_k", "v_k"} <= set(moments), s.text
             assert_same_bits([({x: got[x] for x in moments}, want)])
-    for world, n in ((2, 1001), (3, 37)):
-        assert_all_ok(run_schedules([s.with_knobs(fc_chunks=k) for s in fused for k in (1, 4)],
-                                    Options(world=world, sizes={"N": n}, backend="shm", warmup=1, repeats=2)))
-    assert not segments()
+    assert_right_on_shm(fused)
 
 
 def test_arithmetic_kept_in_bfloat16_stays_in_inductors_chunk():
@@ -187,14 +192,10 @@ def test_arithmetic_kept_in_bfloat16_stays_in_inductors_chunk():
     update in bfloat16, rounding each result, and so would C; measured, that rounding made the C chunk 3.4x the
     step of Inductor's at world 2 (benchmarks/results/interleaved_adam_bf16_rounded_w2.json), so such a chunk
     stays Inductor's. Every fused schedule, compiled, ends with the reference's state: R = 2 and 3, uneven rows."""
-    prog = runpy.run_path(str(Path(__file__).parents[2] / "benchmarks/programs/adam_bf16.py"))["program"].ir
+    prog = bench_program("adam_bf16")
     fused = [s for s in generate(prog) if "fuse_collective" in s.text]
     assert fused and not any("= _native(" in lower(s, "shm").source for s in fused)
-    for world, n in ((2, 1001), (3, 37)):
-        assert_all_ok(run_schedules([s.with_knobs(fc_chunks=k) for s in fused for k in (1, 4)],
-                                    Options(world=world, sizes={"N": n}, backend="shm", warmup=1, repeats=2)))
-    assert not segments()
-
+    assert_right_on_shm(fused)
 
 
 def test_a_reduced_gradient_kept_as_state_is_stored_by_the_c_chunk(monkeypatch, tmp_path):
@@ -203,7 +204,7 @@ def test_a_reduced_gradient_kept_as_state_is_stored_by_the_c_chunk(monkeypatch, 
     reduced rows and stores them into gp as they are, in C (it had kept Inductor's kernel). The state the kernel
     writes has the Python chunk's bits (the new weights aside: they pass through a square root); every such
     schedule ends with the reference's state, R = 2 and 3, uneven rows, one chunk and several."""
-    prog = runpy.run_path(str(Path(__file__).parents[2] / "benchmarks/programs/adan.py"))["program"].ir
+    prog = bench_program("adan")
     stored = [s for s in generate(prog) if "fuse_collective" in s.text
               and "st(p_gp_k + i, ld(p_rs0 + i));" in lower(s, "shm").source]
     assert len(stored) >= 2
@@ -212,10 +213,8 @@ def test_a_reduced_gradient_kept_as_state_is_stored_by_the_c_chunk(monkeypatch, 
         for got, want in runs:
             assert "gp_k" in got, s.text
             assert_same_bits([({x: got[x] for x in got if x.startswith(("gp_", "d_", "n_"))}, want)])
-    for world, n in ((2, 1001), (3, 37)):
-        assert_all_ok(run_schedules([s.with_knobs(fc_chunks=k) for s in stored for k in (1, 4)],
-                                    Options(world=world, sizes={"N": n}, backend="shm", warmup=1, repeats=2)))
-    assert not segments()
+    assert_right_on_shm(stored)
+
 
 def test_a_gather_outside_a_fused_collective_writes_straight_into_the_state():
     """An all_gather that is the new value of a Replicated state, outside any fused collective (Adam's m, v and w
@@ -446,8 +445,7 @@ def test_a_max_min_or_product_over_ranks_is_taken_as_the_kernel_reads_the_rows()
     reduces them as it reads them, as it sums them for a sum; nothing computes |g| whole or publishes it.
     R = 2 and 3, uneven rows, one chunk and more chunks than rows."""
     amax = Schedule.parse("split(ar0); split(ar1); reorder(ag0); reorder(ag1); fuse_collective(rs0)",
-                          runpy.run_path(str(Path(__file__).parents[2] / "benchmarks/programs/amax_scale.py"))[
-                              "program"].ir)
+                          bench_program("amax_scale"))
     src = lower(amax, "shm").source
     step = src[src.index("def step("):]
     assert "abs" not in step and "_reduce_scatter_parts(_rank, g, 0, d_N, 4, 'g', 0):" in step
@@ -629,10 +627,6 @@ def assert_same_bits(runs):
                 assert torch.equal(u, v) if isinstance(u, torch.Tensor) else u == v, name
 
 
-def adam_ema_program():
-    return runpy.run_path(str(Path(__file__).parents[2] / "benchmarks/programs/adam_ema.py"))["program"].ir
-
-
 def test_a_gathered_output_is_written_into_its_slot_by_the_chunk_kernel(monkeypatch, tmp_path):
     """Adam with an average of the weights, the new weights returned in bfloat16 (benchmarks/programs/
     adam_ema.py), and a float32 output beside it: the fused collective's chunk kernel writes each gathered
@@ -642,7 +636,7 @@ def test_a_gathered_output_is_written_into_its_slot_by_the_chunk_kernel(monkeypa
     rows, one chunk and several."""
     import coconet as cc
 
-    prog = adam_ema_program()
+    prog = bench_program("adam_ema")
     p = cc.Program("two_outputs", dims=("N",))
     g = p.tensor("g", ("N",), layout=cc.Local)
     w = p.tensor("w", ("N",), layout=cc.Replicated)
@@ -996,7 +990,7 @@ def test_a_fuse_kernel_that_sums_its_mask_steps_as_the_program_does():
     """A loss scaler's overflow count summed in the kernel that computes the mask (fuse_reduced), before
     Adam that skips the step where any rank overflowed (in C, the fused collective's chunk): correct on shm
     and gloo, R = 2 and 3, uneven rows, with the update fused into the collective or not."""
-    prog = runpy.run_path(str(Path(__file__).parents[2] / "benchmarks/programs/adam_amp_skip.py"))["program"].ir
+    prog = bench_program("adam_amp_skip")
     scheds = [Schedule.parse(f"{x}fuse(abs0, gt0, where0)", prog)
               for x in ("", "split(ar1); reorder(ag0); fuse_collective(rs0); ")]
     # the skip a bool the step computed before the collective: the chunk still runs as C
@@ -1024,7 +1018,7 @@ def test_a_kernel_computes_what_a_fused_collective_reduces_where_the_peers_read_
     kernel stores it into the buffer the step keeps (_Shm.held), which the peers read where it lies, and
     writes the residual into its state; nothing is returned to be published. Correct at R = 2, 3, uneven
     rows, compiled and eager, on both steps the check runs; gloo has no buffer to store it into."""
-    prog = runpy.run_path(str(Path(__file__).parents[2] / "benchmarks/programs/ef_sign.py"))["program"].ir
+    prog = bench_program("ef_sign")
     sched = Schedule.parse("split(ar0); reorder(ag0); fuse_collective(rs0); fuse(add0, abs0, ge0); "
                            "fuse(where0, sub0)", prog)
     for kernels in ("compiled", "eager"):
@@ -1050,7 +1044,7 @@ def test_a_sum_of_values_of_each_ranks_own_is_reduced_where_the_peers_read_them(
     into a segment of its own as an input does. Nothing is published, on the first step or any after, but a
     tensor that cannot move (tests/codegen/held_input.py counts). Correct at R = 2, 3, uneven rows, 1 and 4
     chunks, compiled and eager, on both steps the check runs; gloo computes it as before."""
-    prog = runpy.run_path(str(Path(__file__).parents[2] / "benchmarks/programs/adam_accumulate.py"))["program"].ir
+    prog = bench_program("adam_accumulate")
     sched = Schedule.parse("split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse_collective(rs0)", prog)
     src = lower(sched, "shm", "compiled").source
     step = src[src.index("def step("):]
