@@ -1,4 +1,15 @@
+import os
+import uuid
+
 import pytest
+
+RUN_MARK = "COCONET_TEST_RUN"
+
+
+def pytest_configure(config):
+    # Every process this run starts inherits the mark, so the checks that no rank process or shared-memory
+    # segment outlived a launch see this run's alone, not those of coconet jobs running beside the tests.
+    os.environ[RUN_MARK] = uuid.uuid4().hex
 
 
 @pytest.fixture(scope="session")

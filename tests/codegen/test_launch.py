@@ -19,6 +19,7 @@ from coconet.codegen.launch import STARTUP_S, Options, run_schedules
 from coconet.schedules.schedule import Schedule
 from coconet.schedules.space import generate
 from tests.codegen import faulty
+from tests.conftest import RUN_MARK
 from tests.ports import hold_port
 from tests.strategies import collective_programs, programs
 
@@ -37,8 +38,17 @@ def check_only(world, sizes, **kw):
     return Options(world=world, sizes=sizes, time=False, timeout_s=60, kernels="eager", **kw)
 
 
+def of_this_run(pid: int | str) -> bool:
+    """Whether a live process was started by this test run (it carries the run's mark in its environment)."""
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return f"{RUN_MARK}={os.environ[RUN_MARK]}".encode() in env
+
+
 def rank_processes() -> list[int]:
-    """Live rank processes of any launch (a zombie is already gone)."""
+    """Live rank processes of any launch of this test run (a zombie is already gone)."""
     pids = []
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
@@ -48,6 +58,8 @@ def rank_processes() -> list[int]:
             comm = (d / "comm").read_text()
             state = (d / "stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
+            continue
+        if not of_this_run(d.name):
             continue
         # a fresh interpreter, or forked by the fork server, which names it
         if (b"coconet.codegen.rank" in cmd or comm.startswith(RANK_NAME)) and state != "Z":
