@@ -56,6 +56,8 @@ def main(rank: int, world: int, port: int, kernels: str, schedule: str = "zero1"
     w_type = sched.scheduled["w"].type
     buffer = torch.full((2 * N + 5,), -7.0)
     held = {"A": start["g"].clone()}
+    flat = torch.empty(N)
+    views = [flat[:N // 3], flat[N // 3:].view(-1, 1)]
 
     def fresh(name):
         held[name] = torch.empty(N)
@@ -82,11 +84,21 @@ def main(rank: int, world: int, port: int, kernels: str, schedule: str = "zero1"
         ("a new tensor each step, third", lambda: forget("E") or fresh("F"), True, False),
         ("that tensor again (it moves into a segment anew)", lambda: held["F"], False, True),
         ("that tensor once more", lambda: held["F"], False, True),
+        # a flat gradient buffer whose views are the parameters' .grad, which backward writes through: were it
+        # to move into F's segment, the next step's gradient would land in its old memory and go unread
+        ("a flat buffer that .grad views write into, once the moved one is gone", lambda: forget("F") or flat,
+         True, True),
+        ("that buffer again, written through its views", lambda: flat, True, True),
     ]
     for k, (what, make, publishes, segment) in enumerate(cases):
         scale = 0.5 + 0.25 * k
         g = make()
-        g.copy_(torch.from_numpy(grads[rank] * scale).float())
+        given = torch.from_numpy(grads[rank] * scale).float()
+        if what.endswith("through its views"):
+            views[0].copy_(given[:N // 3])
+            views[1].copy_(given[N // 3:].view(-1, 1))
+        else:
+            g.copy_(given)
         sent = g.clone()
         tensors = {"g": g, "w": w, "m": start["m"].clone(), "v": start["v"].clone()}
         w.copy_(start["w"])
@@ -106,6 +118,8 @@ def main(rank: int, world: int, port: int, kernels: str, schedule: str = "zero1"
         assert not mapped, f"rank {rank}, {what}: the segments of ranks {mapped} {'not ' if segment else ''}mapped"
         here = seg is not None and g.data_ptr() == seg.data_ptr()
         assert here == (not publishes), f"rank {rank}, {what}: g is not where it was read"
+        if g is flat:
+            assert views[0].data_ptr() == g.data_ptr(), "a buffer other tensors view must stay where they see it"
         if what.startswith("a view"):
             assert g._base is buffer, "a view must stay in its buffer"
             assert bool((buffer[:3] == -7).all() and (buffer[3 + N:] == -7).all()), "the buffer around g was written"

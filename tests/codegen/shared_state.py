@@ -4,8 +4,9 @@ without one, w's all_gather writes into the state all the same).
 
 Every rank runs the same steps, each on the seeded inputs put back into whatever w this rank passes,
 and compares its w with the reference interpreter's: the state moved into shared memory by the first
-step, the same tensor again, a new tensor on one rank only, a view into a larger buffer and a strided
-column (neither can move: a shadow segment takes the peers' rows). Prints ``ok`` and exits 0, or
+step, the same tensor again, a new tensor on one rank only, a view into a larger buffer, a strided
+column and a flat buffer that other tensors view (none of them can move: a shadow segment takes the peers'
+rows). Prints ``ok`` and exits 0, or
 raises naming the step.
 """
 
@@ -44,10 +45,13 @@ def main(rank: int, world: int, port: int, kernels: str, schedule: str = SCHEDUL
     buffer = torch.full((2 * N + 5,), -7.0)
     matrix = torch.full((N, 3), -7.0)
     own = start["w"].clone()
+    flat = torch.empty(N)
+    params = [flat[:N // 3], flat[N // 3:].view(-1, 1)]  # it cannot move: they would stay on its old memory
     cases = [("the first step", lambda: own), ("the same tensor again", lambda: own),
              ("a new tensor on rank 1 only", lambda: start["w"].clone() if rank == 1 else own),
              ("a view into a larger buffer", lambda: buffer[3:3 + N]),
              ("a strided column", lambda: matrix[:, 1]),
+             ("a flat buffer a model's parameters are views of", lambda: flat),
              ("the moved tensor after those", lambda: own)]
     for what, make in cases:
         w = make()
@@ -61,6 +65,9 @@ def main(rank: int, world: int, port: int, kernels: str, schedule: str = SCHEDUL
         if what == "a view into a larger buffer":
             assert w.data_ptr() == before and w._base is buffer, "a view must stay in its buffer"
             assert bool((buffer[:3] == -7).all() and (buffer[3 + N:] == -7).all()), "the buffer around w was written"
+        if what.startswith("a flat buffer"):
+            assert w.data_ptr() == before, "a buffer other tensors view must stay where they see it"
+            assert torch.equal(torch.cat([params[0], params[1].flatten()]), w), "the views do not see the step"
         if what == "a strided column":
             assert bool((matrix[:, 0] == -7).all() and (matrix[:, 2] == -7).all()), "the other columns were written"
     dist.barrier()

@@ -603,10 +603,16 @@ class _Shm:
 
 
 def _movable(t):
-    """Whether state ``t`` can move into a segment of its own: it is its storage's only and whole content
-    (a view into a larger buffer, a flat parameter buffer's say, would lose its link to it) and contiguous."""
+    """Whether state ``t`` can move into a segment of its own: it is contiguous, its storage's whole content,
+    and no other tensor holds that storage. A view into a larger buffer would lose its link to the buffer;
+    a buffer that other tensors view (a flat buffer whose views are a model's parameters or their ``.grad``,
+    as DDP's buckets and ZeRO's flat partitions are) would leave them on its old memory, and the parameters
+    would silently stop seeing the step, the gradients written through them never be read."""
+    # the tensor's own reference and the storage object asked for here; torch without the count: never move
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
     return (t.device.type == "cpu" and t.is_contiguous() and t._base is None and t.storage_offset() == 0
-            and t.untyped_storage().nbytes() == t.numel() * t.element_size())
+            and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+            and use_count is not None and use_count(t.untyped_storage()._cdata) <= 2)
 
 
 def _move_into(t, seg):
