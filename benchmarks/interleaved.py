@@ -1,7 +1,7 @@
 """Generated modules stepped in turn by the same ranks, for differences smaller than this machine's drift.
 
     python benchmarks/interleaved.py PROGRAM --world 4 --size N=2^24 --steps 40 MODULE [MODULE ...]
-                                     [--out benchmarks/results/interleaved.json]
+                                     [--out benchmarks/results/interleaved.json] [--viewed K]
 
 Each MODULE is a step module as ``coconet run --emit DIR`` writes it (shm or gloo), edited by hand or not;
 its header names the schedule, whose layouts give each module inputs of its own (the seeded values of
@@ -12,7 +12,9 @@ next (this one's does, by up to 2x) then weighs on every module alike, and the p
 module's step to the first's in the same turn is what the report gives, with its quartiles, beside each
 module's median. A hand edit that breaks a step shows too: every module takes as many steps from the
 same inputs, and the report gives how far its updated state (rank 0's, of the tensors that have the
-first module's shape) ends from the first module's.
+first module's shape) ends from the first module's. ``--viewed K`` hands module K its tensors with views of
+them held, as a flat buffer whose views are a model's parameters is (the same module twice, once viewed,
+gives what keeping such buffers out of shared memory costs).
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ import time
 from pathlib import Path
 
 
-def _rank(rank: int, world: int, port: int, program_path: str, sizes: dict, paths: list[str], steps: int, out):
+def _rank(rank: int, world: int, port: int, program_path: str, sizes: dict, paths: list[str], steps: int, out,
+          viewed: tuple[int, ...] = ()):
     import torch
     import torch.distributed as dist
 
@@ -42,7 +45,7 @@ def _rank(rank: int, world: int, port: int, program_path: str, sizes: dict, path
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     program = load_file(program_path)
     opts = Options(world=world, sizes=sizes)
-    steps_, args = [], []
+    steps_, args, views = [], [], []
     for path in paths:
         source = Path(path).read_text()
         text = re.search(r"^schedule: (.*)$", source, re.M).group(1)
@@ -51,6 +54,8 @@ def _rank(rank: int, world: int, port: int, program_path: str, sizes: dict, path
         exec(compile(source, path, "exec"), ns)
         steps_.append(ns["step"])
         args.append(inputs(sched.scheduled, opts, 0, rank, torch.device("cpu")))
+        if len(steps_) - 1 in viewed:  # each tensor a flat buffer with views of it held, as a model's parameters
+            views.append([t[: t.numel() // 2] for t in args[-1][0].values() if t.dim() == 1])
     for step, (tensors, scalars) in zip(steps_, args):
         for _ in range(3):  # compiles, moves state and gradient into shared memory
             step(tensors, scalars, group=None, sizes=sizes)
@@ -92,6 +97,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--size", required=True)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--viewed", type=int, action="append", default=[],
+                    help="index of a module whose 1-d tensors are handed over with views of them held, as a flat "
+                         "buffer whose views are a model's parameters (repeatable)")
     args = ap.parse_args(argv)
     sizes = parse_sizes(args.size, load_file(args.program).dims)
     if str(Path(__file__).parent) not in sys.path:  # spawned processes import this module by its name
@@ -99,7 +107,8 @@ def main(argv: list[str] | None = None) -> dict:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, args.world, port, args.program, sizes, args.modules, args.steps, out))
+    procs = [ctx.Process(target=_rank, args=(r, args.world, port, args.program, sizes, args.modules, args.steps, out,
+                                                  tuple(args.viewed)))
              for r in range(args.world)]
     # stopped from outside (SIGTERM), it stops its ranks too and removes the segments they leave mapped
     # by nobody, as coconet's launcher does
@@ -127,13 +136,13 @@ def main(argv: list[str] | None = None) -> dict:
                 remove_leftover_segments(p.pid)
         signal.signal(signal.SIGTERM, previous)
     report = {"program": args.program, "world": args.world, "sizes": sizes, "steps": args.steps, "modules": []}
-    for path, ts, diff in zip(args.modules, times, agree):
+    for k, (path, ts, diff) in enumerate(zip(args.modules, times, agree)):
         ratios = sorted(a / b for a, b in zip(ts, times[0]))
         q = len(ratios) // 4
         report["modules"].append({"module": path, "median_s": statistics.median(ts),
                                   "ratio_to_first": statistics.median(ratios),
                                   "ratio_quartiles": [ratios[q], ratios[-1 - q]],
-                                  "state_rel_diff_to_first": diff})
+                                  "state_rel_diff_to_first": diff, "viewed": k in args.viewed})
         print(f"{path}: {statistics.median(ts) * 1e3:.1f} ms a step, {statistics.median(ratios):.3f}x the first "
               f"[{ratios[q]:.3f}, {ratios[-1 - q]:.3f}]")
     if args.out is not None:

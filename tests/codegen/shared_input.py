@@ -1,12 +1,14 @@
 """One rank of Adam's fused collective on shm, stepped with the gradient tensors a caller might hand it:
-``python -m tests.codegen.shared_input RANK WORLD PORT KERNELS [SCHEDULE]``. The schedule is ZeRO-1's
+``python -m tests.codegen.shared_input RANK WORLD PORT KERNELS [SCHEDULE [SHARING]]``. The schedule is ZeRO-1's
 (``zero1``: w gathered at the collective's end) or one that leaves w sliced too (``sliced``: nothing gathered,
 the collective ends with a barrier of its own).
 
 Every step starts from the same seeded state with a gradient of its own on every rank (the seeded one,
 scaled per step), and each rank compares its w with the reference interpreter's for those gradients. What
 the cases check beside the values: whether this rank published its gradient into its slot (counted at
-``_publish``) or its peers read it where it lay, in the segment it moved into. Prints ``ok`` and exits 0,
+``_publish``) or its peers read it where it lay, in the segment it moved into. SHARING ``private`` runs the
+step where torch cannot make a buffer's memory shared in place: a flat buffer that other tensors view is
+published. Prints ``ok`` and exits 0,
 or raises naming the step.
 """
 
@@ -44,11 +46,14 @@ def counting_rank(sched, kernels: str, rank: int, world: int, port: int) -> tupl
     return ns, published
 
 
-def main(rank: int, world: int, port: int, kernels: str, schedule: str = "zero1") -> None:
+def main(rank: int, world: int, port: int, kernels: str, schedule: str = "zero1", sharing: str = "share") -> None:
     from coconet.loader import examples_dir, load_file
 
     sched = Schedule.parse(SCHEDULES[schedule], load_file(examples_dir() / "adam.py"))
     ns, published = counting_rank(sched, kernels, rank, world, port)
+    private = sharing == "private"
+    if private:
+        ns["_share_storage"] = lambda t, path: None
     opts = Options(world=world, sizes={"N": N})
     start, scalars = inputs(sched.scheduled, opts, 0, rank, torch.device("cpu"))
     grads = interp.make_inputs(sched.scheduled, world, {"N": N})["g"]  # every rank's, (world, N)
@@ -85,10 +90,11 @@ def main(rank: int, world: int, port: int, kernels: str, schedule: str = "zero1"
         ("that tensor again (it moves into a segment anew)", lambda: held["F"], False, True),
         ("that tensor once more", lambda: held["F"], False, True),
         # a flat gradient buffer whose views are the parameters' .grad, which backward writes through: were it
-        # to move into F's segment, the next step's gradient would land in its old memory and go unread
+        # to move into F's segment, the next step's gradient would land in its old memory and go unread; its
+        # memory is made shared where it is instead
         ("a flat buffer that .grad views write into, once the moved one is gone", lambda: forget("F") or flat,
-         True, True),
-        ("that buffer again, written through its views", lambda: flat, True, True),
+         private, True),
+        ("that buffer again, written through its views", lambda: flat, private, True),
     ]
     for k, (what, make, publishes, segment) in enumerate(cases):
         scale = 0.5 + 0.25 * k

@@ -726,16 +726,21 @@ def test_a_state_gathered_along_its_second_dim_is_written_column_by_column():
     assert_all_ok(results)
 
 
-@pytest.mark.parametrize("world, kernels, schedule", [
-    (2, "compiled", "split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse_collective(rs0); fc_chunks=3"),
-    (3, "eager", "split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse_collective(rs0); fc_chunks=3"),
-    (3, "compiled", "split(ar0); reorder(ag0); as_slice(m); as_slice(v)"),  # w's gather outside a fused collective
+ZERO1 = "split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse_collective(rs0); fc_chunks=3"
+
+
+@pytest.mark.parametrize("world, kernels, schedule, sharing", [
+    (2, "compiled", ZERO1, "share"), (3, "eager", ZERO1, "share"),
+    (3, "compiled", "split(ar0); reorder(ag0); as_slice(m); as_slice(v)", "share"),  # w gathered outside one
+    (2, "eager", ZERO1, "private"),
 ])
-def test_state_in_shared_memory_whatever_tensor_the_caller_passes(world, kernels, schedule):
-    """Steps of ZeRO-1 Adam on shm where the caller passes the moved w again, a new w on one rank only, a view
-    into a larger buffer and a strided column (shadowed, the memory around them untouched): each step's w is
-    the reference's on every rank (tests/codegen/shared_state.py), and no segment file is left."""
-    run_ranks("tests.codegen.shared_state", world, kernels, schedule)
+def test_state_in_shared_memory_whatever_tensor_the_caller_passes(world, kernels, schedule, sharing):
+    """Steps of ZeRO-1 Adam on shm where the caller passes the moved w again, a new w on one rank only, a flat
+    buffer whose views stand for a model's parameters (made shared memory where it is, the views seeing every
+    step; shadowed where torch cannot: ``private``), a view into a larger buffer and a strided column
+    (shadowed, the memory around them untouched): each step's w is the reference's on every rank
+    (tests/codegen/shared_state.py), and no segment file is left."""
+    run_ranks("tests.codegen.shared_state", world, kernels, schedule, sharing)
     assert not segments()
 
 
@@ -940,15 +945,17 @@ def test_too_small_dev_shm_is_a_clear_error_not_sigbus():
                      r"MiB free of 4\.0 MiB\)", out), out[-3000:]
 
 
-@pytest.mark.parametrize("world, kernels, schedule", [(2, "compiled", "zero1"), (3, "eager", "zero1"),
-                                                      (3, "compiled", "sliced"), (2, "eager", "sliced")])
-def test_a_gradient_is_read_where_it_lies_whatever_tensor_the_caller_passes(world, kernels, schedule):
+@pytest.mark.parametrize("world, kernels, schedule, sharing", [
+    (2, "compiled", "zero1", "share"), (3, "eager", "zero1", "share"), (3, "compiled", "sliced", "share"),
+    (2, "eager", "sliced", "share"), (2, "eager", "zero1", "private")])
+def test_a_gradient_is_read_where_it_lies_whatever_tensor_the_caller_passes(world, kernels, schedule, sharing):
     """Steps of Adam's fused collective on shm (ZeRO-1's, and one that leaves w sliced and so gathers nothing)
     where the caller writes each gradient into the same tensor, passes a new one on one rank, a view that
-    cannot move, a new one after the moved one is gone, and a new one every step: each step's w is the
-    reference's for that step's gradients on every rank, and a rank publishes its gradient exactly where its
-    peers cannot read it in place (tests/codegen/shared_input.py)."""
-    run_ranks("tests.codegen.shared_input", world, kernels, schedule)
+    cannot move, a new one after the moved one is gone, a new one every step, and a flat buffer that .grad
+    views write into (made shared memory where it is; published where torch cannot: ``private``): each
+    step's w is the reference's for that step's gradients on every rank, and a rank publishes its gradient
+    exactly where its peers cannot read it in place (tests/codegen/shared_input.py)."""
+    run_ranks("tests.codegen.shared_input", world, kernels, schedule, sharing)
     assert not segments()
 
 

@@ -323,10 +323,16 @@ class _Shm:
                 (t.is_contiguous() and t.data_ptr() == held[0].data_ptr()) if held[1] else not _movable(t)):
             news = 0
         else:
-            news, seg = self._new_segment(t)
-            moved = _movable(t)
+            moved, shared = _movable(t), None
             if moved:
+                news, seg = self._new_segment(t)
                 _move_into(t, seg)
+            elif _whole(t):
+                shared = self._share_in_place(t)
+            if shared is not None:
+                (news, seg), moved = shared, True
+            elif not moved:
+                news, seg = self._new_segment(t)  # a shadow, copied into t after the step
             self.states[name] = (seg, moved)
         self.words[self.rank][(self.epoch + 1) % 2, word] = news
         self.staged.append((name, word, t.shape, t.dtype))
@@ -363,9 +369,14 @@ class _Shm:
         elif fits and held[1]() is None and held[2] == 1:
             self.inputs[name] = [None, weakref.ref(x), 0]
             news = -2
-        elif not fits and _movable(x) and (seg is not None or held is None or held[1]() is x):
+        elif (not fits and _movable(x) and (seg is not None or held is None or held[1]() is x)):
             news, seg = self._new_segment(x)
             _move_into(x, seg)
+            self.inputs[name] = [seg, weakref.ref(x), 1]
+        elif ((not fits or held[1]() is None) and not _movable(x) and _whole(x)
+              and (seg is not None or held is None or held[1]() is x)
+              and (shared := self._share_in_place(x)) is not None):
+            news, seg = shared
             self.inputs[name] = [seg, weakref.ref(x), 1]
         elif seg is None and held is not None:
             held[1] = weakref.ref(x)
@@ -408,6 +419,21 @@ class _Shm:
         self.made.append(path)
         return self.made_count, seg
 
+    def _share_in_place(self, t):
+        """(its number, a tensor on t's storage) for a tensor that cannot move because other tensors view its
+        storage (``_movable``): the storage's memory made a file of /dev/shm where it is, so that every view
+        follows, and the file linked under this group's name for the peers to map; None where torch cannot
+        share it so (the tensor then stays in private memory, shadowed or published: correct, one copy more).
+        The number carries the byte offset of t's data in that file above its 32 low bits."""
+        path = f"{self.prefix}-state-{self.rank}-{self.made_count + 1}"
+        offset = _share_storage(t, path)
+        if offset is None:
+            return None
+        self.made_count += 1
+        self.made.append(path)
+        seg = torch.empty(0, dtype=t.dtype).set_(t.untyped_storage(), 0, t.shape, t.stride())
+        return self.made_count | offset << 32, seg
+
     def _map_states(self):
         """At the barrier after stage_state or stage_input: the peers' new segments mapped, and where each rank's
         rows of a staged input are this step. A rank writes a barrier's words before it arrives, and the next
@@ -421,8 +447,9 @@ class _Shm:
                 news = 0 if r == self.rank else int(self.words[r][row, word])
                 if news == -2:  # rank r let its segment go: so does this rank's mapping of it
                     peers[r] = None
-                if news > 0:
-                    peers[r] = _state_segment(f"{self.prefix}-state-{r}-{news}", shape, dtype)
+                if news > 0:  # a new file, its data from the offset in the high bits (``_share_in_place``)
+                    peers[r] = _state_segment(f"{self.prefix}-state-{r}-{news & 0xFFFFFFFF}", shape, dtype,
+                                              offset=news >> 32)
                 elif r != self.rank and news == 0 and (peers[r] is None or peers[r].shape != shape
                                                        or peers[r].dtype != dtype):
                     raise RuntimeError(f"shm: rank {r} has no segment for {name!r} shaped {tuple(shape)}")
@@ -458,17 +485,64 @@ class _Shm:
         _GROUPS.pop(self.group, None)
 
 
+def _whole(t):
+    """Whether ``t`` is the whole, contiguous content of a CPU storage (not a view into a larger buffer)."""
+    return (t.device.type == "cpu" and t.is_contiguous() and t._base is None and t.storage_offset() == 0
+            and t.untyped_storage().nbytes() == t.numel() * t.element_size())
+
+
 def _movable(t):
-    """Whether state ``t`` can move into a segment of its own: it is contiguous, its storage's whole content,
-    and no other tensor holds that storage. A view into a larger buffer would lose its link to the buffer;
-    a buffer that other tensors view (a flat buffer whose views are a model's parameters or their ``.grad``,
-    as DDP's buckets and ZeRO's flat partitions are) would leave them on its old memory, and the parameters
-    would silently stop seeing the step, the gradients written through them never be read."""
+    """Whether state ``t`` can move into a segment of its own: it is its storage's whole content and no other
+    tensor holds that storage. A view into a larger buffer would lose its link to the buffer; a buffer that
+    other tensors view (a flat buffer whose views are a model's parameters or their ``.grad``, as DDP's
+    buckets and ZeRO's flat partitions are) would leave them on its old memory, and the parameters would
+    silently stop seeing the step, the gradients written through them never be read: such a buffer is made
+    shared memory where it is instead (``_Shm._share_in_place``)."""
     # the tensor's own reference and the storage object asked for here; torch without the count: never move
     use_count = getattr(torch._C, "_storage_Use_Count", None)
-    return (t.device.type == "cpu" and t.is_contiguous() and t._base is None and t.storage_offset() == 0
-            and t.untyped_storage().nbytes() == t.numel() * t.element_size()
-            and use_count is not None and use_count(t.untyped_storage()._cdata) <= 2)
+    return _whole(t) and use_count is not None and use_count(t.untyped_storage()._cdata) <= 2
+
+
+def _share_storage(t, path):
+    """Makes the memory of ``t``'s storage a file of /dev/shm in place and links it at ``path``; the byte offset
+    of t's data in the file, or None where that cannot be done. torch's file-system sharing (what
+    ``share_memory_`` does under that strategy) copies the storage into a new file and swaps the storage's
+    memory for it, so that every tensor on the storage follows, which is what a buffer with views needs."""
+    st = t.untyped_storage()
+    nbytes, folder = st.nbytes(), os.path.dirname(path)
+    # a buffer this small costs nothing to copy; one already shared (torch.multiprocessing, a mapped file) may
+    # be another process's too, which a swap of its memory would cut off
+    if nbytes < 64 or st.is_shared():
+        return None
+    room = os.statvfs(folder)
+    if room.f_bavail * room.f_frsize < nbytes + 4096:  # the copy touches every page: SIGBUS past the room
+        _no_room(folder, nbytes, "for a buffer that other tensors view")
+    try:
+        _, name, _ = st._share_filename_cpu_()
+        os.link("/dev/shm" + name.decode(), path)
+    except (RuntimeError, OSError, AttributeError):
+        return None  # no torch_shm_manager, another file system: private memory serves, with its copies
+    # where the data begins in the file: a mark written through the storage, found in the file
+    data = torch.empty(0, dtype=torch.uint8).set_(st, 0, (nbytes,))
+    kept, mark = data[:16].clone(), os.urandom(16)
+    data[:16].copy_(torch.frombuffer(bytearray(mark), dtype=torch.uint8))
+    try:
+        with open(path, "rb") as f:
+            offset = f.read(4096 + 16).find(mark)
+    finally:
+        data[:16].copy_(kept)
+    if offset < 0 or offset % 64 or os.stat(path).st_size < offset + nbytes:
+        os.unlink(path)
+        return None
+    return offset
+
+
+def _no_room(folder, nbytes, why):
+    room, mib = os.statvfs(folder), 2**20  # read now: what is free once a file made for it is gone
+    raise RuntimeError(
+        f"shm backend: {folder} cannot hold a segment of {nbytes / mib:.1f} MiB ({why}; "
+        f"{room.f_bavail * room.f_frsize / mib:.1f} MiB free of {room.f_blocks * room.f_frsize / mib:.1f} "
+        "MiB): give it more room (docker run --shm-size, a larger tmpfs) or run on gloo")
 
 
 def _move_into(t, seg):
@@ -478,10 +552,11 @@ def _move_into(t, seg):
         t.set_(seg.untyped_storage(), 0, t.shape, t.stride())
 
 
-def _state_segment(path, shape, dtype, new=False):
-    """The file ``path`` of /dev/shm (made if ``new``) mapped as a contiguous tensor of ``shape``."""
+def _state_segment(path, shape, dtype, new=False, offset=0):
+    """The file ``path`` of /dev/shm (made if ``new``) mapped as a contiguous tensor of ``shape`` from byte
+    ``offset``."""
     nbytes = math.prod(shape) * dtype.itemsize
-    return _segment(path, max(nbytes, 64), new)[:nbytes].view(dtype).view(shape)
+    return _segment(path, max(offset + nbytes, 64), new)[offset:offset + nbytes].view(dtype).view(shape)
 
 
 def _segment(path, nbytes, new=False, ranks=0):
@@ -507,11 +582,7 @@ def _segment(path, nbytes, new=False, ranks=0):
             os.close(fd)
         if why is not None:
             os.unlink(path)
-            room, mib = os.statvfs(folder), 2**20  # read again: what is free once this file is gone
-            raise RuntimeError(
-                f"shm backend: {folder} cannot hold a segment of {nbytes / mib:.1f} MiB ({why}; "
-                f"{room.f_bavail * room.f_frsize / mib:.1f} MiB free of {room.f_blocks * room.f_frsize / mib:.1f} "
-                "MiB): give it more room (docker run --shm-size, a larger tmpfs) or run on gloo")
+            _no_room(folder, nbytes, why)
     return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
 
 
