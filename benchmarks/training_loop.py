@@ -1,0 +1,295 @@
+"""A model trained with coconet's generated Adam step in its loop, against DDP and torch.optim.Adam.
+
+    python benchmarks/training_loop.py [--world 2] [--dims 1024,4096,4096,10] [--batch 32] [--steps 30]
+                                       [--rounds 2] [--backend shm] [--kernels compiled]
+                                       [--schedule TEXT] [--out benchmarks/results/training_loop_w2.json]
+
+Every rank builds the same MLP from one seed and trains it on batches of its own, two ways, from the same
+start, each for ``--steps`` steps:
+
+- ``coconet``: the parameters are views of one flat float32 buffer ``w`` and their ``.grad`` views of one
+  flat buffer ``g``, as DDP's buckets and ZeRO's flat partitions keep them; backward writes through the
+  views, and the step is ``examples/adam.py`` lowered for ``--schedule`` (ZeRO-1's fused collective by
+  default: each rank keeps its rows of Adam's moments) on ``--backend``, called on ``g``, ``w`` and the
+  moments. The loss is divided by the world, since the program sums the gradients over ranks;
+- ``ddp``: ``DistributedDataParallel`` (gloo, ``gradient_as_bucket_view``) and ``torch.optim.Adam(fused=True)``,
+  whose gradient allreduce overlaps backward.
+
+The report gives each way's losses (the mean over ranks, step by step) and how far they and the final weights
+end apart, beside how far the program's update written in eager torch on DDP's gradients ends from Adam(fused)
+(the same arithmetic in another association: what rounding alone does to this model over the steps), and each step's time from its start to the end of the optimizer step, the slowest rank's: the
+median over the steps after the first two (which compile and move buffers into shared memory), per round,
+the two ways alternating which goes first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import queue
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ZERO1 = "split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse_collective(rs0)"
+HYPER = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8}
+WARMUP = 2
+
+
+def _model(dims: list[int]):
+    import torch
+
+    torch.manual_seed(0)
+    layers = []
+    for a, b in zip(dims, dims[1:]):
+        layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers[:-1])
+
+
+def _batches(dims: list[int], batch: int, steps: int, rank: int):
+    """This rank's batches: inputs, and the classes a fixed random teacher assigns them."""
+    import torch
+
+    gen = torch.Generator().manual_seed(1000 + rank)
+    teacher = torch.randn(dims[0], dims[-1], generator=torch.Generator().manual_seed(7))
+    xs = torch.randn(steps, batch, dims[0], generator=gen)
+    return xs, (xs @ teacher).argmax(-1)
+
+
+def _coconet_step(schedule: str, backend: str, kernels: str):
+    from coconet.codegen.lower import lower
+    from coconet.loader import examples_dir, load_file
+    from coconet.schedules.schedule import Schedule
+
+    sched = Schedule.parse(schedule, load_file(examples_dir() / "adam.py"))
+    ns = {"__name__": "coconet_training_loop_step"}
+    exec(compile(lower(sched, backend, kernels).source, "<coconet step>", "exec"), ns)
+    return ns["step"], sched
+
+
+def _train_coconet(args, rank, world, xs, ys, step, sched):
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from coconet import Sliced
+
+    model = _model(args.dims)
+    params = list(model.parameters())
+    n = sum(p.numel() for p in params)
+    w, g = torch.empty(n), torch.zeros(n)
+    at = 0
+    for p in params:  # every parameter and its .grad a view of the flat buffers
+        k = p.numel()
+        w[at:at + k].copy_(p.detach().flatten())
+        p.data = w[at:at + k].view_as(p)
+        p.grad = g[at:at + k].view_as(p)
+        at += k
+    sliced = isinstance(sched.scheduled["m"].type.layout, Sliced)
+    rows = -(-n // world)
+    lo, hi = (min(rank * rows, n), min((rank + 1) * rows, n)) if sliced else (0, n)
+    m, v = torch.zeros(hi - lo), torch.zeros(hi - lo)
+    losses, times = [], []
+    for t in range(len(xs)):
+        dist.barrier()
+        t0 = time.perf_counter()
+        g.zero_()
+        loss = F.cross_entropy(model(xs[t]), ys[t])
+        (loss / world).backward()
+        step({"g": g, "w": w, "m": m, "v": v}, dict(HYPER, t=t + 1), group=None, sizes={"N": n})
+        times.append(time.perf_counter() - t0)
+        losses.append(float(loss.detach()))
+    return losses, times, w
+
+
+def _train_ddp(args, rank, world, xs, ys, formula=False):
+    """DDP and Adam(fused=True); or, with ``formula``, DDP and examples/adam.py's update written in eager torch
+    (the same arithmetic as the program, in another association than torch's Adam), the reference for how far
+    two correct Adams drift apart on this model from rounding alone."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = _model(args.dims)
+    ddp = DistributedDataParallel(model, gradient_as_bucket_view=True)
+    params = list(model.parameters())
+    opt = torch.optim.Adam(params, lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]), eps=HYPER["eps"],
+                           fused=True)
+    moments = [(torch.zeros_like(p), torch.zeros_like(p)) for p in params] if formula else []
+    b1, b2 = torch.tensor(HYPER["beta1"]), torch.tensor(HYPER["beta2"])
+    losses, times = [], []
+    for t in range(len(xs)):
+        dist.barrier()
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=False)
+        loss = F.cross_entropy(ddp(xs[t]), ys[t])
+        loss.backward()
+        if not formula:
+            opt.step()
+        else:
+            with torch.no_grad():
+                tt = torch.tensor(float(t + 1))
+                for p, (m, v) in zip(params, moments):
+                    m.copy_(b1 * m + (1 - b1) * p.grad)
+                    v.copy_(b2 * v + (1 - b2) * p.grad * p.grad)
+                    p.copy_(p - HYPER["lr"] * (m / (1 - b1 ** tt)) / (torch.sqrt(v / (1 - b2 ** tt)) + HYPER["eps"]))
+        times.append(time.perf_counter() - t0)
+        losses.append(float(loss.detach()))
+    return losses, times, torch.cat([p.detach().flatten() for p in params])
+
+
+def _rank(rank: int, world: int, port: int, args, out) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    xs, ys = _batches(args.dims, args.batch, args.steps, rank)
+    step, sched = _coconet_step(args.schedule, args.backend, args.kernels)
+    report, first = {"coconet": [], "ddp": []}, {}
+    for r in range(args.rounds):
+        for way in (("coconet", "ddp") if r % 2 == 0 else ("ddp", "coconet")):
+            if way == "coconet":
+                losses, times, weights = _train_coconet(args, rank, world, xs, ys, step, sched)
+            else:
+                losses, times, weights = _train_ddp(args, rank, world, xs, ys)
+            slowest = torch.tensor(times, dtype=torch.float64)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            mean_loss = torch.tensor(losses, dtype=torch.float64)
+            dist.all_reduce(mean_loss)
+            report[way].append({"losses": (mean_loss / world).tolist(), "times_s": slowest.tolist()})
+            first.setdefault(way, weights.clone())
+    reference, _, first["formula"] = _train_ddp(args, rank, world, xs, ys, formula=True)
+    mean_loss = torch.tensor(reference, dtype=torch.float64)
+    dist.all_reduce(mean_loss)
+    report["formula"] = [{"losses": (mean_loss / world).tolist()}]
+    # rank 0's weights after each way's first round (every rank holds them whole), compared here: a tensor
+    # put on the queue would need this process alive until it is read
+    gap = {k: float((first[k] - first["ddp"]).abs().max() / first["ddp"].abs().max()) for k in ("coconet", "formula")}
+    report.update(weights_rel_gap=gap, parameters=first["ddp"].numel())
+    if rank == 0:
+        out.put(report)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    import torch.multiprocessing as mp
+
+    from coconet.codegen.launch import free_port, remove_leftover_segments
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--dims", default="1024,4096,4096,10", help="the MLP's widths, input to classes")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ap.add_argument("--backend", default="shm")
+    ap.add_argument("--kernels", default="compiled")
+    ap.add_argument("--schedule", default=ZERO1)
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--plot", type=Path, default=None, help="PNG: the losses step by step, the step times per round")
+    args = ap.parse_args(argv)
+    args.dims = [int(d) for d in args.dims.split(",")]
+    if args.steps <= WARMUP:
+        ap.error(f"--steps must exceed the {WARMUP} steps left out of the times")
+    if str(Path(__file__).parent) not in sys.path:  # spawned processes import this module by its name
+        sys.path.insert(0, str(Path(__file__).parent))
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank, args=(r, args.world, port, args, out)) for r in range(args.world)]
+    try:
+        for p in procs:
+            p.start()
+        while True:
+            try:
+                got = out.get(timeout=5)
+                break
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if dead:
+                    raise SystemExit(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}")
+        for p in procs:
+            p.join()
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            if p.pid is not None:
+                p.join()
+                remove_leftover_segments(p.pid)
+    return _report(args, got)
+
+
+def _report(args, got: dict) -> dict:
+    coconet, ddp, formula = got["coconet"][0], got["ddp"][0], got["formula"][0]
+
+    def loss_gap(way):
+        return max(abs(a - b) / max(abs(b), 1e-30) for a, b in zip(way["losses"], ddp["losses"]))
+
+    weights_gap = got["weights_rel_gap"]
+    rounds = []
+    for c, d in zip(got["coconet"], got["ddp"]):
+        tc, td = statistics.median(c["times_s"][WARMUP:]), statistics.median(d["times_s"][WARMUP:])
+        rounds.append({"coconet_step_s": tc, "ddp_step_s": td, "speedup": td / tc})
+    report = {
+        "command": "python benchmarks/training_loop.py " + " ".join(
+            f"--{k} {','.join(map(str, v)) if isinstance(v, list) else v}" for k, v in vars(args).items()
+            if k not in ("out", "plot")),
+        "world": args.world, "dims": args.dims, "parameters": got["parameters"], "batch": args.batch,
+        "steps": args.steps, "schedule": args.schedule, "backend": args.backend, "kernels": args.kernels,
+        "baseline": "DistributedDataParallel (gloo, gradient_as_bucket_view) + torch.optim.Adam(fused=True)",
+        "losses": {"coconet": coconet["losses"], "ddp": ddp["losses"], "formula": formula["losses"]},
+        # against DDP + Adam(fused); "formula": the program's update in eager torch on DDP's gradients
+        "loss_rel_gap": {"coconet": loss_gap(coconet), "formula": loss_gap(formula)},
+        "weights_rel_gap": weights_gap, "rounds": rounds,
+        "speedup": statistics.median(r["speedup"] for r in rounds),
+    }
+    for k, r in enumerate(rounds):
+        print(f"round {k}: coconet {r['coconet_step_s'] * 1e3:.1f} ms a step, DDP + Adam(fused) "
+              f"{r['ddp_step_s'] * 1e3:.1f} ms: {r['speedup']:.2f}x")
+    print(f"{report['parameters']} parameters; losses {coconet['losses'][0]:.4f} -> {coconet['losses'][-1]:.4f} "
+          f"(DDP {ddp['losses'][-1]:.4f}); largest relative gap to DDP: losses {loss_gap(coconet):.2g}, weights "
+          f"{weights_gap['coconet']:.2g}; the program's update in eager torch: {loss_gap(formula):.2g}, "
+          f"{weights_gap['formula']:.2g}")
+    if args.out is not None:
+        args.out.write_text(json.dumps(report, indent=1))
+    if args.plot is not None:
+        plot(report, args.plot)
+    return report
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_l, ax_t) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for way, label, style in (("ddp", "DDP + Adam(fused)", "-"), ("coconet", "coconet step", "--"),
+                              ("formula", "the program's update in eager torch", ":")):
+        ax_l.plot(range(1, len(report["losses"][way]) + 1), report["losses"][way], style, label=label)
+    ax_l.set_xlabel("step")
+    ax_l.set_ylabel("loss, mean over ranks")
+    ax_l.legend()
+    rounds = report["rounds"]
+    x = range(len(rounds))
+    ax_t.bar([i - 0.2 for i in x], [r["ddp_step_s"] * 1e3 for r in rounds], 0.4, label="DDP + Adam(fused)")
+    ax_t.bar([i + 0.2 for i in x], [r["coconet_step_s"] * 1e3 for r in rounds], 0.4, label="coconet step")
+    ax_t.set_xticks(list(x), [f"round {i}: {r['speedup']:.2f}x" for i, r in enumerate(rounds)])
+    ax_t.set_ylabel("training step (ms), median, slowest rank")
+    ax_t.legend()
+    fig.suptitle(f"{report['parameters'] / 1e6:.1f}M-parameter MLP, world {report['world']}, "
+                 f"{report['backend']}, batch {report['batch']} per rank")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
