@@ -397,7 +397,10 @@ class _Shm:
         segment: one copy, and the steps after publish nothing. Where the one that moved in served one step
         only, the caller brings a new tensor every step (``zero_grad()`` sets ``.grad`` to None): each is
         published, which copies less than moving it would, and the segment is let go on every rank, its memory
-        with it. A tensor that comes a second time after that moves into a segment of its own again."""
+        with it. A tensor that comes a second time after that moves into a segment of its own again. Where
+        a tensor would move but other tensors view it (a flat buffer that the parameters' ``.grad`` views are
+        written through), its memory is made shared where it is instead (``_share_in_place``), a file of its
+        own, and read there the same way."""
         if word >= self.STATES:
             raise RuntimeError(f"shm: a fused collective gathering into {word} states and reducing an input")
         held = self.inputs.get(name)
