@@ -6,7 +6,7 @@ checked against the reference, one program per process, several programs at once
 
 What tests/codegen/test_nccl.py asserts, but for a machine on loan: a row per schedule as soon as it is
 known, so a run cut off by its deadline keeps what it found; a program still running at the deadline is
-stopped and listed as such. The sizes are the test's (uneven, so that no split divides evenly). Times
+stopped and listed as such. The test takes its sizes from here (uneven, so that no split divides evenly). Times
 at world 1 are one rank's step, collectives included; they rank the schedules of one program, nothing more.
 """
 

@@ -4,7 +4,7 @@
                                        [--rounds 2] [--backend shm] [--kernels compiled]
                                        [--schedule TEXT] [--out benchmarks/results/training_loop_w2.json]
 
-Every rank builds the same MLP from one seed and trains it on batches of its own, two ways, from the same
+Every rank builds the same MLP from one seed and trains it on batches of its own, three ways, from the same
 start, each for ``--steps`` steps:
 
 - ``coconet``: the parameters are views of one flat float32 buffer ``w`` and their ``.grad`` views of one
@@ -13,13 +13,16 @@ start, each for ``--steps`` steps:
   default: each rank keeps its rows of Adam's moments) on ``--backend``, called on ``g``, ``w`` and the
   moments. The loss is divided by the world, since the program sums the gradients over ranks;
 - ``ddp``: ``DistributedDataParallel`` (gloo, ``gradient_as_bucket_view``) and ``torch.optim.Adam(fused=True)``,
-  whose gradient allreduce overlaps backward.
+  whose gradient allreduce overlaps backward;
+- ``allreduce``: the flat buffers as coconet's, ``dist.all_reduce`` of g after backward, then
+  ``torch.optim.Adam(fused=True)``: ``coconet bench``'s baseline for the step, in the loop.
 
 The report gives each way's losses (the mean over ranks, step by step) and how far they and the final weights
-end apart, beside how far the program's update written in eager torch on DDP's gradients ends from Adam(fused)
-(the same arithmetic in another association: what rounding alone does to this model over the steps), and each step's time from its start to the end of the optimizer step, the slowest rank's: the
-median over the steps after the first two (which compile and move buffers into shared memory), per round,
-the two ways alternating which goes first.
+end from DDP's, beside how far the program's update written in eager torch on DDP's gradients ends from
+Adam(fused) (the same arithmetic in another association: what rounding alone does to this model over the
+steps); and each way's step time, from the step's start to the end of its optimizer step, the slowest
+rank's: the median over the steps after the first two (which compile and move buffers into shared
+memory), per round, the ways taking turns to go first.
 """
 
 from __future__ import annotations
@@ -68,6 +71,48 @@ def _coconet_step(schedule: str, backend: str, kernels: str):
     return ns["step"], sched
 
 
+def _flat_model(dims: list[int]):
+    """The model with every parameter a view of one flat buffer w and its .grad a view of one flat buffer g."""
+    import torch
+
+    model = _model(dims)
+    params = list(model.parameters())
+    n = sum(p.numel() for p in params)
+    w, g = torch.empty(n), torch.zeros(n)
+    at = 0
+    for p in params:
+        k = p.numel()
+        w[at:at + k].copy_(p.detach().flatten())
+        p.data = w[at:at + k].view_as(p)
+        p.grad = g[at:at + k].view_as(p)
+        at += k
+    return model, w, g
+
+
+def _train_allreduce(args, rank, world, xs, ys):
+    """The flat buffers, ``dist.all_reduce`` of g after backward, then Adam(fused=True): coconet bench's
+    hand-written baseline for the step, in the loop."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    model, w, g = _flat_model(args.dims)
+    opt = torch.optim.Adam(model.parameters(), lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]),
+                           eps=HYPER["eps"], fused=True)
+    losses, times = [], []
+    for t in range(len(xs)):
+        dist.barrier()
+        t0 = time.perf_counter()
+        g.zero_()
+        loss = F.cross_entropy(model(xs[t]), ys[t])
+        (loss / world).backward()
+        dist.all_reduce(g)
+        opt.step()
+        times.append(time.perf_counter() - t0)
+        losses.append(float(loss.detach()))
+    return losses, times, w
+
+
 def _train_coconet(args, rank, world, xs, ys, step, sched):
     import torch
     import torch.distributed as dist
@@ -75,17 +120,8 @@ def _train_coconet(args, rank, world, xs, ys, step, sched):
 
     from coconet import Sliced
 
-    model = _model(args.dims)
-    params = list(model.parameters())
-    n = sum(p.numel() for p in params)
-    w, g = torch.empty(n), torch.zeros(n)
-    at = 0
-    for p in params:  # every parameter and its .grad a view of the flat buffers
-        k = p.numel()
-        w[at:at + k].copy_(p.detach().flatten())
-        p.data = w[at:at + k].view_as(p)
-        p.grad = g[at:at + k].view_as(p)
-        at += k
+    model, w, g = _flat_model(args.dims)
+    n = w.numel()
     sliced = isinstance(sched.scheduled["m"].type.layout, Sliced)
     rows = -(-n // world)
     lo, hi = (min(rank * rows, n), min((rank + 1) * rows, n)) if sliced else (0, n)
@@ -148,13 +184,16 @@ def _rank(rank: int, world: int, port: int, args, out) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     xs, ys = _batches(args.dims, args.batch, args.steps, rank)
     step, sched = _coconet_step(args.schedule, args.backend, args.kernels)
-    report, first = {"coconet": [], "ddp": []}, {}
+    ways = ("coconet", "ddp", "allreduce")
+    report, first = {way: [] for way in ways}, {}
     for r in range(args.rounds):
-        for way in (("coconet", "ddp") if r % 2 == 0 else ("ddp", "coconet")):
+        for way in ways[r % 3:] + ways[:r % 3]:  # each way first in a round of its own
             if way == "coconet":
                 losses, times, weights = _train_coconet(args, rank, world, xs, ys, step, sched)
-            else:
+            elif way == "ddp":
                 losses, times, weights = _train_ddp(args, rank, world, xs, ys)
+            else:
+                losses, times, weights = _train_allreduce(args, rank, world, xs, ys)
             slowest = torch.tensor(times, dtype=torch.float64)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             mean_loss = torch.tensor(losses, dtype=torch.float64)
@@ -167,7 +206,8 @@ def _rank(rank: int, world: int, port: int, args, out) -> None:
     report["formula"] = [{"losses": (mean_loss / world).tolist()}]
     # rank 0's weights after each way's first round (every rank holds them whole), compared here: a tensor
     # put on the queue would need this process alive until it is read
-    gap = {k: float((first[k] - first["ddp"]).abs().max() / first["ddp"].abs().max()) for k in ("coconet", "formula")}
+    gap = {k: float((first[k] - first["ddp"]).abs().max() / first["ddp"].abs().max())
+           for k in ("coconet", "formula", "allreduce")}
     report.update(weights_rel_gap=gap, parameters=first["ddp"].numel())
     if rank == 0:
         out.put(report)
@@ -234,9 +274,10 @@ def _report(args, got: dict) -> dict:
 
     weights_gap = got["weights_rel_gap"]
     rounds = []
-    for c, d in zip(got["coconet"], got["ddp"]):
-        tc, td = statistics.median(c["times_s"][WARMUP:]), statistics.median(d["times_s"][WARMUP:])
-        rounds.append({"coconet_step_s": tc, "ddp_step_s": td, "speedup": td / tc})
+    for c, d, a in zip(got["coconet"], got["ddp"], got["allreduce"]):
+        tc, td, ta = (statistics.median(x["times_s"][WARMUP:]) for x in (c, d, a))
+        rounds.append({"coconet_step_s": tc, "ddp_step_s": td, "allreduce_adam_step_s": ta, "speedup": td / tc,
+                       "speedup_over_allreduce_adam": ta / tc})
     report = {
         "command": "python benchmarks/training_loop.py " + " ".join(
             f"--{k} {','.join(map(str, v)) if isinstance(v, list) else v}" for k, v in vars(args).items()
@@ -244,15 +285,18 @@ def _report(args, got: dict) -> dict:
         "world": args.world, "dims": args.dims, "parameters": got["parameters"], "batch": args.batch,
         "steps": args.steps, "schedule": args.schedule, "backend": args.backend, "kernels": args.kernels,
         "baseline": "DistributedDataParallel (gloo, gradient_as_bucket_view) + torch.optim.Adam(fused=True)",
+        "second_baseline": "the same flat buffers, dist.all_reduce of g, torch.optim.Adam(fused=True)",
         "losses": {"coconet": coconet["losses"], "ddp": ddp["losses"], "formula": formula["losses"]},
         # against DDP + Adam(fused); "formula": the program's update in eager torch on DDP's gradients
         "loss_rel_gap": {"coconet": loss_gap(coconet), "formula": loss_gap(formula)},
         "weights_rel_gap": weights_gap, "rounds": rounds,
         "speedup": statistics.median(r["speedup"] for r in rounds),
+        "speedup_over_allreduce_adam": statistics.median(r["speedup_over_allreduce_adam"] for r in rounds),
     }
     for k, r in enumerate(rounds):
         print(f"round {k}: coconet {r['coconet_step_s'] * 1e3:.1f} ms a step, DDP + Adam(fused) "
-              f"{r['ddp_step_s'] * 1e3:.1f} ms: {r['speedup']:.2f}x")
+              f"{r['ddp_step_s'] * 1e3:.1f} ms ({r['speedup']:.2f}x), all_reduce + Adam(fused) "
+              f"{r['allreduce_adam_step_s'] * 1e3:.1f} ms ({r['speedup_over_allreduce_adam']:.2f}x)")
     print(f"{report['parameters']} parameters; losses {coconet['losses'][0]:.4f} -> {coconet['losses'][-1]:.4f} "
           f"(DDP {ddp['losses'][-1]:.4f}); largest relative gap to DDP: losses {loss_gap(coconet):.2g}, weights "
           f"{weights_gap['coconet']:.2g}; the program's update in eager torch: {loss_gap(formula):.2g}, "
@@ -279,8 +323,9 @@ def plot(report: dict, path: Path) -> None:
     ax_l.legend()
     rounds = report["rounds"]
     x = range(len(rounds))
-    ax_t.bar([i - 0.2 for i in x], [r["ddp_step_s"] * 1e3 for r in rounds], 0.4, label="DDP + Adam(fused)")
-    ax_t.bar([i + 0.2 for i in x], [r["coconet_step_s"] * 1e3 for r in rounds], 0.4, label="coconet step")
+    ax_t.bar([i - 0.27 for i in x], [r["ddp_step_s"] * 1e3 for r in rounds], 0.27, label="DDP + Adam(fused)")
+    ax_t.bar(list(x), [r["allreduce_adam_step_s"] * 1e3 for r in rounds], 0.27, label="all_reduce + Adam(fused)")
+    ax_t.bar([i + 0.27 for i in x], [r["coconet_step_s"] * 1e3 for r in rounds], 0.27, label="coconet step")
     ax_t.set_xticks(list(x), [f"round {i}: {r['speedup']:.2f}x" for i, r in enumerate(rounds)])
     ax_t.set_ylabel("training step (ms), median, slowest rank")
     ax_t.legend()
