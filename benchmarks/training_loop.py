@@ -21,8 +21,9 @@ The report gives each way's losses (the mean over ranks, step by step) and how f
 end from DDP's, beside how far the program's update written in eager torch on DDP's gradients ends from
 Adam(fused) (the same arithmetic in another association: what rounding alone does to this model over the
 steps); and each way's step time, from the step's start to the end of its optimizer step, the slowest
-rank's: the median over the steps after the first two (which compile and move buffers into shared
-memory), per round, the ways taking turns to go first.
+rank's, and the part of it after backward (the reduction left to do, and the update): the median over the
+steps after the first two (which compile and move buffers into shared memory), per round, the ways taking
+turns to go first.
 """
 
 from __future__ import annotations
@@ -106,9 +107,11 @@ def _train_allreduce(args, rank, world, xs, ys):
         g.zero_()
         loss = F.cross_entropy(model(xs[t]), ys[t])
         (loss / world).backward()
+        tb = time.perf_counter()
         dist.all_reduce(g)
         opt.step()
-        times.append(time.perf_counter() - t0)
+        end = time.perf_counter()
+        times.append((end - t0, end - tb))
         losses.append(float(loss.detach()))
     return losses, times, w
 
@@ -133,8 +136,10 @@ def _train_coconet(args, rank, world, xs, ys, step, sched):
         g.zero_()
         loss = F.cross_entropy(model(xs[t]), ys[t])
         (loss / world).backward()
+        tb = time.perf_counter()
         step({"g": g, "w": w, "m": m, "v": v}, dict(HYPER, t=t + 1), group=None, sizes={"N": n})
-        times.append(time.perf_counter() - t0)
+        end = time.perf_counter()
+        times.append((end - t0, end - tb))
         losses.append(float(loss.detach()))
     return losses, times, w
 
@@ -162,6 +167,7 @@ def _train_ddp(args, rank, world, xs, ys, formula=False):
         opt.zero_grad(set_to_none=False)
         loss = F.cross_entropy(ddp(xs[t]), ys[t])
         loss.backward()
+        tb = time.perf_counter()
         if not formula:
             opt.step()
         else:
@@ -171,7 +177,8 @@ def _train_ddp(args, rank, world, xs, ys, formula=False):
                     m.copy_(b1 * m + (1 - b1) * p.grad)
                     v.copy_(b2 * v + (1 - b2) * p.grad * p.grad)
                     p.copy_(p - HYPER["lr"] * (m / (1 - b1 ** tt)) / (torch.sqrt(v / (1 - b2 ** tt)) + HYPER["eps"]))
-        times.append(time.perf_counter() - t0)
+        end = time.perf_counter()
+        times.append((end - t0, end - tb))
         losses.append(float(loss.detach()))
     return losses, times, torch.cat([p.detach().flatten() for p in params])
 
@@ -198,7 +205,8 @@ def _rank(rank: int, world: int, port: int, args, out) -> None:
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             mean_loss = torch.tensor(losses, dtype=torch.float64)
             dist.all_reduce(mean_loss)
-            report[way].append({"losses": (mean_loss / world).tolist(), "times_s": slowest.tolist()})
+            report[way].append({"losses": (mean_loss / world).tolist(), "times_s": slowest[:, 0].tolist(),
+                                "after_backward_s": slowest[:, 1].tolist()})
             first.setdefault(way, weights.clone())
     reference, _, first["formula"] = _train_ddp(args, rank, world, xs, ys, formula=True)
     mean_loss = torch.tensor(reference, dtype=torch.float64)
@@ -276,8 +284,12 @@ def _report(args, got: dict) -> dict:
     rounds = []
     for c, d, a in zip(got["coconet"], got["ddp"], got["allreduce"]):
         tc, td, ta = (statistics.median(x["times_s"][WARMUP:]) for x in (c, d, a))
+        bc, bd, ba = (statistics.median(x["after_backward_s"][WARMUP:]) for x in (c, d, a))
         rounds.append({"coconet_step_s": tc, "ddp_step_s": td, "allreduce_adam_step_s": ta, "speedup": td / tc,
-                       "speedup_over_allreduce_adam": ta / tc})
+                       "speedup_over_allreduce_adam": ta / tc,
+                       # from the end of backward to the end of the optimizer step: the gradients' reduction
+                       # that is left (all of it but DDP's) and the update
+                       "after_backward_s": {"coconet": bc, "ddp": bd, "allreduce": ba}})
     report = {
         "command": "python benchmarks/training_loop.py " + " ".join(
             f"--{k} {','.join(map(str, v)) if isinstance(v, list) else v}" for k, v in vars(args).items()
@@ -296,7 +308,8 @@ def _report(args, got: dict) -> dict:
     for k, r in enumerate(rounds):
         print(f"round {k}: coconet {r['coconet_step_s'] * 1e3:.1f} ms a step, DDP + Adam(fused) "
               f"{r['ddp_step_s'] * 1e3:.1f} ms ({r['speedup']:.2f}x), all_reduce + Adam(fused) "
-              f"{r['allreduce_adam_step_s'] * 1e3:.1f} ms ({r['speedup_over_allreduce_adam']:.2f}x)")
+              f"{r['allreduce_adam_step_s'] * 1e3:.1f} ms ({r['speedup_over_allreduce_adam']:.2f}x); after "
+              "backward: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in r["after_backward_s"].items()))
     print(f"{report['parameters']} parameters; losses {coconet['losses'][0]:.4f} -> {coconet['losses'][-1]:.4f} "
           f"(DDP {ddp['losses'][-1]:.4f}); largest relative gap to DDP: losses {loss_gap(coconet):.2g}, weights "
           f"{weights_gap['coconet']:.2g}; the program's update in eager torch: {loss_gap(formula):.2g}, "
