@@ -920,6 +920,44 @@ def test_a_segment_dev_shm_cannot_hold_is_refused_when_made(monkeypatch, tmp_pat
     assert not path.exists()
 
 
+def test_a_buffer_other_tensors_view_is_made_shared_where_it_is(monkeypatch):
+    """A flat buffer under views (a model's parameters) cannot move without leaving them behind: its storage's
+    memory becomes a file of /dev/shm in place, the views follow, and a second mapping of the linked file from
+    the offset found sees what they write. Refused, with the sizes, where /dev/shm has no room for it, the
+    buffer untouched; left private where sharing it would cut off another process or gains nothing."""
+    flat = torch.arange(1000, dtype=torch.float32)
+    views = [flat[:10], flat[500:].view(25, 20)]
+    assert not shm._movable(flat) and shm._whole(flat)
+    path = f"/dev/shm/coconet-{os.getpid()}-test-share"
+    offset = shm._share_storage(flat, path)
+    try:
+        assert offset is not None and offset % 64 == 0
+        assert flat.untyped_storage().is_shared() and views[0].data_ptr() == flat.data_ptr()
+        assert torch.equal(flat, torch.arange(1000, dtype=torch.float32))  # values kept, the mark undone
+        peer = shm._state_segment(path, (1000,), torch.float32, offset=offset)
+        views[1][0, 3] = -5.0
+        peer[7] = 42.0
+        assert float(peer[503]) == -5.0 and float(views[0][7]) == 42.0
+    finally:
+        os.unlink(path)
+    assert shm._share_storage(flat, path) is None and not os.path.exists(path)  # already shared: left as it is
+    tiny = torch.zeros(8)
+    held = tiny[:4]
+    assert shm._share_storage(tiny, path) is None and not tiny.untyped_storage().is_shared()
+
+    class Full:
+        f_bavail, f_frsize, f_blocks = 10, 4096, 100
+
+    other = torch.zeros(1 << 16)
+    again = other[:10]
+    monkeypatch.setattr(shm.os, "statvfs", lambda folder: Full)
+    with pytest.raises(RuntimeError, match=r"cannot hold a segment of 0\.2 MiB \(for a buffer that other tensors "
+                                           r"view; 0\.0 MiB free of 0\.4 MiB\)"):
+        shm._share_storage(other, path)
+    assert not other.untyped_storage().is_shared() and not os.path.exists(path)
+    del held, again
+
+
 def _small_dev_shm(megabytes: int) -> list[str] | None:
     """A command prefix that runs its command with a /dev/shm of its own, ``megabytes`` large (a tmpfs in a
     mount namespace: root only), or None where this machine does not allow one."""
