@@ -942,20 +942,17 @@ def test_a_buffer_other_tensors_view_is_made_shared_where_it_is(monkeypatch):
         os.unlink(path)
     assert shm._share_storage(flat, path) is None and not os.path.exists(path)  # already shared: left as it is
     tiny = torch.zeros(8)
-    held = tiny[:4]
     assert shm._share_storage(tiny, path) is None and not tiny.untyped_storage().is_shared()
 
     class Full:
         f_bavail, f_frsize, f_blocks = 10, 4096, 100
 
     other = torch.zeros(1 << 16)
-    again = other[:10]
     monkeypatch.setattr(shm.os, "statvfs", lambda folder: Full)
     with pytest.raises(RuntimeError, match=r"cannot hold a segment of 0\.2 MiB \(for a buffer that other tensors "
                                            r"view; 0\.0 MiB free of 0\.4 MiB\)"):
         shm._share_storage(other, path)
     assert not other.untyped_storage().is_shared() and not os.path.exists(path)
-    del held, again
 
 
 def _small_dev_shm(megabytes: int) -> list[str] | None:

@@ -498,7 +498,7 @@ class _Shm:
         elif fits and held[1]() is None and held[2] == 1:
             self.inputs[name] = [None, weakref.ref(x), 0]
             news = -2
-        elif (not fits and _movable(x) and (seg is not None or held is None or held[1]() is x)):
+        elif not fits and _movable(x) and (seg is not None or held is None or held[1]() is x):
             news, seg = self._new_segment(x)
             _move_into(x, seg)
             self.inputs[name] = [seg, weakref.ref(x), 1]
