@@ -83,10 +83,41 @@ def _rank(rank: int, world: int, port: int, program_path: str, sizes: dict, path
     dist.destroy_process_group()
 
 
+def run_processes(procs, out):
+    """Starts the ranks' processes and returns what one of them puts on ``out``. A rank that dies ends the wait
+    with its exit code (the others wait at a barrier gloo breaks only after its timeout); on the way out, by
+    any path, every rank is stopped and the segments it left mapped by nobody are removed, as coconet's
+    launcher does."""
+    from coconet.codegen.launch import remove_leftover_segments
+
+    try:
+        for p in procs:
+            p.start()
+        while True:
+            try:
+                got = out.get(timeout=5)
+                break
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if dead:
+                    raise SystemExit(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}")
+        for p in procs:
+            p.join()
+        return got
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            if p.pid is not None:
+                p.join()
+                remove_leftover_segments(p.pid)
+
+
 def main(argv: list[str] | None = None) -> dict:
     import torch.multiprocessing as mp
 
-    from coconet.codegen.launch import free_port, remove_leftover_segments
+    from coconet.codegen.launch import free_port
     from coconet.loader import load_file
     from coconet.schedules.dims import parse_sizes
 
@@ -114,26 +145,8 @@ def main(argv: list[str] | None = None) -> dict:
     # by nobody, as coconet's launcher does
     previous = signal.signal(signal.SIGTERM, lambda signum, _: sys.exit(128 + signum))
     try:
-        for p in procs:
-            p.start()
-        while True:
-            try:
-                times, agree = out.get(timeout=5)
-                break
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                if dead:  # the others wait at a barrier gloo breaks only after its timeout
-                    raise SystemExit(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}")
-        for p in procs:
-            p.join()
+        times, agree = run_processes(procs, out)
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        for p in procs:
-            if p.pid is not None:
-                p.join()
-                remove_leftover_segments(p.pid)
         signal.signal(signal.SIGTERM, previous)
     report = {"program": args.program, "world": args.world, "sizes": sizes, "steps": args.steps, "modules": []}
     for k, (path, ts, diff) in enumerate(zip(args.modules, times, agree)):

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import queue
 import statistics
 import sys
 import time
@@ -90,58 +89,60 @@ def _flat_model(dims: list[int]):
     return model, w, g
 
 
-def _train_allreduce(args, rank, world, xs, ys):
-    """The flat buffers, ``dist.all_reduce`` of g after backward, then Adam(fused=True): coconet bench's
-    hand-written baseline for the step, in the loop."""
-    import torch
+def _train_flat(args, world, xs, ys, update):
+    """Steps of the model on its flat buffers: backward of the loss over the world (the gradients are summed
+    over ranks), then ``update(t)``, which ``update`` gets from the model and the buffers first."""
     import torch.distributed as dist
     import torch.nn.functional as F
 
     model, w, g = _flat_model(args.dims)
+    update = update(model, w, g)
+    losses, times = [], []
+    for t in range(len(xs)):
+        dist.barrier()
+        t0 = time.perf_counter()
+        g.zero_()
+        loss = F.cross_entropy(model(xs[t]), ys[t])
+        (loss / world).backward()
+        tb = time.perf_counter()
+        update(t + 1)
+        end = time.perf_counter()
+        times.append((end - t0, end - tb))
+        losses.append(float(loss.detach()))
+    return losses, times, w
+
+
+def _allreduce_adam(model, w, g):
+    """``dist.all_reduce`` of g, then Adam(fused=True): coconet bench's hand-written baseline for the step."""
+    import torch
+    import torch.distributed as dist
+
     opt = torch.optim.Adam(model.parameters(), lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]),
                            eps=HYPER["eps"], fused=True)
-    losses, times = [], []
-    for t in range(len(xs)):
-        dist.barrier()
-        t0 = time.perf_counter()
-        g.zero_()
-        loss = F.cross_entropy(model(xs[t]), ys[t])
-        (loss / world).backward()
-        tb = time.perf_counter()
+
+    def update(t):
         dist.all_reduce(g)
         opt.step()
-        end = time.perf_counter()
-        times.append((end - t0, end - tb))
-        losses.append(float(loss.detach()))
-    return losses, times, w
+
+    return update
 
 
-def _train_coconet(args, rank, world, xs, ys, step, sched):
-    import torch
-    import torch.distributed as dist
-    import torch.nn.functional as F
+def _coconet_update(step, sched, rank: int, world: int):
+    """The generated step on g, w and this rank's rows of the moments (all of them unless the schedule
+    slices them)."""
+    def bind(model, w, g):
+        import torch
 
-    from coconet import Sliced
+        from coconet import Sliced
 
-    model, w, g = _flat_model(args.dims)
-    n = w.numel()
-    sliced = isinstance(sched.scheduled["m"].type.layout, Sliced)
-    rows = -(-n // world)
-    lo, hi = (min(rank * rows, n), min((rank + 1) * rows, n)) if sliced else (0, n)
-    m, v = torch.zeros(hi - lo), torch.zeros(hi - lo)
-    losses, times = [], []
-    for t in range(len(xs)):
-        dist.barrier()
-        t0 = time.perf_counter()
-        g.zero_()
-        loss = F.cross_entropy(model(xs[t]), ys[t])
-        (loss / world).backward()
-        tb = time.perf_counter()
-        step({"g": g, "w": w, "m": m, "v": v}, dict(HYPER, t=t + 1), group=None, sizes={"N": n})
-        end = time.perf_counter()
-        times.append((end - t0, end - tb))
-        losses.append(float(loss.detach()))
-    return losses, times, w
+        n = w.numel()
+        rows = -(-n // world)
+        sliced = isinstance(sched.scheduled["m"].type.layout, Sliced)
+        lo, hi = (min(rank * rows, n), min((rank + 1) * rows, n)) if sliced else (0, n)
+        m, v = torch.zeros(hi - lo), torch.zeros(hi - lo)
+        return lambda t: step({"g": g, "w": w, "m": m, "v": v}, dict(HYPER, t=t), group=None, sizes={"N": n})
+
+    return bind
 
 
 def _train_ddp(args, rank, world, xs, ys, formula=False):
@@ -196,11 +197,11 @@ def _rank(rank: int, world: int, port: int, args, out) -> None:
     for r in range(args.rounds):
         for way in ways[r % 3:] + ways[:r % 3]:  # each way first in a round of its own
             if way == "coconet":
-                losses, times, weights = _train_coconet(args, rank, world, xs, ys, step, sched)
+                losses, times, weights = _train_flat(args, world, xs, ys, _coconet_update(step, sched, rank, world))
             elif way == "ddp":
                 losses, times, weights = _train_ddp(args, rank, world, xs, ys)
             else:
-                losses, times, weights = _train_allreduce(args, rank, world, xs, ys)
+                losses, times, weights = _train_flat(args, world, xs, ys, _allreduce_adam)
             slowest = torch.tensor(times, dtype=torch.float64)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             mean_loss = torch.tensor(losses, dtype=torch.float64)
@@ -226,7 +227,7 @@ def _rank(rank: int, world: int, port: int, args, out) -> None:
 def main(argv: list[str] | None = None) -> dict:
     import torch.multiprocessing as mp
 
-    from coconet.codegen.launch import free_port, remove_leftover_segments
+    from coconet.codegen.launch import free_port
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--world", type=int, default=2)
@@ -246,31 +247,12 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error(f"--steps must exceed the {WARMUP} steps left out of the times")
     if str(Path(__file__).parent) not in sys.path:  # spawned processes import this module by its name
         sys.path.insert(0, str(Path(__file__).parent))
+    from interleaved import run_processes
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, args.world, port, args, out)) for r in range(args.world)]
-    try:
-        for p in procs:
-            p.start()
-        while True:
-            try:
-                got = out.get(timeout=5)
-                break
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                if dead:
-                    raise SystemExit(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}")
-        for p in procs:
-            p.join()
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        for p in procs:
-            if p.pid is not None:
-                p.join()
-                remove_leftover_segments(p.pid)
+    got = run_processes(procs, out)
     return _report(args, got)
 
 
