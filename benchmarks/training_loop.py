@@ -60,12 +60,22 @@ def _batches(dims: list[int], batch: int, steps: int, rank: int):
     return xs, (xs @ teacher).argmax(-1)
 
 
-def _coconet_step(schedule: str, backend: str, kernels: str):
-    from coconet.codegen.lower import lower
+def _schedule(text: str):
+    """examples/adam.py under the schedule ``text``, which must leave w whole: the model holds its weights so."""
+    from coconet import Sliced
     from coconet.loader import examples_dir, load_file
     from coconet.schedules.schedule import Schedule
 
-    sched = Schedule.parse(schedule, load_file(examples_dir() / "adam.py"))
+    sched = Schedule.parse(text, load_file(examples_dir() / "adam.py"))
+    if isinstance(sched.scheduled["w"].type.layout, Sliced):
+        raise SystemExit(f"--schedule {text!r} leaves w sliced; the model in this loop holds its weights whole")
+    return sched
+
+
+def _coconet_step(schedule: str, backend: str, kernels: str):
+    from coconet.codegen.lower import lower
+
+    sched = _schedule(schedule)
     ns = {"__name__": "coconet_training_loop_step"}
     exec(compile(lower(sched, backend, kernels).source, "<coconet step>", "exec"), ns)
     return ns["step"], sched
@@ -245,9 +255,11 @@ def main(argv: list[str] | None = None) -> dict:
     args.dims = [int(d) for d in args.dims.split(",")]
     if args.steps <= WARMUP:
         ap.error(f"--steps must exceed the {WARMUP} steps left out of the times")
+    _schedule(args.schedule)  # a schedule that does not fit the loop is refused before any rank starts
     if str(Path(__file__).parent) not in sys.path:  # spawned processes import this module by its name
         sys.path.insert(0, str(Path(__file__).parent))
     from interleaved import run_processes
+
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
