@@ -25,6 +25,7 @@ from coconet.kernels import native
 from coconet.schedules.schedule import Schedule
 from coconet.schedules.space import generate
 from tests.codegen import faulty, warm_rank
+from tests.codegen.shared_state import SCHEDULE as ZERO1
 from tests.codegen.test_lower import factored
 from tests.codegen.test_launch import EXAMPLES, RANKS, SIZES, assert_all_ok, example, of_this_run, rank_processes
 from tests.strategies import collective_programs
@@ -724,9 +725,6 @@ def test_a_state_gathered_along_its_second_dim_is_written_column_by_column():
     results = run_schedules([sched.with_knobs(fc_chunks=k) for k in (1, 2)],
                             Options(world=3, sizes={"M": 5, "N": 7}, backend="shm", warmup=1, repeats=1))
     assert_all_ok(results)
-
-
-ZERO1 = "split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse_collective(rs0); fc_chunks=3"
 
 
 @pytest.mark.parametrize("world, kernels, schedule, sharing", [

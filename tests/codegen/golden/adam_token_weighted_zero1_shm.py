@@ -454,16 +454,9 @@ class _Shm:
                 (t.is_contiguous() and t.data_ptr() == held[0].data_ptr()) if held[1] else not _movable(t)):
             news = 0
         else:
-            moved, shared = _movable(t), None
-            if moved:
-                news, seg = self._new_segment(t)
-                _move_into(t, seg)
-            elif _whole(t):
-                shared = self._share_in_place(t)
-            if shared is not None:
-                (news, seg), moved = shared, True
-            elif not moved:
-                news, seg = self._new_segment(t)  # a shadow, copied into t after the step
+            home = self._own_segment(t)
+            moved = home is not None
+            news, seg = home if moved else self._new_segment(t)  # else a shadow, copied into t after the step
             self.states[name] = (seg, moved)
         self.words[self.rank][(self.epoch + 1) % 2, word] = news
         self.staged.append((name, word, t.shape, t.dtype))
@@ -503,14 +496,10 @@ class _Shm:
         elif fits and held[1]() is None and held[2] == 1:
             self.inputs[name] = [None, weakref.ref(x), 0]
             news = -2
-        elif not fits and _movable(x) and (seg is not None or held is None or held[1]() is x):
-            news, seg = self._new_segment(x)
-            _move_into(x, seg)
-            self.inputs[name] = [seg, weakref.ref(x), 1]
-        elif ((not fits or held[1]() is None) and not _movable(x) and _whole(x)
-              and (seg is not None or held is None or held[1]() is x)
-              and (shared := self._share_in_place(x)) is not None):
-            news, seg = shared
+        # (a movable x that fits a gone one's segment took it above: what comes here with it does not move)
+        elif ((not fits or held[1]() is None) and (seg is not None or held is None or held[1]() is x)
+              and (home := self._own_segment(x)) is not None):
+            news, seg = home
             self.inputs[name] = [seg, weakref.ref(x), 1]
         elif seg is None and held is not None:
             held[1] = weakref.ref(x)
@@ -552,6 +541,15 @@ class _Shm:
         seg = _state_segment(path, t.shape, t.dtype, new=True)
         self.made.append(path)
         return self.made_count, seg
+
+    def _own_segment(self, t):
+        """(its number, the segment) that ``t`` lives in from now on: a new segment it moves into, or where other
+        tensors view it, its own memory made shared (``_share_in_place``); None where it can be neither."""
+        if _movable(t):
+            news, seg = self._new_segment(t)
+            _move_into(t, seg)
+            return news, seg
+        return self._share_in_place(t) if _whole(t) else None
 
     def _share_in_place(self, t):
         """(its number, a tensor on t's storage) for a tensor that cannot move because other tensors view its
