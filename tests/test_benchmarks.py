@@ -1,6 +1,7 @@
 """The benchmark scripts' own claims that can be checked without timing anything."""
 
 import importlib.util
+import shutil
 import sys
 from pathlib import Path
 
@@ -233,3 +234,33 @@ def test_a_model_trained_with_the_generated_step_follows_ddp_and_adam(tmp_path, 
     assert report["loss_rel_gap"]["coconet"] < 1e-5 and report["weights_rel_gap"]["coconet"] < 1e-5, report
     assert report["weights_rel_gap"]["allreduce"] < 1e-5, report  # the second baseline trains the same model too
     assert report["losses"]["coconet"][-1] < report["losses"]["coconet"][0]
+
+
+def test_same_code_finds_the_schedules_whose_generated_modules_changed(tmp_path, capsys):
+    # a GPU figure is carried over to a checkout on this report's word: it must see a change in one shared
+    # helper, and nothing where there is none
+    same_code = _script("same_code")
+    sgd = str(ROOT / "examples" / "sgd.py")
+    assert same_code.main(["--rev", ".", sgd, "--out", str(tmp_path / "same.json")]) == 0
+    import json
+
+    report = json.loads((tmp_path / "same.json").read_text())
+    assert report["every_module_same"] and report["programs"]["sgd"]["same"] == report["programs"]["sgd"]["schedules"]
+
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    parts = ("pyproject.toml", "coconet", "schedules", "codegen", "kernels", "tuner", "server", "configs", "examples")
+    for part in parts:
+        copy = shutil.copytree if (ROOT / part).is_dir() else shutil.copy2
+        copy(ROOT / part, tree / part)
+    prelude = tree / "codegen" / "prelude.py"
+    text = prelude.read_text()
+    assert text.count("A fused pointwise kernel, compiled") == 1
+    prelude.write_text(text.replace("A fused pointwise kernel, compiled", "A fused pointwise kernel, built"))
+    capsys.readouterr()
+    assert same_code.main(["--rev", ".", "--rev", str(tree), sgd, "--out", str(tmp_path / "changed.json")]) == 1
+    sgd_report = json.loads((tmp_path / "changed.json").read_text())["programs"]["sgd"]
+    # only the modules with a compiled fused kernel carry the wrapper whose doc changed
+    assert 0 < len(sgd_report["differ"]) < sgd_report["schedules"]
+    assert all("fuse" in t for t in sgd_report["differ"])
+    assert "NOT every module" in capsys.readouterr().out
