@@ -740,21 +740,27 @@ def _sharded_note(names: List[str]) -> str:
             f"{joined}, which the program declares Replicated")
 
 
+def _ratio(x: float) -> str:
+    return f"{x:.2f}" if x < 10 else f"{x:.3g}"
+
+
 def _fmt_speedup(point: dict) -> str:
+    """The speed-up, and under it the spread of the rounds' own."""
     if not point["best_speedup"]:
         return ""
     spread = point.get("best_speedup_rounds")
-    return f"{point['best_speedup']:.2f}x" + (f" ({min(spread):.2f}–{max(spread):.2f})" if spread else "")
+    under = f"\n({_ratio(min(spread))}–{_ratio(max(spread))})" if spread else ""
+    return f"{_ratio(point['best_speedup'])}x" + under
 
 
 def _fmt_over_floor(point: dict) -> str:
-    """Against the run's floor, and in parentheses against each round's own when they differ."""
+    """Against the run's floor, and under it against each round's own when they differ."""
     if not point["best_over_floor"]:
         return ""
     spread = point.get("best_over_floor_rounds") or []
-    own = f" ({min(spread):.2f}–{max(spread):.2f})" if len(spread) > 1 else (
-        f" ({spread[0]:.2f})" if spread and abs(spread[0] - point["best_over_floor"]) > 0.005 else "")
-    return f"{point['best_over_floor']:.2f}x" + own
+    own = f"\n({_ratio(min(spread))}–{_ratio(max(spread))})" if len(spread) > 1 else (
+        f"\n({_ratio(spread[0])})" if spread and abs(spread[0] - point["best_over_floor"]) > 0.005 else "")
+    return f"{_ratio(point['best_over_floor'])}x" + own
 
 
 def _over_rounds(rows: list[dict]) -> dict:
@@ -986,7 +992,6 @@ def bench(
     if matmuls:
         rates.append(matmul_rate(threads, device=device) / threads)
     floors()
-    bandwidth = report["memory_bandwidth_GBps"] * 1e9
     report["complete"] = True
     if output is not None:
         _write_report(output, report)
@@ -997,22 +1002,32 @@ def bench(
     if as_json:
         _echo_json(report)
         return
-    console = Console(highlight=False)
-    table = Table(title=f"{prog.name}  world={world}  backends={','.join(backends)}  kernels={kernels}  "
-                  f"memory {bandwidth / 1e9:.1f} GB/s ({report['floor_device']})", title_justify="left")
-    for col in ("sizes", "torch", "as written", "best", "speed-up", "floor", "best/floor"):
-        table.add_column(col, justify="left" if col == "sizes" else "right", no_wrap=True)
-    table.add_column("best schedule", ratio=1, overflow="fold")
+    _print_bench(report, Console(highlight=False))
+
+
+def _print_bench(report: dict, console: Console) -> None:
+    table = Table(title=f"{report['workload']}  world={report['world']}  backends={','.join(report['backends'])}  "
+                  f"kernels={report['kernels']}  memory {report['memory_bandwidth_GBps']:.1f} GB/s "
+                  f"({report['floor_device']})", title_justify="left", show_edge=False)
+    # the numbers whole in 80 columns: headers break where they can, and the best schedules, often longer than a
+    # line, follow the table rather than squeeze it
+    longest = max((len(f"{d}={n},") for pt in report["points"] for d, n in pt["sizes"].items()), default=5)
+    table.add_column("sizes", min_width=longest)  # broken between sizes, never inside one
+    for col in ("torch", "as\nwritten", "best", "speed-\nup", "floor", "best/\nfloor"):
+        table.add_column(col, justify="right", no_wrap=True)
     for pt in report["points"]:
         t = pt["torch"]
-        table.add_row(format_sizes(pt["sizes"]), _fmt_s(t["median_s"]) if t else "",
+        table.add_row(format_sizes(pt["sizes"]).replace(",", ", "), _fmt_s(t["median_s"]) if t else "",
                       _fmt_s(pt["results"][0]["median_s"]), _fmt_s(pt["best"]["median_s"]) if pt["best"] else "",
-                      _fmt_speedup(pt), _fmt_s(pt["floor_s"]),
-                      _fmt_over_floor(pt),
-                      Text(f"{pt['best']['backend']}: {pt['best']['schedule']}") if pt["best"] else "")
+                      _fmt_speedup(pt), _fmt_s(pt["floor_s"]), _fmt_over_floor(pt))
     console.print(table)
+    for pt in report["points"]:
+        if pt["best"]:
+            console.print(Text(f"best at {format_sizes(pt['sizes'])}: {pt['best']['backend']}  "
+                               f"{pt['best']['schedule']}"))
+    left_out = report["left_out"]
     if left_out:
-        names = sorted({n for x in left_out for n in x["sharded"]} - allowed)
+        names = sorted({n for x in left_out for n in x["sharded"]} - set(report["shardable"]))
         console.print(f"{len(left_out)} schedule(s) left out: they leave some of {', '.join(names)} sharded, which "
                       f"the baseline leaves whole (--shardable NAME lets through those that shard NAME; "
                       f"--shardable all, every one)", markup=False)

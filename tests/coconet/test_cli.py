@@ -1,3 +1,4 @@
+import io
 import json
 import os
 import runpy
@@ -444,6 +445,22 @@ def test_bench_rounds_take_the_median_of_each_schedules_rounds():
     assert point["floor_rounds_s"] == pytest.approx(floors)
     assert point["best_over_floor_rounds"] == pytest.approx([m / f for m, f in zip(best["round_medians_s"], floors)])
     assert point["floor_s"] <= min(point["floor_rounds_s"]) * (1 + 1e-12)  # the run's best rate: the lowest floor
+
+    # the table on an 80-column terminal: every figure whole, the best schedule after it in full
+    from rich.console import Console
+
+    from coconet.cli import _fmt_over_floor, _fmt_s, _fmt_speedup, _print_bench
+
+    big = dict(point, sizes={"B": 4, "S": 512, "H": 1024})  # the longest sizes the README's runs give
+    text = io.StringIO()
+    _print_bench(dict(report, points=[point, big]), Console(width=80, file=text, highlight=False))
+    out = text.getvalue()
+    assert all(len(line) <= 80 for line in out.splitlines()) and "…" not in out
+    figures = [_fmt_s(torch_row["median_s"]), _fmt_s(best["median_s"]), _fmt_s(point["floor_s"]),
+               *_fmt_speedup(point).split("\n"), *_fmt_over_floor(point).split("\n")]
+    assert len(figures) == 7
+    assert all(out.count(f) >= 2 for f in figures), (figures, out)
+    assert f"best at N=3000: shm  {best['schedule']}" in out
 
 
 def test_a_schedule_that_failed_in_any_round_is_reported_failed():
