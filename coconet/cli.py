@@ -342,6 +342,16 @@ def _fmt_s(x: Optional[float]) -> str:
     return f"{x * 1e9:.3g} ns"
 
 
+def _fmt_ci(ci: Optional[list]) -> str:
+    """A confidence interval, its unit said once where both ends share it."""
+    if not ci:
+        return ""
+    lo, hi = _fmt_s(ci[0]), _fmt_s(ci[1])
+    if lo.split()[-1] == hi.split()[-1]:
+        return f"{lo.split()[0]}–{hi}"
+    return f"{lo}–{hi}"
+
+
 def _progress_bar(quiet: bool = False, transient: bool = False):
     """The bar on stderr of the long commands: what, done of total, elapsed, and a status field (the last
     result, the best so far). ``quiet`` (--json): none. ``transient``: gone once the table (or an error)
@@ -443,8 +453,9 @@ def run(
 def _print_run_table(prog: Any, world: int, backend: str, sizes: dict, rows: list) -> None:
     console = Console(highlight=False)
     sizes_text = format_sizes(sizes)
-    table = Table(title=f"{prog.name}  world={world}  backend={backend}  {sizes_text}", title_justify="left")
-    for col in ("status", "max rel err", "median", "95% CI", "vs baseline"):
+    table = Table(title=f"{prog.name}  world={world}  backend={backend}  {sizes_text}", title_justify="left",
+                  show_edge=False)
+    for col in ("status", "max rel\nerr", "median", "95% CI", "vs baseline"):
         table.add_column(col, no_wrap=True, justify="left" if col == "status" else "right")
     table.add_column("schedule", ratio=1, overflow="fold")
     for row in rows:
@@ -453,8 +464,7 @@ def _print_run_table(prog: Any, world: int, backend: str, sizes: dict, rows: lis
         table.add_row(
             row["status"] if row["status"] == "ok" else f"[red]{row['status']}[/red]",
             "" if err is None else f"{err:.1e}", _fmt_s(row["median_s"]),
-            f"{_fmt_s(ci[0])}-{_fmt_s(ci[1])}" if ci else "",
-            f"{row['speedup']:.2f}x" if row["speedup"] else "", Text(row["schedule"]))
+            _fmt_ci(ci), f"{row['speedup']:.2f}x" if row["speedup"] else "", Text(row["schedule"]))
     console.print(table)
     for row in rows:
         if row["error"]:
@@ -544,7 +554,8 @@ def _print_tune_table(prog: Any, doc: dict, tuned: Any) -> None:
     sizes_text = format_sizes(doc["sizes"])
     shardable = ",".join(doc["shardable"]) or "none"
     table = Table(title=f"{prog.name}  world={doc['world']}  {sizes_text}  topology={doc['topology']}  "
-                  f"shardable={shardable}  {doc['trials']} trials, {doc['failed']} failed", title_justify="left")
+                  f"shardable={shardable}  {doc['trials']} trials, {doc['failed']} failed", title_justify="left",
+                  show_edge=False)
     for col in ("status", "backend", "median", "95% CI", "vs baseline"):
         table.add_column(col, no_wrap=True, justify="left" if col in ("status", "backend") else "right")
     table.add_column("schedule", ratio=1, overflow="fold")
@@ -556,7 +567,7 @@ def _print_tune_table(prog: Any, doc: dict, tuned: Any) -> None:
         win = doc["best"] and t.candidate.schedule.hash == doc["best"]["hash"] \
             and t.candidate.backend == doc["best"]["backend"]
         table.add_row(r.status if r.status == "ok" else f"[red]{r.status}[/red]", t.candidate.backend,
-                      _fmt_s(r.median_s), f"{_fmt_s(ci[0])}-{_fmt_s(ci[1])}" if ci else "",
+                      _fmt_s(r.median_s), _fmt_ci(ci),
                       f"{base / r.median_s:.2f}x" if base and r.median_s else "",
                       Text(("* " if win else "") + t.candidate.text))
     console.print(table)

@@ -633,3 +633,11 @@ def test_a_sweep_says_which_keys_it_left_out(tmp_path):
     assert proc.stderr.strip().splitlines()[-1] == "note: 2 keys left out: their world needs more ranks than the topology has"
     doc = json.loads(coconet("sweep", config, "--simulate", "--db", db, "--json").stdout)
     assert (doc["keys"], doc["skipped"], doc["unfit"]) == (2, 2, 2)
+
+
+def test_a_confidence_interval_says_its_unit_once_where_its_ends_share_it():
+    from coconet.cli import _fmt_ci
+
+    assert _fmt_ci([2.02e-4, 2.73e-4]) == "202–273 us"
+    assert _fmt_ci([5.7e-4, 1.04e-3]) == "570 us–1.04 ms"
+    assert _fmt_ci(None) == "" and _fmt_ci([]) == ""
