@@ -82,6 +82,19 @@ def test_every_schedule_of_every_example(name, world):
     assert not rank_processes()
 
 
+BENCH_PROGRAMS = sorted((ROOT / "benchmarks" / "programs").glob("*.py"))
+
+
+@pytest.mark.parametrize("path", BENCH_PROGRAMS, ids=lambda p: p.stem)
+def test_every_schedule_of_every_benchmark_program_on_gloo(path):
+    # uneven rows at world 3; with tests/codegen/test_nccl.py's module comparison, what stands for these programs'
+    # NCCL modules where no GPU has run them
+    prog = runpy.run_path(str(path))["program"].ir
+    sizes = {d: {**SIZES, "F": 7}[d] for d in prog.dims}
+    assert_all_ok(run_schedules(list(generate(prog)), check_only(3, sizes)))
+    assert not rank_processes()
+
+
 def test_knob_values_run_correctly():
     """Other chunk counts and bucket caps than the defaults: more chunks than rows, one-row chunks."""
     adam, megatron = example("adam"), example("megatron_mlp")

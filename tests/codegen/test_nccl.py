@@ -46,3 +46,27 @@ def test_every_schedule_of_every_benchmark_program_on_nccl(path):
     """Products taken onto rows or columns (Adafactor's factors, the MLP's column-parallel matmul), counts,
     powers, norms of slices: the programs behind the CPU benchmarks, on CUDA tensors."""
     assert_every_schedule_ok_on_nccl(path)
+
+
+def _only_the_device_differs(gloo: str, nccl: str) -> list[str]:
+    """The lines of the NCCL module that are not the gloo module's, but for the backend's name and the device."""
+    expected = {("torch.distributed (gloo)", "torch.distributed (nccl)"),
+                ("torch.device('cpu')", "torch.device('cuda', torch.cuda.current_device())")}
+    a, b = gloo.splitlines(), nccl.splitlines()
+    if len(a) != len(b):
+        return [f"{len(a)} lines against {len(b)}"]
+    return [y for x, y in zip(a, b) if x != y and not any(x.replace(g, n) == y for g, n in expected)]
+
+
+@pytest.mark.parametrize("path", [*(ROOT / "examples" / f"{n}.py" for n in EXAMPLES), *BENCH_PROGRAMS],
+                         ids=lambda p: p.stem)
+def test_the_nccl_module_is_the_gloo_module_on_the_gpu(path):
+    # what the CPU tests establish of a schedule on gloo holds of its NCCL module but for CUDA itself (its kernels,
+    # its collectives), for every program, those never run on a GPU among them
+    from coconet.codegen.lower import lower
+
+    prog = runpy.run_path(str(path))["program"].ir
+    for s in generate(prog):
+        for kernels in ("compiled", "eager"):
+            differ = _only_the_device_differs(lower(s, "gloo", kernels).source, lower(s, "nccl", kernels).source)
+            assert not differ, (s.text, kernels, differ)
