@@ -752,7 +752,7 @@ def _sharded_note(names: List[str]) -> str:
 
 
 def _ratio(x: float) -> str:
-    return f"{x:.2f}" if x < 10 else f"{x:.3g}"
+    return f"{x:.2f}" if x < 10 else f"{x:.1f}" if x < 100 else f"{x:.0f}"
 
 
 def _fmt_speedup(point: dict) -> str:

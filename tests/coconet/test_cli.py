@@ -635,6 +635,12 @@ def test_a_sweep_says_which_keys_it_left_out(tmp_path):
     assert (doc["keys"], doc["skipped"], doc["unfit"]) == (2, 2, 2)
 
 
+def test_a_ratio_keeps_three_digits_or_more_and_never_an_exponent():
+    from coconet.cli import _ratio
+
+    assert [_ratio(x) for x in (1.2345, 14.93, 151.33, 1234.5, 99.96)] == ["1.23", "14.9", "151", "1234", "100.0"]
+
+
 def test_a_confidence_interval_says_its_unit_once_where_its_ends_share_it():
     from coconet.cli import _fmt_ci
 
