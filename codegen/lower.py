@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 from coconet.errors import BackendError
-from coconet.kernels.native import HALF, ChunkKernel, Untranslatable, c_source
+from coconet.kernels.native import FACTORS, HALF, ChunkKernel, Untranslatable, c_source
 from coconet.schedules.dims import Dim
 from coconet.schedules.infer import broadcast_shapes
 from coconet.schedules.ir import COMPARE, EFFECTS, VIEWS, Group, Program, Stmt
@@ -1407,6 +1407,19 @@ def _native_chunk(e: _Emitter, compute: list[str], inplace: dict[str, str], into
     def of(dtype, kind: str) -> str:  # the kind of rows of a half-precision dtype (bf16 rows, f16 peers, …)
         return f"{HALF[dtype]} {kind}" if dtype in HALF else kind
 
+    # the shape of what the chunk computes: an (m, 1) or (1, w) float32 operand of (m, w) statements is a
+    # factor broadcast to its rows (Adafactor's r and c), read a row at a time
+    shape = next((p[p[m].args[0]].type.shape for m in into), None) or next(
+        (p[m].type.shape for m in compute if p[m].op != "partial_sum" and p[m].type is not None), None)
+
+    def rows_or_factor(t) -> str:
+        if shape is not None and len(shape) == 2 and t.shape != shape and (t.dtype or "float32") == "float32":
+            if t.shape == (shape[0], Dim.const(1)):
+                return "row factor"
+            if t.shape == (Dim.const(1), shape[1]):
+                return "column factor"
+        return of(t.dtype, "rows")
+
     for expr, param in args.items():
         cut = _CUT.fullmatch(expr)
         if param in peer_params:
@@ -1419,9 +1432,9 @@ def _native_chunk(e: _Emitter, compute: list[str], inplace: dict[str, str], into
             kind = of(p[slot_params[param]].type.dtype, "rows")
         elif cut:  # rows of a tensor, or of a holder (its dtype the output's)
             tensor = by_ident.get(cut.group(1)) or holders.get(cut.group(1))
-            kind = of(tensor.type.dtype, "rows") if tensor is not None else "rows"
+            kind = rows_or_factor(tensor.type) if tensor is not None else "rows"
         elif expr in by_ident and by_ident[expr].type is not None and by_ident[expr].type.dtype != "int64":
-            kind = "scalar" if by_ident[expr].type.shape == () else "rows"
+            kind = "scalar" if by_ident[expr].type.shape == () else rows_or_factor(by_ident[expr].type)
             if kind == "scalar" and by_ident[expr].op == "const":
                 constants.append((param, by_ident[expr].attr("value")))
             if kind == "scalar" and e.number(by_ident[expr].name):
@@ -1434,6 +1447,7 @@ def _native_chunk(e: _Emitter, compute: list[str], inplace: dict[str, str], into
         text = _CUT.sub(lambda m: args.get(m.group(0), "?"), text)
         return text if text.isidentifier() else None
 
+    factor = {param: kind for param, kind in kinds if kind in FACTORS}
     stmts, sums, pre_stmts = [], [], []
     if pre and any(p[x].type.dtype != "float32" and p[x].type.dtype not in HALF for x in sources):
         return None
@@ -1446,9 +1460,12 @@ def _native_chunk(e: _Emitter, compute: list[str], inplace: dict[str, str], into
         if s.type is None or (s.type.dtype or "float32") != dtype or s.op == "dropout":
             return None
         operands = [name_of(e.operand(s, a)) for a in s.args]
-        if None in operands or (s.op != "partial_sum" and any(p[a].type.shape not in ((), s.type.shape)
-                                                              for a in s.args)):
-            return None  # C reads every operand row for row: one broadcast to the rows is Inductor's
+        if factor and (s.type.shape if s.op != "partial_sum" else p[s.args[0]].type.shape) != shape:
+            return None  # beside factors, every value of the chunk is one of its rows' (a sum of a factor is not)
+        if None in operands or (s.op != "partial_sum" and any(
+                p[a].type.shape not in ((), s.type.shape) and not (s.type.shape == shape and factor.get(x))
+                for a, x in zip(s.args, operands))):
+            return None  # C reads an operand row for row, a factor a row at a time: another broadcast is Inductor's
         if s.op == "partial_sum":
             if m in results:
                 sums.append((e.ident(m), operands[0]))

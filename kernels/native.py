@@ -31,7 +31,7 @@ Inductor's kernel is at times an ulp from it. A host number divided by a tensor 
 times the number, as both compute it (RDIV).
 The generated module checks at each call that every tensor is a contiguous float32 CPU tensor (the
 half-precision rows of their dtype) of the chunk's length and every scalar one number, and hands the call to
-Inductor's kernel otherwise (a broadcast operand, a tensor that needs autograd).
+Inductor's kernel otherwise (a broadcast operand but a row or column factor's, a tensor that needs autograd).
 """
 
 from __future__ import annotations
@@ -75,7 +75,9 @@ HALF = {"bfloat16": "bf16", "float16": "f16"}
 DTYPE = {tag: dtype for dtype, tag in HALF.items()}
 
 KINDS = {"dim": "d", "scalar": "s", "rows": "t", "parts": "l", "bf16 parts": "h", "peers": "p", "rank numbers": "q",
-         "bf16 rows": "u", "bf16 peers": "b", "f16 parts": "k", "f16 rows": "x", "f16 peers": "y"}
+         "bf16 rows": "u", "bf16 peers": "b", "f16 parts": "k", "f16 rows": "x", "f16 peers": "y",
+         "row factor": "r", "column factor": "c"}
+FACTORS = ("row factor", "column factor")
 
 
 def half(kind: str | None) -> str | None:
@@ -206,25 +208,25 @@ _HALF_LINE = """static inline void stream_line_TAG(uint16_t *d, v8 x, v8 y, v8 z
 class ChunkKernel:
     """What a chunk computes, by the names of the Python kernel it stands in for.
 
-    ``params``: (name, kind) in the Python kernel's order; kind is ``dim`` (unused here), ``scalar`` (a
-    number or a one-element tensor), ``rows`` (the chunk's rows of a tensor), ``parts`` (the chunk's rows on
-    every rank, summed; ``bf16 parts`` or ``f16 parts`` where they are bfloat16 or float16, which only casts
-    to float32 read), ``rank numbers`` (see ``ranked``) or ``peers`` (the chunk's rows of every peer's copy of
-    a state); ``bf16 rows`` and ``bf16 peers`` (``f16 …``) the same of a bfloat16 (float16) state, which only
-    the values of casts to its dtype are stored
-    into. ``parts``: (the value they sum to, their parameter, ``sum`` or ``avg``). ``stmts``: (name, op,
-    operands, constant) in order. ``numbers``: the statements that are host numbers. ``writes``: (rows
+    ``params``: (name, kind) in the Python kernel's order; kind is ``dim`` (unused here), ``scalar`` (a number or a
+    one-element tensor), ``rows`` (the chunk's rows of a tensor), ``parts`` (the chunk's rows on every rank, summed;
+    ``bf16 parts`` or ``f16 parts`` where they are bfloat16 or float16, which only casts to float32 read), ``rank
+    numbers`` (see ``ranked``) or ``peers`` (the chunk's rows of every peer's copy of a state); ``bf16 rows`` and
+    ``bf16 peers`` (``f16 …``) the same of a bfloat16 (float16) state, which only the values of casts to its dtype
+    are stored into; ``row factor`` and ``column factor`` an (m, 1) and a (1, w) float32 tensor broadcast to the
+    chunk's (m, w) rows (Adafactor's second moment, factored), which the chunk then takes a row at a time, w given
+    after the lists' counts. ``parts``: (the value they sum to, their parameter, ``sum`` or ``avg``). ``stmts``:
+    (name, op, operands, constant) in order. ``numbers``: the statements that are host numbers. ``writes``: (rows
     parameter, value stored into it). ``streams``: (peers parameter, value stored into each). ``sums``: (name,
-    value): the chunk's sum of each value over its rows (a partial sum), returned in order. ``constants``:
-    (scalar parameter, value) for the scalars that are the program's constants (a power's exponent is
-    compiled in). ``host``: the scalar parameters that the Python kernel is given as Python numbers, not
-    tensors (a constant, arithmetic of constants), which torch divides by a tensor otherwise (see RDIV). A
-    comparison is a mask that only ``where`` and a ``cast`` to float32 (its constant the dtype) read; a
-    scalar may be a mask that ``where`` reads (a bool passed in, as 1 or 0: whether a loss scaler found an
-    overflow). ``pre``:
-    statements computed on each rank's rows before they are summed, the rows named ``part``; the last is the
-    value summed. ``also``: (name, parts parameter) for rows of other inputs ``pre`` reads alongside, rank by
-    rank (a gradient and the sum of the earlier micro-batches' gradients).
+    value): the chunk's sum of each value over its rows (a partial sum), returned in order. ``constants``: (scalar
+    parameter, value) for the scalars that are the program's constants (a power's exponent is compiled in).
+    ``host``: the scalar parameters that the Python kernel is given as Python numbers, not tensors (a constant,
+    arithmetic of constants), which torch divides by a tensor otherwise (see RDIV). A comparison is a mask that only
+    ``where`` and a ``cast`` to float32 (its constant the dtype) read; a scalar may be a mask that ``where`` reads
+    (a bool passed in, as 1 or 0: whether a loss scaler found an overflow). ``pre``: statements computed on each
+    rank's rows before they are summed, the rows named ``part``; the last is the value summed. ``also``: (name,
+    parts parameter) for rows of other inputs ``pre`` reads alongside, rank by rank (a gradient and the sum of the
+    earlier micro-batches' gradients).
     ``ranked``: (number, its ``rank numbers`` parameter: every rank's, a float32 each in the order of the
     parts) for the numbers ``pre`` reads that each rank holds its own of."""
 
@@ -299,6 +301,10 @@ def c_source(k: ChunkKernel) -> str:
             return f"p_{name}"
         if kind.get(name) == "rows":
             return f"ld(p_{name} + i)" if vector else f"p_{name}[i]"
+        if kind.get(name) == "row factor":  # the value of the row, in every lane
+            return f"splat(a->p_{name}[a->q])" if vector else f"a->p_{name}[a->q]"
+        if kind.get(name) == "column factor":  # the row's columns from i on
+            return f"ld(a->p_{name} + (i - a->c0))" if vector else f"a->p_{name}[i - a->c0]"
         if unhalved(kind.get(name)) == "rows":  # a half-precision state's rows, widened exactly as they load
             tag = half(kind[name])
             return f"ld_{tag}(p_{name} + i)" if vector else f"{tag}(p_{name}[i])"
@@ -319,7 +325,7 @@ def c_source(k: ChunkKernel) -> str:
             element = "uint16_t" if half(what) else "float"
             fields.append(f"{element} *p_{name};")
             unpack.append(f"a.p_{name} = ({element} *)ptr[at++];")
-        elif what == "rank numbers":
+        elif what == "rank numbers" or what in FACTORS:
             fields.append(f"const float *p_{name};")
             unpack.append(f"a.p_{name} = (const float *)ptr[at++];")
         elif unhalved(what) in ("parts", "peers"):
@@ -453,12 +459,17 @@ def c_source(k: ChunkKernel) -> str:
     ns, nout = len(k.streams), max(1, len(k.streams) + len(k.sums))
     peers = [target for target, _ in k.streams]
     halved = {p: half(kind[p]) for p in peers if half(kind[p])}
+    factored = any(what in FACTORS for _, what in k.params)
+    if factored and halved:
+        raise Untranslatable("a row or column factor beside half-precision peers")
+    end = "e" if factored else "n"  # where the rows stop: the chunk's, or (factored) the row's
     streamed = [p for p in peers if p not in halved]
     ind = "    "
     f16 = "float16" in halves.values() or any(half(what) == "f16" for _, what in k.params)
     lines = [_PRELUDE + (_F16 if f16 else "")
              + "".join(_HALF_LINE.replace("TAG", tag) for tag in sorted(set(halved.values()))),
-             "typedef struct {", *(ind + f for f in fields), "} args_t;", "",
+             "typedef struct {", *(ind + f for f in fields), *([ind + "long q, c0;"] if factored else []),
+             "} args_t;", "",
              "/* row i of the chunk; its values for the peers' copies into out */",
              "static inline __attribute__((always_inline)) void row(const args_t *a, long i, float *out) {",
              *(ind + x for x in body(False)), "}", "",
@@ -505,13 +516,26 @@ def c_source(k: ChunkKernel) -> str:
             ind + f"uintptr_t off = a.n_{streamed[0]} ? (uintptr_t)a.p_{streamed[0]}[0] & 63 : 0;",
             ind + "int nt = (off & 3) == 0;",
             *same_offset("nt", "off", streamed),
-            ind + "long head = nt ? (long)((64 - off) & 63) / 4 : 0, i = 0;",
-            *one_by_one("i < head && i < n"),
         ]
+        if not factored:
+            lines += [ind + "long head = nt ? (long)((64 - off) & 63) / 4 : 0, i = 0;",
+                      *one_by_one("i < head && i < n")]
         parts = ("x", "y")
     else:
-        lines.append(ind + "long i = 0;")
+        if not factored:
+            lines.append(ind + "long i = 0;")
         parts = ("x", "y")
+    if factored:
+        # a row at a time, its factor's value and its columns' start set before its first: every row's lines
+        # begin at their own offset, so each has a head of its own
+        lines += [ind + f"const long width = count[{lists}];",
+                  ind + "for (long q0 = 0; width > 0 && q0 < n; q0 += width) {",
+                  ind + "a.q = q0 / width; a.c0 = q0;",
+                  ind + "const long e = q0 + width;",
+                  ind + "long i = q0;"]
+        if streamed:
+            lines += [ind + "const long head = nt ? (long)((64 - ((off + 4 * (uintptr_t)q0) & 63)) & 63) / 4 : 0;",
+                      *one_by_one("i < q0 + head && i < e")]
 
     def at(j: int, width: int) -> str:
         return f"d + {width * j}" if j else "d"
@@ -521,7 +545,7 @@ def c_source(k: ChunkKernel) -> str:
         return f"if ({flag}) {streamed_text} else {{ {' '.join(slow)} }}"
 
     step = LINE * len(parts) // 2  # two vectors of 8 a float32 line
-    lines += [ind + f"for (; i + {step} <= n; i += {step}) {{",
+    lines += [ind + f"for (; i + {step} <= {end}; i += {step}) {{",
               *(ind * 2 + f"rows8(&a, {'i' if j == 0 else f'i + {8 * j}'}, {v});" for j, v in enumerate(parts))]
     for s, p in enumerate(peers):
         if p in halved:
@@ -537,7 +561,9 @@ def c_source(k: ChunkKernel) -> str:
                   ind * 3 + store, ind * 2 + "}"]
     lines += [ind * 2 + f"acc[{j}] += " + " + ".join(f"widen({v}[{ns + j}])" for v in parts) + ";"
               for j in range(len(k.sums))]
-    lines += [ind + "}", *one_by_one("i < n")]
+    lines += [ind + "}", *one_by_one(f"i < {end}")]
+    if factored:
+        lines.append(ind + "}")
     lines += [ind + f"sums[{j}] = tot[{j}] + hsum4(acc[{j}]);" for j in range(len(k.sums))]
     if peers:
         lines.append(ind + "_mm_sfence();  /* the streamed stores are visible before the barrier's flag after */")

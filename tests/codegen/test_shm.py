@@ -1122,4 +1122,51 @@ def test_the_runtime_reads_each_chunk_parameter_as_the_kind_native_gives_it():
     for dtype, tag in native.HALF.items():
         assert set(widths[dtype]) == {letters[k] for k in letters if native.half(k) == tag}
     single = {letters[k] for k in letters if native.unhalved(k) == "rows"}
-    assert set(letters.values()) == {"d", "s", "q"} | set(lists) | single
+    factors = re.search(r'if kind in "(\w+)":\n +if \(x\.dtype != torch\.float32', source).group(1)
+    assert set(factors) == {letters[k] for k in native.FACTORS}
+    # beside factors, every tensor of the rows must be as wide as the column factor
+    rows = re.search(r'tensors = \[t for kind, x in zip\(kinds, args\) if kind in "(\w+)"', source).group(1)
+    assert set(rows) == set(lists) | single
+    assert set(letters.values()) == {"d", "s", "q"} | set(lists) | single | set(factors)
+
+
+def test_adafactors_update_reads_its_factors_in_the_c_kernel(monkeypatch, tmp_path):
+    """Adafactor's update on this rank's rows, ``w - lr·g · rsqrt(r·c / mean)`` with r an (M, 1) and c a (1, K)
+    factor, written into every rank's copy of w: a C kernel that reads each factor a row at a time (it had kept
+    Inductor's, whose stores into the peers' copies read every line first), with the bits of the module's own
+    Python kernel at widths on and off the 16-float lines; every schedule whose kernel is so ends with the
+    reference's state, R = 2 and 3, uneven rows."""
+    prog = bench_program("adafactor")
+    kinds_of = re.compile(r'\n(_fuse\d+) = _native\(_kernel\(\1\), \'(\w+)\', r"""(.*?)"""\)', re.S)
+    in_c = [s for s in generate(prog) if any(set(m.group(2)) & set("rc") for m in kinds_of.finditer(
+        lower(s, "shm").source))]
+    winner = Schedule.parse("split(ar0); reorder(ag0); split(ar0, dim=1); reorder(ag0); fuse_collective(rs0); "
+                            "fuse(mul2, mul3, add1); fuse(mul5, mul6, add2); fuse(mul7, div0, rsqrt0, mul10, sub1)",
+                            prog)
+    assert winner in in_c and len(in_c) >= 20
+    source = lower(winner, "shm").source
+    call = kinds_of.search(source)
+    fuse, kinds, c = call.groups()
+    # w's peers and rows, r's and c's new factors (each rank's rows of r), the mean, lr·g's rows
+    assert kinds == "ptrcst" and "(splat(a->p_add1[a->q]) * ld(a->p_ag3 + (i - a->c0)))" in c
+    python = {}
+    exec(compile(source[:call.start()], "fuse", "exec"), python)  # the module up to the kernel's C: eager torch
+    monkeypatch.setenv("COCONET_CACHE_DIR", str(tmp_path))
+
+    def fallback(*_):
+        raise AssertionError("the C kernel handed the call to the Python kernel")
+
+    kernel = shm._native(fallback, kinds, c)
+    gen = torch.Generator().manual_seed(0)
+    for m, k in ((29, 37), (8, 4096), (3, 5)):
+        want = [[torch.zeros(m, k), torch.zeros(m, k)], torch.randn(m, k, generator=gen),
+                torch.rand(m, 1, generator=gen) + 0.5, torch.rand(1, k, generator=gen) + 0.5, torch.tensor(0.7),
+                torch.randn(m, k, generator=gen) * 1e-3]
+        got = [[x.clone() for x in a] if isinstance(a, list) else a.clone() for a in want]
+        python[fuse](*want)
+        kernel(*got)
+        for x, y in zip([*got[0], got[1]], [*want[0], want[1]]):
+            assert torch.equal(x, y), (m, k)
+    for world, sizes in ((2, {"M": 29, "K": 37}), (3, {"M": 7, "K": 5})):
+        assert_all_ok(run_schedules(in_c, Options(world=world, sizes=sizes, backend="shm", warmup=1, repeats=2)))
+    assert not segments()

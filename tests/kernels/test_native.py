@@ -622,3 +622,52 @@ def test_rows_passed_in_are_stored_as_they_are(monkeypatch, tmp_path):
         torch.testing.assert_close(got, want_diff, rtol=0, atol=0)
     with pytest.raises(Untranslatable):  # a scalar is no rows to store
         c_source(dataclasses.replace(k, params=k.params + (("s", "scalar"),), writes=(("gp", "s"),)))
+
+
+# Adafactor's update on this rank's rows: w - (lr * g) * rsqrt(r * c / mean), r one value a row, c one a column
+FACTORED = ChunkKernel(
+    params=(("w_peers", "peers"), ("w", "rows"), ("r", "row factor"), ("c", "column factor"), ("mean", "scalar"),
+            ("lg", "rows")),
+    parts=None,
+    stmts=(("rc", "mul", ("r", "c"), None), ("v", "div", ("rc", "mean"), None), ("inv", "rsqrt", ("v",), None),
+           ("u", "mul", ("lg", "inv"), None), ("new", "sub", ("w", "u"), None)),
+    numbers=frozenset(), writes=(("w", "new"),), streams=(("w_peers", "new"),))
+
+
+@pytest.mark.parametrize("m,width,offsets", [(7, 16, (0, 0)), (5, 37, (0, 0)), (9, 100, (3, 3)), (3, 5, (1, 2)),
+                                             (1, 1000, (0, 7)), (0, 16, (0, 0))])
+def test_row_and_column_factors_are_broadcast_to_the_rows(monkeypatch, tmp_path, m, width, offsets):
+    """An (m, 1) and a (1, w) factor read beside (m, w) rows, a row at a time: the bits torch's broadcast gives,
+    whatever w is against the 16-float lines (each row's head its own), the peers streamed (offsets alike) or not."""
+    def rows(seed, offset=0):
+        x = torch.randn(m * width + offset, generator=torch.Generator().manual_seed(seed))
+        return x[offset:].view(m, width)
+
+    w, lg = rows(1), rows(2) * 1e-3
+    r, c = rows(3)[:, :1].abs().contiguous() + 0.5, torch.rand(1, width) + 0.5
+    mean = torch.tensor(0.75)
+    peers = [torch.zeros(m * width + off)[off:].view(m, width) for off in offsets]
+    want = w - lg * (1 / torch.sqrt(((r * c) / mean).double()).float())
+    run_native(FACTORED, (peers, w, r, c, mean, lg), monkeypatch, tmp_path)
+    for got in (w, *peers):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_factors_that_do_not_fit_the_rows_go_to_the_python_kernel(monkeypatch, tmp_path):
+    monkeypatch.setenv("COCONET_CACHE_DIR", str(tmp_path))
+    calls = []
+    kernel = shm._native(lambda *args: calls.append(1), FACTORED.kinds, c_source(FACTORED))
+
+    def args(r_shape=(4, 1), c_shape=(1, 8)):
+        return ([torch.zeros(4, 8)], torch.zeros(4, 8), torch.ones(r_shape), torch.ones(c_shape), torch.tensor(1.0),
+                torch.zeros(4, 8))
+
+    kernel(*args())
+    assert calls == []
+    for bad in (args(r_shape=(8, 1)), args(c_shape=(1, 4)), args(r_shape=(1, 4)), args(c_shape=(8, 1)),
+                args(c_shape=(2, 8))):
+        kernel(*bad)
+    assert len(calls) == 5
+    half_peers = dataclasses.replace(FACTORED, params=(("w_peers", "bf16 peers"),) + FACTORED.params[1:])
+    with pytest.raises(Untranslatable, match="factor"):
+        c_source(half_peers)

@@ -772,7 +772,8 @@ def _native(fn, kinds, source, sums=0):
     ``kinds``: a letter per parameter of fn (d a dim, s a scalar, t a tensor, l a list of tensors summed, h the
     same of bfloat16 tensors, p a list of peers' rows, q a float32 tensor of every rank's number, one per tensor
     of the l or h; u and b a bfloat16 tensor and a list of peers' bfloat16 rows; k, x and y the float16 h, u
-    and b).
+    and b; r and c a float32 (m, 1) row factor and (1, w) column factor broadcast to (m, w) rows, whose w
+    follows the lists' counts).
     ``sums``: how many partial sums fn returns (as float32 scalars, in order); C returns them alike."""
     lib = []  # the C function, or None: fn serves every call
 
@@ -790,8 +791,16 @@ def _native(fn, kinds, source, sums=0):
             return fn(*args)
         grad = torch.is_grad_enabled()
         ptrs, counts, scalars, n = [], [], [], None
+        factors = {}  # kind (r, c) -> the numbers of values of those passed
         for kind, x in zip(kinds, args):
             if kind == "d":
+                continue
+            if kind in "rc":
+                if (x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous() or x.dim() != 2
+                        or x.shape[1 if kind == "r" else 0] != 1 or (grad and x.requires_grad)):
+                    return fn(*args)
+                factors.setdefault(kind, set()).add(x.numel())
+                ptrs.append(x.data_ptr())
                 continue
             if kind == "s":
                 if isinstance(x, torch.Tensor) and (x.numel() != 1 or x.dtype not in (torch.float32, torch.bool)
@@ -814,6 +823,20 @@ def _native(fn, kinds, source, sums=0):
                     return fn(*args)
                 n = t.numel()
                 ptrs.append(t.data_ptr())
+        if factors:
+            # the rows (m, w): m the row factor's length, w the column factor's, every tensor's last dim
+            rows, cols = factors.get("r", set()), factors.get("c", set())
+            if len(rows) > 1 or len(cols) > 1 or n is None:
+                return fn(*args)
+            m, width = next(iter(rows), None), next(iter(cols), None)
+            if width is None:
+                width = n // m if m else 0
+            tensors = [t for kind, x in zip(kinds, args) if kind in "tuxlhkpby"
+                       for t in (x if kind in "lhkpby" else (x,))]
+            if (not width or n % width or (m is not None and m * width != n)
+                    or any(t.dim() == 0 or t.shape[-1] != width for t in tensors)):
+                return fn(*args)
+            counts.append(width)
         out = (ctypes.c_double * max(1, sums))()
         lib[0](n, (ctypes.c_void_p * len(ptrs))(*ptrs), (ctypes.c_long * max(1, len(counts)))(*counts),
                (ctypes.c_float * max(1, len(scalars)))(*scalars), out)
