@@ -1447,7 +1447,7 @@ def _native_chunk(e: _Emitter, compute: list[str], inplace: dict[str, str], into
         text = _CUT.sub(lambda m: args.get(m.group(0), "?"), text)
         return text if text.isidentifier() else None
 
-    factor = {param: kind for param, kind in kinds if kind in FACTORS}
+    factors = {param for param, kind in kinds if kind in FACTORS}
     stmts, sums, pre_stmts = [], [], []
     if pre and any(p[x].type.dtype != "float32" and p[x].type.dtype not in HALF for x in sources):
         return None
@@ -1460,10 +1460,10 @@ def _native_chunk(e: _Emitter, compute: list[str], inplace: dict[str, str], into
         if s.type is None or (s.type.dtype or "float32") != dtype or s.op == "dropout":
             return None
         operands = [name_of(e.operand(s, a)) for a in s.args]
-        if factor and (s.type.shape if s.op != "partial_sum" else p[s.args[0]].type.shape) != shape:
+        if factors and (s.type.shape if s.op != "partial_sum" else p[s.args[0]].type.shape) != shape:
             return None  # beside factors, every value of the chunk is one of its rows' (a sum of a factor is not)
         if None in operands or (s.op != "partial_sum" and any(
-                p[a].type.shape not in ((), s.type.shape) and not (s.type.shape == shape and factor.get(x))
+                p[a].type.shape not in ((), s.type.shape) and not (s.type.shape == shape and x in factors)
                 for a, x in zip(s.args, operands))):
             return None  # C reads an operand row for row, a factor a row at a time: another broadcast is Inductor's
         if s.op == "partial_sum":

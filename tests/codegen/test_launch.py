@@ -83,6 +83,7 @@ def test_every_schedule_of_every_example(name, world):
 
 
 BENCH_PROGRAMS = sorted((ROOT / "benchmarks" / "programs").glob("*.py"))
+BENCH_SIZES = {**SIZES, "F": 7}  # and the MLP blocks' F
 
 
 @pytest.mark.parametrize("path", BENCH_PROGRAMS, ids=lambda p: p.stem)
@@ -90,7 +91,7 @@ def test_every_schedule_of_every_benchmark_program_on_gloo(path):
     # uneven rows at world 3; with tests/codegen/test_nccl.py's module comparison, what stands for these programs'
     # NCCL modules where no GPU has run them
     prog = runpy.run_path(str(path))["program"].ir
-    sizes = {d: {**SIZES, "F": 7}[d] for d in prog.dims}
+    sizes = {d: BENCH_SIZES[d] for d in prog.dims}
     assert_all_ok(run_schedules(list(generate(prog)), check_only(3, sizes)))
     assert not rank_processes()
 

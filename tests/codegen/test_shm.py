@@ -27,7 +27,8 @@ from coconet.schedules.space import generate
 from tests.codegen import faulty, warm_rank
 from tests.codegen.shared_state import SCHEDULE as ZERO1
 from tests.codegen.test_lower import factored
-from tests.codegen.test_launch import EXAMPLES, RANKS, SIZES, assert_all_ok, example, of_this_run, rank_processes
+from tests.codegen.test_launch import (BENCH_PROGRAMS, BENCH_SIZES, EXAMPLES, RANKS, SIZES, assert_all_ok, example,
+                                      of_this_run, rank_processes)
 from tests.strategies import collective_programs
 
 
@@ -992,16 +993,13 @@ def test_a_gradient_is_read_where_it_lies_whatever_tensor_the_caller_passes(worl
     assert not segments()
 
 
-BENCH_PROGRAMS = sorted((Path(__file__).parents[2] / "benchmarks" / "programs").glob("*.py"))
-
-
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("path", BENCH_PROGRAMS, ids=lambda p: p.stem)
 def test_every_schedule_of_every_benchmark_program_on_shm(path, world):
     """The programs written against the DSL for the benchmarks, none of them an example (a column-parallel
     matmul, powers, exp and log, counts, norms of slices): their numbers stand on these being right."""
     prog = runpy.run_path(str(path))["program"].ir
-    sizes = {d: {**SIZES, "F": 7}[d] for d in prog.dims}
+    sizes = {d: BENCH_SIZES[d] for d in prog.dims}
     assert_all_ok(run_schedules(list(generate(prog)), shm_only(world, sizes)))
     assert not segments() and not rank_processes()
 

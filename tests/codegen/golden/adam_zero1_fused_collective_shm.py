@@ -791,7 +791,7 @@ def _native(fn, kinds, source, sums=0):
             return fn(*args)
         grad = torch.is_grad_enabled()
         ptrs, counts, scalars, n = [], [], [], None
-        factors = {}  # kind (r, c) -> the numbers of values of those passed
+        rows, cols = set(), set()  # the lengths of the row factors and of the column factors passed
         for kind, x in zip(kinds, args):
             if kind == "d":
                 continue
@@ -799,7 +799,7 @@ def _native(fn, kinds, source, sums=0):
                 if (x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous() or x.dim() != 2
                         or x.shape[1 if kind == "r" else 0] != 1 or (grad and x.requires_grad)):
                     return fn(*args)
-                factors.setdefault(kind, set()).add(x.numel())
+                (rows if kind == "r" else cols).add(x.numel())
                 ptrs.append(x.data_ptr())
                 continue
             if kind == "s":
@@ -823,16 +823,15 @@ def _native(fn, kinds, source, sums=0):
                     return fn(*args)
                 n = t.numel()
                 ptrs.append(t.data_ptr())
-        if factors:
+        if rows or cols:
             # the rows (m, w): m the row factor's length, w the column factor's, every tensor's last dim
-            rows, cols = factors.get("r", set()), factors.get("c", set())
             if len(rows) > 1 or len(cols) > 1 or n is None:
                 return fn(*args)
             m, width = next(iter(rows), None), next(iter(cols), None)
             if width is None:
                 width = n // m if m else 0
-            tensors = [t for kind, x in zip(kinds, args) if kind in "tuxlhkpby"
-                       for t in (x if kind in "lhkpby" else (x,))]
+            tensors = [t for kind, x in zip(kinds, args) if kind in "tuxlhpbky"
+                       for t in (x if kind in "lhpbky" else (x,))]
             if (not width or n % width or (m is not None and m * width != n)
                     or any(t.dim() == 0 or t.shape[-1] != width for t in tensors)):
                 return fn(*args)
