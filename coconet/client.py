@@ -71,11 +71,30 @@ class Client:
             params["shardable"] = shardable
         return self._call("GET", "/best", params=params)
 
+    def best_or_tune(self, program: str, sizes: Mapping[str, int], *, topology: str, world: int,
+                     backend: str | None = None, budget: int = 32,
+                     shardable: list[str] | str | None = None) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+        """POST /best (needs the token): ``(best, None)`` when the key was tuned at these exact sizes, else
+        ``(None, started)``, the tuning job the server started for it (``job``, ``state``, and ``nearest``, the
+        best of the nearest tuned sizes meanwhile, or None)."""
+        body: dict[str, Any] = {"program": program, "sizes": dict(sizes), "topology": topology, "world": world,
+                                "budget": budget}
+        if backend is not None:
+            body["backend"] = backend
+        if shardable is not None:  # else the server's default for the program
+            body["shardable"] = shardable
+        resp = self._request("POST", "/best", json=body)
+        return (None, _json(resp)) if resp.status_code == 202 else (_json(resp), None)
+
     def code(self, schedule_hash: str, *, program: str, backend: str) -> dict[str, Any]:
         params = {"program": program, "backend": backend}
         return self._call("GET", f"/schedules/{schedule_hash}/code", params=params)
 
     def _call(self, method: str, path: str, **kwargs: Any) -> Any:
+        return _json(self._request(method, path, **kwargs))
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        """The server's answer, a 2xx; anything else a ServiceError."""
         where = f"{method} {_shown(self.http.base_url)}{API}{path}"
         try:
             resp = self.http.request(method, API + path, **kwargs)
@@ -85,10 +104,15 @@ class Client:
             raise ServiceError(f"cannot reach {_shown(self.http.base_url)}: {e or type(e).__name__}") from e
         if resp.status_code >= 400:
             raise ServiceError(f"{where}: HTTP {resp.status_code}: {_detail(resp)}", status=resp.status_code)
-        try:
-            return resp.json()
-        except ValueError as e:
-            raise ServiceError(f"{where}: the answer is not JSON ({resp.text[:80]!r})") from e
+        return resp
+
+
+def _json(resp: httpx.Response) -> Any:
+    try:
+        return resp.json()
+    except ValueError as e:
+        where = f"{resp.request.method} {_shown(resp.request.url)}"
+        raise ServiceError(f"{where}: the answer is not JSON ({resp.text[:80]!r})") from e
 
 
 def _shown(url: str | httpx.URL) -> str:

@@ -1,9 +1,11 @@
 """Bounds on what one request may make the server read: body size and JSON nesting, checked before any
 parser sees the body (Python's json recursion on 10,000 nested lists, or a 64 MiB body held in memory,
-would be the server's problem, not the client's)."""
+would be the server's problem, not the client's); and on how many writes run at once. The request head's
+bounds are the HTTP server's (``coconet.server.http``)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from typing import Any, Awaitable, Callable
@@ -88,9 +90,44 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
 
-async def _reply(send: Send, status: int, detail: str) -> None:
+async def _reply(send: Send, status: int, detail: str, headers: list[tuple[bytes, bytes]] | None = None) -> None:
     body = json.dumps({"detail": detail}).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"connection", b"close")]})
+                            (b"connection", b"close"), *(headers or [])]})
     await send({"type": "http.response.body", "body": body})
+
+
+class WriteSlots:
+    """ASGI middleware: at most ``slots`` writes (any method but GET, HEAD and OPTIONS) run at once; one more
+    waits for a slot without a thread, ``wait_s`` at most, then gets 503. Writes waiting for the database each
+    hold a server thread: unbounded, they would take every thread the sync routes run on, and reads would queue
+    behind them. Inside BodyLimit, so a slot is taken only once the body has arrived."""
+
+    def __init__(self, app: ASGIApp, slots: int = 15, wait_s: float = 5.0) -> None:
+        self.app = app
+        self.slots = slots
+        self.wait_s = wait_s
+        self._free: tuple[Any, asyncio.Semaphore] | None = None
+
+    def _semaphore(self) -> asyncio.Semaphore:
+        # one per event loop: a semaphore waited on in one loop cannot be used in another (TestClient's)
+        loop = asyncio.get_running_loop()
+        if self._free is None or self._free[0] is not loop:
+            self._free = (loop, asyncio.Semaphore(self.slots))
+        return self._free[1]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        free = self._semaphore()
+        try:
+            await asyncio.wait_for(free.acquire(), self.wait_s)
+        except asyncio.TimeoutError:
+            await _reply(send, 503, "the results store is busy; retry", [(b"retry-after", b"1")])
+            return
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            free.release()
