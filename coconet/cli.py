@@ -326,11 +326,28 @@ def _tuned_best(prog: Any, sizes: dict, world: int, backend: str, db: Optional[s
         raise CoconetError(f"no tuned schedule of {prog.name} on {backend} at world {world} in {url} that leaves "
                            f"at most {shard.words(allowed)} sharded: run `coconet tune FILE --world {world} "
                            f"--size {size_text} --backend {backend}{flags}` first")
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
     if not found.exact:
-        Console(stderr=True, highlight=False).print(
-            f"note: {format_sizes(sizes)} was not tuned; using the winner of "
-            f"{found.winner.sizes_key}", markup=False)
-    return Schedule.from_json(found.measurement.schedule_json, prog)
+        err.print(f"note: {format_sizes(sizes)} was not tuned; using the winner of {found.winner.sizes_key}",
+                  markup=False)
+    err.print(f"note: --schedule best is {_answer_text(found)}", markup=False)
+    if found.source != "measured":
+        err.print(f"note: nothing measured answers here; `coconet tune FILE --world {world} --size "
+                  f"{format_sizes(sizes)} --backend {backend}` measures it", markup=False)
+    return Schedule.from_json(found.measurement.schedule_json, prog), found
+
+
+def _answer_text(found: Any) -> str:
+    """What a stored winner is, in words: measured (with its time) or predicted (by which model, calibrated
+    how), and its record."""
+    m, w = found.measurement, found.winner
+    speedup = f", {_ratio(w.speedup)}x over the baseline" if w.speedup else ""
+    if found.source == "measured":
+        return f"measured: {_fmt_s(m.median_s)} a step{speedup} (winner record {w.id})"
+    v = m.versions or {}
+    return (f"predicted, not measured: {_fmt_s(m.median_s)} a step{speedup} by the cost model "
+            f"({v.get('model', 'unnamed')}, topology {w.topology} calibration {v.get('topology', 'unknown')}; "
+            f"winner record {w.id})")
 
 
 def _fmt_s(x: Optional[float]) -> str:
@@ -418,8 +435,18 @@ def run(
     prog = load_file(file)
     _require_sizes(prog, size)
     sizes = parse_sizes(size, prog.dims)
-    picked = _pick_schedules(prog, schedule, depth,
-                             best=lambda: _tuned_best(prog, sizes, world, backend, db, shardable))
+    from coconet.server.records import answer_source
+
+    stored: list = []  # the store's answer behind --schedule best, said beside the results
+
+    def tuned() -> Any:
+        sched, found = _tuned_best(prog, sizes, world, backend, db, shardable)
+        stored.append({"schedule": sched.text, "hash": sched.hash, "source": answer_source(found.source),
+                       "exact": found.exact, "tuned_sizes": found.winner.sizes, "winner_id": found.winner.id,
+                       "median_s": found.measurement.median_s, "speedup": found.winner.speedup})
+        return sched
+
+    picked = _pick_schedules(prog, schedule, depth, best=tuned)
     if emit is not None:
         emit.mkdir(parents=True, exist_ok=True)
         for sched in picked:
@@ -443,7 +470,8 @@ def run(
     failed = [r for r in results if r.status != "ok"]
     if as_json:
         _echo_json({"program": prog.name, "program_hash": prog.hash, "world": world, "backend": backend,
-                    "stages": opts.stages if prog.is_pipeline else 1, "sizes": sizes, "results": rows})
+                    "stages": opts.stages if prog.is_pipeline else 1, "sizes": sizes, "results": rows,
+                    **({"best": stored[0]} if stored else {})})
     else:
         _print_run_table(prog, world, backend, sizes, rows)
     if failed:
@@ -554,12 +582,13 @@ def _print_tune_table(prog: Any, doc: dict, tuned: Any) -> None:
     sizes_text = format_sizes(doc["sizes"])
     shardable = ",".join(doc["shardable"]) or "none"
     table = Table(title=f"{prog.name}  world={doc['world']}  {sizes_text}  topology={doc['topology']}  "
-                  f"shardable={shardable}  {doc['trials']} trials, {doc['failed']} failed", title_justify="left",
-                  show_edge=False)
-    for col in ("status", "backend", "median", "95% CI", "vs baseline"):
+                  f"shardable={shardable}  search: {doc['trials']} trials, {doc['failed']} failed",
+                  title_justify="left", show_edge=False)
+    for col in ("status", "backend", "median", "95% CI", "vs baseline\n(search)"):
         table.add_column(col, no_wrap=True, justify="left" if col in ("status", "backend") else "right")
     table.add_column("schedule", ratio=1, overflow="fold")
-    base = doc["baseline"]["median_s"] if doc["baseline"] else None
+    searched = tuned.outcome.baseline_searched
+    base = searched.result.median_s if searched is not None else None
     trials = sorted(tuned.outcome.trials, key=lambda t: (t.result.status != "ok", t.result.median_s or 0))
     for t in trials:
         r = t.result
@@ -573,10 +602,15 @@ def _print_tune_table(prog: Any, doc: dict, tuned: Any) -> None:
     console.print(table)
     if doc["best"]:
         b = doc["best"]
-        console.print(f"winner (timed again against the runner-up): {b['backend']}: {b['schedule']}  "
-                      f"{_fmt_s(b['median_s'])} [{_fmt_s(b['ci95_s'][0])}, {_fmt_s(b['ci95_s'][1])}]"
-                      + (f"  {doc['speedup']:.2f}x over the baseline" if doc["speedup"] else "")
+        console.print(f"winner, timed again in turns with the runner-up and the baseline: {b['backend']}: "
+                      f"{b['schedule']}  {_fmt_s(b['median_s'])} [{_fmt_s(b['ci95_s'][0])}, "
+                      f"{_fmt_s(b['ci95_s'][1])}]"
+                      + (f"  {_ratio(doc['speedup'])}x over the baseline" if doc["speedup"] else "")
                       + f"  record {doc['record_id']}", markup=False)
+        if doc["order_reversed"] and doc["search_best"]:
+            s = doc["search_best"]
+            console.print(f"note: the search had {s['backend']}: {s['schedule']} faster ({_fmt_s(s['median_s'])}); "
+                          "timed again in turns, the winner above beat it", markup=False)
         if b["sharded"]:
             console.print(_sharded_note(b["sharded"]), markup=False)
     else:
@@ -607,7 +641,8 @@ def sweep(
     as_json: bool = JSON_OPT,
 ) -> None:
     """Offline sweep over programs x sizes x topologies: measured (tuned) on the local topology, predicted by the
-    cost model elsewhere (recorded as source: model). Keys already done are skipped, so a stopped sweep resumes."""
+    cost model elsewhere (recorded as source: model). Keys already done are skipped, so a stopped sweep resumes;
+    a key with a measured winner is never predicted."""
     from rich.progress import Progress, TextColumn, TimeElapsedColumn
 
     from coconet.schedules import shardable as shard
@@ -644,7 +679,9 @@ def sweep(
     rate = f"{doc['keys_per_s']:.0f} keys/s" if doc["keys_per_s"] else ""
     Console(highlight=False).print(
         f"{doc['keys']} keys: {doc['predicted']} predicted ({doc['predictions']} schedule predictions), "
-        f"{doc['measured']} measured, {doc['skipped']} already done; {doc['seconds']:.1f} s {rate}", markup=False)
+        f"{doc['measured']} measured, {doc['skipped']} already done"
+        + (f", {doc['kept_measured']} left alone (measured: a prediction never replaces a measurement)"
+           if doc["kept_measured"] else "") + f"; {doc['seconds']:.1f} s {rate}", markup=False)
     if doc["unfit"]:
         Console(highlight=False, stderr=True).print(
             f"note: {doc['unfit']} keys left out: their world needs more ranks than the topology has", markup=False)
@@ -1056,27 +1093,43 @@ def serve(
                                 "Ray); 0: serve results only."),
     ray_address: Optional[str] = typer.Option(None, "--ray-address", help="Join this Ray cluster instead of "
                                               "starting a local one."),
+    open_writes: bool = typer.Option(False, "--open", help="Take writes without a token (loopback --host only): "
+                                     "any program on this machine can then start tuning jobs."),
+    allow_host: List[str] = typer.Option([], "--allow-host", help="Another name clients reach the server by "
+                                         "(besides 127.0.0.1, localhost, ::1 and --host); repeatable, * for any."),
     as_json: bool = JSON_OPT,
 ) -> None:
     """Serve the REST API (/api/v1, OpenAPI at /docs) and the dashboard (/); tuning jobs run in the server.
-    Writes need `Authorization: Bearer $COCONET_API_TOKEN`. Ctrl-C or SIGTERM stop it after the trial in
-    progress; a job cut short is queued again and resumes on the next start."""
+    Writes need `Authorization: Bearer $COCONET_API_TOKEN` (or --open, on loopback). Ctrl-C or SIGTERM stop it
+    after the trial in progress; a job cut short is queued again and resumes on the next start."""
     import uvicorn
 
     from coconet.server.app import ENV_TOKEN, create_app
+    from coconet.server.http import server_config
 
     token = os.environ.get(ENV_TOKEN) or None
+    if open_writes and not _is_loopback(host):
+        raise CoconetError(f"--open takes writes from anyone who reaches the server: only on a loopback --host, "
+                           f"not {host}")
     if token is None and not _is_loopback(host):
         raise CoconetError(f"--host {host} is reachable from other machines: set {ENV_TOKEN} to the token that "
                            "writes must carry (or serve on 127.0.0.1)")
+    if open_writes and token is not None:
+        raise CoconetError(f"--open and {ENV_TOKEN} together: with a token, writes carry it; leave out one of them")
     _require_listenable(host, port)  # uvicorn logs the failure and exits the process: say it here first
-    app_ = create_app(db, token=token, workers=workers, ray_address=ray_address)
+    hosts = [*_served_names(host), *allow_host]
+    app_ = create_app(db, token=token, workers=workers, ray_address=ray_address, open_writes=open_writes,
+                      hosts=hosts)
     if as_json:
         _echo_json({"url": f"http://{host}:{port}", "api": "/api/v1", "docs": "/docs", "store": app_.state.store.url,
-                    "workers": workers, "auth": token is not None})
+                    "workers": workers, "auth": token is not None, "open": open_writes, "hosts": hosts})
         sys.stdout.flush()
-    server = uvicorn.Server(uvicorn.Config(app_, host=host, port=port, log_level="info", access_log=not as_json,
-                                           timeout_graceful_shutdown=30))
+    elif open_writes:
+        Console(stderr=True, highlight=False, soft_wrap=True).print(
+            f"note: --open: writes need no token; any program on this machine can post programs and start "
+            f"tuning jobs on http://{host}:{port}", markup=False)
+    server = uvicorn.Server(server_config(app_, host=host, port=port, log_level="info", access_log=not as_json,
+                                          timeout_graceful_shutdown=30))
     try:
         server.run()
     except KeyboardInterrupt:
@@ -1101,6 +1154,16 @@ def _require_listenable(host: str, port: int) -> None:
             sock.bind(addr)
     except OSError as e:
         raise CoconetError(f"cannot serve on {host}:{port}: {e.strerror or e}") from None
+
+
+def _served_names(host: str) -> list[str]:
+    """The names clients may reach a server bound to ``host`` by, besides the loopback ones: the host itself,
+    or for every interface (0.0.0.0, ::) this machine's name."""
+    import socket
+
+    if host.strip("[]") in ("0.0.0.0", "::", ""):
+        return sorted({socket.gethostname(), socket.getfqdn()} - {""})
+    return [host]
 
 
 def _is_loopback(host: str) -> bool:
@@ -1215,7 +1278,8 @@ def _submitted(client: Any, job: dict, with_code: bool) -> dict:
     stats, base = best["stats"], best.get("baseline")
     doc["best"] = {"schedule": best["schedule"], "backend": best["backend"], "hash": best["schedule_hash"],
                    "median_s": stats["median_s"], "ci95_s": stats["ci95_s"], "source": best["source"],
-                   "sharded": best.get("sharded", []), "shardable": best.get("shardable"), "job": best.get("job")}
+                   "sharded": best.get("sharded", []), "shardable": best.get("shardable"), "job": best.get("job"),
+                   "order_reversed": best.get("order_reversed", False)}
     if base:
         doc["baseline"] = {"schedule": base["schedule"], "backend": base["backend"],
                            "median_s": base["stats"]["median_s"], "ci95_s": base["stats"]["ci95_s"]}
@@ -1237,13 +1301,16 @@ def _print_submitted(name: str, d: dict) -> None:
         console.print(f"{head}: {d['state']}, no winner", markup=False)
         return
     ci = b["ci95_s"]
-    console.print(f"{head}\nwinner: {b['backend']}: {b['schedule']}  {_fmt_s(b['median_s'])}"
+    console.print(f"{head}\nwinner ({b['source']}): {b['backend']}: {b['schedule']}  {_fmt_s(b['median_s'])}"
                   + (f" [{_fmt_s(ci[0])}, {_fmt_s(ci[1])}]" if ci else "")
                   + (f"  {d['speedup']:.2f}x over the baseline" if d["speedup"] else ""), markup=False)
     up = d.get("runner_up")
-    if up:  # the search times its two fastest again, back to back: the winner won on the same machine state
-        console.print(f"runner-up, timed again with the winner: {up['backend']}: {up['schedule']}  "
+    if up:  # the winner, the runner-up and the baseline are timed again in turns: the same machine state
+        console.print(f"runner-up, timed again in turns with the winner: {up['backend']}: {up['schedule']}  "
                       f"{_fmt_s(up['median_s'])}", markup=False)
+    if b.get("order_reversed"):
+        console.print("note: timed again in turns, the winner beat the runner-up that the search had found faster",
+                      markup=False)
     if b["sharded"]:
         console.print(_sharded_note(b["sharded"]), markup=False)
     if b["job"] != d["job"]:  # GET /best answers the fastest winner of the key, whoever found it

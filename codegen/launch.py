@@ -62,7 +62,7 @@ HANG_DUMP_S = 1.0
 class RunResult:
     schedule: str
     hash: str
-    status: str  # ok | wrong_result | runtime_error | compile_error | timeout
+    status: str  # ok | wrong_result | runtime_error | compile_error | timeout | killed
     correct: bool | None = None
     max_rel_err: float | None = None
     samples: list[float] = field(default_factory=list)
@@ -258,8 +258,9 @@ def _launch(tasks, opts: Options, reference, results, custom, retry_port: bool =
                     if code == 0:  # it finished every task; the others may still be on theirs
                         continue
                     gen = by_id[current]
-                    results[current] = _result(gen, "runtime_error", f"rank {rank} {_died(code)}"
-                                               + _log_tail(workdir, rank))
+                    # ended by a signal (from outside, or its own crash) is ``killed``, as the tuner's ranks say it
+                    results[current] = _result(gen, "killed" if code < 0 else "runtime_error",
+                                               f"rank {rank} {_died(code)}" + _log_tail(workdir, rank))
                     done.add(current)
                     return done
                 if kind == "error":

@@ -12,14 +12,16 @@ import secrets
 import threading
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Annotated, Any, AsyncIterator, Callable
+from typing import Annotated, Any, AsyncIterator, Callable, Iterable, Literal, Sequence
 from urllib.parse import parse_qsl
 
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.encoders import jsonable_encoder
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from coconet import __version__
 from coconet.errors import (
@@ -36,13 +38,18 @@ from coconet.schedules import shardable as shard
 from coconet.schedules.ir import Program
 from coconet.schedules.schedule import sharded_by
 from coconet.server.driver import describe as describe_driver
+from coconet.server.hosts import HostCheck
 from coconet.server.jobs import WorkerSettings, Workers, requeue_orphans
-from coconet.server.limits import MAX_BODY, MAX_DEPTH, ASGIApp, BodyLimit, Receive, Scope, Send
-from coconet.server.records import Best, JobRecord, MeasurementRecord
+from coconet.server.limits import MAX_BODY, MAX_DEPTH, ASGIApp, BodyLimit, Receive, Scope, Send, WriteSlots
+from coconet.server.records import Best, JobRecord, MeasurementRecord, answer_source
 from coconet.server.schemas import (
+    ANY_ERROR,
     MAX_DIMS,
+    MAX_ID,
     MAX_SIZE,
     MAX_WORLD,
+    SIZES_PATTERN,
+    BestIn,
     BestOut,
     CodeOut,
     Health,
@@ -50,6 +57,7 @@ from coconet.server.schemas import (
     JobIn,
     JobOut,
     MeasurementOut,
+    PredictionOut,
     ProgramCreated,
     ProgramIn,
     ProgramOut,
@@ -59,17 +67,24 @@ from coconet.server.schemas import (
     ScheduleOut,
     Stats,
     TuningStarted,
+    error_responses,
 )
-from coconet.server.store import Store
+from coconet.server.store import Store, unavailable
 from coconet.tuner.runner import Protocol
 
 ENV_TOKEN = "COCONET_API_TOKEN"
 PREFIX = "/api/v1"
+# How long a request's write waits for a database connection, and again for the database's lock, before it is
+# answered 503: a client can retry, where a request held for the store's default 30 s holds a server thread too.
+WRITE_WAIT_S = 5.0
+# Writes in progress at once: as many as the store's write pool has connections (SQLAlchemy's 5 + 10 overflow).
+WRITE_SLOTS = 15
 log = logging.getLogger("coconet.server")
 
 _HASH = dict(pattern=r"^[0-9a-f]{8,64}$", max_length=64)
-_SIZES = dict(min_length=3, max_length=400, description="NAME=VALUE[,NAME=VALUE…], VALUE an integer or 2^k, "
-              "e.g. N=1048576 or B=8,S=1024,H=3072")
+_SIZES = dict(pattern=SIZES_PATTERN, min_length=3, max_length=400,
+              description="NAME=VALUE[,NAME=VALUE…], VALUE an integer in 1..2^40 or 2^k, e.g. N=1048576 or "
+              "B=8,S=1024,H=3072")
 _TOPOLOGY = dict(pattern=r"^[A-Za-z_][A-Za-z0-9_.\-]*$", max_length=200)
 _BACKEND = dict(pattern=r"^[a-z][a-z0-9_]*$", max_length=32)
 _SHARDABLE = dict(pattern=r"^(all|\*|[A-Za-z_][A-Za-z0-9_]*(,[A-Za-z_][A-Za-z0-9_]*)*|)$", max_length=400,
@@ -84,6 +99,10 @@ MaybeSizes = Annotated[str | None, Query(**_SIZES)]
 MaybeTopology = Annotated[str | None, Query(**_TOPOLOGY)]
 MaybeBackend = Annotated[str | None, Query(**_BACKEND)]
 MaybeShardable = Annotated[str | None, Query(**_SHARDABLE)]
+SourceQuery = Annotated[Literal["measured", "predicted"] | None,
+                        Query(description="Only a winner of this source; left out, a measured winner where the key "
+                              "has one, else a predicted one")]
+_STORED_SOURCE = {"measured": "measured", "predicted": "model"}
 
 
 @dataclass(frozen=True)
@@ -91,35 +110,45 @@ class Settings:
     token: str | None
     workers: WorkerSettings
     start_workers: bool
+    open_writes: bool = False
 
 
 def create_app(store_url: str | None = None, *, token: str | None = None, workers: int = 1,
                start_workers: bool = True, protocol: Protocol | None = None, ray_address: str | None = None,
-               stale_s: float | None = None) -> FastAPI:
+               stale_s: float | None = None, open_writes: bool = False, hosts: Iterable[str] = (),
+               wait_s: float = WRITE_WAIT_S) -> FastAPI:
     """The API on the store at ``store_url`` (default: as ``Store.open``). Writes need ``token`` (default
-    ``$COCONET_API_TOKEN``; with neither, writes are open: keep such a server on loopback). ``workers``
-    threads run tuning jobs with ``protocol`` on Ray (``ray_address``, or a local cluster)."""
+    ``$COCONET_API_TOKEN``); with none, writes are refused unless ``open_writes`` (keep such a server on
+    loopback). It answers requests for loopback names and ``hosts`` (``*``: any), and takes writes from web
+    pages of those hosts only. A request's write waits ``wait_s`` at most for the database, then gets 503.
+    ``workers`` threads run tuning jobs with ``protocol`` on Ray (``ray_address``, or a local cluster)."""
     token = token if token is not None else (os.environ.get(ENV_TOKEN) or None)
     ws = WorkerSettings(workers=workers, protocol=protocol or Protocol(), ray_address=ray_address)
     if stale_s is not None:
         ws = WorkerSettings(ws.workers, ws.protocol, ws.ray_address, ws.poll_s, stale_s)
-    settings = Settings(token, ws, start_workers)
-    store = Store.open(store_url)
+    settings = Settings(token, ws, start_workers, open_writes)
+    store = Store.open(store_url, wait_s=wait_s)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        requeue_orphans(store, ws.stale_s)
-        pool = Workers(store, ws)
-        app.state.workers = pool
-        if start_workers and ws.workers > 0:
-            pool.start()
+        # The workers record what trials measured: they wait for the database as long as the store's default,
+        # where a request gives up after wait_s.
+        jobs = Store.open(store_url)
         try:
-            yield
+            requeue_orphans(jobs, ws.stale_s)
+            pool = Workers(jobs, ws)
+            app.state.workers = pool
+            if start_workers and ws.workers > 0:
+                pool.start()
+            try:
+                yield
+            finally:
+                pool.stop()
         finally:
-            pool.stop()
+            jobs.close()
             store.close()
 
-    app = FastAPI(title="coconet", version=__version__, lifespan=lifespan,
+    app = FastAPI(title="coconet", version=__version__, lifespan=lifespan, responses=ANY_ERROR,
                   description="Best schedules of distributed ML programs, tuned on demand (DESIGN §9).")
     app.state.store = store
     app.state.settings = settings
@@ -130,8 +159,10 @@ def create_app(store_url: str | None = None, *, token: str | None = None, worker
     from coconet.server import dashboard
 
     dashboard.mount(app)
+    app.add_middleware(WriteSlots, slots=WRITE_SLOTS, wait_s=wait_s)
     app.add_middleware(BodyLimit, max_body=MAX_BODY, max_depth=MAX_DEPTH)
     app.add_middleware(FastBest)
+    app.add_middleware(HostCheck, hosts=tuple(hosts))  # the outermost: no route, fast or not, answers before it
     return app
 
 
@@ -152,17 +183,30 @@ def _status(err: CoconetError) -> int:
 def _handlers(app: FastAPI) -> None:
     @app.exception_handler(CoconetError)
     async def coconet_error(request: Request, err: CoconetError) -> JSONResponse:
-        return JSONResponse({"detail": " ".join(str(err).split())}, status_code=_status(err))
+        status = _status(err)
+        if status == 503:  # the cause names the database (its URL, host, driver): for the log, not the client
+            log.error("%s %s: %s", request.method, request.url.path, err)
+            return JSONResponse({"detail": unavailable(err)}, status_code=503, headers={"Retry-After": "1"})
+        return JSONResponse({"detail": " ".join(str(err).split())}, status_code=status)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, err: RequestValidationError) -> JSONResponse:
         # Pydantic's list, plus one line naming the first cause for people reading it in a terminal.
         errors = err.errors()
-        first = errors[0] if errors else {}
-        where = ".".join(str(x) for x in first.get("loc", ()))
-        message = f"{where}: {first.get('msg', 'invalid request')}"
         detail = [{k: v for k, v in e.items() if k in ("loc", "msg", "type")} for e in errors[:20]]
-        return JSONResponse({"detail": message, "errors": jsonable_encoder(detail)}, status_code=422)
+        return JSONResponse({"detail": _one_line(errors), "errors": jsonable_encoder(detail)}, status_code=422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, err: StarletteHTTPException) -> Any:
+        if err.status_code == 405:
+            # The router names one route's methods; a path served by several routes (GET and POST /programs)
+            # allows all of theirs.
+            allowed = _methods(request.app, request.url.path)
+            if allowed:
+                return JSONResponse({"detail": f"{request.method} is not allowed on {request.url.path} "
+                                     f"(allowed: {', '.join(allowed)})"}, status_code=405,
+                                    headers={"Allow": ", ".join(allowed)})
+        return await http_exception_handler(request, err)
 
     @app.exception_handler(RecursionError)
     async def too_deep(request: Request, err: RecursionError) -> JSONResponse:
@@ -187,20 +231,36 @@ def _router(settings: Settings) -> Any:
     router = APIRouter()
     bearer = HTTPBearer(auto_error=False, description=f"The server's token (${ENV_TOKEN}); needed for writes.")
 
-    def writer(creds: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> None:
+    Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
+
+    def trusted(creds: HTTPAuthorizationCredentials | None) -> bool:
+        """Whether the caller carries the server's token."""
+        if settings.token is None or creds is None or creds.scheme.lower() != "bearer":
+            return False
+        return secrets.compare_digest(creds.credentials.encode(), settings.token.encode())
+
+    def writer(creds: Credentials) -> None:
         if settings.token is None:
-            return
-        given = creds.credentials.encode() if creds is not None and creds.scheme.lower() == "bearer" else b""
-        if not secrets.compare_digest(given, settings.token.encode()):
+            if settings.open_writes:
+                return
+            raise HTTPException(403, f"this server takes no writes: start it with ${ENV_TOKEN} set (writes then "
+                                     "carry 'Authorization: Bearer <token>'), or with --open on a loopback host")
+        if not trusted(creds):
             raise HTTPException(401, "a valid 'Authorization: Bearer <token>' is needed to write",
                                 headers={"WWW-Authenticate": "Bearer"})
 
-    @router.get("/health", tags=["service"])
-    def health(request: Request) -> Health:
-        return Health(status="ok", version=__version__, store=_store(request).url, workers=settings.workers.workers)
+    # Without a token the server's writes are open or refused, whatever a request carries: no token is required.
+    writes: dict[str, Any] = {"dependencies": [Depends(writer)],
+                              "openapi_extra": None if settings.token is not None else _TOKEN_OPTIONAL}
 
-    @router.post("/programs", status_code=201, tags=["programs"], dependencies=[Depends(writer)],
-                 responses={401: {}, 413: {}, 422: {}})
+    # async, and no database: answered on the event loop even while every worker thread waits for the store
+    @router.get("/health", tags=["service"], response_model_exclude_none=True, openapi_extra=_TOKEN_OPTIONAL)
+    async def health(request: Request, creds: Credentials = None) -> Health:
+        store = _store(request).url if trusted(creds) else None
+        return Health(status="ok", version=__version__, store=store, workers=settings.workers.workers)
+
+    @router.post("/programs", status_code=201, tags=["programs"], **writes,
+                 responses=error_responses(401, 403, 413, 422))
     def post_program(request: Request, body: ProgramIn) -> ProgramCreated:
         from coconet.schedules.serialize import load
 
@@ -208,18 +268,18 @@ def _router(settings: Settings) -> Any:
         _store(request).add_program(prog)
         return ProgramCreated(hash=prog.hash, name=prog.name)
 
-    @router.get("/programs", tags=["programs"])
+    @router.get("/programs", tags=["programs"], responses=error_responses(422))
     def list_programs(request: Request, limit: int = Query(1000, ge=1, le=10_000)) -> list[ProgramSummary]:
         return [ProgramSummary(**vars(p)) for p in _store(request).programs(limit)]
 
-    @router.get("/programs/{program_hash}", tags=["programs"], responses={404: {}})
+    @router.get("/programs/{program_hash}", tags=["programs"], responses=error_responses(404, 422))
     def get_program(request: Request, program_hash: Annotated[str, _hash_path()]) -> ProgramOut:
         rec = _program(_store(request), program_hash)
         return ProgramOut(hash=rec.hash, name=rec.name, dims=list(rec.ir.get("dims", [])),
                           statements=len(rec.ir.get("statements", [])), created_at=rec.created_at, ir=rec.ir)
 
-    @router.post("/jobs", status_code=202, tags=["jobs"], dependencies=[Depends(writer)],
-                 responses={401: {}, 404: {}, 413: {}, 422: {}})
+    @router.post("/jobs", status_code=202, tags=["jobs"], **writes,
+                 responses=error_responses(401, 403, 404, 413, 422))
     def post_job(request: Request, body: JobIn) -> JobCreated:
         facts = _facts(request, body.program)
         _check_dims(facts.name, facts.dims, body.sizes)
@@ -228,53 +288,71 @@ def _router(settings: Settings) -> Any:
                          tuple(body.backends), facts.shardable(shardable))
         return JobCreated(id=job.id, state=job.state)
 
-    @router.get("/jobs", tags=["jobs"])
-    def list_jobs(request: Request, program: HashPath, limit: int = Query(100, ge=1, le=1000)) -> list[JobOut]:
-        return [_job_out(j) for j in _store(request).jobs(program_hash=program, newest_first=True, limit=limit)]
+    @router.get("/jobs", tags=["jobs"], responses=error_responses(422), openapi_extra=_TOKEN_OPTIONAL)
+    def list_jobs(request: Request, program: HashPath, limit: int = Query(100, ge=1, le=1000),
+                  creds: Credentials = None) -> list[JobOut]:
+        jobs = _store(request).jobs(program_hash=program, newest_first=True, limit=limit)
+        return [_job_out(j, trusted(creds)) for j in jobs]
 
-    @router.get("/jobs/{job_id}", tags=["jobs"], responses={404: {}})
-    def get_job(request: Request, job_id: Annotated[int, _id_path()]) -> JobOut:
+    @router.get("/jobs/{job_id}", tags=["jobs"], responses=error_responses(404, 422), openapi_extra=_TOKEN_OPTIONAL)
+    def get_job(request: Request, job_id: Annotated[int, _id_path()], creds: Credentials = None) -> JobOut:
         job = _store(request).job(job_id)
         if job is None:
             raise HTTPException(404, f"no job {job_id}")
-        return _job_out(job)
+        return _job_out(job, trusted(creds))
 
-    @router.get("/best", tags=["results"], response_model=BestOut, responses={202: {"model": TuningStarted}, 401: {}, 404: {}, 422: {}})
+    @router.get("/best", tags=["results"], response_model=BestOut, responses=error_responses(400, 404, 422))
     def best(request: Request, program: HashPath, sizes: SizesQuery, topology: TopologyQuery = "local",
              world: int | None = Query(None, ge=1, le=MAX_WORLD), backend: MaybeBackend = None,
-             tune: bool = Query(False, description="On a miss (no result for these exact sizes) start a tuning "
-                                "job and answer 202 with its id (needs the token)"),
-             budget: int = Query(32, ge=1, le=10_000), shardable: MaybeShardable = None,
-             authorization: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)] = None) -> Any:
+             shardable: MaybeShardable = None, source: SourceQuery = None,
+             tune: str | None = Query(None, include_in_schema=False)) -> Any:
+        if tune is not None:  # a GET changes nothing: a web page could make any browser send one
+            raise HTTPException(400, f"GET {PREFIX}/best only reads; to tune on a miss, POST {PREFIX}/best with "
+                                     "a JSON body (program, sizes as an object, topology, world, backend, budget, "
+                                     "shardable) and the token")
         store = _store(request)
         asked = _parse_sizes(sizes)
         facts = _facts(request, program)
         allowed = facts.shardable(None if shardable is None else [shardable])
-        found = store.best(program, asked, topology, world, backend=backend, shardable=allowed)
+        found = store.best(program, asked, topology, world, backend=backend, shardable=allowed,
+                           source=_STORED_SOURCE.get(source or ""))
         if found is not None and found.exact:
             return _best_out(found, asked)
         # A miss: say why (wrong dims, nothing tuned).
         _check_dims(facts.name, facts.dims, asked)
-        nearest = _best_out(found, asked) if found is not None else None
-        if not tune:
-            if nearest is not None:
-                return nearest
-            raise HTTPException(404, f"nothing tuned for program {program} on topology {topology!r}"
-                                     + (f" with world {world}" if world else "")
-                                     + (f" and backend {backend}" if backend else "")
-                                     + f" that leaves at most {shard.words(allowed)} sharded"
-                                     + " at these or comparable sizes (add tune=true to start a job)")
-        writer(authorization)
-        if world is None:
-            raise HTTPException(422, "tune=true needs world (the ranks to tune on)")
-        job = _start_job(request, facts.program, asked, topology, world, budget, (backend,) if backend else (),
-                         allowed)
-        body = TuningStarted(detail=f"no result for these exact sizes; tuning job {job.id} is {job.state}",
-                             job=job.id, state=job.state, nearest=nearest)
-        return JSONResponse(jsonable_encoder(body), status_code=202)
+        if found is not None:
+            return _best_out(found, asked)
+        raise HTTPException(404, f"nothing tuned for program {program} on topology {topology!r}"
+                                 + (f" with world {world}" if world else "")
+                                 + (f" and backend {backend}" if backend else "")
+                                 + f" that leaves at most {shard.words(allowed)} sharded"
+                                 + f" at these or comparable sizes (POST {PREFIX}/best starts a job)")
 
-    @router.get("/schedules/{schedule_hash}/code", tags=["results"], responses={404: {}, 422: {}})
-    def code(request: Request, schedule_hash: Annotated[str, _hash_path()], backend: BackendQuery = "gloo",
+    @router.post("/best", tags=["results"], response_model=BestOut, **writes,
+                 responses={202: {"model": TuningStarted, "description": "Not measured at these exact sizes: a "
+                                  "tuning job started (or the one already running for the key), and the nearest "
+                                  "tuned sizes' best meanwhile"}} | error_responses(401, 403, 404, 413, 422))
+    def best_or_tune(request: Request, body: BestIn) -> Any:
+        store = _store(request)
+        facts = _facts(request, body.program)
+        _check_dims(facts.name, facts.dims, body.sizes)
+        shardable = body.shardable if body.shardable is None or isinstance(body.shardable, list) else [body.shardable]
+        allowed = facts.shardable(shardable)
+        found = store.best(body.program, body.sizes, body.topology, body.world, backend=body.backend,
+                           shardable=allowed)
+        if found is not None and found.exact and found.source == "measured":
+            return _best_out(found, body.sizes)
+        # a prediction is no answer to a request to tune: it goes back as the nearest, the job measures the key
+        job = _start_job(request, facts.program, body.sizes, body.topology, body.world, body.budget,
+                         (body.backend,) if body.backend else (), allowed)
+        out = TuningStarted(detail=f"no measured result for these exact sizes; tuning job {job.id} is {job.state}",
+                            job=job.id, state=job.state,
+                            nearest=_best_out(found, body.sizes) if found is not None else None)
+        return JSONResponse(jsonable_encoder(out), status_code=202)
+
+    @router.get("/schedules/{schedule_hash}/code", tags=["results"], responses=error_responses(404, 422))
+    def code(request: Request, schedule_hash: Annotated[str, _hash_path()],
+             backend: Annotated[str, Query(pattern=f"^({'|'.join(_backends())})$")] = "gloo",
              kernels: str = Query("compiled", pattern="^(compiled|eager)$"),
              program: MaybeHash = None) -> CodeOut:
         from coconet.codegen.lower import BACKENDS, lower
@@ -291,16 +369,16 @@ def _router(settings: Settings) -> Any:
         return CodeOut(schedule_hash=schedule_hash, schedule=m.schedule, program=prog.hash, backend=backend,
                        kernels=kernels, source=generated.source)
 
-    @router.get("/results", tags=["results"], responses={404: {}})
+    @router.get("/results", tags=["results"], responses=error_responses(404, 422))
     def results(request: Request, program: HashPath, topology: MaybeTopology = None) -> ResultsOut:
         store = _store(request)
         _program(store, program)
         rows = store.results(program, topology)
         return ResultsOut(program=program, winners=[_best_out(b, b.winner.sizes) for b in rows])
 
-    @router.get("/measurements", tags=["results"], responses={404: {}})
+    @router.get("/measurements", tags=["results"], responses=error_responses(404, 422))
     def measurements(request: Request, program: HashPath, sizes: MaybeSizes = None,
-                     topology: MaybeTopology = None, after: int = Query(0, ge=0, le=2**62),
+                     topology: MaybeTopology = None, after: int = Query(0, ge=0, le=MAX_ID),
                      limit: int = Query(1000, ge=1, le=10_000)) -> list[MeasurementOut]:
         store = _store(request)
         _program(store, program)
@@ -312,6 +390,11 @@ def _router(settings: Settings) -> Any:
     return router
 
 
+# A read that shows more to the token's holder: OpenAPI's empty requirement beside the bearer one (FastAPI
+# appends it to the one the dependency declares) says the token is optional.
+_TOKEN_OPTIONAL: dict[str, Any] = {"security": [{}]}
+
+
 def _hash_path() -> Any:
     from fastapi import Path
 
@@ -321,7 +404,57 @@ def _hash_path() -> Any:
 def _id_path() -> Any:
     from fastapi import Path
 
-    return Path(ge=1, le=2**62)
+    return Path(ge=1, le=MAX_ID)
+
+
+def _backends() -> tuple[str, ...]:
+    from coconet.codegen.lower import BACKENDS
+
+    return BACKENDS
+
+
+# Human forms of the parameters whose patterns are too long to print in a message.
+_FORMS = {"sizes": "NAME=VALUE[,NAME=VALUE…] with each VALUE in 1..2^40 or 2^k (e.g. N=1048576 or B=8,S=1024)"}
+
+
+# Pydantic's names for a union's alternatives in an error's loc: no help to a person
+_UNION_TAG = re.compile(r"constrained-\w+|int|str|float|bool|none|(list|literal|union|function-\w+)\[.*\]")
+
+
+def _one_line(errors: Sequence[Any]) -> str:
+    """A request's first cause of not validating, for a person: where, what, and the value given. Of a value
+    that fits none of a union's types, the alternative it came closest to (a bound it missed, not a type)."""
+    if not errors:
+        return "invalid request"
+    first = next((e for e in errors if not e.get("type", "").endswith("_type")), errors[0])
+    loc = [str(x) for x in first.get("loc", ()) if not (isinstance(x, str) and _UNION_TAG.fullmatch(x))]
+    given = first.get("input")
+    if first.get("type") == "string_pattern_mismatch" and loc and loc[-1] in _FORMS:
+        return f"{'.'.join(loc)}: {_short(given)} is not {_FORMS[loc[-1]]}"
+    message = f"{'.'.join(loc)}: {first.get('msg', 'invalid')}"
+    if first.get("type") != "missing" and isinstance(given, (str, int, float)):
+        message += f", not {_short(given)}"
+    return message
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
+def _methods(app: Any, path: str) -> list[str]:
+    """The methods the OpenAPI schema gives this path, sorted; none for a path it does not have."""
+    paths = getattr(app.state, "path_methods", None)
+    if paths is None:
+        paths = []
+        for template, item in app.openapi().get("paths", {}).items():
+            pattern = re.sub(r"\\\{[^/]*?\\\}", "[^/]+", re.escape(template))
+            paths.append((re.compile(pattern), sorted(m.upper() for m in item if m in _HTTP_METHODS)))
+        app.state.path_methods = paths
+    return next((methods for pattern, methods in paths if pattern.fullmatch(path)), [])
+
+
+_HTTP_METHODS = {"get", "put", "post", "delete", "options", "head", "patch", "trace"}
 
 
 def _program(store: Store, program_hash: str) -> Any:
@@ -396,7 +529,15 @@ def _stats(m: MeasurementRecord) -> Stats:
 def _schedule_fields(m: MeasurementRecord) -> dict[str, Any]:
     return dict(measurement_id=m.id, schedule=m.schedule, schedule_hash=m.schedule_hash, backend=m.backend,
                 knobs=m.knobs, sharded=sharded_by(m.schedule), status=m.status, error=m.error, stats=_stats(m),
-                source=m.source, job_id=m.job_id, created_at=m.created_at)
+                source=answer_source(m.source), prediction=_prediction(m), job_id=m.job_id, created_at=m.created_at)
+
+
+def _prediction(m: MeasurementRecord) -> PredictionOut | None:
+    if m.source != "model":
+        return None
+    v = m.versions or {}
+    return PredictionOut(model=v.get("model", "cost model"), topology=m.topology, calibration=v.get("topology"),
+                         coconet=v.get("coconet"))
 
 
 def _schedule_out(m: MeasurementRecord | None) -> ScheduleOut | None:
@@ -408,18 +549,20 @@ def _best_out(b: Best, asked: dict[str, int]) -> BestOut:
     return BestOut(program=w.program_hash, sizes=asked, tuned_sizes=w.sizes, exact=b.exact, distance=b.distance,
                    topology=w.topology, world=w.world, backend=w.backend, schedule=m.schedule,
                    schedule_hash=m.schedule_hash, schedule_json=m.schedule_json, sharded=sharded_by(m.schedule),
-                   shardable=_shardable_out(w.shardable), stats=_stats(m), source=w.source,
+                   shardable=_shardable_out(w.shardable), stats=_stats(m), source=answer_source(w.source),
+                   prediction=_prediction(m), order_reversed=w.order_reversed,
                    speedup=w.speedup, runner_up=_schedule_out(b.runner_up), baseline=_schedule_out(b.baseline),
                    winner_id=w.id, job=w.job_id, created_at=w.created_at)
 
 
-def _job_out(j: JobRecord) -> JobOut:
+def _job_out(j: JobRecord, show_driver: bool = False) -> JobOut:
+    """The job as the API shows it; which process drives it (pid and host name) only to a caller with the token."""
     p = j.progress
     return JobOut(id=j.id, program=j.program_hash, sizes=j.sizes, topology=j.topology, world=j.world,
                   shardable=_shardable_out(j.shardable), budget=j.budget, backends=j.backends, state=j.state,
                   progress=ProgressOut(done=p.done, total=p.total, failed=p.failed, best_s=p.best_s),
                   error=j.error, result=j.result, created_at=j.created_at, updated_at=j.updated_at,
-                  heartbeat_at=j.heartbeat_at, driver=describe_driver(j.driver))
+                  heartbeat_at=j.heartbeat_at, driver=describe_driver(j.driver) if show_driver else None)
 
 
 # -- the hot path: GET /best without FastAPI's per-request machinery
@@ -490,7 +633,7 @@ def _accepts(spec: dict[str, Any]) -> Callable[[str], bool]:
 _WORLD = re.compile(r"[1-9][0-9]{0,3}")
 _PLAIN = {"program": _accepts(_HASH), "sizes": _accepts(_SIZES), "topology": _accepts(_TOPOLOGY),
           "backend": _accepts(_BACKEND), "shardable": _accepts(_SHARDABLE),
-          "world": lambda v: _WORLD.fullmatch(v) is not None}
+          "world": lambda v: _WORLD.fullmatch(v) is not None, "source": _STORED_SOURCE.__contains__}
 
 
 class FastBest:
@@ -527,11 +670,11 @@ def _plain_best(state: Any, query: bytes) -> bytes | None:
         return None
     program, sizes = params.get("program"), params.get("sizes")
     topology, world, backend = params.get("topology", "local"), params.get("world"), params.get("backend")
-    shardable = params.get("shardable")
+    shardable, source = params.get("shardable"), params.get("source")
     if program is None or sizes is None:
         return None
     for name, value in (("program", program), ("sizes", sizes), ("topology", topology), ("world", world),
-                        ("backend", backend), ("shardable", shardable)):
+                        ("backend", backend), ("shardable", shardable), ("source", source)):
         if value is not None and not _PLAIN[name](value):
             return None
     if world is not None and int(world) > MAX_WORLD:
@@ -543,7 +686,7 @@ def _plain_best(state: Any, query: bytes) -> bytes | None:
         allowed = facts.shardable(None if shardable is None else [shardable])
         asked = _parse_sizes(sizes)
         found = state.store.best(program, asked, topology, int(world) if world else None, backend=backend,
-                                 shardable=allowed)
+                                 shardable=allowed, source=_STORED_SOURCE.get(source or ""))
         if found is None:
             return None
         if not found.exact:  # the route first checks the sizes against the program's dims

@@ -3,18 +3,22 @@ read-only JSON it plots under ``/api/v1/dashboard`` (shaped in ``dashboard_data`
 
 from __future__ import annotations
 
+import logging
 from importlib import resources
-from typing import Any, Callable, TypeVar
+from typing import Annotated, Any, Callable, TypeVar
 
-from fastapi import APIRouter, FastAPI, HTTPException, Query, Request
+from fastapi import APIRouter, FastAPI, HTTPException, Path, Query, Request
 from fastapi.responses import FileResponse, HTMLResponse, PlainTextResponse, Response
 
 from coconet.errors import CoconetError, StoreError
-from coconet.server.store import Store
+from coconet.server.schemas import MAX_ID, error_responses
+from coconet.server.store import Store, unavailable
 
 PREFIX = "/api/v1/dashboard"
+log = logging.getLogger("coconet.server")
 T = TypeVar("T")
 _ASSETS = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
+Hash = Annotated[str, Path(pattern=r"^[0-9a-f]{8,64}$", max_length=64)]
 
 
 def mount(app: FastAPI) -> None:
@@ -49,20 +53,24 @@ def _data_router() -> APIRouter:
     def programs(request: Request) -> list[dict[str, Any]]:
         return _guard(lambda: data.program_list(_store(request)))
 
-    @router.get("/programs/{program_hash}")
-    def program(request: Request, program_hash: str) -> dict[str, Any]:
+    @router.get("/programs/{program_hash}", responses=error_responses(404, 422))
+    def program(request: Request, program_hash: Hash) -> dict[str, Any]:
         view = _guard(lambda: data.program_view(_store(request), program_hash))
         if view is None:
             raise HTTPException(404, f"no program {program_hash}")
         return view
 
-    @router.get("/programs/{program_hash}/code", response_class=PlainTextResponse)
-    def code(request: Request, program_hash: str, measurement: int = Query(ge=1),
-             backend: str | None = Query(default=None, pattern="^(gloo|nccl|shm)$")) -> str:
+    # The code is text, its errors JSON: a plain Response class leaves each documented with its own type.
+    @router.get("/programs/{program_hash}/code", response_class=Response,
+                responses={200: {"description": "The generated module",
+                                 "content": {"text/plain": {"schema": {"type": "string"}}}}}
+                | error_responses(404, 422))
+    def code(request: Request, program_hash: Hash, measurement: int = Query(ge=1, le=MAX_ID),
+             backend: str | None = Query(default=None, pattern="^(gloo|nccl|shm)$")) -> Response:
         source = _guard(lambda: data.winner_code(_store(request), program_hash, measurement, backend))
         if source is None:
             raise HTTPException(404, f"no schedule recorded as measurement {measurement} of program {program_hash}")
-        return source
+        return PlainTextResponse(source)
 
     return router
 
@@ -80,6 +88,7 @@ def _guard(read: Callable[[], T]) -> T:
     try:
         return read()
     except StoreError as e:
-        raise HTTPException(503, f"results store: {e}") from e
+        log.error("dashboard: %s", e)  # the cause names the database: for the log, not the page
+        raise HTTPException(503, unavailable(e)) from e
     except CoconetError as e:
         raise HTTPException(422, str(e)) from e

@@ -8,7 +8,7 @@ from typing import Any, Iterable
 
 from coconet.schedules import shardable as shard
 from coconet.schedules.schedule import sharded_by
-from coconet.server.records import Best, MeasurementDigest
+from coconet.server.records import Best, MeasurementDigest, answer_source
 from coconet.server.store import Store
 
 # A sweep records model predictions for hundreds of schedules; a plot with that many lines says nothing.
@@ -95,7 +95,7 @@ def _result(b: Best) -> dict[str, Any]:
         "ci95_s": [m.ci_lo_s, m.ci_hi_s],
         "baseline_median_s": base.median_s if base else None,
         "speedup": b.speedup,
-        "source": b.source,
+        "source": answer_source(b.source),
         "job_id": b.winner.job_id,
     }
 
@@ -107,7 +107,7 @@ def _timings(measured: list[MeasurementDigest], results: list[Best]) -> list[dic
     for m in measured:  # oldest first: a later timing (a re-time) replaces an earlier one
         if m.status == "ok" and m.median_s:
             points[plot_context(m.topology, m.world)][(m.backend, m.schedule)][m.sizes_key] = (
-                elements(m.sizes), m.median_s, m.source)
+                elements(m.sizes), m.median_s, answer_source(m.source))
     winners: dict[str, set[_Series]] = defaultdict(set)
     for b in results:
         winners[plot_context(b.winner.topology, b.winner.world)].add((b.winner.backend, b.schedule))

@@ -10,14 +10,15 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import JSON, DateTime, Double, ForeignKey, Index, Integer, MetaData, String, Text
+from sqlalchemy import JSON, Boolean, DateTime, Double, ForeignKey, Index, Integer, MetaData, String, Text, false
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from coconet.schedules.shardable import EVERY
 
 VERSION_TABLE = "coconet_alembic_version"
 JOB_STATES = ("queued", "running", "done", "failed", "interrupted")
-STATUSES = ("ok", "compile_error", "runtime_error", "wrong_result", "timeout")
+# killed: a rank's process ended without reporting an error (a signal: the OOM killer, an operator, a crash)
+STATUSES = ("ok", "compile_error", "runtime_error", "wrong_result", "timeout", "killed")
 SOURCES = ("measured", "model")
 
 
@@ -153,3 +154,5 @@ class WinnerRow(Base):
     source: Mapped[str] = mapped_column(String(20))
     job_id: Mapped[int | None] = mapped_column(ForeignKey("coconet_jobs.id"))
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    # the re-timing beside the runner-up found this one faster where the search had found it slower
+    order_reversed: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())

@@ -10,6 +10,12 @@ if TYPE_CHECKING:
     from coconet.schedules.schedule import Schedule
 
 
+def answer_source(source: str) -> str:
+    """A record's source as answers say it: ``measured``, or ``predicted`` for the cost model's (stored as
+    ``model``)."""
+    return "predicted" if source == "model" else source
+
+
 @dataclass(frozen=True)
 class ProgramRecord:
     hash: str
@@ -168,6 +174,7 @@ class WinnerRecord:
     source: str
     job_id: int | None
     created_at: datetime
+    order_reversed: bool = False  # the re-timing found it faster than the runner-up the search had ahead of it
 
 
 @dataclass(frozen=True)

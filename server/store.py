@@ -18,12 +18,14 @@ from collections import Counter
 from contextlib import contextmanager
 from dataclasses import fields
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 
-from sqlalchemy import Engine, Text, bindparam, cast, create_engine, event, func, inspect, select, text
+from sqlalchemy import Engine, Text, bindparam, case, cast, create_engine, event, func, inspect, select, text
 from sqlalchemy.engine import URL, make_url
-from sqlalchemy.exc import ArgumentError, NoSuchModuleError, SQLAlchemyError
+from sqlalchemy.exc import ArgumentError, NoSuchModuleError, OperationalError, SQLAlchemyError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session
 
 from coconet import __version__
@@ -64,8 +66,8 @@ from coconet.server.records import (
 ENV_URL = "COCONET_DATABASE_URL"
 # The newest migration in server/migrations/versions (a test keeps the two equal). Knowing it here
 # lets an up-to-date database open without importing Alembic, which costs half a second per CLI call.
-SCHEMA_HEAD = "0004"
-SQLITE_BUSY_S = 30
+SCHEMA_HEAD = "0005"
+SQLITE_BUSY_S = 30  # how long a write waits for SQLite's lock or a connection, unless opened with wait_s
 OPTUNA_CREATE_TRIES = 5
 MIGRATIONS = Path(__file__).resolve().parent / "migrations"
 
@@ -99,29 +101,37 @@ def default_url() -> str:
 class Store:
     """A results store on one database. Open with ``Store.open(url)``; close with ``close()`` or ``with``."""
 
-    def __init__(self, engine: Engine, url: str) -> None:
+    def __init__(self, engine: Engine, url: str, wait_s: float = SQLITE_BUSY_S) -> None:
         self._engine = engine
-        self._reader = _read_engine(engine)
+        # Reads have pools of their own: writers waiting for a lock, as many as the write pool holds, leave
+        # reads a connection. _reads runs transactions (the ORM's reads), _reader the hot path's statements.
+        self._reads = _reads_engine(engine)
+        self._reader = _read_engine(engine, self._reads)
+        self._wait_s = wait_s
         self._newest = {n: _Rendered(q, self._reader.dialect) for n, q in _NEWEST.items()}
         self._tuned_keys = {n: _Rendered(q, self._reader.dialect) for n, q in _TUNED_KEYS.items()}
         self.url = url
 
     @classmethod
-    def open(cls, url: str | None = None, *, create: bool = True) -> Store:
+    def open(cls, url: str | None = None, *, create: bool = True, wait_s: float | None = None) -> Store:
         """Open (and create or migrate) the store; ``url`` beats ``$COCONET_DATABASE_URL`` beats the default.
         ``create=False``, for a lookup: a SQLite file that does not exist is refused, not made (a mistyped path
-        would otherwise leave an empty store, and its folders, behind)."""
-        engine, shown = _engine(url or default_url(), create=create)
-        store = cls(engine, shown)
+        would otherwise leave an empty store, and its folders, behind). With ``wait_s``, a write waits at most
+        that long for a connection of the pool and as long again for the database's lock (SQLite's file,
+        PostgreSQL's rows and key locks), then fails with a StoreError whose ``busy`` is True; without, it waits
+        SQLITE_BUSY_S for SQLite's lock and as long as it takes for PostgreSQL's."""
+        engine, shown = _engine(url or default_url(), create=create, wait_s=wait_s)
+        store = cls(engine, shown, SQLITE_BUSY_S if wait_s is None else wait_s)
         try:
             store._upgrade()
         except BaseException:
-            engine.dispose()
+            store.close()
             raise
         return store
 
     def close(self) -> None:
         self._reader.dispose()
+        self._reads.dispose()
         self._engine.dispose()
 
     def __enter__(self) -> Store:
@@ -491,14 +501,16 @@ class Store:
         speedup: float | None = None,
         job_id: int | None = None,
         shardable: str = shard.EVERY,
+        order_reversed: bool = False,
     ) -> int:
         """Record a measurement as the winner of its (program, sizes, topology, world, backend) among the schedules
-        that shard at most ``shardable``; returns the id.
+        that shard at most ``shardable``; returns the id. ``order_reversed``: the re-timing that chose it reversed
+        the search's order of it and the runner-up.
 
         The key and source come from the measurement; ``speedup`` defaults to baseline median / winner median.
         """
         return self.add_winners([(measurement_id, runner_up_id, baseline_id)], speedups=[speedup], job_id=job_id,
-                                shardable=shardable)[0]
+                                shardable=shardable, order_reversed=[order_reversed])[0]
 
     def add_winners(
         self,
@@ -507,6 +519,7 @@ class Store:
         speedups: Sequence[float | None] | None = None,
         job_id: int | None = None,
         shardable: str = shard.EVERY,
+        order_reversed: Sequence[bool] | None = None,
     ) -> list[int]:
         """Many winners in one transaction (an offline sweep's): (winner, runner-up, baseline) measurement ids."""
         if not rows:
@@ -514,14 +527,15 @@ class Store:
         _check_shardable(shardable)
         allowed = shard.names(shardable)
         speedups = list(speedups) if speedups is not None else [None] * len(rows)
+        flips = list(order_reversed) if order_reversed is not None else [False] * len(rows)
         with self._tx("add_winners", write=True) as s:
             wanted = {i for r in rows for i in r if i is not None}
             by_id = {m.id: m for m in s.scalars(select(MeasurementRow).where(MeasurementRow.id.in_(wanted)))}
             if job_id is not None:
                 _require_jobs(s, {job_id})
             now = utcnow()
-            values = [_winner_values(by_id, *r, speedup, job_id, shardable, allowed, now)
-                      for r, speedup in zip(rows, speedups)]
+            values = [{**_winner_values(by_id, *r, speedup, job_id, shardable, allowed, now), "order_reversed": flip}
+                      for r, speedup, flip in zip(rows, speedups, flips)]
             table = WinnerRow.__table__
             conn = s.connection()
             if conn.dialect.name == "postgresql":  # as in add_measurements: ids first, then a plain executemany
@@ -549,6 +563,7 @@ class Store:
         *,
         backend: str | None = None,
         shardable: str | None = None,
+        source: str | None = None,
     ) -> Best | None:
         """The winner for these exact sizes; else, flagged ``exact=False``, the one of the nearest tuned sizes
         (same program, topology and dim names); None when nothing comparable was tuned. The winner of a key is
@@ -556,42 +571,54 @@ class Store:
         newest (a tuning again replaces it): a tuning narrowed to gloo after one on shm does not hide the
         faster shm winner, as GET /results lists both. ``world`` and ``backend`` narrow the search; left out,
         any world or backend counts. ``shardable``: only a winner that answers a question allowing that state
-        to stay sharded (``shardable.answers``); left out, any winner."""
+        to stay sharded (``shardable.answers``); left out, any winner.
+
+        A measurement outranks a prediction (``source`` "model", an offline sweep's): a pair's current winner is
+        its newest measured one, a predicted one only where the pair has none, and a key with any measured pair
+        answers with the fastest of those. Among the nearest sizes, those with a measured winner come first.
+        ``source`` ("measured" or "model") takes only winners of that source."""
         # The API's hot path: statements rendered once, one round trip for an exact answer.
         params = {"program": program_hash, "topology": topology, "key": sizes_key(sizes), "world": world,
                   "backend": backend}
         narrowed = (world is not None, backend is not None)
         if shardable is not None:
             _check_shardable(shardable)
+        if source is not None and source not in SOURCES:
+            raise StoreError(f"source {source!r} is not one of {', '.join(SOURCES)}")
         one_pair = all(narrowed)
         # one (world, backend) pair without a question on sharding: its newest row answers, read alone
-        newest = self._newest[(*narrowed, one_pair and shardable is None)]
+        newest = self._newest[(*narrowed, one_pair and shardable is None and source is None)]
 
-        def answers(row: Sequence[Any]) -> bool:  # both columns are plain strings on every driver
-            return shardable is None or shard.answers(row[_W_SHARDABLE], shardable, sharded_by(row[_M_SCHEDULE]))
+        def answers(row: Sequence[Any]) -> bool:  # the columns are plain strings on every driver
+            return ((source is None or row[_W_SOURCE] == source) and
+                    (shardable is None or shard.answers(row[_W_SHARDABLE], shardable, sharded_by(row[_M_SCHEDULE]))))
 
         def winner(cursor: Any, values: Mapping[str, Any]) -> list[Any] | None:
             if one_pair:
                 return newest.first(cursor, values, answers)
             current: dict[tuple[Any, Any], Sequence[Any]] = {}
-            for row in newest.each(cursor, values):  # newest first: the first row of a pair is its current one
+            # measured first, then newest first: the first row of a pair is its current one
+            for row in newest.each(cursor, values):
                 if answers(row):
                     current.setdefault((row[_W_WORLD], row[_W_BACKEND]), row)
-            if not current:
+            measured = [r for r in current.values() if r[_W_SOURCE] == "measured"]
+            # a predicted time is no rival for a measured one, whatever the two numbers say
+            rivals = measured or list(current.values())
+            if not rivals:
                 return None
             # min keeps the first of equals: of equally fast pairs, the one tuned last
-            return newest.processed(cursor, min(current.values(), key=lambda r: float(r[_M_MEDIAN])))
+            return newest.processed(cursor, min(rivals, key=lambda r: float(r[_M_MEDIAN])))
 
         def read(cursor: Any) -> Best | None:
             row = winner(cursor, params)
             if row is not None:
                 return _best_of_row(row, exact=True, distance=0.0)
             near = []
-            for (other,) in self._tuned_keys[narrowed].rows(cursor, params):
+            for other, measured in self._tuned_keys[narrowed].rows(cursor, params):
                 d = size_distance(sizes, parse_sizes_key(other))
                 if d is not None:
-                    near.append((d, other))
-            for d, other in sorted(near):
+                    near.append((not measured, d, other))
+            for _, d, other in sorted(near):
                 row = winner(cursor, {**params, "key": other})
                 if row is not None:
                     return _best_of_row(row, exact=False, distance=d)
@@ -607,7 +634,8 @@ class Store:
             if topology is not None:
                 q = q.where(WinnerRow.topology == topology)
             newest: dict[tuple, WinnerRow] = {}
-            for row in s.scalars(q.order_by(WinnerRow.created_at.desc(), WinnerRow.id.desc())):
+            # as in best: a key's current winner is its newest measured one, a predicted one where none is
+            for row in s.scalars(q.order_by(_MEASURED_FIRST, WinnerRow.created_at.desc(), WinnerRow.id.desc())):
                 newest.setdefault((row.sizes_key, row.topology, row.world, row.backend, row.shardable), row)
             rows = sorted(
                 newest.values(), key=lambda r: (r.topology, r.backend, r.world, sorted(r.sizes.items()), r.shardable)
@@ -633,7 +661,7 @@ class Store:
             try:
                 conn = self._reader.raw_connection()
             except SQLAlchemyError as err:
-                raise StoreError(f"{what} on {self.url}: {_cause(err)}", url=self.url) from err
+                raise self._failed(what, err) from err
             try:
                 cursor = conn.cursor()
                 try:
@@ -644,22 +672,32 @@ class Store:
                 if attempt == 1 and dialect.is_disconnect(err, conn.dbapi_connection, None):
                     conn.invalidate(err)
                     continue
-                raise StoreError(f"{what} on {self.url}: {_cause(err)}", url=self.url) from err
+                raise self._failed(what, err) from err
             finally:
                 conn.close()
         raise AssertionError("unreachable: the second attempt returns or raises")
 
     @contextmanager
     def _tx(self, what: str, write: bool = False) -> Iterator[Session]:
-        """One transaction; SQLAlchemy's errors leave as a StoreError naming the operation and the cause."""
+        """One transaction, on the write pool if ``write``, else on the read pool; SQLAlchemy's errors leave as a
+        StoreError naming the operation and the cause."""
         try:
-            with self._engine.connect() as conn:
+            with (self._engine if write else self._reads).connect() as conn:
                 if write:
                     conn.execution_options(**{_WRITE: True})
                 with Session(bind=conn, expire_on_commit=False) as session, session.begin():
                     yield session
         except SQLAlchemyError as err:
-            raise StoreError(f"{what} on {self.url}: {_cause(err)}", url=self.url) from err
+            raise self._failed(what, err) from err
+
+    def _failed(self, what: str, err: Exception) -> StoreError:
+        """The StoreError for ``what`` failing with ``err``: ``operation`` names what failed, ``busy`` says whether
+        it only waited too long (for a connection of the pool, or for a lock another connection held)."""
+        busy = _busy(err)
+        cause = _cause(err, self._wait_s) if isinstance(err, SQLAlchemyError) else " ".join(str(err).split())
+        if busy and "locked" not in cause:
+            cause += f" (waited {self._wait_s:g} s)"
+        return StoreError(f"{what} on {self.url}: {cause}", url=self.url, operation=what, busy=busy)
 
     def _upgrade(self) -> None:
         try:
@@ -694,7 +732,7 @@ def alembic_config() -> Any:
     return config
 
 
-def _engine(url_text: str, create: bool = True) -> tuple[Engine, str]:
+def _engine(url_text: str, create: bool = True, wait_s: float | None = None) -> tuple[Engine, str]:
     try:
         url = make_url(url_text)
     except ArgumentError:
@@ -710,23 +748,37 @@ def _engine(url_text: str, create: bool = True) -> tuple[Engine, str]:
         raise StoreError(f"no store at {shown}: the file does not exist (coconet tune makes one)", url=shown)
     if is_sqlite:
         _make_parent_dir(url)
+    busy_s = SQLITE_BUSY_S if wait_s is None else wait_s
+    options: dict[str, Any] = {"pool_timeout": busy_s}
+    if wait_s is not None and not is_sqlite:  # PostgreSQL waits for a lock as long as it is held, unless told
+        options["connect_args"] = {"options": f"-c lock_timeout={round(wait_s * 1000)}"}
     try:
-        engine = create_engine(url, pool_pre_ping=not is_sqlite)
+        engine = create_engine(url, pool_pre_ping=not is_sqlite, **options)
     except (ArgumentError, NoSuchModuleError, ImportError) as err:
         raise StoreError(f"cannot open the store at {shown}: {err}", url=shown) from err
     if is_sqlite:
-        event.listen(engine, "connect", _sqlite_connect)
+        event.listen(engine, "connect", partial(_sqlite_connect, busy_s=busy_s))
         event.listen(engine, "begin", _sqlite_begin)
     return engine, shown
 
 
-def _read_engine(engine: Engine) -> Engine:
+def _reads_engine(engine: Engine) -> Engine:
+    """The engine of the store's read transactions: the write engine's settings on a pool of its own."""
+    if engine.dialect.name == "postgresql":
+        return create_engine(engine.url, pool_pre_ping=True)
+    reads = create_engine(engine.url)
+    event.listen(reads, "connect", _sqlite_connect)
+    event.listen(reads, "begin", _sqlite_begin)
+    return reads
+
+
+def _read_engine(engine: Engine, reads: Engine) -> Engine:
     """The engine Store._read uses. On PostgreSQL its own pool: connections in autocommit for good (no BEGIN and
-    ROLLBACK round trips) and no ping before each use (a round trip per lookup). On SQLite the store's pool
-    (its connections are in sqlite3's autocommit mode until the store emits BEGIN, which _read never does)."""
+    ROLLBACK round trips) and no ping before each use (a round trip per lookup). On SQLite the read pool (its
+    connections are in sqlite3's autocommit mode until the store emits BEGIN, which _read never does)."""
     if engine.dialect.name == "postgresql":
         return create_engine(engine.url, isolation_level="AUTOCOMMIT")
-    return engine
+    return reads
 
 
 class _Rendered:
@@ -788,22 +840,22 @@ def _make_parent_dir(url: URL) -> None:
             raise StoreError(f"cannot create the directory of {path}: {err.strerror}") from None
 
 
-def _sqlite_connect(dbapi_conn: Any, _record: Any) -> None:
+def _sqlite_connect(dbapi_conn: Any, _record: Any, busy_s: float = SQLITE_BUSY_S) -> None:
     # We emit BEGIN ourselves (below), so sqlite3's own transaction handling is turned off.
     dbapi_conn.isolation_level = None
     cur = dbapi_conn.cursor()
-    cur.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_S * 1000}")
-    _sqlite_wal(cur, dbapi_conn.OperationalError)
+    cur.execute(f"PRAGMA busy_timeout = {round(busy_s * 1000)}")
+    _sqlite_wal(cur, dbapi_conn.OperationalError, busy_s)
     cur.execute("PRAGMA synchronous = NORMAL")  # durable enough under WAL, and much faster per commit
     cur.execute("PRAGMA foreign_keys = ON")
     cur.close()
 
 
-def _sqlite_wal(cur: Any, busy: type[Exception]) -> None:
+def _sqlite_wal(cur: Any, busy: type[Exception], busy_s: float = SQLITE_BUSY_S) -> None:
     """Puts the file in WAL mode, where readers never wait for the writer. Processes opening a fresh file at
     once can meet mid-change, and SQLite then fails one with "database is locked" at once instead of calling
     the busy handler: that one tries again, for as long as the busy timeout would have waited."""
-    deadline = time.monotonic() + SQLITE_BUSY_S
+    deadline = time.monotonic() + busy_s
     pause = 0.001
     while True:
         try:
@@ -829,12 +881,32 @@ def _revision(conn: Any) -> str | None:
     return conn.execute(text(f"SELECT version_num FROM {VERSION_TABLE}")).scalar()
 
 
-def _cause(err: SQLAlchemyError) -> str:
+def _cause(err: SQLAlchemyError, busy_s: float = SQLITE_BUSY_S) -> str:
     cause = getattr(err, "orig", None) or err
     message = " ".join(str(cause).split())
     if "database is locked" in message:
-        message += f" (another process kept the SQLite file locked; busy timeout {SQLITE_BUSY_S} s)"
+        message += f" (another process kept the SQLite file locked; busy timeout {busy_s:g} s)"
     return message[:500]
+
+
+def unavailable(err: StoreError) -> str:
+    """What a client may be told of a failure of the store: whether it was busy, and what failed; never the
+    cause's text, which names the database (its URL, host and port, the driver's words)."""
+    if getattr(err, "busy", False):
+        return "the results store is busy; retry"
+    what = getattr(err, "operation", None)
+    return f"the results store is unavailable ({f'{what} failed; ' if what else ''}the server's log says why)"
+
+
+def _busy(err: Exception) -> bool:
+    """Whether ``err`` is a wait given up: for a connection of the pool, SQLite's file lock, a PostgreSQL lock."""
+    if isinstance(err, PoolTimeout):
+        return True
+    cause = getattr(err, "orig", None)
+    if getattr(cause, "sqlstate", None) == "55P03":  # lock_not_available: lock_timeout ran out
+        return True
+    return isinstance(err, OperationalError) and any(m in str(cause) for m in ("database is locked",
+                                                                               "database is busy"))
 
 
 _R = TypeVar("_R")
@@ -1059,6 +1131,7 @@ def _valid_winners() -> Any:
 # best()'s statements, built once per combination of the optional filters. The newest valid winner of a key
 # comes with its measurement, runner-up and baseline in one row, its columns in the records' field order.
 _W, _M = WinnerRow.__table__, MeasurementRow.__table__
+_MEASURED_FIRST = case((_W.c.source == "measured", 0), else_=1)
 _RUNNER_UP, _BASELINE = _M.alias("runner_up"), _M.alias("baseline")
 _W_FIELDS, _M_FIELDS = [f.name for f in fields(WinnerRecord)], [f.name for f in fields(MeasurementRecord)]
 
@@ -1080,19 +1153,23 @@ def _newest_statement(by_world: bool, by_backend: bool, first: bool) -> Any:
          .outerjoin(_BASELINE, _BASELINE.c.id == _W.c.baseline_id)
          .where(_W.c.program_hash == bindparam("program"), _W.c.topology == bindparam("topology"),
                 _W.c.sizes_key == bindparam("key"), _M.c.status == "ok", _M.c.median_s.is_not(None)))
-    q = _world_backend_params(q, by_world, by_backend).order_by(_W.c.created_at.desc(), _W.c.id.desc())
+    q = _world_backend_params(q, by_world, by_backend).order_by(_MEASURED_FIRST, _W.c.created_at.desc(),
+                                                                 _W.c.id.desc())
     return q.limit(1) if first else q
 
 
 def _tuned_keys_statement(by_world: bool, by_backend: bool) -> Any:
-    q = select(_W.c.sizes_key).distinct().where(_W.c.program_hash == bindparam("program"),
-                                                _W.c.topology == bindparam("topology"))
-    return _world_backend_params(q, by_world, by_backend)
+    """Each tuned key of a program and topology, with whether any of its winners was measured."""
+    measured = func.max(case((_W.c.source == "measured", 1), else_=0))
+    q = (select(_W.c.sizes_key, measured)
+         .where(_W.c.program_hash == bindparam("program"), _W.c.topology == bindparam("topology")))
+    return _world_backend_params(q, by_world, by_backend).group_by(_W.c.sizes_key)
 
 
 _NARROWED = [(w, b) for w in (False, True) for b in (False, True)]
 _NEWEST = {(*n, first): _newest_statement(*n, first) for n in _NARROWED for first in (False, True)}
-_W_SHARDABLE, _W_WORLD, _W_BACKEND = (_W_FIELDS.index(n) for n in ("shardable", "world", "backend"))
+_W_SHARDABLE, _W_WORLD, _W_BACKEND, _W_SOURCE = (_W_FIELDS.index(n)
+                                                  for n in ("shardable", "world", "backend", "source"))
 _M_SCHEDULE, _M_MEDIAN = (len(_W_FIELDS) + _M_FIELDS.index(n) for n in ("schedule", "median_s"))
 _TUNED_KEYS = {n: _tuned_keys_statement(*n) for n in _NARROWED}
 

@@ -5,8 +5,9 @@ The driver lowers each schedule (a lowering error is a ``compile_error``), has e
 generated step once on small inputs and checks what they hold against the reference interpreter
 (``wrong_result``), then times it at the real sizes: warm-up, then repeats until the 95% CI of the
 median is within ±3% or a cap, each sample the slowest rank's time after a barrier. A rank that
-raises gives ``runtime_error`` — or ``compile_error`` when what raised was the kernel compiler — and
-a group that does not answer within the timeout gives ``timeout``. After either the actors are
+raises gives ``runtime_error`` — or ``compile_error`` when what raised was the kernel compiler —, a rank
+whose process ends without a word gives ``killed``, and a group that does not answer within the timeout
+gives ``timeout``. After either the actors are
 killed and the next candidate runs on a fresh group: a rank left inside a collective would take
 every later candidate down with it. Failures are results; nothing here raises for a bad candidate.
 
@@ -18,7 +19,9 @@ from __future__ import annotations
 import dataclasses
 import faulthandler
 import os
+import shutil
 import signal
+import stat
 import tempfile
 import threading
 import time
@@ -61,7 +64,7 @@ def check_sizes(sizes: Mapping[str, int], cap: int) -> dict[str, int]:
 class _Rank:
     """A rank: joins the group once, then runs tasks the driver sends (wrapped by ray.remote)."""
 
-    def __init__(self, rank: int, world: int, stages: int, backend: str, threads: int, custom) -> None:
+    def __init__(self, rank: int, world: int, stages: int, backend: str, threads: int, custom, run_dir: str) -> None:
         import torch
 
         from coconet.codegen.rank import _custom_ops, freeze_imports, keep_freed_memory
@@ -70,8 +73,8 @@ class _Rank:
         self.rank, self.world, self.stages, self.backend = rank, world, stages, backend
         torch.set_num_threads(threads)
         # on SIGUSR1 (a timeout), every thread's stack goes here so the driver can say where this rank was
-        self.stack_path = Path(tempfile.gettempdir()) / f"coconet-rank-{os.getpid()}.stack"
-        self._stack = open(self.stack_path, "w")
+        self.stack_path = Path(run_dir) / f"rank{rank}-{os.getpid()}.stack"
+        self._stack = private_file(self.stack_path)
         faulthandler.register(signal.SIGUSR1, file=self._stack, all_threads=True)
         self.custom = _custom_ops(custom)
         self.group = None
@@ -152,6 +155,19 @@ def _kind(e: BaseException) -> str:
     return "runtime_error"
 
 
+def private_file(path: Path) -> Any:
+    """``path`` opened for writing, made new in a folder only this user can enter (made so where missing, as on
+    another node): never a file or link someone else put there first."""
+    folder = path.parent
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = os.lstat(folder)
+    if stat.S_ISLNK(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise CoconetError(f"{folder} is not a private folder of this user (a link, another owner, or open to "
+                           "others): refusing to write rank diagnostics there")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    return os.fdopen(fd, "w")
+
+
 class Runner:
     """Candidates of one program, measured at one size on ``world`` ranks (per pipeline stage) over
     Ray. ``lowering`` turns a schedule into code (``coconet.codegen.lower.lower``; tests inject
@@ -174,6 +190,12 @@ class Runner:
         self._actors: list = []
         self._pg = None
         self._stacks: list[tuple[str, int, str]] = []
+        self._run_dir: Path | None = None
+
+    @property
+    def run_dir(self) -> Path | None:
+        """The private folder (0700) of the ranks' diagnostics while they run; removed by ``close``."""
+        return self._run_dir
 
     def __enter__(self) -> "Runner":
         return self
@@ -246,12 +268,12 @@ class Runner:
             try:
                 answer = ray.get(ready[0])
             except ray.exceptions.RayError as e:
-                return failed("runtime_error", f"rank {rank} died: {_first_line(e)}")
+                return failed("killed", _death(rank, e))
             if "error" in answer:
                 # a peer that died makes the others' collectives fail at once; the death is the cause
                 dead = _dead_rank(pending, rank_of)
                 if dead is not None:
-                    return failed("runtime_error", dead)
+                    return failed("killed", dead)
                 return failed(answer["kind"], describe_error(rank, answer["error"], gen))
             answers[rank] = answer
         return [answers[r] for r in range(len(refs))]
@@ -307,11 +329,13 @@ class Runner:
                                f"within {self.protocol.timeout_s:g} s") from None
         self._pg = pg
         threads = max(1, (os.cpu_count() or 1) // self.nranks)
+        if self._run_dir is None:
+            self._run_dir = Path(tempfile.mkdtemp(prefix="coconet-ranks-"))  # mode 0700, a name no one can guess
         cls = ray.remote(_Rank)
         self._actors = [
             cls.options(num_cpus=1, num_gpus=1 if gpu else 0, max_concurrency=1,
                         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r))
-            .remote(r, self.world, self.stages, self.backend, threads, self._custom)
+            .remote(r, self.world, self.stages, self.backend, threads, self._custom, str(self._run_dir))
             for r in range(self.nranks)]
         try:
             where = ray.get([a.where.remote() for a in self._actors], timeout=self.protocol.timeout_s)
@@ -340,6 +364,9 @@ class Runner:
     def close(self) -> None:
         if self._actors or self._pg is not None:
             self._reset()
+        if self._run_dir is not None:
+            shutil.rmtree(self._run_dir, ignore_errors=True)
+            self._run_dir = None
 
 
 class _PortTaken(CoconetError):
@@ -354,10 +381,17 @@ def _dead_rank(pending: list, rank_of: dict, wait_s: float = DEATH_NOTICE_S) -> 
         try:
             ray.get(ref)
         except ray.exceptions.RayActorError as e:
-            return f"rank {rank_of[ref]} died: {_first_line(e)}"
+            return _death(rank_of[ref], e)
         except ray.exceptions.RayError:
             continue
     return None
+
+
+def _death(rank: int, e: BaseException) -> str:
+    # Ray cannot tell a signal from outside (the OOM killer, an operator) from the step crashing the process:
+    # either is ``killed``, which the next tuning of the key tries once more (a failure that repeats stays)
+    return (f"rank {rank} died, its process ended without reporting an error (killed by a signal, or a crash): "
+            f"{_first_line(e)}")
 
 
 def _first_line(e: BaseException) -> str:

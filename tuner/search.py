@@ -6,8 +6,9 @@ the whole space fits the budget the study is exhaustive (BruteForceSampler); oth
 baseline and any prior candidates (the cost model's top-k, the neighbouring sizes' winners) are
 enqueued first. A candidate measured once in a study is never measured again: a repeated
 suggestion, or a study resumed after the tuner was killed, reuses the trial that has it. A failed
-candidate scores infinity and carries its reason. At the end the two fastest are timed again, one
-after the other, and the faster becomes the winner.
+candidate scores infinity and carries its reason. At the end the two fastest and the baseline are timed
+again in turns, and the fastest of that re-timing wins: the winner's time, the runner-up's and the
+speed-up over the baseline all come from one stretch of the machine's time.
 
 Optuna fixes a parameter's choices for the life of a study, so a key searched over another space (other
 backends, another depth, other knobs) gets a study of its own, named by the space's digest. It starts
@@ -16,11 +17,13 @@ from the key's other studies' results that its space can express; theirs stay as
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import json
 import math
 import warnings
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -33,7 +36,9 @@ from coconet.schedules.shardable import EVERY
 from coconet.schedules.space import generate
 
 SUGGESTIONS_PER_CANDIDATE = 10
-STATUSES = ("ok", "compile_error", "runtime_error", "wrong_result", "timeout")
+RETIME_ROUNDS = 2
+KILLED_TRIES = 2  # a candidate whose rank was killed is measured once more before its failure is kept
+STATUSES = ("ok", "compile_error", "runtime_error", "wrong_result", "timeout", "killed")
 
 
 @dataclass(frozen=True)
@@ -164,13 +169,21 @@ class Outcome:
     winner: Trial | None
     runner_up: Trial | None
     baseline: Trial | None
-    retimed: list[Trial] = field(default_factory=list)
+    retimed: list[Trial] = field(default_factory=list)  # winner, runner-up and baseline, timed again in turns
+    search_best: Trial | None = None  # the search's fastest, by the search's own figure
+    order_reversed: bool = False  # the re-timing's fastest is not the search's
 
     @property
     def speedup(self) -> float | None:
         if not (self.winner and self.baseline and self.baseline.result.median_s and self.winner.result.median_s):
             return None
         return self.baseline.result.median_s / self.winner.result.median_s
+
+    @property
+    def baseline_searched(self) -> Trial | None:
+        """The baseline's trial in the search, whose figure the search's ratios are taken against."""
+        key = self.baseline.candidate.key if self.baseline is not None else None
+        return next((t for t in self.trials if t.candidate.key == key), None)
 
     @property
     def failed(self) -> list[Trial]:
@@ -217,15 +230,20 @@ def search(space: SearchSpace, sizes: Mapping[str, int], *, storage, study: str,
                              direction="minimize", load_if_exists=True)
     _fail_orphans(st)
     _adopt(st, space, study, storage)
-    done = {t.user_attrs["candidate"]: t for t in st.get_trials(deepcopy=False)
-            if t.state == optuna.trial.TrialState.COMPLETE and "candidate" in t.user_attrs}
-    trials: dict[str, Trial] = {k: _trial_from(space, t) for k, t in done.items()}
+    complete = [t for t in st.get_trials(deepcopy=False)
+                if t.state == optuna.trial.TrialState.COMPLETE and "candidate" in t.user_attrs]
+    done = {t.user_attrs["candidate"]: t for t in complete}  # each candidate's latest
+    kills = Counter(t.user_attrs["candidate"] for t in complete if t.user_attrs.get("status") == "killed")
+    # killed once (a signal from outside, perhaps): measured again in this run; killed twice, it stays
+    again = [k for k, t in done.items() if t.user_attrs.get("status") == "killed" and kills[k] < KILLED_TRIES]
+    trials: dict[str, Trial] = {k: _trial_from(space, t) for k, t in done.items() if k not in again}
     queued = {t.user_attrs.get("candidate") for t in st.get_trials(deepcopy=False,
                                                                   states=(optuna.trial.TrialState.WAITING,))}
     # A trial cut short (the tuner killed or interrupted in it) finished as FAIL without a result:
     # the exhaustive sampler counts it as visited, so its candidate goes back in the queue.
     cut = [_trial_from(space, t).candidate for t in st.get_trials(deepcopy=False)
            if t.state == optuna.trial.TrialState.FAIL and "schedule" in t.params]
+    cut += [_trial_from(space, done[k]).candidate for k in again]
     base = Candidate(Schedule(space.program), space.backends[0])
     for c in [base, *prior, *cut]:
         # a prior from another space (a neighbour's winner, the store's) may have no place in this one
@@ -283,20 +301,42 @@ def search(space: SearchSpace, sizes: Mapping[str, int], *, storage, study: str,
 
 def _finish(study: str, sizes, trials: list[Trial], base: Candidate, measure: Measure,
             record: Record | None) -> Outcome:
+    """The search's two fastest and the baseline timed again in turns (``retime``); the fastest of that
+    re-timing wins, and every figure of the outcome (winner, runner-up, baseline, speed-up) is the re-timing's,
+    all taken on the same machine state."""
     ok = sorted((t for t in trials if t.result.status == "ok" and t.result.median_s),
                 key=lambda t: t.result.median_s)
     baseline = next((t for t in trials if t.candidate.key == base.key), None)
-    retimed: list[Trial] = []
-    for t in ok[:2]:  # timed again, back to back: the winner must win on the same machine state
-        res = measure(t.candidate)
-        retimed.append(Trial(t.candidate, res, record(t.candidate, res, "retime") if record else None))
+    contenders = [t.candidate for t in ok[:2]]
+    if baseline is not None and baseline.result.status == "ok" and base.key not in {c.key for c in contenders}:
+        contenders.append(base)
+    retimed = [Trial(c, res, record(c, res, "retime") if record else None) for c, res in retime(contenders, measure)]
     good = sorted((t for t in retimed if t.result.status == "ok" and t.result.median_s),
                   key=lambda t: t.result.median_s)
     winner = good[0] if good else (ok[0] if ok else None)
     runner_up = good[1] if len(good) > 1 else None
-    if baseline is not None and winner is not None and baseline.candidate.key == winner.candidate.key:
-        baseline = winner
-    return Outcome(study, sizes, trials, winner, runner_up, baseline, retimed)
+    baseline = next((t for t in retimed if t.candidate.key == base.key), baseline)
+    reversed_ = bool(good) and bool(ok) and good[0].candidate.key != ok[0].candidate.key
+    return Outcome(study, sizes, trials, winner, runner_up, baseline, retimed, ok[0] if ok else None, reversed_)
+
+
+def retime(candidates: list[Candidate], measure: Measure,
+           rounds: int = RETIME_ROUNDS) -> list[tuple[Candidate, RunResult]]:
+    """Each candidate measured ``rounds`` times in turns, the order reversed every other round (A B C, C B A: a
+    drift of the machine over the re-timing weighs on each alike); per candidate, its rounds' samples together,
+    or the first failure of its rounds."""
+    merged: dict[str, RunResult] = {}
+    for r in range(rounds):
+        for c in (candidates if r % 2 == 0 else candidates[::-1]):
+            res = measure(c)
+            had = merged.get(c.key)
+            if had is None:
+                merged[c.key] = res
+            elif had.status == "ok" and res.status == "ok":
+                merged[c.key] = dataclasses.replace(had, samples=[*had.samples, *res.samples])
+            elif had.status == "ok":
+                merged[c.key] = res
+    return [(c, merged[c.key]) for c in candidates if c.key in merged]
 
 
 def _value(res: RunResult) -> float:

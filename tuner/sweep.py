@@ -5,7 +5,8 @@ every other key is predicted by the cost model over the whole space (every backe
 has, every schedule that shards at most the entry's ``shardable``, every knob value) and recorded
 with ``source: model`` — the prediction of the winner, of the runner-up and of the baseline, and a
 winner record. A key that already has a winner
-of that source is skipped, so a sweep that was stopped picks up where it was.
+of that source is skipped, so a sweep that was stopped picks up where it was; a key with a measured
+winner is not predicted at all (a measurement outranks a prediction: ``Store.best``).
 
 The config (YAML)::
 
@@ -161,7 +162,8 @@ def expand_sizes(spec: str, dims: Sequence[str], where: str = "sizes") -> list[d
 @dataclass
 class SweepReport:
     keys: int = 0
-    skipped: int = 0
+    skipped: int = 0  # already done by an earlier run of the sweep
+    kept_measured: int = 0  # left alone by a prediction: they have a measured winner
     unfit: int = 0  # (program, world) pairs that need more ranks than the topology has
     too_large: int = 0  # local keys this machine cannot hold (the tuner refuses them before starting)
     too_large_why: str | None = None  # the first one's reason
@@ -177,7 +179,8 @@ class SweepReport:
         return done / self.seconds if self.seconds > 0 and done else None
 
     def to_json(self) -> dict[str, Any]:
-        return {"keys": self.keys, "skipped": self.skipped, "unfit": self.unfit, "too_large": self.too_large,
+        return {"keys": self.keys, "skipped": self.skipped, "kept_measured": self.kept_measured,
+                "unfit": self.unfit, "too_large": self.too_large,
                 "too_large_why": self.too_large_why, "predicted": self.predicted, "measured": self.measured,
                 "predictions": self.predictions, "seconds": self.seconds, "keys_per_s": self.keys_per_s,
                 "by_topology": self.by_topology}
@@ -209,8 +212,10 @@ def sweep(config: SweepConfig, store, *, simulate: bool = False,
         for name, topo in topos.items():
             model = simulate or name != LOCAL
             worlds = config.worlds.get(name) or ((2,) if name == LOCAL else (max(1, topo.world // stages),))
-            done = {(w.sizes_key, w.world) for w in store.winners(prog.hash, topology=name)
-                    if w.source == ("model" if model else "measured") and w.shardable == entry.shardable}
+            winners = [w for w in store.winners(prog.hash, topology=name) if w.shardable == entry.shardable]
+            done = {(w.sizes_key, w.world) for w in winners if w.source == ("model" if model else "measured")}
+            # a prediction would never answer for a measured key (Store.best): not worth computing
+            measured = {(w.sizes_key, w.world) for w in winners if w.source == "measured"} if model else set()
             backends = [b for b in topo.backends if not (prog.is_pipeline and b == "shm")] or list(topo.backends)
             pending = []
             for world in worlds:
@@ -219,6 +224,9 @@ def sweep(config: SweepConfig, store, *, simulate: bool = False,
                     continue
                 for sizes in entry.sizes:
                     report.keys += 1
+                    if (sizes_key(sizes), world) in measured:
+                        report.kept_measured += 1
+                        continue
                     if (sizes_key(sizes), world) in done:
                         report.skipped += 1
                         continue

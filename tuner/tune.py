@@ -5,8 +5,8 @@ Per size, one Optuna study (in the store's database) over the backends this topo
 schedules and their knobs. The baseline goes first, then the winners of the sizes already tuned —
 in this call (smallest sizes first) or earlier ones (the store's nearest) — then the cost model's
 top-k. Every trial's measurement is recorded as it finishes, so a killed tuner loses at most the
-trial it was in; the two fastest are timed again and the faster is recorded as the winner, with
-the runner-up and the baseline beside it.
+trial it was in; the two fastest and the baseline are timed again in turns, and the fastest of that
+re-timing is recorded as the winner, with the runner-up and the baseline beside it, all as re-timed.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from coconet.schedules.ir import Program
 from coconet.schedules.schedule import Schedule
 from coconet.server.keys import sizes_key
 from coconet.tuner.runner import Protocol, Runner, connect
-from coconet.tuner.search import Candidate, Outcome, Progress, SearchSpace, Trial, search, study_name
+from coconet.tuner.search import (KILLED_TRIES, Candidate, Outcome, Progress, SearchSpace, Trial, search,
+                                  study_name)
 from coconet.tuner.stats import summarize
 
 LOCAL = "local"
@@ -79,7 +80,9 @@ class Tuned:
         return {"program_hash": program.hash, "program": program.name, "sizes": self.sizes, "topology": topology,
                 "world": world, "shardable": sorted(allowed if allowed is not None else shard.candidates(program)),
                 "best": stats(o.winner), "runner_up": stats(o.runner_up),
-                "baseline": stats(o.baseline), "speedup": o.speedup, "trials": len(o.trials),
+                "baseline": stats(o.baseline), "speedup": o.speedup,
+                # the search's own fastest and its figure; best, runner_up, baseline and speedup are the re-timing's
+                "search_best": stats(o.search_best), "order_reversed": o.order_reversed, "trials": len(o.trials),
                 "failed": len(o.failed), "failures": failures(o.failed), "record_id": self.record_id,
                 "job_id": self.job_id, "study": o.study}
 
@@ -256,7 +259,8 @@ def tune(request: Request, store, *, on_progress: Callable[[dict, Progress], Non
                 base_id = _record_id(outcome.baseline, record)
                 winner_id = store.add_winner(_record_id(outcome.winner, record),
                                              runner_up_id=_record_id(outcome.runner_up, record),
-                                             baseline_id=base_id, job_id=job, shardable=allowed_text)
+                                             baseline_id=base_id, job_id=job, shardable=allowed_text,
+                                             order_reversed=outcome.order_reversed)
             tuned = Tuned(sizes, outcome, job, winner_id, shardable=allowed_text)
             store.update_job(job, state="done", result=tuned.to_json(prog, request.topology, request.world))
             done.append(tuned)
@@ -329,9 +333,11 @@ def _record_id(trial, record) -> int | None:
 
 
 def _recorded(store, space: SearchSpace, prog: Program, sizes, request: Request) -> dict[str, Trial]:
-    """This key's measured results already in the store, oldest first per candidate: what a tuner killed
-    between recording a result and telling the study left behind."""
-    out: dict[str, Trial] = {}
+    """This key's measured results already in the store, the oldest per candidate: what a tuner killed
+    between recording a result and telling the study left behind. A candidate whose only result is one
+    ``killed`` is left out, to be measured again (as ``search`` does with its study's trials); killed
+    ``KILLED_TRIES`` times, it stays."""
+    found: dict[str, list[Trial]] = {}
     for m in store.measurements(prog.hash, sizes, request.topology, world=request.world, source="measured"):
         if m.job_id is None or m.schedule_json is None or m.backend not in space.backends:
             continue
@@ -343,7 +349,12 @@ def _recorded(store, space: SearchSpace, prog: Program, sizes, request: Request)
             continue  # a schedule this coconet no longer offers: nothing to reuse
         res = RunResult(m.schedule, m.schedule_hash, m.status, correct=m.status != "wrong_result",
                         max_rel_err=m.max_rel_err, samples=list(m.samples), error=m.error)
-        out.setdefault(c.key, Trial(c, res, m.id, reused=True))
+        found.setdefault(c.key, []).append(Trial(c, res, m.id, reused=True))
+    out: dict[str, Trial] = {}
+    for key, results in found.items():
+        lived = [t for t in results if t.result.status != "killed"]
+        if lived or len(results) >= KILLED_TRIES:
+            out[key] = (lived or results)[0]
     return out
 
 

@@ -88,11 +88,12 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
     import uvicorn
 
     from coconet.server.app import create_app
+    from coconet.server.http import server_config
 
     url = f"sqlite:///{tmp_path_factory.mktemp('submit') / 'store.db'}"
     app = create_app(url, token=TOKEN, workers=0, start_workers=False)
     port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    srv = uvicorn.Server(server_config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
     worker = _FakeWorker(url)
@@ -145,9 +146,9 @@ def test_submit_json(server: dict[str, Any]) -> None:
 def test_submit_human_output(server: dict[str, Any]) -> None:
     proc = coconet("submit", ADAM, "--server", server["url"], "--size", "N=2^14", "--token", TOKEN, "--poll", "0.05")
     assert proc.returncode == 0, proc.stderr
-    assert f"winner: gloo: {server['schedules'][3]}" in proc.stdout and "2.00x over the baseline" in proc.stdout
+    assert f"winner (measured): gloo: {server['schedules'][3]}" in proc.stdout and "2.00x over the baseline" in proc.stdout
     assert "def step(" in proc.stdout
-    assert "runner-up, timed again with the winner: gloo: " in proc.stdout
+    assert "runner-up, timed again in turns with the winner: gloo: " in proc.stdout
     assert "job" in proc.stderr and "N=16384" in proc.stderr  # the progress bar
     assert "sharded" not in proc.stdout
 
@@ -182,7 +183,7 @@ def test_submit_says_when_the_servers_best_was_found_by_another_tuning(server: d
     proc = coconet("submit", ADAM, "--server", server["url"], "--size", "N=2^18", "--token", TOKEN, "--poll", "0.05",
                    "--no-code")
     assert proc.returncode == 0, proc.stderr
-    assert f"winner: shm: {sched.text}" in proc.stdout
+    assert f"winner (measured): shm: {sched.text}" in proc.stdout
     assert "note: the server's best for this key, recorded outside a job: faster than the winner of job" in proc.stdout
     proc = coconet("submit", ADAM, "--server", server["url"], "--size", "N=2^14", "--token", TOKEN, "--poll", "0.05",
                    "--json", "--no-code")

@@ -127,7 +127,7 @@ def test_code_and_errors(client: TestClient, filled: dict[str, Any]) -> None:
 def test_mounted_by_the_api(filled: dict[str, Any]) -> None:
     from coconet.server.app import create_app
 
-    with TestClient(create_app(filled["url"], token="t", workers=0, start_workers=False)) as c:
+    with TestClient(create_app(filled["url"], token="t", workers=0, start_workers=False, hosts=("testserver",))) as c:
         assert c.get("/").status_code == 200
         assert [p["hash"] for p in c.get(f"{PREFIX}/programs").json()] == [filled["hash"]]
 
@@ -151,9 +151,11 @@ class _Served:
     def __init__(self, app: FastAPI) -> None:
         import uvicorn
 
+        from coconet.server.http import server_config
+
         self.url = f"http://127.0.0.1:{_free_port()}"
         port = int(self.url.rsplit(":", 1)[1])
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        self.server = uvicorn.Server(server_config(app, host="127.0.0.1", port=port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> str:

@@ -365,26 +365,59 @@ def test_results_list_the_current_winner_per_key(store, adam):
     assert store.results("nothing") == []
 
 
+def test_a_prediction_never_displaces_a_measured_winner(store, adam):
+    h = store.add_program(adam)
+    measured = win(store, h, {"N": 2**16}, 1.9e-3)
+    # an offline sweep's prediction of the same key, newer and three times faster on paper
+    predicted = win(store, h, {"N": 2**16}, 0.6e-3, source="model", samples=[])
+    best = store.best(h, {"N": 2**16}, "local", 2)
+    assert (best.winner.id, best.source, best.exact) == (measured, "measured", True)
+    assert store.best(h, {"N": 2**16}, "local").winner.id == measured  # across pairs too
+    assert [r.winner.id for r in store.results(h)] == [measured]
+    assert store.best(h, {"N": 2**16}, "local", source="model").winner.id == predicted
+    # a pair measured on no backend but predicted on another is no rival for the measured one
+    other = win(store, h, {"N": 2**16}, 0.1e-3, backend="shm", source="model", samples=[])
+    assert store.best(h, {"N": 2**16}, "local").winner.id == measured
+    assert store.best(h, {"N": 2**16}, "local", 2, backend="shm").winner.id == other
+    # where the key has no measurement, the prediction answers, and says what it is
+    only = win(store, h, {"N": 2**24}, 5e-3, source="model", samples=[])
+    best = store.best(h, {"N": 2**24}, "local")
+    assert (best.winner.id, best.source, best.exact) == (only, "model", True)
+    # among other sizes, a measured one comes first, even if farther
+    best = store.best(h, {"N": 2**23}, "local")
+    assert (best.winner.id, best.exact, best.distance) == (measured, False, 7.0)
+    with pytest.raises(StoreError, match="source"):
+        store.best(h, {"N": 2**16}, "local", source="guess")
+
+
 def reference_best(store: Store, h: str, sizes: dict, topology: str, world: int | None, backend: str | None,
                    shardable: str | None = None):
     """Store.best's rule spelled out over every winner recorded: of those answering ``shardable``, per key and
-    (world, backend) pair the newest (created_at, id); per key the fastest of its pairs (of equals, the newest);
-    then the asked key, else the nearest comparable one (distance, then the key's text); (winner id, distance)
-    or None."""
-    current = {}
-    for w in sorted(store.winners(h), key=lambda w: (w.created_at, w.id)):
+    (world, backend) pair the newest (created_at, id) measured one, else the newest predicted one; per key the
+    fastest of its pairs (of equals, the newest), of its measured pairs where it has any; then the asked key,
+    else the nearest comparable one, keys with a measured winner first (then distance, then the key's text);
+    (winner id, distance) or None."""
+    current, measured_keys = {}, set()
+    for w in sorted(store.winners(h), key=lambda w: (w.source == "measured", w.created_at, w.id)):
+        if not (w.topology == topology and world in (None, w.world) and backend in (None, w.backend)):
+            continue
+        if w.source == "measured":
+            measured_keys.add(w.sizes_key)
         if shardable is not None and not answers(w.shardable, shardable,
                                                  sharded_by(store.measurement(w.measurement_id).schedule)):
             continue
-        if w.topology == topology and world in (None, w.world) and backend in (None, w.backend):
-            current[(w.sizes_key, w.world, w.backend)] = w
+        current[(w.sizes_key, w.world, w.backend)] = w
     fastest = {}
     for (key, _, _), w in current.items():
-        rank = (store.measurement(w.measurement_id).median_s, -w.created_at.timestamp(), -w.id)
+        rank = (w.source != "measured", store.measurement(w.measurement_id).median_s, -w.created_at.timestamp(),
+                -w.id)
         if key not in fastest or rank < fastest[key][0]:
             fastest[key] = (rank, w)
-    near = sorted((d, key) for key, (_, w) in fastest.items() if (d := size_distance(sizes, w.sizes)) is not None)
-    return (fastest[near[0][1]][1].id, near[0][0]) if near else None
+    near = sorted((key not in measured_keys, d, key) for key, (_, w) in fastest.items()
+                  if (d := size_distance(sizes, w.sizes)) is not None)
+    if any(d == 0 for _, d, _ in near):  # the asked key first, measured or not
+        near = [n for n in near if n[1] == 0]
+    return (fastest[near[0][2]][1].id, near[0][1]) if near else None
 
 
 def test_best_follows_its_rule_on_random_stores(store, mlp):
@@ -397,7 +430,11 @@ def test_best_follows_its_rule_on_random_stores(store, mlp):
         sizes = rng.choice(tuned)
         # a few equal medians among the winners, so that the rule's tie-break is exercised too
         fast = rng.choice([1e-3, 2e-3, 3e-3, 1e-3 * rng.uniform(1, 3)])
-        ids = store.add_measurements([measure(h, sizes, f"s{i}-{j}", fast * (j + 1), **key) for j in range(3)])
+        # a third predicted, often faster than what was measured, as an offline sweep's model tends to be
+        source = rng.choice(["measured", "measured", "model"])
+        fast = fast / 4 if source == "model" else fast
+        ids = store.add_measurements([measure(h, sizes, f"s{i}-{j}", fast * (j + 1), source=source, **key)
+                                      for j in range(3)])
         roles = rng.choice([(None, None), (ids[1], None), (None, ids[2]), (ids[1], ids[2])])
         store.add_winner(ids[0], runner_up_id=roles[0], baseline_id=roles[1])
     asked = tuned[:3] + [{"B": 3, "S": 700, "H": 1024}, {"B": 1, "S": 1 << 14, "H": 4096}, {"B": 1, "S": 256}]
@@ -903,8 +940,9 @@ def test_the_store_s_lookups_use_indexes(tmp_path, adam):
         h = store.add_program(adam)
         sent = []
         # sqlite3 reports each statement it runs, values in place, whichever layer sent it.
-        event.listen(store._engine, "connect", lambda dbapi_conn, _: dbapi_conn.set_trace_callback(sent.append))
-        store._engine.dispose()
+        for engine in (store._engine, store._reads, store._reader):  # writes, read transactions, the hot path
+            event.listen(engine, "connect", lambda dbapi_conn, _: dbapi_conn.set_trace_callback(sent.append))
+            engine.dispose()
         store.best(h, {"N": 1024}, "local")  # nothing tuned: the exact lookup, then the tuned keys
         store.best(h, {"N": 1024}, "local", 2, backend="gloo")
         store.schedule_measurement("s" * 16)

@@ -3,15 +3,17 @@
 import dataclasses
 import re
 import runpy
+import stat
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from coconet.codegen.lower import lower
-from coconet.errors import BackendError
+from coconet.errors import BackendError, CoconetError
 from coconet.schedules.schedule import Schedule
 from coconet.schedules.space import generate
-from coconet.tuner.runner import Protocol, Runner
+from coconet.tuner.runner import Protocol, Runner, private_file
 from tests.ports import hold_port
 
 ROOT = Path(__file__).parents[2]
@@ -105,12 +107,38 @@ def test_bad_candidates_are_classified_and_the_next_one_runs(ray_local):
     assert "rank 1 at line" in res.error and "rank 0 in statement ar0 (allreduce)" in res.error
 
 
+def test_rank_diagnostics_never_follow_a_link_or_use_a_shared_folder(tmp_path):
+    private = tmp_path / "run"
+    with private_file(private / "rank0.stack") as f:  # made where missing, as on another node
+        f.write("x")
+    assert stat.S_IMODE(private.stat().st_mode) == 0o700
+    with pytest.raises(FileExistsError):  # a file put there first is never written through
+        private_file(private / "rank0.stack")
+    (private / "rank1.stack").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(FileExistsError):
+        private_file(private / "rank1.stack")
+    assert not (tmp_path / "elsewhere").exists()
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    with pytest.raises(CoconetError, match="not a private folder"):
+        private_file(shared / "rank0.stack")
+    (tmp_path / "link").symlink_to(private)
+    with pytest.raises(CoconetError, match="not a private folder"):
+        private_file(tmp_path / "link" / "rank2.stack")
+
+
 def test_a_dying_rank_and_a_refused_lowering(ray_local):
     prog = example("adam")
     die = wrapped("", "    if rank == 1:\n        os._exit(3)\n    out = _generated(tensors, scalars, **kw)")
     with Runner(prog, world=2, sizes={"N": 1000}, protocol=FAST, lowering=die) as r:
         res = r.measure(Schedule(prog))
-    assert res.status == "runtime_error" and "rank 1 died" in res.error
+        run_dir = r.run_dir
+        # the ranks' diagnostics: in a folder of this run only this user enters, under names nobody can guess
+        assert run_dir is not None and stat.S_IMODE(run_dir.stat().st_mode) == 0o700
+        assert run_dir.parent == Path(tempfile.gettempdir()) and run_dir.name != "coconet-ranks-"
+    assert res.status == "killed" and "rank 1 died" in res.error
+    assert not run_dir.exists() and r.run_dir is None  # gone with the run
 
     def refuse(schedule, backend, kernels):
         raise BackendError("no code for this", kind="compile_error")

@@ -9,7 +9,8 @@ import pytest
 
 from coconet.codegen.launch import RunResult
 from coconet.schedules.schedule import Schedule
-from coconet.tuner.search import Candidate, SearchSpace, Trial, knob_variants, search, structure_text, study_name
+from coconet.tuner.search import (RETIME_ROUNDS, Candidate, SearchSpace, Trial, knob_variants, retime, search,
+                                  structure_text, study_name)
 
 ROOT = Path(__file__).parents[2]
 
@@ -49,6 +50,16 @@ def storage():
     return optuna.storages.InMemoryStorage()
 
 
+def retimes(out) -> int:
+    """How many measurements the final re-timing took: each of its candidates once a round."""
+    return RETIME_ROUNDS * len(out.retimed)
+
+
+def searched(fake: Fake, out) -> list[str]:
+    """The candidates the search measured, before the final re-timing."""
+    return fake.calls[:len(fake.calls) - retimes(out)]
+
+
 def exhaustive_best(space: SearchSpace, fake: Fake) -> float:
     best = math.inf
     for s in space.schedules:
@@ -64,14 +75,61 @@ def test_exhaustive_when_the_space_fits_the_budget(storage):
     space = SearchSpace.of(prog, ["gloo", "shm"])
     fake = Fake(fail={structure_text(space.schedules[1])})
     out = search(space, {"N": 1024}, storage=storage, study="s", budget=space.size, measure=fake)
-    trial_calls = fake.calls[:-2]  # the last two: the two fastest timed again
+    trial_calls = searched(fake, out)
     assert len(trial_calls) == len(set(trial_calls)) == space.size  # every candidate once, none twice
     assert out.winner.result.median_s == pytest.approx(exhaustive_best(space, fake))
-    assert fake.calls[-2:] == [out.winner.candidate.key, out.runner_up.candidate.key]
+    # then the two fastest and the baseline in turns, the order reversed in the second round
+    turn = [out.winner.candidate.key, out.runner_up.candidate.key, out.baseline.candidate.key]
+    assert fake.calls[len(trial_calls):] == turn + turn[::-1]
+    assert out.baseline.result.samples == out.retimed[2].result.samples and len(out.baseline.result.samples) == 16
+    assert out.speedup == pytest.approx(out.baseline.result.median_s / out.winner.result.median_s)
     assert out.baseline.candidate.schedule.transforms == () and out.speedup > 1
     # the failing candidates are recorded with their reason and scored, not dropped
     assert {t.result.status for t in out.failed} == {"runtime_error"}
     assert all("boom" in t.result.error for t in out.failed)
+
+
+def test_the_re_timing_is_the_one_account_of_the_winner(storage):
+    """The machine slows down after the search (as a loaded machine does): every figure of the outcome is the
+    re-timing's, the baseline's too, so the speed-up compares times taken together; and where the re-timing
+    finds the search's runner-up faster, it wins and the outcome says the order was reversed."""
+    prog = example("adam")
+    space = SearchSpace.of(prog, ["gloo"], depth=1)
+    first, second = sorted((Candidate(v, "gloo") for s in space.schedules for v in knob_variants(s)),
+                           key=Fake().time_of)[:2]
+
+    class Drifting(Fake):
+        def __call__(self, c):
+            res = super().__call__(c)
+            if len(self.calls) > space.size:  # the re-timing: three times slower, the first two swapped
+                slow = (self.time_of(second if c.key == first.key else first if c.key == second.key else c)) * 3
+                res.samples = [slow] * 8
+            return res
+
+    fake = Drifting()
+    out = search(space, {"N": 1024}, storage=storage, study="d", budget=space.size, measure=fake)
+    assert out.search_best.candidate.key == first.key and out.winner.candidate.key == second.key
+    assert out.order_reversed and out.runner_up.candidate.key == first.key
+    assert out.winner.result.median_s == pytest.approx(3 * fake.time_of(first))
+    assert out.baseline.result.median_s == pytest.approx(3 * fake.time_of(out.baseline.candidate))
+    assert out.speedup == pytest.approx(fake.time_of(out.baseline.candidate) / fake.time_of(first))
+    assert out.baseline_searched.result.median_s == pytest.approx(fake.time_of(out.baseline.candidate))
+
+
+def test_a_candidate_failing_in_one_round_of_the_re_timing_fails_it():
+    prog = example("adam")
+    a, b = (Candidate(s, "gloo") for s in SearchSpace.of(prog, ["gloo"], depth=1).schedules[:2])
+    calls = []
+
+    def measure(c):
+        calls.append(c.key)
+        if c.key == b.key and len(calls) > 2:
+            return RunResult(c.text, c.schedule.hash, "timeout", error="no result within 300 s")
+        return RunResult(c.text, c.schedule.hash, "ok", True, 0.0, [1e-3] * 4)
+
+    got = dict((c.key, r) for c, r in retime([a, b], measure))
+    assert calls == [a.key, b.key, b.key, a.key]
+    assert len(got[a.key].samples) == 8 and got[b.key].status == "timeout"
 
 
 def test_tpe_within_budget_starts_from_the_baseline_and_the_prior(storage):
@@ -82,7 +140,7 @@ def test_tpe_within_budget_starts_from_the_baseline_and_the_prior(storage):
         if "fc_chunks" in space.schedules[-1].knob_domains else [Candidate(space.schedules[-1], "shm")]
     out = search(space, {"N": 1024}, storage=storage, study="t", budget=20, measure=fake, prior=prior)
     assert space.size > 20
-    assert len(set(fake.calls[:-2])) == len(fake.calls[:-2]) == 20  # the budget counts candidates
+    assert len(set(searched(fake, out))) == len(searched(fake, out)) == 20  # the budget counts candidates
     assert fake.calls[0] == Candidate(Schedule(prog), "gloo").key and fake.calls[1] == prior[0].key
     assert out.winner.result.median_s <= fake.time_of(prior[0])
 
@@ -93,7 +151,7 @@ def test_tpe_finds_the_exhaustive_winner_on_a_small_space(storage):
     fake = Fake()
     budget = space.size // 2
     out = search(space, {"B": 2, "S": 3, "H": 5}, storage=storage, study="m", budget=budget, measure=fake, seed=1)
-    assert len(set(fake.calls[:-2])) == budget
+    assert len(set(searched(fake, out))) == budget
     best = exhaustive_best(space, fake)
     assert out.winner.result.median_s <= best * 1.05
 
@@ -108,14 +166,14 @@ def test_a_killed_study_resumes_without_measuring_again(storage):
     assert len(first.calls) == 7
     second = Fake()
     out = search(space, {"N": 1024}, storage=storage, study=name, budget=space.size, measure=second)
-    trial_calls = second.calls[:-2]
+    trial_calls = searched(second, out)
     assert not set(trial_calls) & set(first.calls)  # what finished before is reused
     assert len(set(trial_calls)) + len(first.calls) == space.size
     assert len(out.trials) == space.size
     # and once the study is complete, running it again measures only the final re-timing
     third = Fake()
-    search(space, {"N": 1024}, storage=storage, study=name, budget=space.size, measure=third)
-    assert len(third.calls) == 2
+    again = search(space, {"N": 1024}, storage=storage, study=name, budget=space.size, measure=third)
+    assert len(third.calls) == retimes(again) == 6
 
 
 def test_a_result_recorded_but_not_told_is_not_measured_again(storage):
@@ -139,10 +197,48 @@ def test_a_result_recorded_but_not_told_is_not_measured_again(storage):
     second = Fake()
     out = search(space, {"N": 1024}, storage=storage, study=name, budget=space.size, measure=second,
                  recorded=dict(stored))
-    assert not set(second.calls[:-2]) & set(first.calls)
-    assert len(set(second.calls[:-2])) + len(first.calls) == space.size == len(out.trials)
+    assert not set(searched(second, out)) & set(first.calls)
+    assert len(set(searched(second, out))) + len(first.calls) == space.size == len(out.trials)
     fifth = next(t for t in out.trials if t.candidate.key == first.calls[-1])
     assert fifth.record_id == 5 and fifth.result.median_s == first.time_of(fifth.candidate)
+
+
+def test_a_candidate_killed_from_outside_is_measured_once_more_on_the_next_run(storage):
+    """A rank of one candidate killed (the OOM killer, an operator): the next run of the key measures that
+    candidate again, once; killed again, the failure is kept and later runs leave it alone."""
+    prog = example("adam")
+    space = SearchSpace.of(prog, ["gloo"], depth=1)
+    name = study_name(prog, {"N": 1024}, "local", 2)
+    victim = Candidate(space.schedules[1], "gloo")
+
+    class Killing(Fake):
+        def __init__(self, kill: bool):
+            super().__init__()
+            self.kill = kill
+
+        def __call__(self, c):
+            res = super().__call__(c)
+            if self.kill and c.key == victim.key:
+                return RunResult(c.text, c.schedule.hash, "killed", error="rank 1 died: killed by SIGKILL")
+            return res
+
+    def run(kill: bool):
+        fake = Killing(kill)
+        return fake, search(space, {"N": 1024}, storage=storage, study=name, budget=space.size, measure=fake)
+
+    first, out = run(kill=True)
+    assert victim.key in searched(first, out) and {t.result.status for t in out.failed} == {"killed"}
+    second, out = run(kill=True)  # tried once more: killed again
+    assert searched(second, out) == [victim.key] and out.failed[0].result.status == "killed"
+    third, out = run(kill=False)  # a failure that repeats is kept: not measured a third time
+    assert searched(third, out) == [] and out.failed[0].result.status == "killed"
+
+    # killed once, then fine: the retry's result is the candidate's
+    other = study_name(prog, {"N": 2048}, "local", 2)
+    search(space, {"N": 2048}, storage=storage, study=other, budget=space.size, measure=Killing(True))
+    fine = Killing(False)
+    out = search(space, {"N": 2048}, storage=storage, study=other, budget=space.size, measure=fine)
+    assert searched(fine, out) == [victim.key] and not out.failed
 
 
 def _sqlite(tmp_path):
@@ -179,8 +275,8 @@ def test_a_key_tuned_again_on_fewer_backends(tmp_path):
     out = search(narrow, {"N": 1024}, storage=storage, study=name, budget=4, measure=second)
     assert len(out.trials) == 4 and {t.candidate.backend for t in out.trials} == {"gloo"}
     assert out.winner.candidate.backend == "gloo" and out.runner_up.candidate.backend == "gloo"
-    assert first.calls[0] == out.baseline.candidate.key not in second.calls  # measured once, on gloo
-    assert len(second.calls) == 3 + 2 and all(k.startswith("gloo:") for k in second.calls)
+    assert first.calls[0] == out.baseline.candidate.key not in searched(second, out)  # searched once, on gloo
+    assert len(second.calls) == 3 + retimes(out) and all(k.startswith("gloo:") for k in second.calls)
     for n, trials in kept.items():  # the first run's study as it was
         assert [(t.params, t.value) for t in optuna.load_study(study_name=n, storage=storage).trials][:len(trials)] \
             == trials
@@ -201,7 +297,7 @@ def test_a_key_tuned_again_at_a_smaller_depth(storage):
     assert len(out.trials) == 4 and all(structure_text(t.candidate.schedule) in shallow.by_structure
                                         for t in out.trials)
     assert structure_text(out.winner.candidate.schedule) in shallow.by_structure
-    assert first.calls[0] not in second.calls and len(second.calls) == 3 + 2
+    assert first.calls[0] not in searched(second, out) and len(second.calls) == 3 + retimes(out)
 
 
 def test_a_result_outside_the_space_asked_for_is_never_its_winner(storage):
@@ -233,7 +329,7 @@ def test_a_result_outside_the_space_asked_for_is_never_its_winner(storage):
     again = Fake()
     third = search(wide, {"N": 1024}, storage=storage, study=name, budget=3, measure=again, recorded=dict(stored))
     assert third.winner.candidate.key == fastest.key
-    assert len(again.calls) == 2  # the gloo results of the narrower run count here too: only the re-timing
+    assert len(again.calls) == retimes(third)  # the gloo results of the narrower run count here too
 
 
 def test_a_prior_the_space_cannot_express_is_left_out(storage):
@@ -245,7 +341,7 @@ def test_a_prior_the_space_cannot_express_is_left_out(storage):
     out = search(space, {"N": 1024}, storage=storage, study="p", budget=3, measure=fake,
                  prior=[Candidate(deeper, "gloo"), Candidate(chunked.with_knobs(fc_chunks=3), "gloo"),
                         Candidate(chunked, "shm")])
-    assert len(out.trials) == 3 and len(set(fake.calls[:-2])) == 3
+    assert len(out.trials) == 3 and len(set(searched(fake, out))) == 3
     assert all(structure_text(t.candidate.schedule) in space.by_structure and t.candidate.backend == "gloo"
                for t in out.trials)
     assert all(t.candidate.schedule.knob_values.get("fc_chunks", 1) in (1, 2, 4, 8) for t in out.trials)

@@ -112,3 +112,32 @@ worlds: {local: [2]}
     assert tuned == [2**10, 2**12] and report.measured == 2 and report.too_large == 2
     assert "at N=274877906944 the inputs of sgd on 2 rank(s) take at least" in report.too_large_why
     assert report.to_json()["too_large"] == 2
+
+
+def test_a_simulated_sweep_leaves_measured_keys_alone(tmp_path):
+    """The README's sequence: a key tuned (measured) on `local`, then a simulated sweep over the same store.
+    The measured key gets no prediction, the sweep says how many it left alone, and the store's answer for
+    the key is still the measurement."""
+    from coconet.server.records import NewMeasurement
+
+    cfg = SweepConfig.load(write(tmp_path, """
+programs:
+  - example: adam
+    sizes: ["N=2^16", "N=2^18"]
+topologies: [local]
+worlds: {local: [2]}
+"""))
+    prog = cfg.entries[0].program
+    with Store.open(f"sqlite:///{tmp_path / 'c.db'}") as store:
+        store.add_program(prog)
+        mid = store.add_measurement(NewMeasurement(
+            program_hash=prog.hash, sizes={"N": 2**16}, topology="local", world=2, backend="gloo",
+            schedule="baseline", schedule_hash="b", median_s=1.89e-3, samples=[1.89e-3] * 3))
+        measured = store.add_winner(mid, shardable=cfg.entries[0].shardable)
+        report = sweep(cfg, store, simulate=True)
+        assert (report.keys, report.kept_measured, report.predicted) == (2, 1, 1)
+        assert report.to_json()["kept_measured"] == 1
+        assert [w.source for w in store.winners(prog.hash, {"N": 2**16})] == ["measured"]
+        best = store.best(prog.hash, {"N": 2**16}, "local", 2)
+        assert best.winner.id == measured and best.source == "measured"
+        assert store.best(prog.hash, {"N": 2**18}, "local", 2).source == "model"

@@ -11,6 +11,7 @@ from coconet.errors import CoconetError
 from coconet.server.driver import Driver, this_process
 from coconet.server.store import Store
 from coconet.tuner.runner import Protocol
+from coconet.tuner.search import RETIME_ROUNDS
 from coconet.tuner.tune import Request, _free_keys, tune
 
 ROOT = Path(__file__).parents[2]
@@ -49,7 +50,8 @@ def test_tune_records_the_winner_the_store_serves(ray_local, tmp_path):
         assert best.measurement.backend == o.winner.candidate.backend
         assert best.baseline.schedule == "baseline" and best.speedup == pytest.approx(o.speedup)
         rows = store.measurements(prog.hash, sizes, "local")
-        assert len(rows) == 5 + 2  # every trial, then the two fastest timed again
+        assert len(rows) == 5 + len(o.retimed)  # every trial, then the two fastest and the baseline re-timed
+        assert o.baseline.record_id in {t.record_id for t in o.retimed} and best.baseline.id == o.baseline.record_id
         assert {r.source for r in rows} == {"measured"} and all(r.versions["torch"] for r in rows)
         job = store.job(tuned.job_id)
         assert job.state == "done" and job.result["best"]["hash"] == best.measurement.schedule_hash
@@ -59,7 +61,7 @@ def test_tune_records_the_winner_the_store_serves(ray_local, tmp_path):
         # the other backend this time (at this size gloo and shm are a barrier apart): the lookup then
         # answers the faster of the two backends' current winners
         [again] = tune(request, store)
-        assert len(store.measurements(prog.hash, sizes, "local")) == 7 + 2
+        assert len(store.measurements(prog.hash, sizes, "local")) == len(rows) + len(again.outcome.retimed)
         backend = again.outcome.winner.candidate.backend
         assert store.best(prog.hash, sizes, "local", 2, backend=backend).winner.id == again.record_id != tuned.record_id
         current = [b for b in (store.best(prog.hash, sizes, "local", 2, backend=x) for x in ("gloo", "shm")) if b]
@@ -97,7 +99,7 @@ def test_an_interrupted_tuning_resumes_where_it_stopped(ray_local, tmp_path):
 
     with Store.open(url) as store:
         [tuned] = tune(request, store, lowering=counting)
-        trials = measured_again[:-2]  # the last two lowerings: the final re-timing
+        trials = measured_again[:len(measured_again) - RETIME_ROUNDS * len(tuned.outcome.retimed)]
         assert not {(m.schedule_hash, m.backend) for m in first} & set(trials)
         assert len(trials) == 6 - 3
         assert len(tuned.outcome.trials) == 6
@@ -132,7 +134,8 @@ def test_the_tuners_winner_is_the_exhaustive_winner_within_its_ci(ray_local, tmp
     out = search(space, sizes, storage=optuna.storages.InMemoryStorage(), study=study_name(prog, sizes, "local", 2),
                  budget=8, measure=replay, prior=cost_prior(space, sizes, "local", 2)[:3])
     assert len(out.trials) == 8 and out.winner is not None
-    assert len(replayed) == 8 + 2 and len(set(replayed[:8])) == 8  # each once, then the two fastest again
+    # each once, then the two fastest and the baseline again, in turns
+    assert len(replayed) == 8 + RETIME_ROUNDS * len(out.retimed) and len(set(replayed[:8])) == 8
     ok = [r for r in results.values() if r.status == "ok"]
     best = min(ok, key=lambda r: r.median_s)
     mine = results[out.winner.candidate.key]
@@ -256,3 +259,62 @@ def test_tune_takes_a_key_whose_tuner_is_gone(tmp_path):
             _free_keys(store, prog, [{"N": 3000}], request, "m,v")
         _free_keys(store, prog, [{"N": 3000}], request, "m,v", stale_s=0)
         assert store.job(elsewhere.id).state == "interrupted"
+
+
+def test_a_killed_result_in_the_store_is_measured_again_once(tmp_path):
+    """What a tuner killed before telling the study left in the store: a candidate killed once is left out (to
+    be measured again), one killed twice keeps its failure, and one that lived on its retry is taken."""
+    from coconet.server.records import NewMeasurement
+    from coconet.tuner.search import Candidate, SearchSpace
+    from coconet.tuner.tune import _recorded
+
+    prog = example("adam")
+    sizes = {"N": 4096}
+    space = SearchSpace.of(prog, ("gloo",), 1)
+    once, twice, lived = space.schedules[:3]
+    request = Request(prog, (sizes,), world=2, backends=("gloo",), protocol=FAST)
+    with Store.open(f"sqlite:///{tmp_path / 'c.db'}") as store:
+        store.add_program(prog)
+        job = store.create_job(prog.hash, sizes, "local", 2, budget=3)
+        common = dict(sizes=sizes, topology="local", world=2, backend="gloo", job_id=job,
+                      versions={"kernels": FAST.kernels})
+        killed = dict(status="killed", error="rank 1 died", **common)
+        store.add_measurements([NewMeasurement.of(once, **killed), NewMeasurement.of(twice, **killed),
+                                NewMeasurement.of(twice, **killed), NewMeasurement.of(lived, **killed),
+                                NewMeasurement.of(lived, median_s=1e-3, samples=[1e-3] * 3, **common)])
+        got = _recorded(store, space, prog, sizes, request)
+    assert Candidate(once, "gloo").key not in got
+    assert got[Candidate(twice, "gloo").key].result.status == "killed"
+    assert got[Candidate(lived, "gloo").key].result.status == "ok"
+
+
+def test_a_candidate_killed_from_outside_is_tried_again_on_the_next_run(ray_local, tmp_path):
+    """Rank 1 of the baseline is SIGKILLed mid-check, as the OOM killer or an operator would: recorded as
+    ``killed``, the tuning goes on; the next run of the key measures the baseline again (the kill was not the
+    schedule's doing) and records its result, reusing the others' trials."""
+    from tests.tuner.test_runner import wrapped
+
+    marker = tmp_path / "killed-once"
+    killing = wrapped("", f"    if rank == 1 and not os.path.exists({str(marker)!r}):\n"
+                          f"        open({str(marker)!r}, 'w').close()\n"
+                          "        os.kill(os.getpid(), 9)\n"
+                          "    out = _generated(tensors, scalars, **kw)")
+
+    def lowering(schedule, backend, kernels):
+        return (killing if schedule.transforms == () else lower)(schedule, backend, kernels)
+
+    prog = example("adam")
+    sizes = {"N": 1500}
+    request = Request(prog, (sizes,), world=2, budget=3, backends=("gloo",), protocol=FAST, depth=1)
+    with Store.open(f"sqlite:///{tmp_path / 'c.db'}") as store:
+        [first] = tune(request, store, lowering=lowering)
+        assert [t.result.status for t in first.outcome.failed] == ["killed"] and marker.exists()
+        assert "rank 1 died" in first.outcome.failed[0].result.error
+        [second] = tune(request, store, lowering=lowering)
+        assert not second.outcome.failed and second.outcome.baseline.result.status == "ok"
+        rows = [m for m in store.measurements(prog.hash, sizes, "local") if m.schedule == "baseline"]
+        assert [m.status for m in rows][:2] == ["killed", "ok"] and rows[1].job_id == second.job_id
+        # the other two trials were not measured again: their only rows are the first run's (and re-timings)
+        searched = [m for m in store.measurements(prog.hash, sizes, "local", job_id=second.job_id)
+                    if m.schedule != "baseline"]
+        assert len(searched) == len(second.outcome.retimed) - 1
