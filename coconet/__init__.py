@@ -3,6 +3,11 @@
 The public DSL (DESIGN §3)::
 
     from coconet import Program, Local, Replicated, Sliced, allreduce, sqrt
+
+and, for a training loop (imported on first use: ``import coconet`` does not import torch)::
+
+    step = coconet.compile("examples/adam.py", sizes={"N": n}, group=dp_group)   # a tuned step
+    opt = coconet.optim.from_program("examples/adam.py", model.parameters(), lr=1e-3, group=dp_group)
 """
 
 from coconet.errors import (
@@ -42,9 +47,22 @@ from coconet.schedules.types import Local, Replicated, Sliced
 
 __version__ = "0.1.0"
 
+_LAZY = {"compile": ("coconet.step", "compile"), "Step": ("coconet.step", "Step"), "optim": ("coconet.optim", None)}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'coconet' has no attribute {name!r}")
+    import importlib
+
+    module, attr = _LAZY[name]
+    loaded = importlib.import_module(module)
+    return loaded if attr is None else getattr(loaded, attr)
+
+
 __all__ = [
     "CoconetError", "CustomOp", "Expr", "IllegalTransform", "Local", "NEXT_STAGE", "OpRegistry", "PREV_STAGE",
-    "Program", "ProgramError", "Replicated", "ScheduleError", "SizeError", "Sliced", "abs", "all_gather",
-    "allreduce", "broadcast", "cast", "custom_op", "dropout", "exp", "export", "load", "log", "matmul",
-    "maximum", "minimum", "norm", "recv", "reduce_scatter", "rsqrt", "send", "sqrt", "sum", "where",
+    "Program", "ProgramError", "Replicated", "ScheduleError", "SizeError", "Sliced", "Step", "abs", "all_gather",
+    "allreduce", "broadcast", "cast", "compile", "custom_op", "dropout", "exp", "export", "load", "log", "matmul",
+    "maximum", "minimum", "norm", "optim", "recv", "reduce_scatter", "rsqrt", "send", "sqrt", "sum", "where",
 ]

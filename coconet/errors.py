@@ -112,3 +112,12 @@ class TopologyError(CoconetError):
 
     def __init__(self, message: str, *, field: str | None = None) -> None:
         super().__init__(message, field=field)
+
+
+class InputError(CoconetError):
+    """A tensor or scalar handed to a compiled step does not fit its schedule: ``input`` names it, ``given``
+    says what it was and ``expected`` what the schedule wants on this rank."""
+
+    def __init__(self, message: str, *, input: str | None = None, given: str | None = None,
+                 expected: str | None = None) -> None:
+        super().__init__(message, input=input, given=given, expected=expected)
