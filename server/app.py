@@ -426,8 +426,14 @@ def _one_line(errors: Sequence[Any]) -> str:
     that fits none of a union's types, the alternative it came closest to (a bound it missed, not a type)."""
     if not errors:
         return "invalid request"
-    first = next((e for e in errors if not e.get("type", "").endswith("_type")), errors[0])
-    loc = [str(x) for x in first.get("loc", ()) if not (isinstance(x, str) and _UNION_TAG.fullmatch(x))]
+
+    def where(e: Any) -> list[str]:
+        return [str(x) for x in e.get("loc", ()) if not (isinstance(x, str) and _UNION_TAG.fullmatch(x))]
+
+    within = where(errors[0])  # a union's alternatives, and the items of a list among them
+    first = next((e for e in errors if where(e)[:len(within)] == within and not e.get("type", "").endswith("_type")),
+                 errors[0])
+    loc = where(first)
     given = first.get("input")
     if first.get("type") == "string_pattern_mismatch" and loc and loc[-1] in _FORMS:
         return f"{'.'.join(loc)}: {_short(given)} is not {_FORMS[loc[-1]]}"

@@ -103,11 +103,12 @@ ERROR_STATUSES: dict[int, str] = {
     403: "Not allowed for this client",
     404: "Not found",
     405: "Method not allowed (the `Allow` header lists the path's methods)",
+    408: "The request's head did not arrive in time",
     413: "Request body too large",
     422: "The request does not validate, or names what the program does not have",
-    431: "Request headers too large",
+    431: "Request head too large (too long, or too many header fields)",
     500: "Internal error (a bug in the server)",
-    503: "The results store is unavailable or busy; try again",
+    503: "The results store is unavailable, or the server is busy; try again (after `Retry-After` seconds when given)",
 }
 
 
@@ -117,8 +118,8 @@ def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {s: {"model": ErrorOut, "description": ERROR_STATUSES[s]} for s in statuses}
 
 
-# What any operation may answer whatever it is: refusals ahead of routing (Host, header size), the store, a bug.
-ANY_ERROR = error_responses(400, 431, 500, 503)
+# What any operation may answer whatever it is: refusals ahead of routing (Host, the request head), the store, a bug.
+ANY_ERROR = error_responses(400, 408, 431, 500, 503)
 
 
 class _Strict(BaseModel):

@@ -393,6 +393,31 @@ def test_bad_requests_get_a_4xx_with_a_message_and_the_server_goes_on(client: Te
     assert not wrong, "\n".join(wrong)
 
 
+def test_refusals_are_documented_and_say_why_in_one_line(client: TestClient) -> None:
+    h = client.post(f"{API}/programs", json=ir_of(held_out_program()), headers=AUTH).json()["hash"]
+    schema = client.get("/openapi.json").json()
+    assert "HTTPValidationError" not in json.dumps(schema)  # FastAPI's 422 body, which the API does not send
+    for path, item in schema["paths"].items():
+        for method, op in item.items():
+            for status, response in op["responses"].items():
+                if int(status) >= 400:
+                    assert response["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorOut"), \
+                        (method, path, status)
+    r = client.options(f"{API}/programs")
+    assert r.status_code == 405 and r.headers["allow"] == "GET, POST" and "GET, POST" in r.json()["detail"]
+    assert client.put(f"{API}/jobs/1").headers["allow"] == "GET"
+    r = client.get(f"{API}/best", params={"program": h, "sizes": "N=0"})
+    assert r.json()["detail"].startswith("query.sizes: 'N=0' is not NAME=VALUE")
+    assert r.json()["errors"][0]["loc"] == ["query", "sizes"]
+    ir = ir_of(held_out_program())
+    ir["statements"][0]["attrs"]["shape"] = [2**41]  # of a union's alternatives, the bound it missed
+    detail = client.post(f"{API}/programs", json=ir, headers=AUTH).json()["detail"]
+    assert detail == f"body.statements.0.attrs.shape.0: Input should be less than or equal to {2**40}, not {2**41}"
+    # JSON Schema's integer is a number without a fraction, 1.0 too: the schema allows it, so the API takes it
+    r = client.post(f"{API}/programs", json={**ir_of(held_out_program()), "version": 1.0}, headers=AUTH)
+    assert r.status_code == 201 and r.json()["hash"] == h
+
+
 def test_unknown_schedule_backend_is_refused_for_a_known_schedule(client: TestClient) -> None:
     prog = held_out_program()
     client.post(f"{API}/programs", json=ir_of(prog), headers=AUTH)
