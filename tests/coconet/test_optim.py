@@ -127,3 +127,52 @@ def test_checkpoint_moves_between_schedules_and_world_sizes():
         for name in ("m", "v"):
             for k, entry in uninterrupted[0][2]["state"].items():
                 assert float((resumed[0][2]["state"][k][name] - entry[name]).abs().max()) < 1e-5
+
+
+def _groups_and_scheduler(rank, world):
+    """Two param groups (weight decay on the matrices only) and a StepLR halving lr every 2 steps."""
+    import torch
+
+    import coconet
+
+    model, twin = _models()
+    split = lambda m: [{"params": [p for p in m.parameters() if p.dim() > 1]},  # noqa: E731
+                       {"params": [p for p in m.parameters() if p.dim() == 1], "weight_decay": 0.0}]
+    opt = coconet.optim.from_program("examples/optim/adamw.py", split(model), lr=1e-2, weight_decay=0.1,
+                                     schedule=ZERO1, kernels="eager")
+    ref = torch.optim.AdamW(split(twin), lr=1e-2, weight_decay=0.1)
+    sched, ref_sched = (torch.optim.lr_scheduler.StepLR(o, 2, 0.5) for o in (opt, ref))
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(6):
+        x = torch.randn(4, 5, generator=gen)
+        for m, o, s in ((model, opt, sched), (twin, ref, ref_sched)):
+            o.zero_grad()
+            m(x).square().mean().backward()
+            if o is ref:
+                _twin_step(twin, ref, world)
+            else:
+                o.step()
+            s.step()
+    return _gap(model, twin), [g["lr"] for g in opt.param_groups], len(opt._buckets)
+
+
+def test_param_groups_and_an_lr_scheduler_act_as_on_torch_optim():
+    for gap, lrs, groups in run(_groups_and_scheduler, 2):
+        assert gap < 2e-6 and lrs == [1e-2 / 8, 1e-2 / 8] and groups == 2
+
+
+def test_a_program_that_is_not_an_optimizer_or_lacks_hyperparameters_is_refused():
+    import torch
+
+    import coconet
+    from coconet.errors import CoconetError
+
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    with pytest.raises(CoconetError, match="needs lr"):
+        coconet.optim.from_program("examples/adam.py", params, beta1=0.9, beta2=0.999, eps=1e-8)
+    with pytest.raises(CoconetError, match="momentum_: not scalars of sgd"):
+        coconet.optim.from_program("examples/sgd.py", params, lr=0.1, momentum_=0.9)
+    with pytest.raises(CoconetError, match="dims M, K"):
+        coconet.optim.from_program("benchmarks/programs/adafactor.py", params)
+    with pytest.raises(CoconetError, match="no scalars beta1 and beta2"):
+        coconet.optim.from_program("examples/sgd.py", params, lr=0.1, betas=(0.9, 0.99))
