@@ -7,11 +7,12 @@
 Every rank builds the same MLP from one seed and trains it on batches of its own, three ways, from the same
 start, each for ``--steps`` steps:
 
-- ``coconet``: the parameters are views of one flat float32 buffer ``w`` and their ``.grad`` views of one
-  flat buffer ``g``, as DDP's buckets and ZeRO's flat partitions keep them; backward writes through the
-  views, and the step is ``examples/adam.py`` lowered for ``--schedule`` (ZeRO-1's fused collective by
-  default: each rank keeps its rows of Adam's moments) on ``--backend``, called on ``g``, ``w`` and the
-  moments. The loss is divided by the world, since the program sums the gradients over ranks;
+- ``coconet``: the loop as torch.optim's, with ``coconet.optim.from_program("examples/optim/adam.py", ...)``
+  as its optimizer: Adam as torch computes it, the gradients averaged over the ranks, lowered for
+  ``--schedule`` (ZeRO-1's fused collective by default: each rank keeps its rows of Adam's moments) on
+  ``--backend``. The optimizer makes the parameters views of one flat buffer ``w`` and their ``.grad`` views
+  of one flat buffer ``g``, as DDP's buckets and ZeRO's flat partitions keep them, so backward writes where
+  the step reads;
 - ``ddp``: ``DistributedDataParallel`` (gloo, ``gradient_as_bucket_view``) and ``torch.optim.Adam(fused=True)``,
   whose gradient allreduce overlaps backward;
 - ``allreduce``: the flat buffers as coconet's, ``dist.all_reduce`` of g after backward, then
@@ -36,6 +37,8 @@ import time
 from pathlib import Path
 
 ZERO1 = "split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse_collective(rs0)"
+# Adam as torch.optim.Adam computes it, the gradients averaged over the ranks as DDP averages them
+PROGRAM = Path(__file__).resolve().parents[1] / "examples" / "optim" / "adam.py"
 HYPER = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8}
 WARMUP = 2
 
@@ -61,24 +64,42 @@ def _batches(dims: list[int], batch: int, steps: int, rank: int):
 
 
 def _schedule(text: str):
-    """examples/adam.py under the schedule ``text``, which must leave w whole: the model holds its weights so."""
+    """PROGRAM under the schedule ``text``, which must leave w whole: the model holds its weights so."""
     from coconet import Sliced
-    from coconet.loader import examples_dir, load_file
+    from coconet.loader import load_file
     from coconet.schedules.schedule import Schedule
 
-    sched = Schedule.parse(text, load_file(examples_dir() / "adam.py"))
+    sched = Schedule.parse(text, load_file(PROGRAM))
     if isinstance(sched.scheduled["w"].type.layout, Sliced):
         raise SystemExit(f"--schedule {text!r} leaves w sliced; the model in this loop holds its weights whole")
     return sched
 
 
-def _coconet_step(schedule: str, backend: str, kernels: str):
-    from coconet.codegen.lower import lower
+def _train_coconet(args, xs, ys):
+    """The torch.optim loop with coconet's optimizer: the optimizer's line and nothing else changed."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
 
-    sched = _schedule(schedule)
-    ns = {"__name__": "coconet_training_loop_step"}
-    exec(compile(lower(sched, backend, kernels).source, "<coconet step>", "exec"), ns)
-    return ns["step"], sched
+    import coconet
+
+    model = _model(args.dims)
+    opt = coconet.optim.from_program(PROGRAM, model.parameters(), lr=HYPER["lr"],
+                                     betas=(HYPER["beta1"], HYPER["beta2"]), eps=HYPER["eps"],
+                                     schedule=args.schedule, backend=args.backend, kernels=args.kernels)
+    losses, times = [], []
+    for t in range(len(xs)):
+        dist.barrier()
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=False)
+        loss = F.cross_entropy(model(xs[t]), ys[t])
+        loss.backward()
+        tb = time.perf_counter()
+        opt.step()
+        end = time.perf_counter()
+        times.append((end - t0, end - tb))
+        losses.append(float(loss.detach()))
+    return losses, times, torch.cat([p.detach().flatten() for p in model.parameters()])
 
 
 def _flat_model(dims: list[int]):
@@ -113,7 +134,7 @@ def _train_flat(args, world, xs, ys, update):
         t0 = time.perf_counter()
         g.zero_()
         loss = F.cross_entropy(model(xs[t]), ys[t])
-        (loss / world).backward()
+        (loss / world).backward()  # all_reduce sums the gradients
         tb = time.perf_counter()
         update(t + 1)
         end = time.perf_counter()
@@ -135,24 +156,6 @@ def _allreduce_adam(model, w, g):
         opt.step()
 
     return update
-
-
-def _coconet_update(step, sched, rank: int, world: int):
-    """The generated step on g, w and this rank's rows of the moments (all of them unless the schedule
-    slices them)."""
-    def bind(model, w, g):
-        import torch
-
-        from coconet import Sliced
-
-        n = w.numel()
-        rows = -(-n // world)
-        sliced = isinstance(sched.scheduled["m"].type.layout, Sliced)
-        lo, hi = (min(rank * rows, n), min((rank + 1) * rows, n)) if sliced else (0, n)
-        m, v = torch.zeros(hi - lo), torch.zeros(hi - lo)
-        return lambda t: step({"g": g, "w": w, "m": m, "v": v}, dict(HYPER, t=t), group=None, sizes={"N": n})
-
-    return bind
 
 
 def _train_ddp(args, rank, world, xs, ys, formula=False):
@@ -201,13 +204,12 @@ def _rank(rank: int, world: int, port: int, args, out) -> None:
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     xs, ys = _batches(args.dims, args.batch, args.steps, rank)
-    step, sched = _coconet_step(args.schedule, args.backend, args.kernels)
     ways = ("coconet", "ddp", "allreduce")
     report, first = {way: [] for way in ways}, {}
     for r in range(args.rounds):
         for way in ways[r % 3:] + ways[:r % 3]:  # each way first in a round of its own
             if way == "coconet":
-                losses, times, weights = _train_flat(args, world, xs, ys, _coconet_update(step, sched, rank, world))
+                losses, times, weights = _train_coconet(args, xs, ys)
             elif way == "ddp":
                 losses, times, weights = _train_ddp(args, rank, world, xs, ys)
             else:

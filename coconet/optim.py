@@ -8,10 +8,11 @@
         loss_fn(model(x), y).backward()
         opt.step()                      # the program's step: the gradients' collective and the update
 
-The program names its weights ``w`` (Replicated), the gradient ``g`` (Local: each rank's own, the program
-reduces it) and its state (the other tensors it updates: Adam's ``m`` and ``v``), all of one shape ``(N,)``;
-its scalars are the hyperparameters, and ``t``, when it has one, is the step counter the optimizer keeps (1 on
-the first step). The parameters of each param group and dtype become views of one flat buffer (``w``), their
+The program names its weights ``w`` (Replicated; or ``param``, ``p``, ``weight``, ``theta``; ``weights=`` for
+another name), the gradient ``g`` (its one Local tensor: each rank's own, the program reduces it) and its
+state (the other tensors it updates: Adam's ``m`` and ``v``), all of one shape ``(N,)``; its scalars are the
+hyperparameters, and ``t`` (or ``step``), when it has one, is the step counter the optimizer keeps (1 on the
+first step). torch's ``foreach``, ``fused``, ``capturable`` and ``differentiable`` are accepted and ignored. The parameters of each param group and dtype become views of one flat buffer (``w``), their
 ``.grad`` views of another (``g``): backward writes the gradients where the step reads them. A ``.grad`` that
 is not the optimizer's view — ``None`` after ``zero_grad()`` (set-to-None, torch's default, for the optimizer's
 or the model's), or a new tensor autograd made — counts as zero or is copied in before the step.
@@ -43,8 +44,11 @@ from coconet.schedules.ir import Program
 from coconet.schedules.types import Local
 from coconet.step import BEST, Step, compile, load_program
 
-COUNTER = "t"
-ALIASES = {"weight_decay": ("wd",)}  # torch's name -> a program's other spellings
+COUNTERS = ("t", "step")  # a scalar of either name is the step counter the optimizer keeps
+ALIASES = {"weight_decay": ("wd",), "lr": ("eta",)}  # torch's name -> a program's other spellings
+# torch.optim's switches between its own implementations of one update: nothing to do with a program's
+IMPLEMENTATION = frozenset({"foreach", "fused", "capturable", "differentiable"})
+WEIGHT_NAMES = ("w", "param", "params", "p", "weight", "weights", "theta", "x")
 
 
 def from_program(program: Any, params: Iterable[Any], *, group: Any = None, schedule: Any = BEST,
@@ -77,6 +81,12 @@ def _torch_names(prog: Program, hyper: Mapping[str, Any]) -> dict[str, Any]:
     scalars = {s.name for s in prog.inputs if s.op == "scalar"}
     out = {}
     for key, value in hyper.items():
+        if key in IMPLEMENTATION and key not in scalars:
+            continue
+        if key == "maximize" and key not in scalars:
+            if value:
+                raise CoconetError(f"maximize=True: {prog.name} descends; negate the loss, or the update")
+            continue
         if key == "betas" and "betas" not in scalars:
             names = [n for n in (("beta1", "beta2"), ("b1", "b2")) if set(n) <= scalars]
             if not names:
@@ -114,7 +124,9 @@ class _Bucket:
                 self.grads.append(view)
                 self.spans.append((at, at + k))
                 at += k
-        self.ptrs = [p.data_ptr() for p in params]
+        # where each parameter lies in w, in bytes: w's memory may move (the shm backend makes it shared memory
+        # in place of the process's own, the views following), the parameters' places in it may not
+        self.offsets = [lo * self.w.element_size() for lo, _ in self.spans]
         self.state = {}
         for name in state:
             spec = step.inputs[name]
@@ -124,8 +136,9 @@ class _Bucket:
     def collect_grads(self) -> None:
         """Makes ``g`` hold every parameter's ``.grad``: the views hold them already unless the grad was set to
         None (zero) or replaced by a tensor of its own (copied in, then the view put back in its place)."""
-        for p, view, ptr in zip(self.params, self.grads, self.ptrs):
-            if p.data_ptr() != ptr:
+        base = self.w.data_ptr()
+        for p, view, offset in zip(self.params, self.grads, self.offsets):
+            if p.data_ptr() != base + offset:
                 raise CoconetError(f"a parameter of shape {tuple(p.shape)} is no longer a view of the optimizer's "
                                    "flat buffer (its .data was replaced, or the model moved with .to()): build "
                                    "the optimizer after moving the model")
@@ -186,8 +199,9 @@ class Optimizer(torch.optim.Optimizer):
         """The hyperparameters a param group holds: the program's scalars but the counter and those the host
         computes, and, with a ``host_scalars``, what else the defaults name (the host's own, as SGD's
         ``nesterov``)."""
-        scalars = [s.name for s in self.program.inputs if s.op == "scalar" and s.name != COUNTER]
         self._program_scalars = frozenset(s.name for s in self.program.inputs if s.op == "scalar")
+        self._counter = next((n for n in COUNTERS if n in self._program_scalars), None)
+        scalars = [s.name for s in self.program.inputs if s.op == "scalar" and s.name != self._counter]
         self._from_host = frozenset(host(dict(defaults), 1, 1)) if host is not None else frozenset()
         extra = [n for n in defaults if n not in scalars]
         if extra and host is None:
@@ -224,7 +238,7 @@ class Optimizer(torch.optim.Optimizer):
         schedule = kw.pop("schedule")
         if schedule == BEST:
             try:
-                step = compile(self.program, {dim: n}, schedule=BEST, group=self.group, shardable=state or None,
+                step = compile(self.program, {dim: n}, schedule=BEST, group=self.group, shardable=state,
                                **kw)
             except CoconetError as e:
                 if not getattr(e, "not_tuned", False):
@@ -248,8 +262,8 @@ class Optimizer(torch.optim.Optimizer):
         if self.host_scalars is not None:
             values.update(self.host_scalars(dict(values), t, numel))
         out = {k: v for k, v in values.items() if k in self._program_scalars}
-        if COUNTER in self._program_scalars:
-            out[COUNTER] = t
+        if self._counter is not None:
+            out[self._counter] = t
         return out
 
     @torch.no_grad()
@@ -296,14 +310,13 @@ class Optimizer(torch.optim.Optimizer):
         state: dict[int, dict[str, Any]] = {}
         groups, at = [], 0
         for index, (group, buckets) in enumerate(zip(self.param_groups, self._buckets)):
-            ids = {}
+            place = _places(group)
             for b in buckets:
                 wholes = {name: b.whole(name) for name in b.state}
                 for p, (lo, hi) in zip(b.params, b.spans):
-                    ids[id(p)] = None
                     entry = {name: whole[lo:hi].view_as(p).clone() for name, whole in wholes.items()}
                     entry["step"] = torch.tensor(float(self._counts[index]))
-                    state[_index_of(group, p) + at] = entry
+                    state[place[id(p)] + at] = entry
             groups.append({**{k: v for k, v in group.items() if k != "params"},
                            "params": list(range(at, at + len(group["params"])))})
             at += len(group["params"])
@@ -320,12 +333,12 @@ class Optimizer(torch.optim.Optimizer):
         state = {int(k): v for k, v in state_dict["state"].items()}
         for index, (group, old, buckets) in enumerate(zip(self.param_groups, saved, self._buckets)):
             group.update({k: v for k, v in old.items() if k != "params"})
-            first = old["params"]
+            first, place = old["params"], _places(group)
             for b in buckets:
                 for name in b.state:
                     pieces = []
                     for p in b.params:
-                        entry = state.get(first[_index_of(group, p)], {})
+                        entry = state.get(first[place[id(p)]], {})
                         if name not in entry:
                             raise CoconetError(f"the state_dict holds no {name!r} for a parameter of shape "
                                                f"{tuple(p.shape)}")
@@ -335,11 +348,9 @@ class Optimizer(torch.optim.Optimizer):
             self._counts[index] = int(float(steps[0])) if steps else 0
 
 
-def _index_of(group: dict, p: Any) -> int:
-    for i, q in enumerate(group["params"]):
-        if q is p:
-            return i
-    raise CoconetError("a parameter is not in its param group")
+def _places(group: dict) -> dict[int, int]:
+    """Each parameter's place in its param group, by identity."""
+    return {id(p): i for i, p in enumerate(group["params"])}
 
 
 def _roles(program: Program, weights: str, grad: str) -> tuple[str, str, list[str]]:
@@ -348,6 +359,11 @@ def _roles(program: Program, weights: str, grad: str) -> tuple[str, str, list[st
         raise CoconetError(f"{program.name} has dims {', '.join(program.dims)}: an optimizer steps a flat buffer, "
                            "a program over one dim N whose tensors are all (N,)")
     tensors = {s.name: s for s in program.inputs if s.op == "input"}
+    local = [n for n, s in tensors.items() if isinstance(s.type.layout, Local)]
+    if grad not in tensors and len(local) == 1:
+        grad = local[0]
+    if weights not in tensors:
+        weights = next((n for n in WEIGHT_NAMES if n in tensors and n in program.updates), weights)
     for role, name in (("weights", weights), ("gradient", grad)):
         if name not in tensors:
             raise CoconetError(f"{program.name} has no tensor {name!r} for the {role} (pass "

@@ -1,8 +1,8 @@
 """coconet.optim: an optimizer made from a DSL program, in a torch.optim training loop on ranks of a gloo group.
 
 Each test runs its ranks once (tests/coconet/ranks.py); a rank trains a small model with coconet's optimizer
-beside a twin trained with torch.optim on gradients averaged by ``dist.all_reduce`` (what DDP computes), on
-batches of its own, and reports how far they end apart."""
+beside a twin trained with DDP and torch.optim (or torch.optim on gradients averaged by ``dist.all_reduce``,
+what DDP computes), on batches of its own, and reports how far they end apart."""
 
 import pytest
 
@@ -38,13 +38,15 @@ def _gap(model, twin):
 def _train_beside_torch(rank, world, schedule, backend, zeroing):
     """8 AdamW steps of coconet's optimizer and torch's, the gradients zeroed as ``zeroing`` says."""
     import torch
+    from torch.nn.parallel import DistributedDataParallel
 
     import coconet
 
     model, twin = _models()
     opt = coconet.optim.from_program("examples/optim/adamw.py", model.parameters(), lr=1e-2, betas=(0.8, 0.99),
-                                     schedule=schedule, backend=backend, kernels="eager")
-    ref = torch.optim.AdamW(twin.parameters(), lr=1e-2, betas=(0.8, 0.99))
+                                     schedule=schedule, backend=backend, kernels="eager", foreach=True)
+    ddp = DistributedDataParallel(twin)
+    ref = torch.optim.AdamW(twin.parameters(), lr=1e-2, betas=(0.8, 0.99), foreach=True)
     gen = torch.Generator().manual_seed(rank)
     losses = []
     for _ in range(8):
@@ -60,8 +62,8 @@ def _train_beside_torch(rank, world, schedule, backend, zeroing):
         opt.step()
         losses.append(float(loss))
         ref.zero_grad()
-        twin(x).square().mean().backward()
-        _twin_step(twin, ref, world)
+        ddp(x).square().mean().backward()
+        ref.step()
     return _gap(model, twin), losses, opt.describe()
 
 
@@ -69,7 +71,7 @@ def _train_beside_torch(rank, world, schedule, backend, zeroing):
     (2, ZERO1, "gloo", "optimizer"), (3, ZERO1, "shm", "model"), (3, "baseline", "gloo", "in place"),
 ])
 def test_trains_as_torch_adamw_on_averaged_gradients(world, schedule, backend, zeroing):
-    """The weights follow torch.optim.AdamW's to float32 rounding after 8 steps, however the gradients were
+    """The weights follow DDP + torch.optim.AdamW's to float32 rounding after 8 steps, however the gradients were
     zeroed (set to None by the optimizer or the model, or zeroed in place): a .grad autograd made anew is
     copied in, so the loss keeps moving."""
     for gap, losses, described in run(_train_beside_torch, world, schedule, backend, zeroing):
@@ -176,3 +178,33 @@ def test_a_program_that_is_not_an_optimizer_or_lacks_hyperparameters_is_refused(
         coconet.optim.from_program("benchmarks/programs/adafactor.py", params)
     with pytest.raises(CoconetError, match="no scalars beta1 and beta2"):
         coconet.optim.from_program("examples/sgd.py", params, lr=0.1, betas=(0.9, 0.99))
+
+
+def _moved_memory(rank, world):
+    """The flat buffer's memory swapped for shared memory (what the shm backend does to a buffer that views
+    hold), between two steps: the parameters follow, and the optimizer keeps stepping them."""
+    import torch
+
+    import coconet
+
+    model, _ = _models()
+    opt = coconet.optim.from_program("examples/optim/adam.py", model.parameters(), lr=1e-2, schedule="baseline",
+                                     kernels="eager")
+    x = torch.randn(4, 5)
+    before = []
+    for t in range(3):
+        if t == 1:
+            storage = opt._buckets[0][0].w.untyped_storage()
+            address = storage.data_ptr()
+            storage._share_filename_cpu_()
+            assert storage.data_ptr() != address
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+        before.append(float(model(x).square().mean()))
+    return before
+
+
+def test_the_flat_buffer_may_move_under_its_views():
+    losses = run(_moved_memory, 1)[0]
+    assert losses[0] > losses[1] > losses[2]
