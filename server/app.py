@@ -83,8 +83,8 @@ log = logging.getLogger("coconet.server")
 
 _HASH = dict(pattern=r"^[0-9a-f]{8,64}$", max_length=64)
 _SIZES = dict(pattern=SIZES_PATTERN, min_length=3, max_length=400,
-              description="NAME=VALUE[,NAME=VALUE…], VALUE an integer in 1..2^40 or 2^k, e.g. N=1048576 or "
-              "B=8,S=1024,H=3072")
+              description="NAME=VALUE[,NAME=VALUE…], each NAME once, VALUE an integer in 1..2^40 or 2^k, e.g. "
+              "N=1048576 or B=8,S=1024,H=3072")
 _TOPOLOGY = dict(pattern=r"^[A-Za-z_][A-Za-z0-9_.\-]*$", max_length=200)
 _BACKEND = dict(pattern=r"^[a-z][a-z0-9_]*$", max_length=32)
 _SHARDABLE = dict(pattern=r"^(all|\*|[A-Za-z_][A-Za-z0-9_]*(,[A-Za-z_][A-Za-z0-9_]*)*|)$", max_length=400,
