@@ -516,7 +516,12 @@ def tune(
     db: Optional[str] = typer.Option(None, "--db", help="Store URL (default $COCONET_DATABASE_URL, else SQLite in "
                                      "the user data dir)."),
     ray_address: Optional[str] = typer.Option(None, "--ray-address", help="Join this Ray cluster instead of "
-                                              "starting a local one."),
+                                              "starting a local one (HOST:PORT of its head; a cluster with "
+                                              "Ray's token authentication needs its token in ~/.ray/auth_token "
+                                              "or $RAY_AUTH_TOKEN)."),
+    placement: str = typer.Option("pack", "--placement", help="Where a candidate's ranks go on the cluster: "
+                                  "pack (as few nodes as hold them) or spread (across nodes; shm, which needs "
+                                  "one node, is then not tried)."),
     kernels: str = typer.Option("compiled", "--kernels", help="compiled or eager."),
     depth: int = typer.Option(6, "--depth", min=0),
     timeout: float = typer.Option(300.0, "--timeout", min=1.0, help="Seconds a candidate's check or timing may "
@@ -543,7 +548,7 @@ def tune(
     request = Request(prog, tuple(points), world, topology, budget, tuple(dict.fromkeys(backend)),
                       Protocol(timeout_s=timeout, kernels=kernels), depth, seed=seed, ray_address=ray_address,
                       program_file=str(file) if file.suffix == ".py" else None,
-                      shardable=tuple(shardable) if shardable else None)
+                      shardable=tuple(shardable) if shardable else None, placement=placement)
     check(request)
     with Store.open(db) as store:
         results = _tune_with_progress(request, store, quiet=as_json)
@@ -615,6 +620,9 @@ def _print_tune_table(prog: Any, doc: dict, tuned: Any) -> None:
             console.print(_sharded_note(b["sharded"]), markup=False)
     else:
         console.print("no schedule ran correctly: nothing recorded as the winner", markup=False)
+    for b, why in doc.get("backends_left_out", {}).items():
+        Console(stderr=True, highlight=False, soft_wrap=True).print(f"note: backend {b} not tried: {why}",
+                                                                    markup=False)
     if doc["failures"]:
         err = Console(stderr=True, highlight=False, soft_wrap=True)
         err.print(f"{doc['failed']} trial(s) failed:", markup=False)

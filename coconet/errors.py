@@ -90,6 +90,11 @@ class BackendError(CoconetError):
         super().__init__(message, kind=kind, rank=rank)
 
 
+class ClusterError(CoconetError):
+    """The Ray cluster cannot hold what a study needs (from the start, or after losing a node): the study
+    stops, where a candidate's own failure would only fail its trial."""
+
+
 class NotAvailable(CoconetError):
     """A command or feature that this version of coconet does not provide yet."""
 

@@ -749,7 +749,9 @@ def _engine(url_text: str, create: bool = True, wait_s: float | None = None) -> 
     if is_sqlite:
         _make_parent_dir(url)
     busy_s = SQLITE_BUSY_S if wait_s is None else wait_s
-    options: dict[str, Any] = {"pool_timeout": busy_s}
+    # an in-memory SQLite database lives in one connection (SingletonThreadPool): no pool to wait for
+    in_memory = is_sqlite and _sqlite_file(url) is None
+    options: dict[str, Any] = {} if in_memory else {"pool_timeout": busy_s}
     if wait_s is not None and not is_sqlite:  # PostgreSQL waits for a lock as long as it is held, unless told
         options["connect_args"] = {"options": f"-c lock_timeout={round(wait_s * 1000)}"}
     try:
@@ -766,6 +768,8 @@ def _reads_engine(engine: Engine) -> Engine:
     """The engine of the store's read transactions: the write engine's settings on a pool of its own."""
     if engine.dialect.name == "postgresql":
         return create_engine(engine.url, pool_pre_ping=True)
+    if _sqlite_file(engine.url) is None:  # an in-memory database is its one connection: another would be empty
+        return engine
     reads = create_engine(engine.url)
     event.listen(reads, "connect", _sqlite_connect)
     event.listen(reads, "begin", _sqlite_begin)

@@ -16,7 +16,7 @@ def pytest_configure(config):
 def ray_local():
     """One local Ray cluster for every test that needs one (starting it costs seconds)."""
     ray = pytest.importorskip("ray")
-    from coconet.tuner.runner import connect
+    from coconet.tuner.cluster import connect
 
     connect(ranks=8)
     yield ray

@@ -23,7 +23,6 @@ import shutil
 import signal
 import stat
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,12 +31,14 @@ from typing import Any, Callable, Mapping
 from coconet.codegen.launch import (HANG_DUMP_S, PORT_TRIES, Options, RunResult, compare, custom_payload,
                                     describe_error, port_taken, remove_leftover_segments, strip_program, stuck_at)
 from coconet.codegen.lower import BACKENDS, Generated, lower
-from coconet.errors import BackendError, CoconetError
+from coconet.errors import BackendError, ClusterError, CoconetError
 from coconet.schedules.equivalence import Reference
 from coconet.schedules.ir import Program
 from coconet.schedules.schedule import Schedule
+from coconet.tuner.cluster import ONE_NODE, PLACEMENTS, Need, describe, offer, plan
 
 Lowering = Callable[[Schedule, str, str], Generated]
+PLACEMENT_POLL_S = 5.0  # how often a placement under way looks at the cluster again
 DEATH_NOTICE_S = 5.0  # how long Ray may take to report a dead actor after its peers saw the connection drop
 
 
@@ -80,12 +81,13 @@ class _Rank:
         self.group = None
         freeze_imports()
 
-    def where(self) -> tuple[str, int, int, str]:
+    def where(self) -> tuple[str, int, int, str, str]:
         import ray
 
         from coconet.codegen.launch import free_port
 
-        return ray.util.get_node_ip_address(), free_port(), os.getpid(), str(self.stack_path)
+        return (ray.util.get_node_ip_address(), free_port(), os.getpid(), str(self.stack_path),
+                ray.get_runtime_context().get_node_id())
 
     def join(self, addr: str, port: int, timeout_s: float) -> None:
         from datetime import timedelta
@@ -175,11 +177,14 @@ class Runner:
 
     def __init__(self, program: Program, *, world: int, sizes: Mapping[str, int], backend: str = "gloo",
                  protocol: Protocol = Protocol(), stages: int = 2, program_file: str | None = None,
-                 lowering: Lowering = lower) -> None:
+                 lowering: Lowering = lower, placement: str = "pack") -> None:
         if backend not in BACKENDS:
             raise BackendError(f"unknown backend {backend!r} (use {', '.join(BACKENDS)})", kind="compile_error")
         if world < 1:
             raise CoconetError(f"world must be a positive number of ranks, got {world}")
+        if placement not in PLACEMENTS:
+            raise CoconetError(f"unknown placement {placement!r} (use {' or '.join(PLACEMENTS)})")
+        self.placement = placement
         self.program, self.world, self.backend, self.protocol = program, world, backend, protocol
         self.sizes = dict(sizes)
         self.stages = stages if program.is_pipeline else 1
@@ -190,7 +195,13 @@ class Runner:
         self._actors: list = []
         self._pg = None
         self._stacks: list[tuple[str, int, str]] = []
+        self._nodes: list[str] = []  # each rank's Ray node id, as last placed
         self._run_dir: Path | None = None
+
+    @property
+    def placed(self) -> str | None:
+        """Where the ranks ran last, in words (``2 ranks on 1 node``); None before they were placed."""
+        return describe(self._nodes) if self._nodes else None
 
     @property
     def run_dir(self) -> Path | None:
@@ -250,6 +261,8 @@ class Runner:
 
         try:
             actors = self._group()
+        except ClusterError:
+            raise  # the cluster, not this candidate: the study stops
         except CoconetError as e:
             return failed("runtime_error", str(e))
         refs = [a.run.remote(gen.source, filename, prog, sizes, self.protocol.seed, protocol) for a in actors]
@@ -268,10 +281,10 @@ class Runner:
             try:
                 answer = ray.get(ready[0])
             except ray.exceptions.RayError as e:
-                return failed("killed", _death(rank, e))
+                return failed("killed", _death(self._rank_text(rank), e))
             if "error" in answer:
                 # a peer that died makes the others' collectives fail at once; the death is the cause
-                dead = _dead_rank(pending, rank_of)
+                dead = _dead_rank(pending, rank_of, self._rank_text)
                 if dead is not None:
                     return failed("killed", dead)
                 return failed(answer["kind"], describe_error(rank, answer["error"], gen))
@@ -312,6 +325,28 @@ class Runner:
                 if not tries:
                     raise
 
+    def _await_placement(self, pg: Any, need: Need) -> None:
+        """Until the group is placed, the cluster is looked at again every few seconds: one that can no longer
+        hold it (a node lost since the study began) stops the study then, where waiting for the placement
+        would take the whole timeout for this candidate and for each one after it."""
+        import ray
+
+        deadline = time.monotonic() + self.protocol.timeout_s
+        while True:
+            plan(need, (self.backend,), offer(), asked=True, placement=self.placement)
+            left = deadline - time.monotonic()
+            ready, _ = ray.wait([pg.ready()], timeout=max(0.0, min(PLACEMENT_POLL_S, left)))
+            if ready:
+                return
+            if left <= PLACEMENT_POLL_S:
+                raise CoconetError(f"the Ray cluster cannot place {need.text()} within "
+                                   f"{self.protocol.timeout_s:g} s (its CPUs are busy with other work)")
+
+    def _rank_text(self, rank: int) -> str:
+        if rank < len(self._nodes):
+            return f"rank {rank} (node {self._nodes[rank][:12]} at {self._stacks[rank][0]})"
+        return f"rank {rank}"
+
     def _form_group(self) -> list:
         import ray
         from ray.util.placement_group import placement_group
@@ -319,14 +354,14 @@ class Runner:
 
         gpu = self.backend == "nccl"
         bundle = {"CPU": 1, "GPU": 1} if gpu else {"CPU": 1}
-        # shm ranks must share one node's memory; the others may spread
-        pg = placement_group([bundle] * self.nranks, strategy="STRICT_PACK" if self.backend == "shm" else "PACK")
+        # shm ranks must share one node's memory; the others go where the placement asks
+        strategy = "STRICT_PACK" if self.backend in ONE_NODE else {"pack": "PACK", "spread": "SPREAD"}[self.placement]
+        pg = placement_group([bundle] * self.nranks, strategy=strategy)
         try:
-            ray.get(pg.ready(), timeout=self.protocol.timeout_s)
-        except ray.exceptions.GetTimeoutError:
+            self._await_placement(pg, Need(self.nranks, gpu))
+        except BaseException:
             ray.util.remove_placement_group(pg)
-            raise CoconetError(f"the Ray cluster cannot place {self.nranks} ranks of {bundle} "
-                               f"within {self.protocol.timeout_s:g} s") from None
+            raise
         self._pg = pg
         threads = max(1, (os.cpu_count() or 1) // self.nranks)
         if self._run_dir is None:
@@ -339,8 +374,9 @@ class Runner:
             for r in range(self.nranks)]
         try:
             where = ray.get([a.where.remote() for a in self._actors], timeout=self.protocol.timeout_s)
-            self._stacks = [(ip, pid, path) for ip, _, pid, path in where]
-            addr, port, _, _ = where[0]
+            self._stacks = [(ip, pid, path) for ip, _, pid, path, _ in where]
+            self._nodes = [node for *_, node in where]
+            addr, port, *_ = where[0]
             ray.get([a.join.remote(addr, port, self.protocol.timeout_s) for a in self._actors],
                     timeout=self.protocol.timeout_s + 30)
         except Exception as e:
@@ -373,7 +409,7 @@ class _PortTaken(CoconetError):
     """Rank 0's port, free when it chose it, was taken before it listened: the group is formed again."""
 
 
-def _dead_rank(pending: list, rank_of: dict, wait_s: float = DEATH_NOTICE_S) -> str | None:
+def _dead_rank(pending: list, rank_of: dict, name: Callable[[int], str], wait_s: float = DEATH_NOTICE_S) -> str | None:
     import ray
 
     ready, _ = ray.wait(pending, num_returns=len(pending), timeout=wait_s)
@@ -381,17 +417,18 @@ def _dead_rank(pending: list, rank_of: dict, wait_s: float = DEATH_NOTICE_S) -> 
         try:
             ray.get(ref)
         except ray.exceptions.RayActorError as e:
-            return _death(rank_of[ref], e)
+            return _death(name(rank_of[ref]), e)
         except ray.exceptions.RayError:
             continue
     return None
 
 
-def _death(rank: int, e: BaseException) -> str:
-    # Ray cannot tell a signal from outside (the OOM killer, an operator) from the step crashing the process:
-    # either is ``killed``, which the next tuning of the key tries once more (a failure that repeats stays)
-    return (f"rank {rank} died, its process ended without reporting an error (killed by a signal, or a crash): "
-            f"{_first_line(e)}")
+def _death(rank: str, e: BaseException) -> str:
+    # Ray cannot tell a signal from outside (the OOM killer, an operator, a node lost) from the step crashing
+    # the process: either is ``killed``, which the next tuning of the key tries once more (a failure that
+    # repeats stays)
+    return (f"{rank} died, its process ended without reporting an error (killed by a signal, its node lost, "
+            f"or a crash): {_first_line(e)}")
 
 
 def _first_line(e: BaseException) -> str:
@@ -400,69 +437,3 @@ def _first_line(e: BaseException) -> str:
         e = cause
     text = str(e).strip().splitlines()
     return text[0] if text else type(e).__name__
-
-
-def require_listening(address: str, timeout_s: float = 10.0) -> None:
-    """A ``host:port`` that no one listens on is refused here: ray.init retries it for minutes, saying only
-    'Failed to connect to GCS'. Other forms (``auto``, ``ray://…``) are Ray's to read."""
-    import socket
-
-    host, _, port = address.rpartition(":")
-    if "://" in address or not host or not port.isdigit():
-        return
-    try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
-    except OSError as e:
-        raise CoconetError(f"--ray-address {address}: no Ray cluster answers there "
-                           f"({e.strerror or type(e).__name__}); start one with `ray start --head`") from None
-
-
-_CONNECTING = threading.Lock()  # the service's job threads may all ask at once; ray.init may run once
-
-
-def connect(address: str | None = None, *, ranks: int = 1) -> None:
-    """Join the Ray cluster at ``address``, or start a local one with room for ``ranks`` one-CPU
-    actors (more than this machine's cores if need be: ranks may share a core, slower but correct)."""
-    import ray
-
-    with _CONNECTING:
-        if ray.is_initialized():
-            return
-        if address:
-            require_listening(address)
-            ray.init(address=address, logging_level="ERROR", log_to_driver=False)
-        elif threading.current_thread() is threading.main_thread():
-            _start_local(ranks)
-        else:
-            _start_in_own_thread(ranks)
-
-
-def _start_local(ranks: int) -> None:
-    import ray
-
-    ray.init(num_cpus=max(os.cpu_count() or 1, ranks), include_dashboard=False, logging_level="ERROR",
-             log_to_driver=False)
-
-
-def _start_in_own_thread(ranks: int) -> None:
-    """Ray's local processes die with the thread that started them (PR_SET_PDEATHSIG follows the thread, not
-    the process): started by a job's thread, the cluster went down when that thread ended, and at the
-    service's exit Ray's agents, left without their raylet, stayed on. A thread of its own starts it and lives
-    as long as the process, so the cluster ends with ``ray.shutdown`` at exit, as it does started from main."""
-    started = threading.Event()
-    failed: list[BaseException] = []
-
-    def own() -> None:
-        try:
-            _start_local(ranks)
-        except BaseException as e:  # handed to the caller, raised there
-            failed.append(e)
-        finally:
-            started.set()
-        if not failed:
-            threading.Event().wait()  # never set: this thread must not end while the process runs
-
-    threading.Thread(target=own, name="coconet-ray", daemon=True).start()
-    started.wait()
-    if failed:
-        raise failed[0]

@@ -27,7 +27,8 @@ from coconet.schedules.dims import format_sizes
 from coconet.schedules.ir import Program
 from coconet.schedules.schedule import Schedule
 from coconet.server.keys import sizes_key
-from coconet.tuner.runner import Protocol, Runner, connect
+from coconet.tuner.cluster import PLACEMENTS, Need, connect, offer, plan
+from coconet.tuner.runner import Protocol, Runner
 from coconet.tuner.search import (KILLED_TRIES, Candidate, Outcome, Progress, SearchSpace, Trial, search,
                                   study_name)
 from coconet.tuner.stats import summarize
@@ -51,6 +52,7 @@ class Request:
     program_file: str | None = None
     # state a schedule may leave sharded (names, or `all`); None: the program's default (``default_shardable``)
     shardable: tuple[str, ...] | None = None
+    placement: str = "pack"  # where a candidate's ranks go on the cluster: few nodes (pack) or many (spread)
 
 
 @dataclass
@@ -63,6 +65,7 @@ class Tuned:
     record_id: int | None  # the winner's record
     shardable: str = shard.EVERY  # what the search let stay sharded (coconet.schedules.shardable's text)
     measurement_ids: dict[str, Any] = field(default_factory=dict)
+    left_out: dict[str, str] = field(default_factory=dict)  # backends the cluster cannot run, and why
 
     def to_json(self, program: Program, topology: str, world: int) -> dict[str, Any]:
         o = self.outcome
@@ -84,7 +87,7 @@ class Tuned:
                 # the search's own fastest and its figure; best, runner_up, baseline and speedup are the re-timing's
                 "search_best": stats(o.search_best), "order_reversed": o.order_reversed, "trials": len(o.trials),
                 "failed": len(o.failed), "failures": failures(o.failed), "record_id": self.record_id,
-                "job_id": self.job_id, "study": o.study}
+                "job_id": self.job_id, "study": o.study, "backends_left_out": self.left_out}
 
 
 def failures(failed: Sequence[Trial], most: int = 5) -> list[dict[str, Any]]:
@@ -110,13 +113,15 @@ def local_backends(world: int) -> tuple[str, ...]:
     return ("gloo", "shm") if platform.machine() in ("x86_64", "AMD64") else ("gloo",)
 
 
-def versions(backend: str, kernels: str = "compiled") -> dict[str, str]:
+def versions(backend: str, kernels: str = "compiled", placed: str | None = None) -> dict[str, str]:
     import torch
 
     import coconet
 
     out = {"coconet": coconet.__version__, "torch": torch.__version__, "backend": backend,
            "python": platform.python_version(), "kernels": kernels}
+    if placed:  # where the ranks ran: "2 ranks on 1 node"
+        out["placement"] = placed
     if backend == "nccl" and torch.cuda.is_available():
         out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
         out["driver"] = f"cuda {torch.version.cuda}; {torch.cuda.get_device_name(0)}"
@@ -144,6 +149,8 @@ def check(request: Request) -> tuple[str, ...]:
     if request.topology != LOCAL and not request.ray_address:
         raise CoconetError(f"coconet tune measures: topology {request.topology!r} needs its cluster "
                            "(--ray-address); for a prediction use coconet sweep")
+    if request.placement not in PLACEMENTS:
+        raise CoconetError(f"unknown placement {request.placement!r} (use {' or '.join(PLACEMENTS)})")
     if request.budget < 1:
         raise CoconetError(f"budget must be at least 1 trial, got {request.budget}")
     if request.shardable is not None:
@@ -188,12 +195,14 @@ def tune(request: Request, store, *, on_progress: Callable[[dict, Progress], Non
     allowed_text = shardable_text(prog, request.shardable)
     if job_id is None:
         _free_keys(store, prog, request.sizes, request, allowed_text)
-    space = SearchSpace.of(prog, backends, request.depth, shard.names(allowed_text))
+    stages = 2 if prog.is_pipeline else 1
+    connect(request.ray_address, ranks=request.world * stages * len(backends))
+    fit = plan(Need(request.world * stages, gpu="nccl" in backends), backends, offer(),
+               asked=bool(request.backends), placement=request.placement)
+    space = SearchSpace.of(prog, fit.backends, request.depth, shard.names(allowed_text))
     store.add_program(prog)
     if request.topology == LOCAL:
         store.add_topology(LOCAL, fingerprint(), source="measured")
-    stages = 2 if prog.is_pipeline else 1
-    connect(request.ray_address, ranks=request.world * stages * len(backends))
     storage = store.optuna_storage()
     order = sorted(request.sizes, key=lambda s: math.prod(s.values()))
     done: list[Tuned] = []
@@ -215,10 +224,14 @@ def tune(request: Request, store, *, on_progress: Callable[[dict, Progress], Non
             runners: dict[str, Runner] = {}
 
             def measure(c: Candidate) -> RunResult:
+                if not fit.shared:  # the cluster holds one backend's ranks at a time: the others let theirs go
+                    for other, runner in runners.items():
+                        if other != c.backend:
+                            runner.close()
                 if c.backend not in runners:
                     runners[c.backend] = Runner(prog, world=request.world, sizes=sizes, backend=c.backend,
                                                 protocol=request.protocol, program_file=request.program_file,
-                                                lowering=lowering)
+                                                lowering=lowering, placement=request.placement)
                 return runners[c.backend].measure(c.schedule)
 
             def record(c: Candidate, res: RunResult, role: str) -> int:
@@ -229,7 +242,11 @@ def tune(request: Request, store, *, on_progress: Callable[[dict, Progress], Non
                     status=res.status, error=res.error, samples=list(res.samples), n=len(res.samples),
                     median_s=s.median if s else None, ci_lo_s=s.ci95[0] if s else None,
                     ci_hi_s=s.ci95[1] if s else None, max_rel_err=err, source="measured",
-                    versions=versions(c.backend, request.protocol.kernels), job_id=job))
+                    versions=versions(c.backend, request.protocol.kernels, placed(c.backend)), job_id=job))
+
+            def placed(backend: str) -> str | None:
+                runner = runners.get(backend)
+                return runner.placed if runner is not None else None
 
             def progress(p: Progress) -> None:
                 store.update_job(job, progress=JobProgress(done=p.trials, total=p.budget, failed=p.failed,
@@ -261,7 +278,7 @@ def tune(request: Request, store, *, on_progress: Callable[[dict, Progress], Non
                                              runner_up_id=_record_id(outcome.runner_up, record),
                                              baseline_id=base_id, job_id=job, shardable=allowed_text,
                                              order_reversed=outcome.order_reversed)
-            tuned = Tuned(sizes, outcome, job, winner_id, shardable=allowed_text)
+            tuned = Tuned(sizes, outcome, job, winner_id, shardable=allowed_text, left_out=dict(fit.left_out))
             store.update_job(job, state="done", result=tuned.to_json(prog, request.topology, request.world))
             done.append(tuned)
     return done

@@ -137,7 +137,7 @@ def test_a_dying_rank_and_a_refused_lowering(ray_local):
         # the ranks' diagnostics: in a folder of this run only this user enters, under names nobody can guess
         assert run_dir is not None and stat.S_IMODE(run_dir.stat().st_mode) == 0o700
         assert run_dir.parent == Path(tempfile.gettempdir()) and run_dir.name != "coconet-ranks-"
-    assert res.status == "killed" and "rank 1 died" in res.error
+    assert res.status == "killed" and re.match(r"rank 1 \(node \w+ at [^)]+\) died", res.error)
     assert not run_dir.exists() and r.run_dir is None  # gone with the run
 
     def refuse(schedule, backend, kernels):
@@ -167,7 +167,7 @@ def test_a_local_cluster_started_by_a_thread_outlives_it_and_ends_with_the_proce
     code = (
         "import json, os, threading, ray\n"
         "from pathlib import Path\n"
-        "from coconet.tuner.runner import connect\n"
+        "from coconet.tuner.cluster import connect\n"
         "t = threading.Thread(target=connect, kwargs={'ranks': 1})\n"
         "t.start(); t.join()\n"
         "@ray.remote\n"
@@ -212,7 +212,7 @@ def test_a_group_whose_port_was_taken_is_formed_again(ray_local, monkeypatch, ta
 
     def get(refs, *args, **kwargs):
         out = real_get(refs, *args, **kwargs)
-        where = isinstance(out, list) and out and isinstance(out[0], tuple) and len(out[0]) == 4
+        where = isinstance(out, list) and out and isinstance(out[0], tuple) and len(out[0]) == 5
         if where and len(held) < taken:
             out = [(out[0][0], hold_port(held), *out[0][2:])] + out[1:]
         return out

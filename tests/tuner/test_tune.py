@@ -1,6 +1,7 @@
 """coconet tune end to end on Ray into a fresh store: the winner recorded and served by the store,
 an interrupted tuning resumed without measuring anything twice."""
 
+import re
 import runpy
 from pathlib import Path
 
@@ -10,6 +11,7 @@ from coconet.codegen.lower import lower
 from coconet.errors import CoconetError
 from coconet.server.driver import Driver, this_process
 from coconet.server.store import Store
+from coconet.tuner.cluster import Node, Offer
 from coconet.tuner.runner import Protocol
 from coconet.tuner.search import RETIME_ROUNDS
 from coconet.tuner.tune import Request, _free_keys, tune
@@ -235,6 +237,7 @@ def test_tune_refuses_a_key_another_tuner_took_after_the_check(tmp_path, monkeyp
 
         monkeypatch.setattr(tune_module, "_free_keys", late)
         monkeypatch.setattr(tune_module, "connect", lambda *a, **k: None)  # refused before any rank is needed
+        monkeypatch.setattr(tune_module, "offer", lambda: Offer((Node("n0", "127.0.0.1", 8.0, 0.0),)))
         with pytest.raises(CoconetError, match=rf"N=3000 \(job \d+, pid {me.pid} on {me.host}\) on local, world 2 "
                                                rf"is being tuned"):
             tune(request, store)
@@ -309,7 +312,7 @@ def test_a_candidate_killed_from_outside_is_tried_again_on_the_next_run(ray_loca
     with Store.open(f"sqlite:///{tmp_path / 'c.db'}") as store:
         [first] = tune(request, store, lowering=lowering)
         assert [t.result.status for t in first.outcome.failed] == ["killed"] and marker.exists()
-        assert "rank 1 died" in first.outcome.failed[0].result.error
+        assert re.match(r"rank 1 \(node \w+ at [^)]+\) died", first.outcome.failed[0].result.error)
         [second] = tune(request, store, lowering=lowering)
         assert not second.outcome.failed and second.outcome.baseline.result.status == "ok"
         rows = [m for m in store.measurements(prog.hash, sizes, "local") if m.schedule == "baseline"]
