@@ -76,3 +76,62 @@ def test_images_agree_and_run_as_non_root() -> None:
 def test_hadolint(name: str) -> None:
     proc = subprocess.run(["hadolint", str(DOCKER / name)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def _worker_check():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("worker_check", DOCKER / "worker_check.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _apt_installs(text: str) -> set[str]:
+    pkgs: set[str] = set()
+    for line in re.findall(r"apt-get install ([^\\&\n]+)", text):
+        pkgs.update(w for w in line.split() if not w.startswith("-"))
+    return pkgs
+
+
+def test_worker_image_can_build_inductor_and_triton_kernels() -> None:
+    """Triton compiles a C launcher against Python.h per kernel signature, Inductor compiles host C++: the
+    worker image installs a C and a C++ compiler, libc's and Python's headers, and checks them (and
+    torch's own Triton) while it builds, so a missing one fails the build rather than the first job."""
+    text = (DOCKER / "Dockerfile.worker").read_text()
+    pkgs = _apt_installs(text)
+    assert {"gcc", "g++", "libc6-dev", "python3-dev"} <= pkgs, pkgs
+    # the check runs in the same layer as the install of coconet, after torch, and is in the build context
+    assert re.search(r"pip install \"ray==.*\n\s+&& python /usr/local/lib/coconet/worker_check\.py", text)
+    assert text.index('"torch==${TORCH_VERSION}"') < text.index("worker_check.py")
+    assert "!docker/worker_check.py" in (DOCKER / "Dockerfile.worker.dockerignore").read_text().splitlines()
+    # nothing but torch's wheel installs Triton: no pip line names it, and the gpu extra is empty
+    assert not re.search(r"pip install[^\n]*triton", text)
+    import tomllib
+
+    extras = tomllib.loads((DOCKER.parent / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert extras["gpu"] == [], "torch's CUDA wheel pins its Triton; CuPy is used only by a test"
+
+
+def test_worker_check_judges_triton_against_torchs_pin() -> None:
+    wc = _worker_check()
+    # torch 2.13.0's Linux wheel, as its Requires-Dist reads
+    reqs = ["filelock", 'triton==3.7.1; platform_system == "Linux" and python_version < "3.15"',
+            'nvidia-nccl-cu13==2.29.7; platform_system == "Linux"', 'optree>=0.13.0; extra == "optree"']
+    assert wc.pinned_triton(reqs) == "3.7.1"
+    assert wc.triton_problems(reqs, {"triton": "3.7.1"}) == []
+    assert "torch needs triton==3.7.1" in wc.triton_problems(reqs, {"triton": "3.6.0"})[0]
+    assert "two Tritons" in wc.triton_problems(reqs, {"triton": "3.7.1", "pytorch-triton": "3.8.0+git"})[0]
+    assert "not installed" in wc.triton_problems(reqs, {})[0]
+    assert "not a CUDA build" in wc.triton_problems(["filelock", "sympy>=1.13"], {"triton": "3.7.1"})[0]
+
+
+def test_worker_check_finds_a_missing_compiler_or_header(tmp_path: Path) -> None:
+    import sysconfig
+
+    wc = _worker_check()
+    assert "no C compiler" in wc.compiler_problems(None, sysconfig.get_paths()["include"])[0]
+    assert "no Python.h" in wc.compiler_problems("cc", str(tmp_path))[0]
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc and (Path(sysconfig.get_paths()["include"]) / "Python.h").is_file():
+        assert wc.compiler_problems(cc, sysconfig.get_paths()["include"]) == []
