@@ -80,17 +80,21 @@ def _tree(roots: set[int]) -> list[int]:
     return out
 
 
-def _ours(marker: str) -> set[int]:
-    """The processes whose command line holds ``marker`` (read whole from /proc: ps cuts it to the terminal)."""
-    found = set()
+def _matching(pattern: str) -> set[int]:
+    """The processes whose command line matches ``pattern`` (read whole from /proc: ps cuts it to the terminal)."""
+    found, regex = set(), re.compile(pattern)
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit() and int(proc.name) != os.getpid():
             try:
-                if marker in (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
+                if regex.search((proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")):
                     found.add(int(proc.name))
             except OSError:
                 continue
     return found
+
+
+def _ours(marker: str) -> set[int]:
+    return _matching(re.escape(marker))
 
 
 @dataclass
@@ -212,3 +216,44 @@ def test_a_node_lost_mid_study_stops_it_with_nothing_left_placed(two_nodes, tmp_
                            timeout=120)
     assert check.returncode == 0, check.stderr
     assert set(json.loads(check.stdout.strip().splitlines()[-1])) <= {"REMOVED"}
+
+
+def _recipe() -> list[str]:
+    text = (ROOT / "docs" / "cluster.md").read_text()
+    block = re.search(r"<!-- cluster-commands:.*?-->\n```bash\n(.*?)```", text, re.S)
+    assert block, "docs/cluster.md has no cluster-commands block"
+    return [line for line in block.group(1).splitlines() if line.strip()]
+
+
+def test_the_cluster_recipe_runs_as_written(tmp_path):
+    """docs/cluster.md's commands, each as written, with HEAD and PORT set: a head and a worker node by
+    `ray start` (token authentication on, as Ray starts it), then `coconet tune` across them."""
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(HEAD="127.0.0.1", PORT=str(port), RAY_USAGE_STATS_ENABLED="0",
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
+               COCONET_DATABASE_URL=f"sqlite:///{tmp_path / 'c.db'}")
+    *starts, tune = _recipe()
+    assert tune.startswith("coconet tune ")
+    try:
+        for line in starts:
+            subprocess.run(["bash", "-c", line], env=env, cwd=ROOT, check=True, capture_output=True, timeout=120)
+        proc = subprocess.run(["bash", "-c", tune], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        assert "winner, timed again in turns" in proc.stdout
+        assert "note: backend shm not tried: its ranks share memory on one node" in proc.stderr
+        with Store.open(env["COCONET_DATABASE_URL"]) as store:
+            [prog] = store.programs()
+            assert {m.versions.get("placement") for m in store.measurements(prog.hash)} == {"2 ranks on 2 nodes"}
+    finally:
+        # the processes of this cluster: its GCS, and everything that names it (raylets, agents), with their
+        # children; and Ray's note of "the current cluster" where it names this one
+        pids = _tree(_matching(rf"--gcs_server_port={port}(?!\d)|--gcs[-_]address[= ]\S+:{port}(?!\d)"))
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        note = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
+        if note.exists() and note.read_text().strip().endswith(f":{port}"):
+            note.unlink()
