@@ -184,7 +184,7 @@ def test_the_harness_catches_a_wrong_schedule(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, 3], ids=["w2", "w3"])
 @pytest.mark.parametrize("path", [*EXAMPLES, *BENCH_PROGRAMS], ids=lambda p: p.stem)
 def test_every_schedule_on_cuda_tensors_over_gloo(path, world):
     import torch
@@ -193,3 +193,23 @@ def test_every_schedule_on_cuda_tensors_over_gloo(path, world):
         pytest.skip("no CUDA device")
     bad = run_every_schedule(path, world, "cuda")
     assert not bad, bad
+
+
+NCCL_ACROSS_GPUS = ("python -m pytest -m gpu tests/codegen/test_nccl.py tests/codegen/test_cuda_gloo.py "
+                    "-k 'on_nccl or across_gpus'")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", [*EXAMPLES, *BENCH_PROGRAMS], ids=lambda p: p.stem)
+def test_every_schedule_on_nccl_across_gpus(path):
+    """NCCL itself with more than one rank: one rank per GPU, world = the device count. A one-GPU machine
+    cannot run it (NCCL refuses two ranks of a group on one device); the owner of a multi-GPU machine runs
+    the command in the skip reason."""
+    import torch
+
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n < 2:
+        pytest.skip(f"needs 2 or more CUDA devices, this machine has {n}; on one that has them run: {NCCL_ACROSS_GPUS}")
+    from tests.codegen.test_nccl import assert_every_schedule_ok_on_nccl
+
+    assert_every_schedule_ok_on_nccl(path)
