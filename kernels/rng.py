@@ -110,7 +110,8 @@ def cuda_random_bits(seed: int, index: Any) -> np.ndarray:
     try:
         import cupy
     except ImportError:
-        raise RuntimeError("cuda_random_bits needs CuPy (pip install 'coconet[gpu]') and a CUDA device") from None
+        raise RuntimeError("cuda_random_bits needs CuPy (pip install cupy-cuda12x, or the CuPy of your CUDA) "
+                           "and a CUDA device") from None
     seed = check_seed(seed)
     idx = cupy.asarray(np.ascontiguousarray(index, dtype=np.int64).reshape(-1))
     out = cupy.empty(idx.shape, dtype=cupy.uint32)
