@@ -4,7 +4,7 @@
         [--workload adam] [--out benchmarks/results/cost_model_local.json]
 
 Every schedule of the Adam step (N=2^22) and of the Megatron layer (B=2, S=256, H=512) runs on 2 local
-ranks with gloo and with shm (``coconet.codegen.launch.run_schedules``: checked, then timed; a sample
+ranks with gloo and with shm (``coconet.tuner.launch.run_schedules``: checked, then timed; a sample
 is the slowest rank's step). Each round is one launch per (program, backend), the rounds one after the
 other; a schedule's time is the median of its per-round medians (on a shared machine the load comes
 and goes between rounds, and one quiet or busy round should not decide). The model predicts each
@@ -28,7 +28,7 @@ from pathlib import Path
 
 from scipy.stats import kendalltau
 
-from coconet.codegen.launch import Options, run_schedules
+from coconet.tuner.launch import Options, run_schedules
 from coconet.schedules.space import generate
 from coconet.tuner import cost
 from coconet.tuner.topology import list_topologies, load_topology

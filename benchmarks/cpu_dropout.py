@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from coconet.codegen.prelude import _dropped, _flat_index, _words
-from coconet.codegen.rank import allocator_policy, keep_freed_memory
+from coconet.tuner.rank import allocator_policy, keep_freed_memory
 from coconet.kernels.rng import philox_words
 
 ROOT = Path(__file__).resolve().parents[1]

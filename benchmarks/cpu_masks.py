@@ -51,7 +51,7 @@ def main() -> None:
     args = ap.parse_args()
     from coconet.codegen.prelude import _kernel
 
-    # as the ranks do (coconet.codegen.rank): freed memory is kept, so no way pays page faults
+    # as the ranks do (coconet.tuner.rank): freed memory is kept, so no way pays page faults
     libc = ctypes.CDLL("libc.so.6")
     libc.mallopt(-3, 1 << 30)
     libc.mallopt(-1, (1 << 31) - 1)

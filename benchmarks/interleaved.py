@@ -35,8 +35,8 @@ def _rank(rank: int, world: int, port: int, program_path: str, sizes: dict, path
     import torch
     import torch.distributed as dist
 
-    from coconet.codegen.launch import Options
-    from coconet.codegen.rank import inputs, keep_freed_memory
+    from coconet.tuner.launch import Options
+    from coconet.tuner.rank import inputs, keep_freed_memory
     from coconet.loader import load_file
     from coconet.schedules.schedule import Schedule
 
@@ -88,7 +88,7 @@ def run_processes(procs, out):
     with its exit code (the others wait at a barrier gloo breaks only after its timeout); on the way out, by
     any path, every rank is stopped and the segments it left mapped by nobody are removed, as coconet's
     launcher does."""
-    from coconet.codegen.launch import remove_leftover_segments
+    from coconet.tuner.launch import remove_leftover_segments
 
     try:
         for p in procs:
@@ -117,7 +117,7 @@ def run_processes(procs, out):
 def main(argv: list[str] | None = None) -> dict:
     import torch.multiprocessing as mp
 
-    from coconet.codegen.launch import free_port
+    from coconet.tuner.launch import free_port
     from coconet.loader import load_file
     from coconet.schedules.dims import parse_sizes
 

@@ -35,7 +35,7 @@ WAYS = {"fork server": None, COLD: None, "fresh interpreters": "0"}  # way -> it
 
 def _env(way: str) -> dict[str, str]:
     """This process's environment with the way's fork-server switch."""
-    from coconet.codegen.forkserver import ENV_SWITCH
+    from coconet.tuner.forkserver import ENV_SWITCH
 
     env = {k: v for k, v in os.environ.items() if k != ENV_SWITCH}
     if WAYS[way] is not None:
@@ -51,8 +51,8 @@ def _launch(schedules, opts, way: str, registries: dict) -> float:
     from contextlib import ExitStack
     from unittest import mock
 
-    from coconet.codegen import forkserver
-    from coconet.codegen.launch import run_schedules
+    from coconet.tuner import forkserver
+    from coconet.tuner.launch import run_schedules
 
     with ExitStack() as patches:
         patches.enter_context(mock.patch.dict(os.environ, _env(way), clear=True))  # the launch reads the switch
@@ -93,7 +93,7 @@ def _commands(args, world: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from coconet.codegen.launch import Options
+    from coconet.tuner.launch import Options
     from coconet.loader import load_file
     from coconet.schedules.dims import parse_sizes
     from coconet.schedules.schedule import Schedule

@@ -20,7 +20,7 @@ import os
 import statistics
 from pathlib import Path
 
-from coconet.codegen.launch import RunResult
+from coconet.tuner.launch import RunResult
 from coconet.loader import load_file
 from coconet.schedules.dims import format_sizes, parse_sizes
 from coconet.server.store import Store

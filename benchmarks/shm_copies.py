@@ -23,7 +23,7 @@ import runpy
 import statistics
 from pathlib import Path
 
-from coconet.codegen.launch import Options, run_schedules
+from coconet.tuner.launch import Options, run_schedules
 from coconet.schedules.dims import parse_sizes
 from coconet.schedules.schedule import Schedule
 

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from coconet.codegen.lower import lower
-from coconet.codegen.launch import free_port
+from coconet.tuner.launch import free_port
 from coconet.schedules.space import generate
 
 ROOT = Path(__file__).parents[1]

@@ -239,7 +239,7 @@ def _rank(rank: int, world: int, port: int, args, out) -> None:
 def main(argv: list[str] | None = None) -> dict:
     import torch.multiprocessing as mp
 
-    from coconet.codegen.launch import free_port
+    from coconet.tuner.launch import free_port
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--world", type=int, default=2)

@@ -133,7 +133,7 @@ def _rank(name: str, rank: int, world: int, port: int, n: int, repeats: int, war
 
 
 def time_torch_optim(name: str, world: int, n: int, repeats: int, warmup: int = 3) -> list[float]:
-    from coconet.codegen.launch import free_port
+    from coconet.tuner.launch import free_port
 
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:

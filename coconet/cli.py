@@ -452,7 +452,7 @@ def run(
         for sched in picked:
             gen = lower(sched, backend, kernels)
             (emit / f"{prog.name}_{sched.hash}_{backend}.py").write_text(gen.source)
-    from coconet.codegen.launch import Options, run_schedules  # torch: seconds to import, so after the checks
+    from coconet.tuner.launch import Options, run_schedules  # torch: seconds to import, so after the checks
 
     opts = Options(world=world, sizes=sizes, backend=backend, kernels=kernels, stages=stages or 2, seed=seed, warmup=warmup,
                    repeats=repeats, check=not no_check, timeout_s=timeout,
@@ -873,7 +873,7 @@ def bench(
     from coconet.codegen.baselines import baseline_for
     from coconet.codegen.footprint import require_fits
     from coconet.codegen.lower import BACKENDS
-    from coconet.codegen.rank import allocator_policy
+    from coconet.tuner.rank import allocator_policy
     from coconet.loader import load_file
     from coconet.schedules import shardable as shard
     from coconet.schedules.dims import parse_sizes
@@ -921,7 +921,7 @@ def bench(
     prog.require_world(world)
     for sizes in points_sizes:  # every point must fit, before the first one runs
         require_fits(prog, sizes, world, check=True)
-    from coconet.codegen.launch import Options, require_cuda, run_schedules  # torch: seconds, so after the checks
+    from coconet.tuner.launch import Options, require_cuda, run_schedules  # torch: seconds, so after the checks
 
     if device == "cuda":
         require_cuda(nranks)  # before any point is measured

@@ -13,6 +13,18 @@ def pytest_configure(config):
 
 
 @pytest.fixture(scope="session")
+def temp_code_cache(tmp_path_factory):
+    """Generated modules go to a throwaway cache, not the user's."""
+    old = os.environ.get("COCONET_CACHE_DIR")
+    os.environ["COCONET_CACHE_DIR"] = str(tmp_path_factory.mktemp("coconet-cache"))
+    yield
+    if old is None:
+        del os.environ["COCONET_CACHE_DIR"]
+    else:
+        os.environ["COCONET_CACHE_DIR"] = old
+
+
+@pytest.fixture(scope="session")
 def ray_local():
     """One local Ray cluster for every test that needs one (starting it costs seconds)."""
     ray = pytest.importorskip("ray")

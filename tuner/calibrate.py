@@ -226,7 +226,7 @@ def cpu_model() -> str:
 # --- the rank processes ---
 
 def _rank_main(argv: list[str]) -> int:
-    from coconet.codegen.rank import die_with_parent, keep_freed_memory
+    from coconet.tuner.rank import die_with_parent, keep_freed_memory
 
     die_with_parent()
     keep_freed_memory()  # the allocator the ranks run with: what a fresh buffer costs there

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from coconet.codegen.launch import (HANG_DUMP_S, PORT_TRIES, Options, RunResult, compare, custom_payload,
+from coconet.tuner.launch import (HANG_DUMP_S, PORT_TRIES, Options, RunResult, compare, custom_payload,
                                     describe_error, port_taken, remove_leftover_segments, strip_program, stuck_at)
 from coconet.codegen.lower import BACKENDS, Generated, lower
 from coconet.errors import BackendError, ClusterError, CoconetError
@@ -68,7 +68,7 @@ class _Rank:
     def __init__(self, rank: int, world: int, stages: int, backend: str, threads: int, custom, run_dir: str) -> None:
         import torch
 
-        from coconet.codegen.rank import _custom_ops, freeze_imports, keep_freed_memory
+        from coconet.tuner.rank import _custom_ops, freeze_imports, keep_freed_memory
 
         keep_freed_memory()
         self.rank, self.world, self.stages, self.backend = rank, world, stages, backend
@@ -84,7 +84,7 @@ class _Rank:
     def where(self) -> tuple[str, int, int, str, str]:
         import ray
 
-        from coconet.codegen.launch import free_port
+        from coconet.tuner.launch import free_port
 
         return (ray.util.get_node_ip_address(), free_port(), os.getpid(), str(self.stack_path),
                 ray.get_runtime_context().get_node_id())
@@ -108,7 +108,7 @@ class _Rank:
         import numpy as np
         import torch
 
-        from coconet.codegen.rank import checked_steps, inputs, time_steps
+        from coconet.tuner.rank import checked_steps, inputs, time_steps
 
         device = torch.device("cuda", 0) if self.backend == "nccl" else torch.device("cpu")
         stage = self.rank // self.world
@@ -140,7 +140,7 @@ class _Rank:
 
 
 def _error(e: BaseException, filename: str) -> dict[str, Any]:
-    from coconet.codegen.rank import error_report
+    from coconet.tuner.rank import error_report
 
     report = error_report(e, filename)
     return dict(report, error=report["error"].strip()[:2000])  # it travels back through Ray and into the store

@@ -27,7 +27,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from coconet.codegen.launch import RunResult
+from coconet.tuner.launch import RunResult
 from coconet.errors import CoconetError
 from coconet.schedules.dims import format_sizes
 from coconet.schedules.ir import Program

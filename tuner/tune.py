@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from coconet.codegen.baselines import shardable_text
 from coconet.codegen.footprint import require_fits
-from coconet.codegen.launch import MAX_RANKS, RunResult
+from coconet.tuner.launch import MAX_RANKS, RunResult
 from coconet.codegen.lower import Generated, lower
 from coconet.errors import CoconetError, KeyBusy, StoreError
 from coconet.schedules import shardable as shard

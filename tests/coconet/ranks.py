@@ -11,7 +11,7 @@ import time
 import traceback
 from datetime import timedelta
 
-from coconet.codegen.launch import free_port
+from coconet.tuner.launch import free_port
 
 PRELOAD = ["torch", "torch.distributed", "coconet.step", "coconet.optim", "coconet.codegen.lower",
            "coconet.codegen.prelude", "tests.coconet.ranks"]

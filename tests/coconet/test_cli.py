@@ -488,7 +488,7 @@ def test_bench_errors():
 
 def test_tune_says_why_its_trials_failed(capsys):
     from coconet.cli import _print_tune_table
-    from coconet.codegen.launch import RunResult
+    from coconet.tuner.launch import RunResult
     from coconet.loader import load_file
     from coconet.schedules.schedule import Schedule
     from coconet.tuner.search import Candidate, Outcome, Trial

@@ -19,7 +19,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from coconet.codegen.launch import RunResult
+from coconet.tuner.launch import RunResult
 from coconet.loader import load_file
 from coconet.schedules.space import generate
 from coconet.server.records import NewMeasurement, Progress

@@ -16,8 +16,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from coconet.codegen.launch import Options
-from coconet.codegen.rank import inputs
+from coconet.tuner.launch import Options
+from coconet.tuner.rank import inputs
 from coconet.loader import load_file
 from coconet.schedules import interp
 from coconet.schedules.schedule import Schedule

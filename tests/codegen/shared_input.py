@@ -20,9 +20,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from coconet.codegen.launch import Options
+from coconet.tuner.launch import Options
 from coconet.codegen.lower import lower
-from coconet.codegen.rank import inputs
+from coconet.tuner.rank import inputs
 from coconet.schedules import interp
 from coconet.schedules.schedule import Schedule
 

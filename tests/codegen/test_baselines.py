@@ -5,7 +5,7 @@ import pytest
 
 from coconet import Local, Program, Replicated, Sliced, allreduce, dropout, matmul
 from coconet.codegen.baselines import BASELINES, baseline_for
-from coconet.codegen.launch import Options, run_schedules
+from coconet.tuner.launch import Options, run_schedules
 from coconet.errors import CoconetError
 from coconet.schedules.schedule import Schedule
 

@@ -23,21 +23,15 @@ from pathlib import Path
 
 import pytest
 
+from coconet.tuner import launch
+from coconet.tuner import rank as rank_process
+
 ROOT = Path(__file__).parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
 BENCH_PROGRAMS = sorted((ROOT / "benchmarks" / "programs").glob("*.py"))
 SIZES = runpy.run_path(str(ROOT / "benchmarks" / "every_schedule.py"), run_name="every_schedule")["SIZES"]
 KERNELS = os.environ.get("COCONET_CUDA_GLOO_KERNELS", "eager")
 RANK_TIMEOUT_S = 600
-
-
-def _launch_mod():
-    # the launcher may move from coconet.codegen to coconet.tuner: either place serves
-    try:
-        from coconet.codegen import launch, rank
-    except ImportError:  # pragma: no cover - after the move
-        from coconet.tuner import launch, rank  # type: ignore[no-redef]
-    return launch, rank
 
 
 def _program(path: Path):
@@ -52,7 +46,6 @@ def _rank_main(rank: int, path: str, world: int, stages: int, port: int, device:
 
     from coconet.schedules.space import generate
 
-    _, rk = _launch_mod()
     if device == "cuda":
         torch.cuda.set_device(0)
         dev = torch.device("cuda", 0)
@@ -74,10 +67,10 @@ def _rank_main(rank: int, path: str, world: int, stages: int, port: int, device:
             kwargs = dict(group=groups[stage], stage=stage, stages=stages, sizes=dict(SIZES_OF(prog)),
                           custom_ops=custom)
             opts = _options(prog, world, stages)
-            tensors, scalars = rk.inputs(sched, opts, stage, rank % world, dev)
+            tensors, scalars = rank_process.inputs(sched, opts, stage, rank % world, dev)
             assert all(t.device.type == dev.type for t in tensors.values())
             report = {}
-            for r in rk.checked_steps(ns["step"], sched, tensors, scalars, kwargs, stage):
+            for r in rank_process.checked_steps(ns["step"], sched, tensors, scalars, kwargs, stage):
                 report.update({k: v.copy() for k, v in r.items()})
             out.put((i, rank, report, None))
         except Exception as e:  # reported, and this rank stops: its peers would wait on it in a collective
@@ -91,7 +84,6 @@ def SIZES_OF(prog) -> dict[str, int]:
 
 
 def _options(prog, world: int, stages: int):
-    launch, _ = _launch_mod()
     return launch.Options(world=world, sizes=SIZES_OF(prog), backend="gloo", stages=stages)
 
 
@@ -105,7 +97,6 @@ def run_every_schedule(path: Path, world: int, device: str, kernels: str = KERNE
     from coconet.schedules.equivalence import Reference
     from coconet.schedules.space import generate
 
-    launch, _ = _launch_mod()
     prog = _program(path)
     stages = 2 if prog.is_pipeline else 1
     space = generate(prog)[:limit]

@@ -516,8 +516,8 @@ def test_an_update_by_one_pointwise_statement_is_computed_into_the_state():
     is copied as before, since that state may be written by then. Each schedule's values are checked
     against the reference interpreter on gloo and shm (a swap of two states among them)."""
     from coconet import Local, Program, Replicated, allreduce, where
-    from coconet.codegen.launch import Options, run_schedules
-    from tests.codegen.test_launch import assert_all_ok
+    from coconet.tuner.launch import Options, run_schedules
+    from tests.tuner.test_launch import assert_all_ok
 
     p = Program("swapped", dims=("N",))
     g = p.tensor("g", ("N",), layout=Local)
@@ -546,8 +546,8 @@ def test_a_cast_of_a_state_to_its_own_dtype_is_a_copy():
     returned, or kept as another state's new value, had been the state the step then overwrites (an output
     or a state of the value after the step: a wrong result in every schedule, 14 of 26 for the update)."""
     from coconet import Local, Program, Replicated, allreduce, cast
-    from coconet.codegen.launch import Options, run_schedules
-    from tests.codegen.test_launch import assert_all_ok
+    from coconet.tuner.launch import Options, run_schedules
+    from tests.tuner.test_launch import assert_all_ok
 
     p = Program("cast_kept", dims=("N",))
     g = p.tensor("g", ("N",), layout=Local)
@@ -571,8 +571,8 @@ def test_a_kernel_writes_a_state_in_place_when_its_other_readers_ran_before_it()
     own dtype, the state itself) read after it, and the state is copied at the step's end as before. Every
     schedule is checked on gloo (eager) and shm (compiled)."""
     from coconet import Local, Program, Replicated, allreduce, cast
-    from coconet.codegen.launch import Options, run_schedules
-    from tests.codegen.test_launch import assert_all_ok
+    from coconet.tuner.launch import Options, run_schedules
+    from tests.tuner.test_launch import assert_all_ok
 
     ef = runpy.run_path(str(ROOT / "benchmarks/programs/ef_sign.py"))["program"].ir
     sched = Schedule.parse("fuse(add0, abs0, ge0); fuse(where0, sub0)", ef)
@@ -611,8 +611,8 @@ def test_a_state_returned_as_it_was_before_the_step_is_a_copy():
     update (the reference's), not the tensor the end of the step overwrites (every schedule of it was a
     wrong result, on every backend). Checked on gloo and shm, the fused kernels compiled on shm."""
     from coconet import Local, Program, Replicated, allreduce
-    from coconet.codegen.launch import Options, run_schedules
-    from tests.codegen.test_launch import assert_all_ok
+    from coconet.tuner.launch import Options, run_schedules
+    from tests.tuner.test_launch import assert_all_ok
 
     p = Program("returns_old_state", dims=("N",))
     g = p.tensor("g", ("N",), layout=Local)
@@ -635,8 +635,8 @@ def test_states_swapped_are_copied_before_a_kernel_writes_one():
     the step, copied as the step begins under a name of its own (it had been copied after the kernel wrote b,
     and rebound the name b, so that b's own update went into the copy: every schedule was wrong)."""
     from coconet import Local, Program, Sliced, reduce_scatter
-    from coconet.codegen.launch import Options, run_schedules
-    from tests.codegen.test_launch import assert_all_ok
+    from coconet.tuner.launch import Options, run_schedules
+    from tests.tuner.test_launch import assert_all_ok
 
     p = Program("swapped_sliced", dims=("N",))
     g = p.tensor("g", ("N",), layout=Local)
@@ -660,8 +660,8 @@ def test_a_state_only_a_fused_collective_writes_is_bound_before_it():
     is updated to s2 as it was: every input is bound, and s2 copied, before the collective runs (they had
     come after it: a NameError in the collective, found by the strategy's states updated from states)."""
     from coconet import Local, Program, Replicated, allreduce, dropout
-    from coconet.codegen.launch import Options, run_schedules
-    from tests.codegen.test_launch import assert_all_ok
+    from coconet.tuner.launch import Options, run_schedules
+    from tests.tuner.test_launch import assert_all_ok
 
     p = Program("gathered_unread", dims=("N",))
     g = p.tensor("g", ("N",), layout=Local)

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from coconet.codegen.launch import Options, run_schedules
+from coconet.tuner.launch import Options, run_schedules
 from coconet.schedules.space import generate
 
 ROOT = Path(__file__).parents[2]

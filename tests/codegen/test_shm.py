@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coconet.codegen import shm
-from coconet.codegen.launch import Options, free_port, run_schedules
+from coconet.tuner.launch import Options, free_port, run_schedules
 from coconet.codegen.lower import lower
 from coconet.kernels import native
 from coconet.schedules.schedule import Schedule
@@ -27,7 +27,7 @@ from coconet.schedules.space import generate
 from tests.codegen import faulty, warm_rank
 from tests.codegen.shared_state import SCHEDULE as ZERO1
 from tests.codegen.test_lower import factored
-from tests.codegen.test_launch import (BENCH_PROGRAMS, BENCH_SIZES, EXAMPLES, RANKS, SIZES, assert_all_ok, example,
+from tests.tuner.test_launch import (BENCH_PROGRAMS, BENCH_SIZES, EXAMPLES, RANKS, SIZES, assert_all_ok, example,
                                       of_this_run, rank_processes)
 from tests.strategies import collective_programs
 

@@ -1,13 +1,13 @@
 """A rank script (``python -m MODULE RANK WORLD PORT ...``) run in a process forked from a warm interpreter
 instead of a fresh one: torch, its compiler and coconet are imported once, by multiprocessing's fork
-server, as a launch's own ranks are forked from one (coconet.codegen.forkserver). Each rank's stdout and
+server, as a launch's own ranks are forked from one (coconet.tuner.forkserver). Each rank's stdout and
 stderr go to a file of its own."""
 
 import os
 import runpy
 import sys
 
-from coconet.codegen import forkserver
+from coconet.tuner import forkserver
 
 # what the launch's fork server imports, and its warm-up's compiler, then what the rank scripts add
 PRELOAD = [*forkserver.PRELOAD, *forkserver.COMPILER, "coconet.codegen.lower", "coconet.schedules.interp", __name__]

@@ -2,7 +2,7 @@ import json
 import runpy
 from pathlib import Path
 
-from coconet.codegen.launch import Options, run_schedules
+from coconet.tuner.launch import Options, run_schedules
 from coconet.schedules.schedule import Schedule
 from coconet.tuner.trace import MATMUL, overlap
 

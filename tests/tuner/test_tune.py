@@ -145,7 +145,7 @@ def test_the_tuners_winner_is_the_exhaustive_winner_within_its_ci(ray_local, tmp
 
 
 def test_the_tuned_json_says_which_state_the_winner_leaves_sharded():
-    from coconet.codegen.launch import RunResult
+    from coconet.tuner.launch import RunResult
     from coconet.schedules.schedule import Schedule
     from coconet.tuner.search import Candidate, Outcome, Trial
     from coconet.tuner.tune import Tuned
@@ -166,7 +166,7 @@ def test_the_tuned_json_says_which_state_the_winner_leaves_sharded():
 
 
 def test_the_tuned_json_says_why_its_trials_failed():
-    from coconet.codegen.launch import RunResult
+    from coconet.tuner.launch import RunResult
     from coconet.schedules.schedule import Schedule
     from coconet.tuner.search import Candidate, Outcome, Trial
     from coconet.tuner.tune import Tuned

@@ -9,10 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from coconet.codegen.forkserver import RANK_NAME, Forked, Servers, kill_group, start_rank
-from coconet.codegen.launch import Options, run_schedules
+from coconet.tuner.forkserver import RANK_NAME, Forked, Servers, kill_group, start_rank
+from coconet.tuner.launch import Options, run_schedules
 from coconet.schedules.schedule import Schedule
-from tests.codegen.test_launch import example, rank_processes
+from tests.tuner.test_launch import example, rank_processes
+
+pytestmark = pytest.mark.usefixtures("temp_code_cache")  # generated modules in a throwaway cache
 
 
 def _pipe_and_log(tmp_path, name="rank0.log"):
@@ -77,7 +79,7 @@ def test_one_server_per_environment_and_an_idle_one_goes_when_the_environment_ch
 
 
 def test_the_server_goes_with_its_caller(tmp_path):
-    code = ("import os, sys\nfrom coconet.codegen.forkserver import Servers\n"
+    code = ("import os, sys\nfrom coconet.tuner.forkserver import Servers\n"
             "print(Servers().get().proc.pid, flush=True)\nos._exit(0)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     pid = int(out.stdout.split()[0])

@@ -14,14 +14,16 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from coconet.codegen.forkserver import RANK_NAME
-from coconet.codegen.launch import STARTUP_S, Options, run_schedules
+from coconet.tuner.forkserver import RANK_NAME
+from coconet.tuner.launch import STARTUP_S, Options, run_schedules
 from coconet.schedules.schedule import Schedule
 from coconet.schedules.space import generate
 from tests.codegen import faulty
 from tests.conftest import RUN_MARK
 from tests.ports import hold_port
 from tests.strategies import collective_programs, programs
+
+pytestmark = pytest.mark.usefixtures("temp_code_cache")  # generated modules in a throwaway cache
 
 ROOT = Path(__file__).parents[2]
 EXAMPLES = sorted(p.stem for p in (ROOT / "examples").glob("*.py"))
@@ -62,7 +64,7 @@ def rank_processes() -> list[int]:
         if not of_this_run(d.name):
             continue
         # a fresh interpreter, or forked by the fork server, which names it
-        if (b"coconet.codegen.rank" in cmd or comm.startswith(RANK_NAME)) and state != "Z":
+        if (b"coconet.tuner.rank" in cmd or comm.startswith(RANK_NAME)) and state != "Z":
             pids.append(int(d.name))
     return pids
 
@@ -213,7 +215,7 @@ def test_a_dying_rank_is_reported_with_its_exit_code():
 
 def test_wrong_results_are_caught(monkeypatch):
     """A backend bug must show up as wrong_result: break the generated code on purpose."""
-    import coconet.codegen.launch as launch
+    import coconet.tuner.launch as launch
 
     real = launch.lower
 
@@ -241,7 +243,7 @@ def test_a_rank_holding_none_of_the_contraction_dim(backend):
 def test_a_step_that_writes_into_an_input_is_wrong(monkeypatch):
     """The gradient allreduced in place on the caller's tensor: every updated value is right, and the
     caller's g is gone. The schedule must not pass."""
-    import coconet.codegen.launch as launch
+    import coconet.tuner.launch as launch
 
     real = launch.lower
 
@@ -263,7 +265,7 @@ def test_a_value_computed_in_bfloat16_is_held_to_bfloat16s_tolerance():
     rounded like any bfloat16 value (about 1e-2 here), and every schedule, the program as written too,
     once failed float32's 1e-4. A float32 program keeps float32's."""
     import coconet as cc
-    from coconet.codegen.launch import Check
+    from coconet.tuner.launch import Check
     from coconet.schedules.equivalence import TOLERANCE
 
     p = cc.Program("bf16_sgd", dims=("N",))
@@ -338,7 +340,7 @@ def test_ranks_die_with_a_killed_parent(tmp_path):
 def test_every_rank_s_copy_of_a_replicated_result_is_checked():
     import numpy as np
 
-    from coconet.codegen.launch import compare
+    from coconet.tuner.launch import compare
     from coconet.schedules import interp
 
     prog = example("adam")
@@ -357,8 +359,8 @@ def test_a_second_step_is_checked_as_the_first():
     or missing there, fails the check and says so."""
     import numpy as np
 
-    from coconet.codegen.launch import compare
-    from coconet.codegen.rank import AGAIN
+    from coconet.tuner.launch import compare
+    from coconet.tuner.rank import AGAIN
     from coconet.schedules import interp
 
     prog = example("adam")
@@ -381,7 +383,7 @@ def test_a_second_step_is_checked_as_the_first():
 
 
 def test_a_rank_killed_by_a_signal_is_named_by_it():
-    from coconet.codegen.launch import _died
+    from coconet.tuner.launch import _died
 
     assert _died(3) == "died (exit code 3)"
     assert _died(-signal.SIGSEGV) == "was killed by SIGSEGV"
@@ -393,7 +395,7 @@ def test_reports_are_checked_as_they_come_whatever_their_order():
     """A replicated value is scored when its rank reports and not kept; a sharded one waits for its pieces."""
     import numpy as np
 
-    from coconet.codegen.launch import Check
+    from coconet.tuner.launch import Check
     from coconet.schedules import interp
 
     prog = Schedule.parse("split(ar0); reorder(ag0); as_slice(m); as_slice(v)", example("adam")).scheduled
@@ -432,7 +434,7 @@ def test_a_float16_overflow_is_named_as_the_cause():
     import numpy as np
 
     import coconet as cc
-    from coconet.codegen.launch import compare
+    from coconet.tuner.launch import compare
     from coconet.schedules import interp
 
     p = cc.Program("fp16", dims=("N",))
@@ -476,7 +478,7 @@ def test_an_ill_conditioned_program_is_held_to_its_own_error_in_its_dtype():
     off fails, and the message says why the bound is what it is."""
     import numpy as np
 
-    from coconet.codegen.launch import compare
+    from coconet.tuner.launch import compare
     from coconet.schedules import interp
     from coconet.schedules.equivalence import CONDITIONING, TOLERANCE, Reference, rel_err
 
@@ -502,7 +504,7 @@ def test_an_ill_conditioned_program_is_held_to_its_own_error_in_its_dtype():
 
 def test_a_group_whose_port_was_taken_is_launched_again_on_another(monkeypatch):
     # the port is free when chosen, and another process takes it before rank 0 listens on it
-    from coconet.codegen import launch
+    from coconet.tuner import launch
 
     held, chosen = [], []
     real = launch.free_port
@@ -522,7 +524,7 @@ def test_a_group_whose_port_was_taken_is_launched_again_on_another(monkeypatch):
 
 
 def test_a_port_taken_every_time_fails_the_launch_naming_the_cause(monkeypatch):
-    from coconet.codegen import launch
+    from coconet.tuner import launch
 
     held = []
     monkeypatch.setattr(launch, "free_port", lambda: hold_port(held))

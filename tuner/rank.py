@@ -1,6 +1,6 @@
-"""One rank of a ``coconet run`` launch: ``python -m coconet.codegen.rank JOB RANK FD``.
+"""One rank of a ``coconet run`` launch: ``python -m coconet.tuner.rank JOB RANK FD``.
 
-The parent (``coconet.codegen.launch``) writes the job — generated sources,
+The parent (``coconet.tuner.launch``) writes the job — generated sources,
 scheduled programs, options — to a file and starts one such process per rank
 with a pipe on file descriptor FD. The rank joins the torch.distributed group,
 then for each task runs the step twice on the same inputs and reports what it
@@ -11,7 +11,7 @@ array)``, the second step's keys ending in AGAIN), ``check`` once they are all s
 ``time`` (rank 0: the samples) and ``error``.
 
 A rank is a fresh interpreter or a fork of the fork server's
-(``coconet.codegen.forkserver``), never of the caller, nor multiprocessing-spawned:
+(``coconet.tuner.forkserver``), never of the caller, nor multiprocessing-spawned:
 it never re-imports the user's ``__main__``. It dies with its parent
 (PR_SET_PDEATHSIG), and on SIGUSR1 dumps every thread's Python stack to
 ``rankN.stack`` so the parent can say where a hung rank was.

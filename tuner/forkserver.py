@@ -38,10 +38,10 @@ import traceback
 
 ENV_SWITCH = "COCONET_FORKSERVER"
 READY_S = 120.0  # the server's imports, on a loaded machine
-# coconet.codegen.launch: a rank's job holds the launch's Options, so unpickling it imported the launcher (and
+# coconet.tuner.launch: a rank's job holds the launch's Options, so unpickling it imported the launcher (and
 # the lowering) in every rank of every launch
-PRELOAD = ("numpy", "torch", "torch.distributed", "coconet.codegen.rank", "coconet.codegen.baselines",
-           "coconet.codegen.launch")
+PRELOAD = ("numpy", "torch", "torch.distributed", "coconet.tuner.rank", "coconet.codegen.baselines",
+           "coconet.tuner.launch")
 COMPILER = ("torch._dynamo", "torch._inductor.compile_fx", "torch.fx.experimental.proxy_tensor",
             "coconet.codegen.prelude")  # what a rank's first compiled kernel imports
 # set anew for every test by pytest, and read by nothing at start-up: not part of a server's key (a server
@@ -94,7 +94,7 @@ class ForkServer:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "coconet.codegen.forkserver", str(theirs.fileno())],
+                [sys.executable, "-m", "coconet.tuner.forkserver", str(theirs.fileno())],
                 pass_fds=(theirs.fileno(),), env=env, cwd=cwd, stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL, start_new_session=True)  # its own session: Ctrl-C is the caller's
         finally:
@@ -233,7 +233,7 @@ def start_rank(job: str, rank: int, log_fd: int, pipe_fd: int, *, fresh: bool = 
             return _SERVERS.get().spawn(job, rank, log_fd, pipe_fd)
         except OSError:
             pass  # a fresh interpreter does what the server would have
-    return subprocess.Popen([sys.executable, "-m", "coconet.codegen.rank", job, str(rank), str(pipe_fd)],
+    return subprocess.Popen([sys.executable, "-m", "coconet.tuner.rank", job, str(rank), str(pipe_fd)],
                             pass_fds=(pipe_fd,), stdin=subprocess.DEVNULL, stdout=log_fd,
                             stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -253,7 +253,7 @@ def _serve(sock: socket.socket) -> None:
 
     for name in PRELOAD:
         importlib.import_module(name)
-    from coconet.codegen.rank import freeze_imports
+    from coconet.tuner.rank import freeze_imports
 
     freeze_imports()
     wake_r, wake_w = os.pipe()
@@ -363,7 +363,7 @@ def _child(sock: socket.socket, wake: tuple[int, int], fds: list[int], job: str,
         os.dup2(log_fd, 2)
         os.close(log_fd)
         _name(f"{RANK_NAME}{rank}")
-        from coconet.codegen import rank as rank_module
+        from coconet.tuner import rank as rank_module
 
         argv = [job, str(rank), str(pipe_fd)]
         sys.argv = [rank_module.__file__, *argv]

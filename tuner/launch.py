@@ -1,8 +1,8 @@
 """Running generated schedules on R ranks of this machine: check, then time.
 
 The parent lowers every schedule, writes a job file and starts ``stages ×
-world`` rank processes (``coconet.codegen.rank``, forked by a fork server that
-has imported torch once, ``coconet.codegen.forkserver``: never the caller, so
+world`` rank processes (``coconet.tuner.rank``, forked by a fork server that
+has imported torch once, ``coconet.tuner.forkserver``: never the caller, so
 its ``__main__`` is never re-imported; CUDA ranks are fresh interpreters)
 joined by a torch.distributed group on a free loopback port; each reports over
 its own pipe. Each rank builds its
@@ -43,9 +43,9 @@ import numpy as np
 from coconet.codegen.baselines import Baseline, TorchTask
 from coconet.codegen.cache import module_path
 from coconet.codegen.footprint import require_fits
-from coconet.codegen.forkserver import kill_group, prestart, start_rank
+from coconet.tuner.forkserver import kill_group, prestart, start_rank
 from coconet.codegen.lower import Generated, lower
-from coconet.codegen.rank import AGAIN
+from coconet.tuner.rank import AGAIN
 from coconet.errors import BackendError, CoconetError
 from coconet.schedules import interp
 from coconet.schedules.equivalence import CONDITIONING, TOLERANCE, Reference, rel_err
@@ -371,7 +371,7 @@ def require_cuda(ranks: int) -> None:
 def compare(prog, reports: Mapping[int, dict], opts: Options, reference, *, again: bool = False) -> tuple[float, str | None]:
     """The largest relative error of what the ranks reported (rank → observed values) against the
     reference interpreter's, and what differs beyond its dtype's tolerance (None when nothing does);
-    ``again``: the reports hold a second step's values too (``coconet.codegen.rank.checked_steps``)."""
+    ``again``: the reports hold a second step's values too (``coconet.tuner.rank.checked_steps``)."""
     check = Check(prog, opts, reference, again=again)
     for rank in sorted(reports):
         check.add(rank, reports[rank])

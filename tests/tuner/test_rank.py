@@ -5,13 +5,13 @@ import sys
 
 import pytest
 
-from coconet.codegen.rank import ALLOCATOR, allocator_policy
+from coconet.tuner.rank import ALLOCATOR, allocator_policy
 
 glibc = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the policy is glibc's mallopt")
 
 FAULTS = """
 import resource, sys, torch
-from coconet.codegen.rank import keep_freed_memory
+from coconet.tuner.rank import keep_freed_memory
 if sys.argv[1] == "keep":
     keep_freed_memory()
 torch.set_num_threads(1)
