@@ -39,7 +39,8 @@ from coconet.schedules.ir import Program
 from coconet.schedules.schedule import sharded_by
 from coconet.server.driver import describe as describe_driver
 from coconet.server.hosts import HostCheck
-from coconet.server.jobs import WorkerSettings, Workers, requeue_orphans
+from coconet.server.jobs import WorkerSettings, Workers
+from coconet.server.leases import requeue_orphans
 from coconet.server.limits import MAX_BODY, MAX_DEPTH, ASGIApp, BodyLimit, Receive, Scope, Send, WriteSlots
 from coconet.server.records import Best, JobRecord, MeasurementRecord, answer_source
 from coconet.server.schemas import (

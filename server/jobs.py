@@ -1,33 +1,27 @@
 """The service's tuning workers: threads in the server process that claim queued jobs from the store and
 run ``tune`` on Ray for them. The store is the queue: a job's state and progress are rows, so a restarted
-server finds what its predecessor left (``requeue_orphans``) and the Optuna study in the same database
-gives back every trial that had finished.
+server finds what its predecessor left (``coconet.server.leases.requeue_orphans``) and the Optuna study in
+the same database gives back every trial that had finished.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
-from typing import Any, Iterator
+from typing import Any
 
 from coconet.errors import CoconetError, StoreError
 from coconet.schedules import shardable as shard
-from coconet.server.driver import gone, this_process
+from coconet.schedules.serialize import load
+from coconet.server.driver import this_process
+from coconet.server.leases import ORPHANED, STALE_S, heartbeat, requeue_orphans
 from coconet.server.records import JobRecord
 from coconet.server.store import Store
 from coconet.tuner.runner import Protocol
+from coconet.tuner import tune as tuning  # an attribute at call time: tests stand in for tune
 
 log = logging.getLogger("coconet.server")
-
-HEARTBEAT_S = 10.0
-# A running job whose heartbeat is older than this has lost its driver: every driver (a worker here, `coconet
-# tune` sharing the database) beats from a thread of its own, whatever a trial takes, so six beats missed
-# mean a process gone or stuck. The key is free again after that long.
-STALE_S = 60.0
-ORPHANED = "the process running it stopped; queued again (finished trials are kept)"
 
 
 class _Stop(KeyboardInterrupt):
@@ -42,31 +36,6 @@ class WorkerSettings:
     ray_address: str | None = None
     poll_s: float = 1.0
     stale_s: float = STALE_S
-
-
-def abandoned(job: JobRecord, stale_s: float = STALE_S) -> bool:
-    """A running job nobody runs any more: its driver, a process on this machine, has ended, or its
-    heartbeat is older than ``stale_s`` (a driver elsewhere, or one the store does not name)."""
-    beat = job.heartbeat_at or job.updated_at
-    return gone(job.driver) is not None or beat < datetime.now(timezone.utc) - timedelta(seconds=stale_s)
-
-
-def requeue_orphans(store: Store, stale_s: float = STALE_S) -> list[int]:
-    """Running jobs that are ``abandoned``: marked interrupted, then queued again."""
-    out = []
-    for job in store.jobs("running"):
-        if not abandoned(job, stale_s):
-            continue
-        try:
-            store.update_job(job.id, state="interrupted", error=ORPHANED)
-            store.update_job(job.id, state="queued")
-        except StoreError as err:  # another server took it first
-            log.info("job %s not requeued: %s", job.id, err)
-            continue
-        out.append(job.id)
-    if out:
-        log.warning("requeued jobs %s, left running by a process that stopped", out)
-    return out
 
 
 class Workers:
@@ -144,38 +113,13 @@ class Workers:
             _fail(self.store, job.id, err)
 
     def _tune(self, job: JobRecord, follow: Any) -> None:
-        from coconet.schedules.serialize import load
-        from coconet.tuner.tune import Request, cost_prior, tune
-
         record = self.store.program(job.program_hash)
         if record is None:
             raise CoconetError(f"program {job.program_hash} is not in the store")
-        request = Request(load(record.ir), (job.sizes,), job.world, job.topology, job.budget or 32,
+        request = tuning.Request(load(record.ir), (job.sizes,), job.world, job.topology, job.budget or 32,
                           tuple(job.backends), self.settings.protocol, ray_address=self.settings.ray_address,
                           shardable=shard.spelled(job.shardable))
-        tune(request, self.store, job_id=job.id, on_progress=follow, prior=cost_prior)
-
-
-@contextmanager
-def heartbeat(store: Store, job_id: int, every_s: float = HEARTBEAT_S) -> Iterator[None]:
-    """The job's heartbeat, every ``every_s`` from a thread while the block runs: the job is seen alive
-    however long one trial takes, and seen abandoned ``STALE_S`` after its process is gone."""
-    done = threading.Event()
-
-    def beat() -> None:
-        while not done.wait(every_s):
-            try:
-                store.update_job(job_id)
-            except StoreError:  # the job moved on (finished, failed, taken back): nothing left to beat
-                return
-
-    thread = threading.Thread(target=beat, name=f"coconet-heartbeat-{job_id}", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        done.set()
-        thread.join()
+        tuning.tune(request, self.store, job_id=job.id, on_progress=follow, prior=tuning.cost_prior)
 
 
 def _requeue(store: Store, job_id: int) -> None:

@@ -26,7 +26,12 @@ from coconet.schedules import shardable as shard
 from coconet.schedules.dims import format_sizes
 from coconet.schedules.ir import Program
 from coconet.schedules.schedule import Schedule
+from coconet.server.driver import describe, this_process
 from coconet.server.keys import sizes_key
+from coconet.server.leases import STALE_S, abandoned, heartbeat
+from coconet.server.records import NewMeasurement
+from coconet.server.records import Progress as JobProgress
+from coconet.server.store import RETAKEN
 from coconet.tuner.cluster import PLACEMENTS, Need, connect, offer, plan
 from coconet.tuner.runner import Protocol, Runner
 from coconet.tuner.search import (KILLED_TRIES, Candidate, Outcome, Progress, SearchSpace, Trial, search,
@@ -184,10 +189,6 @@ def tune(request: Request, store, *, on_progress: Callable[[dict, Progress], Non
          job_id: int | None = None) -> list[Tuned]:
     """Tune every size of ``request`` into ``store``; ``prior`` gives the cost model's top-k. ``job_id``: a job
     the caller created and claimed (the service's worker) to run instead of a new one; one size only."""
-    from coconet.server.driver import this_process
-    from coconet.server.jobs import abandoned, heartbeat
-    from coconet.server.records import NewMeasurement, Progress as JobProgress
-
     prog = request.program
     backends = check(request)
     if job_id is not None and len(request.sizes) != 1:
@@ -290,9 +291,6 @@ def _free_keys(store: Any, prog: Program, sizes: Sequence[Mapping[str, int]], re
     would time their candidates on the same cores at once, each skewing the other's numbers, for one study.
     A running job nobody runs any more (its process gone, or its heartbeat stale) is marked interrupted
     instead, so that no server queues it again beside this run; its finished trials stay in the study."""
-    from coconet.server.jobs import STALE_S, abandoned
-    from coconet.server.store import RETAKEN
-
     keys = {sizes_key(sz) for sz in sizes}
     busy = []
     for job in store.jobs("running", program_hash=prog.hash):
@@ -311,8 +309,6 @@ def _free_keys(store: Any, prog: Program, sizes: Sequence[Mapping[str, int]], re
 
 
 def _busy_text(sizes: Mapping[str, int], job: int, driver: str | None) -> str:
-    from coconet.server.driver import describe
-
     by = describe(driver)
     return f"{format_sizes(sizes)} (job {job}{', ' + by if by else ''})"
 

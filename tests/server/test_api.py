@@ -497,7 +497,7 @@ def test_a_job_left_running_is_requeued_when_the_server_starts(tmp_path: Path) -
 
 
 def test_a_running_job_beats_until_its_block_ends(tmp_path: Path) -> None:
-    from coconet.server.jobs import heartbeat
+    from coconet.server.leases import heartbeat
 
     prog = held_out_program()
     with Store.open(f"sqlite:///{tmp_path / 'beat.db'}") as store:
