@@ -10,17 +10,33 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
+from typing import Protocol
 
-from coconet.codegen.lower import Generated
+
+class Module(Protocol):
+    """What ``module_path`` writes: a lowering's ``Generated``, or a baseline's task."""
+
+    @property
+    def path(self) -> str: ...
+
+    @property
+    def source(self) -> str: ...
+
+
+def _cache_dir():
+    """coconet's on-disk cache: ``$COCONET_CACHE_DIR``, else ``$XDG_CACHE_HOME/coconet``, else
+    ``~/.cache/coconet``."""
+    root = os.environ.get("COCONET_CACHE_DIR")
+    if root:
+        return root
+    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "coconet")
 
 
 def cache_dir() -> Path:
-    from coconet.codegen.prelude import _cache_dir  # the prelude imports torch: seconds that most callers skip
-
     return Path(_cache_dir())
 
 
-def module_path(gen: Generated) -> Path:
+def module_path(gen: Module) -> Path:
     """Write the module if it is not cached yet; return its path."""
     path = Path(gen.path)
     if path.exists() and path.read_text() == gen.source:

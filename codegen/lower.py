@@ -27,6 +27,8 @@ import textwrap
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
+from coconet import __version__
+from coconet.codegen.cache import cache_dir
 from coconet.errors import BackendError
 from coconet.kernels.native import FACTORS, HALF, ChunkKernel, Untranslatable, c_source
 from coconet.schedules.dims import Dim
@@ -62,7 +64,7 @@ _LOCALS = frozenset({"_c", "_custom", "_outputs", "_sent", "_rank", "_a", "_ak",
 def _module_names() -> frozenset[str]:
     """The names a generated module binds at its top level, whatever its backend and program: the imports,
     ``_t``, ``step`` and the prelude's helpers and their globals."""
-    from coconet.codegen.prelude import prelude_source
+    from coconet.codegen.runtime_text import prelude_source  # the runtime imports torch: seconds, only here
 
     text = "\n".join(SHM_IMPORTS + ["import torch", "import torch.distributed as dist", "_t = step = None"])
     names = set()
@@ -134,8 +136,6 @@ class Generated:
     @functools.cached_property
     def path(self) -> str:
         """The module's file in the cache (``cache.module_path`` writes it there)."""
-        from coconet.codegen.cache import cache_dir
-
         return str(cache_dir() / "codegen" / f"coconet_{self.key}.py")
 
     @functools.cached_property
@@ -1618,8 +1618,7 @@ def _dims_prologue(p: Program) -> list[str]:
 
 
 def _module(schedule: Schedule, backend: str, e: _Emitter, body, updates: list[str]):
-    from coconet import __version__
-    from coconet.codegen.prelude import prelude_source
+    from coconet.codegen.runtime_text import prelude_source  # the runtime imports torch: seconds, only here
 
     p = e.p
     layout_doc = ", ".join(f"{s.name}: {s.type.layout}" for s in p.inputs)

@@ -6,15 +6,12 @@ here are also importable, which is how the tests exercise them directly.
 
 from __future__ import annotations
 
-import functools
-import inspect
 import os
-import re
-import sys
 
 import torch
 import torch.distributed as dist
 
+from coconet.codegen.cache import _cache_dir
 from coconet.kernels.rng import philox_blocks, philox_rounds, philox_words
 
 
@@ -457,15 +454,6 @@ def _constant(x):
     return type(x), tuple((k, v if isinstance(v, plain) else id(v)) for k, v in state.items())
 
 
-def _cache_dir():
-    """coconet's on-disk cache: ``$COCONET_CACHE_DIR``, else ``$XDG_CACHE_HOME/coconet``, else
-    ``~/.cache/coconet``."""
-    root = os.environ.get("COCONET_CACHE_DIR")
-    if root:
-        return root
-    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "coconet")
-
-
 def _size(sizes, name):
     if sizes is None or name not in sizes:
         raise ValueError(f"dim {name} cannot be read off the inputs: pass sizes={{'{name}': ...}} to step()")
@@ -488,42 +476,3 @@ def _norm(x, block=4096):
 HELPERS = (_Ctx, _reduce_op, _allreduce, _allreduced, _matmul, _broadcast, _padded, _rows_of, _reduce_scatter, _part, _all_gather, _coalesced, _launches,
            _bucket_allreduce, _bucket_reduce_scatter, _bucket_all_gather, _Chunk, _reduce_scatter_chunks, _Gather,
            _flat_index, _words, philox_rounds, philox_words, philox_blocks, _dropout, _dropout_rows, _dropped, _int64, _kernel, _constant, _cache_dir, _size, _norm)
-
-
-@functools.cache
-def _sources(backend: str) -> tuple[list[str], dict[str, str]]:
-    """The module-level text every prelude starts with, and each helper's source by name: read once per
-    process (inspect.getsource of every helper was nine tenths of a lowering's time)."""
-    from coconet.codegen import shm
-
-    module = inspect.getsource(sys.modules[__name__])
-    # the module-level names the helpers use: from _OPS up to the first helper
-    parts = [module[module.index("_OPS = {"): module.index("\n\n\ndef _reduce_op")]]
-    helpers = HELPERS
-    if backend == "shm":
-        text = inspect.getsource(shm)
-        parts.append(text[text.index("# process group -> its _Shm"): text.index("\n\n\nclass _Shm")])
-        helpers = HELPERS + shm.HELPERS
-    # philox_words imports torch locally; the generated module imports it at the top already
-    return parts, {obj.__name__: inspect.getsource(obj).replace("    import torch\n\n", "").rstrip() for obj in helpers}
-
-
-def prelude_source(code: str | None = None, backend: str = "gloo") -> str:
-    """The helpers ``code`` calls, and the ones they call (all of them without ``code``). For the shm
-    backend, the collectives of ``coconet.codegen.shm`` replace the torch.distributed ones."""
-    head, sources = _sources("shm" if backend == "shm" else "gloo")
-    parts = list(head)
-    wanted = set(sources) if code is None else set()
-    text = code or ""
-    while True:
-        # a name is called where it is a whole word: one scan for every word beats a search per helper
-        words = set(re.findall(r"\w+", text))
-        more = {name for name in sources if name not in wanted and name in words}
-        if not more:
-            break
-        wanted |= more
-        text = "\n".join(sources[n] for n in more)
-    parts += [sources[name] for name in sources if name in wanted]
-    if not re.search(r"\b(_OPS|_AG|_RS)\b", "\n".join(parts[1:])):
-        parts.pop(0)  # shm code that never calls torch.distributed's collectives
-    return "\n\n\n".join(parts)

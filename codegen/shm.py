@@ -89,6 +89,9 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
+from coconet.codegen.cache import _cache_dir
+from coconet.codegen.prelude import _Chunk, _launches  # shared with the torch backend
+
 # process group -> its _Shm, made on the group's first step. Module state on purpose: step() is called
 # with the group alone, every iteration, and the mapped segments (and state moved into them) must outlive
 # it, as torch.distributed keeps its groups; a ProcessGroup takes no attributes to hang them on.
@@ -993,8 +996,6 @@ def _into_peers(c, *states):
     c.shm.call(c.shm.barrier)
     return gathers, [g.peer_rows(_Chunk(c, g.n, 0, g.n)) for g in gathers]
 
-
-from coconet.codegen.prelude import _cache_dir, _Chunk, _launches  # noqa: E402  (shared with the torch backend)
 
 HELPERS = (_Shm, _whole, _movable, _share_storage, _no_room, _move_into, _state_segment, _segment, _last_level_cache, _stream_copier, _native_library, _native, _on_comm_thread, _Done, _offsets, _publish, _combine, _shm_reduce, _shm_reduce_scatter, _shm_all_gather,
            _shm_allreduce, _allreduce, _allreduced, _reduce_scatter, _all_gather, _shm_broadcast, _broadcast, _bucket_allreduce,

@@ -16,11 +16,10 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Protocol
 
 from coconet.errors import ProgramError
 from coconet.schedules import infer
-from coconet.schedules.custom import CustomOp
 from coconet.schedules.dims import IDENT, parse_dim
 from coconet.schedules.ir import (
     BINARY,
@@ -47,6 +46,28 @@ from coconet.schedules.types import (
     as_layout,
     float_dtype,
 )
+
+
+
+class CustomSpec(Protocol):
+    """What the builder reads of a custom op: ``coconet.schedules.custom.CustomOp``, which builds its
+    statements through the DSL and so sits above this module."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def arity(self) -> int: ...
+
+    @property
+    def attrs(self) -> tuple[str, ...]: ...
+
+    @property
+    def infer(self) -> Callable[..., tuple[tuple, str]] | None: ...
+
 
 PREFIX = {
     "allreduce": "ar",
@@ -219,7 +240,7 @@ def _inference_key(op: str, types: list, weak: list, canon: tuple) -> tuple:
 class Builder:
     """Mutable construction state; ``finish`` returns the immutable ``Program``."""
 
-    def __init__(self, name: str, dims: tuple[str, ...] | list[str] = (), custom_ops: Mapping[str, CustomOp] | None = None):
+    def __init__(self, name: str, dims: tuple[str, ...] | list[str] = (), custom_ops: Mapping[str, CustomSpec] | None = None):
         if not isinstance(name, str) or not IDENT.match(name) or len(name) > MAX_NAME:
             raise ProgramError(f"program name {name!r} must be an identifier of at most {MAX_NAME} characters")
         if isinstance(dims, str):
@@ -240,8 +261,8 @@ class Builder:
         self.counters: dict[str, int] = {}
         self.locations: dict[int, str] = {}
         self.updated: set[int] = set()
-        self.custom_ops: dict[str, CustomOp] = dict(custom_ops or {})
-        self.used_ops: dict[str, CustomOp] = {}
+        self.custom_ops: dict[str, CustomSpec] = dict(custom_ops or {})
+        self.used_ops: dict[str, CustomSpec] = {}
         self.reserved: set[str] = set()
         # (op, operand types, weak literals, attrs) -> type: inference is a function of these alone
         self.inferred: dict[tuple, TensorType | None] = {}
@@ -391,7 +412,7 @@ class Builder:
         return self._append(op, args, canon, ty, name, location, custom)
 
     def _append(self, op: str, args: tuple[int, ...], canon: tuple, ty: TensorType | None, name: str | None,
-                location: str | None, custom: CustomOp | None) -> int:
+                location: str | None, custom: CustomSpec | None) -> int:
         key = None
         if op not in EFFECTS and op not in ("input", "scalar", "recv"):
             key = (op, args, typed_attrs(canon))
@@ -415,7 +436,7 @@ class Builder:
             self.used_ops[custom.name] = custom
         return idx
 
-    def _check_attrs(self, op: str, attrs: dict, custom: CustomOp | None) -> tuple[tuple[str, Any], ...]:
+    def _check_attrs(self, op: str, attrs: dict, custom: CustomSpec | None) -> tuple[tuple[str, Any], ...]:
         if custom is not None:
             unknown = sorted(set(attrs) - set(custom.attrs))
             if unknown:
@@ -464,7 +485,7 @@ class Builder:
         node = self.nodes[idx]
         return dict(node.attrs).get("value") if node.op == "const" else None
 
-    def _infer(self, op: str, args: tuple[int, ...], attrs: dict, custom: CustomOp | None) -> TensorType | None:
+    def _infer(self, op: str, args: tuple[int, ...], attrs: dict, custom: CustomSpec | None) -> TensorType | None:
         types = [self.type_of(a) for a in args]
         names = [self.nodes[a].name for a in args]
         weak = [self._weak(a) for a in args]
@@ -516,7 +537,7 @@ class Builder:
             return None
         raise AssertionError(op)
 
-    def _infer_custom(self, custom: CustomOp, types, names, weak, attrs) -> TensorType:
+    def _infer_custom(self, custom: CustomSpec, types, names, weak, attrs) -> TensorType:
         if custom.kind == "pointwise":
             return infer.pointwise(types, names, weak, custom.name)
         for n, t in zip(names, types):

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
 from coconet.errors import ProgramError
+from coconet.schedules.dsl import apply_custom
+from coconet.schedules.ir import BUILTIN_OPS
 
 _NAME = re.compile(r"[a-z_][a-z0-9_]*\Z")
 KINDS = ("pointwise", "local")
@@ -44,8 +46,6 @@ class CustomOp:
     doc: str = ""
 
     def __post_init__(self) -> None:
-        from coconet.schedules.ir import BUILTIN_OPS
-
         if not _NAME.match(self.name):
             raise ProgramError(f"custom op name {self.name!r} must be lower_snake_case")
         if self.name in BUILTIN_OPS:
@@ -58,8 +58,6 @@ class CustomOp:
             raise ProgramError(f"custom op {self.name}: arity must be at least 1")
 
     def __call__(self, *operands: Any, **attrs: Any):
-        from coconet.schedules.dsl import apply_custom
-
         return apply_custom(self, operands, attrs)
 
     def __repr__(self) -> str:

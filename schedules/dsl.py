@@ -13,8 +13,7 @@ import sys
 from typing import Any, Iterable
 
 from coconet.errors import ProgramError
-from coconet.schedules.builder import Builder
-from coconet.schedules.custom import CustomOp
+from coconet.schedules.builder import Builder, CustomSpec
 from coconet.schedules.ir import NEXT_STAGE, PREV_STAGE
 from coconet.schedules.ir import Program as IRProgram
 from coconet.schedules.types import TensorType, as_layout
@@ -293,7 +292,7 @@ def recv(program: Program, name: str, shape: Iterable[Any], layout: Any = None, 
     return program.recv(name, shape, layout=layout, dtype=dtype, frm=frm, tag=tag)
 
 
-def apply_custom(op: CustomOp, operands: tuple, attrs: dict) -> Expr:
+def apply_custom(op: CustomSpec, operands: tuple, attrs: dict) -> Expr:
     prog = _program_of(*operands)
     if prog is None:
         raise ProgramError(f"custom op {op.name} needs at least one tensor of a program", location=_caller())
