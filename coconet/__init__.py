@@ -42,12 +42,14 @@ from coconet.schedules.dsl import (
     where,
 )
 from coconet.schedules.ir import NEXT_STAGE, PREV_STAGE
-from coconet.schedules.serialize import export, load
+from coconet.api import load
+from coconet.schedules.serialize import export
 from coconet.schedules.types import Local, Replicated, Sliced
 
 __version__ = "0.1.0"
 
-_LAZY = {"compile": ("coconet.step", "compile"), "Step": ("coconet.step", "Step"), "optim": ("coconet.optim", None)}
+_LAZY = {"compile": ("coconet.step", "compile"), "Step": ("coconet.step", "Step"), "optim": ("coconet.optim", None),
+         **{name: ("coconet.api", name) for name in ("run", "tune", "best", "sweep")}}
 
 
 def __getattr__(name: str):
@@ -63,6 +65,7 @@ def __getattr__(name: str):
 __all__ = [
     "CoconetError", "CustomOp", "Expr", "IllegalTransform", "Local", "NEXT_STAGE", "OpRegistry", "PREV_STAGE",
     "Program", "ProgramError", "Replicated", "ScheduleError", "SizeError", "Sliced", "Step", "abs", "all_gather",
-    "allreduce", "broadcast", "cast", "compile", "custom_op", "dropout", "exp", "export", "load", "log", "matmul",
-    "maximum", "minimum", "norm", "optim", "recv", "reduce_scatter", "rsqrt", "send", "sqrt", "sum", "where",
+    "allreduce", "best", "broadcast", "cast", "compile", "custom_op", "dropout", "exp", "export", "load", "log", "matmul",
+    "maximum", "minimum", "norm", "optim", "recv", "reduce_scatter", "rsqrt", "run", "schedules", "send", "sqrt",
+    "sum", "sweep", "tune", "where",
 ]

@@ -64,11 +64,13 @@ class Client:
     def job(self, job_id: int) -> dict[str, Any]:
         return self._call("GET", f"/jobs/{job_id}")
 
-    def best(self, program: str, sizes: Mapping[str, int], *, topology: str, world: int,
-             shardable: str | None = None) -> dict[str, Any]:
-        params = {"program": program, "sizes": format_sizes(sizes), "topology": topology, "world": world}
-        if shardable is not None:
-            params["shardable"] = shardable
+    def best(self, program: str, sizes: Mapping[str, int], *, topology: str, world: int | None = None,
+             shardable: str | None = None, backend: str | None = None, source: str | None = None) -> dict[str, Any]:
+        """GET /best: the winner for the key (measured before predicted; ``source`` asks for one kind)."""
+        params: dict[str, Any] = {"program": program, "sizes": format_sizes(sizes), "topology": topology}
+        for name, value in (("world", world), ("shardable", shardable), ("backend", backend), ("source", source)):
+            if value is not None:
+                params[name] = value
         return self._call("GET", "/best", params=params)
 
     def best_or_tune(self, program: str, sizes: Mapping[str, int], *, topology: str, world: int,
