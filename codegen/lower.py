@@ -25,15 +25,29 @@ import marshal
 import re
 import textwrap
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 from coconet import __version__
+from coconet.codegen.analysis import (
+    ELEMENTWISE,
+    absorbed_by_collective,
+    computed_on_rows,
+    custom_group,
+    cut_to_rows,
+    group_io,
+    in_place_outputs,
+    needs_copy,
+    readers_of,
+    row_dim,
+    step_positions,
+    step_units,
+    ungrouped_pointwise,
+)
 from coconet.codegen.cache import cache_dir
 from coconet.errors import BackendError
 from coconet.kernels.native import FACTORS, HALF, ChunkKernel, Untranslatable, c_source
 from coconet.schedules.dims import Dim
-from coconet.schedules.infer import broadcast_shapes
-from coconet.schedules.ir import COMPARE, EFFECTS, VIEWS, Group, Program, Stmt
+from coconet.schedules.ir import COMPARE, EFFECTS, Group, Program, Stmt
 from coconet.schedules.schedule import Schedule
 from coconet.schedules.types import ITEMSIZE, Local, Replicated, Sliced
 
@@ -163,15 +177,15 @@ class _Emitter:
         self.kernels: list[str] = []  # nested in step: they read its dims
         self.toplevel: list[tuple[str, str | None]] = []  # fused pointwise kernels, at module level
         self.written: set[str] = set()  # state a kernel writes in place
-        self.at: dict[str, int] = {}  # each statement's place in the step (_positions)
+        self.at: dict[str, int] = {}  # each statement's place in the step (step_positions)
         self.chunked: set[str] | None = None  # members of the chunked unit being emitted
-        self.absorbed: dict[Group, tuple[str, ...]] = {}  # see _absorbed
+        self.absorbed: dict[Group, tuple[str, ...]] = {}  # see absorbed_by_collective
         self.slotless: set[str] = set()  # shm all_gathers written straight into the peers' state (gather_into)
         self.packed: list[tuple[str, ...]] = []  # inputs a chunk kernel sums from one slot (_shm_segments)
         self.into_state: dict[str, str] = {}  # see gathers_into_state: all_gather → the state it writes
         self.fuse_into: dict[Group, dict[str, str]] = {}  # see fuse_gathers_into
         self.rowwise: dict[str, Group] = {}  # absorbed Replicated statements: a chunk computes its own rows
-        self.rows_only: dict[str, int] = {}  # see _rows_only: statement → the dim its readers cut
+        self.rows_only: dict[str, int] = {}  # see computed_on_rows: statement → the dim its readers cut
         self.fuse_absorbed: dict[Group, dict[str, int]] = {}  # see fuse_absorbed
         self.fuse_reduced: dict[Group, tuple[str, ...]] = {}  # see fuse_reduced
         self.held: set[str] = set()  # see held_source: computed into the buffer _Shm.held keeps for them
@@ -305,7 +319,7 @@ class _Emitter:
         if op == "matmul":
             return [f"{n} = {self.matmul}({args[0]}, {args[1]})"]
         if op == "allreduce":
-            if _needs_copy(self.p, s.name):
+            if needs_copy(self.p, s.name):
                 return [f"{n} = _allreduced(_c, {args[0]}, {s.attr('op')!r})"]
             return [f"{n} = {args[0]}", f"_allreduce(_c, {n}, {s.attr('op')!r})"]
         if op == "reduce_scatter":
@@ -370,13 +384,13 @@ def lower(schedule: Schedule, backend: str = "gloo", kernels: str = "compiled", 
                            "can use it, not fused or chunked kernels", kind="compile_error")
     e = _Emitter(schedule, backend, kernels, dropout)
     p = e.p
-    units = _units(p)
+    units = step_units(p)
     # every input bound (and a state another is updated to copied) before any unit runs: a unit may write a
     # state it does not read in the program, a fused collective gathering into it
     first = [u for u in units if not isinstance(u, Group) and p[u].op in ("input", "scalar")]
     bound = set(first)
     units = first + [u for u in units if isinstance(u, Group) or u not in bound]
-    e.absorbed = _absorbed(p) if e.compile else {}
+    e.absorbed = absorbed_by_collective(p) if e.compile else {}
     e.rowwise = {m: g for g, ms in e.absorbed.items() for m in ms if isinstance(p[m].type.layout, Replicated)}
     skip = {m for ms in e.absorbed.values() for m in ms}
     if e.compile:
@@ -388,7 +402,7 @@ def lower(schedule: Schedule, backend: str = "gloo", kernels: str = "compiled", 
     for ms in e.fuse_absorbed.values():
         e.rows_only.update(ms)
         skip.update(ms)
-    e.rows_only.update(_rows_only(p, skip))
+    e.rows_only.update(computed_on_rows(p, skip))
     if backend == "shm":
         e.into_state = gathers_into_state(p, units, e.absorbed)
         e.written.update(e.into_state.values())
@@ -402,7 +416,7 @@ def lower(schedule: Schedule, backend: str = "gloo", kernels: str = "compiled", 
                            for v in dict.fromkeys(p.updates.values()) if p[v].op == "input" and v in p.updates}
     at_end = updated_in_place(p, skip | set(e.rows_only))
     skip |= set(at_end.values())
-    e.at = _positions(units, e.absorbed, e.fuse_absorbed, e.fuse_reduced,
+    e.at = step_positions(units, e.absorbed, e.fuse_absorbed, e.fuse_reduced,
                       kernel_reduced(p, backend, e.absorbed) if e.compile else {})
     lowered: list[list[tuple[str, str]]] = []  # per unit: (line, statement it implements)
     for unit in units:
@@ -483,45 +497,6 @@ def _freeing(e: _Emitter, lowered: list[list[tuple[str, str]]], kept: set[str]) 
     return body
 
 
-def _units(p: Program) -> list:
-    """Statements in an order where each group is one contiguous unit (convex groups make this possible)."""
-    unit_of = {m: g for g in p.groups for m in g.members}
-    deps: dict[object, set] = {}
-    order: dict[object, int] = {}
-    for i, s in enumerate(p.stmts):
-        u = unit_of.get(s.name, s.name)
-        order.setdefault(u, i)
-        deps.setdefault(u, set())
-        for a in s.args:
-            ua = unit_of.get(a, a)
-            if ua is not u:
-                deps[u].add(ua)
-    done: set = set()
-    out: list = []
-    pending = sorted(deps, key=order.__getitem__)
-    while pending:
-        for u in pending:
-            if deps[u] <= done:
-                out.append(u)
-                done.add(u)
-                pending.remove(u)
-                break
-        else:
-            raise BackendError("the schedule's groups form a cycle", kind="compile_error")
-    return out
-
-
-def _group_io(p: Program, g: Group, absorbed=()) -> tuple[list[str], list[str]]:
-    members = set(g.members) | set(absorbed)
-    ins: list[str] = []
-    for m in (*absorbed, *g.members):
-        for a in p[m].args:
-            if a not in members and a not in ins:
-                ins.append(a)
-    outs = [m for m in g.members if any(u not in members for u in p.users[m])]
-    return ins, outs
-
-
 def _lower_group(e: _Emitter, g: Group) -> list[str]:
     knobs = e.s.knob_values
     if g.kind == "overlap":
@@ -559,7 +534,7 @@ class FusedCollective:
 
 def fused_collective_plan(p: Program, backend: str, g: Group, absorbed: tuple[str, ...],
                           compiled: bool = True) -> FusedCollective:
-    ins, outs = _group_io(p, g, absorbed)
+    ins, outs = group_io(p, g, absorbed)
     inplace = _fc_in_place(p, g, outs, absorbed) if compiled else {}
     into = gather_into(p, backend, g, outs, absorbed)
     outs = [o for o in outs if o not in inplace and o not in into]
@@ -575,7 +550,7 @@ def fused_collective_plan(p: Program, backend: str, g: Group, absorbed: tuple[st
     read = {a for m in pre for a in p[m].args if p[a].op == "input" and p[a].type.shape}
     sources = tuple(s.name for s in p.stmts if s.name in read) or (rs.args[0],)
     if pre:
-        ins, _ = _group_io(p, g, (*pre, *absorbed))
+        ins, _ = group_io(p, g, (*pre, *absorbed))
     held = not pre and held_source(p, backend, rs)
     direct = held or all(reads_input_in_place(p, backend, x, after=bool(pre)) for x in sources)
     return FusedCollective(
@@ -595,11 +570,11 @@ def updated_in_place(p: Program, skip: set[str]) -> dict[str, str]:
     out = {}
     for t, v in p.updates.items():
         s = p[v]
-        if (v in skip or s.op not in OUT or not _ungrouped_pointwise(p, s) or len(p.users[v]) != 1
+        if (v in skip or s.op not in OUT or not ungrouped_pointwise(p, s) or len(p.users[v]) != 1
                 or s.type != p[t].type or not s.type.shape):
             continue
         if all(a == t or (a not in p.updates and (p[a].op in ("input", "scalar", "const") or (
-                _ungrouped_pointwise(p, p[a]) and p[a].op != "cast" and a not in skip))) for a in s.args):
+                ungrouped_pointwise(p, p[a]) and p[a].op != "cast" and a not in skip))) for a in s.args):
             out[t] = v
     return out
 
@@ -653,7 +628,7 @@ def reduced_in_kernel(p: Program, g: Group) -> tuple[str, ...]:
         s = p[todo.pop()]
         if s.name in pre:
             continue
-        if (not _ungrouped_pointwise(p, s) or s.op == "dropout" or s.type.shape != shape
+        if (not ungrouped_pointwise(p, s) or s.op == "dropout" or s.type.shape != shape
                 or not isinstance(s.type.layout, Local)):
             return ()
         pre.add(s.name)
@@ -694,34 +669,6 @@ def _lower_fused_collective(e: _Emitter, g: Group, chunks: int) -> list[str]:
     return [f"{_tuple_text(map(e.ident, fc.outs))} = {call}" if fc.outs else call]
 
 
-POINTWISE = set(BINARY) | set(UNARY) | {"cast", "where", "const"}
-
-
-def _absorbed(p: Program) -> dict[Group, tuple[str, ...]]:
-    """Per fused collective, the ungrouped pointwise statements on this rank's slice whose only readers are
-    the group (Adam's ``beta1 * m`` on sharded m): computed chunk by chunk inside it rather than as a
-    full pass of their own before it, which also lets the group write the state they read in place."""
-    out = {}
-    for g in p.groups:
-        if g.kind != "fused_collective":
-            continue
-        rs = p[g.members[0]]
-        n = rs.type.shape[rs.type.layout.dim]
-        inside, taken = set(g.members), set()
-        for s in reversed(p.stmts):  # readers before what they read: one pass reaches a fixpoint
-            t = s.type
-            if not _ungrouped_pointwise(p, s):
-                continue
-            sliced = isinstance(t.layout, Sliced) and t.shape[t.layout.dim] == n
-            if not sliced and not _rowwise(p, s, rs.type.shape):
-                continue
-            if p.users[s.name] and all(u in inside or u in taken for u in p.users[s.name]):
-                taken.add(s.name)
-        if taken:
-            out[g] = tuple(s.name for s in p.stmts if s.name in taken)
-    return out
-
-
 def fuse_absorbed(p: Program, skip: set[str] = frozenset()) -> dict[Group, dict[str, int]]:
     """Per fuse group, the ungrouped Replicated pointwise statements on Replicated values and scalars whose
     readers are all the group's members on this rank's slice, or such statements (AdamW's ``w * (1 - lr *
@@ -732,7 +679,7 @@ def fuse_absorbed(p: Program, skip: set[str] = frozenset()) -> dict[Group, dict[
     for g in p.groups:
         if g.kind == "fuse":
             inside = set(g.members)
-            taken = _cut_to_rows(p, skip, inside.__contains__)
+            taken = cut_to_rows(p, skip, inside.__contains__)
             if taken:
                 out[g] = {s.name: taken[s.name] for s in p.stmts if s.name in taken}
     return out
@@ -755,79 +702,6 @@ def fuse_reduced(p: Program) -> dict[Group, tuple[str, ...]]:
     return out
 
 
-def _rows_only(p: Program, skip: set[str]) -> dict[str, int]:
-    """Replicated pointwise statements whose readers all cut them to this rank's rows (Adam's ``beta1 * m``
-    after ``reorder(ag0)``, read only by ``add0`` on the rank's slice), each with the dim they cut: computed on
-    those rows alone instead of on every rank's, 1/R of the work and of the memory. A fuse group of them
-    whose every member is so (Adafactor's ``rsqrt(r * c / mean)`` fused, read by the update on the rank's
-    rows) computes those rows in its kernel."""
-    return _cut_to_rows(p, skip, lambda u: u not in skip and (_ungrouped_pointwise(p, p[u]) or
-                                                              _fused_pointwise(p, p[u])), groups=True)
-
-
-def _cut_to_rows(p: Program, skip: set[str], reader: Callable[[str], bool], groups: bool = False) -> dict[str, int]:
-    """The ungrouped rowwise Replicated statements not in ``skip`` whose readers are all statements ``reader``
-    accepts that are Sliced on the statement's shape, or statements taken so, each with the dim they cut;
-    with ``groups``, the members of fuse groups all of whose members are taken so, too."""
-    banned: set[Group] = set()
-    while True:
-        out: dict[str, int] = {}
-        for s in reversed(p.stmts):  # readers before what they read
-            g = p.group_of.get(s.name)
-            member = groups and g is not None and g not in banned and _fused_pointwise(p, s)
-            if (s.name in skip or not (member or _ungrouped_pointwise(p, s)) or not s.type.shape
-                    or not p.users[s.name] or not _rowwise(p, s, s.type.shape)):
-                continue
-            dims = set()
-            for u in p.users[s.name]:
-                ut = p[u].type
-                if u in out:  # a broadcast operand of the reader's has its own dim there, or none
-                    dims.add(row_dim(ut.shape, out[u], s.type.shape))
-                elif reader(u) and isinstance(ut.layout, Sliced) and ut.shape == s.type.shape:
-                    dims.add(ut.layout.dim)
-                else:
-                    dims.add(None)
-            if len(dims) == 1 and None not in dims:
-                out[s.name] = dims.pop()
-        # a group computes on rows whole or not at all; what its members read may then be needed whole
-        partial = {p.group_of[m] for m in out if m in p.group_of
-                   and any(x not in out for x in p.group_of[m].members)}
-        if not partial:
-            return out
-        banned |= partial
-
-
-def _pointwise_value(s: Stmt) -> bool:
-    return s.op in POINTWISE and s.op != "const" and s.type is not None
-
-
-def _ungrouped_pointwise(p: Program, s: Stmt) -> bool:
-    return s.name not in p.group_of and _pointwise_value(s)
-
-
-def _fused_pointwise(p: Program, s: Stmt) -> bool:
-    g = p.group_of.get(s.name)
-    return g is not None and g.kind == "fuse" and not custom_group(p, g) and _pointwise_value(s)
-
-
-def _rowwise(p: Program, s: Stmt, shape) -> bool:
-    """A Replicated pointwise statement of the group's whole shape on scalars and Replicated values of that
-    shape or broadcast to it (AdamW's ``wd * w``; Adafactor's ``r * c``, an (M, 1) by a (1, K)): each row
-    depends on the same row of its operands only, or on all of a broadcast one, so a chunk can compute its own
-    rows of it instead of a full pass over every rank's rows before the group."""
-    if not isinstance(s.type.layout, Replicated) or s.type.shape != shape:
-        return False
-    return all(p[a].type.shape == () or (isinstance(p[a].type.layout, Replicated)
-                                         and broadcast_shapes((p[a].type.shape, shape)) == shape) for a in s.args)
-
-
-def row_dim(out_shape, d: int, shape) -> int | None:
-    """The dim of an operand of ``shape`` (broadcast to ``out_shape``) that rows cut along ``d`` of the result
-    cut: None where the operand has no such dim or a size-1 one there, and is read whole."""
-    k = d - (len(out_shape) - len(shape))
-    return k if k >= 0 and shape[k] == out_shape[d] else None
-
-
 def _fc_in_place(p: Program, g: Group, outs: list[str], absorbed) -> dict[str, str]:
     """Values a fused collective computes on this rank's slice of sharded state that it can write straight
     into that state, chunk by chunk."""
@@ -841,39 +715,13 @@ def gather_into(p: Program, backend: str, g: Group, outs: list[str], absorbed) -
     return _updated_in_place(p, g, outs, absorbed, gathered=True) if backend == "shm" else {}
 
 
-def _readers(p: Program, t: str) -> list[str]:
-    """The statements that read state ``t`` before the step's end, bar its own update; a slice of it is a view,
-    read where its own readers run, so they count too (the slice with them)."""
-    out = []
-    for u in p.users[t]:
-        if p[u].op == "update" and p[u].args[0] == t:
-            continue
-        out.append(u)
-        if p[u].op == "slice":
-            out += _readers(p, u)
-    return out
-
-
-def _positions(units: list, *inside) -> dict[str, int]:
-    """Each statement's place in ``units`` (the order the step runs them); a statement that runs inside a group
-    (``inside``: per group, its absorbed statements) takes the group's."""
-    at: dict[str, int] = {}
-    for i, u in enumerate(units):
-        for m in (u.members if isinstance(u, Group) else (u,)):
-            at[m] = i
-    for groups in inside:
-        for g, ms in groups.items():
-            at.update(dict.fromkeys(ms, at[g.members[0]]))
-    return at
-
-
 def gathers_into_state(p: Program, units: list, absorbed: dict[Group, tuple[str, ...]]) -> dict[str, str]:
     """Ungrouped all_gathers (shm) whose value is the new value of one Replicated state and read by nothing
     else, where the state is bound and every other reader of it runs before them (``units``: the order the
     step runs its statements; ``absorbed``: statements that run inside their fused collective): each rank
     writes its rows straight into its own copy of the state and every peer's, with no gathered temporary, no
     slot and no copy into the state at the end. Each gather maps to its state."""
-    at = _positions(units, absorbed)
+    at = step_positions(units, absorbed)
     found = {}
     for s in p.stmts:
         if s.op != "all_gather" or s.name in p.group_of or any(p[u].op != "update" for u in p.users[s.name]):
@@ -883,7 +731,7 @@ def gathers_into_state(p: Program, units: list, absorbed: dict[Group, tuple[str,
             continue
         t = targets[0]
         # an update, output or send reading the state would see it after the step's end, or hold it
-        readers = [t] + _readers(p, t)
+        readers = [t] + readers_of(p, t)
         if isinstance(s.type.layout, Replicated) and all(p[u].op not in EFFECTS and at[u] < at[s.name]
                                                          for u in readers):
             found[s.name] = t
@@ -899,7 +747,7 @@ def fuse_gathers_into(p: Program, units: list, into_state: dict[str, str], absor
     rank's rows of it alone (a member Sliced on the state's shape, or a statement it computes on those rows:
     ``rows``, see fuse_absorbed), and every other reader runs before the group: the peers write their rows
     into this rank's copy while the kernel runs."""
-    at = _positions(units, absorbed, rows)
+    at = step_positions(units, absorbed, rows)
     out: dict[Group, dict[str, str]] = {}
     for g in p.groups:
         if g.kind != "fuse" or custom_group(p, g):
@@ -919,7 +767,7 @@ def fuse_gathers_into(p: Program, units: list, into_state: dict[str, str], absor
                 ut = p[u].type
                 return isinstance(ut.layout, Sliced) and ut.layout.dim == d and ut.shape == t.shape
 
-            readers = _readers(p, state)
+            readers = readers_of(p, state)
             if all(rows_of_state(u) if u in inside else at[u] < at[g.members[0]] for u in readers):
                 found[ag] = o
         if found:
@@ -942,31 +790,9 @@ def _updated_in_place(p: Program, g: Group, outs: list[str], absorbed, *, gather
         t = targets[0]
         if p[t].type != p[o].type or not isinstance(p[t].type.layout, layout):
             continue
-        readers = [u for u in _readers(p, t) if p[u].op != "update"]
+        readers = [u for u in readers_of(p, t) if p[u].op != "update"]
         if all(p[u].op == "update" or (u in inside and not gathered) for u in p.users[o]) and \
-                all(u in inside and (p[u].op in POINTWISE or p[u].op == "slice") for u in readers):
-            found[o] = t
-    return found
-
-
-def _in_place(p: Program, g: Group, outs: list[str], at: Mapping[str, int]) -> dict[str, str]:
-    """Outputs of a pointwise group that can be written straight into the state they update: the value feeds
-    only that update, and every reader of the state is in the group (each element is read before it is
-    written, by the same kernel) or runs before it (``at``: each statement's place in the step, _positions)
-    into a tensor of its own: a pointwise statement or a reduction, not a view or a cast (``.to`` of the
-    same dtype is the state itself), nor an effect (an output or send holds the state until the step ends).
-    An error-feedback residual ``e <- (g + e) - q`` whose ``g + e`` is another kernel's before it."""
-    members = set(g.members)
-    found = {}
-    for o in outs:
-        targets = [t for t, v in p.updates.items() if v == o]
-        if len(targets) != 1 or any(u not in members and p[u].op != "update" for u in p.users[o]):
-            continue
-        t = targets[0]
-        if p[t].type.shape != p[o].type.shape or p[t].type.layout != p[o].type.layout:
-            continue
-        if all(u in members or (p[u].op not in EFFECTS and p[u].op not in VIEWS and p[u].op != "cast"
-                                and at[u] < at[g.members[0]]) for u in _readers(p, t)):
+                all(u in inside and (p[u].op in ELEMENTWISE or p[u].op == "slice") for u in readers):
             found[o] = t
     return found
 
@@ -979,8 +805,8 @@ def _lower_fuse(e: _Emitter, g: Group) -> list[str]:
     p = e.p
     absorbed = tuple(e.fuse_absorbed.get(g, ()))
     reduced = e.fuse_reduced.get(g, ())
-    ins, outs = _group_io(p, g, (*absorbed, *reduced))
-    inplace = _in_place(p, g, outs, e.at)
+    ins, outs = group_io(p, g, (*absorbed, *reduced))
+    inplace = in_place_outputs(p, g, outs, e.at)
     e.written.update(inplace.values())
     into = e.fuse_into.get(g, {})  # gather -> the value whose rows the kernel writes into every copy of the state
     held = [o for o in outs if o in e.held and o not in inplace and o not in into.values()]
@@ -1036,10 +862,6 @@ def _tuple_text(names) -> str:
     """Names as the targets or value of a tuple in Python text: ``a, b``, and ``a,`` for one."""
     names = list(names)
     return ", ".join(names) + ("," if len(names) == 1 else "")
-
-
-def custom_group(p: Program, g: Group) -> bool:
-    return any(p[m].op in p.custom_ops for m in g.members)
 
 
 def _whole_fuse(e: _Emitter, g: Group, body: list, ins: list[str], inplace: dict[str, str], into, peers,
@@ -1206,7 +1028,7 @@ def reads_input_in_place(p: Program, backend: str, source: str, after: bool = Fa
     rank returns to a caller who may write the next one into it. ``after``: an input the chunk kernel reads
     (``reduced_in_kernel``) may be a Local state, for nothing writes one before the collective has ended: its
     new value is written in place at the step's end or by a kernel that runs after every reader of it
-    (``_in_place``), and the collective is one."""
+    (``in_place_outputs``), and the collective is one."""
     src = p[source]
     return (backend == "shm" and src.op == "input"
             and (src.name not in p.updates or (after and isinstance(src.type.layout, Local))))
@@ -1228,7 +1050,7 @@ def held_source(p: Program, backend: str, rs: Stmt) -> bool:
         return False
     g = p.group_of.get(s.name)
     if g is None:
-        return s.op in OUT and _ungrouped_pointwise(p, s) and tuple(p.users[s.name]) == (rs.name,)
+        return s.op in OUT and ungrouped_pointwise(p, s) and tuple(p.users[s.name]) == (rs.name,)
     # a fuse kernel's output: the kernel writes it into the buffer as it computes it (_lower_fuse)
     return (g.kind == "fuse" and not custom_group(p, g)
             and all(u == rs.name or u in g.members for u in p.users[s.name]))
@@ -1250,7 +1072,7 @@ def chunk_compiles(p: Program, g: Group, compute: Sequence[str]) -> bool:
         if s.op == "dropout":
             t = s.type
             return isinstance(t.layout, Sliced) and t.layout.dim == d and t.shape[d] == n
-        return s.op in POINTWISE or s.op in ("partial_sum", "slice")  # the chunk's share of the sum; its rows
+        return s.op in ELEMENTWISE or s.op in ("partial_sum", "slice")  # the chunk's share of the sum; its rows
 
     return bool(compute) and all(ok(p[m]) for m in compute)
 
@@ -1546,7 +1368,7 @@ def _lower_bucket(e: _Emitter, g: Group, cap: int) -> list[str]:
     srcs = "[" + ", ".join(e.operand(p[m], p[m].args[0]) for m in g.members) + "]"
     lines = [f"# bucket({', '.join(g.members)}): at most {cap} bytes per launch"]
     if first.op == "allreduce":
-        keep = [_needs_copy(p, m) for m in g.members]
+        keep = [needs_copy(p, m) for m in g.members]
         return lines + [f"[{names}] = _bucket_allreduce(_c, {srcs}, {first.attr('op')!r}, {cap}, {keep})"]
     if first.op == "reduce_scatter":
         dims = [p[m].type.layout.dim for m in g.members]
@@ -1556,12 +1378,6 @@ def _lower_bucket(e: _Emitter, g: Group, cap: int) -> list[str]:
     dims = [p[p[m].args[0]].type.layout.dim for m in g.members]
     ns = [dim_expr(p[p[m].args[0]].type.shape[d]) for m, d in zip(g.members, dims)]
     return lines + [f"{names} = _bucket_all_gather(_c, {srcs}, {dims}, [{', '.join(ns)}], {cap})"]
-
-
-def _needs_copy(p: Program, name: str) -> bool:
-    """An allreduce works in place: on its own buffer unless its operand is dead after it."""
-    a = p[name].args[0]
-    return p[a].op in ("input", "recv") or len(p.users[a]) > 1
 
 
 SHM_DOC = "the shm backend (collectives in shared memory; a gloo group bootstraps it and carries send/recv)"

@@ -1,12 +1,10 @@
 """Helpers every generated module carries, so that it runs with torch alone.
 
-The text of ``PRELUDE`` is pasted into each generated module; the functions
-here are also importable, which is how the tests exercise them directly.
+The text of these helpers is pasted into each generated module (``coconet.codegen.runtime_text``); the
+functions here are also importable, which is how the tests exercise them directly.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.distributed as dist

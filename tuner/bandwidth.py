@@ -76,9 +76,9 @@ def kernels(nbytes: int, threads: int = 1, device: str = "cpu") -> list[Kernel]:
 
 
 def _states_kernel():
-    from coconet.codegen.shm import _native_library
+    from coconet.codegen.runtime import native_library
 
-    lib = _native_library(_STATES_C, "probe_states", ["-O3", "-march=native"], "the bandwidth probe's kernel")
+    lib = native_library(_STATES_C, "probe_states", ["-O3", "-march=native"], "the bandwidth probe's kernel")
     if lib is None:
         return None
     fn = lib.coconet_probe_states

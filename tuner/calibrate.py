@@ -297,8 +297,7 @@ def _reps(nbytes: int, repeats: int) -> int:
 
 
 def _measure_all(s: Settings, R: int, rank: int, threads: int, dist, torch) -> dict[str, Any]:
-    from coconet.codegen import shm as shm_mod
-    from coconet.codegen.prelude import _AG, _RS, _Ctx
+    from coconet.codegen import runtime  # imports torch: after the ranks' set-up
 
     timer = _Timer(dist, torch)
     sizes = [2**k for k in range(s.min_log2, s.max_log2 + 1)]
@@ -311,23 +310,23 @@ def _measure_all(s: Settings, R: int, rank: int, threads: int, dist, torch) -> d
             return lambda: dist.all_reduce(x)
         if op == "reduce_scatter":
             x, y = torch.ones(elems), torch.empty(elems // R)
-            return lambda: _RS(y, x)
+            return lambda: runtime.reduce_scatter_tensor(y, x)
         x, y = torch.ones(elems // R), torch.empty(elems)
-        return lambda: _AG(y, x)
+        return lambda: runtime.all_gather_into_tensor(y, x)
 
-    c = _Ctx(None, torch.device("cpu"))
-    c.shm = shm_mod._Shm.of(None, 2, sizes[-1] + 4 * R)
+    c = runtime.Ctx(None, torch.device("cpu"))
+    c.shm = runtime.Shm.of(None, 2, sizes[-1] + 4 * R)
 
     def shm_op(op, n):
         elems = max(R, (n // 4) // R * R)
         if op == "allreduce":
             x = torch.ones(elems)
-            return lambda: shm_mod._allreduce(c, x, "sum")
+            return lambda: runtime.shm_allreduce(c, x, "sum")
         if op == "reduce_scatter":
             x = torch.ones(elems)
-            return lambda: shm_mod._reduce_scatter(c, x, 0, elems, "sum")
+            return lambda: runtime.shm_reduce_scatter(c, x, 0, elems, "sum")
         x = torch.ones(elems // R)
-        return lambda: shm_mod._all_gather(c, x, 0, elems)
+        return lambda: runtime.shm_all_gather(c, x, 0, elems)
 
     for backend, make in (("gloo", gloo_op), ("shm", shm_op)):
         for op in OPS:
@@ -401,12 +400,12 @@ def _measure_all(s: Settings, R: int, rank: int, threads: int, dist, torch) -> d
     out["launch_s"] = timer.best(tiny, 5) / 1000
     # dropout as the generated code runs it unfused on CPU: Philox rounds in eager int64 ops, a call per
     # four elements, then the mask
-    from coconet.codegen.prelude import _dropped, _matmul, _words
+    from coconet.codegen.runtime import dropout_words, dropped, matmul
 
     value = torch.ones(2**18)
     # the median: interference from other work on the machine slows these long runs of ops as it slows
     # a step's (a best-of would credit the eager ops with a quiet machine the steps never see)
-    per = timer.median(lambda: _dropped(value, 0.1, _words(1234, (2**18,), -1, 0, 0, value.device)), 5)
+    per = timer.median(lambda: dropped(value, 0.1, dropout_words(1234, (2**18,), -1, 0, 0, value.device)), 5)
     out["eager_ops"] = 2**18 * DROPOUT_PER_BLOCK.passes / per
     if s.compiled:
         kernel = torch.compile(lambda u, v: u * v + 1.0, dynamic=False, fullgraph=True)
@@ -421,7 +420,7 @@ def _measure_all(s: Settings, R: int, rank: int, threads: int, dist, torch) -> d
         # of four elements, the words through a buffer, the mask applied; the seed a tensor, as the generated
         # code passes it (Inductor makes a slower loop of constant keys)
         rows, seed = value.view(2**8, 2**10), torch.tensor(1234, dtype=torch.int64)
-        drop = torch.compile(lambda x, k: _dropped(x, 0.1, _words(k, tuple(x.shape), 0, 0, x.shape[0], x.device)),
+        drop = torch.compile(lambda x, k: dropped(x, 0.1, dropout_words(k, tuple(x.shape), 0, 0, x.shape[0], x.device)),
                              dynamic=False, fullgraph=True)
         drop(rows, seed)
         out["elementwise_ops"] = 2**18 * DROPOUT_PER_BLOCK.fused_ops / timer.best(lambda: drop(rows, seed), 5)
@@ -438,7 +437,7 @@ def _measure_all(s: Settings, R: int, rank: int, threads: int, dist, torch) -> d
     # matmul
     m = 1024
     ma, mb = torch.randn(m, m), torch.randn(m, m)
-    out["matmul_flops"] = 2 * m**3 / timer.best(lambda: _matmul(ma, mb), 5)
+    out["matmul_flops"] = 2 * m**3 / timer.best(lambda: matmul(ma, mb), 5)
     # overlap: an allreduce in flight while the rank multiplies, against each alone; and while it streams
     # memory (over loopback, gloo's transfer is itself memory traffic on the same cores)
     g = torch.ones(2**22 // 4)
@@ -459,13 +458,13 @@ def _measure_all(s: Settings, R: int, rank: int, threads: int, dist, torch) -> d
     # allreduced asynchronously as soon as it is computed, against the whole matmul and then its allreduce.
     # A collective in flight beside one other matmul can look free while these chunks gain nothing: on a
     # CPU whose every core runs a rank, the collective's own threads take their time from the matmul.
-    alone_mm = timer.median(lambda: _matmul(ma, mb), 7)  # its result is as large as g: comm times it
+    alone_mm = timer.median(lambda: matmul(ma, mb), 7)  # its result is as large as g: comm times it
 
     def sequential():
-        dist.all_reduce(_matmul(ma, mb))
+        dist.all_reduce(matmul(ma, mb))
 
     def chunked():
-        works = [dist.all_reduce(_matmul(ak, mb), async_op=True) for ak in torch.tensor_split(ma, 4)]
+        works = [dist.all_reduce(matmul(ak, mb), async_op=True) for ak in torch.tensor_split(ma, 4)]
         for w in works:
             w.wait()
 

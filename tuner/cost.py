@@ -39,10 +39,27 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
-from coconet.codegen.lower import (custom_group, fuse_absorbed, fuse_reduced, fused_collective_plan, held_sources,
-                                   kernel_reduced, row_dim)
-from coconet.codegen.lower import (_absorbed, _group_io, _in_place, _needs_copy, _positions, _rows_only, _units,
-                                   fuse_gathers_into, gathers_into_state, updated_in_place)
+from coconet.codegen.analysis import (
+    absorbed_by_collective,
+    computed_on_rows,
+    custom_group,
+    group_io,
+    in_place_outputs,
+    needs_copy,
+    row_dim,
+    step_positions,
+    step_units,
+)
+from coconet.codegen.lower import (
+    fuse_absorbed,
+    fuse_gathers_into,
+    fuse_reduced,
+    fused_collective_plan,
+    gathers_into_state,
+    held_sources,
+    kernel_reduced,
+    updated_in_place,
+)
 from coconet.errors import CoconetError, SizeError
 from coconet.schedules.dims import Dim
 from coconet.schedules.ir import Group, Program, Stmt
@@ -221,7 +238,7 @@ class _Builder:
 
     def plan(self) -> Plan:
         p = self.p
-        absorbed = _absorbed(p)  # the lowering compiles kernels (coconet run's default)
+        absorbed = absorbed_by_collective(p)  # the lowering compiles kernels (coconet run's default)
         skip = {m for ms in absorbed.values() for m in ms}
         skip.update(m for ms in kernel_reduced(p, self.backend, absorbed).values() for m in ms)
         rows = fuse_absorbed(p, skip)
@@ -233,12 +250,12 @@ class _Builder:
         for g, ms in absorbed.items():  # a chunk computes its own rows of them (the lowering's rowwise)
             d = p[g.members[0]].type.layout.dim
             self.rows.update((m, d) for m in ms if isinstance(p[m].type.layout, Replicated))
-        rows_only = _rows_only(p, skip)  # computed on the rows their readers cut, as the lowering does
+        rows_only = computed_on_rows(p, skip)  # computed on the rows their readers cut, as the lowering does
         at_end = updated_in_place(p, skip | set(rows_only))
         self.rows.update(rows_only)
         skip |= set(at_end.values())
-        order = _units(p)
-        self.at = _positions(order, absorbed, rows, self.reduced, kernel_reduced(p, self.backend, absorbed))
+        order = step_units(p)
+        self.at = step_positions(order, absorbed, rows, self.reduced, kernel_reduced(p, self.backend, absorbed))
         self.into_state = gathers_into_state(p, order, absorbed) if self.backend == "shm" else {}
         # a fuse kernel's rows into every copy of the state: the gather moves no bytes of its own
         self.fuse_into = fuse_gathers_into(p, order, self.into_state, absorbed, rows) if self.backend == "shm" else {}
@@ -329,7 +346,7 @@ class _Builder:
             return [Unit(s.name, (self.matmul(s),))]
         if op in ("allreduce", "broadcast"):
             t = p[s.args[0]].type
-            clone = op == "broadcast" or _needs_copy(p, s.name)
+            clone = op == "broadcast" or needs_copy(p, s.name)
             b = self.nbytes(t, self.local(t))
             ks = (Kernel(f"clone {s.args[0]}", 1, b, b, b, cold=b if self.is_cold(s.args[0]) else ()),) if clone else ()
             return [Unit(s.name, ks, (self.collective(s),))]
@@ -385,8 +402,8 @@ class _Builder:
         """``rows``: statements the kernel computes on this rank's rows (``fuse_absorbed``), each with its dim."""
         p = self.p
         reduced = self.reduced.get(g, ())  # sums and norms of members the kernel computes (fuse_reduced)
-        ins, outs = _group_io(p, g, (*rows, *reduced))
-        inplace = _in_place(p, g, outs, self.at)
+        ins, outs = group_io(p, g, (*rows, *reduced))
+        inplace = in_place_outputs(p, g, outs, self.at)
         outs = [*outs, *reduced]
         members = (*rows, *g.members)
         if custom_group(p, g):  # a custom op's code runs as written: statement by statement
@@ -570,7 +587,7 @@ class _Builder:
         parts = False
         for m in g.members:
             s = p[m]
-            if s.op == "allreduce" and _needs_copy(p, m):
+            if s.op == "allreduce" and needs_copy(p, m):
                 t = p[s.args[0]].type
                 b = self.nbytes(t, self.local(t))
                 kernels.append(Kernel(f"clone {s.args[0]}", 1, b, b, b, cold=b if self.is_cold(s.args[0]) else ()))

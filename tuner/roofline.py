@@ -100,7 +100,7 @@ def matmul_rate(threads: int = 1, m: int | None = None, k: int | None = None, n:
     H100 at two thirds of it, and a floor above a measured step), hence 8192 on each side there."""
     import torch
 
-    from coconet.codegen.prelude import _matmul
+    from coconet.codegen.runtime import matmul
 
     side = 8192 if device == "cuda" else None
     m, k, n = m or side or 1024, k or side or 2048, n or side or 1024
@@ -111,6 +111,6 @@ def matmul_rate(threads: int = 1, m: int | None = None, k: int | None = None, n:
     try:
         a, b = torch.randn(m, k, device=device), torch.randn(k, n, device=device)
         return 2.0 * m * k * n / min(best_seconds(functools.partial(mm, a, b), repeats, device)
-                                          for mm in (torch.matmul, _matmul))
+                                          for mm in (torch.matmul, matmul))
     finally:
         torch.set_num_threads(old)

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from coconet.codegen.lower import _units as units
+from coconet.codegen.analysis import step_units as units
 from coconet.errors import ScheduleError
 from coconet.schedules import equivalence
 from coconet.schedules.schedule import Schedule, sharded_by
