@@ -221,7 +221,8 @@ class _opened:
     def __enter__(self) -> Any:
         if self._given is not None:
             return self._given
-        self._mine = self._cls.open(self._url, create=self._create or self._url is not None)
+        # a lookup makes the default store if it is not there yet, never a named one (a mistyped path)
+        self._mine = self._cls.open(self._url, create=self._create or self._url is None)
         return self._mine
 
     def __exit__(self, *exc: object) -> None:

@@ -51,6 +51,20 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
+def _version(value: bool) -> None:
+    if value:
+        from coconet import __version__
+
+        sys.stdout.write(f"coconet {__version__}\n")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", is_eager=True, callback=_version,
+                                       help="Print the version and exit.")) -> None:
+    """Co-optimise computation and communication of distributed ML programs, and tune their schedules."""
+
+
 JSON_OPT = typer.Option(False, "--json", help="Answer in JSON on stdout.")
 SIZE_OPT = typer.Option(None, "--size", help="Size bindings, e.g. N=2^20 or B=8,S=1024,H=3072 (repeatable).")
 SHARDABLE_HELP = ("State a schedule may leave sharded (as_slice, ZeRO-style: after the step each rank holds only "
@@ -1187,6 +1201,95 @@ def _is_loopback(host: str) -> bool:
 
 @app.command(cls=_Command)
 @_guard
+def best(
+    file: Path = typer.Argument(..., help="The program: a .py file defining `program`, or its JSON IR."),
+    size: Optional[List[str]] = SIZE_OPT,
+    world: Optional[int] = typer.Option(None, "--world", min=1, help="Only a winner at this world (default: any)."),
+    topology: str = typer.Option("local", "--topology", help="The topology the winner was tuned or predicted on."),
+    backend: Optional[str] = typer.Option(None, "--backend", help="Only a winner on this backend (default: any)."),
+    source: Optional[str] = typer.Option(None, "--source", help="measured or predicted: only a winner of that kind "
+                                         "(default: a measured one where the key has one, else a predicted one)."),
+    shardable: List[str] = typer.Option([], "--shardable", help=f"The winner of a tuning that asked this. "
+                                        f"{SHARDABLE_HELP}"),
+    db: Optional[str] = typer.Option(None, "--db", help="Store URL (default $COCONET_DATABASE_URL, else SQLite in "
+                                     "the user data dir)."),
+    server: Optional[str] = typer.Option(None, "--server", help="Ask a coconet server instead of a store."),
+    token: Optional[str] = typer.Option(None, "--token", help="The server's token, if it asks one for reads "
+                                        "(default $COCONET_API_TOKEN)."),
+    as_json: bool = JSON_OPT,
+) -> None:
+    """The best schedule recorded for a program at one size: measured, or predicted by the cost model (said),
+    with its time and speed-up; the nearest tuned sizes' winner where these were not tuned (said)."""
+    from coconet.api import best as find_best
+    from coconet.api import load
+
+    if source not in (None, "measured", "predicted"):
+        raise CoconetError(f"--source {source!r}: measured or predicted")
+    prog = load(file)
+    _require_sizes(prog, size)
+    if len(size) != 1:
+        raise CoconetError("coconet best answers one --size at a time")
+    found = find_best(prog, size[0], topology=topology, world=world, backend=backend, store=db, server=server,
+                      token=token or os.environ.get("COCONET_API_TOKEN"), shardable=shardable or None,
+                      source=source)
+    if as_json:
+        _echo_json(found)
+        return
+    console = Console(highlight=False, soft_wrap=True)
+    stats = found["stats"]
+    head = (f"{prog.name}  world={found['world']}  {format_sizes(found['sizes'])}  topology={found['topology']}: "
+            f"{found['source']}")
+    if found["source"] != "measured" and found.get("prediction"):
+        pred = found["prediction"]
+        head += f" by {pred['model']} (calibration {pred.get('calibration') or 'unknown'})"
+    console.print(head, markup=False)
+    console.print(f"{found['backend']}: {found['schedule']}  {_fmt_s(stats['median_s'])}"
+                  + (f"  {_ratio(found['speedup'])}x over the baseline" if found.get("speedup") else "")
+                  + f"  winner record {found['winner_id']}", markup=False)
+    if not found["exact"]:
+        console.print(f"note: not tuned at these sizes; the winner of {format_sizes(found['tuned_sizes'])}",
+                      markup=False)
+
+
+@app.command(cls=_Command)
+@_guard
+def results(
+    file: Path = typer.Argument(..., help="The program: a .py file defining `program`, or its JSON IR."),
+    topology: Optional[str] = typer.Option(None, "--topology", help="Only this topology's (default: every one)."),
+    db: Optional[str] = typer.Option(None, "--db", help="Store URL (default $COCONET_DATABASE_URL, else SQLite in "
+                                     "the user data dir)."),
+    as_json: bool = JSON_OPT,
+) -> None:
+    """Every key tuned or predicted for a program: one current winner per (sizes, topology, world, backend),
+    measured or predicted."""
+    from coconet.api import load
+    from coconet.server.records import answer_source
+    from coconet.server.store import Store
+
+    prog = load(file)
+    with Store.open(db, create=db is None) as store:  # the default store may not be made yet; a named one must be
+        rows = store.results(prog.hash, topology)
+    docs = [{"sizes": b.winner.sizes, "topology": b.winner.topology, "world": b.winner.world,
+             "backend": b.winner.backend, "schedule": b.schedule, "median_s": b.median_s, "speedup": b.speedup,
+             "source": answer_source(b.source), "winner_id": b.winner.id} for b in rows]
+    if as_json:
+        _echo_json({"program": prog.name, "program_hash": prog.hash, "results": docs})
+        return
+    if not docs:
+        Console(highlight=False).print(f"nothing tuned or predicted for {prog.name} in this store", markup=False)
+        return
+    table = Table(title=f"{prog.name}: {len(docs)} keys", title_justify="left", show_edge=False)
+    for col in ("sizes", "topology", "world", "backend", "source", "median", "speed-up"):
+        table.add_column(col, no_wrap=True, justify="right" if col in ("world", "median", "speed-up") else "left")
+    table.add_column("schedule", ratio=1, overflow="fold")
+    for d in docs:
+        table.add_row(format_sizes(d["sizes"]), d["topology"], str(d["world"]), d["backend"], d["source"],
+                      _fmt_s(d["median_s"]), f"{_ratio(d['speedup'])}x" if d["speedup"] else "", d["schedule"])
+    Console(highlight=False).print(table)
+
+
+@app.command(cls=_Command)
+@_guard
 def submit(
     file: Path = typer.Argument(..., help="The program: a .py file defining `program` (run here; only its JSON IR "
                                 "is sent), or its JSON IR."),
@@ -1350,8 +1453,7 @@ def main() -> None:
             raise
         ctx = getattr(e, "ctx", None)
         if type(e).__name__ == "NoArgsIsHelpError" and ctx is not None:
-            sys.stdout.write(ctx.get_help() + "\n")
-            code = 0
+            code = 0  # click printed the help as it raised
         else:
             hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
             _print_error(f"{e.format_message()}{hint}")

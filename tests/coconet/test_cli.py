@@ -683,3 +683,39 @@ def test_run_schedule_best_says_whether_it_was_measured_or_predicted(tmp_path, c
     err = capsys.readouterr().err
     assert sched.hash == other.hash and found.winner.id == measured
     assert f"--schedule best is measured: 2 ms a step (winner record {measured})" in err and "predicted" not in err
+
+
+def test_version_and_help_once():
+    proc = coconet("--version")
+    assert proc.returncode == 0 and proc.stdout.strip().startswith("coconet ")
+    proc = coconet()
+    assert proc.returncode == 0 and proc.stdout.count(" Usage: ") == 1 and "Commands" in proc.stdout
+
+
+def test_best_and_results_read_the_store(tmp_path):
+    from coconet.loader import load_file
+    from coconet.schedules.space import generate
+    from coconet.server.records import NewMeasurement
+    from coconet.server.store import Store
+
+    prog = load_file(ROOT / "examples" / "adam.py")
+    db = f"sqlite:///{tmp_path / 'c.db'}"
+    base, other = list(generate(prog, depth=1))[:2]
+    common = dict(sizes={"N": 4096}, topology="local", world=2, backend="gloo")
+    with Store.open(db) as store:
+        store.add_program(prog)
+        ids = store.add_measurements([NewMeasurement.of(base, median_s=3e-3, samples=[3e-3] * 3, **common),
+                                      NewMeasurement.of(other, median_s=1e-3, samples=[1e-3] * 3, **common)])
+        winner = store.add_winner(ids[1], baseline_id=ids[0], shardable="m,v")
+    doc = json.loads(coconet("best", "examples/adam.py", "--size", "N=2^12", "--db", db, "--json").stdout)
+    assert (doc["winner_id"], doc["source"], doc["schedule"]) == (winner, "measured", other.text)
+    proc = coconet("best", "examples/adam.py", "--size", "N=2^13", "--db", db)
+    assert proc.returncode == 0, proc.stderr
+    assert f"gloo: {other.text}  1 ms  3.00x over the baseline  winner record {winner}" in proc.stdout
+    assert "note: not tuned at these sizes; the winner of N=4096" in proc.stdout
+    assert_one_error(coconet("best", "examples/adam.py", "--size", "N=2^12", "--db", db, "--source", "predicted"),
+                     "nothing tuned for adam on local")
+    doc = json.loads(coconet("results", "examples/adam.py", "--db", db, "--json").stdout)
+    assert [(r["winner_id"], r["source"]) for r in doc["results"]] == [(winner, "measured")]
+    assert_one_error(coconet("results", "examples/adam.py", "--db", f"sqlite:///{tmp_path / 'none.db'}"),
+                     "no store at")
