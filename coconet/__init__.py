@@ -45,6 +45,7 @@ from coconet.schedules.ir import NEXT_STAGE, PREV_STAGE
 from coconet.api import load
 from coconet.schedules.serialize import export
 from coconet.schedules.types import Local, Replicated, Sliced
+import importlib
 
 __version__ = "0.1.0"
 
@@ -55,7 +56,6 @@ _LAZY = {"compile": ("coconet.step", "compile"), "Step": ("coconet.step", "Step"
 def __getattr__(name: str):
     if name not in _LAZY:
         raise AttributeError(f"module 'coconet' has no attribute {name!r}")
-    import importlib
 
     module, attr = _LAZY[name]
     loaded = importlib.import_module(module)

@@ -24,6 +24,22 @@ from rich.text import Text
 
 from coconet.errors import CoconetError
 from coconet.schedules.dims import format_sizes
+from coconet.codegen.baselines import baseline_for
+from coconet.codegen.baselines import shardable_text
+from coconet.codegen.lower import BACKENDS
+from coconet.codegen.lower import KERNELS
+from coconet.codegen.lower import lower
+from coconet.loader import examples_dir
+from coconet.loader import load_file
+from coconet.schedules import shardable as shard
+from coconet.schedules.dims import parse_sizes
+from coconet.schedules.schedule import Schedule
+from coconet.schedules.serialize import export as to_json
+from coconet.schedules.space import generate
+import functools
+import ipaddress
+import select
+import socket
 
 class _Command(typer.core.TyperCommand):
     """A command that refuses an option of one value given twice: click keeps the last one silently, and
@@ -87,8 +103,6 @@ _PIPE_CLOSED = 128 + signal.SIGPIPE  # what a shell reports for a writer its pip
 def _stdout_gone() -> bool:
     """Whether stdout's reader went away (`coconet schedules … | head`): then the command stops without a
     word, as the tools it is piped with do. A broken pipe elsewhere (a rank's) is not this."""
-    import select
-
     try:
         poll = select.poll()
         poll.register(sys.stdout.fileno(), select.POLLOUT)
@@ -108,8 +122,6 @@ def _stdout_to_devnull() -> None:
 
 
 def _guard(fn: Callable[..., Any]) -> Callable[..., Any]:
-    import functools
-
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
@@ -181,9 +193,6 @@ def check(
     as_json: bool = JSON_OPT,
 ) -> None:
     """Parse and verify a program; print the typed listing (shape, dtype, layout per statement)."""
-    from coconet.loader import load_file
-    from coconet.schedules.dims import parse_sizes
-
     prog = load_file(file)
     sizes = parse_sizes(size, prog.dims) if size else None
     rows = [_statement_row(s, sizes) for s in prog.stmts]
@@ -215,9 +224,6 @@ def export(
     as_json: bool = JSON_OPT,
 ) -> None:
     """Write the program's JSON IR (the form the server accepts)."""
-    from coconet.loader import load_file
-    from coconet.schedules.serialize import export as to_json
-
     _writable(output, "-o")
     prog = load_file(file)
     text = to_json(prog) + "\n"
@@ -244,11 +250,7 @@ def schedules(
     as_json: bool = JSON_OPT,
 ) -> None:
     """List the legal schedules: canonical text and what each one does."""
-    from coconet.loader import load_file
     from coconet.schedules import equivalence
-    from coconet.schedules.dims import parse_sizes
-    from coconet.schedules.schedule import Schedule
-    from coconet.schedules.space import generate
 
     prog = load_file(file)
     if show is not None:
@@ -294,9 +296,6 @@ def _require_sizes(prog: Any, size: Optional[List[str]]) -> None:
 
 
 def _pick_schedules(prog: Any, picks: List[str], depth: int, best: Optional[Callable[[], Any]] = None) -> list:
-    from coconet.schedules.schedule import Schedule
-    from coconet.schedules.space import generate
-
     space = None
     chosen: list = [Schedule(prog)]  # the baseline runs first: every speed-up is against it
     for pick in picks:
@@ -325,9 +324,6 @@ def _pick_schedules(prog: Any, picks: List[str], depth: int, best: Optional[Call
 def _tuned_best(prog: Any, sizes: dict, world: int, backend: str, db: Optional[str], shardable: List[str]) -> Any:
     """The store's winner for this program, sizes and world on this machine with this backend (or of the
     nearest tuned sizes, said on stderr)."""
-    from coconet.codegen.baselines import shardable_text
-    from coconet.schedules import shardable as shard
-    from coconet.schedules.schedule import Schedule
     from coconet.server.store import Store
 
     allowed = shardable_text(prog, shardable or None)
@@ -436,10 +432,6 @@ def run(
 ) -> None:
     """Run schedules on R ranks of this machine: check every output against the reference interpreter and
     time the step (median and 95% CI of the slowest rank per step)."""
-    from coconet.codegen.lower import BACKENDS, KERNELS, lower
-    from coconet.loader import load_file
-    from coconet.schedules.dims import parse_sizes
-
     if backend not in BACKENDS:
         raise CoconetError(f"unknown backend {backend!r} (use {', '.join(BACKENDS)})")
     if kernels not in KERNELS:
@@ -547,9 +539,6 @@ def tune(
 ) -> None:
     """Find the fastest schedule per size on this topology: measured on Ray, searched by Optuna, recorded in the
     store. With one --size the JSON is one result; with several, a list (smallest sizes first)."""
-    from coconet.codegen.lower import KERNELS
-    from coconet.loader import load_file
-    from coconet.schedules.dims import parse_sizes
     from coconet.server.store import Store
     from coconet.tuner.runner import Protocol
     from coconet.tuner.tune import Request, check
@@ -667,7 +656,6 @@ def sweep(
     a key with a measured winner is never predicted."""
     from rich.progress import Progress, TextColumn, TimeElapsedColumn
 
-    from coconet.schedules import shardable as shard
     from coconet.server.store import Store
     from coconet.tuner.runner import Protocol
     from coconet.tuner.sweep import SweepConfig
@@ -786,7 +774,6 @@ def _workload_file(workload: str) -> Path:
     path = Path(workload)
     if path.suffix in (".py", ".json"):
         return path
-    from coconet.loader import examples_dir
 
     examples = examples_dir()
     candidate = examples / f"{workload}.py"
@@ -884,13 +871,8 @@ def bench(
     """Every schedule against the PyTorch baseline (hand-written for the paper's workloads, else the program
     as eager PyTorch) and the floor (the bytes the step must move at the memory bandwidth, or its matmuls
     at the matmul rate, whichever is longer), per size."""
-    from coconet.codegen.baselines import baseline_for
     from coconet.codegen.footprint import require_fits
-    from coconet.codegen.lower import BACKENDS
     from coconet.tuner.rank import allocator_policy
-    from coconet.loader import load_file
-    from coconet.schedules import shardable as shard
-    from coconet.schedules.dims import parse_sizes
     from coconet.tuner.bandwidth import memory_bandwidths
     from coconet.tuner.roofline import bytes_moved_once, compute_floor, matmul_flops_per_rank, matmul_rate
 
@@ -1163,8 +1145,6 @@ def serve(
 
 
 def _require_listenable(host: str, port: int) -> None:
-    import socket
-
     try:
         infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as e:
@@ -1181,16 +1161,12 @@ def _require_listenable(host: str, port: int) -> None:
 def _served_names(host: str) -> list[str]:
     """The names clients may reach a server bound to ``host`` by, besides the loopback ones: the host itself,
     or for every interface (0.0.0.0, ::) this machine's name."""
-    import socket
-
     if host.strip("[]") in ("0.0.0.0", "::", ""):
         return sorted({socket.gethostname(), socket.getfqdn()} - {""})
     return [host]
 
 
 def _is_loopback(host: str) -> bool:
-    import ipaddress
-
     if host == "localhost":
         return True
     try:
@@ -1310,11 +1286,6 @@ def submit(
     """Submit a program to a coconet server, tune it there (one job per --size), follow the jobs and print each
     winner with its generated code. With one --size the JSON is one result; with several, a list."""
     from coconet.client import ENV_TOKEN, Client, ServiceError
-    from coconet.codegen.baselines import shardable_text
-    from coconet.loader import load_file
-    from coconet.schedules import shardable as shard
-    from coconet.schedules.dims import parse_sizes
-    from coconet.schedules.serialize import export as to_json
 
     prog = load_file(file)
     _require_sizes(prog, size)

@@ -32,6 +32,11 @@ from coconet.schedules.dims import format_sizes, parse_sizes
 from coconet.schedules.ir import Program
 from coconet.schedules.schedule import Schedule
 from coconet.schedules.types import Local, Replicated, Sliced
+from coconet.codegen.cache import module_path
+from coconet.codegen.lower import lower
+from coconet.errors import StoreError
+from coconet.loader import load_file
+from coconet.schedules import shardable
 
 BEST = "best"
 LOCAL_TOPOLOGY = "local"
@@ -114,8 +119,6 @@ class Step:
     def __init__(self, schedule: Schedule, sizes: Mapping[str, int], *, group: Any, world: int, rank: int,
                  backend: str, kernels: str, device_type: str, origin: Origin,
                  custom_ops: Mapping[str, Callable] | None = None, stage: int = 0, stages: int = 1) -> None:
-        from coconet.codegen.lower import lower
-
         self.schedule, self.program, self.sizes = schedule, schedule.program, dict(sizes)
         self.group, self.world, self.rank = group, world, rank
         self.backend, self.kernels, self.device_type, self.origin = backend, kernels, device_type, origin
@@ -211,8 +214,6 @@ class Step:
 
 def _load(gen: Any) -> Callable:
     """The module's ``step``, its code compiled under its cached file's name (tracebacks show its lines)."""
-    from coconet.codegen.cache import module_path
-
     module_path(gen)
     ns: dict[str, Any] = {"__name__": f"coconet_step_{gen.key}"}
     exec(marshal.loads(gen.code), ns)
@@ -221,8 +222,6 @@ def _load(gen: Any) -> Callable:
 
 def load_program(program: Any) -> Program:
     """A program from a file's path, a DSL ``coconet.Program`` or the IR."""
-    from coconet.loader import load_file
-
     if isinstance(program, (str, os.PathLike)):
         return load_file(program)
     if isinstance(program, Program):
@@ -316,8 +315,6 @@ class _Lookup:
     shardable: Any
 
     def shardable_text(self) -> str | None:
-        from coconet.schedules import shardable
-
         if self.shardable is None:
             return None
         names = [self.shardable] if isinstance(self.shardable, str) else list(self.shardable)
@@ -336,8 +333,6 @@ class _Lookup:
 
     def _from_store(self) -> tuple[str, dict[str, int], str, Origin]:
         from coconet.server.store import Store
-
-        from coconet.errors import StoreError
 
         opened = not hasattr(self.store, "best")
         try:

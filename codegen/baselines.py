@@ -18,6 +18,8 @@ from typing import Any, Callable, Sequence
 from coconet.schedules import shardable as shard
 from coconet.schedules.ir import Program
 from coconet.schedules.schedule import Schedule
+from coconet.loader import examples_dir
+from coconet.loader import load_file
 
 
 class AdamStep:
@@ -118,8 +120,6 @@ def shardable_text(prog: Program, names: Sequence[str] | None = None) -> str:
 
 
 def _example_hash(name: str) -> str | None:
-    from coconet.loader import examples_dir, load_file
-
     path = examples_dir() / f"{name}.py"
     return load_file(path).hash if path.is_file() else None
 

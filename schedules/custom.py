@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterable, Mapping
 from coconet.errors import ProgramError
 from coconet.schedules.dsl import apply_custom
 from coconet.schedules.ir import BUILTIN_OPS
+from importlib.metadata import entry_points
 
 _NAME = re.compile(r"[a-z_][a-z0-9_]*\Z")
 KINDS = ("pointwise", "local")
@@ -99,8 +100,6 @@ class OpRegistry:
     @classmethod
     def discover(cls, group: str = "coconet.ops") -> "OpRegistry":
         """Ops published by installed packages under the ``coconet.ops`` entry point group."""
-        from importlib.metadata import entry_points
-
         reg = cls()
         for ep in entry_points(group=group):
             obj = ep.load()

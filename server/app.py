@@ -72,6 +72,16 @@ from coconet.server.schemas import (
 )
 from coconet.server.store import Store, unavailable
 from coconet.tuner.runner import Protocol
+from coconet.codegen.lower import BACKENDS
+from coconet.codegen.lower import lower
+from coconet.schedules.dims import parse_sizes
+from coconet.schedules.schedule import Schedule
+from coconet.schedules.serialize import load
+from coconet.server import dashboard
+from coconet.tuner.tune import Request as TuneRequest
+from coconet.tuner.tune import check
+from fastapi import APIRouter
+from fastapi import Path
 
 ENV_TOKEN = "COCONET_API_TOKEN"
 PREFIX = "/api/v1"
@@ -157,7 +167,6 @@ def create_app(store_url: str | None = None, *, token: str | None = None, worker
     app.state.programs = ProgramFacts(store)
     _handlers(app)
     app.include_router(_router(settings), prefix=PREFIX)
-    from coconet.server import dashboard
 
     dashboard.mount(app)
     app.add_middleware(WriteSlots, slots=WRITE_SLOTS, wait_s=wait_s)
@@ -227,8 +236,6 @@ def _store(request: Request) -> Store:
 
 
 def _router(settings: Settings) -> Any:
-    from fastapi import APIRouter
-
     router = APIRouter()
     bearer = HTTPBearer(auto_error=False, description=f"The server's token (${ENV_TOKEN}); needed for writes.")
 
@@ -263,8 +270,6 @@ def _router(settings: Settings) -> Any:
     @router.post("/programs", status_code=201, tags=["programs"], **writes,
                  responses=error_responses(401, 403, 413, 422))
     def post_program(request: Request, body: ProgramIn) -> ProgramCreated:
-        from coconet.schedules.serialize import load
-
         prog = load(body.model_dump())
         _store(request).add_program(prog)
         return ProgramCreated(hash=prog.hash, name=prog.name)
@@ -356,9 +361,6 @@ def _router(settings: Settings) -> Any:
              backend: Annotated[str, Query(pattern=f"^({'|'.join(_backends())})$")] = "gloo",
              kernels: str = Query("compiled", pattern="^(compiled|eager)$"),
              program: MaybeHash = None) -> CodeOut:
-        from coconet.codegen.lower import BACKENDS, lower
-        from coconet.schedules.schedule import Schedule
-
         if backend not in BACKENDS:
             raise HTTPException(422, f"unknown backend {backend!r} (use {', '.join(BACKENDS)})")
         store = _store(request)
@@ -397,20 +399,14 @@ _TOKEN_OPTIONAL: dict[str, Any] = {"security": [{}]}
 
 
 def _hash_path() -> Any:
-    from fastapi import Path
-
     return Path(pattern=r"^[0-9a-f]{8,64}$", max_length=64)
 
 
 def _id_path() -> Any:
-    from fastapi import Path
-
     return Path(ge=1, le=MAX_ID)
 
 
 def _backends() -> tuple[str, ...]:
-    from coconet.codegen.lower import BACKENDS
-
     return BACKENDS
 
 
@@ -472,14 +468,10 @@ def _program(store: Store, program_hash: str) -> Any:
 
 
 def _loaded(store: Store, program_hash: str) -> Any:
-    from coconet.schedules.serialize import load
-
     return load(_program(store, program_hash).ir)
 
 
 def _parse_sizes(spec: str) -> dict[str, int]:
-    from coconet.schedules.dims import parse_sizes
-
     sizes = parse_sizes(spec)
     if len(sizes) > MAX_DIMS:
         raise SizeError(f"{len(sizes)} sizes given; at most {MAX_DIMS} dims are accepted")
@@ -514,8 +506,6 @@ def _start_job(request: Request, prog: Any, sizes: dict[str, int], topology: str
                backends: tuple[str, ...], shardable: str) -> JobRecord:
     """A queued job for the key, or the one already queued or running for it; refused here if the tuner would
     refuse it (a topology without its cluster, a backend this machine lacks)."""
-    from coconet.tuner.tune import Request as TuneRequest, check
-
     settings: Settings = request.app.state.settings
     ws = settings.workers
     check(TuneRequest(prog, (sizes,), world, topology, budget, backends, ws.protocol, ray_address=ws.ray_address))
@@ -610,8 +600,6 @@ class ProgramFacts:
         self._lock = threading.Lock()
 
     def get(self, program_hash: str) -> Facts | None:
-        from coconet.schedules.serialize import load
-
         found = self._known.get(program_hash)
         if found is None:
             record = self._store.program(program_hash)

@@ -13,6 +13,7 @@ from fastapi.responses import FileResponse, HTMLResponse, PlainTextResponse, Res
 from coconet.errors import CoconetError, StoreError
 from coconet.server.schemas import MAX_ID, error_responses
 from coconet.server.store import Store, unavailable
+from coconet.server import dashboard_data as data
 
 PREFIX = "/api/v1/dashboard"
 log = logging.getLogger("coconet.server")
@@ -45,8 +46,6 @@ def mount(app: FastAPI) -> None:
 
 
 def _data_router() -> APIRouter:
-    from coconet.server import dashboard_data as data
-
     router = APIRouter(prefix=PREFIX, tags=["dashboard"])
 
     @router.get("/programs")

@@ -10,6 +10,9 @@ from coconet.schedules import shardable as shard
 from coconet.schedules.schedule import sharded_by
 from coconet.server.records import Best, MeasurementDigest, answer_source
 from coconet.server.store import Store
+from coconet.codegen.lower import lower
+from coconet.schedules.schedule import Schedule
+from coconet.schedules.serialize import load
 
 # A sweep records model predictions for hundreds of schedules; a plot with that many lines says nothing.
 MAX_SCHEDULES_PER_PLOT = 12
@@ -40,10 +43,6 @@ def program_view(store: Store, program_hash: str) -> dict[str, Any] | None:
 
 
 def winner_code(store: Store, program_hash: str, measurement_id: int, backend: str | None = None) -> str | None:
-    from coconet.codegen.lower import lower
-    from coconet.schedules.schedule import Schedule
-    from coconet.schedules.serialize import load
-
     record = store.program(program_hash)
     m = store.measurement(measurement_id)
     if record is None or m is None or m.program_hash != program_hash or m.schedule_json is None:

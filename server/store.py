@@ -62,6 +62,7 @@ from coconet.server.records import (
     TopologyRecord,
     WinnerRecord,
 )
+import platformdirs
 
 ENV_URL = "COCONET_DATABASE_URL"
 # The newest migration in server/migrations/versions (a test keeps the two equal). Knowing it here
@@ -93,7 +94,6 @@ def default_url() -> str:
     env = os.environ.get(ENV_URL)
     if env:
         return env
-    import platformdirs
 
     return f"sqlite:///{Path(platformdirs.user_data_dir('coconet')) / 'coconet.db'}"
 

@@ -42,6 +42,11 @@ from typing import Any, Sequence
 from coconet.errors import CoconetError
 from coconet.tuner.cost import DROPOUT_PER_BLOCK, shm_collective
 from coconet.tuner.topology import Fit, Link, Topology, package_dir, user_dir
+from coconet.tuner.rank import die_with_parent
+from coconet.tuner.rank import keep_freed_memory
+from datetime import timedelta
+import numpy as np
+import shutil
 
 OPS = ("allreduce", "reduce_scatter", "all_gather")
 STARTUP_S = 60.0
@@ -72,7 +77,6 @@ class Calibration:
 def fit_alpha_beta(points: Sequence[tuple[float, float]]) -> Fit:
     """α, β ≥ 0 minimising the squared error of ``α + β·n`` relative to each measured time. The loss
     is soft beyond 10%: on a shared machine one median in a sweep can be another process's doing."""
-    import numpy as np
     from scipy.optimize import least_squares, nnls
 
     n = np.array([p[0] for p in points], dtype=float)
@@ -163,7 +167,6 @@ def _launch(settings: Settings) -> dict[str, Any]:
             p.wait()
         for c in conns:
             c.close()
-        import shutil
 
         shutil.rmtree(workdir, ignore_errors=True)
 
@@ -226,8 +229,6 @@ def cpu_model() -> str:
 # --- the rank processes ---
 
 def _rank_main(argv: list[str]) -> int:
-    from coconet.tuner.rank import die_with_parent, keep_freed_memory
-
     die_with_parent()
     keep_freed_memory()  # the allocator the ranks run with: what a fresh buffer costs there
     job_path, rank, fd = argv[0], int(argv[1]), int(argv[2])
@@ -275,8 +276,6 @@ class _Timer:
 
 
 def _measure(job: dict[str, Any], rank: int) -> dict[str, Any]:
-    from datetime import timedelta
-
     import torch
     import torch.distributed as dist
 

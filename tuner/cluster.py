@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from coconet.errors import ClusterError, CoconetError
+import socket
 
 ONE_NODE = frozenset({"shm"})  # backends whose ranks share memory: all on one node
 PLACEMENTS = ("pack", "spread")
@@ -138,8 +139,6 @@ def connect(address: str | None = None, *, ranks: int = 1) -> None:
 def require_listening(address: str, timeout_s: float = 10.0) -> None:
     """A ``host:port`` that no one listens on is refused here: ray.init retries it for minutes, saying only
     'Failed to connect to GCS'. Other forms (``auto``, ``ray://…``) are Ray's to read."""
-    import socket
-
     host, _, port = address.rpartition(":")
     if "://" in address or not host or not port.isdigit():
         return

@@ -35,6 +35,10 @@ import sys
 import threading
 import time
 import traceback
+from coconet.tuner import rank as rank_module
+from coconet.tuner.rank import freeze_imports
+import ctypes
+import importlib
 
 ENV_SWITCH = "COCONET_FORKSERVER"
 READY_S = 120.0  # the server's imports, on a loaded machine
@@ -249,11 +253,8 @@ def kill_group(proc) -> None:
 
 
 def _serve(sock: socket.socket) -> None:
-    import importlib
-
     for name in PRELOAD:
         importlib.import_module(name)
-    from coconet.tuner.rank import freeze_imports
 
     freeze_imports()
     wake_r, wake_w = os.pipe()
@@ -297,8 +298,6 @@ def _warm_compiler() -> list[str]:
     """What every process does before its first compiled kernel, done once here for the ranks to inherit.
     Each step is Inductor's own, cached for the process's life; a torch that lacks one, or a step that
     fails, leaves it to the ranks, which then do it themselves (and report what fails there)."""
-    import importlib
-
     def probe_isa() -> None:
         from torch._inductor.cpu_vec_isa import pick_vec_isa
 
@@ -363,8 +362,6 @@ def _child(sock: socket.socket, wake: tuple[int, int], fds: list[int], job: str,
         os.dup2(log_fd, 2)
         os.close(log_fd)
         _name(f"{RANK_NAME}{rank}")
-        from coconet.tuner import rank as rank_module
-
         argv = [job, str(rank), str(pipe_fd)]
         sys.argv = [rank_module.__file__, *argv]
         code = rank_module.main(argv)
@@ -382,8 +379,6 @@ def _child(sock: socket.socket, wake: tuple[int, int], fds: list[int], job: str,
 
 
 def _name(name: str) -> None:
-    import ctypes
-
     try:
         ctypes.CDLL("libc.so.6").prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
     except (OSError, AttributeError):

@@ -38,6 +38,12 @@ from typing import Any
 import numpy as np
 
 from coconet.errors import BackendError
+from coconet.codegen.baselines import BASELINES
+from coconet.loader import load_file
+from coconet.schedules import interp
+from coconet.tuner.bandwidth import close
+from coconet.tuner.bandwidth import kernels
+from coconet.tuner.stats import summarize
 
 
 def die_with_parent() -> None:
@@ -138,8 +144,6 @@ def _run(job: dict[str, Any], rank: int, conn: Connection) -> int:
         ns: dict[str, Any] = {"__name__": f"coconet_generated_{task}"}
         try:
             if code is None:  # a hand-written baseline
-                from coconet.codegen.baselines import BASELINES
-
                 step = BASELINES[path.split(":", 1)[1]].make()
             else:
                 exec(marshal.loads(code), ns)  # compiled by the caller with ``path`` as its file
@@ -177,16 +181,12 @@ def _custom_ops(spec) -> dict[str, Any]:
     kind, value = spec
     if kind == "callables":
         return value
-    from coconet.loader import load_file
-
     return {k: op.torch for k, op in load_file(value).custom_ops.items()}
 
 
 def inputs(prog, opts, stage: int, grank: int, device):
     """This rank's pieces of the seeded inputs (the interpreter's values; its layouts decide the pieces)."""
     import torch
-
-    from coconet.schedules import interp
 
     values = interp.rank_inputs(prog, opts.world, opts.sizes, grank, opts.seed, stage)
     tensors, scalars = {}, {}
@@ -285,8 +285,6 @@ def probe_bandwidth(nbytes: int = 2**27, repeats: int = 3) -> list[float]:
     import torch
     import torch.distributed as dist
 
-    from coconet.tuner.bandwidth import close, kernels
-
     probe = kernels(nbytes, torch.get_num_threads())
     out = []
     try:
@@ -322,8 +320,6 @@ def time_steps(step, tensors, scalars, kwargs, device, *, warmup: int, repeats: 
     """
     import torch
     import torch.distributed as dist
-
-    from coconet.tuner.stats import summarize
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     cap = max(repeats, max_repeats or repeats)

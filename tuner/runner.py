@@ -36,6 +36,16 @@ from coconet.schedules.equivalence import Reference
 from coconet.schedules.ir import Program
 from coconet.schedules.schedule import Schedule
 from coconet.tuner.cluster import ONE_NODE, PLACEMENTS, Need, describe, offer, plan
+from coconet.tuner.launch import free_port
+from coconet.tuner.rank import _custom_ops
+from coconet.tuner.rank import checked_steps
+from coconet.tuner.rank import error_report
+from coconet.tuner.rank import freeze_imports
+from coconet.tuner.rank import inputs
+from coconet.tuner.rank import keep_freed_memory
+from coconet.tuner.rank import time_steps
+from datetime import timedelta
+import numpy as np
 
 Lowering = Callable[[Schedule, str, str], Generated]
 PLACEMENT_POLL_S = 5.0  # how often a placement under way looks at the cluster again
@@ -68,8 +78,6 @@ class _Rank:
     def __init__(self, rank: int, world: int, stages: int, backend: str, threads: int, custom, run_dir: str) -> None:
         import torch
 
-        from coconet.tuner.rank import _custom_ops, freeze_imports, keep_freed_memory
-
         keep_freed_memory()
         self.rank, self.world, self.stages, self.backend = rank, world, stages, backend
         torch.set_num_threads(threads)
@@ -84,14 +92,10 @@ class _Rank:
     def where(self) -> tuple[str, int, int, str, str]:
         import ray
 
-        from coconet.tuner.launch import free_port
-
         return (ray.util.get_node_ip_address(), free_port(), os.getpid(), str(self.stack_path),
                 ray.get_runtime_context().get_node_id())
 
     def join(self, addr: str, port: int, timeout_s: float) -> None:
-        from datetime import timedelta
-
         import torch
         import torch.distributed as dist
 
@@ -105,10 +109,7 @@ class _Rank:
 
     def run(self, source: str, filename: str, prog: Program, sizes: dict, seed: int, protocol: Protocol | None):
         """Check (``protocol`` None) or time the step; returns what the driver needs, or the error."""
-        import numpy as np
         import torch
-
-        from coconet.tuner.rank import checked_steps, inputs, time_steps
 
         device = torch.device("cuda", 0) if self.backend == "nccl" else torch.device("cpu")
         stage = self.rank // self.world
@@ -140,8 +141,6 @@ class _Rank:
 
 
 def _error(e: BaseException, filename: str) -> dict[str, Any]:
-    from coconet.tuner.rank import error_report
-
     report = error_report(e, filename)
     return dict(report, error=report["error"].strip()[:2000])  # it travels back through Ray and into the store
 

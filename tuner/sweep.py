@@ -39,6 +39,13 @@ from coconet.schedules.ir import Program
 from coconet.schedules.schedule import Schedule
 from coconet.schedules.space import generate
 from coconet.tuner.search import knob_variants
+from coconet.codegen.baselines import shardable_text
+from coconet.loader import load_file
+from coconet.server.keys import sizes_key
+from coconet.server.records import NewMeasurement
+from coconet.tuner.cost import predict
+from coconet.tuner.topology import load_topology
+import coconet
 
 LOCAL = "local"
 STAGES = 2  # a pipeline program's stages in a sweep, as in coconet run and tune
@@ -63,8 +70,6 @@ class SweepConfig:
 
     @classmethod
     def load(cls, path: str | Path) -> "SweepConfig":
-        from coconet.loader import load_file
-
         path = Path(path)
         try:
             data = yaml.safe_load(path.read_text())
@@ -113,8 +118,6 @@ class SweepConfig:
 
 def _shardable(value: Any, prog: Program, where: str) -> str:
     """An entry's ``shardable:`` (a list of names, or ``all``); left out, the program's default."""
-    from coconet.codegen.baselines import shardable_text
-
     names = value if isinstance(value, list) or value is None else [value]
     if names is not None and not all(isinstance(n, str) for n in names):
         raise CoconetError(f"{where}: shardable must be a list of state names or `all`, got {value!r}")
@@ -197,9 +200,6 @@ def sweep(config: SweepConfig, store, *, simulate: bool = False,
           on_progress: Callable[[SweepReport], None] | None = None,
           tune_key: Callable[[Entry, dict, int], Any] | None = None) -> SweepReport:
     """Run the sweep into ``store``; ``tune_key(entry, sizes, world)`` measures a local key."""
-    from coconet.server.keys import sizes_key
-    from coconet.tuner.topology import load_topology
-
     t0 = time.perf_counter()
     report = SweepReport()
     topos = {name: load_topology(name) for name in config.topologies}
@@ -261,10 +261,6 @@ def sweep(config: SweepConfig, store, *, simulate: bool = False,
 
 def _predict_batch(store, prog: Program, cands: list[Schedule], base: Schedule, topo, name: str,
                    backends: Sequence[str], batch, stages: int, report: SweepReport, shardable: str) -> None:
-    import coconet
-    from coconet.server.records import NewMeasurement
-    from coconet.tuner.cost import predict
-
     versions = {"coconet": coconet.__version__, "model": "alpha-beta roofline", "topology": topo.digest}
     rows, triples = [], []
     for sizes, world in batch:

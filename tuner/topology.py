@@ -32,6 +32,7 @@ from typing import Any, Mapping
 import yaml
 
 from coconet.errors import TopologyError
+import platformdirs
 
 DEVICES = ("cpu", "cuda")
 BACKENDS = ("gloo", "nccl", "shm")
@@ -413,7 +414,6 @@ def user_dir() -> Path:
     env = os.environ.get(USER_DIR_ENV)
     if env:
         return Path(env) / "topologies"
-    import platformdirs
 
     return Path(platformdirs.user_config_dir("coconet")) / "topologies"
 

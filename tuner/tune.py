@@ -37,6 +37,12 @@ from coconet.tuner.runner import Protocol, Runner
 from coconet.tuner.search import (KILLED_TRIES, Candidate, Outcome, Progress, SearchSpace, Trial, search,
                                   study_name)
 from coconet.tuner.stats import summarize
+from coconet.tuner.calibrate import cpu_model
+from coconet.tuner.cost import predict
+from coconet.tuner.topology import load_topology
+from coconet.tuner.topology import topology_path
+import coconet
+import os
 
 LOCAL = "local"
 
@@ -121,8 +127,6 @@ def local_backends(world: int) -> tuple[str, ...]:
 def versions(backend: str, kernels: str = "compiled", placed: str | None = None) -> dict[str, str]:
     import torch
 
-    import coconet
-
     out = {"coconet": coconet.__version__, "torch": torch.__version__, "backend": backend,
            "python": platform.python_version(), "kernels": kernels}
     if placed:  # where the ranks ran: "2 ranks on 1 node"
@@ -137,11 +141,7 @@ def versions(backend: str, kernels: str = "compiled", placed: str | None = None)
 
 def fingerprint() -> dict[str, Any]:
     """What makes this machine this topology: a store keeps results of one fingerprint per name."""
-    import os
-
     import torch
-
-    from coconet.tuner.calibrate import cpu_model
 
     cpu = cpu_model()
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] \
@@ -171,8 +171,6 @@ def check(request: Request) -> tuple[str, ...]:
     if request.topology == LOCAL:
         allowed = local_backends(request.world)
     else:  # a cluster that is this topology: its backends, shm only where every rank shares one node
-        from coconet.tuner.topology import load_topology
-
         topo = load_topology(request.topology)
         allowed = tuple(b for b in topo.backends if b != "shm" or topo.nodes == 1)
     backends = tuple(request.backends) or allowed
@@ -323,9 +321,6 @@ def _busy(prog: Program, request: Request, busy: list[str]) -> CoconetError:
 def cost_prior(space: SearchSpace, sizes: Mapping[str, int], topology: str, world: int) -> list[Candidate]:
     """The cost model's favourites, best first: tried right after the baseline. None where the
     topology has no description (an uncalibrated `local`: `coconet calibrate` writes it)."""
-    from coconet.tuner.cost import predict
-    from coconet.tuner.topology import load_topology, topology_path
-
     if topology_path(topology) is None:
         return []
     topo = load_topology(topology)
