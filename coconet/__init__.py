@@ -10,6 +10,8 @@ and, for a training loop (imported on first use: ``import coconet`` does not imp
     opt = coconet.optim.from_program("examples/adam.py", model.parameters(), lr=1e-3, group=dp_group)
 """
 
+import importlib
+
 from coconet.errors import (
     CoconetError,
     IllegalTransform,
@@ -17,6 +19,7 @@ from coconet.errors import (
     ScheduleError,
     SizeError,
 )
+from coconet.loader import load
 from coconet.schedules.custom import CustomOp, OpRegistry, custom_op
 from coconet.schedules.dsl import (
     Expr,
@@ -42,10 +45,8 @@ from coconet.schedules.dsl import (
     where,
 )
 from coconet.schedules.ir import NEXT_STAGE, PREV_STAGE
-from coconet.api import load
 from coconet.schedules.serialize import export
 from coconet.schedules.types import Local, Replicated, Sliced
-import importlib
 
 __version__ = "0.1.0"
 

@@ -23,33 +23,23 @@ import os
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
+from coconet.codegen.baselines import shardable_text
+from coconet.codegen.lower import BACKENDS, KERNELS
 from coconet.errors import CoconetError
-
-_FILE_SUFFIXES = (".py", ".json")
-
-
-def load(source: Any, ops: Any = None) -> Any:
-    """A verified program (``coconet.schedules.ir.Program``) from a ``.py`` or ``.json`` file, JSON text or bytes,
-    a mapping of the IR, or a ``coconet.Program`` built with the DSL."""
-    from coconet.schedules.dsl import Program as DslProgram
-    from coconet.schedules.ir import Program
-    from coconet.schedules.serialize import load as load_ir
-
-    if isinstance(source, Program):
-        return source
-    if isinstance(source, DslProgram):
-        return source.ir
-    if isinstance(source, os.PathLike) or (isinstance(source, str) and source.endswith(_FILE_SUFFIXES)):
-        from coconet.loader import load_file
-
-        return load_file(source, ops=ops)
-    return load_ir(source, ops=ops)
+from coconet.loader import load
+from coconet.schedules import shardable as shard
+from coconet.schedules.dims import parse_sizes
+from coconet.schedules.schedule import Schedule
+from coconet.schedules.space import generate
+from coconet.server.records import answer_source
+from coconet.tuner.launch import Options, run_schedules
+from coconet.tuner.runner import Protocol
+from coconet.tuner.sweep import SweepConfig
+from coconet.tuner.sweep import sweep as run_sweep
 
 
 def schedules(program: Any, *, depth: int = 6) -> list[dict[str, Any]]:
     """The legal schedules of ``program``, as ``coconet schedules --json`` lists them."""
-    from coconet.schedules.space import generate
-
     space = generate(load(program), depth=depth)
     if space.refused:
         text, reason = space.refused[0]
@@ -64,11 +54,6 @@ def run(program: Any, sizes: Any, *, world: int = 2, schedules: Sequence[str] = 
     """Check and time schedules on ``world`` ranks of this machine, as ``coconet run --json``: the baseline
     first, then each of ``schedules`` (a schedule's text, its id in ``schedules(program)``, ``"all"``,
     ``"baseline"``, or ``"best"``: the store's winner for these sizes, said in ``best``)."""
-    from coconet.codegen.lower import BACKENDS, KERNELS
-    from coconet.schedules.schedule import Schedule
-    from coconet.schedules.space import generate
-    from coconet.tuner.launch import Options, run_schedules
-
     if backend not in BACKENDS:
         raise CoconetError(f"unknown backend {backend!r} (use {', '.join(BACKENDS)})")
     if kernels not in KERNELS:
@@ -112,7 +97,6 @@ def tune(program: Any, sizes: Any | Iterable[Any], *, world: int = 2, budget: in
     """Tune ``program`` at ``sizes`` (one binding, or a list of them) on Ray and record the winners, as
     ``coconet tune --json``: one result for one binding, a list (smallest first) for several."""
     from coconet.server.store import Store
-    from coconet.tuner.runner import Protocol
     from coconet.tuner.tune import Request, check, cost_prior
     from coconet.tuner.tune import tune as run_tune
 
@@ -146,8 +130,6 @@ def best(program: Any, sizes: Any, *, topology: str = "local", world: int | None
         with Client.open(server, token) as client:
             return client.best(prog.hash, sizes, topology=topology, world=world, backend=backend,
                                shardable=",".join(names) if names is not None else None, source=source)
-    from coconet.codegen.baselines import shardable_text
-    from coconet.server.records import answer_source
     from coconet.server.store import Store
 
     stored = {"measured": "measured", "predicted": "model", None: None}
@@ -180,11 +162,7 @@ def sweep(config: str | os.PathLike, *, simulate: bool = False, store: Any = Non
     """An offline sweep from its YAML config, as ``coconet sweep --json`` reports it: local keys tuned (unless
     ``simulate``), the others predicted by the cost model; keys done before are skipped, measured keys are
     never predicted."""
-    from coconet.schedules import shardable as shard
     from coconet.server.store import Store
-    from coconet.tuner.runner import Protocol
-    from coconet.tuner.sweep import SweepConfig
-    from coconet.tuner.sweep import sweep as run_sweep
     from coconet.tuner.tune import Request, cost_prior
     from coconet.tuner.tune import tune as run_tune
 
@@ -200,8 +178,6 @@ def sweep(config: str | os.PathLike, *, simulate: bool = False, store: Any = Non
 
 
 def _sizes(sizes: Any, prog: Any) -> dict[str, int]:
-    from coconet.schedules.dims import parse_sizes
-
     if isinstance(sizes, str):
         return parse_sizes(sizes, prog.dims)
     if not isinstance(sizes, Mapping):

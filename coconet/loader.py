@@ -18,7 +18,8 @@ from typing import Any
 from coconet.errors import CoconetError, ProgramError
 from coconet.schedules.dsl import Program as DSLProgram
 from coconet.schedules.ir import Program
-from coconet.schedules.serialize import MAX_JSON_BYTES, load
+from coconet.schedules.serialize import MAX_JSON_BYTES
+from coconet.schedules.serialize import load as load_ir
 
 
 def load_file(path: str | os.PathLike, ops: Any = None) -> Program:
@@ -29,7 +30,7 @@ def load_file(path: str | os.PathLike, ops: Any = None) -> Program:
         if p.stat().st_size > MAX_JSON_BYTES:
             raise ProgramError(f"{path}: larger than {MAX_JSON_BYTES} bytes")
         try:
-            return load(p.read_bytes(), ops=ops)
+            return load_ir(p.read_bytes(), ops=ops)
         except ProgramError as err:
             err.location = err.location or str(path)
             raise
@@ -88,3 +89,18 @@ def _user_frame(e: BaseException, p: Path) -> str:
 def examples_dir() -> Path:
     """The seed workloads of the source tree (``examples/`` beside the packages)."""
     return Path(__file__).resolve().parents[1] / "examples"
+
+
+_FILE_SUFFIXES = (".py", ".json")
+
+
+def load(source: Any, ops: Any = None) -> Program:
+    """A verified program (``coconet.schedules.ir.Program``) from a ``.py`` or ``.json`` file, JSON text or bytes,
+    a mapping of the IR, or a ``coconet.Program`` built with the DSL."""
+    if isinstance(source, Program):
+        return source
+    if isinstance(source, DSLProgram):
+        return source.ir
+    if isinstance(source, os.PathLike) or (isinstance(source, str) and source.endswith(_FILE_SUFFIXES)):
+        return load_file(source, ops=ops)
+    return load_ir(source, ops=ops)
