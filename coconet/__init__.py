@@ -1,6 +1,6 @@
 """coconet: distributed ML programs whose computation and communication are optimised together.
 
-The public DSL (DESIGN §3)::
+The public DSL (the README's "A program")::
 
     from coconet import Program, Local, Replicated, Sliced, allreduce, sqrt
 

@@ -1,4 +1,4 @@
-"""The ``coconet`` command line (DESIGN §9).
+"""The ``coconet`` command line (docs/architecture.md, "Packages and modules").
 
 Every command takes ``--json`` for a machine-readable answer on stdout. Errors
 are one line ``error: …`` on stderr with exit code 2 — never a traceback

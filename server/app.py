@@ -1,4 +1,4 @@
-"""The REST API (DESIGN §8, §9): programs in, tuning jobs run by the server's workers, the best schedule
+"""The REST API (the README's "Service"; docs/architecture.md, "Data flow"): programs in, tuning jobs run by the server's workers, the best schedule
 per (program, sizes, topology) out, with its generated code. ``create_app`` builds one; nothing happens at
 import (uvicorn gets ``coconet.server.app:create_app`` with ``factory=True``).
 """
@@ -160,7 +160,7 @@ def create_app(store_url: str | None = None, *, token: str | None = None, worker
             store.close()
 
     app = FastAPI(title="coconet", version=__version__, lifespan=lifespan, responses=ANY_ERROR,
-                  description="Best schedules of distributed ML programs, tuned on demand (DESIGN §9).")
+                  description="Best schedules of distributed ML programs, tuned on demand.")
     app.state.store = store
     app.state.settings = settings
     app.state.workers = None

@@ -1,4 +1,4 @@
-"""Tables of the results store (DESIGN §8).
+"""Tables of the results store, where a tuning run ends (docs/architecture.md, "Data flow").
 
 Every name starts with ``coconet_``: Optuna's RDB storage keeps its own tables
 (``studies``, ``trials``, ``alembic_version``…) in the same database.

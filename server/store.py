@@ -1,4 +1,4 @@
-"""The results store: programs, topologies, tuning jobs, measurements and winners (DESIGN §8).
+"""The results store: programs, topologies, tuning jobs, measurements and winners (docs/architecture.md, "Data flow").
 
 ``Store.open(url)`` takes any SQLAlchemy URL (SQLite by default, PostgreSQL at
 scale), upgrades the schema to head and hands back plain frozen records, never

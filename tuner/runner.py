@@ -54,7 +54,7 @@ DEATH_NOTICE_S = 5.0  # how long Ray may take to report a dead actor after its p
 
 @dataclass(frozen=True)
 class Protocol:
-    """How one candidate is checked and timed (DESIGN §7)."""
+    """How one candidate is checked and timed (docs/architecture.md, "Data flow", step 4)."""
 
     warmup: int = 3
     min_repeats: int = 10

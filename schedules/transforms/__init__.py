@@ -1,4 +1,4 @@
-"""The CoCoNet transformations, one module each (DESIGN §5)."""
+"""The CoCoNet transformations, one module each (docs/architecture.md, "Packages and modules")."""
 
 from coconet.schedules.transforms.as_slice import AsSlice
 from coconet.schedules.transforms.base import Transform
