@@ -147,7 +147,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     report = {
         "world": args.world, "rows_per_process": n, "bytes_per_call_per_process": nbytes, "calls": args.calls,
-        "rounds": args.rounds, "chunk_kernel": kernel, "cpus": os.cpu_count(), "machine": platform.processor() or platform.machine(),
+        "rounds": args.rounds, "chunk_kernel": kernel, "cpus": os.cpu_count(),
+        "machine": platform.processor() or platform.machine(),
         "floor_kernel": "the best of the probe's kernels (a.add_(b), and the C states kernel where a C "
                         "compiler is), all threads, one process (coconet bench's floor)",
         "floor_kernel_GBps": floor / 1e9, "floor_kernel_median_GBps": statistics.median(floor_samples) / 1e9,

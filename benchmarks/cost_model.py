@@ -28,9 +28,9 @@ from pathlib import Path
 
 from scipy.stats import kendalltau
 
-from coconet.tuner.launch import Options, run_schedules
 from coconet.schedules.space import generate
 from coconet.tuner import cost
+from coconet.tuner.launch import Options, run_schedules
 from coconet.tuner.topology import list_topologies, load_topology
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,8 +9,8 @@ Compared in one run on the same tensors, each compiled by Inductor except the fi
 - a Philox call per block of four: the same mask, one call per four elements (as the generated CPU
   kernels do where a row is whole blocks of four);
 - no RNG: ``(x + b) * 0.9 + r``, the same bytes without the rounds (the kernel's memory floor).
-The allocator keeps freed memory, as in the ranks. The median of ``--repeats`` calls after two warm-up calls; the two coconet kernels must draw the
-same mask, or the run stops.
+The allocator keeps freed memory, as in the ranks. The median of ``--repeats`` calls after two warm-up calls;
+the two coconet kernels must draw the same mask, or the run stops.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 
 from coconet.codegen.prelude import _dropped, _flat_index, _words
-from coconet.tuner.rank import allocator_policy, keep_freed_memory
 from coconet.kernels.rng import philox_words
+from coconet.tuner.rank import allocator_policy, keep_freed_memory
 
 ROOT = Path(__file__).resolve().parents[1]
 P = 0.1
@@ -68,8 +68,8 @@ def main() -> None:
 
     kernels = {name: torch.compile(fn, dynamic=False, fullgraph=True)
                for name, fn in (("per_element", per_element), ("per_block", per_block), ("no_rng", no_rng))}
-    report = {"threads": args.threads, "allocator": allocator_policy(), "torch": torch.__version__, "machine": platform.machine(), "p": P,
-              "hidden": args.hidden, "points": []}
+    report = {"threads": args.threads, "allocator": allocator_policy(), "torch": torch.__version__,
+              "machine": platform.machine(), "p": P, "hidden": args.hidden, "points": []}
     for log2n in args.log2n:
         n = 2**log2n
         x = torch.randn(n // args.hidden, args.hidden)

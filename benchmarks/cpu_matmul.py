@@ -120,7 +120,8 @@ def main() -> None:
             r = measure(shape, args.pairs, procs)
             rows.append(r)
             print(f"{r['shape']:<22} procs={procs}  MKL {r['mkl_GFLOPs']:6.1f}  oneDNN {r['onednn_GFLOPs']:6.1f} "
-                  f"GFLOP/s  oneDNN/MKL {r['onednn_over_mkl']:.3f} (pairs {min(r['ratios']):.2f}-{max(r['ratios']):.2f})",
+                  f"GFLOP/s  oneDNN/MKL {r['onednn_over_mkl']:.3f} "
+                  f"(pairs {min(r['ratios']):.2f}-{max(r['ratios']):.2f})",
                   flush=True)
     doc = {"torch": torch.__version__, "machine": platform.machine(), "processor": cpu_model(),
            "mkldnn": torch.backends.mkldnn.is_available(), "pairs": args.pairs, "results": rows,

@@ -35,8 +35,8 @@ def programs(named: list[str]) -> list[Path]:
 
 def run_one(path: Path, args: argparse.Namespace) -> None:
     """One program's schedules in one launch; each row printed as its result lands."""
-    from coconet.tuner.launch import Options, run_schedules
     from coconet.schedules.space import generate
+    from coconet.tuner.launch import Options, run_schedules
 
     prog = runpy.run_path(str(path))["program"].ir
     scheds = list(generate(prog))

@@ -244,7 +244,8 @@ def table(result: dict) -> list[str]:
             for r in t["rows"]:
                 g = r["gain"]
                 lines.append(
-                    f"  2^{r['log2_N']:<4} {r['baseline']['seconds'] * 1e6:16.0f} {r['baseline_rails']['seconds'] * 1e6:16.0f}"
+                    f"  2^{r['log2_N']:<4} {r['baseline']['seconds'] * 1e6:16.0f}"
+                    f" {r['baseline_rails']['seconds'] * 1e6:16.0f}"
                     f" {r['best']['seconds'] * 1e6:10.0f} {r['best_replicated_w']['seconds'] * 1e6:13.0f}"
                     f" {r['fused']['hierarchical']['seconds'] * 1e6:12.0f}  {g['hierarchical_vs_baseline_rails']:.2f}x"
                     f" / {g['hierarchical_vs_baseline_model']:.2f}x  ({r['fused']['hierarchical']['form']})")

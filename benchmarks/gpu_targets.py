@@ -44,7 +44,8 @@ def judge(outdir: Path) -> list[dict]:
         {"target": "Megatron B=8,S=1024,H=3072: " + SPEEDUP.replace("all_reduce + Adam(fused=True)", "eager PyTorch"),
          "want": 1.0, "got": _bench_speedup(meg, "H", 3072)},
         {"target": "Megatron fused epilogue (bias+dropout+residual): fraction of HBM peak, kernel alone",
-         "want": 0.8, "got": ((kern or {}).get("epilogue") or {}).get("coconet_compiled", {}).get("kernels_fraction_of_peak")},
+         "want": 0.8,
+         "got": ((kern or {}).get("epilogue") or {}).get("coconet_compiled", {}).get("kernels_fraction_of_peak")},
     ]
     for k in range(22, 27):
         rows.append({"target": f"fused Adam kernel N=2^{k}: fraction of HBM peak, kernel alone", "want": 0.8,

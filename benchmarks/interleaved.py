@@ -35,10 +35,10 @@ def _rank(rank: int, world: int, port: int, program_path: str, sizes: dict, path
     import torch
     import torch.distributed as dist
 
-    from coconet.tuner.launch import Options
-    from coconet.tuner.rank import inputs, keep_freed_memory
     from coconet.loader import load_file
     from coconet.schedules.schedule import Schedule
+    from coconet.tuner.launch import Options
+    from coconet.tuner.rank import inputs, keep_freed_memory
 
     keep_freed_memory()  # as coconet's ranks do: a temporary's pages are not faulted in anew every step
     torch.set_num_threads(1)
@@ -100,7 +100,7 @@ def run_processes(procs, out):
             except queue.Empty:
                 dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
                 if dead:
-                    raise SystemExit(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}")
+                    raise SystemExit(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}") from None
         for p in procs:
             p.join()
         return got
@@ -117,9 +117,9 @@ def run_processes(procs, out):
 def main(argv: list[str] | None = None) -> dict:
     import torch.multiprocessing as mp
 
-    from coconet.tuner.launch import free_port
     from coconet.loader import load_file
     from coconet.schedules.dims import parse_sizes
+    from coconet.tuner.launch import free_port
 
     ap = argparse.ArgumentParser()
     ap.add_argument("program")

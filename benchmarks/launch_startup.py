@@ -93,11 +93,11 @@ def _commands(args, world: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from coconet.tuner.launch import Options
     from coconet.loader import load_file
     from coconet.schedules.dims import parse_sizes
     from coconet.schedules.schedule import Schedule
     from coconet.schedules.space import generate
+    from coconet.tuner.launch import Options
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--program", type=Path, default=ROOT / "examples" / "adam.py")

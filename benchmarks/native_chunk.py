@@ -29,8 +29,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     from coconet.codegen.lower import lower
     from coconet.loader import load_file
-    from coconet.schedules.schedule import Schedule
     from coconet.schedules.dims import parse_sizes
+    from coconet.schedules.schedule import Schedule
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--world", type=int, default=4)
@@ -87,7 +87,8 @@ def main(argv: list[str] | None = None) -> dict:
     }
     for k, r in report["kinds"].items():
         print(f"{k:>11}: {r['median_ms']:.2f} ms, {r['ratio_to_inductor']:.3f}x Inductor's, "
-              f"{r['GBps_at_needed_bytes']:.1f} GB/s of the bytes it must move, same bits: {r['same_bits_as_inductor']}")
+              f"{r['GBps_at_needed_bytes']:.1f} GB/s of the bytes it must move, "
+              f"same bits: {r['same_bits_as_inductor']}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2) + "\n")

@@ -1,6 +1,7 @@
 """Does overlap overlap? The Megatron layer's matmul with its reduce_scatter in flight, traced.
 
-    python benchmarks/overlap.py [--world 2] [--size B=4,S=512,H=1024] [--out benchmarks/results/overlap_megatron_w2.json]
+    python benchmarks/overlap.py [--world 2] [--size B=4,S=512,H=1024] \
+        [--out benchmarks/results/overlap_megatron_w2.json]
 
 In one run, on gloo and shm: ``split(ar0)`` (the matmul, then its
 reduce_scatter) against ``split(ar0); overlap(mm0, rs0)`` (the matmul in
@@ -21,9 +22,9 @@ import runpy
 import tempfile
 from pathlib import Path
 
-from coconet.tuner.launch import Options, run_schedules
 from coconet.schedules.dims import parse_sizes
 from coconet.schedules.schedule import Schedule
+from coconet.tuner.launch import Options, run_schedules
 from coconet.tuner.trace import overlap
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -20,10 +20,10 @@ import os
 import statistics
 from pathlib import Path
 
-from coconet.tuner.launch import RunResult
 from coconet.loader import load_file
 from coconet.schedules.dims import format_sizes, parse_sizes
 from coconet.server.store import Store
+from coconet.tuner.launch import RunResult
 from coconet.tuner.runner import Protocol
 from coconet.tuner.search import Candidate, SearchSpace, search
 from coconet.tuner.tune import Request, local_backends, tune
@@ -125,7 +125,8 @@ def _plot(report, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, arm in report["arms"].items():
         xs = sorted(arm["trials"])
-        ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=f"{name} (median {arm['median']:g})")
+        ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post",
+                label=f"{name} (median {arm['median']:g})")
     ax.set_xlabel("trials (distinct candidates measured)")
     ax.set_ylabel("fraction of seeds within 5% of the best")
     ax.set_title(f"{report['program']} {format_sizes(report['sizes'])}, world {report['world']}: "

@@ -23,9 +23,9 @@ import runpy
 import statistics
 from pathlib import Path
 
-from coconet.tuner.launch import Options, run_schedules
 from coconet.schedules.dims import parse_sizes
 from coconet.schedules.schedule import Schedule
+from coconet.tuner.launch import Options, run_schedules
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEDULE = "split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse_collective(rs0)"

@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> dict:
                 if dead:  # the other waits at a barrier that will not break by itself
                     for p in procs:
                         p.kill()
-                    raise SystemExit(f"process {dead[0]} died with exit code {procs[dead[0]].exitcode}")
+                    raise SystemExit(f"process {dead[0]} died with exit code {procs[dead[0]].exitcode}") from None
         got.sort(key=lambda x: x[0])
         for p in procs:
             p.join()

@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 
 from coconet.codegen.lower import lower
-from coconet.tuner.launch import free_port
 from coconet.schedules.space import generate
+from coconet.tuner.launch import free_port
 
 ROOT = Path(__file__).parents[1]
 SCALARS = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "t": 3}

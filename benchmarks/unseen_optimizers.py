@@ -155,7 +155,8 @@ def time_coconet(name: str, world: int, size: str, repeats: int, shardable: tupl
                         *shard], check=True, stdout=subprocess.DEVNULL)
         point = json.loads(out.read_text())["points"][0]
     best = point["best"]
-    return {"best_schedule": best["schedule"], "best_s": best["median_s"], "eager_program_s": point["torch"]["median_s"]}
+    return {"best_schedule": best["schedule"], "best_s": best["median_s"],
+            "eager_program_s": point["torch"]["median_s"]}
 
 
 def plot(report: dict, path: Path) -> None:

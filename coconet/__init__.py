@@ -66,7 +66,7 @@ def __getattr__(name: str):
 __all__ = [
     "CoconetError", "CustomOp", "Expr", "IllegalTransform", "Local", "NEXT_STAGE", "OpRegistry", "PREV_STAGE",
     "Program", "ProgramError", "Replicated", "ScheduleError", "SizeError", "Sliced", "Step", "abs", "all_gather",
-    "allreduce", "best", "broadcast", "cast", "compile", "custom_op", "dropout", "exp", "export", "load", "log", "matmul",
-    "maximum", "minimum", "norm", "optim", "recv", "reduce_scatter", "rsqrt", "run", "schedules", "send", "sqrt",
-    "sum", "sweep", "tune", "where",
+    "allreduce", "best", "broadcast", "cast", "compile", "custom_op", "dropout", "exp", "export", "load", "log",
+    "matmul", "maximum", "minimum", "norm", "optim", "recv", "reduce_scatter", "rsqrt", "run", "schedules", "send",
+    "sqrt", "sum", "sweep", "tune", "where",
 ]

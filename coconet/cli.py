@@ -8,9 +8,13 @@ are one line ``error: …`` on stderr with exit code 2 — never a traceback
 from __future__ import annotations
 
 import errno
+import functools
+import ipaddress
 import json
 import os
+import select
 import signal
+import socket
 import statistics
 import sys
 import threading
@@ -22,24 +26,16 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from coconet.codegen.baselines import baseline_for, shardable_text
+from coconet.codegen.lower import BACKENDS, KERNELS, lower
 from coconet.errors import CoconetError
-from coconet.schedules.dims import format_sizes
-from coconet.codegen.baselines import baseline_for
-from coconet.codegen.baselines import shardable_text
-from coconet.codegen.lower import BACKENDS
-from coconet.codegen.lower import KERNELS
-from coconet.codegen.lower import lower
-from coconet.loader import examples_dir
-from coconet.loader import load_file
+from coconet.loader import examples_dir, load_file
 from coconet.schedules import shardable as shard
-from coconet.schedules.dims import parse_sizes
+from coconet.schedules.dims import format_sizes, parse_sizes
 from coconet.schedules.schedule import Schedule
 from coconet.schedules.serialize import export as to_json
 from coconet.schedules.space import generate
-import functools
-import ipaddress
-import select
-import socket
+
 
 class _Command(typer.core.TyperCommand):
     """A command that refuses an option of one value given twice: click keeps the last one silently, and
@@ -243,7 +239,8 @@ def export(
 def schedules(
     file: Path = typer.Argument(..., help="Program file: .py defining `program`, or .json."),
     depth: int = typer.Option(6, "--depth", min=0, max=12, help="Longest transform sequence to explore."),
-    show: Optional[str] = typer.Option(None, "--show", help="Print one schedule (its id or text) statement by statement."),
+    show: Optional[str] = typer.Option(None, "--show",
+                                       help="Print one schedule (its id or text) statement by statement."),
     verify: bool = typer.Option(False, "--verify", help="Check every schedule against the reference interpreter "
                                 "on 1-4 simulated ranks."),
     size: Optional[List[str]] = SIZE_OPT,
@@ -388,7 +385,8 @@ def _progress_bar(quiet: bool = False, transient: bool = False):
 
     return Progress(TextColumn("{task.description}", table_column=Column(no_wrap=True)), BarColumn(bar_width=20),
                     MofNCompleteColumn(), TimeElapsedColumn(),
-                    TextColumn("{task.fields[status]}", table_column=Column(ratio=1, no_wrap=True, overflow="ellipsis")),
+                    TextColumn("{task.fields[status]}",
+                               table_column=Column(ratio=1, no_wrap=True, overflow="ellipsis")),
                     console=Console(stderr=True), disable=quiet, transient=transient)
 
 
@@ -460,8 +458,8 @@ def run(
             (emit / f"{prog.name}_{sched.hash}_{backend}.py").write_text(gen.source)
     from coconet.tuner.launch import Options, run_schedules  # torch: seconds to import, so after the checks
 
-    opts = Options(world=world, sizes=sizes, backend=backend, kernels=kernels, stages=stages or 2, seed=seed, warmup=warmup,
-                   repeats=repeats, check=not no_check, timeout_s=timeout,
+    opts = Options(world=world, sizes=sizes, backend=backend, kernels=kernels, stages=stages or 2, seed=seed,
+                   warmup=warmup, repeats=repeats, check=not no_check, timeout_s=timeout,
                    trace=str(trace.resolve()) if trace is not None else None)
     with _progress_bar(quiet=as_json, transient=True) as bar:
         task = bar.add_task(f"{prog.name} on {world} ranks ({backend})", total=len(picked), status="")
@@ -469,7 +467,7 @@ def run(
                                 on_result=lambda i, r: bar.update(task, advance=1, status=_result_status(backend, r)))
     base = results[0].median_s
     rows = []
-    for i, r in enumerate(results):
+    for r in results:
         row = r.to_json()
         row["speedup"] = base / r.median_s if base and r.median_s else None
         rows.append(row)
@@ -721,7 +719,8 @@ def calibrate(
     collectives (reported; the model prices them as memory traffic plus barriers), memory and cache
     bandwidth, page faults of fresh buffers, dispatch, elementwise and matmul throughput, and overlap.
     Writes the `local` topology."""
-    from coconet.tuner.calibrate import Settings, calibrate as run_calibration, default_output
+    from coconet.tuner.calibrate import Settings, default_output
+    from coconet.tuner.calibrate import calibrate as run_calibration
     from coconet.tuner.topology import save_topology, to_dict
 
     _writable(output, "-o")
@@ -758,7 +757,8 @@ def calibrate(
              ("matmul float32", "", f"{t.matmul_TFLOPS['float32'] * 1e3:.3g} GFLOP/s"),
              ("eager op dispatch", _fmt_s(t.launch_s), ""),
              ("compiled kernel call", _fmt_s(t.compiled_launch_s), ""),
-             ("elementwise (compiled / eager)", "", f"{t.elementwise_Gops or 0:.3g} / {t.eager_elementwise_Gops or 0:.3g} Gop/s"),
+             ("elementwise (compiled / eager)", "",
+              f"{t.elementwise_Gops or 0:.3g} / {t.eager_elementwise_Gops or 0:.3g} Gop/s"),
              ("overlap of comm and compute", f"{t.overlap:.2f}", "")]
     console = Console(highlight=False)
     table = Table(title=f"local topology: {world} ranks, measured in {result.seconds:.0f} s", title_justify="left")
@@ -865,15 +865,16 @@ def bench(
     shardable: List[str] = typer.Option([], "--shardable", help=f"{SHARDABLE_HELP} Schedules sharding other "
                                         "state are left out: the baseline leaves it whole."),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="Write the JSON here too."),
-    plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG: time vs size, speed-up, distance to the floor."),
+    plot: Optional[Path] = typer.Option(None, "--plot",
+                                        help="Write a PNG: time vs size, speed-up, distance to the floor."),
     as_json: bool = JSON_OPT,
 ) -> None:
     """Every schedule against the PyTorch baseline (hand-written for the paper's workloads, else the program
     as eager PyTorch) and the floor (the bytes the step must move at the memory bandwidth, or its matmuls
     at the matmul rate, whichever is longer), per size."""
     from coconet.codegen.footprint import require_fits
-    from coconet.tuner.rank import allocator_policy
     from coconet.tuner.bandwidth import memory_bandwidths
+    from coconet.tuner.rank import allocator_policy
     from coconet.tuner.roofline import bytes_moved_once, compute_floor, matmul_flops_per_rank, matmul_rate
 
     for b in backend:
@@ -988,7 +989,8 @@ def bench(
             point[f"best_{b}"] = min(mine, key=lambda r: r["median_s"]) if mine else None
         point["best_speedup"] = ref / best["median_s"] if best and ref else None
         if best and "round_medians_s" in best and "round_medians_s" in torch_row:
-            point["best_speedup_rounds"] = [t / b for t, b in zip(torch_row["round_medians_s"], best["round_medians_s"])]
+            point["best_speedup_rounds"] = [t / b for t, b in zip(torch_row["round_medians_s"],
+                                                                  best["round_medians_s"])]
         return point
 
     def save(sizes: dict, per_round: list, in_progress: dict | None) -> None:

@@ -12,10 +12,11 @@ The program names its weights ``w`` (Replicated; or ``param``, ``p``, ``weight``
 another name), the gradient ``g`` (its one Local tensor: each rank's own, the program reduces it) and its
 state (the other tensors it updates: Adam's ``m`` and ``v``), all of one shape ``(N,)``; its scalars are the
 hyperparameters, and ``t`` (or ``step``), when it has one, is the step counter the optimizer keeps (1 on the
-first step). torch's ``foreach``, ``fused``, ``capturable`` and ``differentiable`` are accepted and ignored. The parameters of each param group and dtype become views of one flat buffer (``w``), their
-``.grad`` views of another (``g``): backward writes the gradients where the step reads them. A ``.grad`` that
-is not the optimizer's view — ``None`` after ``zero_grad()`` (set-to-None, torch's default, for the optimizer's
-or the model's), or a new tensor autograd made — counts as zero or is copied in before the step.
+first step). torch's ``foreach``, ``fused``, ``capturable`` and ``differentiable`` are accepted and ignored.
+The parameters of each param group and dtype become views of one flat buffer (``w``), their ``.grad`` views of
+another (``g``): backward writes the gradients where the step reads them. A ``.grad`` that is not the
+optimizer's view — ``None`` after ``zero_grad()`` (set-to-None, torch's default, for the optimizer's or the
+model's), or a new tensor autograd made — counts as zero or is copied in before the step.
 
 The schedule is the store's winner for each buffer's size (``schedule="best"``; the program as written, with a
 warning, where nothing was tuned) or the text given. State a schedule keeps sliced (``as_slice(m)``, ZeRO-1)

@@ -27,16 +27,15 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from coconet.errors import CoconetError, InputError
+from coconet.codegen.cache import module_path
+from coconet.codegen.lower import lower
+from coconet.errors import CoconetError, InputError, StoreError
+from coconet.loader import load_file
+from coconet.schedules import shardable
 from coconet.schedules.dims import format_sizes, parse_sizes
 from coconet.schedules.ir import Program
 from coconet.schedules.schedule import Schedule
 from coconet.schedules.types import Local, Replicated, Sliced
-from coconet.codegen.cache import module_path
-from coconet.codegen.lower import lower
-from coconet.errors import StoreError
-from coconet.loader import load_file
-from coconet.schedules import shardable
 
 BEST = "best"
 LOCAL_TOPOLOGY = "local"

@@ -15,11 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from coconet.loader import examples_dir, load_file
 from coconet.schedules import shardable as shard
 from coconet.schedules.ir import Program
 from coconet.schedules.schedule import Schedule
-from coconet.loader import examples_dir
-from coconet.loader import load_file
 
 
 class AdamStep:

@@ -145,7 +145,8 @@ class Generated:
 
     @property
     def key(self) -> str:
-        return f"{self.schedule.hash}_{self.backend}_{self.kernels}" + ("_torchdropout" if self.dropout == "torch" else "")
+        dropout = "_torchdropout" if self.dropout == "torch" else ""
+        return f"{self.schedule.hash}_{self.backend}_{self.kernels}{dropout}"
 
     @functools.cached_property
     def path(self) -> str:
@@ -291,7 +292,8 @@ class _Emitter:
                 "if stage == 0:",
                 f"    {n} = tensors[{s.name!r}]",
                 "else:",
-                f"    {n} = torch.empty({self.local_shape_expr(s.type)}, dtype={TORCH_DTYPE[s.type.dtype]}, device=_c.device)",
+                f"    {n} = torch.empty({self.local_shape_expr(s.type)}, dtype={TORCH_DTYPE[s.type.dtype]}, "
+                "device=_c.device)",
                 f"    dist.recv({n}, src={peer})",
             ]
         if op == "const":
@@ -1353,7 +1355,8 @@ def _lower_overlap(e: _Emitter, g: Group, chunks: int) -> list[str]:
         lines += [
             "_pending = []",
             f"for _bk in torch.tensor_split({b}, {chunks}, dim=1):",
-            f"    _pending.append(_reduce_scatter(_c, {e.matmul}({a}, _bk), {d}, {n}, {coll.attr('op')!r}, async_op=True))",
+            f"    _pending.append(_reduce_scatter(_c, {e.matmul}({a}, _bk), {d}, {n}, {coll.attr('op')!r}, "
+            "async_op=True))",
             f"{out} = torch.cat([_finish() for _finish in _pending], dim=-1)",
         ]
     return lines

@@ -14,6 +14,7 @@ import numpy as np
 
 from coconet.schedules.rng import check_seed, global_index, threshold
 
+
 def philox_rounds(seed: int, block):
     """The four Philox4x32-10 words (int64 tensors in [0, 2^32)) of each block counter (an int64 tensor)
     under a 64-bit ``seed``. Self-contained (torch only) so generated code can carry a copy of it."""
@@ -69,7 +70,8 @@ def keep_mask(seed: int, p: float, index: Any):
     return (random_bits(seed, g) >> 8) >= t
 
 
-def dropout_mask(seed: int, p: float, shape: tuple[int, ...], region: tuple[slice, ...] | None = None, device: Any = None):
+def dropout_mask(seed: int, p: float, shape: tuple[int, ...], region: tuple[slice, ...] | None = None,
+                 device: Any = None):
     import torch
 
     return keep_mask(seed, p, torch.as_tensor(global_index(shape, region), device=device))

@@ -48,7 +48,6 @@ from coconet.schedules.types import (
 )
 
 
-
 class CustomSpec(Protocol):
     """What the builder reads of a custom op: ``coconet.schedules.custom.CustomOp``, which builds its
     statements through the DSL and so sits above this module."""
@@ -240,7 +239,8 @@ def _inference_key(op: str, types: list, weak: list, canon: tuple) -> tuple:
 class Builder:
     """Mutable construction state; ``finish`` returns the immutable ``Program``."""
 
-    def __init__(self, name: str, dims: tuple[str, ...] | list[str] = (), custom_ops: Mapping[str, CustomSpec] | None = None):
+    def __init__(self, name: str, dims: tuple[str, ...] | list[str] = (),
+                 custom_ops: Mapping[str, CustomSpec] | None = None):
         if not isinstance(name, str) or not IDENT.match(name) or len(name) > MAX_NAME:
             raise ProgramError(f"program name {name!r} must be an identifier of at most {MAX_NAME} characters")
         if isinstance(dims, str):
@@ -367,12 +367,14 @@ class Builder:
             if name in self.index:
                 raise ProgramError(f"name {name!r} is defined twice", rule="statement names are unique")
 
-    def _add(self, op: str, args: tuple[int, ...], attrs: dict, name: str | None, location: str | None, label: str) -> int:
+    def _add(self, op: str, args: tuple[int, ...], attrs: dict, name: str | None, location: str | None,
+             label: str) -> int:
         self._check_room(op, name)
         custom = self.custom_ops.get(op) if op not in BUILTIN_OPS else None
         if op not in BUILTIN_OPS and custom is None:
             raise ProgramError(
-                f"unknown op {op!r}" + (" (a custom op must be passed to load via ops=...)" if op.isidentifier() else ""),
+                f"unknown op {op!r}"
+                + (" (a custom op must be passed to load via ops=...)" if op.isidentifier() else ""),
                 rule="ops are the built-in ones or registered custom ops",
             )
         lo, hi = (custom.arity, custom.arity) if custom else ARITY[op]
@@ -422,7 +424,8 @@ class Builder:
             self.updated.add(args[0])
         if op == "output":
             if any(n.op == "output" and dict(n.attrs)["name"] == canon_dict(canon)["name"] for n in self.nodes):
-                raise ProgramError(f"output {canon_dict(canon)['name']!r} is defined twice", rule="output names are unique")
+                raise ProgramError(f"output {canon_dict(canon)['name']!r} is defined twice",
+                                   rule="output names are unique")
         if name is None:
             name = self._auto_name(op, {"__target": args[0] if args else None, **dict(canon)})
         idx = len(self.nodes)
@@ -553,7 +556,8 @@ class Builder:
         except ProgramError:
             raise
         except Exception as e:  # a user's rule failing is the user's error, reported as such
-            raise ProgramError(f"the infer rule of custom op {custom.name} failed: {e}", rule=f"{custom.name}.infer") from None
+            raise ProgramError(f"the infer rule of custom op {custom.name} failed: {e}",
+                               rule=f"{custom.name}.infer") from None
         layout = infer.pointwise_layout(types, shape, names) if types else Replicated()
         return TensorType(shape, dtype, layout)
 

@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from importlib.metadata import entry_points
 from typing import Any, Callable, Iterable, Mapping
 
 from coconet.errors import ProgramError
 from coconet.schedules.dsl import apply_custom
 from coconet.schedules.ir import BUILTIN_OPS
-from importlib.metadata import entry_points
 
 _NAME = re.compile(r"[a-z_][a-z0-9_]*\Z")
 KINDS = ("pointwise", "local")

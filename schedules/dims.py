@@ -184,7 +184,8 @@ def parse_sizes(specs: str | list[str] | tuple[str, ...], dims: tuple[str, ...] 
     if dims is not None:
         extra = sorted(set(sizes) - set(dims))
         if extra:
-            raise SizeError(f"size given for {', '.join(extra)}, which the program does not have (dims: {', '.join(dims) or 'none'})")
+            raise SizeError(f"size given for {', '.join(extra)}, which the program does not have "
+                            f"(dims: {', '.join(dims) or 'none'})")
         missing = [d for d in dims if d not in sizes]
         if missing:
             raise SizeError(f"no size given for {', '.join(missing)} (e.g. --size {missing[0]}=2^20)")

@@ -64,7 +64,8 @@ class Program:
             )
         if isinstance(shape, (str, int)):
             shape = (shape,)
-        return Expr(self, self._add("input", (), {"shape": list(shape), "layout": _layout_text(layout, name), "dtype": dtype}, name))
+        attrs = {"shape": list(shape), "layout": _layout_text(layout, name), "dtype": dtype}
+        return Expr(self, self._add("input", (), attrs, name))
 
     def scalar(self, name: str, dtype: str = "float32") -> "Expr":
         return Expr(self, self._add("scalar", (), {"dtype": dtype}, name))
@@ -103,7 +104,8 @@ class Program:
         if not isinstance(x, Expr):
             raise ProgramError(f"{what} needs a tensor of this program, got {x!r}", location=_caller())
         if x.program is not self:
-            raise ProgramError(f"{what}: {x.name} belongs to program {x.program.name}, not {self.name}", location=_caller())
+            raise ProgramError(f"{what}: {x.name} belongs to program {x.program.name}, not {self.name}",
+                               location=_caller())
         return x
 
     def _operand(self, x: Any) -> "Expr":
@@ -298,7 +300,8 @@ def apply_custom(op: CustomSpec, operands: tuple, attrs: dict) -> Expr:
         raise ProgramError(f"custom op {op.name} needs at least one tensor of a program", location=_caller())
     known = prog._b.custom_ops.get(op.name)
     if known is not None and known is not op:
-        raise ProgramError(f"program {prog.name} already uses a different custom op named {op.name!r}", location=_caller())
+        raise ProgramError(f"program {prog.name} already uses a different custom op named {op.name!r}",
+                           location=_caller())
     prog._b.custom_ops[op.name] = op
     return _apply(op.name, operands, attrs)
 

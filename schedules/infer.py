@@ -221,7 +221,8 @@ def slice_view(x: TensorType, dim: int, names: Sequence[str]) -> TensorType:
 def _need_local(x: TensorType, names: Sequence[str], rule: str) -> None:
     if not isinstance(x.layout, Local):
         hint = " (it is already the same on every rank)" if isinstance(x.layout, Replicated) else ""
-        raise ProgramError(f"{rule.split(':')[0]} of {names[0]} ({x.layout}){hint}; the operand must be Local", rule=rule)
+        raise ProgramError(f"{rule.split(':')[0]} of {names[0]} ({x.layout}){hint}; the operand must be Local",
+                           rule=rule)
 
 
 def normalize_dim(dim: int, ndim: int, name: str) -> int:

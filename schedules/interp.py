@@ -101,7 +101,8 @@ def assemble(t: TensorType, pieces: Pieces) -> np.ndarray:
     return pieces[0]
 
 
-def make_inputs(program: Any, world: int, sizes: Mapping[str, int], seed: int = 0, stage: int = 0) -> dict[str, np.ndarray]:
+def make_inputs(program: Any, world: int, sizes: Mapping[str, int], seed: int = 0,
+                stage: int = 0) -> dict[str, np.ndarray]:
     """Deterministic global input values for ``program``: same (seed, stage, name) → same values.
 
     Floats are drawn uniformly from [0.25, 1) — positive, so that sqrt, log and

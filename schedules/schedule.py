@@ -156,7 +156,7 @@ class Schedule:
             return cls(program)
         sched = cls(program, tuple(transforms), tuple(sorted(knobs.items())))
         try:
-            sched.scheduled
+            _ = sched.scheduled  # building it applies, and so checks, every transform
         except IllegalTransform as e:
             raise ScheduleError(f"illegal schedule: {e}") from None
         return sched

@@ -112,8 +112,8 @@ def _topological(entries: dict[str, dict], order: list[str]) -> list[str]:
     for name in order:
         for a in entries[name].get("args", []):
             if a not in entries:
-                raise ProgramError(f"refers to {a!r}, which no statement defines", statement=name, op=entries[name]["op"],
-                                   rule="references name earlier statements")
+                raise ProgramError(f"refers to {a!r}, which no statement defines", statement=name,
+                                   op=entries[name]["op"], rule="references name earlier statements")
     state: dict[str, int] = {}  # 1 visiting, 2 done
     out: list[str] = []
     for root in order:

@@ -1,6 +1,7 @@
-"""The REST API (the README's "Service"; docs/architecture.md, "Data flow"): programs in, tuning jobs run by the server's workers, the best schedule
-per (program, sizes, topology) out, with its generated code. ``create_app`` builds one; nothing happens at
-import (uvicorn gets ``coconet.server.app:create_app`` with ``factory=True``).
+"""The REST API (the README's "Service"; docs/architecture.md, "Data flow"): programs in, tuning jobs run by
+the server's workers, the best schedule per (program, sizes, topology) out, with its generated code.
+``create_app`` builds one; nothing happens at import (uvicorn gets ``coconet.server.app:create_app`` with
+``factory=True``).
 """
 
 
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any, AsyncIterator, Callable, Iterable, Literal, Sequence
 from urllib.parse import parse_qsl
 
-from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Path, Query, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
@@ -24,6 +25,8 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from coconet import __version__
+from coconet.codegen.baselines import shardable_text
+from coconet.codegen.lower import BACKENDS, lower
 from coconet.errors import (
     BackendError,
     CoconetError,
@@ -33,13 +36,15 @@ from coconet.errors import (
     SizeError,
     StoreError,
 )
-from coconet.codegen.baselines import shardable_text
 from coconet.schedules import shardable as shard
+from coconet.schedules.dims import parse_sizes
 from coconet.schedules.ir import Program
-from coconet.schedules.schedule import sharded_by
+from coconet.schedules.schedule import Schedule, sharded_by
+from coconet.schedules.serialize import load
+from coconet.server import dashboard
 from coconet.server.driver import describe as describe_driver
 from coconet.server.hosts import HostCheck
-from coconet.server.jobs import WorkerSettings, Workers
+from coconet.server.jobs import Workers, WorkerSettings
 from coconet.server.leases import requeue_orphans
 from coconet.server.limits import MAX_BODY, MAX_DEPTH, ASGIApp, BodyLimit, Receive, Scope, Send, WriteSlots
 from coconet.server.records import Best, JobRecord, MeasurementRecord, answer_source
@@ -72,16 +77,8 @@ from coconet.server.schemas import (
 )
 from coconet.server.store import Store, unavailable
 from coconet.tuner.runner import Protocol
-from coconet.codegen.lower import BACKENDS
-from coconet.codegen.lower import lower
-from coconet.schedules.dims import parse_sizes
-from coconet.schedules.schedule import Schedule
-from coconet.schedules.serialize import load
-from coconet.server import dashboard
 from coconet.tuner.tune import Request as TuneRequest
 from coconet.tuner.tune import check
-from fastapi import APIRouter
-from fastapi import Path
 
 ENV_TOKEN = "COCONET_API_TOKEN"
 PREFIX = "/api/v1"

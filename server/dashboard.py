@@ -11,9 +11,9 @@ from fastapi import APIRouter, FastAPI, HTTPException, Path, Query, Request
 from fastapi.responses import FileResponse, HTMLResponse, PlainTextResponse, Response
 
 from coconet.errors import CoconetError, StoreError
+from coconet.server import dashboard_data as data
 from coconet.server.schemas import MAX_ID, error_responses
 from coconet.server.store import Store, unavailable
-from coconet.server import dashboard_data as data
 
 PREFIX = "/api/v1/dashboard"
 log = logging.getLogger("coconet.server")

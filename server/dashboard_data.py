@@ -6,13 +6,12 @@ import math
 from collections import defaultdict
 from typing import Any, Iterable
 
+from coconet.codegen.lower import lower
 from coconet.schedules import shardable as shard
-from coconet.schedules.schedule import sharded_by
+from coconet.schedules.schedule import Schedule, sharded_by
+from coconet.schedules.serialize import load
 from coconet.server.records import Best, MeasurementDigest, answer_source
 from coconet.server.store import Store
-from coconet.codegen.lower import lower
-from coconet.schedules.schedule import Schedule
-from coconet.schedules.serialize import load
 
 # A sweep records model predictions for hundreds of schedules; a plot with that many lines says nothing.
 MAX_SCHEDULES_PER_PLOT = 12

@@ -18,8 +18,8 @@ from coconet.server.driver import this_process
 from coconet.server.leases import ORPHANED, STALE_S, heartbeat, requeue_orphans
 from coconet.server.records import JobRecord
 from coconet.server.store import Store
-from coconet.tuner.runner import Protocol
 from coconet.tuner import tune as tuning  # an attribute at call time: tests stand in for tune
+from coconet.tuner.runner import Protocol
 
 log = logging.getLogger("coconet.server")
 

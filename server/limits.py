@@ -69,7 +69,8 @@ class BodyLimit:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_body:
-                await _reply(send, 413, f"request body over {self.max_body} bytes; at most {self.max_body} are accepted")
+                await _reply(send, 413,
+                             f"request body over {self.max_body} bytes; at most {self.max_body} are accepted")
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):

@@ -22,6 +22,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 
+import platformdirs
 from sqlalchemy import Engine, Text, bindparam, case, cast, create_engine, event, func, inspect, select, text
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError, OperationalError, SQLAlchemyError
@@ -62,7 +63,6 @@ from coconet.server.records import (
     TopologyRecord,
     WinnerRecord,
 )
-import platformdirs
 
 ENV_URL = "COCONET_DATABASE_URL"
 # The newest migration in server/migrations/versions (a test keeps the two equal). Knowing it here

@@ -42,7 +42,8 @@ def programs(draw, max_ops: int = 12, collectives: bool = True, dtypes: bool = T
         pool.append(p.tensor(f"t{i}", shape, layout=layout, dtype=dtype))
     pool.extend(p.scalars("alpha beta"))
     for _ in range(draw(st.integers(1, max_ops))):
-        kind = draw(st.sampled_from(["unary", "binary", "binary", "const", "where", "reduce", "coll", "matmul", "dropout"]))
+        kind = draw(st.sampled_from(["unary", "binary", "binary", "const", "where", "reduce", "coll", "matmul",
+                                     "dropout"]))
         a = draw(st.sampled_from(pool))
         b = draw(st.sampled_from(pool))
         try:

@@ -62,7 +62,8 @@ def test_interleaved_modules_that_compute_the_same_step_agree_and_a_broken_one_d
         paths.append(tmp_path / f"{name}.py")
         paths[-1].write_text(lower(Schedule.parse(text, adam), "shm", "eager").source)
     broken = paths[1].read_text() + ("\n_step = step\n\n\ndef step(tensors, scalars, **kw):\n"
-                                     "    out = _step(tensors, scalars, **kw)\n    tensors['w'].mul_(1.01)\n    return out\n")
+                                     "    out = _step(tensors, scalars, **kw)\n"
+                                     "    tensors['w'].mul_(1.01)\n    return out\n")
     paths.append(tmp_path / "broken.py")
     paths[-1].write_text(broken)
     report = _script("interleaved").main([str(program), *map(str, paths), "--world", "2", "--size", "N=301",

@@ -28,6 +28,7 @@ import math
 import os
 import pickle
 import platform
+import shutil
 import signal
 import socket
 import subprocess
@@ -35,18 +36,17 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any, Sequence
 
+import numpy as np
+
 from coconet.errors import CoconetError
 from coconet.tuner.cost import DROPOUT_PER_BLOCK, shm_collective
+from coconet.tuner.rank import die_with_parent, keep_freed_memory
 from coconet.tuner.topology import Fit, Link, Topology, package_dir, user_dir
-from coconet.tuner.rank import die_with_parent
-from coconet.tuner.rank import keep_freed_memory
-from datetime import timedelta
-import numpy as np
-import shutil
 
 OPS = ("allreduce", "reduce_scatter", "all_gather")
 STARTUP_S = 60.0
@@ -150,7 +150,7 @@ def _launch(settings: Settings) -> dict[str, Any]:
                     if code != 0:
                         tail = (workdir / f"rank{rank}.log").read_text(errors="replace").strip().splitlines()[-3:]
                         raise CoconetError(f"calibration rank {rank} died (exit code {code})"
-                                           + (f": {' | '.join(tail)}" if tail else ""))
+                                           + (f": {' | '.join(tail)}" if tail else "")) from None
                     continue
                 if kind == "error":
                     raise CoconetError(f"calibration rank {rank}: {data}")

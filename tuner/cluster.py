@@ -11,6 +11,7 @@ and let the backends take turns where the cluster holds one backend's ranks but 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -19,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 from coconet.errors import ClusterError, CoconetError
-import socket
 
 ONE_NODE = frozenset({"shm"})  # backends whose ranks share memory: all on one node
 PLACEMENTS = ("pack", "spread")

@@ -530,7 +530,7 @@ class _Builder:
             for m in compute:
                 k = self.eager(p[m], launches=chunks)
                 kernels.append(k)
-            for o, t in inplace.items():
+            for t in inplace.values():
                 b = self.nbytes(p[t].type, self.local(p[t].type))
                 kernels.append(Kernel(f"{t}.copy_", chunks, b, b, cold=b))
             for m in into:

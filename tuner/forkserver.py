@@ -25,6 +25,8 @@ it (tqdm's monitor thread off).
 
 from __future__ import annotations
 
+import ctypes
+import importlib
 import os
 import pickle
 import select
@@ -35,10 +37,9 @@ import sys
 import threading
 import time
 import traceback
+
 from coconet.tuner import rank as rank_module
 from coconet.tuner.rank import freeze_imports
-import ctypes
-import importlib
 
 ENV_SWITCH = "COCONET_FORKSERVER"
 READY_S = 120.0  # the server's imports, on a loaded machine

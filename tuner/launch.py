@@ -43,14 +43,14 @@ import numpy as np
 from coconet.codegen.baselines import Baseline, TorchTask
 from coconet.codegen.cache import module_path
 from coconet.codegen.footprint import require_fits
-from coconet.tuner.forkserver import kill_group, prestart, start_rank
 from coconet.codegen.lower import Generated, lower
-from coconet.tuner.rank import AGAIN
 from coconet.errors import BackendError, CoconetError
 from coconet.schedules import interp
 from coconet.schedules.equivalence import CONDITIONING, TOLERANCE, Reference, rel_err
 from coconet.schedules.schedule import Schedule
 from coconet.schedules.types import Replicated
+from coconet.tuner.forkserver import kill_group, prestart, start_rank
+from coconet.tuner.rank import AGAIN
 from coconet.tuner.stats import summarize
 
 MAX_RANKS = 64  # ranks of one machine a launch starts (per stage): one process each, beside the reference
@@ -84,7 +84,8 @@ class RunResult:
     def to_json(self) -> dict[str, Any]:
         return {
             "schedule": self.schedule, "hash": self.hash, "status": self.status, "correct": self.correct,
-            "max_rel_err": None if self.max_rel_err is None or not math.isfinite(self.max_rel_err) else self.max_rel_err,
+            "max_rel_err": self.max_rel_err
+            if self.max_rel_err is not None and math.isfinite(self.max_rel_err) else None,
             "median_s": self.median_s, "ci95_s": list(self.ci95_s) if self.ci95_s else None,
             "samples": len(self.samples), "error": self.error,
             **({"bandwidth_GBps": max(self.bandwidth) / 1e9} if self.bandwidth else {}),
@@ -368,7 +369,8 @@ def require_cuda(ranks: int) -> None:
                            f"{'s' if devices > 1 else ''} here")
 
 
-def compare(prog, reports: Mapping[int, dict], opts: Options, reference, *, again: bool = False) -> tuple[float, str | None]:
+def compare(prog, reports: Mapping[int, dict], opts: Options, reference, *,
+            again: bool = False) -> tuple[float, str | None]:
     """The largest relative error of what the ranks reported (rank → observed values) against the
     reference interpreter's, and what differs beyond its dtype's tolerance (None when nothing does);
     ``again``: the reports hold a second step's values too (``coconet.tuner.rank.checked_steps``)."""
@@ -509,7 +511,8 @@ def _died(code: int) -> str:
     except ValueError:
         name = f"signal {-code}"
     why = {signal.SIGKILL: " (the kernel's OOM killer sends it when memory runs out: see dmesg)",
-           signal.SIGBUS: " (a store into shared memory past what /dev/shm can hold is the usual cause: see df /dev/shm)"
+           signal.SIGBUS: " (a store into shared memory past what /dev/shm can hold is the usual cause: "
+                          "see df /dev/shm)"
            }.get(-code, "")
     return f"was killed by {name}{why}"
 
@@ -521,7 +524,8 @@ def describe_error(rank: int, data: dict, gen: Generated) -> str:
             stmt = gen.statement_at(line)
             if stmt:
                 break
-    where = f" in statement {stmt} ({gen.schedule.scheduled[stmt].op})" if stmt and stmt in gen.schedule.scheduled else ""
+    known = stmt and stmt in gen.schedule.scheduled
+    where = f" in statement {stmt} ({gen.schedule.scheduled[stmt].op})" if known else ""
     return f"rank {rank}{where}: {data['error']}"
 
 

@@ -37,12 +37,11 @@ from typing import Any
 
 import numpy as np
 
-from coconet.errors import BackendError
 from coconet.codegen.baselines import BASELINES
+from coconet.errors import BackendError
 from coconet.loader import load_file
 from coconet.schedules import interp
-from coconet.tuner.bandwidth import close
-from coconet.tuner.bandwidth import kernels
+from coconet.tuner.bandwidth import close, kernels
 from coconet.tuner.stats import summarize
 
 
@@ -130,8 +129,9 @@ def _run(job: dict[str, Any], rank: int, conn: Connection) -> int:
             device = torch.device("cuda", torch.cuda.current_device())
         else:
             device = torch.device("cpu")
-        dist.init_process_group("gloo" if opts.backend == "shm" else opts.backend, init_method=f"tcp://127.0.0.1:{job['port']}", rank=rank,
-                                world_size=world * stages, timeout=timedelta(seconds=max(30.0, opts.timeout_s)))
+        dist.init_process_group("gloo" if opts.backend == "shm" else opts.backend,
+                                init_method=f"tcp://127.0.0.1:{job['port']}", rank=rank, world_size=world * stages,
+                                timeout=timedelta(seconds=max(30.0, opts.timeout_s)))
         groups = [dist.new_group(list(range(s * world, (s + 1) * world))) for s in range(stages)]
     except Exception as e:  # the group never formed: nothing of this launch can run
         conn.send(("error", None, rank, error_report(e, "")))

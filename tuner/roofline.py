@@ -96,8 +96,9 @@ def matmul_rate(threads: int = 1, m: int | None = None, k: int | None = None, n:
                 repeats: int = 3, device: str = "cpu") -> float:
     """Flops per second of a float32 matmul at ``threads`` threads (as one rank runs it), or on the current
     CUDA device (``threads`` unused) at torch's float32 matmul precision, which the generated code runs at;
-    the best of ``repeats``, through the faster of torch.matmul and the generated code's GEMM. A GPU reaches its rate only on large operands (1024 x 2048 x 1024 left an
-    H100 at two thirds of it, and a floor above a measured step), hence 8192 on each side there."""
+    the best of ``repeats``, through the faster of torch.matmul and the generated code's GEMM. A GPU reaches its
+    rate only on large operands (1024 x 2048 x 1024 left an H100 at two thirds of it, and a floor above a
+    measured step), hence 8192 on each side there."""
     import torch
 
     from coconet.codegen.runtime import matmul

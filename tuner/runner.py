@@ -25,27 +25,41 @@ import stat
 import tempfile
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from coconet.tuner.launch import (HANG_DUMP_S, PORT_TRIES, Options, RunResult, compare, custom_payload,
-                                    describe_error, port_taken, remove_leftover_segments, strip_program, stuck_at)
+import numpy as np
+
 from coconet.codegen.lower import BACKENDS, Generated, lower
 from coconet.errors import BackendError, ClusterError, CoconetError
 from coconet.schedules.equivalence import Reference
 from coconet.schedules.ir import Program
 from coconet.schedules.schedule import Schedule
 from coconet.tuner.cluster import ONE_NODE, PLACEMENTS, Need, describe, offer, plan
-from coconet.tuner.launch import free_port
-from coconet.tuner.rank import _custom_ops
-from coconet.tuner.rank import checked_steps
-from coconet.tuner.rank import error_report
-from coconet.tuner.rank import freeze_imports
-from coconet.tuner.rank import inputs
-from coconet.tuner.rank import keep_freed_memory
-from coconet.tuner.rank import time_steps
-from datetime import timedelta
-import numpy as np
+from coconet.tuner.launch import (
+    HANG_DUMP_S,
+    PORT_TRIES,
+    Options,
+    RunResult,
+    compare,
+    custom_payload,
+    describe_error,
+    free_port,
+    port_taken,
+    remove_leftover_segments,
+    strip_program,
+    stuck_at,
+)
+from coconet.tuner.rank import (
+    _custom_ops,
+    checked_steps,
+    error_report,
+    freeze_imports,
+    inputs,
+    keep_freed_memory,
+    time_steps,
+)
 
 Lowering = Callable[[Schedule, str, str], Generated]
 PLACEMENT_POLL_S = 5.0  # how often a placement under way looks at the cluster again

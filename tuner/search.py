@@ -27,13 +27,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from coconet.tuner.launch import RunResult
 from coconet.errors import CoconetError
 from coconet.schedules.dims import format_sizes
 from coconet.schedules.ir import Program
 from coconet.schedules.schedule import BASELINE, Schedule
 from coconet.schedules.shardable import EVERY
 from coconet.schedules.space import generate
+from coconet.tuner.launch import RunResult
 
 SUGGESTIONS_PER_CANDIDATE = 10
 RETIME_ROUNDS = 2

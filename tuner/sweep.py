@@ -32,20 +32,20 @@ from typing import Any, Callable, Mapping, Sequence
 
 import yaml
 
+import coconet
+from coconet.codegen.baselines import shardable_text
 from coconet.errors import CoconetError, SizeError
+from coconet.loader import load_file
 from coconet.schedules import shardable as shard
 from coconet.schedules.dims import parse_sizes
 from coconet.schedules.ir import Program
 from coconet.schedules.schedule import Schedule
 from coconet.schedules.space import generate
-from coconet.tuner.search import knob_variants
-from coconet.codegen.baselines import shardable_text
-from coconet.loader import load_file
 from coconet.server.keys import sizes_key
 from coconet.server.records import NewMeasurement
 from coconet.tuner.cost import predict
+from coconet.tuner.search import knob_variants
 from coconet.tuner.topology import load_topology
-import coconet
 
 LOCAL = "local"
 STAGES = 2  # a pipeline program's stages in a sweep, as in coconet run and tune

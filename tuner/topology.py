@@ -29,10 +29,10 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping
 
+import platformdirs
 import yaml
 
 from coconet.errors import TopologyError
-import platformdirs
 
 DEVICES = ("cpu", "cuda")
 BACKENDS = ("gloo", "nccl", "shm")
@@ -212,10 +212,10 @@ class Topology:
 # --- (de)serialisation ---
 
 def to_dict(t: Topology) -> dict[str, Any]:
-    def link(l: Link | None) -> dict | None:
-        if l is None:
+    def link(x: Link | None) -> dict | None:
+        if x is None:
             return None
-        return {"kind": l.kind, "alpha_s": l.alpha_s, "bandwidth_GBps": l.bandwidth_GBps}
+        return {"kind": x.kind, "alpha_s": x.alpha_s, "bandwidth_GBps": x.bandwidth_GBps}
 
     out: dict[str, Any] = {
         "name": t.name, "description": t.description, "device": t.device, "nodes": t.nodes,
@@ -238,7 +238,8 @@ def to_dict(t: Topology) -> dict[str, Any]:
 
 
 _TOP_KEYS = {"name", "description", "device", "nodes", "ranks_per_node", "backends", "links",
-             "memory_bandwidth_GBps", "matmul_TFLOPS", "launch_s", "compiled_launch_s", "elementwise_Gops", "eager_elementwise_Gops", "cache_bytes",
+             "memory_bandwidth_GBps", "matmul_TFLOPS", "launch_s", "compiled_launch_s", "elementwise_Gops",
+             "eager_elementwise_Gops", "cache_bytes",
              "cache_bandwidth_GBps", "fresh_cost", "overlap", "overlap_memory", "shm_barrier_s",
              "algorithms", "measured", "fingerprint"}
 

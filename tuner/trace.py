@@ -13,7 +13,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-MATMUL = {"aten::mm", "aten::matmul", "aten::bmm", "aten::addmm", "mkldnn::_linear_pointwise"}  # the last: _matmul on CPU
+# the last: the runtime's matmul on CPU
+MATMUL = {"aten::mm", "aten::matmul", "aten::bmm", "aten::addmm", "mkldnn::_linear_pointwise"}
 
 
 @dataclass(frozen=True)

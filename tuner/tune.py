@@ -12,14 +12,15 @@ re-timing is recorded as the winner, with the runner-up and the baseline beside 
 from __future__ import annotations
 
 import math
+import os
 import platform
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
+import coconet
 from coconet.codegen.baselines import shardable_text
 from coconet.codegen.footprint import require_fits
-from coconet.tuner.launch import MAX_RANKS, RunResult
 from coconet.codegen.lower import Generated, lower
 from coconet.errors import CoconetError, KeyBusy, StoreError
 from coconet.schedules import shardable as shard
@@ -32,17 +33,14 @@ from coconet.server.leases import STALE_S, abandoned, heartbeat
 from coconet.server.records import NewMeasurement
 from coconet.server.records import Progress as JobProgress
 from coconet.server.store import RETAKEN
-from coconet.tuner.cluster import PLACEMENTS, Need, connect, offer, plan
-from coconet.tuner.runner import Protocol, Runner
-from coconet.tuner.search import (KILLED_TRIES, Candidate, Outcome, Progress, SearchSpace, Trial, search,
-                                  study_name)
-from coconet.tuner.stats import summarize
 from coconet.tuner.calibrate import cpu_model
+from coconet.tuner.cluster import PLACEMENTS, Need, connect, offer, plan
 from coconet.tuner.cost import predict
-from coconet.tuner.topology import load_topology
-from coconet.tuner.topology import topology_path
-import coconet
-import os
+from coconet.tuner.launch import MAX_RANKS, RunResult
+from coconet.tuner.runner import Protocol, Runner
+from coconet.tuner.search import KILLED_TRIES, Candidate, Outcome, Progress, SearchSpace, Trial, search, study_name
+from coconet.tuner.stats import summarize
+from coconet.tuner.topology import load_topology, topology_path
 
 LOCAL = "local"
 

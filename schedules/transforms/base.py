@@ -15,7 +15,7 @@ from typing import Any, Callable, ClassVar, Iterable
 
 from coconet.errors import IllegalTransform
 from coconet.schedules.builder import ARITY
-from coconet.schedules.ir import COMPARE, BINARY, UNARY, Group, Program, Stmt
+from coconet.schedules.ir import BINARY, COMPARE, UNARY, Group, Program, Stmt
 from coconet.schedules.types import Local, Sliced
 
 POINTWISE_OPS = UNARY | BINARY | COMPARE | {"where", "dropout"}
@@ -83,7 +83,8 @@ class Transform:
                 except ValueError:
                     raise IllegalTransform(f"{f.name} must be an integer", transform=cls.name) from None
         if rest or kwargs:
-            raise IllegalTransform(f"unexpected arguments {rest + [f'{k}={v}' for k, v in kwargs.items()]}", transform=cls.name)
+            given = rest + [f"{k}={v}" for k, v in kwargs.items()]
+            raise IllegalTransform(f"unexpected arguments {given}", transform=cls.name)
         return cls(**values)
 
     def refuse(self, reason: str) -> IllegalTransform:

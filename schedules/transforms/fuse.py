@@ -84,7 +84,8 @@ class Fuse(Transform):
                 raise self.refuse(f"{m} computes a scalar; scalars are kernel arguments, not kernel work")
         sigs = {_signature(program, m) for m in self.members}
         if len(sigs) > 1:
-            raise self.refuse("members compute tensors of different shapes or layouts: one kernel has one iteration space")
+            raise self.refuse("members compute tensors of different shapes or layouts: "
+                              "one kernel has one iteration space")
         witness = convex(program, set(self.members))
         if witness is not None:
             raise self.refuse(f"fusing would create a cycle: a path leaves the group and comes back into {witness}")

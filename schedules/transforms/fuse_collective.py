@@ -20,7 +20,13 @@ from dataclasses import dataclass
 
 from coconet.schedules.ir import Group, Program, Stmt
 from coconet.schedules.transforms.base import (
-    Transform, convex_with, grow_in_order, is_pointwise, ordered, sliced_dim, with_group,
+    Transform,
+    convex_with,
+    grow_in_order,
+    is_pointwise,
+    ordered,
+    sliced_dim,
+    with_group,
 )
 
 

@@ -16,7 +16,12 @@ from coconet.schedules.builder import PREFIX
 from coconet.schedules.ir import Program, Stmt
 from coconet.schedules.rewrite import Rewriter
 from coconet.schedules.transforms.base import (
-    Transform, consumes_slices, grow_in_order, is_pointwise, ordered, sliced_dim,
+    Transform,
+    consumes_slices,
+    grow_in_order,
+    is_pointwise,
+    ordered,
+    sliced_dim,
 )
 from coconet.schedules.types import Local, Sliced
 

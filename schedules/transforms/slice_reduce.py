@@ -42,7 +42,8 @@ class SliceReduce(Transform):
         r = self.need(program, self.reduction, ("norm", "sum"), "a norm or sum")
         x = program[r.args[0]]
         if not isinstance(x.type.layout, Replicated):
-            raise self.refuse(f"{x.name} is {x.type.layout}: only a value every rank holds whole is sliced where it lies")
+            raise self.refuse(f"{x.name} is {x.type.layout}: "
+                              "only a value every rank holds whole is sliced where it lies")
         if x.type.ndim == 0:
             raise self.refuse(f"{x.name} is a scalar: there is nothing to slice")
         if not -x.type.ndim <= self.dim < x.type.ndim:

@@ -74,12 +74,14 @@ def write(tmp_path, name, text):
 
 HEADER = "from coconet import *\np = Program('bad', dims=('N',))\n"
 BAD_PROGRAMS = {
-    "local_plus_sliced": (HEADER + "g = p.tensor('g', ('N',), layout=Local)\nx = p.tensor('x', ('N',), layout=Sliced(0))\n"
+    "local_plus_sliced": (HEADER + "g = p.tensor('g', ('N',), layout=Local)\n"
+                          "x = p.tensor('x', ('N',), layout=Sliced(0))\n"
                           "p.output('y', g + x)\nprogram = p\n", ["bad.py:5", "Local and Sliced"]),
     "mismatched_shapes": ("from coconet import *\np = Program('bad', dims=('N', 'M'))\n"
                           "a = p.tensor('a', ('N',), layout=Replicated)\nb = p.tensor('b', ('M',), layout=Replicated)\n"
                           "p.output('y', a * b)\nprogram = p\n", ["bad.py:5", "do not broadcast"]),
-    "replicated_from_local": (HEADER + "w = p.tensor('w', ('N',), layout=Replicated)\ng = p.tensor('g', ('N',), layout=Local)\n"
+    "replicated_from_local": (HEADER + "w = p.tensor('w', ('N',), layout=Replicated)\n"
+                              "g = p.tensor('g', ('N',), layout=Local)\n"
                               "p.update(w, w - g)\nprogram = p\n", ["bad.py:5", "w is Replicated", "Local"]),
     "no_program": (HEADER + "x = p.tensor('x', ('N',), layout=Local)\n", ["defines no `program`"]),
     "not_a_program": ("program = 3\n", ["not a coconet Program"]),
@@ -92,7 +94,8 @@ BAD_PROGRAMS = {
                            ["bad.py:4", "E (its message could not be read: RuntimeError)"]),
     "nul_byte": ("x = 1\0\n", ["bad.py: syntax error", "null bytes"]),
     # a thread the file leaves running would hold the command at exit for ever: refused, and the command ends
-    "starts_a_thread": ("import threading, time\nthreading.Thread(target=time.sleep, args=(3600,), name='poller').start()\n"
+    "starts_a_thread": ("import threading, time\n"
+                        "threading.Thread(target=time.sleep, args=(3600,), name='poller').start()\n"
                         + HEADER + "x = p.tensor('x', ('N',), layout=Local)\np.output('y', x)\nprogram = p\n",
                         ["bad.py: started thread 'poller'", "a program file defines, it does not run"]),
 }
@@ -136,7 +139,8 @@ def test_json_with_unknown_op(tmp_path):
     (["run", "examples/adam.py", "--size", "N=8", "--kernels", "numba"], "unknown --kernels 'numba'"),
     (["run", "examples/adam.py", "--size", "N=٣"], "value must be an integer or 2^k"),  # int() reads it as 3
     (["run", "examples/adam.py", "--size", "N=+8"], "value must be an integer or 2^k"),
-    (["run", "examples/megatron_mlp.py", "--size", "B=1,S=2,H=4", "--schedule", "overlap(mm0, ar0); chunks=" + "9" * 30],
+    (["run", "examples/megatron_mlp.py", "--size", "B=1,S=2,H=4",
+      "--schedule", "overlap(mm0, ar0); chunks=" + "9" * 30],
      "larger than 2^40"),
     (["run", "examples/adam.py", "--size", "N=8", "--schedule", "split(ar0); reorder(ag0); fuse_collective(rs0); "
       "fc_chunks=4; fc_chunks=8"], "knob fc_chunks given twice"),
@@ -326,11 +330,12 @@ def test_bench_compares_with_torch_and_the_floor(tmp_path):
     # torch.optim leaves w whole: the schedules that shard it are not compared with it
     assert report["shardable"] == ["m", "v"]
     assert report["left_out"] and all("w" in x["sharded"] for x in report["left_out"])
-    for k, (point, n) in enumerate(zip(report["points"], (1024, 3000))):
+    for point, n in zip(report["points"], (1024, 3000)):
         # one round: its floor at the bandwidth the best schedule's ranks measured after timing it
         bw = point["best"]["bandwidth_GBps"] * 1e9
         assert point["floor_rounds_s"] == pytest.approx([point["bytes_moved_once"] / bw])
-        assert point["best_over_floor_rounds"] == pytest.approx([point["best"]["median_s"] * bw / point["bytes_moved_once"]])
+        assert point["best_over_floor_rounds"] == pytest.approx(
+            [point["best"]["median_s"] * bw / point["bytes_moved_once"]])
         assert all(set(r["sharded"]) <= {"m", "v"} for r in point["results"])
         assert any(r["sharded"] == ["m", "v"] for r in point["results"])
         assert point["sizes"] == {"N": n}
@@ -438,7 +443,8 @@ def test_bench_rounds_take_the_median_of_each_schedules_rounds():
         assert row["median_s"] == statistics.median(row["round_medians_s"])
     best, torch_row = point["best"], point["torch"]
     assert point["best_speedup"] == torch_row["median_s"] / best["median_s"]
-    assert point["best_speedup_rounds"] == [t / b for t, b in zip(torch_row["round_medians_s"], best["round_medians_s"])]
+    assert point["best_speedup_rounds"] == [t / b for t, b in zip(torch_row["round_medians_s"],
+                                                                  best["round_medians_s"])]
     # each round against the floor at the bandwidth its ranks measured right after timing the best schedule
     assert len(best["round_bandwidth_GBps"]) == 3 and best["bandwidth_GBps"] == max(best["round_bandwidth_GBps"])
     floors = [point["bytes_moved_once"] / (bw * 1e9) for bw in best["round_bandwidth_GBps"]]
@@ -479,7 +485,8 @@ def test_a_schedule_that_failed_in_any_round_is_reported_failed():
 
 def test_bench_errors():
     assert_one_error(coconet("bench", "nosuch", "--size", "N=4"), "no workload 'nosuch'", "adam")
-    assert_one_error(coconet("bench", "adam", "--size", "N=4", "--shardable", "q"), "shardable q: not replicated state adam updates")
+    assert_one_error(coconet("bench", "adam", "--size", "N=4", "--shardable", "q"),
+                     "shardable q: not replicated state adam updates")
     assert_one_error(coconet("bench", "adam", "--size", "M=4"), "does not have")
     assert_one_error(coconet("bench", "adam", "--size", "N=4", "--knobs", "some"), "--knobs 'some'", "default or all")
     # refused before its first point runs
@@ -488,9 +495,9 @@ def test_bench_errors():
 
 def test_tune_says_why_its_trials_failed(capsys):
     from coconet.cli import _print_tune_table
-    from coconet.tuner.launch import RunResult
     from coconet.loader import load_file
     from coconet.schedules.schedule import Schedule
+    from coconet.tuner.launch import RunResult
     from coconet.tuner.search import Candidate, Outcome, Trial
     from coconet.tuner.tune import Tuned
 
@@ -631,7 +638,8 @@ def test_a_sweep_says_which_keys_it_left_out(tmp_path):
     proc = coconet("sweep", config, "--simulate", "--db", db)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("2 keys: 2 predicted")
-    assert proc.stderr.strip().splitlines()[-1] == "note: 2 keys left out: their world needs more ranks than the topology has"
+    assert proc.stderr.strip().splitlines()[-1] == ("note: 2 keys left out: "
+                                                    "their world needs more ranks than the topology has")
     doc = json.loads(coconet("sweep", config, "--simulate", "--db", db, "--json").stdout)
     assert (doc["keys"], doc["skipped"], doc["unfit"]) == (2, 2, 2)
 

@@ -74,7 +74,7 @@ def test_trains_as_torch_adamw_on_averaged_gradients(world, schedule, backend, z
     """The weights follow DDP + torch.optim.AdamW's to float32 rounding after 8 steps, however the gradients were
     zeroed (set to None by the optimizer or the model, or zeroed in place): a .grad autograd made anew is
     copied in, so the loss keeps moving."""
-    for gap, losses, described in run(_train_beside_torch, world, schedule, backend, zeroing):
+    for gap, losses, described in run(_train_beside_torch, world, schedule, backend, zeroing):  # noqa: B007 (read after)
         assert gap < 2e-6, gap
         assert losses[-1] < losses[0]
     if schedule == ZERO1:

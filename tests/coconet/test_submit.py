@@ -19,11 +19,11 @@ from typing import Any, Iterator
 
 import pytest
 
-from coconet.tuner.launch import RunResult
 from coconet.loader import load_file
 from coconet.schedules.space import generate
 from coconet.server.records import NewMeasurement, Progress
 from coconet.server.store import Store
+from coconet.tuner.launch import RunResult
 from coconet.tuner.search import Candidate, Trial
 from coconet.tuner.tune import failures
 
@@ -68,7 +68,8 @@ class _FakeWorker(threading.Thread):
                         [_failed(s, "rank 1: synthetic crash") for s in schedules[:3]])})
                     continue
                 ids = []
-                winner = schedules[3] if job.sizes != {"N": 2**16} else next(s for s in schedules if set(s.sharded) == {"m", "v"})
+                winner = (schedules[3] if job.sizes != {"N": 2**16}
+                          else next(s for s in schedules if set(s.sharded) == {"m", "v"}))
                 runner_up = next(s for s in schedules[1:] if s is not winner and not s.sharded)
                 for i, (s, t) in enumerate(((schedules[0], 2e-3), (runner_up, 1.5e-3), (winner, 1e-3))):
                     ids.append(store.add_measurement(NewMeasurement.of(
@@ -146,7 +147,8 @@ def test_submit_json(server: dict[str, Any]) -> None:
 def test_submit_human_output(server: dict[str, Any]) -> None:
     proc = coconet("submit", ADAM, "--server", server["url"], "--size", "N=2^14", "--token", TOKEN, "--poll", "0.05")
     assert proc.returncode == 0, proc.stderr
-    assert f"winner (measured): gloo: {server['schedules'][3]}" in proc.stdout and "2.00x over the baseline" in proc.stdout
+    assert f"winner (measured): gloo: {server['schedules'][3]}" in proc.stdout
+    assert "2.00x over the baseline" in proc.stdout
     assert "def step(" in proc.stdout
     assert "runner-up, timed again in turns with the winner: gloo: " in proc.stdout
     assert "job" in proc.stderr and "N=16384" in proc.stderr  # the progress bar
@@ -242,5 +244,6 @@ def test_follow_waits_through_interrupted_and_stops_polling_finished_jobs() -> N
 def test_follow_timeout_names_the_jobs_still_running() -> None:
     from coconet.client import ServiceError, follow
 
-    with pytest.raises(ServiceError, match=r"job 7 not finished after 0.05 s \(queued or running: it goes on on the server\)"):
+    with pytest.raises(ServiceError,
+                       match=r"job 7 not finished after 0.05 s \(queued or running: it goes on on the server\)"):
         follow(_Jobs({7: ["running"]}), [7], poll_s=0.01, timeout_s=0.05)  # type: ignore[arg-type]

@@ -16,11 +16,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from coconet.tuner.launch import Options
-from coconet.tuner.rank import inputs
 from coconet.loader import load_file
 from coconet.schedules import interp
 from coconet.schedules.schedule import Schedule
+from coconet.tuner.launch import Options
+from coconet.tuner.rank import inputs
 from tests.codegen.shared_input import counting_rank
 
 SCHEDULE = "split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse_collective(rs0); fc_chunks=3"

@@ -18,11 +18,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from coconet.tuner.launch import Options
 from coconet.codegen.lower import lower
-from coconet.tuner.rank import inputs
 from coconet.schedules import interp
 from coconet.schedules.schedule import Schedule
+from coconet.tuner.launch import Options
+from coconet.tuner.rank import inputs
 
 SCHEDULE = "split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse_collective(rs0); fc_chunks=3"
 N = 1001

@@ -5,9 +5,9 @@ import pytest
 
 from coconet import Local, Program, Replicated, Sliced, allreduce, dropout, matmul
 from coconet.codegen.baselines import BASELINES, baseline_for
-from coconet.tuner.launch import Options, run_schedules
 from coconet.errors import CoconetError
 from coconet.schedules.schedule import Schedule
+from coconet.tuner.launch import Options, run_schedules
 
 ROOT = Path(__file__).parents[2]
 

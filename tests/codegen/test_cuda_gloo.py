@@ -141,7 +141,8 @@ def run_every_schedule(path: Path, world: int, device: str, kernels: str = KERNE
             continue
         ranks = reports.get(i, {})
         if len(ranks) != world * stages:
-            bad.append((s.text, f"{world * stages - len(ranks)} ranks did not report (an earlier failure stopped them)"))
+            bad.append((s.text, f"{world * stages - len(ranks)} ranks did not report "
+                                "(an earlier failure stopped them)"))
             continue
         _, wrong = launch.compare(s.scheduled, ranks, opts, reference, again=True)
         if wrong is not None:

@@ -91,7 +91,8 @@ def test_fused_collective_kernel_absorbs_sharded_state_and_writes_it_in_place():
     step = gloo.split("def step")[1]
     assert "mul0 = beta1 * m" not in step  # no full pass of its own
     shm = lower(sched, "shm").source
-    assert "    rs0 = _reduce_all(rs0_parts, 'sum')" in shm and "in _reduce_scatter_parts(_rank, g, 0, d_N, 4, 'g', 0):" in shm
+    assert "    rs0 = _reduce_all(rs0_parts, 'sum')" in shm
+    assert "in _reduce_scatter_parts(_rank, g, 0, d_N, 4, 'g', 0):" in shm
     # nothing gathered: the peers' reads of g where it lies end at the collective's own barrier
     assert "        _end_collective(_rank)\n" in shm.split("def step")[1]
     eager = lower(sched, "shm", kernels="eager").source
@@ -257,7 +258,8 @@ def test_generated_code_golden(golden):
     path = GOLDEN / f"{golden}.py"
     if os.environ.get("COCONET_UPDATE_GOLDEN"):
         path.write_text(source)
-    assert source == path.read_text(), f"generated code for {golden} changed; review and regenerate with COCONET_UPDATE_GOLDEN=1"
+    assert source == path.read_text(), (f"generated code for {golden} changed; "
+                                        "review and regenerate with COCONET_UPDATE_GOLDEN=1")
 
 
 def test_torch_dropout_only_in_eager_unfused_code():

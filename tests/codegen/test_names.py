@@ -13,12 +13,13 @@ from hypothesis import strategies as st
 
 from coconet import Local, Program, Replicated, Sliced, all_gather, allreduce, dropout, matmul, reduce_scatter, sqrt
 from coconet.codegen import lower as lowering
-from coconet.tuner.launch import run_schedules
 from coconet.codegen.lower import KERNELS, RESERVED, lower
 from coconet.errors import BackendError
 from coconet.schedules.schedule import Schedule
 from coconet.schedules.space import generate
-from tests.tuner.test_launch import EXAMPLES, assert_all_ok, check_only, example as example_program
+from coconet.tuner.launch import run_schedules
+from tests.tuner.test_launch import EXAMPLES, assert_all_ok, check_only
+from tests.tuner.test_launch import example as example_program
 
 # names that are legal in a program and mean something in generated code, or look like what the lowering
 # derives from a name (v_<reserved>, <name>_k, _<name>, <name>_parts, d_<dim>); and plain ones

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from coconet.tuner.launch import Options, run_schedules
 from coconet.schedules.space import generate
+from coconet.tuner.launch import Options, run_schedules
 
 ROOT = Path(__file__).parents[2]
 EXAMPLES = sorted(p.stem for p in (ROOT / "examples").glob("*.py"))

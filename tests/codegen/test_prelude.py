@@ -5,7 +5,8 @@ import sys
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from coconet.codegen import prelude
 from coconet.kernels import rng as trng
@@ -42,14 +43,16 @@ def test_blocks_hold_the_four_words_of_their_elements():
     for seed in (0, 99, 2**64 - 1):
         got = trng.philox_blocks(seed, block)
         assert got.shape == (5, 4)
-        assert np.array_equal(got.reshape(-1).numpy(), rng.random_bits(seed, (4 * block[:, None] + torch.arange(4)).numpy()).reshape(-1))
+        want = rng.random_bits(seed, (4 * block[:, None] + torch.arange(4)).numpy())
+        assert np.array_equal(got.reshape(-1).numpy(), want.reshape(-1))
 
 
 def test_chunk_rows_from_a_tensor_compiled():
     """A fused collective's chunk kernel: the first row arrives as a 0-d tensor, the shape as ints, and the
     compiled kernel (one call per block here: the last dim is 12) draws the specified mask."""
     shape, dim, p, seed = (6, 3, 12), 0, 0.25, 2**63 + 11
-    fn = torch.compile(lambda x, s, first: prelude._dropout_rows(x, p, s, shape, dim, first), dynamic=False, fullgraph=True)
+    fn = torch.compile(lambda x, s, first: prelude._dropout_rows(x, p, s, shape, dim, first), dynamic=False,
+                       fullgraph=True)
     x = torch.ones(2, 3, 12)
     for first in (0, 2, 4):
         got = fn(x, torch.tensor(seed - 2**64, dtype=torch.int64), torch.tensor(first, dtype=torch.int64))

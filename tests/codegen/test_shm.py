@@ -19,17 +19,26 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coconet.codegen import shm
-from coconet.tuner.launch import Options, free_port, run_schedules
 from coconet.codegen.lower import lower
 from coconet.kernels import native
 from coconet.schedules.schedule import Schedule
 from coconet.schedules.space import generate
+from coconet.tuner.launch import Options, free_port, run_schedules
 from tests.codegen import faulty, warm_rank
 from tests.codegen.shared_state import SCHEDULE as ZERO1
 from tests.codegen.test_lower import factored
-from tests.tuner.test_launch import (BENCH_PROGRAMS, BENCH_SIZES, EXAMPLES, RANKS, SIZES, assert_all_ok, example,
-                                      of_this_run, rank_processes)
 from tests.strategies import collective_programs
+from tests.tuner.test_launch import (
+    BENCH_PROGRAMS,
+    BENCH_SIZES,
+    EXAMPLES,
+    RANKS,
+    SIZES,
+    assert_all_ok,
+    example,
+    of_this_run,
+    rank_processes,
+)
 
 
 def shm_only(world, sizes, kernels="eager", **kw):
@@ -301,7 +310,8 @@ def test_a_c_chunk_kernel_returns_its_partial_sums():
     b1 = momentum * buf + grad
     p.update(buf, b1)
     p.update(w, w - lr * (grad + momentum * b1))
-    scheds = [Schedule.parse(f"split(ar0); reorder(ag0); {x}fuse_collective(rs0)", p.ir) for x in ("", "as_slice(buf); ")]
+    scheds = [Schedule.parse(f"split(ar0); reorder(ag0); {x}fuse_collective(rs0)", p.ir)
+              for x in ("", "as_slice(buf); ")]
     for sched in scheds:
         src = lower(sched, "shm").source
         assert re.search(r"_chunk0 = _native\(_kernel\(_chunk0\), '\w+', r\"\"\"", src) and '""", sums=1)' in src

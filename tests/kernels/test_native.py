@@ -83,7 +83,8 @@ def chunk_kernels(draw):
             numbers.append(name)
         elif choice == "number" and numbers:
             op = draw(st.sampled_from(sorted(NUMBER)))
-            stmts.append((name, op, tuple(draw(st.sampled_from(numbers)) for _ in range(1 if op == "neg" else 2)), None))
+            args = tuple(draw(st.sampled_from(numbers)) for _ in range(1 if op == "neg" else 2))
+            stmts.append((name, op, args, None))
             numbers.append(name)
         elif choice in ("unary", "where", "cast"):
             stmts.append((name, draw(st.sampled_from(sorted(UNARY))), (draw(st.sampled_from(names)),), None))
@@ -153,7 +154,8 @@ def evaluate(k: ChunkKernel, stmts, env):
         elif op == "pow":
             env[name] = POWER[float(xs[1])](torch.as_tensor(xs[0], dtype=torch.float32))
         elif op in UNARY:
-            env[name] = UNARY[op](torch.as_tensor(xs[0], dtype=torch.float32) if not isinstance(xs[0], torch.Tensor) else xs[0])
+            x = xs[0] if isinstance(xs[0], torch.Tensor) else torch.as_tensor(xs[0], dtype=torch.float32)
+            env[name] = UNARY[op](x)
         else:
             x, y = xs
             if op in ("maximum", "minimum"):
@@ -361,7 +363,8 @@ def test_float16_rows_are_widened_as_torch_casts_them(monkeypatch, tmp_path):
 
 @settings(max_examples=16, deadline=None)
 @given(dtype=st.sampled_from(sorted(HALF)), op=st.sampled_from(sorted(REDUCTIONS)), ranks=st.integers(1, 4),
-       n=st.sampled_from([1, 7, 8, 33, 1000]), offset=st.sampled_from([0, 1, 5]), scale=st.sampled_from([1.0, 3e2, 2e4]))
+       n=st.sampled_from([1, 7, 8, 33, 1000]), offset=st.sampled_from([0, 1, 5]),
+       scale=st.sampled_from([1.0, 3e2, 2e4]))
 def test_half_precision_rows_summed_as_they_are_round_every_partial_total(tmp_path_factory, dtype, op, ranks, n,
                                                                         offset, scale):
     """A float16 or bfloat16 gradient reduced in its own dtype (``cast(allreduce(g), float32)``, as DDP reduces

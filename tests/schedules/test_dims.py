@@ -1,5 +1,6 @@
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from coconet.errors import SizeError
 from coconet.schedules.dims import Dim, parse_dim, parse_sizes

@@ -50,9 +50,9 @@ def test_same_program_twice_same_hash_and_different_program_different_hash():
 
 def test_ir_is_immutable():
     ir = adam().ir
-    with pytest.raises(Exception):
+    with pytest.raises(AttributeError):  # a frozen dataclass's FrozenInstanceError
         ir.name = "other"
-    with pytest.raises(Exception):
+    with pytest.raises(AttributeError):
         ir.stmts[0].op = "neg"
     assert isinstance(ir.stmts, tuple)
 
@@ -93,7 +93,8 @@ def test_errors_pickle_with_their_fields():
         cc.all_gather(g)
     again = pickle.loads(pickle.dumps(info.value))
     assert type(again) is ProgramError
-    assert (again.statement, again.op, again.rule, str(again)) == (info.value.statement, "all_gather", "all_gather: S→R", str(info.value))
+    assert (again.statement, again.op, again.rule, str(again)) == (info.value.statement, "all_gather",
+                                                                   "all_gather: S→R", str(info.value))
 
 
 @pytest.mark.parametrize("build,fragment", [
@@ -127,7 +128,7 @@ def test_bad_programs():
     p = cc.Program("p", dims=("N",))
     p.tensor("x", ("N",), layout=cc.Local)
     with pytest.raises(ProgramError, match="no effect"):
-        p.ir
+        _ = p.ir
 
 
 def test_operands_of_two_programs():
@@ -148,7 +149,7 @@ def test_number_arguments_fold():
 def test_dead_code_is_dropped_but_inputs_stay():
     p = cc.Program("d", dims=("N",))
     x = p.tensor("x", ("N",), layout=cc.Replicated)
-    unused = p.tensor("u", ("N",), layout=cc.Replicated)
+    p.tensor("u", ("N",), layout=cc.Replicated)  # an input nothing reads
     _ = cc.exp(x)
     p.output("y", x * 2.0)
     names = [s.name for s in p.ir.stmts]
@@ -174,7 +175,7 @@ def test_pipeline_channels_must_agree():
     x = cc.recv(q, "x", ("N",), layout=cc.Replicated)
     cc.send(cc.cast(x, "float16"))
     with pytest.raises(ProgramError, match="receives .* but the stage sends"):
-        q.ir
+        _ = q.ir
 
 
 def test_custom_pointwise_op():

@@ -148,7 +148,8 @@ def test_replicated_operand_is_sliced_for_a_sliced_result():
         close(interp.run(p, world, {"N": 3, "M": 4}, inputs=xs).output("y"), xs["x"] * xs["b"] + xs["c"])
 
 
-@pytest.mark.parametrize("op,fn", [("sum", np.sum), ("max", np.max), ("min", np.min), ("prod", np.prod), ("avg", np.mean)])
+@pytest.mark.parametrize("op,fn", [("sum", np.sum), ("max", np.max), ("min", np.min), ("prod", np.prod),
+                                   ("avg", np.mean)])
 def test_allreduce_ops(op, fn):
     p = cc.Program("a", dims=("N",))
     g = p.tensor("g", ("N",), layout=cc.Local)

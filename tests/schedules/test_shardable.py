@@ -4,7 +4,8 @@ import runpy
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from coconet.errors import CoconetError
 from coconet.schedules import shardable as shard

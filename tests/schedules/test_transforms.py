@@ -12,12 +12,21 @@ from coconet.errors import IllegalTransform, ScheduleError
 from coconet.schedules import equivalence
 from coconet.schedules.builder import Builder
 from coconet.schedules.schedule import Schedule
+from coconet.schedules.transforms import (
+    TRANSFORMS,
+    AsSlice,
+    Bucket,
+    Fuse,
+    FuseCollective,
+    Overlap,
+    Reorder,
+    SliceReduce,
+    SliceSend,
+    Split,
+)
 from coconet.schedules.transforms.base import convex, convex_with
 from coconet.schedules.transforms.fuse import regions
 from tests.strategies import adam_over, collective_programs
-from coconet.schedules.transforms import (
-    AsSlice, Bucket, Fuse, FuseCollective, Overlap, Reorder, SliceReduce, SliceSend, Split, TRANSFORMS,
-)
 
 ROOT = Path(__file__).parents[2]
 

@@ -529,9 +529,8 @@ def _schemathesis(app: Any, headers: dict[str, str], examples: int) -> tuple[int
     phases, every check), with tests/server/schemathesis.toml, derandomized: the cases sent, the operations
     tested, and each distinct failure with a request that shows it. (The engine, not the pytest plugin: the
     plugin cannot load a schema from a fixture under pytest 9, and walks no coverage or stateful phase.)"""
-    import tomllib
-
     import schemathesis
+    import tomllib
     from schemathesis.engine import events, from_schema
 
     settings = tomllib.loads(SCHEMATHESIS_TOML.read_text())
@@ -614,7 +613,7 @@ def _wait_for(store: Store, job_id: int, state: str, timeout: float = 20.0) -> A
 
 
 def test_a_stopping_server_puts_its_running_job_back_in_the_queue(tmp_path: Path, monkeypatch) -> None:
-    from coconet.server.jobs import WorkerSettings, Workers
+    from coconet.server.jobs import Workers, WorkerSettings
 
     monkeypatch.setattr("coconet.tuner.tune.tune", _fake_tune("runs"))
     store, job_id = _worker_store(tmp_path)
@@ -631,7 +630,7 @@ def test_a_stopping_server_puts_its_running_job_back_in_the_queue(tmp_path: Path
 
 
 def test_a_job_the_tuner_refuses_is_failed_with_its_reason(tmp_path: Path, monkeypatch) -> None:
-    from coconet.server.jobs import WorkerSettings, Workers
+    from coconet.server.jobs import Workers, WorkerSettings
 
     monkeypatch.setattr("coconet.tuner.tune.tune", _fake_tune("refused"))
     store, job_id = _worker_store(tmp_path)

@@ -214,7 +214,8 @@ def _render(driver: Any, url: str) -> None:
 def test_page_renders_plots(filled: dict[str, Any], browser: Any) -> None:
     with _Served(_app(filled["store"])) as url:
         _render(browser, url + "/")
-        error = browser.execute_script("const e = document.querySelector('#error'); return e.hidden ? '' : e.textContent")
+        error = browser.execute_script("const e = document.querySelector('#error'); "
+                                       "return e.hidden ? '' : e.textContent")
         assert error == ""
         schedules = filled["schedules"]
         timing = {d["context"]: d["names"] for d in browser.execute_script(
@@ -224,7 +225,8 @@ def test_page_renders_plots(filled: dict[str, Any], browser: Any) -> None:
         assert sorted(timing["dgx2 · 16 ranks"]) == sorted(f"nccl: {s}" for s in (schedules[0], schedules[2]))
         # every timing trace drew its three sizes as SVG points
         points = browser.execute_script(
-            "return [...document.querySelectorAll('.timing-plot .scatterlayer .trace')].map(t => t.querySelectorAll('.point').length)")
+            "return [...document.querySelectorAll('.timing-plot .scatterlayer .trace')]"
+            ".map(t => t.querySelectorAll('.point').length)")
         assert points and set(points) == {3}
         assert sorted(_names(browser, "#speedup-plot.js-plotly-plot")[0]) == sorted(
             ["local · 2 ranks · gloo", "dgx2 · 16 ranks · nccl", "baseline (1×)"])
@@ -234,11 +236,13 @@ def test_page_renders_plots(filled: dict[str, Any], browser: Any) -> None:
         rows = browser.execute_script("return document.querySelectorAll('#results tbody tr').length")
         assert rows == 6
         # each winner says what its search let stay sharded, beside what it leaves sharded
-        allowed = browser.execute_script("return [...document.querySelectorAll('#results td.shardable')].map(c => c.textContent)")
+        allowed = browser.execute_script(
+            "return [...document.querySelectorAll('#results td.shardable')].map(c => c.textContent)")
         assert allowed == ["any state"] * 6
         assert "def step(" in browser.find_element("css selector", "#code code").text
         # another study from the select re-draws the history
-        browser.execute_script("const s = document.querySelector('#study'); s.value = '2'; s.dispatchEvent(new Event('change'))")
+        browser.execute_script("const s = document.querySelector('#study'); s.value = '2'; "
+                               "s.dispatchEvent(new Event('change'))")
         _wait(browser, "return document.querySelector('#history-plot').layout.title.text.includes('N=1024')")
 
 
@@ -250,10 +254,12 @@ def test_page_shows_fetch_failures(browser: Any) -> None:
         assert "could not load the programs" in browser.find_element("css selector", "#programs").text
 
 
-@pytest.mark.skipif(not os.environ.get("COCONET_UPDATE_SCREENSHOT"), reason="set COCONET_UPDATE_SCREENSHOT=1 to redraw docs/dashboard.png")
+@pytest.mark.skipif(not os.environ.get("COCONET_UPDATE_SCREENSHOT"),
+                    reason="set COCONET_UPDATE_SCREENSHOT=1 to redraw docs/dashboard.png")
 def test_screenshot(filled: dict[str, Any], browser: Any) -> None:
     """Redraw docs/dashboard.png, from the store at $COCONET_SCREENSHOT_DB (a real tuned one: coconet tune
-    examples/adam.py --world 2 --size N=2^10 --size N=2^12 --size N=2^14 --budget 4 --db URL), else the synthetic one."""
+    examples/adam.py --world 2 --size N=2^10 --size N=2^12 --size N=2^14 --budget 4 --db URL), else the
+    synthetic one."""
     url = os.environ.get("COCONET_SCREENSHOT_DB")
     store = Store.open(url) if url else filled["store"]
     try:

@@ -15,12 +15,12 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-from coconet.server.app import create_app
-from coconet.server.http import HeadLimits, server_config
-from coconet.server.store import Store, unavailable
 from fastapi.testclient import TestClient
 
 from coconet.errors import StoreError
+from coconet.server.app import create_app
+from coconet.server.http import HeadLimits, server_config
+from coconet.server.store import Store, unavailable
 
 from .test_api import _seed_winner, held_out_program, ir_of
 

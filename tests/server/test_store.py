@@ -8,8 +8,8 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import fields
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -830,7 +830,7 @@ def test_two_processes_write_one_database(db_url):
         for tag in ("a", "b")
     ]
     outs = [p.communicate(timeout=120) for p in procs]
-    for p, (out, err) in zip(procs, outs):
+    for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err
         assert "locked" not in err
     claimed = [json.loads(out) for out, _ in outs]

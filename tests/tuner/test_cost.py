@@ -54,7 +54,7 @@ def _without_last_fuse(s):
         return None
     try:
         other = Schedule(s.program, s.transforms[:i] + s.transforms[i + 1:])
-        other.scheduled
+        _ = other.scheduled
     except IllegalTransform:
         return None
     return other

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from coconet.schedules.schedule import Schedule
 from coconet.tuner.forkserver import RANK_NAME, Forked, Servers, kill_group, start_rank
 from coconet.tuner.launch import Options, run_schedules
-from coconet.schedules.schedule import Schedule
 from tests.tuner.test_launch import example, rank_processes
 
 pytestmark = pytest.mark.usefixtures("temp_code_cache")  # generated modules in a throwaway cache

@@ -14,10 +14,10 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from coconet.tuner.forkserver import RANK_NAME
-from coconet.tuner.launch import STARTUP_S, Options, run_schedules
 from coconet.schedules.schedule import Schedule
 from coconet.schedules.space import generate
+from coconet.tuner.forkserver import RANK_NAME
+from coconet.tuner.launch import STARTUP_S, Options, run_schedules
 from tests.codegen import faulty
 from tests.conftest import RUN_MARK
 from tests.ports import hold_port
@@ -265,8 +265,8 @@ def test_a_value_computed_in_bfloat16_is_held_to_bfloat16s_tolerance():
     rounded like any bfloat16 value (about 1e-2 here), and every schedule, the program as written too,
     once failed float32's 1e-4. A float32 program keeps float32's."""
     import coconet as cc
-    from coconet.tuner.launch import Check
     from coconet.schedules.equivalence import TOLERANCE
+    from coconet.tuner.launch import Check
 
     p = cc.Program("bf16_sgd", dims=("N",))
     g = p.tensor("g", ("N",), layout=cc.Local, dtype="bfloat16")
@@ -340,8 +340,8 @@ def test_ranks_die_with_a_killed_parent(tmp_path):
 def test_every_rank_s_copy_of_a_replicated_result_is_checked():
     import numpy as np
 
-    from coconet.tuner.launch import compare
     from coconet.schedules import interp
+    from coconet.tuner.launch import compare
 
     prog = example("adam")
     opts = Options(world=3, sizes={"N": 10})
@@ -359,9 +359,9 @@ def test_a_second_step_is_checked_as_the_first():
     or missing there, fails the check and says so."""
     import numpy as np
 
+    from coconet.schedules import interp
     from coconet.tuner.launch import compare
     from coconet.tuner.rank import AGAIN
-    from coconet.schedules import interp
 
     prog = example("adam")
     opts = Options(world=2, sizes={"N": 10})
@@ -395,8 +395,8 @@ def test_reports_are_checked_as_they_come_whatever_their_order():
     """A replicated value is scored when its rank reports and not kept; a sharded one waits for its pieces."""
     import numpy as np
 
-    from coconet.tuner.launch import Check
     from coconet.schedules import interp
+    from coconet.tuner.launch import Check
 
     prog = Schedule.parse("split(ar0); reorder(ag0); as_slice(m); as_slice(v)", example("adam")).scheduled
     opts = Options(world=3, sizes={"N": 10})
@@ -434,8 +434,8 @@ def test_a_float16_overflow_is_named_as_the_cause():
     import numpy as np
 
     import coconet as cc
-    from coconet.tuner.launch import compare
     from coconet.schedules import interp
+    from coconet.tuner.launch import compare
 
     p = cc.Program("fp16", dims=("N",))
     x = p.tensor("x", ("N",), layout=cc.Replicated, dtype="float16")
@@ -478,9 +478,9 @@ def test_an_ill_conditioned_program_is_held_to_its_own_error_in_its_dtype():
     off fails, and the message says why the bound is what it is."""
     import numpy as np
 
-    from coconet.tuner.launch import compare
     from coconet.schedules import interp
     from coconet.schedules.equivalence import CONDITIONING, TOLERANCE, Reference, rel_err
+    from coconet.tuner.launch import compare
 
     prog = centered_rmsprop()
     opts = Options(world=3, sizes={"N": 2000})

@@ -7,10 +7,19 @@ from pathlib import Path
 
 import pytest
 
-from coconet.tuner.launch import RunResult
 from coconet.schedules.schedule import Schedule
-from coconet.tuner.search import (RETIME_ROUNDS, Candidate, SearchSpace, Trial, knob_variants, retime, search,
-                                  structure_text, study_name)
+from coconet.tuner.launch import RunResult
+from coconet.tuner.search import (
+    RETIME_ROUNDS,
+    Candidate,
+    SearchSpace,
+    Trial,
+    knob_variants,
+    retime,
+    search,
+    structure_text,
+    study_name,
+)
 
 ROOT = Path(__file__).parents[2]
 

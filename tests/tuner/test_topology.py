@@ -8,8 +8,14 @@ import yaml
 
 from coconet.errors import CoconetError, TopologyError
 from coconet.tuner.calibrate import fit_alpha_beta
-from coconet.tuner.topology import (BACKENDS, from_dict, from_yaml, list_topologies, load_topology,
-                                    save_topology, to_dict)
+from coconet.tuner.topology import (
+    BACKENDS,
+    from_dict,
+    from_yaml,
+    list_topologies,
+    load_topology,
+    save_topology,
+)
 
 SHIPPED = ("local", "dgx2-v100-16", "dgx-a100-8", "dgx-h100-8", "h100-4node-ib", "h100-16node-ib", "cpu-25gbe")
 
@@ -65,7 +71,8 @@ def test_beta_may_be_given_instead_of_bandwidth():
     ({"nodes": 0}, "nodes"),
     ({"nodes": 1.5}, "nodes"),
     ({"backends": ["mpi"]}, "backends"),
-    ({"nodes": 2, "links": {"intra": {"alpha_s": 0, "bandwidth_GBps": 1}, "inter": {"alpha_s": 0, "bandwidth_GBps": 1}}},
+    ({"nodes": 2, "links": {"intra": {"alpha_s": 0, "bandwidth_GBps": 1},
+                            "inter": {"alpha_s": 0, "bandwidth_GBps": 1}}},
      "backends"),  # shm across nodes
     ({"nodes": 2, "backends": ["gloo"]}, "links.inter"),
     ({"matmul_TFLOPS": {"float16": 1}}, "matmul_TFLOPS.float32"),

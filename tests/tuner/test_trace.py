@@ -2,8 +2,8 @@ import json
 import runpy
 from pathlib import Path
 
-from coconet.tuner.launch import Options, run_schedules
 from coconet.schedules.schedule import Schedule
+from coconet.tuner.launch import Options, run_schedules
 from coconet.tuner.trace import MATMUL, overlap
 
 ROOT = Path(__file__).parents[2]

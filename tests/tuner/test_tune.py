@@ -145,8 +145,8 @@ def test_the_tuners_winner_is_the_exhaustive_winner_within_its_ci(ray_local, tmp
 
 
 def test_the_tuned_json_says_which_state_the_winner_leaves_sharded():
-    from coconet.tuner.launch import RunResult
     from coconet.schedules.schedule import Schedule
+    from coconet.tuner.launch import RunResult
     from coconet.tuner.search import Candidate, Outcome, Trial
     from coconet.tuner.tune import Tuned
 
@@ -159,15 +159,16 @@ def test_the_tuned_json_says_which_state_the_winner_leaves_sharded():
     zero1 = trial("split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse_collective(rs0)")
     weights = trial("split(ar0); reorder(ag0); as_slice(w); as_slice(m); as_slice(v); fuse_collective(rs0)")
     base = trial(None)
-    doc = Tuned({"N": 8}, Outcome("s", {"N": 8}, [zero1, weights], weights, zero1, base), 1, 2).to_json(prog, "local", 2)
+    outcome = Outcome("s", {"N": 8}, [zero1, weights], weights, zero1, base)
+    doc = Tuned({"N": 8}, outcome, 1, 2).to_json(prog, "local", 2)
     # sorted, as REST gives them
     assert doc["best"]["sharded"] == ["m", "v", "w"] and doc["runner_up"]["sharded"] == ["m", "v"]
     assert doc["baseline"]["sharded"] == []
 
 
 def test_the_tuned_json_says_why_its_trials_failed():
-    from coconet.tuner.launch import RunResult
     from coconet.schedules.schedule import Schedule
+    from coconet.tuner.launch import RunResult
     from coconet.tuner.search import Candidate, Outcome, Trial
     from coconet.tuner.tune import Tuned
 
