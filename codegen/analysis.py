@@ -120,8 +120,9 @@ def cut_to_rows(p: Program, skip: set[str], reader: Callable[[str], bool], group
                     dims.add(ut.layout.dim)
                 else:
                     dims.add(None)
-            if len(dims) == 1 and None not in dims:
-                out[s.name] = dims.pop()
+            only = dims.pop() if len(dims) == 1 else None
+            if only is not None:
+                out[s.name] = only
         # a group computes on rows whole or not at all; what its members read may then be needed whole
         partial = {p.group_of[m] for m in out if m in p.group_of
                    and any(x not in out for x in p.group_of[m].members)}
