@@ -31,7 +31,7 @@ from coconet.schedules import shardable as shard
 from coconet.schedules.dims import parse_sizes
 from coconet.schedules.schedule import Schedule
 from coconet.schedules.space import generate
-from coconet.server.records import answer_source
+from coconet.server.records import STORED_SOURCE, answer_source, prediction_of
 from coconet.tuner.launch import Options, run_schedules
 from coconet.tuner.runner import Protocol
 from coconet.tuner.sweep import SweepConfig
@@ -132,28 +132,23 @@ def best(program: Any, sizes: Any, *, topology: str = "local", world: int | None
                                shardable=",".join(names) if names is not None else None, source=source)
     from coconet.server.store import Store
 
-    stored = {"measured": "measured", "predicted": "model", None: None}
-    if source not in stored:
+    if source is not None and source not in STORED_SOURCE:
         raise CoconetError(f"source {source!r}: measured or predicted")
     allowed = shardable_text(prog, names)
     with _opened(store, Store, create=False) as opened:
         found = opened.best(prog.hash, sizes, topology, world, backend=backend, shardable=allowed,
-                            source=stored[source])
+                            source=STORED_SOURCE.get(source) if source else None)
         where = opened.url
     if found is None:
         raise CoconetError(f"nothing tuned for {prog.name} on {topology}" + (f" at world {world}" if world else "")
                            + f" in {where}, at these or comparable sizes: `coconet tune` (or coconet.tune) first")
     m, w = found.measurement, found.winner
-    v = m.versions or {}
-    prediction = None if w.source == "measured" else {
-        "model": v.get("model", "cost model"), "topology": w.topology, "calibration": v.get("topology"),
-        "coconet": v.get("coconet")}
     return {"program": prog.hash, "sizes": sizes, "tuned_sizes": w.sizes, "exact": found.exact,
             "distance": found.distance, "topology": w.topology, "world": w.world, "backend": w.backend,
             "schedule": m.schedule, "schedule_hash": m.schedule_hash, "schedule_json": m.schedule_json,
             "stats": {"median_s": m.median_s, "ci95_s": [m.ci_lo_s, m.ci_hi_s] if m.ci_lo_s is not None else None,
                       "n": m.n},
-            "source": answer_source(w.source), "prediction": prediction, "speedup": w.speedup,
+            "source": answer_source(w.source), "prediction": prediction_of(m), "speedup": w.speedup,
             "order_reversed": w.order_reversed, "winner_id": w.id, "job": w.job_id}
 
 

@@ -47,7 +47,7 @@ from coconet.server.hosts import HostCheck
 from coconet.server.jobs import Workers, WorkerSettings
 from coconet.server.leases import requeue_orphans
 from coconet.server.limits import MAX_BODY, MAX_DEPTH, ASGIApp, BodyLimit, Receive, Scope, Send, WriteSlots
-from coconet.server.records import Best, JobRecord, MeasurementRecord, answer_source
+from coconet.server.records import STORED_SOURCE, Best, JobRecord, MeasurementRecord, answer_source, prediction_of
 from coconet.server.schemas import (
     ANY_ERROR,
     MAX_DIMS,
@@ -110,7 +110,6 @@ MaybeShardable = Annotated[str | None, Query(**_SHARDABLE)]
 SourceQuery = Annotated[Literal["measured", "predicted"] | None,
                         Query(description="Only a winner of this source; left out, a measured winner where the key "
                               "has one, else a predicted one")]
-_STORED_SOURCE = {"measured": "measured", "predicted": "model"}
 
 
 @dataclass(frozen=True)
@@ -318,7 +317,7 @@ def _router(settings: Settings) -> Any:
         facts = _facts(request, program)
         allowed = facts.shardable(None if shardable is None else [shardable])
         found = store.best(program, asked, topology, world, backend=backend, shardable=allowed,
-                           source=_STORED_SOURCE.get(source or ""))
+                           source=STORED_SOURCE.get(source or ""))
         if found is not None and found.exact:
             return _best_out(found, asked)
         # A miss: say why (wrong dims, nothing tuned).
@@ -527,11 +526,8 @@ def _schedule_fields(m: MeasurementRecord) -> dict[str, Any]:
 
 
 def _prediction(m: MeasurementRecord) -> PredictionOut | None:
-    if m.source != "model":
-        return None
-    v = m.versions or {}
-    return PredictionOut(model=v.get("model", "cost model"), topology=m.topology, calibration=v.get("topology"),
-                         coconet=v.get("coconet"))
+    found = prediction_of(m)
+    return PredictionOut(**found) if found is not None else None
 
 
 def _schedule_out(m: MeasurementRecord | None) -> ScheduleOut | None:
@@ -625,7 +621,7 @@ def _accepts(spec: dict[str, Any]) -> Callable[[str], bool]:
 _WORLD = re.compile(r"[1-9][0-9]{0,3}")
 _PLAIN = {"program": _accepts(_HASH), "sizes": _accepts(_SIZES), "topology": _accepts(_TOPOLOGY),
           "backend": _accepts(_BACKEND), "shardable": _accepts(_SHARDABLE),
-          "world": lambda v: _WORLD.fullmatch(v) is not None, "source": _STORED_SOURCE.__contains__}
+          "world": lambda v: _WORLD.fullmatch(v) is not None, "source": STORED_SOURCE.__contains__}
 
 
 class FastBest:
@@ -678,7 +674,7 @@ def _plain_best(state: Any, query: bytes) -> bytes | None:
         allowed = facts.shardable(None if shardable is None else [shardable])
         asked = _parse_sizes(sizes)
         found = state.store.best(program, asked, topology, int(world) if world else None, backend=backend,
-                                 shardable=allowed, source=_STORED_SOURCE.get(source or ""))
+                                 shardable=allowed, source=STORED_SOURCE.get(source or ""))
         if found is None:
             return None
         if not found.exact:  # the route first checks the sizes against the program's dims

@@ -10,6 +10,10 @@ if TYPE_CHECKING:
     from coconet.schedules.schedule import Schedule
 
 
+# a source as answers say it -> as the store keeps it
+STORED_SOURCE = {"measured": "measured", "predicted": "model"}
+
+
 def answer_source(source: str) -> str:
     """A record's source as answers say it: ``measured``, or ``predicted`` for the cost model's (stored as
     ``model``)."""
@@ -135,6 +139,16 @@ class MeasurementRecord:
     source: str
     versions: dict[str, str]
     created_at: datetime
+
+
+def prediction_of(m: MeasurementRecord) -> dict[str, Any] | None:
+    """What predicted a measurement the cost model made (its model, topology, calibration and coconet
+    version); None for a measured one."""
+    if m.source != "model":
+        return None
+    v = m.versions or {}
+    return {"model": v.get("model", "cost model"), "topology": m.topology, "calibration": v.get("topology"),
+            "coconet": v.get("coconet")}
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,6 @@ from coconet.tuner.launch import RunResult
 SUGGESTIONS_PER_CANDIDATE = 10
 RETIME_ROUNDS = 2
 KILLED_TRIES = 2  # a candidate whose rank was killed is measured once more before its failure is kept
-STATUSES = ("ok", "compile_error", "runtime_error", "wrong_result", "timeout", "killed")
 
 
 @dataclass(frozen=True)
