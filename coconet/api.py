@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from coconet.codegen.baselines import shardable_text
 from coconet.codegen.lower import BACKENDS, KERNELS
@@ -152,8 +152,8 @@ def best(program: Any, sizes: Any, *, topology: str = "local", world: int | None
             "order_reversed": w.order_reversed, "winner_id": w.id, "job": w.job_id}
 
 
-def sweep(config: str | os.PathLike, *, simulate: bool = False, store: Any = None,
-          ray_address: str | None = None) -> dict[str, Any]:
+def sweep(config: str | os.PathLike | SweepConfig, *, simulate: bool = False, store: Any = None,
+          ray_address: str | None = None, on_progress: Callable[[Any], None] | None = None) -> dict[str, Any]:
     """An offline sweep from its YAML config, as ``coconet sweep --json`` reports it: local keys tuned (unless
     ``simulate``), the others predicted by the cost model; keys done before are skipped, measured keys are
     never predicted."""
@@ -161,7 +161,7 @@ def sweep(config: str | os.PathLike, *, simulate: bool = False, store: Any = Non
     from coconet.tuner.tune import Request, cost_prior
     from coconet.tuner.tune import tune as run_tune
 
-    cfg = SweepConfig.load(Path(config))
+    cfg = config if isinstance(config, SweepConfig) else SweepConfig.load(Path(config))
     with _opened(store, Store) as opened:
         def tune_key(entry: Any, sizes: dict, world: int) -> None:
             request = Request(entry.program, (sizes,), world, budget=cfg.budget, protocol=Protocol(),
@@ -169,7 +169,7 @@ def sweep(config: str | os.PathLike, *, simulate: bool = False, store: Any = Non
                               shardable=shard.spelled(entry.shardable))
             run_tune(request, opened, prior=cost_prior)
 
-        return run_sweep(cfg, opened, simulate=simulate, tune_key=tune_key).to_json()
+        return run_sweep(cfg, opened, simulate=simulate, on_progress=on_progress, tune_key=tune_key).to_json()
 
 
 def _sizes(sizes: Any, prog: Any) -> dict[str, int]:

@@ -654,36 +654,21 @@ def sweep(
     a key with a measured winner is never predicted."""
     from rich.progress import Progress, TextColumn, TimeElapsedColumn
 
-    from coconet.server.store import Store
-    from coconet.tuner.runner import Protocol
+    from coconet.api import sweep as run_sweep
     from coconet.tuner.sweep import SweepConfig
-    from coconet.tuner.sweep import sweep as run_sweep
-    from coconet.tuner.tune import Request, cost_prior
-    from coconet.tuner.tune import tune as run_tune
 
-    cfg = SweepConfig.load(config)
-    with Store.open(db) as store:
-        def tune_key(entry: Any, sizes: dict, world: int) -> None:
-            request = Request(entry.program, (sizes,), world, budget=cfg.budget, protocol=Protocol(),
-                              depth=cfg.depth, ray_address=ray_address, program_file=entry.file,
-                              shardable=shard.spelled(entry.shardable))
-            run_tune(request, store, prior=cost_prior)
-
-        if as_json:
-            report = run_sweep(cfg, store, simulate=simulate, tune_key=tune_key)
-        else:
-            with Progress(TextColumn("{task.description}"), TimeElapsedColumn(), console=Console(stderr=True)) as bar:
-                task = bar.add_task("sweep")
-
-                def show(r: Any) -> None:
-                    bar.update(task, description=f"{r.predicted} predicted, {r.measured} measured, "
-                                                 f"{r.skipped} skipped of {r.keys} keys so far")
-
-                report = run_sweep(cfg, store, simulate=simulate, on_progress=show, tune_key=tune_key)
-    doc = report.to_json()
+    cfg = SweepConfig.load(config)  # refused before the progress bar, as one error line
     if as_json:
-        _echo_json(doc)
+        _echo_json(run_sweep(cfg, simulate=simulate, store=db, ray_address=ray_address))
         return
+    with Progress(TextColumn("{task.description}"), TimeElapsedColumn(), console=Console(stderr=True)) as bar:
+        task = bar.add_task("sweep")
+
+        def show(r: Any) -> None:
+            bar.update(task, description=f"{r.predicted} predicted, {r.measured} measured, "
+                                         f"{r.skipped} skipped of {r.keys} keys so far")
+
+        doc = run_sweep(cfg, simulate=simulate, store=db, ray_address=ray_address, on_progress=show)
     rate = f"{doc['keys_per_s']:.0f} keys/s" if doc["keys_per_s"] else ""
     Console(highlight=False).print(
         f"{doc['keys']} keys: {doc['predicted']} predicted ({doc['predictions']} schedule predictions), "
