@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import marshal
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -35,6 +36,7 @@ from coconet.schedules import shardable
 from coconet.schedules.dims import format_sizes, parse_sizes
 from coconet.schedules.ir import Program
 from coconet.schedules.schedule import Schedule
+from coconet.schedules.serialize import export as to_json
 from coconet.schedules.types import Local, Replicated, Sliced
 
 BEST = "best"
@@ -257,7 +259,7 @@ def _place(group: Any, world: int | None, rank: int | None, backend: str | None)
 
 def compile(program: Any, sizes: Any, *, schedule: Any = BEST, group: Any = None, backend: str | None = None,
             kernels: str = "compiled", store: Any = None, server: str | None = None, token: str | None = None,
-            topology: str = LOCAL_TOPOLOGY, shardable: Any = None, tune_on_miss: bool = False,
+            topology: str = LOCAL_TOPOLOGY, shardable: Any = None, tune_on_miss: bool = False, budget: int = 32,
             world: int | None = None, rank: int | None = None, custom_ops: Mapping[str, Callable] | None = None,
             stage: int = 0, stages: int = 1) -> Step:
     """The step of ``program`` (a file's path, a ``coconet.Program`` or its IR) at ``sizes`` for this rank of
@@ -269,10 +271,14 @@ def compile(program: Any, sizes: Any, *, schedule: Any = BEST, group: Any = None
     (``describe()`` says so); otherwise a schedule's text, ``"baseline"`` or a ``Schedule``. ``shardable``:
     with ``"best"``, only a winner that leaves at most these states sharded (names or ``"all"``; a winner
     slicing the weights a model reads whole would not do). ``backend``: gloo, shm or nccl; with ``"best"``
-    the winner's unless given, else nccl on a NCCL group and gloo otherwise."""
-    if tune_on_miss:
-        raise CoconetError("compile does not tune: run `coconet tune FILE --world R --size ...` into the store "
-                           "first (a tuning takes minutes)")
+    the winner's unless given, else nccl on a NCCL group and gloo otherwise.
+
+    ``tune_on_miss``: with ``"best"``, where the key has no measured winner at exactly these sizes (none at all,
+    only the nearest sizes', or only a prediction), rank 0 tunes it first (``budget`` trials) while the other
+    ranks wait: into ``store`` on this machine's local Ray, or as a job on ``server`` (``token`` needed),
+    followed until it ends. Tuning takes minutes; it is said on stderr when it starts."""
+    if budget < 1:
+        raise CoconetError(f"budget: at least 1 trial, not {budget}")
     prog = load_program(program)
     sizes = _sizes(sizes, prog)
     world, rank, device_type, up = _place(group, world, rank, backend)
@@ -281,7 +287,8 @@ def compile(program: Any, sizes: Any, *, schedule: Any = BEST, group: Any = None
             raise CoconetError(f"the schedule is for program {schedule.program.hash}, not {prog.hash}")
         chosen, origin = schedule, Origin("given")
     elif schedule == BEST:
-        look = _Lookup(prog, sizes, world, topology, backend, device_type, store, server, token, shardable)
+        look = _Lookup(prog, sizes, world, topology, backend, device_type, store, server, token, shardable,
+                       Tuning(program, budget, kernels) if tune_on_miss else None)
         text, knobs, backend, origin = _agreed(look, group, rank if up else 0, world if up else 1)
         chosen = Schedule.parse(text, prog)
         if knobs:
@@ -298,6 +305,16 @@ def compile(program: Any, sizes: Any, *, schedule: Any = BEST, group: Any = None
                 stages=stages)
 
 
+@dataclass(frozen=True)
+class Tuning:
+    """What ``compile(tune_on_miss=True)`` tunes with: the program as the caller named it (a file keeps its
+    custom ops), the trials, and the kernels the step will run."""
+
+    program: Any
+    budget: int
+    kernels: str
+
+
 @dataclass
 class _Lookup:
     """The question "best schedule for (program, sizes, topology, world)", asked of a store or a server."""
@@ -312,6 +329,7 @@ class _Lookup:
     server: str | None
     token: str | None
     shardable: Any
+    tuning: Tuning | None = None
 
     def shardable_text(self) -> str | None:
         if self.shardable is None:
@@ -320,10 +338,73 @@ class _Lookup:
         return shardable.to_text(self.prog, shardable.resolve(self.prog, names))
 
     def answer(self) -> tuple[str, dict[str, int], str, Origin]:
-        """(schedule text, knobs, backend, origin); raises CoconetError on a miss."""
+        """(schedule text, knobs, backend, origin); raises CoconetError on a miss. With ``tuning``, a key
+        without a measured winner at these exact sizes is tuned first."""
+        try:
+            got = self._read()
+        except CoconetError as e:
+            if self.tuning is None or not getattr(e, "not_tuned", False):
+                raise
+            got = None
+        if self.tuning is None or (got is not None and got[3].how == "measured" and got[3].exact):
+            return got  # type: ignore[return-value]  # None only with tuning
+        where = f"server {self.server}" if self.server is not None else "this machine's Ray"
+        print(f"coconet.compile: {self.prog.name} has no measured winner for {format_sizes(self.sizes)}, world "
+              f"{self.world}, topology {self.topology}: tuning it on {where} ({self.tuning.budget} trials)",
+              file=sys.stderr, flush=True)
         if self.server is not None:
-            return self._from_server()
-        return self._from_store()
+            self._tune_on_server(self.tuning)
+        else:
+            self._tune_here(self.tuning)
+        got = self._read()
+        if got[3].how != "measured" or not got[3].exact:
+            raise CoconetError(f"the tuning of {self.prog.name} at {format_sizes(self.sizes)} ended without a "
+                               f"measured winner at these sizes")
+        return got
+
+    def _read(self) -> tuple[str, dict[str, int], str, Origin]:
+        return self._from_server() if self.server is not None else self._from_store()
+
+    def _tune_backends(self) -> tuple[str, ...]:
+        if self.backend is not None:
+            return (self.backend,)
+        return ("nccl",) if self.device_type == "cuda" else ()
+
+    def _shardable_names(self) -> list[str] | None:
+        if self.shardable is None:
+            return None
+        return [self.shardable] if isinstance(self.shardable, str) else list(self.shardable)
+
+    def _tune_here(self, tuning: Tuning) -> None:
+        from coconet import api
+
+        doc = api.tune(tuning.program, self.sizes, world=self.world, budget=tuning.budget, topology=self.topology,
+                       backends=self._tune_backends(), store=self.store, kernels=tuning.kernels,
+                       shardable=self._shardable_names())
+        assert isinstance(doc, dict)  # one binding, one result
+        if doc["best"] is None:
+            why = "; ".join(f"{f['count']} {f['status']}: {f['error']}" for f in doc["failures"]) or "no trial ran"
+            raise CoconetError(f"the tuning of {self.prog.name} at {format_sizes(self.sizes)} found no schedule "
+                               f"that ran ({why})")
+
+    def _tune_on_server(self, tuning: Tuning) -> None:
+        from coconet.client import Client, follow
+
+        with Client.open(self.server, self.token) as client:  # type: ignore[arg-type]
+            # the server tunes what it holds: the program goes first, as `coconet submit` sends it
+            if client.post_program(to_json(self.prog, indent=None))["hash"] != self.prog.hash:
+                raise CoconetError(f"server {self.server} hashes {self.prog.name} otherwise than this coconet: "
+                                   "are the versions the same?")
+            backends = self._tune_backends()
+            _, started = client.best_or_tune(self.prog.hash, self.sizes, topology=self.topology, world=self.world,
+                                             backend=backends[0] if backends else None, budget=tuning.budget,
+                                             shardable=self._shardable_names())
+            if started is None:
+                return  # tuned meanwhile
+            job = follow(client, [started["job"]])[started["job"]]
+        if job["state"] != "done":
+            raise CoconetError(f"server {self.server}: tuning job {started['job']} {job['state']}: "
+                               f"{job.get('error') or 'no reason given'}")
 
     def _wanted_backends(self) -> list[str | None]:
         if self.backend is not None:

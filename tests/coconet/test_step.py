@@ -148,8 +148,36 @@ def test_best_reads_the_stores_winner_and_says_where_it_came_from(tmp_path):
     with pytest.raises(CoconetError, match="coconet tune FILE --world 3 --size N=1024") as err:
         coconet.compile(prog, {"N": 1024}, store=db, world=3, rank=0)
     assert err.value.not_tuned
-    with pytest.raises(CoconetError, match="compile does not tune"):
-        coconet.compile(prog, {"N": 1024}, store=db, world=3, rank=0, tune_on_miss=True)
+
+
+def test_tune_on_miss_tunes_the_key_into_the_store_then_reads_it(ray_local, tmp_path, capsys):
+    """No winner at these sizes (only the nearest's): rank 0 tunes the exact key first, says so, and the step
+    runs the measured winner; asked again, the store answers without tuning."""
+    from coconet.server.records import NewMeasurement
+    from coconet.server.store import Store
+
+    db = f"sqlite:///{tmp_path / 'c.db'}"
+    prog = load_file(examples_dir() / "sgd.py")
+    with Store.open(db) as store:  # a winner at other sizes: the nearest, which tune_on_miss does not settle for
+        store.add_program(prog)
+        store.add_winner(store.add_measurement(NewMeasurement.of(
+            coconet.step.Schedule.parse("baseline", prog), median_s=1e-3, samples=[1e-3] * 3, sizes={"N": 4096},
+            topology="local", world=2, backend="gloo")))
+    step = coconet.compile("examples/sgd.py", {"N": 1024}, store=db, world=2, rank=0, backend="gloo",
+                           kernels="eager", tune_on_miss=True, budget=2)
+    assert "has no measured winner for N=1024, world 2, topology local: tuning it" in capsys.readouterr().err
+    assert step.origin.how == "measured" and step.origin.exact and step.backend == "gloo"
+    with Store.open(db) as store:
+        best = store.best(prog.hash, {"N": 1024}, "local", 2)
+        assert best is not None and best.exact and best.measurement.schedule == step.schedule.text
+        tuned = len(store.measurements(prog.hash))
+    again = coconet.compile("examples/sgd.py", {"N": 1024}, store=db, world=2, rank=1, kernels="eager",
+                            tune_on_miss=True)
+    assert again.schedule.text == step.schedule.text and "tuning" not in capsys.readouterr().err
+    with Store.open(db) as store:
+        assert len(store.measurements(prog.hash)) == tuned
+    with pytest.raises(CoconetError, match="budget: at least 1 trial"):
+        coconet.compile("examples/sgd.py", {"N": 1024}, store=db, world=2, rank=0, tune_on_miss=True, budget=0)
 
 
 def test_import_coconet_does_not_import_torch():

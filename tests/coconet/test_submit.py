@@ -247,3 +247,26 @@ def test_follow_timeout_names_the_jobs_still_running() -> None:
     with pytest.raises(ServiceError,
                        match=r"job 7 not finished after 0.05 s \(queued or running: it goes on on the server\)"):
         follow(_Jobs({7: ["running"]}), [7], poll_s=0.01, timeout_s=0.05)  # type: ignore[arg-type]
+
+
+def test_compile_reads_the_servers_winner_and_tunes_a_miss_there(server: dict[str, Any], capsys) -> None:
+    """coconet.compile(server=URL): a key the server never tuned is a miss naming `coconet submit`; with
+    tune_on_miss the program is sent, POST /best starts the job, it is followed to its end and the step runs
+    the winner it recorded; asked again, the server answers at once."""
+    import coconet
+    from coconet.errors import CoconetError
+
+    sizes = {"N": 2**13}
+    with pytest.raises(CoconetError, match="coconet submit FILE --world 2 --size N=8192 --server") as err:
+        coconet.compile(ADAM, sizes, server=server["url"], world=2, rank=0, kernels="eager")
+    assert err.value.not_tuned
+    step = coconet.compile(ADAM, sizes, server=server["url"], token=TOKEN, world=2, rank=0, kernels="eager",
+                           tune_on_miss=True, budget=3)
+    assert f"tuning it on server {server['url']} (3 trials)" in capsys.readouterr().err
+    assert step.schedule.text == server["schedules"][3] and step.backend == "gloo"
+    assert step.origin.how == "measured" and step.origin.exact and step.origin.where == server["url"]
+    assert "measured fastest on topology local (1 ms a step)" in step.describe()
+    again = coconet.compile(ADAM, sizes, server=server["url"], world=2, rank=1, kernels="eager", tune_on_miss=True)
+    assert again.schedule.text == step.schedule.text and "tuning" not in capsys.readouterr().err
+    with pytest.raises(CoconetError, match="job .* failed: synthetic failure"):
+        coconet.compile(ADAM, {"N": 8}, server=server["url"], token=TOKEN, world=2, rank=0, tune_on_miss=True)
