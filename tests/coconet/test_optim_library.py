@@ -19,12 +19,15 @@ OPTIMIZERS = {
     "adamax": ("adamax", "Adamax", dict(lr=1e-2, weight_decay=0.1), False),
     "adagrad": ("adagrad", "Adagrad", dict(lr=1e-1, lr_decay=0.01, weight_decay=0.1), False),
     "rmsprop": ("rmsprop", "RMSprop", dict(lr=1e-2, momentum=0.9, weight_decay=0.1), False),
+    "rmsprop_centered": ("rmsprop_centered", "RMSprop", dict(lr=1e-2, momentum=0.9, weight_decay=0.1), False),
     "sgd": ("sgd", "SGD", dict(lr=1e-1, momentum=0.9, dampening=0.5, weight_decay=0.1), False),
     "sgd_nesterov": ("sgd", "SGD", dict(lr=1e-1, momentum=0.9, nesterov=True), False),
     "adafactor": ("adafactor", "Adafactor", dict(lr=1e-2, weight_decay=0.1), True),
     "lamb": ("lamb", None, dict(lr=1e-2, weight_decay=0.1), False),
     "lion": ("lion", None, dict(lr=1e-3, weight_decay=0.1), False),
 }
+# what torch.optim is told beside the shared hyperparameters: the program is the switch's one branch
+TORCH_SWITCHES = {"rmsprop_centered": {"centered": True}}
 
 
 class _Paper:
@@ -78,7 +81,8 @@ def _one(name, schedule, rank, world):
     params, twin = _params(vector), _params(vector)
     opt = coconet.optim.from_program(f"examples/optim/{path}.py", params, schedule=schedule, kernels="eager",
                                      **hyper)
-    ref = getattr(torch.optim, cls)(twin, **hyper) if cls else _Paper(name, twin, **hyper)
+    switches = TORCH_SWITCHES.get(name, {})
+    ref = getattr(torch.optim, cls)(twin, **hyper, **switches) if cls else _Paper(name, twin, **hyper)
     gen = torch.Generator().manual_seed(100 + rank)
     for t in range(STEPS):
         grads = [torch.randn(p.shape, generator=gen) for p in params]
