@@ -29,7 +29,7 @@ from rich.text import Text
 from coconet.codegen.baselines import baseline_for, shardable_text
 from coconet.codegen.lower import BACKENDS, KERNELS, lower
 from coconet.errors import CoconetError
-from coconet.loader import examples_dir, load_file
+from coconet.loader import examples_dir, load_file, named_example
 from coconet.schedules import shardable as shard
 from coconet.schedules.dims import format_sizes, parse_sizes
 from coconet.schedules.schedule import Schedule
@@ -79,6 +79,13 @@ def _root(version: bool = typer.Option(False, "--version", is_eager=True, callba
 
 JSON_OPT = typer.Option(False, "--json", help="Answer in JSON on stdout.")
 SIZE_OPT = typer.Option(None, "--size", help="Size bindings, e.g. N=2^20 or B=8,S=1024,H=3072 (repeatable).")
+
+PROGRAM_HELP = "The program: a .py file defining `program`, its JSON IR, or the name of an example (adam, sgd, ...)."
+
+
+def _program_path(value: Path) -> Path:
+    """A program argument as a path: a bare name that is no file here is the example of that name."""
+    return Path(named_example(str(value)))
 SHARDABLE_HELP = ("State a schedule may leave sharded (as_slice, ZeRO-style: after the step each rank holds only "
                   "its rows): names, repeatable or joined by commas; `all` for any. Default: what the program's "
                   "baseline caller never reads (Adam: m, v), else none.")
@@ -184,7 +191,7 @@ def _statement_row(s: Any, sizes: dict[str, int] | None) -> dict[str, Any]:
 @app.command(cls=_Command)
 @_guard
 def check(
-    file: Path = typer.Argument(..., help="Program file: .py defining `program`, or exported .json."),
+    file: Path = typer.Argument(..., callback=_program_path, help=PROGRAM_HELP),
     size: Optional[List[str]] = SIZE_OPT,
     as_json: bool = JSON_OPT,
 ) -> None:
@@ -215,7 +222,7 @@ def check(
 @app.command(cls=_Command)
 @_guard
 def export(
-    file: Path = typer.Argument(..., help="Program file: .py defining `program`, or .json."),
+    file: Path = typer.Argument(..., callback=_program_path, help=PROGRAM_HELP),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="Write the JSON IR here instead of stdout."),
     as_json: bool = JSON_OPT,
 ) -> None:
@@ -237,7 +244,7 @@ def export(
 @app.command(cls=_Command)
 @_guard
 def schedules(
-    file: Path = typer.Argument(..., help="Program file: .py defining `program`, or .json."),
+    file: Path = typer.Argument(..., callback=_program_path, help=PROGRAM_HELP),
     depth: int = typer.Option(6, "--depth", min=0, max=12, help="Longest transform sequence to explore."),
     show: Optional[str] = typer.Option(None, "--show",
                                        help="Print one schedule (its id or text) statement by statement."),
@@ -399,7 +406,7 @@ def _result_status(backend: str, result: Any) -> str:
 @app.command(cls=_Command)
 @_guard
 def run(
-    file: Path = typer.Argument(..., help="Program file: .py defining `program`, or .json."),
+    file: Path = typer.Argument(..., callback=_program_path, help=PROGRAM_HELP),
     world: int = typer.Option(2, "--world", min=1, max=64, help="Ranks per pipeline stage."),
     size: Optional[List[str]] = SIZE_OPT,
     schedule: List[str] = typer.Option(["baseline"], "--schedule", help="A schedule's text, its id in "
@@ -507,7 +514,7 @@ def _print_run_table(prog: Any, world: int, backend: str, sizes: dict, rows: lis
 @app.command(cls=_Command)
 @_guard
 def tune(
-    file: Path = typer.Argument(..., help="The program: a .py file defining `program`, or its JSON IR."),
+    file: Path = typer.Argument(..., callback=_program_path, help=PROGRAM_HELP),
     world: int = typer.Option(2, "--world", min=1, help="Ranks (per pipeline stage); at most 64 on the local "
                                "Ray cluster this machine starts."),
     size: Optional[List[str]] = SIZE_OPT,
@@ -641,7 +648,7 @@ def _failure_text(f: dict) -> str:
 @_guard
 def sweep(
     config: Path = typer.Argument(..., help="Sweep definition (YAML): programs and sizes, topologies, worlds, "
-                                  "budget; see configs/sweeps/."),
+                                  "budget; see configs/sweeps/. `paper` names the one coconet ships."),
     simulate: bool = typer.Option(False, "--simulate", help="Predict every key with the cost model, the local "
                                   "topology's too."),
     db: Optional[str] = typer.Option(None, "--db", help="Store URL (default $COCONET_DATABASE_URL, else SQLite in "
@@ -1165,7 +1172,7 @@ def _is_loopback(host: str) -> bool:
 @app.command(cls=_Command)
 @_guard
 def best(
-    file: Path = typer.Argument(..., help="The program: a .py file defining `program`, or its JSON IR."),
+    file: Path = typer.Argument(..., callback=_program_path, help=PROGRAM_HELP),
     size: Optional[List[str]] = SIZE_OPT,
     world: Optional[int] = typer.Option(None, "--world", min=1, help="Only a winner at this world (default: any)."),
     topology: str = typer.Option("local", "--topology", help="The topology the winner was tuned or predicted on."),
@@ -1217,7 +1224,7 @@ def best(
 @app.command(cls=_Command)
 @_guard
 def results(
-    file: Path = typer.Argument(..., help="The program: a .py file defining `program`, or its JSON IR."),
+    file: Path = typer.Argument(..., callback=_program_path, help=PROGRAM_HELP),
     topology: Optional[str] = typer.Option(None, "--topology", help="Only this topology's (default: every one)."),
     db: Optional[str] = typer.Option(None, "--db", help="Store URL (default $COCONET_DATABASE_URL, else SQLite in "
                                      "the user data dir)."),
@@ -1254,7 +1261,8 @@ def results(
 @app.command(cls=_Command)
 @_guard
 def submit(
-    file: Path = typer.Argument(..., help="The program: a .py file defining `program` (run here; only its JSON IR "
+    file: Path = typer.Argument(..., callback=_program_path,
+                                help="The program: a .py file defining `program` (run here; only its JSON IR "
                                 "is sent), or its JSON IR."),
     server: str = typer.Option(..., "--server", help="The coconet server, e.g. http://127.0.0.1:8000."),
     world: int = typer.Option(2, "--world", min=1, help="Ranks to tune on."),

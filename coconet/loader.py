@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import runpy
 import sys
 import threading
@@ -25,6 +26,9 @@ from coconet.schedules.serialize import load as load_ir
 def load_file(path: str | os.PathLike, ops: Any = None) -> Program:
     p = Path(path)
     if not p.is_file():
+        if len(p.parts) == 1 and not p.suffix:
+            known = ", ".join(sorted(e.stem for e in examples_dir().glob("*.py")))
+            raise ProgramError(f"{path}: no such file, nor an example of that name ({known})")
         raise ProgramError(f"{path}: no such file")
     if p.suffix == ".json":
         if p.stat().st_size > MAX_JSON_BYTES:
@@ -87,20 +91,34 @@ def _user_frame(e: BaseException, p: Path) -> str:
 
 
 def examples_dir() -> Path:
-    """The seed workloads of the source tree (``examples/`` beside the packages)."""
-    return Path(__file__).resolve().parents[1] / "examples"
+    """The seed workloads: ``coconet/examples`` where coconet is installed from its wheel, ``examples/`` beside
+    the packages in a source tree."""
+    here = Path(__file__).resolve().parent
+    installed = here / "examples"
+    return installed if installed.is_dir() else here.parent / "examples"
+
+
+def named_example(source: Any, folder: str = "") -> Any:
+    """``source`` itself, or, where it is a bare name (no suffix, no folder) of no file here, the path of the
+    example of that name shipped with coconet (``examples/<folder>/<name>.py``): ``"adamw"`` for an optimizer
+    works as well from a wheel as from a source tree."""
+    if not isinstance(source, str) or not re.fullmatch(r"[A-Za-z_]\w*", source) or Path(source).exists():
+        return source
+    candidate = examples_dir() / folder / f"{source}.py"
+    return candidate if candidate.is_file() else source
 
 
 _FILE_SUFFIXES = (".py", ".json")
 
 
 def load(source: Any, ops: Any = None) -> Program:
-    """A verified program (``coconet.schedules.ir.Program``) from a ``.py`` or ``.json`` file, JSON text or bytes,
-    a mapping of the IR, or a ``coconet.Program`` built with the DSL."""
+    """A verified program (``coconet.schedules.ir.Program``) from a ``.py`` or ``.json`` file, an example's name
+    (``"adam"``), JSON text or bytes, a mapping of the IR, or a ``coconet.Program`` built with the DSL."""
     if isinstance(source, Program):
         return source
     if isinstance(source, DSLProgram):
         return source.ir
+    source = named_example(source)
     if isinstance(source, os.PathLike) or (isinstance(source, str) and source.endswith(_FILE_SUFFIXES)):
         return load_file(source, ops=ops)
     return load_ir(source, ops=ops)

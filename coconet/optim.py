@@ -41,6 +41,7 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 
 from coconet.errors import CoconetError
+from coconet.loader import named_example
 from coconet.schedules.ir import Program
 from coconet.schedules.types import Local
 from coconet.step import BEST, Step, compile, load_program
@@ -57,9 +58,10 @@ def from_program(program: Any, params: Iterable[Any], *, group: Any = None, sche
                  kernels: str = "compiled", topology: str = "local", weights: str = "w", grad: str = "g",
                  host_scalars: Callable[[dict, int, int], Mapping[str, float]] | None = None,
                  **hyper: Any) -> "Optimizer":
-    """A ``torch.optim.Optimizer`` stepping ``params`` with ``program`` (a file's path, a ``coconet.Program`` or
-    its IR) over the process group ``group``. ``hyper``: the program's scalars (``lr=1e-3``), beside the
-    file's ``defaults``. See ``compile`` for ``schedule``, ``store``, ``server``, ``backend`` and ``kernels``."""
+    """A ``torch.optim.Optimizer`` stepping ``params`` with ``program`` (a file's path, the name of one of
+    ``examples/optim`` such as ``"adamw"``, a ``coconet.Program`` or its IR) over the process group ``group``.
+    ``hyper``: the program's scalars (``lr=1e-3``), beside the file's ``defaults``. See ``compile``
+    for ``schedule``, ``store``, ``server``, ``backend`` and ``kernels``."""
     prog, file_defaults, file_host = _program_file(program)
     return Optimizer(params, prog, dict(file_defaults, **_torch_names(prog, hyper)), group=group,
                      schedule=schedule, store=store, server=server, token=token, backend=backend, kernels=kernels,
@@ -67,6 +69,7 @@ def from_program(program: Any, params: Iterable[Any], *, group: Any = None, sche
 
 
 def _program_file(program: Any) -> tuple[Program, dict, Callable | None]:
+    program = named_example(program, "optim")
     prog = load_program(program)
     if not isinstance(program, (str, Path)) or Path(program).suffix != ".py":
         return prog, {}, None

@@ -28,10 +28,11 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+from coconet import api
 from coconet.codegen.cache import module_path
 from coconet.codegen.lower import lower
 from coconet.errors import CoconetError, InputError, StoreError
-from coconet.loader import load_file
+from coconet.loader import load_file, named_example
 from coconet.schedules import shardable
 from coconet.schedules.dims import format_sizes, parse_sizes
 from coconet.schedules.ir import Program
@@ -279,6 +280,7 @@ def compile(program: Any, sizes: Any, *, schedule: Any = BEST, group: Any = None
     followed until it ends. Tuning takes minutes; it is said on stderr when it starts."""
     if budget < 1:
         raise CoconetError(f"budget: at least 1 trial, not {budget}")
+    program = named_example(program)
     prog = load_program(program)
     sizes = _sizes(sizes, prog)
     world, rank, device_type, up = _place(group, world, rank, backend)
@@ -376,8 +378,6 @@ class _Lookup:
         return [self.shardable] if isinstance(self.shardable, str) else list(self.shardable)
 
     def _tune_here(self, tuning: Tuning) -> None:
-        from coconet import api
-
         doc = api.tune(tuning.program, self.sizes, world=self.world, budget=tuning.budget, topology=self.topology,
                        backends=self._tune_backends(), store=self.store, kernels=tuning.kernels,
                        shardable=self._shardable_names())

@@ -27,6 +27,7 @@ import itertools
 import math
 import time
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -71,6 +72,9 @@ class SweepConfig:
     @classmethod
     def load(cls, path: str | Path) -> "SweepConfig":
         path = Path(path)
+        shipped = Path(str(resources.files("coconet.configs"))) / "sweeps" / f"{path}.yaml"
+        if not path.exists() and len(path.parts) == 1 and not path.suffix and shipped.is_file():
+            path = shipped  # a name: the sweep coconet ships (``paper``), from a source tree or a wheel alike
         try:
             data = yaml.safe_load(path.read_text())
         except OSError as e:

@@ -93,3 +93,18 @@ def test_tune_records_and_best_answers(ray_local, tmp_path):
     assert doc["best"] is not None and doc["trials"] == 2 and doc["record_id"] is not None
     got = coconet.best(ADAM, {"N": 1024}, world=2, store=url)
     assert got["winner_id"] == doc["record_id"] and got["source"] == "measured"
+
+
+def test_an_examples_name_is_the_example_wherever_coconet_is_installed(tmp_path, monkeypatch):
+    """"adam" names examples/adam.py (coconet/examples in a wheel) for load, compile and optim alike; a file of
+    that name in the working directory comes first; an unknown name lists the examples."""
+    monkeypatch.chdir(tmp_path)
+    assert coconet.load("adam").hash == coconet.load(ADAM).hash
+    step = coconet.compile("sgd", {"N": 64}, schedule="baseline", world=2, rank=1)
+    assert step.schedule.program.name == coconet.load(ROOT / "examples" / "sgd.py").name
+    assert coconet.optim._program_file("adamw")[0].hash == coconet.load(ROOT / "examples/optim/adamw.py").hash
+    (tmp_path / "adam").write_text("not a program")  # a file named so: it is what the caller means
+    with pytest.raises(CoconetError):
+        coconet.load("adam")
+    with pytest.raises(CoconetError, match=r"adan: no such file, nor an example of that name \(adam, adam_multi"):
+        coconet.compile("adan", {"N": 64}, schedule="baseline", world=2, rank=1)
