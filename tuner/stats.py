@@ -3,6 +3,11 @@
 The CI takes order statistics whose ranks come from the binomial distribution
 of how many samples fall below the true median — no normality assumption, as
 timing distributions are skewed.
+
+It is the interval ``scipy.stats.quantile_test(x, q=median).confidence_interval()`` gives (the tests hold the
+two equal for 6 to 199 samples), computed here because ranks summarize after every batch of timings while
+they decide whether to stop: scipy's costs about 80 times as much a call (11 ms against 0.14 ms for 50 samples)
+and seconds to import in every rank.
 """
 
 from __future__ import annotations

@@ -30,3 +30,13 @@ def test_few_samples_and_errors():
     assert summarize([1.0, 3.0]).rel_halfwidth == pytest.approx(0.5)
     with pytest.raises(ValueError):
         summarize([])
+
+
+def test_the_interval_is_scipys_distribution_free_one():
+    from scipy import stats
+
+    rng = np.random.default_rng(0)
+    for n in range(6, 200, 7):
+        x = rng.lognormal(size=n)
+        ci = stats.quantile_test(x, q=float(np.median(x)), p=0.5).confidence_interval(0.95)
+        assert summarize(x).ci95 == (ci.low, ci.high), n
