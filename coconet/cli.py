@@ -18,6 +18,7 @@ import socket
 import statistics
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable, List, Optional
 
@@ -383,13 +384,55 @@ def _fmt_ci(ci: Optional[list]) -> str:
     return f"{lo}–{hi}"
 
 
+def _table_console() -> Console:
+    """stdout for a table: as wide as the terminal, or, in a pipe or a file, as wide as its rows (rich would
+    wrap at 80 columns, folding every schedule over lines)."""
+    console = Console(highlight=False)
+    return console if console.is_terminal else Console(highlight=False, width=4096)
+
+
+class _Lines:
+    """Progress where stderr is a pipe or a log, not a terminal: a line each time a task advances (rich's bar
+    would print once, at the end). It takes the calls the long commands make of rich's ``Progress``."""
+
+    def __init__(self, quiet: bool = False) -> None:
+        self.quiet = quiet
+        self.tasks: dict[int, dict[str, Any]] = {}
+        self.t0 = time.monotonic()
+
+    def __enter__(self) -> "_Lines":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def add_task(self, description: str, total: float | None = None, **fields: Any) -> int:
+        self.tasks[len(self.tasks)] = {"description": description, "total": total, "completed": 0}
+        return len(self.tasks) - 1
+
+    def update(self, task: int, *, advance: float | None = None, completed: float | None = None,
+               total: float | None = None, description: str | None = None, status: str = "", **_: Any) -> None:
+        t = self.tasks[task]
+        before = (t["completed"], t["description"])
+        t["total"] = total if total is not None else t["total"]
+        t["completed"] = completed if completed is not None else t["completed"] + (advance or 0)
+        t["description"] = description or t["description"]
+        if self.quiet or (t["completed"], t["description"]) == before:
+            return
+        done = f"  {t['completed']:g}/{t['total']:g}" if t["total"] else ""
+        line = f"[{time.monotonic() - self.t0:6.1f} s] {t['description']}{done}  {status}".rstrip()
+        print(line, file=sys.stderr, flush=True)
+
+
 def _progress_bar(quiet: bool = False, transient: bool = False):
     """The bar on stderr of the long commands: what, done of total, elapsed, and a status field (the last
-    result, the best so far). ``quiet`` (--json): none. ``transient``: gone once the table (or an error)
-    is printed, for commands whose table says it all."""
+    result, the best so far); a line per step where stderr is no terminal. ``quiet`` (--json): none.
+    ``transient``: gone once the table (or an error) is printed, for commands whose table says it all."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Column
 
+    if not Console(stderr=True).is_terminal:
+        return _Lines(quiet)
     return Progress(TextColumn("{task.description}", table_column=Column(no_wrap=True)), BarColumn(bar_width=20),
                     MofNCompleteColumn(), TimeElapsedColumn(),
                     TextColumn("{task.fields[status]}",
@@ -473,9 +516,11 @@ def run(
         results = run_schedules(picked, opts, program_file=str(file) if str(file).endswith(".py") else None,
                                 on_result=lambda i, r: bar.update(task, advance=1, status=_result_status(backend, r)))
     base = results[0].median_s
+    ids = {sched.hash: i for i, sched in enumerate(generate(prog, depth=depth))}
     rows = []
     for r in results:
         row = r.to_json()
+        row["id"] = ids.get(r.hash)  # its number in `coconet schedules`, for --schedule ID
         row["speedup"] = base / r.median_s if base and r.median_s else None
         rows.append(row)
     failed = [r for r in results if r.status != "ok"]
@@ -490,10 +535,11 @@ def run(
 
 
 def _print_run_table(prog: Any, world: int, backend: str, sizes: dict, rows: list) -> None:
-    console = Console(highlight=False)
+    console = _table_console()
     sizes_text = format_sizes(sizes)
     table = Table(title=f"{prog.name}  world={world}  backend={backend}  {sizes_text}", title_justify="left",
                   show_edge=False)
+    table.add_column("id", no_wrap=True, justify="right")  # --schedule ID runs it again
     for col in ("status", "max rel\nerr", "median", "95% CI", "vs baseline"):
         table.add_column(col, no_wrap=True, justify="left" if col == "status" else "right")
     table.add_column("schedule", ratio=1, overflow="fold")
@@ -501,6 +547,7 @@ def _print_run_table(prog: Any, world: int, backend: str, sizes: dict, rows: lis
         ci = row["ci95_s"]
         err = row["max_rel_err"]
         table.add_row(
+            "" if row.get("id") is None else str(row["id"]),
             row["status"] if row["status"] == "ok" else f"[red]{row['status']}[/red]",
             "" if err is None else f"{err:.1e}", _fmt_s(row["median_s"]),
             _fmt_ci(ci), f"{row['speedup']:.2f}x" if row["speedup"] else "", Text(row["schedule"]))
@@ -591,7 +638,7 @@ def _tune_with_progress(request: Any, store: Any, quiet: bool) -> list:
 
 
 def _print_tune_table(prog: Any, doc: dict, tuned: Any) -> None:
-    console = Console(highlight=False)
+    console = _table_console()
     sizes_text = format_sizes(doc["sizes"])
     shardable = ",".join(doc["shardable"]) or "none"
     table = Table(title=f"{prog.name}  world={doc['world']}  {sizes_text}  topology={doc['topology']}  "
@@ -668,7 +715,9 @@ def sweep(
     if as_json:
         _echo_json(run_sweep(cfg, simulate=simulate, store=db, ray_address=ray_address))
         return
-    with Progress(TextColumn("{task.description}"), TimeElapsedColumn(), console=Console(stderr=True)) as bar:
+    terminal = Console(stderr=True).is_terminal
+    with (Progress(TextColumn("{task.description}"), TimeElapsedColumn(), console=Console(stderr=True))
+          if terminal else _Lines()) as bar:
         task = bar.add_task("sweep")
 
         def show(r: Any) -> None:
@@ -759,7 +808,7 @@ def calibrate(
     for r in rows:
         table.add_row(*r)
     console.print(table)
-    Console(stderr=True, highlight=False).print(f"wrote {path}")
+    Console(stderr=True, highlight=False, soft_wrap=True).print(f"wrote {path}", markup=False)
 
 
 def _workload_file(workload: str) -> Path:
@@ -1274,14 +1323,19 @@ def submit(
     poll: float = typer.Option(1.0, "--poll", min=0.05, help="Seconds between progress checks."),
     timeout: Optional[float] = typer.Option(None, "--timeout", min=1.0, help="Stop following after this many "
                                             "seconds (the jobs go on on the server)."),
-    code: bool = typer.Option(True, "--code/--no-code", help="Print the winner's generated code."),
+    code: bool = typer.Option(False, "--code/--no-code", help="Print each winner's generated module after its "
+                              "summary (in --json: its `code`)."),
+    emit: Optional[Path] = typer.Option(None, "--emit", help="Write each winner's generated module into this folder "
+                                        "(NAME_HASH_BACKEND.py, as `coconet run --emit`)."),
     shardable: List[str] = typer.Option([], "--shardable", help=SHARDABLE_HELP),
     as_json: bool = JSON_OPT,
 ) -> None:
     """Submit a program to a coconet server, tune it there (one job per --size), follow the jobs and print each
-    winner with its generated code. With one --size the JSON is one result; with several, a list."""
+    winner: its schedule, time and speed-up (its generated module with --code, or into files with --emit). With
+    one --size the JSON is one result; with several, a list."""
     from coconet.client import ENV_TOKEN, Client, ServiceError
 
+    _writable(emit, "--emit", folder=True)
     prog = load_file(file)
     _require_sizes(prog, size)
     points = [parse_sizes(spec, prog.dims) for spec in size]
@@ -1299,7 +1353,16 @@ def submit(
         except KeyboardInterrupt:
             raise ServiceError(f"stopped following; job{'s' if len(jobs) > 1 else ''} "
                                f"{', '.join(map(str, jobs))} go on on the server") from None
-        docs = [_submitted(client, final[j], code) for j in jobs]
+        docs = [_submitted(client, final[j], code or emit is not None) for j in jobs]
+    if emit is not None:
+        emit.mkdir(parents=True, exist_ok=True)
+        for d in docs:
+            if d["code"] is not None:
+                path = emit / f"{prog.name}_{d['best']['hash']}_{d['best']['backend']}.py"
+                path.write_text(d["code"])
+                Console(stderr=True, highlight=False, soft_wrap=True).print(f"wrote {path}", markup=False)
+            if not code:
+                d["code"] = None
     failed = [d for d in docs if d["state"] != "done" or d["best"] is None]
     if as_json:
         _echo_json(docs[0] if len(docs) == 1 else docs)

@@ -128,7 +128,8 @@ def assert_one_error(proc: subprocess.CompletedProcess, *fragments: str) -> None
 
 def test_submit_json(server: dict[str, Any]) -> None:
     proc = coconet("submit", ADAM, "--server", server["url"], "--world", "2", "--size", "N=2^10",
-                   "--size", "N=2^12", "--budget", "2", "--poll", "0.05", "--json", env={"COCONET_API_TOKEN": TOKEN})
+                   "--size", "N=2^12", "--budget", "2", "--poll", "0.05", "--json", "--code",
+                   env={"COCONET_API_TOKEN": TOKEN})
     assert proc.returncode == 0, proc.stderr
     docs = json.loads(proc.stdout)
     assert [d["sizes"] for d in docs] == [{"N": 1024}, {"N": 4096}]
@@ -144,12 +145,19 @@ def test_submit_json(server: dict[str, Any]) -> None:
     assert proc.stderr == ""  # --json: no progress bar
 
 
-def test_submit_human_output(server: dict[str, Any]) -> None:
-    proc = coconet("submit", ADAM, "--server", server["url"], "--size", "N=2^14", "--token", TOKEN, "--poll", "0.05")
+def test_submit_human_output(server: dict[str, Any], tmp_path: Path) -> None:
+    """A summary per job; the generated module only when asked: printed (--code) or written (--emit)."""
+    proc = coconet("submit", ADAM, "--server", server["url"], "--size", "N=2^14", "--token", TOKEN, "--poll", "0.05",
+                   "--emit", tmp_path / "out")
     assert proc.returncode == 0, proc.stderr
     assert f"winner (measured): gloo: {server['schedules'][3]}" in proc.stdout
     assert "2.00x over the baseline" in proc.stdout
-    assert "def step(" in proc.stdout
+    assert "def step(" not in proc.stdout and len(proc.stdout.splitlines()) < 10
+    [module] = (tmp_path / "out").glob("adam_*_gloo.py")
+    assert "def step(" in module.read_text() and f"wrote {module}" in proc.stderr
+    printed = coconet("submit", ADAM, "--server", server["url"], "--size", "N=2^14", "--token", TOKEN, "--poll",
+                      "0.05", "--code")
+    assert printed.returncode == 0 and module.read_text().rstrip() in printed.stdout
     assert "runner-up, timed again in turns with the winner: gloo: " in proc.stdout
     assert "job" in proc.stderr and "N=16384" in proc.stderr  # the progress bar
     assert "sharded" not in proc.stdout
@@ -250,23 +258,24 @@ def test_follow_timeout_names_the_jobs_still_running() -> None:
 
 
 def test_compile_reads_the_servers_winner_and_tunes_a_miss_there(server: dict[str, Any], capsys) -> None:
-    """coconet.compile(server=URL): a key the server never tuned is a miss naming `coconet submit`; with
-    tune_on_miss the program is sent, POST /best starts the job, it is followed to its end and the step runs
-    the winner it recorded; asked again, the server answers at once."""
+    """coconet.compile(server=URL) (world 3: no other test tunes it on this server): a key the server never
+    tuned, nor near it, is a miss naming `coconet submit`; with tune_on_miss the program is sent, POST /best
+    starts the job, it is followed to its end and the step runs the winner it recorded; asked again, the server
+    answers at once."""
     import coconet
     from coconet.errors import CoconetError
 
     sizes = {"N": 2**13}
-    with pytest.raises(CoconetError, match="coconet submit FILE --world 2 --size N=8192 --server") as err:
-        coconet.compile(ADAM, sizes, server=server["url"], world=2, rank=0, kernels="eager")
+    with pytest.raises(CoconetError, match="coconet submit FILE --world 3 --size N=8192 --server") as err:
+        coconet.compile(ADAM, sizes, server=server["url"], world=3, rank=0, kernels="eager")
     assert err.value.not_tuned
-    step = coconet.compile(ADAM, sizes, server=server["url"], token=TOKEN, world=2, rank=0, kernels="eager",
+    step = coconet.compile(ADAM, sizes, server=server["url"], token=TOKEN, world=3, rank=0, kernels="eager",
                            tune_on_miss=True, budget=3)
     assert f"tuning it on server {server['url']} (3 trials)" in capsys.readouterr().err
     assert step.schedule.text == server["schedules"][3] and step.backend == "gloo"
     assert step.origin.how == "measured" and step.origin.exact and step.origin.where == server["url"]
     assert "measured fastest on topology local (1 ms a step)" in step.describe()
-    again = coconet.compile(ADAM, sizes, server=server["url"], world=2, rank=1, kernels="eager", tune_on_miss=True)
+    again = coconet.compile(ADAM, sizes, server=server["url"], world=3, rank=1, kernels="eager", tune_on_miss=True)
     assert again.schedule.text == step.schedule.text and "tuning" not in capsys.readouterr().err
     with pytest.raises(CoconetError, match="job .* failed: synthetic failure"):
-        coconet.compile(ADAM, {"N": 8}, server=server["url"], token=TOKEN, world=2, rank=0, tune_on_miss=True)
+        coconet.compile(ADAM, {"N": 8}, server=server["url"], token=TOKEN, world=3, rank=0, tune_on_miss=True)
