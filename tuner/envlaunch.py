@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import marshal
 import os
+import re
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
@@ -186,7 +187,14 @@ class _Job:
             except CoconetError as e:  # the same on every rank: lowering is deterministic
                 results.append(RunResult(sched.text, sched.hash, getattr(e, "kind", "compile_error"), error=str(e)))
             else:
-                results.append(self._task(gen, code, reference))
+                try:
+                    results.append(self._task(gen, code, reference))
+                except CoconetError:
+                    raise
+                except Exception as e:  # an exchange failed: a rank is gone, so no result can be gathered
+                    raise CoconetError(f"rank {self.env.rank}: the job lost a rank while running schedule "
+                                       f"{sched.text!r} ({_first_line(e)}); the other ranks' output says which "
+                                       "and why") from e
                 if results[-1].status != "ok":
                     self.groups = self._step_groups()  # a failed step may have left messages in flight
             if self.env.rank == 0 and on_result is not None:
@@ -272,6 +280,13 @@ def _first_failure(errors: Sequence[Any]) -> tuple[int, dict] | None:
     waiting for it."""
     failed = [(_timed_out(e), r, e) for r, e in enumerate(errors) if e is not None]
     return min(failed, key=lambda f: f[:2])[1:] if failed else None
+
+
+def _first_line(e: BaseException) -> str:
+    """An error of torch.distributed's in a line: its first sentence, without the source location it starts with."""
+    text = str(e).splitlines()[0] if str(e) else type(e).__name__
+    text = re.sub(r"^\[[^\]]*\] ", "", text)
+    return text.split(". ")[0]
 
 
 def _timed_out(data: dict) -> bool:

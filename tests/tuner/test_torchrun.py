@@ -170,7 +170,7 @@ from coconet.schedules.custom import custom_op
 
 def _boom(x):
     if os.environ["RANK"] == "1":
-        raise RuntimeError("rank 1 gave up")
+        FAIL
     return x * 2
 
 
@@ -186,7 +186,7 @@ program = p
 def test_a_rank_that_fails_is_reported_and_leaves_no_rank_waiting(tmp_path):
     """Rank 1 raises before the allreduce rank 0 waits in: rank 0's collective gives up at the timeout, and the
     result names rank 1's error; both ranks exit, well before the launch's limit."""
-    (tmp_path / "boom.py").write_text(BOOM)
+    (tmp_path / "boom.py").write_text(BOOM.replace("FAIL", 'raise RuntimeError("rank 1 gave up")'))
     t0 = time.monotonic()
     zero, one = _two_nodes(_coconet("run", str(tmp_path / "boom.py"), "--size", "N=64", "--kernels", "eager",
                                     "--timeout", "5", "--json"), _env(tmp_path))
@@ -195,6 +195,19 @@ def test_a_rank_that_fails_is_reported_and_leaves_no_rank_waiting(tmp_path):
     [result] = json.loads(zero.stdout)["results"]
     assert result["status"] == "runtime_error"
     assert re.match(r"rank 1 in statement \w+ \(boom\): RuntimeError: rank 1 gave up", result["error"]), result
+
+
+def test_a_rank_that_dies_stops_the_others_with_one_error_line(tmp_path):
+    """Rank 1's process exits in the middle of a step: rank 0 does not wait for it, and says what it lost."""
+    (tmp_path / "boom.py").write_text(BOOM.replace("FAIL", "os._exit(3)"))
+    t0 = time.monotonic()
+    zero, one = _two_nodes(_coconet("run", str(tmp_path / "boom.py"), "--size", "N=64", "--kernels", "eager",
+                                    "--timeout", "5"), _env(tmp_path))
+    assert time.monotonic() - t0 < 120
+    assert zero.returncode != 0 and one.returncode != 0 and zero.stdout == ""
+    [line] = _error_lines(zero)
+    assert line.startswith("error: rank 0: the job lost a rank while running schedule 'baseline' ("), line
+    assert "exitcode: 3" in one.stderr  # torchrun's report of the rank that died
 
 
 # -- docs/cluster.md's recipes
