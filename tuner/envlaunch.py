@@ -179,6 +179,8 @@ class _Job:
         opts = self.opts
         reference = (Reference(self.program, opts.world, opts.sizes, seed=opts.seed, stages=opts.stages)
                      if opts.check and self.env.rank == 0 else {})
+        # the others wait here, not in a step's collective whose timeout the reference may outlast
+        dist.barrier(group=self.exchange)
         results: list[RunResult] = []
         for i, sched in enumerate(schedules):
             try:
@@ -223,9 +225,9 @@ class _Job:
                 del tensors
         except Exception as e:
             error = error_report(e, gen.path)
-        verdict = self._judge(gen, error, report, reference)
+        verdict, raised = self._judge(gen, error, report, reference)
         samples: list[float] = []
-        if verdict.status == "ok" and opts.time:
+        if not raised and opts.time:  # a wrong result is timed too, as the local launcher's ranks time it
             error = None
             try:
                 tensors, scalars = inputs(gen.schedule.scheduled, opts, stage, grank, self.device)
@@ -245,24 +247,23 @@ class _Job:
             shm.close()
         return verdict
 
-    def _judge(self, gen, error, report, reference) -> RunResult:
-        """Every rank's error or values gathered to rank 0, checked there; its verdict handed to every rank."""
+    def _judge(self, gen, error, report, reference) -> tuple[RunResult, bool]:
+        """Every rank's error or values gathered to rank 0, checked there; its verdict handed to every rank, with
+        whether a rank raised."""
         import torch.distributed as dist
 
         rank = self.env.rank
         gathered: list[Any] | None = [None] * self.env.world_size if rank == 0 else None
         dist.gather_object((error, report), gathered, dst=0, group=self.exchange)
-        verdict = [None]
+        verdict: list[Any] = [None]
         if rank == 0:
             assert gathered is not None
-            verdict[0] = self._check(gen, gathered, reference)
+            failed = _first_failure([e for e, _ in gathered])
+            verdict[0] = (_failure(gen, *failed), True) if failed else (self._check(gen, gathered, reference), False)
         dist.broadcast_object_list(verdict, src=0, group=self.exchange)
         return verdict[0]
 
     def _check(self, gen, gathered: list, reference) -> RunResult:
-        failed = _first_failure([e for e, _ in gathered])
-        if failed is not None:
-            return _failure(gen, *failed)
         res = RunResult(gen.schedule.text, gen.schedule.hash, "ok")
         if self.opts.check:
             check = Check(gen.schedule.scheduled, self.opts, reference, again=True)

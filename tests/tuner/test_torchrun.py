@@ -197,6 +197,18 @@ def test_a_rank_that_fails_is_reported_and_leaves_no_rank_waiting(tmp_path):
     assert re.match(r"rank 1 in statement \w+ \(boom\): RuntimeError: rank 1 gave up", result["error"]), result
 
 
+def test_a_rank_computing_otherwise_is_a_wrong_result_still_timed(tmp_path):
+    """Rank 1's op computes 3x where the reference says 2x: rank 0 finds the allreduced state wrong."""
+    (tmp_path / "boom.py").write_text(BOOM.replace("FAIL", "return x * 3"))
+    zero, one = _two_nodes(_coconet("run", str(tmp_path / "boom.py"), "--size", "N=64", "--kernels", "eager",
+                                    "--repeats", "2", "--json"), _env(tmp_path))
+    assert zero.returncode == 1 and one.returncode == 1, zero.stderr[-3000:]
+    [result] = json.loads(zero.stdout)["results"]
+    assert result["status"] == "wrong_result" and result["correct"] is False and result["samples"] == 2
+    assert re.match(r"stage0\.state\.w on rank 0 \(relative error \S+ > \S+\) differs from the reference",
+                    result["error"]), result
+
+
 def test_a_rank_that_dies_stops_the_others_with_one_error_line(tmp_path):
     """Rank 1's process exits in the middle of a step: rank 0 does not wait for it, and says what it lost."""
     (tmp_path / "boom.py").write_text(BOOM.replace("FAIL", "os._exit(3)"))
