@@ -27,6 +27,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from coconet.codegen.lower import lower
 from coconet.errors import BackendError, CoconetError
+from coconet.schedules.dims import format_sizes
 from coconet.schedules.equivalence import Reference
 from coconet.schedules.schedule import Schedule
 from coconet.tuner.launch import Check, Options, RunResult, describe_error
@@ -127,6 +128,7 @@ def run_in_job(schedules: Sequence[Schedule], opts: Options, env: JobEnv,
     job = _Job(opts, env, program)
     try:
         job.join()
+        job.agree(schedules)
         return job.run(schedules, on_result)
     finally:
         if dist.is_initialized():
@@ -165,6 +167,24 @@ class _Job:
                                    f"run on {len(set(hosts))} hosts ({', '.join(sorted(set(hosts)))}): use gloo or "
                                    "nccl across nodes")
         self.groups = self._step_groups()
+
+    def agree(self, schedules: Sequence[Schedule]) -> None:
+        """Every rank must run the same thing: a program file edited on one node, other sizes or schedules on
+        another, would have the ranks wait in collectives that never match."""
+        import torch.distributed as dist
+
+        opts = self.opts
+        mine = {"program": f"{self.program.name} (hash {self.program.hash})", "sizes": format_sizes(opts.sizes),
+                "backend": opts.backend, "kernels": opts.kernels, "seed": opts.seed,
+                "schedules": ", ".join(s.text for s in schedules)}
+        every: list[Any] = [None] * self.env.world_size
+        dist.all_gather_object(every, mine, group=self.exchange)
+        for rank, theirs in enumerate(every):
+            differ = [k for k in mine if theirs[k] != every[0][k]]
+            if differ:
+                k = differ[0]
+                raise CoconetError(f"rank {rank} runs {k} {theirs[k]} where rank 0 runs {every[0][k]}: start every "
+                                   "rank with the same command and program file")
 
     def _step_groups(self) -> list:
         import torch.distributed as dist

@@ -161,6 +161,20 @@ def test_a_world_that_disagrees_and_shm_across_nodes_are_one_error_line_per_rank
             assert "Traceback" not in ours and "exitcode: 2" in node.stderr
 
 
+def test_ranks_started_with_other_sizes_are_one_error_line_each(tmp_path):
+    """Node 1 asks for other sizes than node 0: every rank says so, instead of waiting in collectives that
+    never match."""
+    port = _free_port()
+    zero, one = _together([[str(BIN / "torchrun"), "--nnodes=2", f"--node-rank={i}", "--nproc-per-node=1",
+                            "--master-addr=127.0.0.1", f"--master-port={port}",
+                            *_coconet("run", "examples/sgd.py", "--size", f"N={n}", "--kernels", "eager")]
+                           for i, n in enumerate((1024, 2048))], _env(tmp_path))
+    for node in (zero, one):
+        assert node.returncode != 0 and node.stdout == ""
+        assert _error_lines(node) == ["error: rank 1 runs sizes N=2048 where rank 0 runs N=1024: start every rank "
+                                      "with the same command and program file"], node.stderr[-3000:]
+
+
 BOOM = '''
 import os
 
