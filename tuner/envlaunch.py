@@ -126,12 +126,13 @@ def run_in_job(schedules: Sequence[Schedule], opts: Options, env: JobEnv,
     program.require_world(opts.world)
     require_one_node(opts.backend, env)
     job = _Job(opts, env, program)
+    joined = dist.is_initialized()  # a script's own group (coconet.run in a training job) is used, and kept
     try:
         job.join()
         job.agree(schedules)
         return job.run(schedules, on_result)
     finally:
-        if dist.is_initialized():
+        if dist.is_initialized() and not joined:
             dist.destroy_process_group()
 
 
@@ -155,8 +156,13 @@ class _Job:
             self.device = torch.device("cuda", torch.cuda.current_device())
         else:
             self.device = torch.device("cpu")
-        dist.init_process_group("gloo" if self.opts.backend == "shm" else self.opts.backend, init_method="env://",
-                                timeout=self.step_timeout)
+        if not dist.is_initialized():
+            dist.init_process_group("gloo" if self.opts.backend == "shm" else self.opts.backend,
+                                    init_method="env://", timeout=self.step_timeout)
+        elif (dist.get_rank(), dist.get_world_size()) != (self.env.rank, self.env.world_size):
+            raise CoconetError(f"the process group already formed here has rank {dist.get_rank()} of "
+                               f"{dist.get_world_size()}, and the launcher says RANK={self.env.rank} of "
+                               f"WORLD_SIZE={self.env.world_size}")
         # values and verdicts travel here, apart from the steps' group, which a failed step may leave unusable
         self.exchange = dist.new_group(backend="gloo", timeout=self.exchange_timeout)
         if self.opts.backend == "shm" and self.env.local_world_size is None:

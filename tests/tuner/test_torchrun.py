@@ -130,7 +130,8 @@ def test_coconet_run_spans_two_nodes_checked_and_reported_once(run_on_two_nodes)
 
 def test_a_training_script_uses_coconet_under_torchrun(run_on_two_nodes, tmp_path):
     """A user's script: init_process_group("gloo") from the environment, then coconet.optim beside torch.optim,
-    coconet.compile steps and the module `coconet run --emit` wrote, each against what torch computes."""
+    coconet.compile steps and the module `coconet run --emit` wrote, each against what torch computes, and
+    coconet.run in the script's group."""
     _, emit, env = run_on_two_nodes
     [module] = [p for p in emit.iterdir() if "_gloo" in p.name and "9ac3ae40f4cc6d29" in p.name]  # the baseline
     zero, one = _two_nodes([str(ROOT / "tests" / "tuner" / "torchrun_job.py"), str(module)], env)
@@ -140,6 +141,7 @@ def test_a_training_script_uses_coconet_under_torchrun(run_on_two_nodes, tmp_pat
     assert found["world"] == 2
     assert found["optim_gap"] < 2e-6
     assert found["compile_err"] < 1e-6 and found["emitted_err"] < 1e-6
+    assert found["run"] == {"world": 2, "results": [["baseline", "ok", True, 2], [SLICED, "ok", True, 2]]}
 
 
 def _error_lines(node: subprocess.CompletedProcess) -> list[str]:

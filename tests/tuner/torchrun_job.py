@@ -5,7 +5,8 @@ environment, then coconet's pieces as a training job uses them. Rank 0 prints on
   twin trained with DDP and ``torch.optim.AdamW`` on the same batches;
 - ``compile_err``: the relative error of ``coconet.compile`` steps of SGD (the program as written, and a ZeRO-style
   schedule keeping ``buf`` sliced) against the update computed by hand from every rank's gradient;
-- ``emitted_err``: the same for the module ``coconet run --emit`` wrote (argv[1], when given).
+- ``emitted_err``: the same for the module ``coconet run --emit`` wrote (argv[1], when given);
+- ``run``: what ``coconet.run`` answered every rank, called in the script's own group.
 
     torchrun ... tests/tuner/torchrun_job.py [EMITTED_MODULE.py]
 """
@@ -92,7 +93,10 @@ def main() -> None:
     found = {"world": dist.get_world_size(), "optim_gap": optim_gap(), "compile_err": compile_err()}
     if len(sys.argv) > 1:
         found["emitted_err"] = emitted_err(sys.argv[1])
-    dist.barrier()
+    answer = coconet.run("examples/sgd.py", "N=2^8", schedules=[SLICED], kernels="eager", repeats=2)
+    found["run"] = {"world": answer["world"], "results": [(r["schedule"], r["status"], r["correct"], r["samples"])
+                                                          for r in answer["results"]]}
+    dist.barrier()  # the script's group is still there
     if dist.get_rank() == 0:
         print(json.dumps(found), flush=True)
     dist.destroy_process_group()
