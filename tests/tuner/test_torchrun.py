@@ -199,18 +199,26 @@ program = p
 '''
 
 
+ONCE = """marker = os.environ["BOOM_ONCE"]
+        if not os.path.exists(marker):  # the first call only
+            open(marker, "w").close()
+            raise RuntimeError("rank 1 gave up")"""
+
+
 def test_a_rank_that_fails_is_reported_and_leaves_no_rank_waiting(tmp_path):
-    """Rank 1 raises before the allreduce rank 0 waits in: rank 0's collective gives up at the timeout, and the
-    result names rank 1's error; both ranks exit, well before the launch's limit."""
-    (tmp_path / "boom.py").write_text(BOOM.replace("FAIL", 'raise RuntimeError("rank 1 gave up")'))
+    """Rank 1 raises before the allreduce rank 0 waits in (the first schedule only): rank 0's collective gives
+    up at the timeout, the result names rank 1's error, and the next schedule runs on a fresh group."""
+    (tmp_path / "boom.py").write_text(BOOM.replace("FAIL", ONCE))
     t0 = time.monotonic()
-    zero, one = _two_nodes(_coconet("run", str(tmp_path / "boom.py"), "--size", "N=64", "--kernels", "eager",
-                                    "--timeout", "5", "--json"), _env(tmp_path))
+    zero, one = _two_nodes(_coconet("run", str(tmp_path / "boom.py"), "--size", "N=64", "--schedule", "split(ar0)",
+                                    "--kernels", "eager", "--timeout", "5", "--repeats", "2", "--json"),
+                           _env(tmp_path, BOOM_ONCE=str(tmp_path / "once")))
     assert time.monotonic() - t0 < 120
     assert zero.returncode == 1 and one.returncode == 1, zero.stderr[-3000:]
-    [result] = json.loads(zero.stdout)["results"]
-    assert result["status"] == "runtime_error"
-    assert re.match(r"rank 1 in statement \w+ \(boom\): RuntimeError: rank 1 gave up", result["error"]), result
+    failed, split = json.loads(zero.stdout)["results"]
+    assert failed["status"] == "runtime_error"
+    assert re.match(r"rank 1 in statement \w+ \(boom\): RuntimeError: rank 1 gave up", failed["error"]), failed
+    assert (split["schedule"], split["status"], split["correct"], split["samples"]) == ("split(ar0)", "ok", True, 2)
 
 
 def test_a_rank_computing_otherwise_is_a_wrong_result_still_timed(tmp_path):
