@@ -428,9 +428,9 @@ def run(
                                          "Chrome trace here (chrome://tracing, Perfetto); `coconet.tuner.trace` "
                                          "reads off how much communication ran under compute."),
     launcher: str = typer.Option("auto", "--launcher", help="local: start the ranks on this machine; env: this "
-                                 "process is one rank of a job that torchrun (or srun) started, joined through "
-                                 "env:// (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), rank 0 printing the "
-                                 "results; auto: env when those variables are set, else local."),
+                                 "process is one rank of a job that torchrun started (or any launcher that sets "
+                                 "RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), joined through env://, rank 0 "
+                                 "printing the results; auto: env when those variables are set, else local."),
     as_json: bool = JSON_OPT,
 ) -> None:
     """Run schedules on R ranks of this machine, or as one rank of a torchrun job: check every output against

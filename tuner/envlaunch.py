@@ -1,5 +1,5 @@
-"""Running schedules in a job whose launcher started the ranks: torchrun, Slurm's srun, any launcher that sets
-torch.distributed's ``env://`` variables (``coconet run`` under torchrun).
+"""Running schedules in a job whose launcher started the ranks: torchrun (also as Slurm's srun starts it), or
+any launcher that sets torch.distributed's ``env://`` variables (``coconet run`` under torchrun).
 
 Each process is one rank. It joins the group from the environment (RANK, WORLD_SIZE, MASTER_ADDR,
 MASTER_PORT), lowers the schedules itself (every rank loaded the same program file), and runs each as a rank
