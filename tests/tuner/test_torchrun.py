@@ -41,11 +41,13 @@ def _env(tmp_path: Path, **extra: str) -> dict:
     return env
 
 
-def _together(commands: list[list[str]], env: dict) -> list[subprocess.CompletedProcess]:
-    """The commands started at once (one per "node"), each in a session of its own, waited for together; any
-    still running after LIMIT_S is killed with its whole session, and the test fails."""
-    procs = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              start_new_session=True) for cmd in commands]
+def _together(commands: list[list[str]], env: dict | list[dict]) -> list[subprocess.CompletedProcess]:
+    """The commands started at once (one per "node"), each in a session of its own (and its own environment when
+    ``env`` is a list), waited for together; any still running after LIMIT_S is killed with its whole session,
+    and the test fails."""
+    envs = env if isinstance(env, list) else [env] * len(commands)
+    procs = [subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True) for cmd, e in zip(commands, envs)]
     deadline = time.monotonic() + LIMIT_S
     done = []
     try:
@@ -175,6 +177,21 @@ def test_ranks_started_with_other_sizes_are_one_error_line_each(tmp_path):
         assert node.returncode != 0 and node.stdout == ""
         assert _error_lines(node) == ["error: rank 1 runs sizes N=2048 where rank 0 runs N=1024: start every rank "
                                       "with the same command and program file"], node.stderr[-3000:]
+
+
+def test_any_launcher_setting_the_variables_will_do_and_shm_runs_on_one_host(tmp_path):
+    """Two processes started by hand with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT only (no LOCAL_WORLD_SIZE:
+    the ranks compare hostnames instead) run shm's fused collective, rank 0 reporting."""
+    port = _free_port()
+    env = _env(tmp_path, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2")
+    zero, one = _together([[sys.executable, "-m", "coconet", "run", "examples/sgd.py", "--size", "N=2^10",
+                            "--backend", "shm", "--launcher", "env", "--schedule", "split(ar0); reorder(ag0); "
+                            "fuse_collective(rs0)", "--kernels", "eager", "--repeats", "2", "--json"]] * 2,
+                          [{**env, "RANK": str(r)} for r in range(2)])
+    assert zero.returncode == 0 and one.returncode == 0, zero.stderr[-3000:] + one.stderr[-3000:]
+    assert one.stdout == ""
+    doc = json.loads(zero.stdout)
+    assert doc["backend"] == "shm" and [(r["status"], r["correct"]) for r in doc["results"]] == [("ok", True)] * 2
 
 
 BOOM = '''
