@@ -32,6 +32,7 @@ from coconet.schedules.dims import parse_sizes
 from coconet.schedules.schedule import Schedule
 from coconet.schedules.space import generate
 from coconet.server.records import STORED_SOURCE, answer_source, prediction_of
+from coconet.tuner.envlaunch import choose, require_one_node, run_in_job, world_of
 from coconet.tuner.launch import Options, run_schedules
 from coconet.tuner.runner import Protocol
 from coconet.tuner.sweep import SweepConfig
@@ -47,13 +48,16 @@ def schedules(program: Any, *, depth: int = 6) -> list[dict[str, Any]]:
     return space.to_json()["schedules"]
 
 
-def run(program: Any, sizes: Any, *, world: int = 2, schedules: Sequence[str] = ("baseline",),
+def run(program: Any, sizes: Any, *, world: int | None = None, schedules: Sequence[str] = ("baseline",),
         backend: str = "gloo", kernels: str = "compiled", stages: int | None = None, repeats: int = 20,
         warmup: int = 3, seed: int = 0, timeout_s: float = 120.0, check: bool = True, depth: int = 6,
-        store: Any = None) -> dict[str, Any]:
-    """Check and time schedules on ``world`` ranks of this machine, as ``coconet run --json``: the baseline
-    first, then each of ``schedules`` (a schedule's text, its id in ``schedules(program)``, ``"all"``,
-    ``"baseline"``, or ``"best"``: the store's winner for these sizes, said in ``best``)."""
+        store: Any = None, launcher: str = "auto") -> dict[str, Any]:
+    """Check and time schedules on ``world`` ranks of this machine (default 2), as ``coconet run --json``: the
+    baseline first, then each of ``schedules`` (a schedule's text, its id in ``schedules(program)``, ``"all"``,
+    ``"baseline"``, or ``"best"``: the store's winner for these sizes, said in ``best``). Under torchrun
+    (``launcher``: as ``coconet run --launcher`` says), every rank calls it and is one rank of the run, in the
+    process group it already formed or one joined from the environment; every rank gets the answer."""
+    job = choose(launcher)
     if backend not in BACKENDS:
         raise CoconetError(f"unknown backend {backend!r} (use {', '.join(BACKENDS)})")
     if kernels not in KERNELS:
@@ -62,6 +66,10 @@ def run(program: Any, sizes: Any, *, world: int = 2, schedules: Sequence[str] = 
         schedules = [schedules]
     prog, source = load(program), program
     sizes = _sizes(sizes, prog)
+    if job is not None:
+        world = world_of(world, job, (stages or 2) if prog.is_pipeline else 1)
+        require_one_node(backend, job)
+    world = world or 2
     chosen: dict[str, Any] = {}
     stored: dict[str, Any] | None = None
     space = None
@@ -82,7 +90,8 @@ def run(program: Any, sizes: Any, *, world: int = 2, schedules: Sequence[str] = 
     opts = Options(world=world, sizes=sizes, backend=backend, kernels=kernels, stages=stages or 2, seed=seed,
                    warmup=warmup, repeats=repeats, check=check, timeout_s=timeout_s)
     file = str(source) if isinstance(source, (str, os.PathLike)) and str(source).endswith(".py") else None
-    results = run_schedules(list(chosen.values()), opts, program_file=file)
+    results = (run_in_job(list(chosen.values()), opts, job) if job is not None
+               else run_schedules(list(chosen.values()), opts, program_file=file))
     base = results[0].median_s
     rows = [dict(r.to_json(), speedup=base / r.median_s if base and r.median_s else None) for r in results]
     out = {"program": prog.name, "program_hash": prog.hash, "world": world, "backend": backend,

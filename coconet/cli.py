@@ -450,7 +450,8 @@ def _result_status(backend: str, result: Any) -> str:
 @_guard
 def run(
     file: Path = typer.Argument(..., callback=_program_path, help=PROGRAM_HELP),
-    world: int = typer.Option(2, "--world", min=1, max=64, help="Ranks per pipeline stage."),
+    world: Optional[int] = typer.Option(None, "--world", min=1, max=64, help="Ranks per pipeline stage (default 2; "
+                                        "under torchrun, WORLD_SIZE / stages, which it must match if given)."),
     size: Optional[List[str]] = SIZE_OPT,
     schedule: List[str] = typer.Option(["baseline"], "--schedule", help="A schedule's text, its id in "
                                        "`coconet schedules`, `baseline` or `all` (repeatable). The baseline "
@@ -476,10 +477,17 @@ def run(
     trace: Optional[Path] = typer.Option(None, "--trace", help="Profile one more step per rank and write its "
                                          "Chrome trace here (chrome://tracing, Perfetto); `coconet.tuner.trace` "
                                          "reads off how much communication ran under compute."),
+    launcher: str = typer.Option("auto", "--launcher", help="local: start the ranks on this machine; env: this "
+                                 "process is one rank of a job that torchrun started (or any launcher that sets "
+                                 "RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), joined through env://, rank 0 "
+                                 "printing the results; auto: env when those variables are set, else local."),
     as_json: bool = JSON_OPT,
 ) -> None:
-    """Run schedules on R ranks of this machine: check every output against the reference interpreter and
-    time the step (median and 95% CI of the slowest rank per step)."""
+    """Run schedules on R ranks of this machine, or as one rank of a torchrun job: check every output against
+    the reference interpreter and time the step (median and 95% CI of the slowest rank per step)."""
+    from coconet.tuner.envlaunch import choose
+
+    job = choose(launcher)
     if backend not in BACKENDS:
         raise CoconetError(f"unknown backend {backend!r} (use {', '.join(BACKENDS)})")
     if kernels not in KERNELS:
@@ -489,6 +497,13 @@ def run(
     prog = load_file(file)
     _require_sizes(prog, size)
     sizes = parse_sizes(size, prog.dims)
+    if job is not None:
+        from coconet.tuner.envlaunch import require_one_node, world_of
+
+        world = world_of(world, job, (stages or 2) if prog.is_pipeline else 1)
+        require_one_node(backend, job)
+    world = world or 2
+    quiet = job is not None and job.rank != 0  # one rank speaks for the job
     from coconet.server.records import answer_source
 
     stored: list = []  # the store's answer behind --schedule best, said beside the results
@@ -501,7 +516,7 @@ def run(
         return sched
 
     picked = _pick_schedules(prog, schedule, depth, best=tuned)
-    if emit is not None:
+    if emit is not None and not quiet:
         emit.mkdir(parents=True, exist_ok=True)
         for sched in picked:
             gen = lower(sched, backend, kernels)
@@ -511,10 +526,19 @@ def run(
     opts = Options(world=world, sizes=sizes, backend=backend, kernels=kernels, stages=stages or 2, seed=seed,
                    warmup=warmup, repeats=repeats, check=not no_check, timeout_s=timeout,
                    trace=str(trace.resolve()) if trace is not None else None)
-    with _progress_bar(quiet=as_json, transient=True) as bar:
+    with _progress_bar(quiet=as_json or quiet, transient=True) as bar:
         task = bar.add_task(f"{prog.name} on {world} ranks ({backend})", total=len(picked), status="")
-        results = run_schedules(picked, opts, program_file=str(file) if str(file).endswith(".py") else None,
-                                on_result=lambda i, r: bar.update(task, advance=1, status=_result_status(backend, r)))
+        progress = lambda i, r: bar.update(task, advance=1, status=_result_status(backend, r))  # noqa: E731
+        if job is not None:
+            from coconet.tuner.envlaunch import run_in_job
+
+            results = run_in_job(picked, opts, job, on_result=progress)
+        else:
+            results = run_schedules(picked, opts, program_file=str(file) if str(file).endswith(".py") else None,
+                                    on_result=progress)
+    failed = [r for r in results if r.status != "ok"]
+    if quiet:
+        raise typer.Exit(1 if failed else 0)
     base = results[0].median_s
     ids = {sched.hash: i for i, sched in enumerate(generate(prog, depth=depth))}
     rows = []
@@ -523,7 +547,6 @@ def run(
         row["id"] = ids.get(r.hash)  # its number in `coconet schedules`, for --schedule ID
         row["speedup"] = base / r.median_s if base and r.median_s else None
         rows.append(row)
-    failed = [r for r in results if r.status != "ok"]
     if as_json:
         _echo_json({"program": prog.name, "program_hash": prog.hash, "world": world, "backend": backend,
                     "stages": opts.stages if prog.is_pipeline else 1, "sizes": sizes, "results": rows,
