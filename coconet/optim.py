@@ -50,6 +50,8 @@ COUNTERS = ("t", "step")  # a scalar of either name is the step counter the opti
 ALIASES = {"weight_decay": ("wd",), "lr": ("eta",)}  # torch's name -> a program's other spellings
 # torch.optim's switches between its own implementations of one update: nothing to do with a program's
 IMPLEMENTATION = frozenset({"foreach", "fused", "capturable", "differentiable"})
+# compile's arguments that only the lookup of a tuned schedule reads
+LOOKUP_ONLY = ("store", "server", "token", "topology", "tune_on_miss", "budget")
 WEIGHT_NAMES = ("w", "param", "params", "p", "weight", "weights", "theta", "x")
 
 
@@ -57,15 +59,17 @@ def from_program(program: Any, params: Iterable[Any], *, group: Any = None, sche
                  store: Any = None, server: str | None = None, token: str | None = None, backend: str | None = None,
                  kernels: str = "compiled", topology: str = "local", weights: str = "w", grad: str = "g",
                  host_scalars: Callable[[dict, int, int], Mapping[str, float]] | None = None,
-                 **hyper: Any) -> "Optimizer":
+                 tune_on_miss: bool = False, budget: int = 32, **hyper: Any) -> "Optimizer":
     """A ``torch.optim.Optimizer`` stepping ``params`` with ``program`` (a file's path, the name of one of
     ``examples/optim`` such as ``"adamw"``, a ``coconet.Program`` or its IR) over the process group ``group``.
     ``hyper``: the program's scalars (``lr=1e-3``), beside the file's ``defaults``. See ``compile``
-    for ``schedule``, ``store``, ``server``, ``backend`` and ``kernels``."""
+    for ``schedule``, ``store``, ``server``, ``backend``, ``kernels``, ``tune_on_miss`` and ``budget``; without
+    ``tune_on_miss`` a size never tuned runs the program as written, with a warning."""
     prog, file_defaults, file_host = _program_file(program)
     return Optimizer(params, prog, dict(file_defaults, **_torch_names(prog, hyper)), group=group,
                      schedule=schedule, store=store, server=server, token=token, backend=backend, kernels=kernels,
-                     topology=topology, weights=weights, grad=grad, host_scalars=host_scalars or file_host)
+                     topology=topology, weights=weights, grad=grad, host_scalars=host_scalars or file_host,
+                     tune_on_miss=tune_on_miss, budget=budget)
 
 
 def _program_file(program: Any) -> tuple[Program, dict, Callable | None]:
@@ -189,12 +193,13 @@ class Optimizer(torch.optim.Optimizer):
                  schedule: Any = BEST, store: Any = None, server: str | None = None, token: str | None = None,
                  backend: str | None = None, kernels: str = "compiled", topology: str = "local",
                  weights: str = "w", grad: str = "g",
-                 host_scalars: Callable[[dict, int, int], Mapping[str, float]] | None = None) -> None:
+                 host_scalars: Callable[[dict, int, int], Mapping[str, float]] | None = None,
+                 tune_on_miss: bool = False, budget: int = 32) -> None:
         self.program, self.group, self.host_scalars = program, group, host_scalars
         self._layout = _roles(program, weights, grad)
         self._hyper = self._hyper_names(host_scalars, defaults)
         self._lookup = dict(schedule=schedule, store=store, server=server, token=token, backend=backend,
-                            kernels=kernels, topology=topology)
+                            kernels=kernels, topology=topology, tune_on_miss=tune_on_miss, budget=budget)
         self._buckets: list[list[_Bucket]] = []
         self._counts: list[int] = []
         super().__init__(params, dict(defaults))  # its add_param_group builds each group's buffers
@@ -248,10 +253,12 @@ class Optimizer(torch.optim.Optimizer):
                 if not getattr(e, "not_tuned", False):
                     raise
                 warnings.warn(f"coconet.optim: {e}; running {self.program.name} as written (baseline)", stacklevel=4)
-                kw.pop("store"), kw.pop("server"), kw.pop("token"), kw.pop("topology")
+                for name in LOOKUP_ONLY:
+                    kw.pop(name)
                 step = compile(self.program, {dim: n}, schedule="baseline", group=self.group, **kw)
         else:
-            kw.pop("store"), kw.pop("server"), kw.pop("token"), kw.pop("topology")
+            for name in LOOKUP_ONLY:
+                kw.pop(name)
             step = compile(self.program, {dim: n}, schedule=schedule, group=self.group, **kw)
         if step.inputs[self._layout[0]].sliced:
             raise CoconetError(f"schedule {step.schedule.text!r} keeps the weights {self._layout[0]} sliced; the "
