@@ -1253,8 +1253,9 @@ def results(
         Console(highlight=False).print(f"nothing tuned or predicted for {prog.name} in this store", markup=False)
         return
     table = Table(title=f"{prog.name}: {len(docs)} keys", title_justify="left", show_edge=False)
-    for col in ("sizes", "topology", "world", "backend", "source", "median", "speed-up", "machines"):
+    for col in ("sizes", "topology", "world", "backend", "source", "median", "speed-up"):
         table.add_column(col, no_wrap=True, justify="right" if col in ("world", "median", "speed-up") else "left")
+    table.add_column("machines", no_wrap=True, min_width=12)  # the fingerprint's hash: `best` says it in words
     table.add_column("schedule", ratio=1, overflow="fold")
     for d in docs:
         table.add_row(format_sizes(d["sizes"]), d["topology"], str(d["world"]), d["backend"], d["source"],

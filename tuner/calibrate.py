@@ -72,11 +72,12 @@ class Settings:
     timeout_s: float = 600.0
 
 
-# What a first use of `local` runs before its first tuning: half the samples, collectives to 4 MiB and memory
-# streams of 64 MiB (beyond any cache) instead of 16 and 256 MiB; benchmarks/first_calibration.py compares it
-# with the full run
-FIRST_USE = Settings(repeats=5, max_log2=22, memory_bytes=2**26)
-FIRST_USE_S = 30.0  # about what it takes on a 2-core machine
+# What a first use of `local` runs: the whole calibration. On a 2-core machine it takes about a minute, of which
+# the collectives' α-β are a few seconds; what a shorter run leaves out (the largest collectives, samples,
+# 256 MiB memory streams) moved gloo's β and the memory bandwidth beyond the full run's own spread
+# (benchmarks/first_calibration.py), and the rest (compiling a kernel, the page-fault sweep) the model needs too
+FIRST_USE = Settings()
+FIRST_USE_S = 60.0  # about what it takes on a 2-core machine
 
 
 @dataclass(frozen=True)
@@ -126,11 +127,10 @@ def calibrate(settings: Settings = Settings()) -> Calibration:
 
 def local_topology(settings: Settings = FIRST_USE, *, say: Callable[[str], None] | None = None) -> Topology:
     """The ``local`` topology of this machine: as calibrated before when its fingerprint is this machine's,
-    else calibrated now (``settings``: a short run) and written to ``default_output``, saying so through
-    ``say`` (stderr by default). A topology calibrated on other hardware (a moved data dir, a changed machine)
-    is measured again rather than refused: ``local`` means this machine, and a calibration is the only fix.
-    One process calibrates at a time (a lock beside the file); the others then read what it wrote."""
-
+    else calibrated now and written to ``default_output``, saying so through ``say`` (stderr by default).
+    A topology calibrated on other hardware (a moved data dir, a changed machine) is measured again rather than
+    refused: ``local`` means this machine, and a calibration is the only fix. One process calibrates at a time
+    (a lock beside the file); the others then read what it wrote."""
     here = detect_local()
     path = default_output()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -143,8 +143,8 @@ def local_topology(settings: Settings = FIRST_USE, *, say: Callable[[str], None]
             why = (f"the `local` topology in {path} was calibrated on "
                    f"{topo.fingerprint.get('hardware') or 'a machine of no recorded fingerprint'}, "
                    f"and this machine is {here.text()}")
-        (say or _stderr)(f"{why}: calibrating it now, a short run of about {FIRST_USE_S:g} s "
-                         f"(`coconet calibrate` measures it more thoroughly)")
+        (say or _stderr)(f"{why}: calibrating it now (about {FIRST_USE_S:g} s on 2 cores, once; `coconet "
+                         f"calibrate` does it again at will)")
         topo = calibrate(settings).topology
         save_topology(topo, path, header=HEADER)
         return topo
