@@ -39,6 +39,8 @@ def write_local_topology(path: Path) -> Path:
     node = here.nodes[0]
     doc["fingerprint"].update(hardware=here.text(), hardware_hash=here.digest, cpu=node.cpu, cpus=node.cpus,
                               memory_gib=node.memory_gib, machine=node.machine)
+    if node.gpus:
+        doc["fingerprint"].update(gpu=node.gpus[0], gpus=len(node.gpus))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
     return path

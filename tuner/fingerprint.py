@@ -227,10 +227,12 @@ def claimed(topology: Any) -> str:
     return f"topology {topology.name}: " + ", ".join(parts)
 
 
-def mismatches(topology: Any, found: Fingerprint) -> list[str]:
-    """Where ``topology``'s claims and the machines ``found`` differ (empty: they agree)."""
+def mismatches(topology: Any, found: Fingerprint, *, per_node: bool = False) -> list[str]:
+    """Where ``topology``'s claims and the machines ``found`` differ (empty: they agree). ``per_node``: the
+    topology describes one machine, which every node found must be (its node count is not compared, and its
+    GPU count is per node)."""
     fp, out = topology.fingerprint, []
-    if topology.nodes != found.node_count:
+    if topology.nodes != found.node_count and not per_node:
         out.append(f"{topology.nodes} nodes declared, {found.node_count} found")
     if fp.get("cpus") and any(n.cpus != int(fp["cpus"]) for n in found.nodes):
         out.append(f"{fp['cpus']} CPUs per node declared, {sorted({n.cpus for n in found.nodes})} found")
@@ -243,14 +245,17 @@ def mismatches(topology: Any, found: Fingerprint) -> list[str]:
         other = sorted({g for n in found.nodes for g in n.gpus if gpu_family(g) != want})
         if other or not found.gpus:
             out.append(f"GPU {fp['gpu']} declared, {', '.join(other) or 'none'} found")
-    if fp.get("gpus") and topology.device == "cuda" and int(fp["gpus"]) != found.gpus:
+    if per_node and any(len(n.gpus) != int(fp.get("gpus", 0)) for n in found.nodes):
+        out.append(f"{fp.get('gpus', 0)} GPUs per node declared, {sorted({len(n.gpus) for n in found.nodes})} found")
+    elif not per_node and fp.get("gpus") and topology.device == "cuda" and int(fp["gpus"]) != found.gpus:
         out.append(f"{fp['gpus']} GPUs declared, {found.gpus} found")
     return out
 
 
-def check_topology(topology: Any, found: Fingerprint) -> None:
-    """Refuse to measure under a topology's name on machines it does not describe, naming both."""
-    wrong = mismatches(topology, found)
+def check_topology(topology: Any, found: Fingerprint, *, per_node: bool = False) -> None:
+    """Refuse to measure under a topology's name on machines it does not describe, naming both (``per_node``:
+    as ``mismatches``)."""
+    wrong = mismatches(topology, found, per_node=per_node)
     if wrong:
         raise TopologyError(f"--topology {topology.name} does not describe the machines that would run the ranks "
                             f"({'; '.join(wrong)}): {claimed(topology)}; found {found.text()}. Measure under the "

@@ -200,7 +200,9 @@ def tune(request: Request, store, *, on_progress: Callable[[dict, Progress], Non
     stages = 2 if prog.is_pipeline else 1
     connect(request.ray_address, ranks=request.world * stages * len(backends))
     cluster = detect_cluster()
-    check_topology(topo, of_nodes(cluster))  # before any trial: results under its name are of its machines
+    # before any trial: results under a topology's name are of its machines. `local` is this machine's kind,
+    # which a cluster joined by --ray-address may have several of (each measurement records how many it used)
+    check_topology(topo, of_nodes(cluster), per_node=request.topology == LOCAL)
     fit = plan(Need(request.world * stages, gpu="nccl" in backends), backends, offer(),
                asked=bool(request.backends), placement=request.placement)
     space = SearchSpace.of(prog, fit.backends, request.depth, shard.names(allowed_text))

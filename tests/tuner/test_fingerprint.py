@@ -88,6 +88,19 @@ def test_a_calibrated_topology_declares_its_cpu_count():
                                        f"[{here.nodes[0].cpus + 2}] found"]
 
 
+def test_local_on_a_cluster_is_checked_node_by_node():
+    """`local` is this machine's kind: a cluster joined by --ray-address passes where every node is of it."""
+    local, here = load_topology("local"), detect_local()
+    node = here.nodes[0]
+    check_topology(local, Fingerprint((node, node, node)), per_node=True)
+    other = dataclasses.replace(node, cpu="Intel(R) Xeon(R) Gold 6338", gpus=node.gpus + ("NVIDIA A100-SXM4-80GB",))
+    wrong = mismatches(local, Fingerprint((node, other)), per_node=True)
+    assert f"CPU {node.cpu} declared, {sorted({node.cpu, other.cpu})} found" in wrong
+    assert f"{len(node.gpus)} GPUs per node declared, {[len(node.gpus), len(node.gpus) + 1]} found" in wrong
+    with pytest.raises(TopologyError, match="1 nodes declared, 3 found"):
+        check_topology(local, Fingerprint((node, node, node)))
+
+
 # --- `local` on first use ---
 
 @pytest.fixture
