@@ -12,6 +12,7 @@ import functools
 import ipaddress
 import json
 import os
+import re
 import select
 import signal
 import socket
@@ -705,6 +706,12 @@ def calibrate(
                                  help="Largest collective timed: 2^K bytes."),
     repeats: int = typer.Option(10, "--repeats", min=1, hidden=True, help="Samples per size."),
     quick: bool = typer.Option(False, "--quick", hidden=True, help="Small buffers, no compiled kernels (tests)."),
+    ray_address: Optional[str] = typer.Option(None, "--ray-address", help="Measure this Ray cluster of alike nodes "
+                                              "instead: everything below within one node, plus the link between "
+                                              "two nodes (alpha and beta of a gloo allreduce across them)."),
+    name: Optional[str] = typer.Option(None, "--name", help="The topology's name: `local` (this machine, the "
+                                       "default), or the cluster's with --ray-address (needed there); written "
+                                       "as NAME.yaml in the user data dir's topologies/."),
     as_json: bool = JSON_OPT,
 ) -> None:
     """Measure this machine for the cost model: alpha and beta of gloo's allreduce, reduce_scatter and
@@ -715,13 +722,26 @@ def calibrate(
     again when the machine's fingerprint changes)."""
     from coconet.tuner.calibrate import HEADER, Settings, default_output
     from coconet.tuner.calibrate import calibrate as run_calibration
-    from coconet.tuner.topology import save_topology, to_dict
+    from coconet.tuner.topology import LOCAL, save_topology, to_dict, user_dir
 
     _writable(output, "-o")
+    if ray_address and not name:
+        raise CoconetError("--ray-address measures a cluster: name its topology (--name NAME)")
+    if name is not None and (not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", name) or name.endswith(".yaml")):
+        raise CoconetError(f"--name {name!r}: letters, digits, '.', '_' and '-', without .yaml")
+    if name not in (None, LOCAL) and not ray_address:
+        raise CoconetError(f"--name {name}: this machine is `local`; another name is a cluster's (--ray-address)")
     settings = Settings(world=world, max_log2=max_log2, repeats=repeats,
                         **({"memory_bytes": 2**22, "compiled": False, "min_log2": min(8, max_log2)} if quick else {}))
-    result = run_calibration(settings)
-    path = output if output is not None else default_output()
+    if ray_address:
+        from coconet.tuner.calibrate_cluster import calibrate_cluster
+        from coconet.tuner.cluster import connect
+
+        connect(ray_address)
+        result = calibrate_cluster(settings, str(name))
+    else:
+        result = run_calibration(settings)
+    path = output if output is not None else (user_dir() / f"{name}.yaml" if name else default_output())
     try:
         save_topology(result.topology, path, header=HEADER)
     except OSError as e:
@@ -734,6 +754,9 @@ def calibrate(
                                 for b, ops in result.samples.items()}})
         return
     rows = [("gloo link (ring step)", f"alpha {_fmt_s(t.intra.alpha_s)}", f"{t.intra.bandwidth_GBps:.3g} GB/s")]
+    if t.inter is not None:
+        rows.append(("gloo link between nodes", f"alpha {_fmt_s(t.inter.alpha_s)}",
+                     f"{t.inter.bandwidth_GBps:.3g} GB/s"))
     for op, fit in t.measured.get("gloo", {}).items():
         rows.append((f"gloo {op}", f"alpha {_fmt_s(fit.alpha_s)}",
                      f"{1e-9 / fit.beta_s_per_byte:.3g} GB/s" if fit.beta_s_per_byte else "-"))
@@ -754,7 +777,8 @@ def calibrate(
               f"{t.elementwise_Gops or 0:.3g} / {t.eager_elementwise_Gops or 0:.3g} Gop/s"),
              ("overlap of comm and compute", f"{t.overlap:.2f}", "")]
     console = Console(highlight=False)
-    table = Table(title=f"local topology: {world} ranks, measured in {result.seconds:.0f} s", title_justify="left")
+    table = Table(title=f"{t.name} topology: {t.nodes} x {world} ranks, measured in {result.seconds:.0f} s",
+                  title_justify="left")
     for col in ("figure", "latency / measured", "rate / model"):
         table.add_column(col, no_wrap=True)
     for r in rows:

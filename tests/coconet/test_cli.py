@@ -193,6 +193,9 @@ def test_an_output_path_that_cannot_be_written_is_refused_before_the_work(tmp_pa
         (["bench", "adam", "--size", "N=8", "--plot", tmp_path / "afile" / "x.png"], "afile is a file, not a folder"),
         (["bench", "adam", "--size", "N=8", "-o", tmp_path / "adir"], "is a folder"),
         (["calibrate", "-o", tmp_path / "afile" / "t.yaml"], "afile is a file, not a folder"),
+        (["calibrate", "--ray-address", "127.0.0.1:1"], "--ray-address measures a cluster: name its topology"),
+        (["calibrate", "--name", "mine"], "this machine is `local`; another name is a cluster's (--ray-address)"),
+        (["calibrate", "--name", "../up", "--ray-address", "127.0.0.1:1"], "--name '../up': letters, digits"),
     ]
     for args, fragment in cases:
         start = time.monotonic()
