@@ -719,7 +719,8 @@ def calibrate(
     collectives (reported; the model prices them as memory traffic plus barriers), memory and cache
     bandwidth, page faults of fresh buffers, dispatch, elementwise and matmul throughput, and overlap.
     Writes the `local` topology with this machine's fingerprint (coconet tune calibrates it on first use, and
-    again when the machine's fingerprint changes)."""
+    again when the machine's fingerprint changes). With --ray-address, a Ray cluster of alike nodes: the same
+    within one node, plus the link between two nodes, written as --name with the cluster's fingerprint."""
     from coconet.tuner.calibrate import HEADER, Settings, default_output
     from coconet.tuner.calibrate import calibrate as run_calibration
     from coconet.tuner.topology import LOCAL, save_topology, to_dict, user_dir

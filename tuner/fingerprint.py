@@ -259,5 +259,6 @@ def check_topology(topology: Any, found: Fingerprint, *, per_node: bool = False)
     if wrong:
         raise TopologyError(f"--topology {topology.name} does not describe the machines that would run the ranks "
                             f"({'; '.join(wrong)}): {claimed(topology)}; found {found.text()}. Measure under the "
-                            f"name of the machines you have (`local` for this one, calibrated on first use)",
+                            "name of the machines you have: `local` for this one, or a cluster's from `coconet "
+                            "calibrate --ray-address ADDR --name NAME`",
                             field="fingerprint")
