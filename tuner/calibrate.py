@@ -1,4 +1,6 @@
-"""``coconet calibrate``: the figures of the ``local`` topology, measured on this machine.
+"""``coconet calibrate``: the figures of the ``local`` topology, measured on this machine and written with its
+fingerprint into the user's data dir (``default_output``); ``local_topology`` runs it on first use, and again
+when the machine's fingerprint is no longer the one it was calibrated on.
 
 The parent starts R rank processes (``python -m coconet.tuner.calibrate JOB RANK FD``: fresh
 interpreters, in their own session, dying with the parent) joined by a gloo group on a free loopback
