@@ -373,7 +373,7 @@ def run(main: Any) -> Any:
 
 
 def main() -> None:
-    from coconet.tuner import calibrate
+    from coconet.tuner import fingerprint
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rate", type=float, default=300.0)
@@ -406,7 +406,7 @@ def main() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
     doc = {"benchmark": "GET /api/v1/best latency, open loop", "rate": args.rate, "seconds": args.seconds,
            "connections": args.connections,
-           "machine": {"cpus": os.cpu_count(), "cpu": calibrate.cpu_model(), "machine": platform.machine(),
+           "machine": {"cpus": os.cpu_count(), "cpu": fingerprint.cpu_model(), "machine": platform.machine(),
                        "python": platform.python_version()},
            "note": "client and server share this machine's cores (and other benchmarks may run beside them)",
            "load_average_before": load_before, "load_average_after": os.getloadavg(),

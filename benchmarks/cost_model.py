@@ -30,6 +30,7 @@ from scipy.stats import kendalltau
 
 from coconet.schedules.space import generate
 from coconet.tuner import cost
+from coconet.tuner.calibrate import local_topology
 from coconet.tuner.launch import Options, run_schedules
 from coconet.tuner.topology import list_topologies, load_topology
 
@@ -82,7 +83,7 @@ def main() -> None:
     ap.add_argument("--skip-measure", type=Path, default=None,
                     help="reuse the measurements of an earlier report (re-predict only)")
     args = ap.parse_args()
-    topo = load_topology(args.topology)
+    topo = local_topology() if args.topology == "local" else load_topology(args.topology)  # local: calibrated here
     earlier = json.loads(args.skip_measure.read_text()) if args.skip_measure else None
     report = {"topology": topo.name, "topology_digest": topo.digest, "topology_fingerprint": dict(topo.fingerprint),
               "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_average": os.getloadavg()},

@@ -112,7 +112,7 @@ def main() -> None:
     args = ap.parse_args()
     import torch
 
-    from coconet.tuner.calibrate import cpu_model
+    from coconet.tuner.fingerprint import cpu_model
 
     rows = []
     for procs in args.procs:

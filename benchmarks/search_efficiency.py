@@ -107,10 +107,10 @@ def main() -> None:
 
 
 def _cost_prior(space, sizes, world):
+    from coconet.tuner.calibrate import local_topology
     from coconet.tuner.cost import predict
-    from coconet.tuner.topology import load_topology
 
-    topo = load_topology("local")
+    topo = local_topology()  # this machine's, calibrated here on first use
     ranked = sorted(((predict(s, sizes, topo, b, world=world).seconds, i, Candidate(s, b))
                      for b in space.backends for i, s in enumerate(space.schedules)), key=lambda x: x[:2])
     return [c for *_, c in ranked]

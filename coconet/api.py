@@ -31,7 +31,7 @@ from coconet.schedules import shardable as shard
 from coconet.schedules.dims import parse_sizes
 from coconet.schedules.schedule import Schedule
 from coconet.schedules.space import generate
-from coconet.server.records import STORED_SOURCE, answer_source, prediction_of
+from coconet.server.records import STORED_SOURCE, answer_source, machines_of, prediction_of
 from coconet.tuner.envlaunch import choose, require_one_node, run_in_job, world_of
 from coconet.tuner.launch import Options, run_schedules
 from coconet.tuner.runner import Protocol
@@ -157,7 +157,8 @@ def best(program: Any, sizes: Any, *, topology: str = "local", world: int | None
             "schedule": m.schedule, "schedule_hash": m.schedule_hash, "schedule_json": m.schedule_json,
             "stats": {"median_s": m.median_s, "ci95_s": [m.ci_lo_s, m.ci_hi_s] if m.ci_lo_s is not None else None,
                       "n": m.n},
-            "source": answer_source(w.source), "prediction": prediction_of(m), "speedup": w.speedup,
+            "source": answer_source(w.source), "prediction": prediction_of(m), "machines": machines_of(m),
+            "speedup": w.speedup,
             "order_reversed": w.order_reversed, "winner_id": w.id, "job": w.job_id}
 
 

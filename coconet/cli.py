@@ -12,6 +12,7 @@ import functools
 import ipaddress
 import json
 import os
+import re
 import select
 import signal
 import socket
@@ -590,8 +591,9 @@ def tune(
     size: Optional[List[str]] = SIZE_OPT,
     budget: int = typer.Option(32, "--budget", min=1, help="Candidates measured per size; the whole space when "
                                "it is smaller (then the search is exhaustive)."),
-    topology: str = typer.Option("local", "--topology", help="`local` (this machine); another name only with "
-                                 "--ray-address, on a cluster that is that topology."),
+    topology: str = typer.Option("local", "--topology", help="`local` (this machine, calibrated on first use); "
+                                 "another name only with --ray-address, on a cluster that is that topology: its "
+                                 "nodes, CPUs and GPU model are checked against the topology before any trial."),
     backend: List[str] = typer.Option([], "--backend", help="Restrict the backends tried (repeatable); default: "
                                       "every one this machine runs (gloo and shm on CPU, nccl on GPUs)."),
     db: Optional[str] = typer.Option(None, "--db", help="Store URL (default $COCONET_DATABASE_URL, else SQLite in "
@@ -690,6 +692,8 @@ def _print_tune_table(prog: Any, doc: dict, tuned: Any) -> None:
                       f"{_fmt_s(b['ci95_s'][1])}]"
                       + (f"  {_ratio(doc['speedup'])}x over the baseline" if doc["speedup"] else "")
                       + f"  record {doc['record_id']}", markup=False)
+        if doc.get("machines"):
+            console.print(_machines_text(doc["machines"]), markup=False)
         if doc["order_reversed"] and doc["search_best"]:
             s = doc["search_best"]
             console.print(f"note: the search had {s['backend']}: {s['schedule']} faster ({_fmt_s(s['median_s'])}); "
@@ -706,6 +710,12 @@ def _print_tune_table(prog: Any, doc: dict, tuned: Any) -> None:
         err.print(f"{doc['failed']} trial(s) failed:", markup=False)
         for f in doc["failures"]:
             err.print(f"  {_failure_text(f)}", markup=False)
+
+
+def _machines_text(m: dict) -> str:
+    """Where a measurement ran, from its record's fingerprint: ``ran on 2 ranks on 1 node of 1 node: …``."""
+    where = f"{m['placement']} of " if m.get("placement") else ""
+    return f"ran on {where}{m.get('machines', 'machines not recorded')} (fingerprint {m.get('fingerprint', '?')})"
 
 
 def _failure_text(f: dict) -> str:
@@ -768,33 +778,52 @@ def sweep(
 def calibrate(
     world: int = typer.Option(2, "--world", min=2, max=64, help="Ranks to time collectives among."),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="Where to write the topology YAML. Default: "
-                                          "configs/topologies/local.yaml inside the coconet package when that is "
-                                          "writable (a source checkout), else local.yaml under the user's config "
-                                          "dir (COCONET_CONFIG_DIR/topologies, or the platform's, e.g. "
-                                          "~/.config/coconet/topologies); `--topology local` reads either."),
+                                          "local.yaml in the user data dir's topologies/ ($COCONET_DATA_DIR, else "
+                                          "the platform's, e.g. ~/.local/share/coconet), where `--topology local` "
+                                          "reads it; never inside the installed package."),
     max_log2: int = typer.Option(24, "--max-log2", min=6, max=30, hidden=True,
                                  help="Largest collective timed: 2^K bytes."),
     repeats: int = typer.Option(10, "--repeats", min=1, hidden=True, help="Samples per size."),
     quick: bool = typer.Option(False, "--quick", hidden=True, help="Small buffers, no compiled kernels (tests)."),
+    ray_address: Optional[str] = typer.Option(None, "--ray-address", help="Measure this Ray cluster of alike nodes "
+                                              "instead: everything below within one node, plus the link between "
+                                              "two nodes (alpha and beta of a gloo allreduce across them)."),
+    name: Optional[str] = typer.Option(None, "--name", help="The topology's name: `local` (this machine, the "
+                                       "default), or the cluster's with --ray-address (needed there); written "
+                                       "as NAME.yaml in the user data dir's topologies/."),
     as_json: bool = JSON_OPT,
 ) -> None:
     """Measure this machine for the cost model: alpha and beta of gloo's allreduce, reduce_scatter and
     all_gather over R local ranks (2^8..2^24 bytes, least squares on the medians), the shm backend's
     collectives (reported; the model prices them as memory traffic plus barriers), memory and cache
     bandwidth, page faults of fresh buffers, dispatch, elementwise and matmul throughput, and overlap.
-    Writes the `local` topology."""
-    from coconet.tuner.calibrate import Settings, default_output
+    Writes the `local` topology with this machine's fingerprint (coconet tune calibrates it on first use, and
+    again when the machine's fingerprint changes). With --ray-address, a Ray cluster of alike nodes: the same
+    within one node, plus the link between two nodes, written as --name with the cluster's fingerprint."""
+    from coconet.tuner.calibrate import HEADER, Settings, default_output
     from coconet.tuner.calibrate import calibrate as run_calibration
-    from coconet.tuner.topology import save_topology, to_dict
+    from coconet.tuner.topology import LOCAL, save_topology, to_dict, user_dir
 
     _writable(output, "-o")
+    if ray_address and not name:
+        raise CoconetError("--ray-address measures a cluster: name its topology (--name NAME)")
+    if name is not None and (not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", name) or name.endswith(".yaml")):
+        raise CoconetError(f"--name {name!r}: letters, digits, '.', '_' and '-', without .yaml")
+    if name not in (None, LOCAL) and not ray_address:
+        raise CoconetError(f"--name {name}: this machine is `local`; another name is a cluster's (--ray-address)")
     settings = Settings(world=world, max_log2=max_log2, repeats=repeats,
                         **({"memory_bytes": 2**22, "compiled": False, "min_log2": min(8, max_log2)} if quick else {}))
-    result = run_calibration(settings)
-    path = output if output is not None else default_output()
+    if ray_address:
+        from coconet.tuner.calibrate_cluster import calibrate_cluster
+        from coconet.tuner.cluster import connect
+
+        connect(ray_address)
+        result = calibrate_cluster(settings, str(name))
+    else:
+        result = run_calibration(settings)
+    path = output if output is not None else (user_dir() / f"{name}.yaml" if name else default_output())
     try:
-        save_topology(result.topology, path, header="# Written by `coconet calibrate`: figures measured on this "
-                      "machine (see coconet.tuner.calibrate for how each is taken).")
+        save_topology(result.topology, path, header=HEADER)
     except OSError as e:
         raise CoconetError(f"cannot write {path}: {e.strerror or e}") from None
     t = result.topology
@@ -805,6 +834,9 @@ def calibrate(
                                 for b, ops in result.samples.items()}})
         return
     rows = [("gloo link (ring step)", f"alpha {_fmt_s(t.intra.alpha_s)}", f"{t.intra.bandwidth_GBps:.3g} GB/s")]
+    if t.inter is not None:
+        rows.append(("gloo link between nodes", f"alpha {_fmt_s(t.inter.alpha_s)}",
+                     f"{t.inter.bandwidth_GBps:.3g} GB/s"))
     for op, fit in t.measured.get("gloo", {}).items():
         rows.append((f"gloo {op}", f"alpha {_fmt_s(fit.alpha_s)}",
                      f"{1e-9 / fit.beta_s_per_byte:.3g} GB/s" if fit.beta_s_per_byte else "-"))
@@ -825,7 +857,8 @@ def calibrate(
               f"{t.elementwise_Gops or 0:.3g} / {t.eager_elementwise_Gops or 0:.3g} Gop/s"),
              ("overlap of comm and compute", f"{t.overlap:.2f}", "")]
     console = Console(highlight=False)
-    table = Table(title=f"local topology: {world} ranks, measured in {result.seconds:.0f} s", title_justify="left")
+    table = Table(title=f"{t.name} topology: {t.nodes} x {world} ranks, measured in {result.seconds:.0f} s",
+                  title_justify="left")
     for col in ("figure", "latency / measured", "rate / model"):
         table.add_column(col, no_wrap=True)
     for r in rows:
@@ -1288,6 +1321,8 @@ def best(
     console.print(f"{found['backend']}: {found['schedule']}  {_fmt_s(stats['median_s'])}"
                   + (f"  {_ratio(found['speedup'])}x over the baseline" if found.get("speedup") else "")
                   + f"  winner record {found['winner_id']}", markup=False)
+    if found.get("machines"):
+        console.print(_machines_text(found["machines"]), markup=False)
     if not found["exact"]:
         console.print(f"note: not tuned at these sizes; the winner of {format_sizes(found['tuned_sizes'])}",
                       markup=False)
@@ -1305,7 +1340,7 @@ def results(
     """Every key tuned or predicted for a program: one current winner per (sizes, topology, world, backend),
     measured or predicted."""
     from coconet.api import load
-    from coconet.server.records import answer_source
+    from coconet.server.records import answer_source, machines_of
     from coconet.server.store import Store
 
     prog = load(file)
@@ -1313,7 +1348,8 @@ def results(
         rows = store.results(prog.hash, topology)
     docs = [{"sizes": b.winner.sizes, "topology": b.winner.topology, "world": b.winner.world,
              "backend": b.winner.backend, "schedule": b.schedule, "median_s": b.median_s, "speedup": b.speedup,
-             "source": answer_source(b.source), "winner_id": b.winner.id} for b in rows]
+             "source": answer_source(b.source), "winner_id": b.winner.id, "machines": machines_of(b.measurement)}
+            for b in rows]
     if as_json:
         _echo_json({"program": prog.name, "program_hash": prog.hash, "results": docs})
         return
@@ -1323,10 +1359,12 @@ def results(
     table = Table(title=f"{prog.name}: {len(docs)} keys", title_justify="left", show_edge=False)
     for col in ("sizes", "topology", "world", "backend", "source", "median", "speed-up"):
         table.add_column(col, no_wrap=True, justify="right" if col in ("world", "median", "speed-up") else "left")
+    table.add_column("machines", no_wrap=True, min_width=12)  # the fingerprint's hash: `best` says it in words
     table.add_column("schedule", ratio=1, overflow="fold")
     for d in docs:
         table.add_row(format_sizes(d["sizes"]), d["topology"], str(d["world"]), d["backend"], d["source"],
-                      _fmt_s(d["median_s"]), f"{_ratio(d['speedup'])}x" if d["speedup"] else "", d["schedule"])
+                      _fmt_s(d["median_s"]), f"{_ratio(d['speedup'])}x" if d["speedup"] else "",
+                      (d["machines"] or {}).get("fingerprint", ""), d["schedule"])
     Console(highlight=False).print(table)
 
 

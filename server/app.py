@@ -47,7 +47,15 @@ from coconet.server.hosts import HostCheck
 from coconet.server.jobs import Workers, WorkerSettings
 from coconet.server.leases import requeue_orphans
 from coconet.server.limits import MAX_BODY, MAX_DEPTH, ASGIApp, BodyLimit, Receive, Scope, Send, WriteSlots
-from coconet.server.records import STORED_SOURCE, Best, JobRecord, MeasurementRecord, answer_source, prediction_of
+from coconet.server.records import (
+    STORED_SOURCE,
+    Best,
+    JobRecord,
+    MeasurementRecord,
+    answer_source,
+    machines_of,
+    prediction_of,
+)
 from coconet.server.schemas import (
     ANY_ERROR,
     MAX_DIMS,
@@ -62,6 +70,7 @@ from coconet.server.schemas import (
     JobCreated,
     JobIn,
     JobOut,
+    MachinesOut,
     MeasurementOut,
     PredictionOut,
     ProgramCreated,
@@ -522,12 +531,18 @@ def _stats(m: MeasurementRecord) -> Stats:
 def _schedule_fields(m: MeasurementRecord) -> dict[str, Any]:
     return dict(measurement_id=m.id, schedule=m.schedule, schedule_hash=m.schedule_hash, backend=m.backend,
                 knobs=m.knobs, sharded=sharded_by(m.schedule), status=m.status, error=m.error, stats=_stats(m),
-                source=answer_source(m.source), prediction=_prediction(m), job_id=m.job_id, created_at=m.created_at)
+                source=answer_source(m.source), prediction=_prediction(m), machines=_machines(m), job_id=m.job_id,
+                created_at=m.created_at)
 
 
 def _prediction(m: MeasurementRecord) -> PredictionOut | None:
     found = prediction_of(m)
     return PredictionOut(**found) if found is not None else None
+
+
+def _machines(m: MeasurementRecord) -> MachinesOut | None:
+    found = machines_of(m)
+    return MachinesOut(**found) if found is not None else None
 
 
 def _schedule_out(m: MeasurementRecord | None) -> ScheduleOut | None:
@@ -540,7 +555,7 @@ def _best_out(b: Best, asked: dict[str, int]) -> BestOut:
                    topology=w.topology, world=w.world, backend=w.backend, schedule=m.schedule,
                    schedule_hash=m.schedule_hash, schedule_json=m.schedule_json, sharded=sharded_by(m.schedule),
                    shardable=_shardable_out(w.shardable), stats=_stats(m), source=answer_source(w.source),
-                   prediction=_prediction(m), order_reversed=w.order_reversed,
+                   prediction=_prediction(m), machines=_machines(m), order_reversed=w.order_reversed,
                    speedup=w.speedup, runner_up=_schedule_out(b.runner_up), baseline=_schedule_out(b.baseline),
                    winner_id=w.id, job=w.job_id, created_at=w.created_at)
 

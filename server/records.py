@@ -151,6 +151,19 @@ def prediction_of(m: MeasurementRecord) -> dict[str, Any] | None:
             "coconet": v.get("coconet")}
 
 
+# what a measured record's versions say of the machines it ran on (coconet.tuner.fingerprint): the short hash
+# of their fingerprint, the fingerprint in words, and how the ranks were placed on them
+MACHINE_KEYS = ("fingerprint", "machines", "placement")
+
+
+def machines_of(m: MeasurementRecord) -> dict[str, str] | None:
+    """Where a measurement ran (``MACHINE_KEYS`` of its versions); None for a prediction, or a measurement
+    recorded before fingerprints were."""
+    v = m.versions or {}
+    found = {k: v[k] for k in MACHINE_KEYS if k in v}
+    return found if m.source != "model" and found else None
+
+
 @dataclass(frozen=True)
 class MeasurementDigest:
     """What a listing of many measurements shows of each: no samples, versions or schedule IR, so that a

@@ -234,6 +234,14 @@ class PredictionOut(BaseModel):
     coconet: str | None  # the version that predicted
 
 
+class MachinesOut(BaseModel):
+    """Where a measurement ran: the fingerprint of the machines its ranks were placed on (coconet.tuner.fingerprint)."""
+
+    fingerprint: str | None = None  # a short hash of it: equal on the same machines
+    machines: str | None = None  # the fingerprint in words: nodes, CPU model and count, memory, GPUs
+    placement: str | None = None  # how the ranks sat on them: "2 ranks on 1 node"
+
+
 class ScheduleOut(BaseModel):
     """One measured schedule: what ran, on which backend, how fast."""
 
@@ -249,6 +257,7 @@ class ScheduleOut(BaseModel):
     stats: Stats
     source: Literal["measured", "predicted"]
     prediction: PredictionOut | None = None  # what predicted it, when predicted
+    machines: MachinesOut | None = None  # where it ran, when measured (None for records older than fingerprints)
     job_id: int | None
     created_at: datetime
 
@@ -278,6 +287,7 @@ class BestOut(BaseModel):
     # winner always answers where the key has one
     source: Literal["measured", "predicted"]
     prediction: PredictionOut | None = None  # what predicted it, when predicted
+    machines: MachinesOut | None = None  # where the winner ran, when measured
     speedup: float | None  # baseline median / winner median
     # the final re-timing (winner, runner-up and baseline alternating) put the winner ahead of the runner-up
     # that the search had found faster

@@ -22,7 +22,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 
-import platformdirs
 from sqlalchemy import Engine, Text, bindparam, case, cast, create_engine, event, func, inspect, select, text
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError, OperationalError, SQLAlchemyError
@@ -31,6 +30,7 @@ from sqlalchemy.orm import Session
 
 from coconet import __version__
 from coconet.errors import CoconetError, KeyBusy, StoreError
+from coconet.paths import data_dir
 from coconet.schedules import shardable as shard
 from coconet.schedules.dsl import Program as DslProgram
 from coconet.schedules.ir import Program
@@ -90,12 +90,12 @@ _WRITE = "coconet_write"
 
 
 def default_url() -> str:
-    """``$COCONET_DATABASE_URL``, else ``sqlite:///<user data dir>/coconet.db``."""
+    """``$COCONET_DATABASE_URL``, else ``sqlite:///<data dir>/coconet.db`` (``coconet.paths.data_dir``)."""
     env = os.environ.get(ENV_URL)
     if env:
         return env
 
-    return f"sqlite:///{Path(platformdirs.user_data_dir('coconet')) / 'coconet.db'}"
+    return f"sqlite:///{data_dir() / 'coconet.db'}"
 
 
 class Store:

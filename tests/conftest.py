@@ -1,15 +1,49 @@
 import os
+import shutil
+import tempfile
 import uuid
+from pathlib import Path
 
 import pytest
 
 RUN_MARK = "COCONET_TEST_RUN"
+LOCAL_FIGURES = Path(__file__).parent / "data" / "local-topology.yaml"
 
 
 def pytest_configure(config):
     # Every process this run starts inherits the mark, so the checks that no rank process or shared-memory
     # segment outlived a launch see this run's alone, not those of coconet jobs running beside the tests.
     os.environ[RUN_MARK] = uuid.uuid4().hex
+    # ... and the data dir: no test reads or writes the user's store or topologies
+    data = Path(tempfile.mkdtemp(prefix="coconet-test-data-"))
+    config.coconet_data_dir = data
+    os.environ["COCONET_DATA_DIR"] = str(data)
+    write_local_topology(data / "topologies" / "local.yaml")
+
+
+def pytest_unconfigure(config):
+    data = getattr(config, "coconet_data_dir", None)
+    if data is not None:
+        shutil.rmtree(data, ignore_errors=True)
+
+
+def write_local_topology(path: Path) -> Path:
+    """The `local` topology the tests predict with: fixed figures, with the fingerprint of the machine running
+    them, so that nothing calibrates on first use (a calibration takes half a minute and varies run to run)."""
+    import yaml
+
+    from coconet.tuner.fingerprint import detect_local
+
+    doc = yaml.safe_load(LOCAL_FIGURES.read_text())
+    here = detect_local()
+    node = here.nodes[0]
+    doc["fingerprint"].update(hardware=here.text(), hardware_hash=here.digest, cpu=node.cpu, cpus=node.cpus,
+                              memory_gib=node.memory_gib, machine=node.machine)
+    if node.gpus:
+        doc["fingerprint"].update(gpu=node.gpus[0], gpus=len(node.gpus))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
 
 
 @pytest.fixture(scope="session")

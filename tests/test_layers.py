@@ -28,6 +28,7 @@ PACKAGES = {"coconet": "coconet", "schedules": "coconet.schedules", "codegen": "
 # module (or package, for all its modules) -> layer; the longest prefix wins
 LAYER_OF = {
     "coconet.errors": "errors",
+    "coconet.paths": "errors",  # where coconet writes: a leaf every layer may read, as the errors
     "coconet.schedules": "ir",
     "coconet": "dsl",  # the package itself: the DSL's public names and __version__, nothing heavier
     "coconet.loader": "dsl",

@@ -1,4 +1,6 @@
-"""``coconet calibrate``: the figures of the ``local`` topology, measured on this machine.
+"""``coconet calibrate``: the figures of the ``local`` topology, measured on this machine and written with its
+fingerprint into the user's data dir (``default_output``); ``local_topology`` runs it on first use, and again
+when the machine's fingerprint is no longer the one it was calibrated on.
 
 The parent starts R rank processes (``python -m coconet.tuner.calibrate JOB RANK FD``: fresh
 interpreters, in their own session, dying with the parent) joined by a gloo group on a free loopback
@@ -35,21 +37,30 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
+try:
+    import fcntl
+except ImportError:  # not on Windows
+    fcntl = None  # type: ignore[assignment]
+
 from coconet.errors import CoconetError
 from coconet.tuner.cost import DROPOUT_PER_BLOCK, shm_collective
+from coconet.tuner.fingerprint import detect_local
 from coconet.tuner.rank import die_with_parent, keep_freed_memory
-from coconet.tuner.topology import Fit, Link, Topology, package_dir, user_dir
+from coconet.tuner.topology import LOCAL, Fit, Link, Topology, load_topology, save_topology, user_dir
 
 OPS = ("allreduce", "reduce_scatter", "all_gather")
 STARTUP_S = 60.0
+HEADER = ("# Written by `coconet calibrate`: figures measured on this machine (see coconet.tuner.calibrate for how "
+          "each is taken).")
 
 
 @dataclass(frozen=True)
@@ -61,6 +72,14 @@ class Settings:
     memory_bytes: int = 2**28  # per tensor of the bandwidth kernel
     compiled: bool = True  # time a compiled kernel's call (compiles one on first use)
     timeout_s: float = 600.0
+
+
+# What a first use of `local` runs: the whole calibration. On a 2-core machine it takes about a minute, of which
+# the collectives' α-β are a few seconds; what a shorter run leaves out (the largest collectives, samples,
+# 256 MiB memory streams) moved gloo's β and the memory bandwidth beyond the full run's own spread
+# (benchmarks/first_calibration.py), and the rest (compiling a kernel, the page-fault sweep) the model needs too
+FIRST_USE = Settings()
+FIRST_USE_S = 60.0  # about what it takes on a 2-core machine
 
 
 @dataclass(frozen=True)
@@ -93,12 +112,9 @@ def fit_alpha_beta(points: Sequence[tuple[float, float]]) -> Fit:
 
 
 def default_output() -> Path:
-    """The package's ``configs/topologies/local.yaml`` when it is writable (a source checkout), else
-    ``local.yaml`` in the user's config dir (``coconet.tuner.topology.user_dir``)."""
-    pkg = package_dir()
-    if pkg.is_dir() and os.access(pkg, os.W_OK):
-        return pkg / "local.yaml"
-    return user_dir() / "local.yaml"
+    """``local.yaml`` in the user's data dir (``coconet.tuner.topology.user_dir``), where ``--topology local``
+    reads it: never the installed package, which ships published machines only."""
+    return user_dir() / f"{LOCAL}.yaml"
 
 
 def calibrate(settings: Settings = Settings()) -> Calibration:
@@ -109,6 +125,48 @@ def calibrate(settings: Settings = Settings()) -> Calibration:
     started = time.monotonic()
     results = _launch(settings)
     return _build(settings, results, time.monotonic() - started)
+
+
+def local_topology(settings: Settings = FIRST_USE, *, say: Callable[[str], None] | None = None) -> Topology:
+    """The ``local`` topology of this machine: as calibrated before when its fingerprint is this machine's,
+    else calibrated now and written to ``default_output``, saying so through ``say`` (stderr by default).
+    A topology calibrated on other hardware (a moved data dir, a changed machine) is measured again rather than
+    refused: ``local`` means this machine, and a calibration is the only fix. One process calibrates at a time
+    (a lock beside the file); the others then read what it wrote."""
+    here = detect_local()
+    path = default_output()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(path.with_suffix(".lock")):
+        why = "no `local` topology has been calibrated in " + str(path.parent)
+        if path.is_file():
+            topo = load_topology(path)
+            if topo.fingerprint.get("hardware_hash") == here.digest:
+                return topo
+            why = (f"the `local` topology in {path} was calibrated on "
+                   f"{topo.fingerprint.get('hardware') or 'a machine of no recorded fingerprint'}, "
+                   f"and this machine is {here.text()}")
+        (say or _stderr)(f"{why}: calibrating it now (about {FIRST_USE_S:g} s on 2 cores, once; `coconet "
+                         f"calibrate` does it again at will)")
+        topo = calibrate(settings).topology
+        save_topology(topo, path, header=HEADER)
+        return topo
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    with open(path, "a") as f:
+        if fcntl is None:  # no advisory locks (Windows): calibrations in parallel only cost time
+            yield
+            return
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _stderr(text: str) -> None:
+    print(f"coconet: {text}", file=sys.stderr, flush=True)
 
 
 def _free_port() -> int:
@@ -180,8 +238,12 @@ def _build(settings: Settings, res: dict[str, Any], seconds: float) -> Calibrati
     alpha = ar.alpha_s / (2 * (R - 1))
     beta = ar.beta_s_per_byte * R / (2 * (R - 1))
     link = Link(alpha, 1.0 / (max(beta, 1e-15) * 1e9), "loopback")
+    machines = detect_local()
+    node = machines.nodes[0]
     fingerprint = {
-        "cpu": cpu_model(), "cpus": os.cpu_count() or 0, "machine": platform.machine(),
+        "hardware": machines.text(), "hardware_hash": machines.digest, "cpu": node.cpu, "cpus": node.cpus,
+        "memory_gib": node.memory_gib, "machine": node.machine,
+        **({"gpu": node.gpus[0], "gpus": len(node.gpus)} if node.gpus else {}),
         "system": platform.platform(terse=True), "python": platform.python_version(), "torch": res["torch"],
         "ranks": R, "threads_per_rank": res["threads"],
         "calibrated": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -214,16 +276,6 @@ def _build(settings: Settings, res: dict[str, Any], seconds: float) -> Calibrati
         extras[f"shm_{op}_model_s"] = (moved * topo.memory_beta + fresh * topo.fresh_s_per_byte(fresh)
                                        + barriers * topo.shm_barrier_s + topo.launch_s)
     return Calibration(topology=topo, samples=samples, extras=extras, sweeps=extras_sweeps, seconds=seconds)
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 # --- the rank processes ---

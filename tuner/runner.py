@@ -217,6 +217,11 @@ class Runner:
         return describe(self._nodes) if self._nodes else None
 
     @property
+    def nodes(self) -> tuple[str, ...]:
+        """Each rank's Ray node id, as last placed; empty before they were placed."""
+        return tuple(self._nodes)
+
+    @property
     def run_dir(self) -> Path | None:
         """The private folder (0700) of the ranks' diagnostics while they run; removed by ``close``."""
         return self._run_dir

@@ -44,11 +44,11 @@ from coconet.schedules.schedule import Schedule
 from coconet.schedules.space import generate
 from coconet.server.keys import sizes_key
 from coconet.server.records import NewMeasurement
+from coconet.tuner.calibrate import local_topology
 from coconet.tuner.cost import predict
 from coconet.tuner.search import knob_variants
-from coconet.tuner.topology import load_topology
+from coconet.tuner.topology import LOCAL, load_topology
 
-LOCAL = "local"
 STAGES = 2  # a pipeline program's stages in a sweep, as in coconet run and tune
 BATCH = 500  # keys per transaction: a stopped sweep loses at most this many
 
@@ -206,7 +206,8 @@ def sweep(config: SweepConfig, store, *, simulate: bool = False,
     """Run the sweep into ``store``; ``tune_key(entry, sizes, world)`` measures a local key."""
     t0 = time.perf_counter()
     report = SweepReport()
-    topos = {name: load_topology(name) for name in config.topologies}
+    # `local` is this machine: calibrated here on first use, as coconet tune does
+    topos = {name: local_topology() if name == LOCAL else load_topology(name) for name in config.topologies}
     for entry in config.entries:
         prog = entry.program
         store.add_program(prog)

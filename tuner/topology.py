@@ -11,8 +11,10 @@ topology's world, as ``coconet calibrate`` measures them on the local machine. W
 model uses it instead of composing the links, so that gloo's loopback collectives cost what they were
 seen to cost.
 
-Figures live in YAML files (``configs/topologies/*.yaml``, each number with its source in a comment);
-``load_topology`` reads one by name or path, validating every field with an error that names it.
+Figures live in YAML files: the published machines shipped in ``configs/topologies/*.yaml`` (each number
+with its source in a comment), and the user's own under ``<data dir>/topologies`` (``coconet.paths``), where
+``coconet calibrate`` writes ``local``, this machine. ``load_topology`` reads one by name (the user's first)
+or path, validating every field with an error that names it.
 """
 
 from __future__ import annotations
@@ -29,10 +31,10 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping
 
-import platformdirs
 import yaml
 
 from coconet.errors import TopologyError
+from coconet.paths import data_dir
 
 DEVICES = ("cpu", "cuda")
 BACKENDS = ("gloo", "nccl", "shm")
@@ -56,7 +58,7 @@ DEFAULT_ALGORITHMS: Mapping[str, Mapping[str, tuple[str, ...]]] = MappingProxyTy
     "shm": MappingProxyType({"allreduce": ("direct",), "reduce_scatter": ("direct",), "all_gather": ("direct",),
                              "broadcast": ("direct",), "send": ("direct",)}),
 })
-USER_DIR_ENV = "COCONET_CONFIG_DIR"
+LOCAL = "local"  # this machine, as `coconet calibrate` measured it here
 
 
 @dataclass(frozen=True)
@@ -411,33 +413,31 @@ def from_yaml(text: str, source: str = "<yaml>") -> Topology:
 # --- where topologies live ---
 
 def user_dir() -> Path:
-    """Where a user's own topologies live (``COCONET_CONFIG_DIR``, else the platform's config dir)."""
-    env = os.environ.get(USER_DIR_ENV)
-    if env:
-        return Path(env) / "topologies"
-
-    return Path(platformdirs.user_config_dir("coconet")) / "topologies"
+    """Where the topologies measured on the user's machines live: ``<data dir>/topologies``
+    (``coconet.paths.data_dir``: ``$COCONET_DATA_DIR``, else the platform's user data dir)."""
+    return data_dir() / "topologies"
 
 
 def package_dir() -> Path:
+    """The published machines shipped with coconet (read only: nothing is written there)."""
     return Path(str(resources.files("coconet.configs"))) / "topologies"
 
 
-def _search_dirs() -> list[Path]:
-    # the user's first: a `coconet calibrate` that could not write into the package wrote there
-    return [user_dir(), package_dir()]
+def _search_dirs(name: str | None = None) -> list[Path]:
+    # the user's first; `local` is this machine, which only a calibration here describes, never a shipped file
+    return [user_dir()] if name == LOCAL else [user_dir(), package_dir()]
 
 
 def list_topologies() -> list[str]:
     names: set[str] = set()
     for d in _search_dirs():
         if d.is_dir():
-            names.update(p.stem for p in d.glob("*.yaml"))
+            names.update(p.stem for p in d.glob("*.yaml") if d == user_dir() or p.stem != LOCAL)
     return sorted(names)
 
 
 def topology_path(name: str) -> Path | None:
-    for d in _search_dirs():
+    for d in _search_dirs(name):
         p = d / f"{name}.yaml"
         if p.is_file():
             return p
@@ -445,7 +445,8 @@ def topology_path(name: str) -> Path | None:
 
 
 def load_topology(name_or_path: str | os.PathLike) -> Topology:
-    """A topology by name (``dgx-h100-8``: the user's config dir, then the shipped ones) or by path."""
+    """A topology by name (``dgx-h100-8``: the user's data dir, then the shipped ones) or by path. ``local`` is
+    read as calibrated; ``coconet.tuner.calibrate.local_topology`` calibrates it where it is missing or stale."""
     text = str(name_or_path)
     path = Path(text)
     if text.endswith((".yaml", ".yml")) or os.sep in text or path.is_file():
@@ -455,7 +456,8 @@ def load_topology(name_or_path: str | os.PathLike) -> Topology:
     found = topology_path(text)
     if found is None:
         known = ", ".join(list_topologies()) or "none"
-        raise TopologyError(f"no topology named {text!r} (known: {known})", field=None)
+        hint = "; `coconet calibrate` measures this machine as `local`" if text == LOCAL else ""
+        raise TopologyError(f"no topology named {text!r} (known: {known}){hint}", field=None)
     return from_yaml(found.read_text(), found.name)
 
 

@@ -30,19 +30,18 @@ from coconet.schedules.schedule import Schedule
 from coconet.server.driver import describe, this_process
 from coconet.server.keys import sizes_key
 from coconet.server.leases import STALE_S, abandoned, heartbeat
-from coconet.server.records import NewMeasurement
+from coconet.server.records import MACHINE_KEYS, NewMeasurement
 from coconet.server.records import Progress as JobProgress
 from coconet.server.store import RETAKEN
-from coconet.tuner.calibrate import cpu_model
+from coconet.tuner.calibrate import local_topology
 from coconet.tuner.cluster import PLACEMENTS, Need, connect, offer, plan
 from coconet.tuner.cost import predict
+from coconet.tuner.fingerprint import Fingerprint, check_topology, cpu_model, detect_cluster, of_nodes
 from coconet.tuner.launch import MAX_RANKS, RunResult
 from coconet.tuner.runner import Protocol, Runner
 from coconet.tuner.search import KILLED_TRIES, Candidate, Outcome, Progress, SearchSpace, Trial, search, study_name
 from coconet.tuner.stats import summarize
-from coconet.tuner.topology import load_topology, topology_path
-
-LOCAL = "local"
+from coconet.tuner.topology import LOCAL, load_topology, topology_path
 
 
 @dataclass(frozen=True)
@@ -75,6 +74,7 @@ class Tuned:
     shardable: str = shard.EVERY  # what the search let stay sharded (coconet.schedules.shardable's text)
     measurement_ids: dict[str, Any] = field(default_factory=dict)
     left_out: dict[str, str] = field(default_factory=dict)  # backends the cluster cannot run, and why
+    machines: dict[str, str] | None = None  # the winner's: fingerprint, machines (its text), placement
 
     def to_json(self, program: Program, topology: str, world: int) -> dict[str, Any]:
         o = self.outcome
@@ -96,7 +96,8 @@ class Tuned:
                 # the search's own fastest and its figure; best, runner_up, baseline and speedup are the re-timing's
                 "search_best": stats(o.search_best), "order_reversed": o.order_reversed, "trials": len(o.trials),
                 "failed": len(o.failed), "failures": failures(o.failed), "record_id": self.record_id,
-                "job_id": self.job_id, "study": o.study, "backends_left_out": self.left_out}
+                "job_id": self.job_id, "study": o.study, "backends_left_out": self.left_out,
+                "machines": self.machines}
 
 
 def failures(failed: Sequence[Trial], most: int = 5) -> list[dict[str, Any]]:
@@ -122,13 +123,16 @@ def local_backends(world: int) -> tuple[str, ...]:
     return ("gloo", "shm") if platform.machine() in ("x86_64", "AMD64") else ("gloo",)
 
 
-def versions(backend: str, kernels: str = "compiled", placed: str | None = None) -> dict[str, str]:
+def versions(backend: str, kernels: str = "compiled", placed: str | None = None,
+             machines: Fingerprint | None = None) -> dict[str, str]:
     import torch
 
     out = {"coconet": coconet.__version__, "torch": torch.__version__, "backend": backend,
            "python": platform.python_version(), "kernels": kernels}
     if placed:  # where the ranks ran: "2 ranks on 1 node"
         out["placement"] = placed
+    if machines is not None:  # what they ran on: coconet.tuner.fingerprint
+        out |= machines.versions()
     if backend == "nccl" and torch.cuda.is_available():
         out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
         out["driver"] = f"cuda {torch.version.cuda}; {torch.cuda.get_device_name(0)}"
@@ -190,10 +194,15 @@ def tune(request: Request, store, *, on_progress: Callable[[dict, Progress], Non
     if job_id is not None and len(request.sizes) != 1:
         raise CoconetError(f"job {job_id} tunes one size; the request has {len(request.sizes)}")
     allowed_text = shardable_text(prog, request.shardable)
+    topo = local_topology() if request.topology == LOCAL else load_topology(request.topology)
     if job_id is None:
         _free_keys(store, prog, request.sizes, request, allowed_text)
     stages = 2 if prog.is_pipeline else 1
     connect(request.ray_address, ranks=request.world * stages * len(backends))
+    cluster = detect_cluster()
+    # before any trial: results under a topology's name are of its machines. `local` is this machine's kind,
+    # which a cluster joined by --ray-address may have several of (each measurement records how many it used)
+    check_topology(topo, of_nodes(cluster), per_node=request.topology == LOCAL)
     fit = plan(Need(request.world * stages, gpu="nccl" in backends), backends, offer(),
                asked=bool(request.backends), placement=request.placement)
     space = SearchSpace.of(prog, fit.backends, request.depth, shard.names(allowed_text))
@@ -239,11 +248,16 @@ def tune(request: Request, store, *, on_progress: Callable[[dict, Progress], Non
                     status=res.status, error=res.error, samples=list(res.samples), n=len(res.samples),
                     median_s=s.median if s else None, ci_lo_s=s.ci95[0] if s else None,
                     ci_hi_s=s.ci95[1] if s else None, max_rel_err=err, source="measured",
-                    versions=versions(c.backend, request.protocol.kernels, placed(c.backend)), job_id=job))
+                    versions=versions(c.backend, request.protocol.kernels, placed(c.backend), ran_on(c.backend)),
+                    job_id=job))
 
             def placed(backend: str) -> str | None:
                 runner = runners.get(backend)
                 return runner.placed if runner is not None else None
+
+            def ran_on(backend: str) -> Fingerprint:
+                runner = runners.get(backend)  # not placed yet (a group that never formed): the whole cluster
+                return of_nodes(cluster, runner.nodes if runner is not None and runner.nodes else None)
 
             def progress(p: Progress) -> None:
                 store.update_job(job, progress=JobProgress(done=p.trials, total=p.budget, failed=p.failed,
@@ -275,7 +289,8 @@ def tune(request: Request, store, *, on_progress: Callable[[dict, Progress], Non
                                              runner_up_id=_record_id(outcome.runner_up, record),
                                              baseline_id=base_id, job_id=job, shardable=allowed_text,
                                              order_reversed=outcome.order_reversed)
-            tuned = Tuned(sizes, outcome, job, winner_id, shardable=allowed_text, left_out=dict(fit.left_out))
+            tuned = Tuned(sizes, outcome, job, winner_id, shardable=allowed_text, left_out=dict(fit.left_out),
+                          machines=_machines(store, outcome.winner, record))
             store.update_job(job, state="done", result=tuned.to_json(prog, request.topology, request.world))
             done.append(tuned)
     return done
@@ -326,6 +341,16 @@ def cost_prior(space: SearchSpace, sizes: Mapping[str, int], topology: str, worl
     ranked = [(predict(s, sizes, topo, b, world=world * stages, stages=stages).seconds, i, Candidate(s, b))
               for b in space.backends if b in topo.backends for i, s in enumerate(space.schedules)]
     return [c for *_, c in sorted(ranked, key=lambda x: x[:2])]
+
+
+def _machines(store, winner: Trial | None, record) -> dict[str, str] | None:
+    """Where the winner's recorded measurement ran, as its record says (a trial reused from an earlier run
+    ran where that run placed it)."""
+    mid = _record_id(winner, record)
+    found = store.measurement(mid) if mid is not None else None
+    if found is None:
+        return None
+    return {k: v for k, v in (found.versions or {}).items() if k in MACHINE_KEYS} or None
 
 
 def _record_id(trial, record) -> int | None:

@@ -193,6 +193,9 @@ def test_an_output_path_that_cannot_be_written_is_refused_before_the_work(tmp_pa
         (["bench", "adam", "--size", "N=8", "--plot", tmp_path / "afile" / "x.png"], "afile is a file, not a folder"),
         (["bench", "adam", "--size", "N=8", "-o", tmp_path / "adir"], "is a folder"),
         (["calibrate", "-o", tmp_path / "afile" / "t.yaml"], "afile is a file, not a folder"),
+        (["calibrate", "--ray-address", "127.0.0.1:1"], "--ray-address measures a cluster: name its topology"),
+        (["calibrate", "--name", "mine"], "this machine is `local`; another name is a cluster's (--ray-address)"),
+        (["calibrate", "--name", "../up", "--ray-address", "127.0.0.1:1"], "--name '../up': letters, digits"),
     ]
     for args, fragment in cases:
         start = time.monotonic()
@@ -709,7 +712,9 @@ def test_best_and_results_read_the_store(tmp_path):
     prog = load_file(ROOT / "examples" / "adam.py")
     db = f"sqlite:///{tmp_path / 'c.db'}"
     base, other = list(generate(prog, depth=1))[:2]
-    common = dict(sizes={"N": 4096}, topology="local", world=2, backend="gloo")
+    ran = {"fingerprint": "5e1f00d5e1f0", "machines": "1 node: AMD EPYC, 2 CPUs, 24 GiB, x86_64, no GPU",
+           "placement": "2 ranks on 1 node"}
+    common = dict(sizes={"N": 4096}, topology="local", world=2, backend="gloo", versions=ran)
     with Store.open(db) as store:
         store.add_program(prog)
         ids = store.add_measurements([NewMeasurement.of(base, median_s=3e-3, samples=[3e-3] * 3, **common),
@@ -717,13 +722,16 @@ def test_best_and_results_read_the_store(tmp_path):
         winner = store.add_winner(ids[1], baseline_id=ids[0], shardable="m,v")
     doc = json.loads(coconet("best", "examples/adam.py", "--size", "N=2^12", "--db", db, "--json").stdout)
     assert (doc["winner_id"], doc["source"], doc["schedule"]) == (winner, "measured", other.text)
+    assert doc["machines"] == ran
     proc = coconet("best", "examples/adam.py", "--size", "N=2^13", "--db", db)
     assert proc.returncode == 0, proc.stderr
     assert f"gloo: {other.text}  1 ms  3.00x over the baseline  winner record {winner}" in proc.stdout
+    assert f"ran on 2 ranks on 1 node of {ran['machines']} (fingerprint 5e1f00d5e1f0)" in proc.stdout
     assert "note: not tuned at these sizes; the winner of N=4096" in proc.stdout
     assert_one_error(coconet("best", "examples/adam.py", "--size", "N=2^12", "--db", db, "--source", "predicted"),
                      "nothing tuned for adam on local")
     doc = json.loads(coconet("results", "examples/adam.py", "--db", db, "--json").stdout)
-    assert [(r["winner_id"], r["source"]) for r in doc["results"]] == [(winner, "measured")]
+    assert [(r["winner_id"], r["source"], r["machines"]) for r in doc["results"]] == [(winner, "measured", ran)]
+    assert "5e1f00d5e1f0" in coconet("results", "examples/adam.py", "--db", db).stdout
     assert_one_error(coconet("results", "examples/adam.py", "--db", f"sqlite:///{tmp_path / 'none.db'}"),
                      "no store at")

@@ -82,3 +82,24 @@ def test_asking_to_tune_a_key_only_predicted_starts_a_job(served) -> None:
     measured = _winner(store, prog, 2**12, 2e-3, "measured")
     r = c.post(f"{API}/best", json=body, headers=auth)
     assert r.status_code == 200 and r.json()["winner_id"] == measured
+
+
+def test_every_answer_says_where_a_measurement_ran(served) -> None:
+    c, store, prog = served
+    ran = {"fingerprint": "0154706922f8", "machines": "1 node: AMD EPYC, 2 CPUs, 24 GiB, x86_64, no GPU",
+           "placement": "2 ranks on 1 node"}
+    measured = _winner(store, prog, 2**14, 1e-3, "measured", versions={"torch": "2.13", **ran})
+    older = _winner(store, prog, 2**18, 1e-3, "measured", versions={"torch": "2.13"})  # from before fingerprints
+    query = f"{API}/best?program={prog.hash}&sizes=N=16384&topology=local"
+    for url in (query, f"{query}&world=2"):  # the fast path and the route alike
+        body = c.get(url).json()
+        assert body["winner_id"] == measured and body["machines"] == ran, url
+        assert body["baseline"]["machines"] == ran
+    assert c.get(f"{API}/best?program={prog.hash}&sizes=N=262144&topology=local").json()["machines"] is None
+    winners = {w["winner_id"]: w for w in c.get(f"{API}/results?program={prog.hash}").json()["winners"]}
+    assert winners[measured]["machines"] == ran and winners[older]["machines"] is None
+    rows = c.get(f"{API}/measurements?program={prog.hash}&sizes=N=16384").json()
+    assert len(rows) == 2 and all(r["machines"] == ran for r in rows)
+    predicted = _winner(store, prog, 2**20, 1e-3, "model", versions={"model": "alpha-beta roofline", **ran})
+    body = c.get(f"{API}/best?program={prog.hash}&sizes=N=1048576&topology=local").json()
+    assert body["winner_id"] == predicted and body["machines"] is None  # a prediction ran nowhere

@@ -845,10 +845,13 @@ def test_default_url_and_its_overrides(tmp_path, monkeypatch):
     import platformdirs
 
     monkeypatch.delenv(ENV_URL, raising=False)
+    monkeypatch.delenv("COCONET_DATA_DIR", raising=False)  # the test run's own (tests/conftest.py)
     monkeypatch.setattr(platformdirs, "user_data_dir", lambda app: str(tmp_path / "data" / app))
     assert default_url() == f"sqlite:///{tmp_path / 'data' / 'coconet' / 'coconet.db'}"
     Store.open().close()
     assert (tmp_path / "data" / "coconet" / "coconet.db").exists()
+    monkeypatch.setenv("COCONET_DATA_DIR", str(tmp_path / "mine"))  # the data dir moved: the store with it
+    assert default_url() == f"sqlite:///{tmp_path / 'mine' / 'coconet.db'}"
 
     monkeypatch.setenv(ENV_URL, f"sqlite:///{tmp_path / 'env.db'}")
     Store.open().close()

@@ -1,4 +1,6 @@
+import json
 import math
+import os
 import pickle
 import subprocess
 import sys
@@ -8,16 +10,19 @@ import yaml
 
 from coconet.errors import CoconetError, TopologyError
 from coconet.tuner.calibrate import fit_alpha_beta
+from coconet.tuner.fingerprint import detect_local
 from coconet.tuner.topology import (
     BACKENDS,
     from_dict,
     from_yaml,
     list_topologies,
     load_topology,
+    package_dir,
     save_topology,
+    user_dir,
 )
 
-SHIPPED = ("local", "dgx2-v100-16", "dgx-a100-8", "dgx-h100-8", "h100-4node-ib", "h100-16node-ib", "cpu-25gbe")
+SHIPPED = ("dgx2-v100-16", "dgx-a100-8", "dgx-h100-8", "h100-4node-ib", "h100-16node-ib", "cpu-25gbe")
 
 
 def minimal(**over):
@@ -41,10 +46,19 @@ def test_every_shipped_topology_loads_and_round_trips():
             assert t.inter is not None and t.inter.bandwidth_GBps < t.intra.bandwidth_GBps
 
 
-def test_local_is_calibrated():
-    t = load_topology("local")
-    assert t.fit("gloo", "allreduce") is not None and "calibrated" in t.fingerprint
+def test_the_package_ships_published_machines_only():
+    assert not (package_dir() / "local.yaml").exists()
+    assert set(p.stem for p in package_dir().glob("*.yaml")) == set(SHIPPED)
+
+
+def test_local_is_read_from_the_data_dir_only(tmp_path, monkeypatch):
+    t = load_topology("local")  # the run's fixture (tests/conftest.py), in its temporary data dir
+    assert t.fit("gloo", "allreduce") is not None and "hardware_hash" in t.fingerprint
     assert t.backends == ("gloo", "shm") and t.device == "cpu"
+    monkeypatch.setenv("COCONET_DATA_DIR", str(tmp_path))
+    assert user_dir() == tmp_path / "topologies" and "local" not in list_topologies()
+    with pytest.raises(TopologyError, match="no topology named 'local'.*coconet calibrate"):
+        load_topology("local")
 
 
 def test_round_trip_through_a_file(tmp_path):
@@ -111,7 +125,7 @@ def test_unknown_name_lists_the_known_ones():
 
 
 def test_user_dir_comes_first(tmp_path, monkeypatch):
-    monkeypatch.setenv("COCONET_CONFIG_DIR", str(tmp_path))
+    monkeypatch.setenv("COCONET_DATA_DIR", str(tmp_path))
     mine = from_dict(minimal(name="dgx-h100-8"))
     save_topology(mine, tmp_path / "topologies" / "dgx-h100-8.yaml")
     save_topology(from_dict(minimal(name="mine")), tmp_path / "topologies" / "mine.yaml")
@@ -136,17 +150,21 @@ def test_fit_recovers_alpha_beta_despite_an_outlier():
     assert f.alpha_s == pytest.approx(3e-4, rel=0.05) and f.beta_s_per_byte == pytest.approx(1e-9, rel=0.05)
 
 
-def test_calibrate_writes_a_topology_that_loads(tmp_path):
-    out = tmp_path / "local.yaml"
+def test_calibrate_writes_local_into_the_data_dir_with_the_fingerprint(tmp_path):
+    env = {**os.environ, "COCONET_DATA_DIR": str(tmp_path)}
     proc = subprocess.run([sys.executable, "-m", "coconet", "calibrate", "--world", "2", "--quick", "--max-log2", "12",
-                           "--repeats", "3", "-o", str(out), "--json"], capture_output=True, text=True, timeout=120)
+                           "--repeats", "3", "--json"], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr
+    out = tmp_path / "topologies" / "local.yaml"
+    assert json.loads(proc.stdout)["path"] == str(out)
+    assert not (package_dir() / "local.yaml").exists()
     t = load_topology(out)
     doc = yaml.safe_load(out.read_text())
     assert t.name == "local" and t.ranks_per_node == 2 and doc["fingerprint"]["ranks"] == 2
+    here = detect_local()
+    assert doc["fingerprint"]["hardware_hash"] == here.digest and doc["fingerprint"]["hardware"] == here.text()
     for op in ("allreduce", "reduce_scatter", "all_gather"):
         fit = t.fit("gloo", op)
         assert fit.alpha_s > 0 and fit.time(2**20) > 0
     assert t.intra.alpha_s > 0 and t.intra.bandwidth_GBps > 0 and t.memory_bandwidth_GBps > 0
     assert t.flops("float32") > 0 and t.launch_s > 0 and t.shm_barrier_s > 0 and 0 <= t.overlap <= 1
-    assert "\"path\"" in proc.stdout

@@ -12,6 +12,7 @@ from coconet.errors import CoconetError
 from coconet.server.driver import Driver, this_process
 from coconet.server.store import Store
 from coconet.tuner.cluster import Node, Offer
+from coconet.tuner.fingerprint import detect_local
 from coconet.tuner.runner import Protocol
 from coconet.tuner.search import RETIME_ROUNDS
 from coconet.tuner.tune import Request, _free_keys, tune
@@ -55,6 +56,11 @@ def test_tune_records_the_winner_the_store_serves(ray_local, tmp_path):
         assert len(rows) == 5 + len(o.retimed)  # every trial, then the two fastest and the baseline re-timed
         assert o.baseline.record_id in {t.record_id for t in o.retimed} and best.baseline.id == o.baseline.record_id
         assert {r.source for r in rows} == {"measured"} and all(r.versions["torch"] for r in rows)
+        here = detect_local()  # the local Ray cluster is this machine: each trial says so, with its placement
+        assert all(r.versions["fingerprint"] == here.digest and r.versions["machines"] == here.text()
+                   and r.versions["placement"] == "2 ranks on 1 node" for r in rows)
+        assert tuned.to_json(prog, "local", 2)["machines"] == {"fingerprint": here.digest, "machines": here.text(),
+                                                               "placement": "2 ranks on 1 node"}
         job = store.job(tuned.job_id)
         assert job.state == "done" and job.result["best"]["hash"] == best.measurement.schedule_hash
         assert job.progress.done == 5
