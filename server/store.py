@@ -201,11 +201,14 @@ class Store:
         values = {"name": name, "fingerprint": fingerprint, "source": source, "created_at": utcnow()}
         with self._tx("add_topology", write=True) as s:
             _insert_missing(s, TopologyRow, values)
-            if s.get(TopologyRow, name).fingerprint != values["fingerprint"]:
+            recorded = s.get(TopologyRow, name).fingerprint
+            if recorded != values["fingerprint"]:
                 raise StoreError(
-                    f"topology {name!r} is already recorded with another fingerprint; record it under a new name",
-                    topology=name,
-                )
+                    f"topology {name!r} is already recorded with another fingerprint: this store's results for it "
+                    f"are of other machines ({_fingerprint_text(recorded)}), not these "
+                    f"({_fingerprint_text(values['fingerprint'])}); tune into another store (--db), or calibrate "
+                    f"these machines under a name of their own (coconet calibrate --name NAME) and pass "
+                    f"--topology NAME", topology=name)
         return name
 
     def topology(self, name: str) -> TopologyRecord | None:
@@ -931,6 +934,10 @@ def _job(row: JobRow) -> JobRecord:
     values = {f.name: _utc(getattr(row, f.name)) for f in fields(JobRecord) if f.name != "progress"}
     progress = Progress(row.trials_done, row.trials_total, row.trials_failed, row.best_s)
     return JobRecord(progress=progress, **values)
+
+
+def _fingerprint_text(fp: Mapping[str, Any]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(fp.items()) if k in ("machine", "cpu", "cpus", "gpus", "cores"))
 
 
 def _new_job(program_hash: str, sizes: Mapping[str, int], key: str, topology: str, world: int, shardable: str,
