@@ -38,7 +38,7 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> dict:
     subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "-q", str(wheel)],
                    check=True, capture_output=True, timeout=300)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("COCONET_", "PYTHON"))}
-    env["COCONET_CACHE_DIR"] = str(work / "cache")
+    env.update(COCONET_CACHE_DIR=str(work / "cache"), COCONET_DATA_DIR=str(work / "data"))
     out = work / "elsewhere"  # no examples/ or configs/ here
     out.mkdir()
     return {"python": python, "bin": venv / "bin", "env": env, "cwd": out, "purelib": purelib}
