@@ -1,6 +1,6 @@
 """coconet: distributed ML programs whose computation and communication are optimised together.
 
-The public DSL (the README's "A program")::
+The public DSL (docs/dsl.md)::
 
     from coconet import Program, Local, Replicated, Sliced, allreduce, sqrt
 

@@ -1,4 +1,4 @@
-"""A client of the coconet REST API (the README's "Service"), for ``coconet submit``: send a program's JSON IR, start
+"""A client of the coconet REST API (docs/service.md), for ``coconet submit``: send a program's JSON IR, start
 tuning jobs, follow them, fetch the winner and its generated code. Every failure is a ``ServiceError``."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The embedded DSL (the README's "A program"): ``Program``, expressions, collectives.
+"""The embedded DSL (docs/dsl.md): ``Program``, expressions, collectives.
 
 Expressions are handles onto statements of one program's builder; each
 operator or function call adds (or finds, by hash-consing) a statement and

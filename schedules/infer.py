@@ -1,4 +1,4 @@
-"""Shape, dtype and layout inference: the table of the README's "Layouts", one rule per op kind.
+"""Shape, dtype and layout inference: the table of docs/dsl.md, "Layouts", one rule per op kind.
 
 Each rule takes the operands' types and the statement's attributes and returns
 the result type or raises ``ProgramError`` naming the rule and the operands.

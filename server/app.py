@@ -1,4 +1,4 @@
-"""The REST API (the README's "Service"; docs/architecture.md, "Data flow"): programs in, tuning jobs run by
+"""The REST API (docs/service.md; docs/architecture.md, "Data flow"): programs in, tuning jobs run by
 the server's workers, the best schedule per (program, sizes, topology) out, with its generated code.
 ``create_app`` builds one; nothing happens at import (uvicorn gets ``coconet.server.app:create_app`` with
 ``factory=True``).

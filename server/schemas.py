@@ -1,4 +1,4 @@
-"""Request and response bodies of the REST API (the README's "Service"), with the service's bounds on input.
+"""Request and response bodies of the REST API (docs/service.md), with the service's bounds on input.
 
 The bounds are the service's, tighter than the library's: one request must not make the server
 hold or compute much (a program of 10,000 statements is fine for the CLI, not for a public POST).

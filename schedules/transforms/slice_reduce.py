@@ -1,6 +1,6 @@
 """slice_reduce(r): a norm or sum of a Replicated value computed on each rank's slice of it, a partial
 sum per rank and an allreduce of one scalar, where every rank read the whole value before (the norm / sum row
-of the README's "Layouts": S→R as ``partial_sum`` + ``allreduce``). LAMB's trust ratio takes ``norm(w)`` of its
+of docs/dsl.md, "Layouts": S→R as ``partial_sum`` + ``allreduce``). LAMB's trust ratio takes ``norm(w)`` of its
 replicated weights: whole, each rank reads all of w; sliced, the ranks share the read, and a fused
 collective that reads w's rows for the update adds their squares in the same pass (fuse_collective).
 """

@@ -1,4 +1,4 @@
-"""The layout table of the README's "Layouts", checked exhaustively through the DSL."""
+"""The layout table of docs/dsl.md, "Layouts", checked exhaustively through the DSL."""
 
 import itertools
 
