@@ -44,6 +44,7 @@ from coconet.codegen.analysis import (
     ungrouped_pointwise,
 )
 from coconet.codegen.cache import cache_dir
+from coconet.codegen.rowwise import normalize_text, reduce_text
 from coconet.errors import BackendError
 from coconet.kernels.native import FACTORS, HALF, ChunkKernel, Untranslatable, c_source
 from coconet.schedules.dims import Dim
@@ -318,6 +319,11 @@ class _Emitter:
             return [f"{n} = {args[0]}.sum()"]
         if op == "norm":
             return [f"{n} = _norm({args[0]})"]
+        if op in ("reduce", "partial_reduce"):
+            x = self.tensor(s.args[0], args[0])
+            return [f"{n} = {reduce_text(s, x, self.p[s.args[0]].type, dim_expr, self.local_shape_expr(s.type))}"]
+        if op in ("softmax", "log_softmax"):
+            return [f"{n} = {normalize_text(s, self.tensor(s.args[0], args[0]))}"]
         if op == "matmul":
             return [f"{n} = {self.matmul}({args[0]}, {args[1]})"]
         if op == "allreduce":
