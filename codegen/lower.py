@@ -48,7 +48,7 @@ from coconet.codegen.rowwise import normalize_text, reduce_text
 from coconet.errors import BackendError
 from coconet.kernels.native import FACTORS, HALF, ChunkKernel, Untranslatable, c_source
 from coconet.schedules.dims import Dim
-from coconet.schedules.ir import COMPARE, EFFECTS, Group, Program, Stmt
+from coconet.schedules.ir import COMPARE, EFFECTS, ROWWISE_OPS, Group, Program, Stmt
 from coconet.schedules.schedule import Schedule
 from coconet.schedules.types import ITEMSIZE, Local, Replicated, Sliced
 
@@ -1283,6 +1283,8 @@ def _native_chunk(e: _Emitter, compute: list[str], inplace: dict[str, str], into
         return None
     for m in (*pre, *compute):
         s = p[m]
+        if s.op in ROWWISE_OPS:
+            return None  # C computes a chunk of flat elements: a row's reduction is Inductor's
         dtype = ("bool" if s.op in COMPARE
                  else s.attr("dtype") if s.op == "cast" and s.attr("dtype") in HALF else "float32")
         # arithmetic kept in a half dtype is Inductor's: torch's kernels round every op to it, which C can do
