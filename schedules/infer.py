@@ -265,9 +265,11 @@ def reduce_dim(x: TensorType, kind: str, dim: int | None, keepdim: bool, names: 
     completes (the builder writes both)."""
     if x.dtype == "bool":
         raise ProgramError(f"{kind} of a comparison result {names[0]}", rule=f"{kind} needs numbers")
+    if kind == "mean" and x.dtype == "int64":
+        raise ProgramError(f"mean of {names[0]} (int64); cast it to a float dtype first", rule="mean needs floats")
     dims = tuple(range(x.ndim)) if dim is None else (dim_index(x, dim, kind, names[0]),)
     shape = tuple(ONE if k in dims else d for k, d in enumerate(x.shape) if keepdim or k not in dims)
-    dtype = x.dtype if kind != "mean" or x.dtype in FLOAT_DTYPES or x.dtype is None else "float32"
+    dtype = x.dtype
     layout = x.layout
     over_slices = isinstance(layout, Sliced) and layout.dim in dims
     if partial:

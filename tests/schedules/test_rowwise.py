@@ -10,9 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import coconet as cc
-from coconet.errors import ProgramError
+from coconet.errors import IllegalTransform, ProgramError
 from coconet.schedules import interp
 from coconet.schedules.serialize import export, load
+from coconet.schedules.transforms.fuse import Fuse, fusable
 from coconet.schedules.types import Local, Replicated, Sliced
 
 LAYOUTS = [Replicated(), Local(), Sliced(0), Sliced(1), Sliced(2)]
@@ -194,3 +195,39 @@ def test_an_empty_slice_reduces_to_the_identity_its_collective_ignores():
     assert np.all(res.stages[0].values[parts["mean"]][3] == 0)
     xs = res.state("x")
     np.testing.assert_allclose(res.output("mean"), xs.mean(0), rtol=1e-12)
+
+
+# --- fuse ---
+
+def layer_norm_program():
+    p = cc.Program("t", dims=("S", "H"))
+    x = p.tensor("x", ("S", "H"), layout=Sliced(0))
+    r = p.tensor("r", ("S", "H"), layout=Sliced(0))
+    w = p.tensor("w", ("H",), layout=Replicated)
+    p.output("y", cc.layer_norm(x + r, w, w))
+    p.output("rows", cc.sum(x, 1))  # keepdim=False: (S,), another rank than the rows'
+    return p.ir
+
+
+def test_a_layer_norm_is_one_fuse_region():
+    prog = layer_norm_program()
+    regions = [t.members for t in Fuse.instances(prog)]
+    assert regions == [("add0", "mean0", "sub0", "mul0", "mean1", "add1", "rsqrt0", "mul1", "mul2", "add2")]
+    fused = Fuse(regions[0]).apply(prog)
+    assert [g.kind for g in fused.groups] == ["fuse"]
+    assert Fuse(regions[0]).describe(prog) == "10 statements fused into one kernel"
+
+
+def test_fuse_refuses_what_one_iteration_space_cannot_hold():
+    prog = layer_norm_program()
+    with pytest.raises(IllegalTransform, match="share one layout and rank"):
+        Fuse(("sum0", "add0")).apply(prog)  # (S,) beside (S, H)
+    with pytest.raises(IllegalTransform, match="only pointwise statements and reductions or softmaxes along one dim"):
+        Fuse(("add0", "y")).apply(prog)
+    # without a statement along a dim, different shapes stay apart as they always did
+    with pytest.raises(IllegalTransform, match="different shapes or layouts"):
+        Fuse(("add1", "sub0")).apply(prog)
+    p = cc.Program("t", dims=("S", "H"))
+    x = p.tensor("x", ("S", "H"), layout=Sliced(0))
+    p.output("m", cc.max(x) * x)  # a max over every element is a partial and an allreduce: no kernel's
+    assert not any(fusable(p.ir, s.name) for s in p.ir.stmts if s.op in ("partial_reduce", "allreduce"))

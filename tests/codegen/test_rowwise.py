@@ -1,0 +1,136 @@
+"""Reductions along a dim, softmaxes and the norms on the backends: every schedule of programs using them on
+gloo and shm (uneven rows, and a rank with none), the code each op lowers to, and fused row kernels compiled."""
+
+import math
+import runpy
+from pathlib import Path
+
+import pytest
+
+import coconet as cc
+from coconet import Local, Replicated, Sliced
+from coconet.codegen.lower import lower
+from coconet.schedules.schedule import Schedule
+from coconet.schedules.space import generate
+from coconet.tuner import cost
+from coconet.tuner.launch import Options, run_schedules
+from coconet.tuner.topology import list_topologies, load_topology
+from tests.codegen.test_nccl import _only_the_device_differs
+from tests.tuner.test_launch import assert_all_ok, rank_processes
+
+pytestmark = pytest.mark.usefixtures("temp_code_cache")
+ROOT = Path(__file__).parents[2]
+LN = "fuse(add0, mean0, sub0, mul0, mean1, add1, rsqrt0, mul1, mul2)"
+
+
+def normalised_state():
+    """LayerNorm of reduce_scattered rows written into Replicated state (an implied all_gather), and a softmax
+    along the sliced rows (max and sum of exponentials through allreduces)."""
+    p = cc.Program("normalised_state", dims=("S", "H"))
+    x = p.tensor("x", ("S", "H"), layout=Local)
+    w = p.tensor("w", ("S", "H"), layout=Replicated)
+    g = p.tensor("g", ("H",), layout=Replicated)
+    h = cc.reduce_scatter(x) + w
+    p.update(w, cc.layer_norm(h, g))
+    p.output("sm", cc.all_gather(cc.softmax(h, 0)))
+    return p.ir
+
+
+def every_reduction():
+    p = cc.Program("every_reduction", dims=("S", "H"))
+    x = p.tensor("x", ("S", "H"), layout=Sliced(0))
+    z = p.tensor("z", ("S", "H"), layout=Sliced(1))
+    r = p.tensor("r", ("S", "H"), layout=Replicated)
+    p.output("mx", cc.max(x, 0))
+    p.output("mn", cc.min(x * 2.0))
+    p.output("mean", cc.mean(x, 0, keepdim=True))
+    p.output("rows", cc.sum(x, 1))
+    p.output("cols", cc.sum(z * z, 0))  # Sliced(1) over dim 0: Sliced(0)
+    p.output("ls", cc.log_softmax(x, -1))
+    p.output("rms", cc.rms_norm(r, eps=1e-6))
+    p.output("lsr", cc.all_gather(cc.log_softmax(z, 1)))
+    return p.ir
+
+
+PROGRAMS = [normalised_state, every_reduction]
+
+
+def opts(world, backend, kernels="eager", sizes=None):
+    return Options(world=world, sizes=sizes or {"S": 5, "H": 3}, backend=backend, kernels=kernels, time=False,
+                   timeout_s=120)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("backend", ["gloo", "shm"])
+@pytest.mark.parametrize("make", PROGRAMS, ids=lambda f: f.__name__)
+def test_every_schedule_on_uneven_rows(make, backend, world):
+    assert_all_ok(run_schedules(list(generate(make())), opts(world, backend)))
+    assert not rank_processes()
+
+
+@pytest.mark.parametrize("backend", ["gloo", "shm"])
+def test_a_rank_without_rows_reduces_to_the_identity(backend):
+    """5 rows over 4 ranks are 2, 2, 1 and none: the last rank's max is -inf, which the allreduce passes over."""
+    for make in PROGRAMS:
+        prog = make()
+        picked = [s for s in generate(prog) if s.text == "baseline" or s.text.startswith("fuse(")]
+        assert_all_ok(run_schedules(picked, opts(4, backend)))
+
+
+def test_each_op_lowers_to_one_torch_call():
+    src = lower(Schedule(every_reduction()), "gloo").source.split("def step")[1]
+    # a rank's share of a max over its rows, the identity where it holds none; a mean's share over the whole dim
+    assert "pmax0 = (x.amax(0, keepdim=False) if x.shape[0] else x.new_full((d_H, ), float('-inf')))" in src
+    assert "pmean0 = x.sum(0, keepdim=True) / ((d_S))" in src
+    assert "pmin0 = (mul0.amin() if mul0.numel() else mul0.new_full((), float('inf')))" in src
+    assert "sum0 = x.sum(1, keepdim=False)" in src and "mean0 = mul2.mean(1, keepdim=True)" in src
+    assert "log_softmax0 = torch.log_softmax(x, 1)" in src
+    assert "_allreduce(_c, ar0, 'max')" in src and "_allreduce(_c, ar1, 'min')" in src
+
+
+@pytest.mark.parametrize("make", PROGRAMS, ids=lambda f: f.__name__)
+def test_the_nccl_module_is_the_gloo_module_on_the_gpu(make):
+    for s in generate(make()):
+        for kernels in ("compiled", "eager"):
+            differ = _only_the_device_differs(lower(s, "gloo", kernels).source, lower(s, "nccl", kernels).source)
+            assert not differ, (s.text, kernels, differ)
+
+
+def test_a_layer_norm_fuses_into_one_kernel_that_c_leaves_to_inductor():
+    """The LayerNorm's means and its pointwise statements are one compiled function; on shm the group writes its
+    rows into every peer's copy of the state, the case the C chunk kernel takes for pointwise groups, which
+    computes flat elements and so leaves a row's mean to Inductor."""
+    sched = Schedule.parse(LN, normalised_state())
+    for backend in ("gloo", "shm"):
+        src = lower(sched, backend).source
+        fused = src.split("def _fuse0(")[1].split("\ndef ")[0]
+        assert "mean0 = add0.mean(1, keepdim=True)" in fused and "rsqrt0 = torch.rsqrt(add1)" in fused
+        assert "_fuse0 = _kernel(_fuse0)" in src
+    shm = lower(sched, "shm").source
+    assert "_into_peers(" in shm and "_native(" not in shm
+
+
+def test_cost_model_prices_every_schedule():
+    """Finite and positive; a fused LayerNorm reads and writes fewer bytes than its statements one by one."""
+    for topo in (load_topology(n) for n in list_topologies()):
+        for backend in topo.backends:
+            for make in PROGRAMS:
+                for s in generate(make()):
+                    p = cost.predict(s, {"S": 4096, "H": 4096}, topo, backend, world=4)
+                    assert math.isfinite(p.seconds) and p.seconds > 0, (topo.name, backend, s.text)
+            state = normalised_state()
+            alone = cost.predict(Schedule(state), {"S": 4096, "H": 4096}, topo, backend, world=4)
+            fused = cost.predict(Schedule.parse(LN, state), {"S": 4096, "H": 4096}, topo, backend, world=4)
+            assert fused.memory_s < alone.memory_s, (topo.name, backend)
+
+
+def test_fused_row_kernels_compiled():
+    """Inductor's kernels on shm: the sequence-parallel LayerNorm fused with dropout and the residual, and a
+    LayerNorm written into every peer's copy of the state beside a softmax's exponentials. (gloo runs the same
+    function of the group; test_a_layer_norm_fuses_into_one_kernel_that_c_leaves_to_inductor reads both.)"""
+    gpt = runpy.run_path(str(ROOT / "examples" / "gpt_layer_sp.py"))["program"].ir
+    fused = [s for s in generate(gpt) if s.text.startswith("fuse(") and "overlap" not in s.text]
+    assert len(fused) == 1 and "mean0" in fused[0].text
+    assert_all_ok(run_schedules(fused, opts(3, "shm", "compiled", {"S": 5, "B": 2, "H": 3})))
+    picked = [Schedule.parse(f"{LN}; fuse(sub1, exp0)", normalised_state())]
+    assert_all_ok(run_schedules(picked, opts(3, "shm", "compiled")))
