@@ -52,19 +52,37 @@ def every_reduction():
     return p.ir
 
 
-PROGRAMS = [normalised_state, every_reduction]
+def tensor_parallel_layer():
+    """Megatron-LM's tensor-parallel epilogue with a LayerNorm and a softmax along the sequence: split + reorder
+    turn it into the sequence-parallel shape (the LayerNorm on slices, the softmax through allreduces)."""
+    p = cc.Program("tensor_parallel_layer", dims=("S", "B", "H"))
+    x = p.tensor("x", ("S", "B", "4*H"), layout=Sliced(-1))
+    w = p.tensor("w", ("4*H", "H"), layout=Sliced(0))
+    b = p.tensor("b", ("H",), layout=Replicated)
+    r = p.tensor("r", ("S", "B", "H"), layout=Replicated)
+    g = p.tensor("g", ("H",), layout=Replicated)
+    seed = p.scalar("seed", dtype="int64")
+    h = cc.dropout(cc.allreduce(cc.matmul(x, w)) + b, 0.1, seed) + r
+    p.output("out", cc.layer_norm(h, g))
+    p.output("sm", cc.softmax(h, 0))
+    return p.ir
 
 
-def opts(world, backend, kernels="eager", sizes=None):
-    return Options(world=world, sizes=sizes or {"S": 5, "H": 3}, backend=backend, kernels=kernels, time=False,
-                   timeout_s=120)
+PROGRAMS = [normalised_state, every_reduction, tensor_parallel_layer]
+SIZES = {"S": 5, "H": 3, "B": 2}
+
+
+def opts(world, backend, kernels="eager", prog=None):
+    sizes = {d: SIZES[d] for d in (prog.dims if prog is not None else ("S", "H"))}
+    return Options(world=world, sizes=sizes, backend=backend, kernels=kernels, time=False, timeout_s=120)
 
 
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("backend", ["gloo", "shm"])
 @pytest.mark.parametrize("make", PROGRAMS, ids=lambda f: f.__name__)
 def test_every_schedule_on_uneven_rows(make, backend, world):
-    assert_all_ok(run_schedules(list(generate(make())), opts(world, backend)))
+    prog = make()
+    assert_all_ok(run_schedules(list(generate(prog)), opts(world, backend, prog=prog)))
     assert not rank_processes()
 
 
@@ -74,7 +92,7 @@ def test_a_rank_without_rows_reduces_to_the_identity(backend):
     for make in PROGRAMS:
         prog = make()
         picked = [s for s in generate(prog) if s.text == "baseline" or s.text.startswith("fuse(")]
-        assert_all_ok(run_schedules(picked, opts(4, backend)))
+        assert_all_ok(run_schedules(picked, opts(4, backend, prog=prog)))
 
 
 def test_each_op_lowers_to_one_torch_call():
@@ -94,6 +112,15 @@ def test_the_nccl_module_is_the_gloo_module_on_the_gpu(make):
         for kernels in ("compiled", "eager"):
             differ = _only_the_device_differs(lower(s, "gloo", kernels).source, lower(s, "nccl", kernels).source)
             assert not differ, (s.text, kernels, differ)
+
+
+def test_split_and_reorder_make_the_tensor_parallel_layer_sequence_parallel():
+    sched = Schedule.parse("split(ar0); reorder(ag0)", tensor_parallel_layer())
+    p = sched.scheduled
+    assert p["mean0"].type.layout == Sliced(0) and p["mean0"].attr("dim") == 2  # each rank's rows' means
+    assert [p[u].op for u in p.users["add1"]].count("partial_reduce") == 1  # the softmax's max along the rows
+    assert [s.attr("op") for s in p.stmts if s.op == "allreduce"] == ["max", "sum"]
+    assert "softmax" not in p.of_op
 
 
 def test_a_layer_norm_fuses_into_one_kernel_that_c_leaves_to_inductor():
@@ -116,7 +143,7 @@ def test_cost_model_prices_every_schedule():
         for backend in topo.backends:
             for make in PROGRAMS:
                 for s in generate(make()):
-                    p = cost.predict(s, {"S": 4096, "H": 4096}, topo, backend, world=4)
+                    p = cost.predict(s, {"S": 4096, "H": 4096, "B": 2}, topo, backend, world=4)
                     assert math.isfinite(p.seconds) and p.seconds > 0, (topo.name, backend, s.text)
             state = normalised_state()
             alone = cost.predict(Schedule(state), {"S": 4096, "H": 4096}, topo, backend, world=4)
@@ -131,6 +158,6 @@ def test_fused_row_kernels_compiled():
     gpt = runpy.run_path(str(ROOT / "examples" / "gpt_layer_sp.py"))["program"].ir
     fused = [s for s in generate(gpt) if s.text.startswith("fuse(") and "overlap" not in s.text]
     assert len(fused) == 1 and "mean0" in fused[0].text
-    assert_all_ok(run_schedules(fused, opts(3, "shm", "compiled", {"S": 5, "B": 2, "H": 3})))
+    assert_all_ok(run_schedules(fused, opts(3, "shm", "compiled", gpt)))
     picked = [Schedule.parse(f"{LN}; fuse(sub1, exp0)", normalised_state())]
     assert_all_ok(run_schedules(picked, opts(3, "shm", "compiled")))
