@@ -313,8 +313,10 @@ class Builder:
             name, k = f"{base}_{k}", k + 1
         return name
 
-    def _peek_name(self, op: str) -> str:
+    def _peek_name(self, op: str, kind: Any = None) -> str:
         prefix = PREFIX.get(op, op)
+        if op in ("reduce", "partial_reduce") and kind in REDUCE_KINDS:
+            prefix = ("p" if op == "partial_reduce" else "") + kind
         k = self.counters.get(prefix, 0)
         while f"{prefix}{k}" in self.index or f"{prefix}{k}" in self.reserved:
             k += 1
@@ -355,7 +357,7 @@ class Builder:
         location: str | None = None,
     ) -> int:
         attrs = dict(attrs or {})
-        label = name or self._peek_name(op)
+        label = name or self._peek_name(op, attrs.get("op"))
         return self._labelled(op, label, location, lambda: self._add(op, tuple(args), attrs, name, location, label))
 
     def add_verified(self, op: str, args: tuple[int, ...], canon: tuple, ty: TensorType, *, name: str | None = None,
