@@ -6,6 +6,8 @@ import runpy
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
 
 import coconet as cc
 from coconet import Local, Replicated, Sliced
@@ -178,3 +180,46 @@ def test_fused_row_kernels_compiled():
     assert_all_ok(run_schedules(fused, opts(3, "shm", "compiled", gpt)))
     picked = [Schedule.parse(f"{LN}; fuse(sub1, exp0)", normalised_state())]
     assert_all_ok(run_schedules(picked, opts(3, "shm", "compiled")))
+
+
+@st.composite
+def rowwise_programs(draw):
+    """A random epilogue after a collective: pointwise work, reductions along a dim broadcast back, softmaxes
+    and norms, an update of Replicated state and a reduced output; what split, reorder, as_slice and fuse
+    then make of it is checked on the backends."""
+    p = cc.Program("randrow", dims=("N", "M"))
+    g = p.tensor("g", ("N", "M"), layout=Local)
+    s = p.tensor("s", ("N", "M"), layout=Replicated)
+    wv = p.tensor("wv", ("M",), layout=Replicated)
+    a = p.scalar("a")
+    pool = [cc.allreduce(g, op=draw(st.sampled_from(["sum", "avg", "max"]))), s]
+    for _ in range(draw(st.integers(1, 5))):
+        x, y = draw(st.sampled_from(pool)), draw(st.sampled_from(pool))
+        dim = draw(st.sampled_from([0, 1, -1]))
+        kind = draw(st.sampled_from(["bin", "scal", "reduce", "softmax", "norm"]))
+        if kind == "bin":
+            e = draw(st.sampled_from([lambda u, v: u + v, lambda u, v: u * v]))(x, y)
+        elif kind == "scal":
+            e = a * x + 0.5
+        elif kind == "reduce":
+            e = x - draw(st.sampled_from([cc.sum, cc.mean, cc.max, cc.min]))(y, dim, keepdim=True)
+        elif kind == "softmax":
+            e = draw(st.sampled_from([cc.softmax, cc.log_softmax]))(x, dim)
+        else:
+            e = cc.layer_norm(x, wv) if draw(st.booleans()) else cc.rms_norm(x, wv)
+        pool.append(e)
+    p.update(s, draw(st.sampled_from(pool[2:])))
+    if draw(st.booleans()):
+        reduced = draw(st.sampled_from([cc.sum, cc.max]))
+        p.output("out", reduced(draw(st.sampled_from(pool)), draw(st.sampled_from([0, 1]))))
+    return p
+
+
+@settings(max_examples=6, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate],
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
+@given(rowwise_programs(), st.sampled_from([2, 3]), st.sampled_from(["gloo", "shm"]))
+def test_unseen_rowwise_programs(p, world, backend):
+    prog = p.ir
+    picked = list(generate(prog, depth=4))[:24]
+    assert_all_ok(run_schedules(picked, Options(world=world, sizes={"N": 5, "M": 3}, backend=backend,
+                                                kernels="eager", time=False, timeout_s=120)))
