@@ -65,6 +65,38 @@ class MegatronStep:
         return {"outputs": {"out": F.dropout(y + tensors["b"], p=0.1, training=True) + tensors["r"]}, "sent": {}}
 
 
+class GptLayerSPStep:
+    """Megatron-LM's sequence-parallel epilogue as eager PyTorch: matmul, ``dist.reduce_scatter_tensor`` along
+    the sequence, ``F.dropout(y + b) + r`` and ``F.layer_norm`` on the slice, ``dist.all_gather_into_tensor``.
+    Megatron-LM requires the sequence to divide among the ranks; here an uneven one is padded, as the
+    collectives want equal parts."""
+
+    def __init__(self, p: float = 0.1) -> None:
+        self.p = p  # the example's dropout probability
+
+    def __call__(self, tensors, scalars, *, group=None, **_):
+        import torch
+        import torch.distributed as dist
+        import torch.nn.functional as F
+
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        y = torch.matmul(tensors["x"], tensors["w"])
+        n = y.shape[0]
+        chunk = -(-n // world)
+        if n != chunk * world:
+            y = torch.cat([y, y.new_zeros((chunk * world - n,) + tuple(y.shape[1:]))])
+        part = y.new_empty((chunk,) + tuple(y.shape[1:]))
+        dist.reduce_scatter_tensor(part, y.contiguous(), group=group)
+        lo = min(rank * chunk, n)
+        part = part[: min(lo + chunk, n) - lo]
+        h = F.dropout(part + tensors["b"], p=self.p, training=True) + tensors["r"]
+        normed = F.layer_norm(h, h.shape[-1:], tensors["gamma"], tensors["beta"], eps=1e-5)
+        sent = torch.cat([normed, normed.new_zeros((chunk - normed.shape[0],) + tuple(normed.shape[1:]))])
+        whole = sent.new_empty((chunk * world,) + tuple(sent.shape[1:]))
+        dist.all_gather_into_tensor(whole, sent.contiguous(), group=group)
+        return {"outputs": {"residual": h, "out": whole[:n]}, "sent": {}}
+
+
 @dataclass(frozen=True)
 class Baseline:
     name: str
@@ -88,6 +120,10 @@ BASELINES = {
                      shardable=("m", "v")),
     "megatron_mlp": Baseline("megatron_mlp", "megatron_mlp", MegatronStep, False,
                              "eager PyTorch: matmul, dist.all_reduce, F.dropout(y + b) + r"),
+    "gpt_layer_sp": Baseline("gpt_layer_sp", "gpt_layer_sp", GptLayerSPStep, False,
+                             "eager PyTorch as Megatron-LM's sequence parallelism: matmul, "
+                             "dist.reduce_scatter_tensor, F.dropout(y + b) + r, F.layer_norm, "
+                             "dist.all_gather_into_tensor"),
 }
 
 

@@ -44,10 +44,11 @@ from coconet.codegen.analysis import (
     ungrouped_pointwise,
 )
 from coconet.codegen.cache import cache_dir
+from coconet.codegen.rowwise import normalize_text, reduce_text
 from coconet.errors import BackendError
 from coconet.kernels.native import FACTORS, HALF, ChunkKernel, Untranslatable, c_source
 from coconet.schedules.dims import Dim
-from coconet.schedules.ir import COMPARE, EFFECTS, Group, Program, Stmt
+from coconet.schedules.ir import COMPARE, EFFECTS, ROWWISE_OPS, Group, Program, Stmt
 from coconet.schedules.schedule import Schedule
 from coconet.schedules.types import ITEMSIZE, Local, Replicated, Sliced
 
@@ -318,6 +319,11 @@ class _Emitter:
             return [f"{n} = {args[0]}.sum()"]
         if op == "norm":
             return [f"{n} = _norm({args[0]})"]
+        if op in ("reduce", "partial_reduce"):
+            x = self.tensor(s.args[0], args[0])
+            return [f"{n} = {reduce_text(s, x, self.p[s.args[0]].type, dim_expr, self.local_shape_expr(s.type))}"]
+        if op in ("softmax", "log_softmax"):
+            return [f"{n} = {normalize_text(s, self.tensor(s.args[0], args[0]))}"]
         if op == "matmul":
             return [f"{n} = {self.matmul}({args[0]}, {args[1]})"]
         if op == "allreduce":
@@ -1277,6 +1283,8 @@ def _native_chunk(e: _Emitter, compute: list[str], inplace: dict[str, str], into
         return None
     for m in (*pre, *compute):
         s = p[m]
+        if s.op in ROWWISE_OPS:
+            return None  # C computes a chunk of flat elements: a row's reduction is Inductor's
         dtype = ("bool" if s.op in COMPARE
                  else s.attr("dtype") if s.op == "cast" and s.attr("dtype") in HALF else "float32")
         # arithmetic kept in a half dtype is Inductor's: torch's kernels round every op to it, which C can do

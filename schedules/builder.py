@@ -31,7 +31,10 @@ from coconet.schedules.ir import (
     MAX_RANK,
     MAX_STATEMENTS,
     NEXT_STAGE,
+    NORMALIZERS,
+    PARTIAL_COLLECTIVE,
     PREV_STAGE,
+    REDUCE_KINDS,
     REDUCE_OPS,
     UNARY,
     Program,
@@ -162,6 +165,18 @@ def _reduce_op(v: Any) -> str:
     return v
 
 
+def _reduce_kind(v: Any) -> str:
+    if v not in REDUCE_KINDS:
+        raise ValueError(f"{v!r} is not one of {', '.join(REDUCE_KINDS)}")
+    return v
+
+
+def _bool(v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise ValueError(f"{v!r} is not true or false")
+    return v
+
+
 def _to(v: Any) -> str:
     if v != NEXT_STAGE:
         raise ValueError(f"send goes to NEXT_STAGE ({NEXT_STAGE!r}), not {v!r}")
@@ -193,6 +208,10 @@ SCHEMAS: dict[str, Schema] = {
     "reduce_scatter": {"op": (_reduce_op, "sum"), "dim": (_int, 0)},
     "broadcast": {"root": (_nonneg, 0)},
     "slice": {"dim": (_int, 0)},
+    "reduce": {"op": (_reduce_kind, REQ), "dim": (_int, None), "keepdim": (_bool, False)},
+    "partial_reduce": {"op": (_reduce_kind, REQ), "dim": (_int, None), "keepdim": (_bool, False)},
+    "softmax": {"dim": (_int, REQ)},
+    "log_softmax": {"dim": (_int, REQ)},
     "output": {"name": (_identifier, REQ)},
     "send": {"tag": (_identifier, "activation"), "to": (_to, NEXT_STAGE)},
 }
@@ -205,6 +224,10 @@ ARITY: dict[str, tuple[int, int]] = {
     "sum": (1, 1),
     "norm": (1, 1),
     "partial_sum": (1, 1),
+    "reduce": (1, 1),
+    "partial_reduce": (1, 1),
+    "softmax": (1, 1),
+    "log_softmax": (1, 1),
     "matmul": (2, 2),
     "allreduce": (1, 1),
     "reduce_scatter": (1, 1),
@@ -275,6 +298,8 @@ class Builder:
         if op == "output":
             return self._fresh(attrs["name"] if attrs["name"] not in self.index else f"out_{attrs['name']}")
         prefix = PREFIX.get(op, op)
+        if op in ("reduce", "partial_reduce"):  # named by kind: mean0, pmax0
+            prefix = ("p" if op == "partial_reduce" else "") + attrs["op"]
         while True:
             k = self.counters.get(prefix, 0)
             self.counters[prefix] = k + 1
@@ -288,8 +313,10 @@ class Builder:
             name, k = f"{base}_{k}", k + 1
         return name
 
-    def _peek_name(self, op: str) -> str:
+    def _peek_name(self, op: str, kind: Any = None) -> str:
         prefix = PREFIX.get(op, op)
+        if op in ("reduce", "partial_reduce") and kind in REDUCE_KINDS:
+            prefix = ("p" if op == "partial_reduce" else "") + kind
         k = self.counters.get(prefix, 0)
         while f"{prefix}{k}" in self.index or f"{prefix}{k}" in self.reserved:
             k += 1
@@ -330,7 +357,7 @@ class Builder:
         location: str | None = None,
     ) -> int:
         attrs = dict(attrs or {})
-        label = name or self._peek_name(op)
+        label = name or self._peek_name(op, attrs.get("op"))
         return self._labelled(op, label, location, lambda: self._add(op, tuple(args), attrs, name, location, label))
 
     def add_verified(self, op: str, args: tuple[int, ...], canon: tuple, ty: TensorType, *, name: str | None = None,
@@ -382,6 +409,8 @@ class Builder:
             want = str(lo) if lo == hi else f"{lo} or {hi}"
             raise ProgramError(f"{op} takes {want} operands, got {len(args)}", rule=f"arity of {op}")
         canon = self._check_attrs(op, attrs, custom)
+        if op in ("reduce", "partial_reduce") or op in NORMALIZERS:
+            canon = self._canonical_dim(op, args, canon)
 
         # Semantics made explicit (see module docstring).
         if op == "slice" and isinstance(self.type_of(args[0]).layout, Sliced):
@@ -395,6 +424,13 @@ class Builder:
             part = self.add("partial_sum", (x,), location=location)
             total = self.add("allreduce", (part,), {"op": "sum"}, location=location)
             return self.add("sqrt", (total,), location=location, name=name) if op == "norm" else total
+        if op == "reduce" and self._over_slices(args[0], dict(canon).get("dim")):
+            # each rank reduces its rows; the collective of the kind combines the partial results
+            part = self.add("partial_reduce", args, dict(canon), location=location)
+            kind = PARTIAL_COLLECTIVE[dict(canon)["op"]]
+            return self.add("allreduce", (part,), {"op": kind}, location=location, name=name)
+        if op in NORMALIZERS and self._over_slices(args[0], dict(canon)["dim"]):
+            return self._normalize_slices(op, args[0], dict(canon)["dim"], name, location)
         if op == "matmul" and self._partial_product(args):
             # R×S(0): each rank multiplies its columns of a by its rows of b, and the partial products add up
             a = self.add("slice", (args[0],), {"dim": -1}, location=location)
@@ -469,6 +505,31 @@ class Builder:
                 raise ProgramError(f"attribute {key}: {e}", rule=f"attributes of {op}") from None
         return tuple(sorted(out.items()))
 
+    def _canonical_dim(self, op: str, args: tuple[int, ...], canon: tuple) -> tuple:
+        """The dim counted from the front, so ``sum(x, -1)`` and ``sum(x, 1)`` are one statement."""
+        attrs = dict(canon)
+        if attrs.get("dim") is None:
+            return canon
+        x = self.type_of(args[0])
+        kind = attrs.get("op", op)
+        attrs["dim"] = infer.dim_index(x, attrs["dim"], kind, self.nodes[args[0]].name)
+        return tuple(sorted(attrs.items()))
+
+    def _over_slices(self, x: int, dim: int | None) -> bool:
+        layout = self.type_of(x).layout
+        return isinstance(layout, Sliced) and (dim is None or layout.dim == dim)
+
+    def _normalize_slices(self, op: str, x: int, dim: int, name: str | None, location: str | None) -> int:
+        """softmax along the sliced dim: the dim's max and sum of exponentials are partial reductions that
+        allreduces complete; the rest is pointwise on this rank's slice."""
+        peak = self.add("reduce", (x,), {"op": "max", "dim": dim, "keepdim": True}, location=location)
+        shifted = self.add("sub", (x, peak), location=location)
+        e = self.add("exp", (shifted,), location=location)
+        total = self.add("reduce", (e,), {"op": "sum", "dim": dim, "keepdim": True}, location=location)
+        if op == "softmax":
+            return self.add("div", (e, total), location=location, name=name)
+        return self.add("sub", (shifted, self.add("log", (total,), location=location)), location=location, name=name)
+
     def _partial_product(self, args: tuple[int, ...]) -> bool:
         a, b = (self.type_of(x) for x in args)
         return (isinstance(a.layout, Replicated) and a.ndim >= 1 and b.ndim == 2 and isinstance(b.layout, Sliced)
@@ -519,6 +580,11 @@ class Builder:
             return infer.dropout(types[0], names, types[1] if len(types) > 1 else None)
         if op in ("sum", "norm", "partial_sum"):
             return infer.reduction(types[0], op, names)
+        if op in ("reduce", "partial_reduce"):
+            return infer.reduce_dim(types[0], attrs["op"], attrs.get("dim"), attrs["keepdim"], names,
+                                    partial=op == "partial_reduce")
+        if op in NORMALIZERS:
+            return infer.normalize(types[0], op, attrs["dim"], names)
         if op == "matmul":
             return infer.matmul(types[0], types[1], names)
         if op == "allreduce":

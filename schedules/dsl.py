@@ -252,8 +252,71 @@ def norm(x: Expr) -> Expr:
     return _apply("norm", (x,))
 
 
-def sum(x: Expr) -> Expr:  # noqa: A001 - the DSL's name, like torch.sum
-    return _apply("sum", (x,))
+def sum(x: Expr, dim: int | None = None, keepdim: bool = False) -> Expr:  # noqa: A001 - like torch.sum
+    """Sum over ``dim`` (None: every element, a scalar). Over a Sliced value's sliced dim (or every dim) it is
+    each rank's partial sum and an allreduce."""
+    if dim is None and not keepdim:
+        return _apply("sum", (x,))
+    return _reduce("sum", x, dim, keepdim)
+
+
+def _reduce(kind: str, x: Any, dim: Any, keepdim: Any) -> Expr:
+    if dim is not None and (isinstance(dim, bool) or not isinstance(dim, int)):
+        raise ProgramError(f"{kind}: dim must be an int or None, got {dim!r}", op=kind, location=_caller())
+    if not isinstance(keepdim, bool):
+        raise ProgramError(f"{kind}: keepdim must be True or False, got {keepdim!r}", op=kind, location=_caller())
+    return _apply("reduce", (x,), {"op": kind, "dim": dim, "keepdim": keepdim})
+
+
+def mean(x: Expr, dim: int | None = None, keepdim: bool = False) -> Expr:
+    """Mean over ``dim`` (None: every element). Over a sliced dim: partial sums divided by the full extent,
+    then an allreduce (sum)."""
+    return _reduce("mean", x, dim, keepdim)
+
+
+def max(x: Expr, dim: int | None = None, keepdim: bool = False) -> Expr:  # noqa: A001 - like torch.amax
+    """Largest element along ``dim`` (the values, not the indices; None: every element). Over a sliced dim:
+    each rank's maximum, then an allreduce with op "max"."""
+    return _reduce("max", x, dim, keepdim)
+
+
+def min(x: Expr, dim: int | None = None, keepdim: bool = False) -> Expr:  # noqa: A001 - like torch.amin
+    """Smallest element along ``dim`` (None: every element). Over a sliced dim: allreduce with op "min"."""
+    return _reduce("min", x, dim, keepdim)
+
+
+def _normalizer(op: str, x: Any, dim: Any) -> Expr:
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise ProgramError(f"{op}: dim must be an int, got {dim!r}", op=op, location=_caller())
+    return _apply(op, (x,), {"dim": dim})
+
+
+def softmax(x: Expr, dim: int) -> Expr:
+    """``exp(x) / sum(exp(x), dim)``, computed stably. Along a Sliced value's sliced dim it is written as the
+    dim's max and sum of exponentials (partials + allreduces) and pointwise work on the slices."""
+    return _normalizer("softmax", x, dim)
+
+
+def log_softmax(x: Expr, dim: int) -> Expr:
+    """``x - log(sum(exp(x), dim))``, computed stably; along a sliced dim, as ``softmax``."""
+    return _normalizer("log_softmax", x, dim)
+
+
+def layer_norm(x: Expr, weight: Any = None, bias: Any = None, eps: float = 1e-5) -> Expr:
+    """LayerNorm over the last dim (torch.nn.functional.layer_norm with one normalized dim, biased variance):
+    ``(x - mean) * rsqrt(var + eps) * weight + bias``; ``weight``/``bias`` None leave that step out."""
+    mu = mean(x, -1, keepdim=True)
+    xc = x - mu
+    y = xc * rsqrt(mean(xc * xc, -1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight
+    return y + bias if bias is not None else y
+
+
+def rms_norm(x: Expr, weight: Any = None, eps: float = 1e-6) -> Expr:
+    """RMSNorm over the last dim: ``x * rsqrt(mean(x * x) + eps) * weight`` (torch.nn.functional.rms_norm)."""
+    y = x * rsqrt(mean(x * x, -1, keepdim=True) + eps)
+    return y * weight if weight is not None else y
 
 
 def matmul(a: Expr, b: Expr) -> Expr:

@@ -247,3 +247,52 @@ def update(target: TensorType, value: TensorType, names: Sequence[str]) -> None:
             f"{names[0]} is {target.layout} but the new value {names[1]} is {value.layout}",
             rule="update(t, e): e has t's layout, except Replicated t <- Sliced e (an implied all_gather)",
         )
+
+
+def dim_index(x: TensorType, dim: int, op: str, name: str) -> int:
+    if not -x.ndim <= dim < x.ndim:
+        valid = f"in [{-x.ndim}, {x.ndim - 1}]" if x.ndim else "none: it is a scalar"
+        raise ProgramError(f"{op} over dim {dim} of {name} with shape {x.shape_text()}: dims are {valid}",
+                           rule=f"{op}(x, dim): dim indexes x's shape")
+    return dim % x.ndim
+
+
+def reduce_dim(x: TensorType, kind: str, dim: int | None, keepdim: bool, names: Sequence[str],
+               partial: bool = False) -> TensorType:
+    """``kind`` (sum, mean, max, min) over ``dim`` (None: every dim): the dim goes, or stays with extent 1 under
+    ``keepdim``. R→R, L→L; S(k) over another dim stays Sliced (along k, or k-1 where an earlier dim goes); S(k)
+    over k (or every dim) is this rank's share of the result, Local (``partial_reduce``), that an allreduce
+    completes (the builder writes both)."""
+    if x.dtype == "bool":
+        raise ProgramError(f"{kind} of a comparison result {names[0]}", rule=f"{kind} needs numbers")
+    if kind == "mean" and x.dtype == "int64":
+        raise ProgramError(f"mean of {names[0]} (int64); cast it to a float dtype first", rule="mean needs floats")
+    dims = tuple(range(x.ndim)) if dim is None else (dim_index(x, dim, kind, names[0]),)
+    shape = tuple(ONE if k in dims else d for k, d in enumerate(x.shape) if keepdim or k not in dims)
+    dtype = x.dtype
+    layout = x.layout
+    over_slices = isinstance(layout, Sliced) and layout.dim in dims
+    if partial:
+        if not over_slices:
+            raise ProgramError(
+                f"partial_reduce of {names[0]} ({layout}) over dim {dim}: a partial reduction reduces a Sliced "
+                "value over its sliced dim", rule="partial_reduce: S(k) over k → L")
+        return TensorType(shape, dtype, Local())
+    if over_slices:
+        raise ProgramError(f"{kind} of {names[0]} ({layout}) over its sliced dim must be partial_reduce + allreduce",
+                           rule=f"{kind} over a sliced dim: partials + allreduce")
+    if isinstance(layout, Sliced) and not keepdim:
+        layout = Sliced(layout.dim - len([k for k in dims if k < layout.dim]))
+    return TensorType(shape, dtype, layout)
+
+
+def normalize(x: TensorType, op: str, dim: int, names: Sequence[str]) -> TensorType:
+    """softmax / log_softmax along ``dim``: the shape and layout of ``x``; along a sliced dim the builder
+    writes it as max and sum along the dim (partials + allreduces) and pointwise work on the slices."""
+    if x.dtype == "bool" or x.dtype == "int64":
+        raise ProgramError(f"{op} of {names[0]} ({x.dtype}) needs a float tensor", rule=f"{op}(x: float)")
+    d = dim_index(x, dim, op, names[0])
+    if isinstance(x.layout, Sliced) and x.layout.dim == d:
+        raise ProgramError(f"{op} of {names[0]} ({x.layout}) along its sliced dim must be written as max and sum "
+                           "along the dim", rule=f"{op} along a sliced dim: max, sum and allreduces")
+    return TensorType(x.shape, x.dtype or "float32", x.layout)

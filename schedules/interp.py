@@ -445,6 +445,48 @@ def _partial_sum(ctx: _Ctx, s: Stmt) -> Pieces:
     return _sum(ctx, s)
 
 
+_IDENTITY = {"sum": 0.0, "mean": 0.0, "max": -np.inf, "min": np.inf}
+
+
+def _reduce_piece(x: np.ndarray, kind: str, axis: int | None, keepdim: bool) -> np.ndarray:
+    """One rank's reduction; an empty slice (a rank past an uneven last slice) gives the kind's identity."""
+    x = np.asarray(x, np.float64)
+    if kind in ("max", "min"):
+        fn = np.max if kind == "max" else np.min
+        return np.asarray(fn(x, axis=axis, keepdims=keepdim, initial=_IDENTITY[kind]))
+    return np.asarray(np.sum(x, axis=axis, keepdims=keepdim))
+
+
+def _reduce(ctx: _Ctx, s: Stmt) -> Pieces:
+    """``reduce``, and ``partial_reduce``: the same on each rank's slice, a mean's share divided by the extent of
+    the whole (sliced) dim, so that the allreduce's sum is the mean."""
+    kind, dim, keep = s.attr("op"), s.attr("dim"), s.attr("keepdim")
+    x = s.args[0]
+    count = 1
+    if kind == "mean":
+        shape = ctx.shape(x)
+        count = math.prod(shape) if dim is None else shape[dim]
+    out = []
+    for piece in ctx.vals[x]:
+        v = _reduce_piece(piece, kind, dim, keep)
+        out.append(v / count if kind == "mean" else v)
+    return out
+
+
+def _softmax(log: bool) -> Callable[[_Ctx, Stmt], Pieces]:
+    def rule(ctx: _Ctx, s: Stmt) -> Pieces:
+        d = s.attr("dim")
+        out = []
+        for piece in ctx.vals[s.args[0]]:
+            z = np.asarray(piece, np.float64)
+            z = z - np.max(z, axis=d, keepdims=True)
+            with np.errstate(all="ignore"):
+                total = np.sum(np.exp(z), axis=d, keepdims=True)
+                out.append(z - np.log(total) if log else np.exp(z) / total)
+        return out
+    return rule
+
+
 def _custom(ctx: _Ctx, s: Stmt) -> Pieces:
     op = ctx.prog.custom_ops.get(s.op)
     if op is None:
@@ -488,6 +530,10 @@ EVAL: dict[str, Callable[[_Ctx, Stmt], Pieces]] = {
     "sum": _sum,
     "norm": _norm,
     "partial_sum": _partial_sum,
+    "reduce": _reduce,
+    "partial_reduce": _reduce,
+    "softmax": _softmax(log=False),
+    "log_softmax": _softmax(log=True),
     "matmul": _matmul,
     "allreduce": _allreduce,
     "reduce_scatter": _reduce_scatter,

@@ -29,11 +29,20 @@ BINARY = frozenset({"add", "sub", "mul", "div", "pow", "maximum", "minimum"})
 COMPARE = frozenset({"lt", "le", "gt", "ge", "eq", "ne"})
 POINTWISE = UNARY | BINARY | COMPARE | {"where", "dropout"}
 REDUCTIONS = frozenset({"sum", "norm", "partial_sum"})
+# along a dim (or over all elements): ``reduce`` (attrs op, dim, keepdim) and its share on one rank's slice
+DIM_REDUCTIONS = frozenset({"reduce", "partial_reduce"})
+NORMALIZERS = frozenset({"softmax", "log_softmax"})
+# statements computed row by row along a dim: a kernel can fuse them, a chunk of flat elements cannot
+ROWWISE_OPS = frozenset({"reduce", "softmax", "log_softmax"})
+REDUCE_KINDS = ("sum", "mean", "max", "min")
+# the collective that completes a partial_reduce of each kind (mean's partial is divided by the full extent)
+PARTIAL_COLLECTIVE = {"sum": "sum", "mean": "sum", "max": "max", "min": "min"}
 COLLECTIVES = frozenset({"allreduce", "reduce_scatter", "all_gather", "broadcast"})
 EFFECTS = frozenset({"update", "output", "send"})
 # R→S with no communication: each rank's rows of its own copy (slice_reduce makes it)
 VIEWS = frozenset({"slice"})
-BUILTIN_OPS = SOURCES | POINTWISE | REDUCTIONS | COLLECTIVES | EFFECTS | VIEWS | {"matmul"}
+BUILTIN_OPS = (SOURCES | POINTWISE | REDUCTIONS | DIM_REDUCTIONS | NORMALIZERS | COLLECTIVES | EFFECTS | VIEWS
+               | {"matmul"})
 
 REDUCE_OPS = ("sum", "prod", "max", "min", "avg")
 NEXT_STAGE = "next"

@@ -308,6 +308,10 @@ class _Builder:
                           dtype=t.dtype, cold=self.reads(s, cold=True))
         if s.op in ("sum", "partial_sum", "norm"):
             return Kernel(s.name, launches, self.reads(s), dtype=t.dtype or "float32", cold=self.reads(s, cold=True))
+        if s.op in ("softmax", "log_softmax"):
+            # torch's kernel reads each row three times (its max, its sum of exponentials, the result)
+            return Kernel(s.name, launches, self.reads(s) * 3, out, out, dtype=t.dtype or "float32",
+                          cold=self.reads(s, cold=True))
         fresh = () if s.name in self.held else out
         return Kernel(s.name, launches, self.reads(s), out, fresh, dtype=(t.dtype if t else None) or "float32",
                       cold=self.reads(s, cold=True))

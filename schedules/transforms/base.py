@@ -15,7 +15,7 @@ from typing import Any, Callable, ClassVar, Iterable
 
 from coconet.errors import IllegalTransform
 from coconet.schedules.builder import ARITY
-from coconet.schedules.ir import BINARY, COMPARE, UNARY, Group, Program, Stmt
+from coconet.schedules.ir import BINARY, COMPARE, ROWWISE_OPS, UNARY, Group, Program, Stmt
 from coconet.schedules.types import Local, Sliced
 
 POINTWISE_OPS = UNARY | BINARY | COMPARE | {"where", "dropout"}
@@ -124,7 +124,8 @@ def consumes_slices(program: Program, s: Stmt, products: bool = False) -> bool:
     and reductions can (reductions become partial sums + allreduce), unless a
     Local operand would meet the slice; with ``products``, a matmul may too (which
     operand is sliced decides: ``reorder.slices_align``)."""
-    if not (is_pointwise(program, s) or s.op in ("sum", "norm") or (products and s.op == "matmul")):
+    if not (is_pointwise(program, s) or s.op in ("sum", "norm") or s.op in ROWWISE_OPS
+            or (products and s.op == "matmul")):
         return False
     return not any(isinstance(program[a].type.layout, Local) for a in s.args)
 

@@ -1,15 +1,20 @@
 """fuse(stmts): pointwise statements → one kernel (CoCoNet §4.3).
 
 Members compute tensors of one shape and layout (scalars they read are kernel
-arguments). Fusion must not create a cycle: no path may leave the group and
-come back into it.
+arguments). A group may also take statements computed along a dim (``reduce``
+over one dim, ``softmax``, ``log_softmax``: a LayerNorm's means, an attention
+row's softmax); such a group's members share one layout and rank, and their
+shapes broadcast to the largest of them (a row's mean of shape (S, 1) beside
+the (S, H) rows). Fusion must not create a cycle: no path may leave the group
+and come back into it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from coconet.schedules.ir import Group, Program
+from coconet.schedules.infer import broadcast_shapes
+from coconet.schedules.ir import ROWWISE_OPS, Group, Program
 from coconet.schedules.transforms.base import Transform, convex, convex_with, is_pointwise, ordered, with_group
 
 
@@ -18,9 +23,31 @@ def _signature(program: Program, name: str):
     return (t.shape, t.layout)
 
 
+def rowwise_member(program: Program, name: str) -> bool:
+    """A statement computed along one dim that a kernel can take: not a reduction over every dim."""
+    s = program[name]
+    return s.op in ROWWISE_OPS and (s.op != "reduce" or s.attr("dim") is not None)
+
+
 def fusable(program: Program, name: str) -> bool:
     s = program[name]
-    return is_pointwise(program, s) and s.type.ndim > 0 and name not in program.group_of
+    return ((is_pointwise(program, s) or rowwise_member(program, name)) and s.type.ndim > 0
+            and name not in program.group_of)
+
+
+def one_space(program: Program, members) -> str | None:
+    """None if ``members`` can run as one kernel's iteration space, else why not."""
+    sigs = {_signature(program, m) for m in members}
+    if len(sigs) == 1:
+        return None
+    if not any(rowwise_member(program, m) for m in members):
+        return "members compute tensors of different shapes or layouts: one kernel has one iteration space"
+    shapes = [shape for shape, _ in sigs]
+    whole = broadcast_shapes(shapes)
+    if len({layout for _, layout in sigs}) > 1 or len({len(x) for x in shapes}) > 1 or whole not in shapes:
+        return ("members along a dim share one layout and rank, and their shapes broadcast to the largest: "
+                "one kernel has one iteration space")
+    return None
 
 
 def regions(program: Program) -> list[tuple[str, ...]]:
@@ -30,13 +57,21 @@ def regions(program: Program) -> list[tuple[str, ...]]:
     group_of: dict[str, int] = {}
     groups: dict[int, set[str]] = {}  # by the position of the group's first member
     pos = program.position
+    rowwise = any(op in program.of_op for op in ROWWISE_OPS)
     for s in program.stmts:
         if not fusable(program, s.name):
             continue
         sig = _signature(program, s.name)
-        cands = sorted({group_of[a] for a in s.args if a in group_of and _signature(program, a) == sig})
+        if rowwise:  # shapes that broadcast to one another share a kernel beside a statement along a dim
+            cands = sorted({group_of[a] for a in s.args
+                            if a in group_of and one_space(program, groups[group_of[a]] | {s.name}) is None})
+        else:
+            cands = sorted({group_of[a] for a in s.args if a in group_of and _signature(program, a) == sig})
         options = ([cands] if len(cands) > 1 else []) + [[c] for c in cands]
         for option in options:
+            if rowwise and len(option) > 1 and one_space(program, set().union(
+                    *(groups[g] for g in option)) | {s.name}) is not None:
+                continue
             if len(option) == 1:  # one group, convex already: only a path through s can close a cycle
                 why = convex_with(program, groups[option[0]], s.name, (option[0], pos[s.name]))
             else:
@@ -78,14 +113,14 @@ class Fuse(Transform):
             s = program[m]
             if m in program.group_of:
                 raise self.refuse(f"{m} already runs in {program.group_of[m]}")
-            if not is_pointwise(program, s):
-                raise self.refuse(f"{m} is a {s.op}; only pointwise statements fuse into one kernel")
+            if not (is_pointwise(program, s) or rowwise_member(program, m)):
+                raise self.refuse(f"{m} is a {s.op}; only pointwise statements and reductions or softmaxes "
+                                  "along one dim fuse into one kernel")
             if s.type.ndim == 0:
                 raise self.refuse(f"{m} computes a scalar; scalars are kernel arguments, not kernel work")
-        sigs = {_signature(program, m) for m in self.members}
-        if len(sigs) > 1:
-            raise self.refuse("members compute tensors of different shapes or layouts: "
-                              "one kernel has one iteration space")
+        why = one_space(program, self.members)
+        if why is not None:
+            raise self.refuse(why)
         witness = convex(program, set(self.members))
         if witness is not None:
             raise self.refuse(f"fusing would create a cycle: a path leaves the group and comes back into {witness}")
@@ -98,4 +133,5 @@ class Fuse(Transform):
         return f"{len(transforms)} fused pointwise kernels"
 
     def describe(self, program: Program) -> str:
-        return f"{len(self.members)} pointwise statements fused into one kernel"
+        kind = "" if any(rowwise_member(program, m) for m in self.members) else "pointwise "
+        return f"{len(self.members)} {kind}statements fused into one kernel"

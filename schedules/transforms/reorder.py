@@ -1,7 +1,8 @@
 """reorder(ag): run the work that consumes an all_gather's output on the slices
 before it (CoCoNet §4.2). Replicated operands of that work become zero-copy
 slices; a norm or sum of a now-sliced value becomes a partial reduction plus an
-allreduce, and so does a product that contracts the sliced rows (Adafactor's
+allreduce (a reduction along the sliced dim too; along another dim, or a softmax,
+stays on the slices), and so does a product that contracts the sliced rows (Adafactor's
 column sums); a product of the sliced rows by a whole matrix stays on the rows.
 Values still needed whole are all-gathered after the work.
 """
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 
 from coconet.errors import IllegalTransform
 from coconet.schedules.builder import PREFIX
-from coconet.schedules.ir import Program, Stmt
+from coconet.schedules.ir import ROWWISE_OPS, Program, Stmt
 from coconet.schedules.rewrite import Rewriter
 from coconet.schedules.transforms.base import (
     Transform,
@@ -32,6 +33,8 @@ def slices_align(program: Program, s: Stmt, sliced: dict[str, int]) -> tuple[boo
     dim must not be a broadcast one. Returns (ok, the result's sliced dim or None)."""
     if s.op == "matmul":
         return _product_slices(program, s, sliced)
+    if s.op in ROWWISE_OPS:
+        return True, _rowwise_slices(s, sliced.get(s.args[0], sliced_dim(program, s.args[0])))
     out = s.type
     dims = set()
     for a in s.args:
@@ -48,6 +51,18 @@ def slices_align(program: Program, s: Stmt, sliced: dict[str, int]) -> tuple[boo
     if len(dims) > 1:
         return False, None
     return True, (dims.pop() if dims else None)
+
+
+def _rowwise_slices(s: Stmt, d: int | None) -> int | None:
+    """The result's sliced dim of a statement along a dim whose operand is sliced along ``d``: a reduction over
+    ``d`` (or every dim) is partials and an allreduce, whole; over another dim the slicing stays, one dim lower
+    where an earlier dim goes; a softmax keeps it (along ``d``: the builder's max and sum through allreduces)."""
+    if d is None or s.op != "reduce":
+        return d
+    dim = s.attr("dim")
+    if dim is None or dim == d:
+        return None
+    return d - 1 if dim < d and not s.attr("keepdim") else d
 
 
 def _product_slices(program: Program, s: Stmt, sliced: dict[str, int]) -> tuple[bool, int | None]:
@@ -123,8 +138,9 @@ class Reorder(Transform):
             local = [a for a in s.args if isinstance(program[a].type.layout, Local)]
             if local:
                 raise self.refuse(f"{m} reads Local {local[0]}: a per-rank value cannot be combined with slices")
-            if not (is_pointwise(program, s) or s.op in ("sum", "norm", "matmul")):
-                raise self.refuse(f"{m} is a {s.op}; only pointwise work, reductions and products run on slices")
+            if not (is_pointwise(program, s) or s.op in ("sum", "norm", "matmul") or s.op in ROWWISE_OPS):
+                raise self.refuse(f"{m} is a {s.op}; only pointwise work, reductions, softmaxes and products run "
+                                  "on slices")
             if not any(a in members or a == ag.name for a in s.args) or m not in reachable:
                 raise self.refuse(f"{m} does not consume {ag.name} or the work moved with it")
         return members
@@ -208,7 +224,8 @@ def _named_as_one_by_one(before: Program, after: Program, made: list, step_of: d
     """``after`` with what the batch made renamed as the reorders one after the other would have named it;
     None where that cannot be said."""
     kept = set(after.by_name)
-    if any(name not in kept or op in ("update", "output") for name, op, _ in made):
+    # a reduction along a dim is named by its kind (the builder's mean0, pmax0), which only a rebuild knows
+    if any(name not in kept or op in ("update", "output", "reduce", "partial_reduce") for name, op, _ in made):
         return None  # each reorder's rebuild keeps what it makes: a statement made and dropped is not modelled
     # the reorder whose rebuild drops each statement that goes: the last to take a reader off it (by
     # rewriting the reader, or dropping it)

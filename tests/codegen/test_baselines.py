@@ -106,3 +106,65 @@ def test_a_tuning_question_defaults_to_what_the_baseline_s_caller_never_reads():
     assert shardable_text(adam, []) == ""  # names given, none of them: not the default
     with pytest.raises(CoconetError, match="shardable g: not replicated state adam updates"):
         shardable_text(adam, ["g"])
+
+
+def gpt_layer_sp(p_drop):
+    """examples/gpt_layer_sp.py with another dropout probability (0: no mask, so torch's step can be checked)."""
+    from coconet import all_gather, layer_norm, reduce_scatter
+
+    p = Program("gpt_layer_sp", dims=("S", "B", "H"))
+    x = p.tensor("x", ("S", "B", "4*H"), layout=Sliced(-1))
+    w = p.tensor("w", ("4*H", "H"), layout=Sliced(0))
+    b = p.tensor("b", ("H",), layout=Replicated)
+    r = p.tensor("r", ("S", "B", "H"), layout=Sliced(0))
+    gamma = p.tensor("gamma", ("H",), layout=Replicated)
+    beta = p.tensor("beta", ("H",), layout=Replicated)
+    seed = p.scalar("seed", dtype="int64")
+    h = dropout(reduce_scatter(matmul(x, w), dim=0) + b, p_drop, seed) + r
+    p.output("residual", h)
+    p.output("out", all_gather(layer_norm(h, gamma, beta, eps=1e-5)))
+    return p.ir
+
+
+def _sp_rank(rank, world, store, sizes):
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    from coconet.codegen.baselines import GptLayerSPStep
+    from coconet.schedules import interp
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        prog = gpt_layer_sp(0.0)
+        given = interp.rank_inputs(prog, world, sizes, rank)
+        tensors = {k: torch.tensor(v, dtype=torch.float32) for k, v in given.items() if k != "seed"}
+        out = GptLayerSPStep(0.0)(tensors, {"seed": int(given["seed"])})["outputs"]
+        ref = interp.run(prog, world, sizes)
+        for name in ("residual", "out"):
+            want = ref.stages[-1].outputs[name][rank]
+            np.testing.assert_allclose(out[name].numpy(), want, rtol=1e-5, atol=1e-5)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sequence_parallel_baseline_computes_the_program_on_uneven_slices(tmp_path):
+    """Megatron-LM's sequence-parallel epilogue by hand, against the interpreter where dropout keeps every
+    element: 5 sequence rows over 2 and 3 ranks (padded for the collectives, the last rank's slice short)."""
+    import torch.multiprocessing as mp
+
+    assert gpt_layer_sp(0.1).hash == example("gpt_layer_sp").hash  # the example, as the test writes it
+    assert baseline_for(example("gpt_layer_sp")) is BASELINES["gpt_layer_sp"]
+    for world in (2, 3):
+        store = tmp_path / f"store{world}"
+        mp.start_processes(_sp_rank, args=(world, store, {"S": 5, "B": 2, "H": 3}), nprocs=world,
+                           start_method="fork")
+
+
+def test_sequence_parallel_baseline_runs_unchecked_in_a_launch():
+    torch_row, ours = run_schedules([Schedule(example("gpt_layer_sp"))],
+                                    Options(world=3, sizes={"S": 5, "B": 2, "H": 3}, kernels="eager", warmup=0,
+                                            repeats=2),
+                                    baselines=[BASELINES["gpt_layer_sp"]])
+    assert torch_row.status == "ok" and torch_row.correct is None and torch_row.median_s > 0
+    assert ours.status == "ok" and ours.correct
