@@ -1,7 +1,9 @@
 """A real Ray cluster of two nodes on this machine (`ray start --head`, then `ray start --address`, each node
 one CPU, token authentication on as Ray starts it): what a study needs is checked before any trial, ranks
-span the nodes, shm (one node only) is left out, a refused token is one error line, and a node killed mid-study
-stops the study with a clear message and nothing left placed. Plus the placement rules on their own."""
+span the nodes, shm (one node only) is left out, a refused token is one error line, every node is read for the
+fingerprint (a topology the cluster is not is refused; `calibrate --ray-address` measures it within and between
+nodes), and a node killed mid-study stops the study with a clear message and nothing left placed. Plus the
+placement rules on their own. One cluster serves them all: the node-killing test runs last."""
 
 from __future__ import annotations
 
@@ -21,9 +23,11 @@ from typing import Iterator
 
 import pytest
 
-from coconet.errors import ClusterError
+from coconet.errors import ClusterError, TopologyError
 from coconet.server.store import Store
 from coconet.tuner.cluster import Need, Node, Offer, plan
+from coconet.tuner.fingerprint import Fingerprint, check_topology, detect_local
+from coconet.tuner.topology import load_topology
 
 ROOT = Path(__file__).resolve().parents[2]
 RAY = Path(sys.executable).parent / "ray"
@@ -177,6 +181,41 @@ def test_a_cluster_refusing_the_token_is_one_error_line(two_nodes, tmp_path):
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert re.match(r"error: --ray-address \S+: the Ray cluster asks for its token and refused this one: copy it "
                     r"from the head \(`ray get-auth-token` there\)", lines[0]), lines[0]
+
+
+def test_every_node_is_read_and_a_topology_the_cluster_is_not_is_refused(two_nodes, tmp_path):
+    here = detect_local().nodes[0]  # both nodes run on this machine: each reads as it
+    db = f"sqlite:///{tmp_path / 'c.db'}"
+    proc = coconet(two_nodes, "tune", "examples/sgd.py", "--world", "2", "--size", "N=2^12", "--topology",
+                   "dgx-h100-8", "--ray-address", two_nodes.address, "--db", db)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: --topology dgx-h100-8 does not describe the machines that would run the "
+                               "ranks (1 nodes declared, 2 found;")
+    assert "topology dgx-h100-8: 1 node, device cuda, 8 x H100-SXM5-80GB" in lines[0]
+    assert f"found {Fingerprint((here, here)).text()}." in lines[0]
+    with Store.open(db) as store:
+        assert store.jobs() == [] and store.programs() == []  # refused before a job or a trial
+
+
+def test_calibrate_measures_the_cluster_within_and_between_nodes(two_nodes, tmp_path):
+    """Short figures (tiny buffers, few samples): what is checked is where they come from and go, not their values."""
+    proc = coconet(two_nodes, "calibrate", "--ray-address", two_nodes.address, "--name", "two", "--quick",
+                   "--max-log2", "12", "--repeats", "3", "--json", env={"COCONET_DATA_DIR": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    path = tmp_path / "topologies" / "two.yaml"
+    assert doc["path"] == str(path)
+    topo = load_topology(path)
+    here = detect_local().nodes[0]
+    assert (topo.name, topo.nodes, topo.ranks_per_node, topo.backends) == ("two", 2, 2, ("gloo",))
+    assert topo.inter is not None and topo.inter.kind == "network" and topo.inter.alpha_s > 0
+    assert topo.inter.bandwidth_GBps > 0 and topo.intra.kind == "loopback" and topo.measured == {}
+    assert [n for n, _ in doc["samples"]["between_nodes"]["allreduce"]] == [2**k for k in range(8, 13)]
+    assert topo.fingerprint["hardware_hash"] == Fingerprint((here, here)).digest
+    check_topology(topo, Fingerprint((here, here)))  # what `coconet tune --topology two` on it checks
+    with pytest.raises(TopologyError, match="2 nodes declared, 1 found"):
+        check_topology(topo, Fingerprint((here,)))
 
 
 def test_a_node_lost_mid_study_stops_it_with_nothing_left_placed(two_nodes, tmp_path):
