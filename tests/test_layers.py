@@ -7,7 +7,7 @@ checked for four things:
 - no private name (``_x``) of one package is imported, or read off an imported module, in another;
 - a function imports only what is heavy to import (torch, Ray, Optuna, SQLAlchemy, FastAPI, …, or a coconet
   module that imports one of them): what is light is imported at the top. The CLI, whose every command imports
-  its own layer when it runs, and the runtime whose helpers' text is pasted into generated modules are exempt.
+  its own layer when it runs, is exempt.
 
 ``test_each_rule_catches_its_violation`` runs the same checks on small trees that break one rule each.
 """
@@ -67,7 +67,6 @@ ALLOWED = {
 HEAVY = {"torch", "ray", "optuna", "sqlalchemy", "alembic", "fastapi", "starlette", "uvicorn", "httpx", "scipy",
          "matplotlib", "plotly", "cupy", "triton", "tqdm"}
 DEFER_ANYTHING = {"coconet.cli"}  # each command imports its layer when it runs
-PASTED = {"coconet.codegen.prelude", "coconet.codegen.shm"}  # helpers' text runs in generated modules
 
 
 @dataclass
@@ -237,7 +236,7 @@ def light_deferred_imports(g: Graph) -> list[str]:
     heavy = _heavy_modules(g)
     out = []
     for imp in g.imports:
-        if not imp.in_function or imp.source in DEFER_ANYTHING or imp.source in PASTED:
+        if not imp.in_function or imp.source in DEFER_ANYTHING:
             continue
         if not (imp.target in HEAVY or imp.target in heavy):
             out.append(f"{imp.source}:{imp.line} imports {imp.target} in a function: light, so import it at the top")
