@@ -94,7 +94,7 @@ def kernel(fn):
             dynamo.append(torch.compile(fn, dynamic=False, fullgraph=True))
         return no_autograd_cache(dynamo[0], *args)
 
-    def call(*args):
+    def dispatch(*args):
         for a in args:
             if isinstance(a, torch.Tensor):
                 if not a.is_cpu:
@@ -124,7 +124,7 @@ def kernel(fn):
         if hit is None or not separate:  # inputs that share memory: the kernel was traced for separate ones
             return through_dynamo(*args)
         return hit(*tensors)
-    return call
+    return dispatch
 
 
 def constant(x):

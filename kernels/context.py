@@ -34,8 +34,8 @@ class Chunk:
     collective computes on. Stands in for Ctx in the statements of the chunk."""
 
     def __init__(self, c, n, a, b):
-        self.group, self.rank, self.world = c.group, c.rank, c.world
-        self.global_rank, self.device = c.global_rank, c.device
+        self.group, self.rank, self.world, self.global_rank, self.device = (
+            c.group, c.rank, c.world, c.global_rank, c.device)
         self.shm = c.shm
         self.n, self.span = n, (a, b)
         self.lo, hi = c.rows(n)
