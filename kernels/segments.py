@@ -1,6 +1,8 @@
 """The shm backend's shared memory: each group's segments of ``/dev/shm``, their rotating slots and the
 barrier of per-rank flags in them (``Shm``, one per process group, made on the group's first step), and the
-segments that state and inputs move into so that peers read and write them where they lie.
+segments that state and inputs move into so that peers read and write them where they lie. Every module
+stepping on a group uses its one ``Shm``; modules that alternate on one group are correct, but each moves its
+state back into a segment every step, which a group of its own spares it. ``close_groups`` lets them all go.
 
 How the collectives use them is ``coconet.kernels.shm``'s module doc.
 """
