@@ -13,7 +13,7 @@ import torch
 
 def philox_rounds(seed: int, block):
     """The four Philox4x32-10 words (int64 tensors in [0, 2^32)) of each block counter (an int64 tensor)
-    under a 64-bit ``seed``. Self-contained (torch only) so generated code can carry a copy of it."""
+    under a 64-bit ``seed``."""
     mask = 0xFFFFFFFF
     c0, c1 = block & mask, (block >> 32) & mask
     c2 = torch.zeros_like(block)

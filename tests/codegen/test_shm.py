@@ -1119,8 +1119,9 @@ def test_a_sum_of_values_of_each_ranks_own_is_reduced_where_the_peers_read_them(
 
 
 def test_the_runtime_reads_each_chunk_parameter_as_the_kind_native_gives_it():
-    """shm's _native is pasted into generated modules, so it cannot import native.KINDS: its letters for lists
-    and for half precision are kept by hand, and a letter missed there would pass a half tensor to C as float32."""
+    """The runtime's native (coconet.kernels.copier) does not import native.KINDS, the C writer's table: its letters
+    for lists and for half precision are kept by hand, and a letter missed there would pass a half tensor to C as
+    float32."""
     source = inspect.getsource(copier.native)
     lists = re.search(r'xs = x if kind in "(\w+)"', source).group(1)
     assert f'if kind in "{lists}":' in source
