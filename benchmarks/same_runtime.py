@@ -110,8 +110,9 @@ def main(argv: list[str] | None = None) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         commit = subprocess.run(["git", "rev-parse", args.rev], cwd=ROOT, capture_output=True,
                                 text=True).stdout.strip()
-        args.out.write_text(json.dumps({"rev": args.rev, "commit": commit, "same": len(report) - len(differ), "helpers": len(report),
-                                        "differ": differ, "helpers_compared": report}, indent=1) + "\n")
+        args.out.write_text(json.dumps({"rev": args.rev, "commit": commit, "same": len(report) - len(differ),
+                                        "helpers": len(report), "differ": differ, "helpers_compared": report},
+                                       indent=1) + "\n")
     return 0 if not differ else 1
 
 
