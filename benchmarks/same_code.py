@@ -16,8 +16,9 @@ generates is the first's, byte for byte, else 1.
 A module runs the runtime it imports (``coconet.kernels``) too: what is compared is the module with the
 runtime's files it imports (and those import), so an edit of a kernel or a collective shows in every module
 that calls it. ``--step-only`` compares only what the lowering writes for the schedule: the module from its
-first function after ``_t`` on, without its header, imports and the runtime (which trees from before the
-runtime was ``coconet.kernels`` paste in); ``benchmarks/same_runtime.py`` compares the runtimes themselves.
+first kernel (``_fuse<k>``, ``_chunk<k>``) or ``step`` on, without its header, imports and the runtime (which
+trees from before the runtime was ``coconet.kernels`` paste in); ``benchmarks/same_runtime.py`` compares the
+runtimes themselves.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ from coconet.codegen.lower import lower
 from coconet.errors import CoconetError
 from coconet.schedules.space import generate
 
-MARK = "def _t(x):\\n    return x if isinstance(x, torch.Tensor) else torch.tensor(x)\\n\\n\\n"
+# where the schedule's own code begins: its first kernel, or step (no helper of the runtime has those names)
+FIRST = re.compile(r"^def (_fuse[0-9]+|_chunk[0-9]+|step)[(]", re.M)
 
 
 def runtime_of(source):
@@ -68,7 +70,7 @@ def runtime_of(source):
 
 def what_runs(source):
     if STEP_ONLY:
-        return source[source.index(MARK) + len(MARK):]
+        return source[FIRST.search(source).start():]
     return source + runtime_of(source)
 
 
