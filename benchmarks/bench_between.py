@@ -70,7 +70,7 @@ def plot(report: dict, path: Path) -> None:
         ax.scatter(row["after_over_before_vs_torch"], [i + 0.2] * len(row["after_over_before"]), color="C1",
                    marker="x", label="over torch's time in the same run" if i == 0 else None)
     ax.axvline(1.0, color="grey", lw=0.8)
-    ax.set_yticks(range(len(keys)), [k[:70] for k in keys], fontsize=7)
+    ax.set_yticks(range(len(keys)), [k if len(k) <= 70 else k[:48] + "…" + k[-21:] for k in keys], fontsize=7)
     ax.set_xlabel("step time after / before, per round")
     ax.set_title(f"{report['workload']}: {report.get('args', '')}"[:110], fontsize=8)
     ax.legend(fontsize=7)
