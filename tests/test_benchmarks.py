@@ -1,6 +1,7 @@
 """The benchmark scripts' own claims that can be checked without timing anything."""
 
 import importlib.util
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -267,3 +268,24 @@ def test_same_code_finds_the_schedules_whose_generated_modules_changed(tmp_path,
     assert "NOT every module" in capsys.readouterr().out
     # the schedules' own code is the same: only the runtime they import changed
     assert same_code.main(["--rev", ".", "--rev", str(tree), sgd, "--step-only"]) == 0
+
+
+def test_bench_between_pairs_each_round_and_divides_by_each_runs_torch(tmp_path):
+    bench_between = _script("bench_between")
+
+    def run(side, k, torch_s, times):
+        results = [{"schedule": s, "backend": "shm", "status": "ok", "median_s": t} for s, t in times.items()]
+        results.append({"schedule": "broken", "backend": "shm", "status": "runtime_error", "median_s": None})
+        report = {"points": [{"torch": {"median_s": torch_s}, "results": results}]}
+        (tmp_path / f"adam_{side}_r{k}.json").write_text(json.dumps(report))
+
+    run("before", 1, 1.0, {"baseline": 2.0, "fc": 1.0})
+    run("after", 1, 2.0, {"baseline": 4.0, "fc": 1.0})  # a loaded round: torch too took twice as long
+    run("before", 2, 1.0, {"baseline": 2.0, "fc": 1.0})
+    run("after", 2, 1.0, {"baseline": 2.0, "fc": 0.5})
+    report = bench_between.main(["--before", "a", "--runs", str(tmp_path), "--summarize", "--", "adam"])
+    rows = report["schedules"]
+    assert report["rounds"] == 2 and set(rows) == {"baseline [shm]", "fc [shm]"}
+    assert rows["baseline [shm]"]["after_over_before"] == [2.0, 1.0]
+    assert rows["baseline [shm]"]["after_over_before_vs_torch"] == [1.0, 1.0]
+    assert rows["fc [shm]"]["after_over_before_vs_torch"] == [0.5, 0.5] and rows["fc [shm]"]["median_ratio"] == 0.75
