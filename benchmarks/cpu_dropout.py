@@ -24,8 +24,10 @@ from pathlib import Path
 
 import torch
 
-from coconet.codegen.prelude import _dropped, _flat_index, _words
-from coconet.kernels.rng import philox_words
+from coconet.kernels.dropout import dropout_words as _words
+from coconet.kernels.dropout import dropped as _dropped
+from coconet.kernels.dropout import flat_index as _flat_index
+from coconet.kernels.philox import philox_words
 from coconet.tuner.rank import allocator_policy, keep_freed_memory
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -49,7 +49,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/cpu_masks.json"))
     args = ap.parse_args()
-    from coconet.codegen.prelude import _kernel
+    from coconet.kernels.compiled import kernel as _kernel
 
     # as the ranks do (coconet.tuner.rank): freed memory is kept, so no way pays page faults
     libc = ctypes.CDLL("libc.so.6")

@@ -57,7 +57,7 @@ step bench-megatron 80 "$py" -m coconet bench examples/megatron_mlp.py --world 1
     -o "$out/bench_megatron_nccl_w1.json" --plot "$out/bench_megatron_nccl_w1.png"
 # the CUDA tests that are not the breadth runs below; the NCCL tests across GPUs skip here, saying why
 step gpu-tests 60 "$py" -m pytest -q -m gpu --import-mode=append -p no:cacheprovider -rs \
-    --junitxml="$out/gpu_tests.xml" tests/codegen/test_prelude.py tests/kernels/test_rng.py \
+    --junitxml="$out/gpu_tests.xml" tests/kernels/test_runtime.py tests/kernels/test_rng.py \
     tests/tuner/test_roofline.py tests/codegen/test_cuda_gloo.py -k "not on_cuda_tensors_over_gloo"
 # every schedule of every example and benchmark program at world 2 and 3 on CUDA tensors over gloo, one
 # GPU: the two worlds at once (each rank a process of its own; the GPU is not the bottleneck here)

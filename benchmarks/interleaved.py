@@ -46,6 +46,9 @@ def _rank(rank: int, world: int, port: int, program_path: str, sizes: dict, path
     program = load_file(program_path)
     opts = Options(world=world, sizes=sizes)
     steps_, args, views = [], [], []
+    # a group per module: the shm runtime keeps a group's segments and the state moved into them, which modules
+    # stepping in turn on one group would share, each moving its own state back in every turn
+    groups = [dist.new_group(list(range(world))) for _ in paths]
     for path in paths:
         source = Path(path).read_text()
         text = re.search(r"^schedule: (.*)$", source, re.M).group(1)
@@ -56,9 +59,9 @@ def _rank(rank: int, world: int, port: int, program_path: str, sizes: dict, path
         args.append(inputs(sched.scheduled, opts, 0, rank, torch.device("cpu")))
         if len(steps_) - 1 in viewed:  # each tensor a flat buffer with views of it held, as a model's parameters
             views.append([t[: t.numel() // 2] for t in args[-1][0].values() if t.dim() == 1])
-    for step, (tensors, scalars) in zip(steps_, args):
+    for step, group, (tensors, scalars) in zip(steps_, groups, args):
         for _ in range(3):  # compiles, moves state and gradient into shared memory
-            step(tensors, scalars, group=None, sizes=sizes)
+            step(tensors, scalars, group=group, sizes=sizes)
     times = [[] for _ in paths]
     for turn in range(steps):
         # each module first in as many turns as the others, so that no place in the turn weighs on one
@@ -67,7 +70,7 @@ def _rank(rank: int, world: int, port: int, program_path: str, sizes: dict, path
             step, (tensors, scalars) = steps_[k], args[k]
             dist.barrier()
             t0 = time.perf_counter()
-            step(tensors, scalars, group=None, sizes=sizes)
+            step(tensors, scalars, group=groups[k], sizes=sizes)
             dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)
             times[k].append(float(dt))

@@ -1,11 +1,12 @@
-"""What the generated code's kernel wrapper (the prelude's ``_kernel``) costs a step, between revisions.
+"""What the generated code's kernel wrapper (``coconet.kernels.compiled.kernel``) costs a step, between revisions.
 
     python benchmarks/kernel_wrapper.py --rev 723ddd1 --rev HEAD --rev . [--device cuda]
                                         [--size N=2^10 --size N=2^22 --size N=2^24] [--chunks 4] [--scalars host]
                                         [--out benchmarks/results/kernel_wrapper_cuda_h200.json]
 
-Each ``--rev`` is a git revision whose ``codegen/prelude.py`` is loaded as a module of its own (``.``: the
-working tree's). Its ``_kernel`` wraps one fused Adam chunk (the shape of the NCCL fused collective's:
+Each ``--rev`` is a git revision whose ``kernels/compiled.py`` (``codegen/prelude.py`` before the runtime was
+``coconet.kernels``) is loaded as a module of its own (``.``: the working tree's). Its wrapper wraps one fused
+Adam chunk (the shape of the NCCL fused collective's:
 m, v and w written in place from the reduced gradient's rows), and a step calls it on ``--chunks`` chunks,
 as the generated step does. Per size and revision: the best of 7 means of 30 steps, once synchronised after
 every step and once pipelined, revisions taking turns; one step each first, which compiles and must write
@@ -28,17 +29,24 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def prelude_at(rev: str, scratch: Path):
-    if rev == ".":
-        path = ROOT / "codegen" / "prelude.py"
-    else:
-        path = scratch / f"prelude_{rev.replace('/', '_')}.py"
-        path.write_text(subprocess.run(["git", "show", f"{rev}:codegen/prelude.py"], cwd=ROOT, check=True,
-                                       capture_output=True, text=True).stdout)
-    spec = importlib.util.spec_from_file_location(f"prelude_at_{len(sys.modules)}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def wrapper_at(rev: str, scratch: Path):
+    """The kernel wrapper of revision ``rev``: where the runtime was pasted, ``_kernel`` of codegen/prelude.py."""
+    for file, name in (("kernels/compiled.py", "kernel"), ("codegen/prelude.py", "_kernel")):
+        if rev == ".":
+            path = ROOT / file
+            if not path.exists():
+                continue
+        else:
+            shown = subprocess.run(["git", "show", f"{rev}:{file}"], cwd=ROOT, capture_output=True, text=True)
+            if shown.returncode:
+                continue
+            path = scratch / f"{Path(file).stem}_{rev.replace('/', '_')}.py"
+            path.write_text(shown.stdout)
+        spec = importlib.util.spec_from_file_location(f"wrapper_at_{len(sys.modules)}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return getattr(module, name)
+    sys.exit(f"kernel_wrapper: {rev!r} has neither kernels/compiled.py nor codegen/prelude.py")
 
 
 def adam_chunk(m_k, v_k, w_k, beta1, beta2, sub0, rs0, sub1, sub2, sub3, lr, eps):
@@ -67,7 +75,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     with tempfile.TemporaryDirectory() as scratch:
-        wrappers = {rev: prelude_at(rev, Path(scratch))._kernel for rev in args.rev}
+        wrappers = {rev: wrapper_at(rev, Path(scratch)) for rev in args.rev}
     points = []
     for n in [parse_sizes(s, ("N",))["N"] for s in args.size or ["N=2^10", "N=2^22", "N=2^24"]]:
         gen = torch.Generator(device=args.device).manual_seed(n)

@@ -1,7 +1,8 @@
 """Whether two trees generate the same code: every schedule of every program lowered for one backend by each,
 the modules compared byte for byte.
 
-    python benchmarks/same_code.py --rev 1ea590e [--rev .] [--backend nccl] [--out report.json] [PROGRAM.py ...]
+    python benchmarks/same_code.py --rev 1ea590e [--rev .] [--backend nccl] [--step-only] [--out report.json]
+                                   [PROGRAM.py ...]
 
 A figure measured on a machine this one is not (a GPU's) was measured on the code some revision generated;
 where this checkout generates the same modules, what runs there is what was measured, and where it does not,
@@ -11,6 +12,13 @@ pyproject.toml and imported in a process of its own, so nothing of this checkout
 The programs are this checkout's examples and benchmarks/programs unless named; each tree lowers its own
 copy of a program (a program it lacks is reported as such). Exit status 0 when every module the second tree
 generates is the first's, byte for byte, else 1.
+
+A module runs the runtime it imports (``coconet.kernels``) too: what is compared is the module with the
+runtime's files it imports (and those import), so an edit of a kernel or a collective shows in every module
+that calls it. ``--step-only`` compares only what the lowering writes for the schedule: the module from its
+first kernel (``_fuse<k>``, ``_chunk<k>``) or ``step`` on, without its header, imports and the runtime (which
+trees from before the runtime was ``coconet.kernels`` paste in); ``benchmarks/same_runtime.py`` compares the
+runtimes themselves.
 """
 
 from __future__ import annotations
@@ -34,11 +42,37 @@ KERNELS = ("compiled", "eager")
 # Run inside a tree's own package: argv is the backend, then the programs' files. Prints
 # {program: {schedule text: {kernels: sha256 or "refused: ..."}}} or, for a file the tree lacks, null.
 LOWER_ALL = """
-import hashlib, json, runpy, sys
+import ast, hashlib, importlib.util, json, re, runpy, sys
 from pathlib import Path
 from coconet.codegen.lower import lower
 from coconet.errors import CoconetError
 from coconet.schedules.space import generate
+
+# where the schedule's own code begins: its first kernel, or step (no helper of the runtime has those names)
+FIRST = re.compile(r"^def (_fuse[0-9]+|_chunk[0-9]+|step)[(]", re.M)
+
+
+def runtime_of(source):
+    # the runtime files the module imports, and those they import (relatively, within coconet.kernels)
+    todo = re.findall(r"^from coconet[.]kernels[.]([a-z_]+) import", source, re.M)
+    if not todo:
+        return ""
+    root = Path(importlib.util.find_spec("coconet.kernels").origin).parent
+    seen = {}
+    while todo:
+        m = todo.pop()
+        if m not in seen:
+            seen[m] = (root / (m + ".py")).read_text()
+            todo += [n.module for n in ast.walk(ast.parse(seen[m]))
+                     if isinstance(n, ast.ImportFrom) and n.level == 1 and n.module]
+    return "".join("\\0" + m + "\\0" + seen[m] for m in sorted(seen))
+
+
+def what_runs(source):
+    if STEP_ONLY:
+        return source[FIRST.search(source).start():]
+    return source + runtime_of(source)
+
 
 backend, out = sys.argv[1], {}
 for f in sys.argv[2:]:
@@ -50,7 +84,7 @@ for f in sys.argv[2:]:
         modules[s.text] = row = {}
         for k in KERNELS:
             try:
-                row[k] = hashlib.sha256(lower(s, backend=backend, kernels=k).source.encode()).hexdigest()
+                row[k] = hashlib.sha256(what_runs(lower(s, backend=backend, kernels=k).source).encode()).hexdigest()
             except CoconetError as e:  # a refusal is part of what the tree generates
                 row[k] = f"refused: {type(e).__name__}: {e}"
 print(json.dumps(out))
@@ -87,11 +121,11 @@ def package_of(tree: Path, scratch: Path) -> Path:
     return site
 
 
-def modules_of(rev: str, programs: list[Path], backend: str, scratch: Path) -> dict:
+def modules_of(rev: str, programs: list[Path], backend: str, scratch: Path, step_only: bool = False) -> dict:
     tree = tree_of(rev, scratch)
     site = package_of(tree, scratch)
     files = [str(tree / p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p) for p in programs]
-    script = f"KERNELS = {KERNELS!r}\n" + LOWER_ALL
+    script = f"KERNELS = {KERNELS!r}\nSTEP_ONLY = {step_only!r}\n" + LOWER_ALL
     # PYTHONSAFEPATH and a cwd outside every tree: the tree's package is the only coconet importable
     env = dict(os.environ, PYTHONPATH=str(site), PYTHONSAFEPATH="1")
     done = subprocess.run([sys.executable, "-c", script, backend, *files], cwd=scratch, env=env,
@@ -131,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rev", action="append", required=True, help="first tree; a second --rev (default .)")
     ap.add_argument("--backend", default="nccl")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--step-only", action="store_true", help="compare the schedule's own code alone (the doc)")
     ap.add_argument("programs", nargs="*", type=Path)
     args = ap.parse_args(argv)
     if len(args.rev) > 2:
@@ -139,8 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     programs = [p.resolve() for p in args.programs] or (sorted((ROOT / "examples").glob("*.py"))
                                                          + sorted((ROOT / "benchmarks/programs").glob("*.py")))
     with tempfile.TemporaryDirectory() as scratch:
-        a = modules_of(first, programs, args.backend, Path(scratch))
-        b = modules_of(second, programs, args.backend, Path(scratch))
+        a = modules_of(first, programs, args.backend, Path(scratch), args.step_only)
+        b = modules_of(second, programs, args.backend, Path(scratch), args.step_only)
     report = compare(a, b)
     for name, r in report.items():
         if r.get("absent_from_second") or r.get("absent_from_first"):
@@ -159,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"first": first, "second": second, "backend": args.backend,
-                                        "kernels": KERNELS, "every_module_same": ok, "programs": report},
+                                        "kernels": KERNELS, "step_only": args.step_only,
+                                        "every_module_same": ok, "programs": report},
                                        indent=1) + "\n")
     return 0 if ok else 1
 

@@ -9,7 +9,7 @@ Each of two processes holds a gradient of N floats in its private memory and red
 
 - ``local``: both halves in its own memory (what no cross-process step can beat: the floor's bytes);
 - ``publish``: the shm backend's reduce_scatter. Each process streams the half its peer reduces into its
-  shared segment (non-temporal stores, as ``coconet.codegen.shm`` copies), the two meet at a barrier, and
+  shared segment (non-temporal stores, as ``coconet.kernels.shm`` copies), the two meet at a barrier, and
   each adds the peer's segment to its own half;
 - ``single copy``: each process reads the peer's half out of the peer's private memory in chunks of
   ``--chunk`` floats into a buffer that stays in its cache, and adds it to its own half: the gradient crosses
@@ -53,7 +53,8 @@ def _readv():
 def _rank(rank: int, n: int, chunks: list[int], repeats: int, rounds: int, segments: list[str], barrier, pipe, out):
     import torch
 
-    from coconet.codegen.shm import _segment, _stream_copier
+    from coconet.kernels.copier import stream_copier as _stream_copier
+    from coconet.kernels.segments import segment as _segment
 
     torch.set_num_threads(1)
     torch.manual_seed(rank)

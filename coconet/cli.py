@@ -30,6 +30,7 @@ from rich.text import Text
 
 from coconet.codegen.baselines import baseline_for, shardable_text
 from coconet.codegen.lower import BACKENDS, KERNELS, lower
+from coconet.codegen.runtime import write as write_module
 from coconet.errors import CoconetError
 from coconet.loader import examples_dir, load_file, named_example
 from coconet.schedules import shardable as shard
@@ -471,6 +472,9 @@ def run(
     no_check: bool = typer.Option(False, "--no-check", help="Skip the check against the reference interpreter."),
     depth: int = typer.Option(6, "--depth", min=0, max=12, help="Depth of the space for `all` and ids."),
     emit: Optional[Path] = typer.Option(None, "--emit", help="Also write each schedule's generated module here."),
+    standalone: bool = typer.Option(False, "--standalone", help="With --emit: copy the runtime (coconet.kernels) "
+                                    "the modules import into DIR/coconet_kernels/, so that they run with torch "
+                                    "alone."),
     db: Optional[str] = typer.Option(None, "--db", help="Store that `--schedule best` reads (default "
                                      "$COCONET_DATABASE_URL, else SQLite in the user data dir)."),
     shardable: List[str] = typer.Option([], "--shardable", help=f"For `--schedule best`: the winner of a tuning "
@@ -494,6 +498,8 @@ def run(
     if kernels not in KERNELS:
         raise CoconetError(f"unknown --kernels {kernels!r} (use {' or '.join(KERNELS)})")
     _writable(emit, "--emit", folder=True)
+    if standalone and emit is None:
+        raise CoconetError("--standalone says how --emit writes the modules: give --emit DIR too")
     _writable(trace, "--trace", folder=True)
     prog = load_file(file)
     _require_sizes(prog, size)
@@ -521,7 +527,7 @@ def run(
         emit.mkdir(parents=True, exist_ok=True)
         for sched in picked:
             gen = lower(sched, backend, kernels)
-            (emit / f"{prog.name}_{sched.hash}_{backend}.py").write_text(gen.source)
+            write_module(gen.source, backend, emit / f"{prog.name}_{sched.hash}_{backend}.py", standalone)
     from coconet.tuner.launch import Options, run_schedules  # torch: seconds to import, so after the checks
 
     opts = Options(world=world, sizes=sizes, backend=backend, kernels=kernels, stages=stages or 2, seed=seed,

@@ -146,7 +146,7 @@ class Step:
 
     @property
     def source(self) -> str:
-        """The generated module: readable Python that needs torch only."""
+        """The generated module: readable Python that needs torch and the runtime, ``coconet.kernels``."""
         return self.generated.source
 
     def describe(self) -> str:

@@ -1,4 +1,4 @@
-"""Generated modules on disk, one file per (schedule hash, backend): readable, importable, reused.
+"""Generated modules on disk, one file per (schedule, backend, kernel mode, runtime): readable, importable, reused.
 
 The directory is ``$COCONET_CACHE_DIR``, else ``$XDG_CACHE_HOME/coconet``, else
 ``~/.cache/coconet``; files are written atomically, so concurrent ranks and
@@ -12,6 +12,8 @@ import tempfile
 from pathlib import Path
 from typing import Protocol
 
+from coconet.kernels.cache import cache_dir as runtime_cache_dir
+
 
 class Module(Protocol):
     """What ``module_path`` writes: a lowering's ``Generated``, or a baseline's task."""
@@ -23,17 +25,8 @@ class Module(Protocol):
     def source(self) -> str: ...
 
 
-def _cache_dir():
-    """coconet's on-disk cache: ``$COCONET_CACHE_DIR``, else ``$XDG_CACHE_HOME/coconet``, else
-    ``~/.cache/coconet``."""
-    root = os.environ.get("COCONET_CACHE_DIR")
-    if root:
-        return root
-    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "coconet")
-
-
 def cache_dir() -> Path:
-    return Path(_cache_dir())
+    return Path(runtime_cache_dir())
 
 
 def module_path(gen: Module) -> Path:

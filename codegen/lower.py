@@ -4,8 +4,8 @@ The module defines ``step(tensors, scalars, *, group=None, stage=0, stages=1,
 sizes=None)``: each rank passes its own pieces of the inputs (the whole value
 for Replicated and Local tensors, its rows for Sliced ones), updated state is
 written in place, and ``step`` returns ``{"outputs": …, "sent": …}``. Nothing
-else of the inputs is written. It needs torch only: the helpers it calls
-(``_reduce_scatter``, ``_dropout``, …) are pasted into the module. A statement's name is its
+else of the inputs is written. It imports the helpers it calls (``_reduce_scatter``,
+``_dropout``, …) from the runtime, ``coconet.kernels`` (``coconet.codegen.runtime``). A statement's name is its
 variable's, unless the name could mean something else in the module (``torch``, ``class``, ``_x``,
 ``d_N``): then ``v_<name>``, with a suffix if the program has that name too.
 
@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from coconet import __version__
+from coconet.codegen import runtime
 from coconet.codegen.analysis import (
     ELEMENTWISE,
     absorbed_by_collective,
@@ -77,20 +78,9 @@ _LOCALS = frozenset({"_c", "_custom", "_outputs", "_sent", "_rank", "_a", "_ak",
 
 @functools.cache
 def _module_names() -> frozenset[str]:
-    """The names a generated module binds at its top level, whatever its backend and program: the imports,
-    ``_t``, ``step`` and the prelude's helpers and their globals."""
-    from coconet.codegen.runtime_text import prelude_source  # the runtime imports torch: seconds, only here
-
-    text = "\n".join(SHM_IMPORTS + ["import torch", "import torch.distributed as dist", "_t = step = None"])
-    names = set()
-    for st in ast.parse(text + "\n" + prelude_source(None, "shm") + "\n" + prelude_source(None, "gloo")).body:
-        if isinstance(st, (ast.FunctionDef, ast.ClassDef)):
-            names.add(st.name)
-        elif isinstance(st, (ast.Import, ast.ImportFrom)):
-            names.update((a.asname or a.name).split(".")[0] for a in st.names)
-        else:
-            names.update(n.id for n in ast.walk(st) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store))
-    return frozenset(names)
+    """The names a generated module binds at its top level, whatever its backend and program: torch, dist,
+    ``_t``, ``step`` and what it may import of the runtime (``coconet.codegen.runtime``)."""
+    return frozenset({"torch", "dist", "_t", "step"}) | runtime.names()
 
 
 class _Names:
@@ -146,8 +136,9 @@ class Generated:
 
     @property
     def key(self) -> str:
+        """The module's key in the cache: the schedule, how it is lowered, and the runtime it imports."""
         dropout = "_torchdropout" if self.dropout == "torch" else ""
-        return f"{self.schedule.hash}_{self.backend}_{self.kernels}{dropout}"
+        return f"{self.schedule.hash}_{self.backend}_{self.kernels}{dropout}_{runtime.digest(self.backend)}"
 
     @functools.cached_property
     def path(self) -> str:
@@ -1392,9 +1383,6 @@ def _lower_bucket(e: _Emitter, g: Group, cap: int) -> list[str]:
 
 
 SHM_DOC = "the shm backend (collectives in shared memory; a gloo group bootstraps it and carries send/recv)"
-SHM_IMPORTS = ["import ctypes", "import hashlib", "import math", "import os", "import platform", "import shutil",
-               "import subprocess", "import tempfile", "import time", "import uuid", "import weakref",
-               "from concurrent.futures import ThreadPoolExecutor", ""]
 
 
 def _nbytes_expr(t) -> str:
@@ -1445,8 +1433,6 @@ def _dims_prologue(p: Program) -> list[str]:
 
 
 def _module(schedule: Schedule, backend: str, e: _Emitter, body, updates: list[str]):
-    from coconet.codegen.runtime_text import prelude_source  # the runtime imports torch: seconds, only here
-
     p = e.p
     layout_doc = ", ".join(f"{s.name}: {s.type.layout}" for s in p.inputs)
     target = SHM_DOC if backend == "shm" else f"torch.distributed ({backend})"
@@ -1462,7 +1448,7 @@ def _module(schedule: Schedule, backend: str, e: _Emitter, body, updates: list[s
         "Replicated and Local tensors whole, Sliced ones as this rank's rows. Updated state is",
         "written in place; nothing else of the inputs is. step returns the program's outputs",
         "and what it sent to the next pipeline stage. Custom ops come in custom_ops={name: fn}.",
-        "Needs torch only.",
+        "Needs torch and coconet's runtime, coconet.kernels (or a copy of it beside the module).",
         *(["The group's ranks must share this node's memory: its first step maps their segments",
            "of /dev/shm (the files are gone once mapped). Its large copies compile a few lines of C",
            "with the system's C compiler when there is one.",
@@ -1473,9 +1459,10 @@ def _module(schedule: Schedule, backend: str, e: _Emitter, body, updates: list[s
           if e.dropout == "torch" and any(s.op == "dropout" for s in p.stmts) else []),
         '"""',
         "",
-        *(SHM_IMPORTS if backend == "shm" else []),
         "import torch",
         "import torch.distributed as dist",
+        "",
+        "RUNTIME",
         "",
         "",
         "def _t(x):",
@@ -1502,7 +1489,8 @@ def _module(schedule: Schedule, backend: str, e: _Emitter, body, updates: list[s
     lines.append(('    return {"outputs": _outputs, "sent": _sent}', None))
     lines = e.toplevel + lines
     code = "\n".join(x.rstrip() for x, _ in lines) + "\n"
-    # only the helpers the code calls are pasted in, so the module reads top to bottom
-    head = header + prelude_source(code, backend).split("\n") + ["", ""]
+    # the runtime's names the code calls, imported (coconet.kernels)
+    at = header.index("RUNTIME")
+    head = header[:at] + "\n".join(runtime.imports(code, backend)).split("\n") + header[at + 1:]
     line_map = {len(head) + i + 1: m for i, (_, m) in enumerate(lines) if m is not None}
     return "\n".join(head) + "\n" + code, line_map

@@ -1,6 +1,7 @@
 """The benchmark scripts' own claims that can be checked without timing anything."""
 
 import importlib.util
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -254,14 +255,37 @@ def test_same_code_finds_the_schedules_whose_generated_modules_changed(tmp_path,
     for part in parts:
         copy = shutil.copytree if (ROOT / part).is_dir() else shutil.copy2
         copy(ROOT / part, tree / part)
-    prelude = tree / "codegen" / "prelude.py"
-    text = prelude.read_text()
+    wrapper = tree / "kernels" / "compiled.py"  # the runtime: no module's text changes, what it runs does
+    text = wrapper.read_text()
     assert text.count("A fused pointwise kernel, compiled") == 1
-    prelude.write_text(text.replace("A fused pointwise kernel, compiled", "A fused pointwise kernel, built"))
+    wrapper.write_text(text.replace("A fused pointwise kernel, compiled", "A fused pointwise kernel, built"))
     capsys.readouterr()
     assert same_code.main(["--rev", ".", "--rev", str(tree), sgd, "--out", str(tmp_path / "changed.json")]) == 1
     sgd_report = json.loads((tmp_path / "changed.json").read_text())["programs"]["sgd"]
-    # only the modules with a compiled fused kernel carry the wrapper whose doc changed
+    # only the modules with a compiled fused kernel import the wrapper whose doc changed
     assert 0 < len(sgd_report["differ"]) < sgd_report["schedules"]
     assert all("fuse" in t for t in sgd_report["differ"])
     assert "NOT every module" in capsys.readouterr().out
+    # the schedules' own code is the same: only the runtime they import changed
+    assert same_code.main(["--rev", ".", "--rev", str(tree), sgd, "--step-only"]) == 0
+
+
+def test_bench_between_pairs_each_round_and_divides_by_each_runs_torch(tmp_path):
+    bench_between = _script("bench_between")
+
+    def run(side, k, torch_s, times):
+        results = [{"schedule": s, "backend": "shm", "status": "ok", "median_s": t} for s, t in times.items()]
+        results.append({"schedule": "broken", "backend": "shm", "status": "runtime_error", "median_s": None})
+        report = {"points": [{"torch": {"median_s": torch_s}, "results": results}]}
+        (tmp_path / f"adam_{side}_r{k}.json").write_text(json.dumps(report))
+
+    run("before", 1, 1.0, {"baseline": 2.0, "fc": 1.0})
+    run("after", 1, 2.0, {"baseline": 4.0, "fc": 1.0})  # a loaded round: torch too took twice as long
+    run("before", 2, 1.0, {"baseline": 2.0, "fc": 1.0})
+    run("after", 2, 1.0, {"baseline": 2.0, "fc": 0.5})
+    report = bench_between.main(["--before", "a", "--runs", str(tmp_path), "--summarize", "--", "adam"])
+    rows = report["schedules"]
+    assert report["rounds"] == 2 and set(rows) == {"baseline [shm]", "fc [shm]"}
+    assert rows["baseline [shm]"]["after_over_before"] == [2.0, 1.0]
+    assert rows["baseline [shm]"]["after_over_before_vs_torch"] == [1.0, 1.0]
+    assert rows["fc [shm]"]["after_over_before_vs_torch"] == [0.5, 0.5] and rows["fc [shm]"]["median_ratio"] == 0.75

@@ -7,7 +7,7 @@ checked for four things:
 - no private name (``_x``) of one package is imported, or read off an imported module, in another;
 - a function imports only what is heavy to import (torch, Ray, Optuna, SQLAlchemy, FastAPI, …, or a coconet
   module that imports one of them): what is light is imported at the top. The CLI, whose every command imports
-  its own layer when it runs, and the runtime whose helpers' text is pasted into generated modules are exempt.
+  its own layer when it runs, is exempt.
 
 ``test_each_rule_catches_its_violation`` runs the same checks on small trees that break one rule each.
 """
@@ -68,7 +68,6 @@ ALLOWED = {
 HEAVY = {"torch", "ray", "optuna", "sqlalchemy", "alembic", "fastapi", "starlette", "uvicorn", "httpx", "scipy",
          "matplotlib", "plotly", "cupy", "triton", "tqdm"}
 DEFER_ANYTHING = {"coconet.cli"}  # each command imports its layer when it runs
-PASTED = {"coconet.codegen.prelude", "coconet.codegen.shm"}  # helpers' text runs in generated modules
 
 
 @dataclass
@@ -132,17 +131,18 @@ def _read(g: Graph, module: str, tree: ast.Module) -> None:
                     _add(g, module, a.name, child.lineno, in_function, ())
                     if a.asname and a.name.startswith("coconet."):
                         aliases[a.asname] = _resolve(g, a.name)
-            elif isinstance(child, ast.ImportFrom) and child.level == 0 and child.module:
+            elif isinstance(child, ast.ImportFrom) and (child.module or child.level):
+                source = _absolute(g, module, child)
                 names = []
                 for a in child.names:
-                    full = f"{child.module}.{a.name}"
-                    if child.module.startswith("coconet") and _resolve(g, full) == full:  # a module
+                    full = f"{source}.{a.name}"
+                    if source.startswith("coconet") and _resolve(g, full) == full:  # a module
                         _add(g, module, full, child.lineno, in_function, ())
                         aliases[a.asname or a.name] = full
                     else:
                         names.append(a.name)
                 if names:
-                    _add(g, module, child.module, child.lineno, in_function, tuple(names))
+                    _add(g, module, source, child.lineno, in_function, tuple(names))
             elif isinstance(child, ast.Attribute) and isinstance(child.value, ast.Name):
                 target = aliases.get(child.value.id)
                 if target and _private(child.attr):
@@ -150,6 +150,16 @@ def _read(g: Graph, module: str, tree: ast.Module) -> None:
             visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
 
     visit(tree, False)
+
+
+def _absolute(g: Graph, module: str, node: ast.ImportFrom) -> str:
+    """The module ``from X import`` names, a relative X (the runtime's modules import each other so) made whole."""
+    if not node.level:
+        return node.module or ""
+    base = module if g.modules[module].name == "__init__.py" else module.rpartition(".")[0]
+    for _ in range(node.level - 1):
+        base = base.rpartition(".")[0]
+    return f"{base}.{node.module}" if node.module else base
 
 
 def _add(g: Graph, module: str, name: str, line: int, in_function: bool, names: tuple[str, ...]) -> None:
@@ -238,7 +248,7 @@ def light_deferred_imports(g: Graph) -> list[str]:
     heavy = _heavy_modules(g)
     out = []
     for imp in g.imports:
-        if not imp.in_function or imp.source in DEFER_ANYTHING or imp.source in PASTED:
+        if not imp.in_function or imp.source in DEFER_ANYTHING:
             continue
         if not (imp.target in HEAVY or imp.target in heavy):
             out.append(f"{imp.source}:{imp.line} imports {imp.target} in a function: light, so import it at the top")

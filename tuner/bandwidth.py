@@ -76,7 +76,7 @@ def kernels(nbytes: int, threads: int = 1, device: str = "cpu") -> list[Kernel]:
 
 
 def _states_kernel():
-    from coconet.codegen.runtime import native_library
+    from coconet.kernels.copier import native_library
 
     lib = native_library(_STATES_C, "probe_states", ["-O3", "-march=native"], "the bandwidth probe's kernel")
     if lib is None:

@@ -9,7 +9,7 @@ port, each with the torch threads a ``coconet run`` rank gets. Together they tim
 - gloo allreduce, reduce_scatter and all_gather from 2^8 to 2^24 bytes: each sample is the slowest
   rank's time after a barrier, as ``coconet run`` times a step; α and β are fitted by least squares on
   the medians, relative to each median so that small sizes weigh as much as large ones;
-- the same collectives of the shm backend (the helpers of ``coconet.codegen.shm``) and one shm barrier;
+- the same collectives of the shm backend (the helpers of ``coconet.kernels.shm``) and one shm barrier;
 - memory bandwidth: an in-place ``a.add_(b)`` (three streams), every rank at once, the best of several,
   from tensors that fit the cache to 256 MiB ones: DRAM's rate, the cache's rate and where it ends;
 - what a fresh buffer costs over a reused one, by size (page faults), an eager op's dispatch, a
@@ -348,7 +348,8 @@ def _reps(nbytes: int, repeats: int) -> int:
 
 
 def _measure_all(s: Settings, R: int, rank: int, threads: int, dist, torch) -> dict[str, Any]:
-    from coconet.codegen import runtime  # imports torch: after the ranks' set-up
+    # import torch: after the ranks' set-up
+    from coconet.kernels import collectives, context, segments, shm
 
     timer = _Timer(dist, torch)
     sizes = [2**k for k in range(s.min_log2, s.max_log2 + 1)]
@@ -361,23 +362,23 @@ def _measure_all(s: Settings, R: int, rank: int, threads: int, dist, torch) -> d
             return lambda: dist.all_reduce(x)
         if op == "reduce_scatter":
             x, y = torch.ones(elems), torch.empty(elems // R)
-            return lambda: runtime.reduce_scatter_tensor(y, x)
+            return lambda: collectives.reduce_scatter_tensor(y, x)
         x, y = torch.ones(elems // R), torch.empty(elems)
-        return lambda: runtime.all_gather_into_tensor(y, x)
+        return lambda: collectives.all_gather_into_tensor(y, x)
 
-    c = runtime.Ctx(None, torch.device("cpu"))
-    c.shm = runtime.Shm.of(None, 2, sizes[-1] + 4 * R)
+    c = context.Ctx(None, torch.device("cpu"))
+    c.shm = segments.Shm.of(None, 2, sizes[-1] + 4 * R)
 
     def shm_op(op, n):
         elems = max(R, (n // 4) // R * R)
         if op == "allreduce":
             x = torch.ones(elems)
-            return lambda: runtime.shm_allreduce(c, x, "sum")
+            return lambda: shm.allreduce(c, x, "sum")
         if op == "reduce_scatter":
             x = torch.ones(elems)
-            return lambda: runtime.shm_reduce_scatter(c, x, 0, elems, "sum")
+            return lambda: shm.reduce_scatter(c, x, 0, elems, "sum")
         x = torch.ones(elems // R)
-        return lambda: runtime.shm_all_gather(c, x, 0, elems)
+        return lambda: shm.all_gather(c, x, 0, elems)
 
     for backend, make in (("gloo", gloo_op), ("shm", shm_op)):
         for op in OPS:
@@ -451,7 +452,8 @@ def _measure_all(s: Settings, R: int, rank: int, threads: int, dist, torch) -> d
     out["launch_s"] = timer.best(tiny, 5) / 1000
     # dropout as the generated code runs it unfused on CPU: Philox rounds in eager int64 ops, a call per
     # four elements, then the mask
-    from coconet.codegen.runtime import dropout_words, dropped, matmul
+    from coconet.kernels.dropout import dropout_words, dropped
+    from coconet.kernels.ops import matmul
 
     value = torch.ones(2**18)
     # the median: interference from other work on the machine slows these long runs of ops as it slows

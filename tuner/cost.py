@@ -16,7 +16,7 @@ statements a fused collective absorbs, which allreduce clones its operand). Each
 - collectives: α-β per link, composed as the backend's algorithm does (ring, tree, direct; across
   nodes the slowest link's bandwidth, NCCL's count of inter-node steps for latency), or a measured
   fit where the topology has one (gloo over loopback). On ``shm`` a collective is memory traffic
-  through shared segments — the bytes each helper of ``coconet.codegen.shm`` copies — plus barriers.
+  through shared segments — the bytes each helper of ``coconet.kernels.shm`` copies — plus barriers.
   Chunked and bucketed collectives pay α per launch.
 - overlap: a unit whose collectives run in flight while it computes (a chunked fused collective on
   a network backend, an overlapped matmul) takes the larger of the two rather than their sum, as far
@@ -735,7 +735,7 @@ def collective_time(op: str, nbytes: float, topo: Topology, backend: str, world:
 
 def shm_collective(op: str, nbytes: float, world: int) -> tuple[float, float, int]:
     """(bytes moved through memory, of which fresh, barriers) per rank for one collective of the shm
-    backend over a whole buffer of ``nbytes``, counted from ``coconet.codegen.shm``."""
+    backend over a whole buffer of ``nbytes``, counted from ``coconet.kernels.shm``."""
     R = world
     peers = (R - 1) / R
     if op == "allreduce":

@@ -46,9 +46,10 @@ READY_S = 120.0  # the server's imports, on a loaded machine
 # coconet.tuner.launch: a rank's job holds the launch's Options, so unpickling it imported the launcher (and
 # the lowering) in every rank of every launch
 PRELOAD = ("numpy", "torch", "torch.distributed", "coconet.tuner.rank", "coconet.codegen.baselines",
-           "coconet.tuner.launch")
+           "coconet.tuner.launch", "coconet.kernels.collectives", "coconet.kernels.shm", "coconet.kernels.dropout",
+           "coconet.kernels.ops")  # the runtime generated modules import
 COMPILER = ("torch._dynamo", "torch._inductor.compile_fx", "torch.fx.experimental.proxy_tensor",
-            "coconet.codegen.prelude")  # what a rank's first compiled kernel imports
+            "coconet.kernels.compiled")  # what a rank's first compiled kernel imports
 # set anew for every test by pytest, and read by nothing at start-up: not part of a server's key (a server
 # per test would never be reused), each rank gets the caller's value at its spawn instead
 VOLATILE = ("PYTEST_CURRENT_TEST",)

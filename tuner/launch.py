@@ -331,7 +331,7 @@ def _stop(procs) -> None:
 
 def remove_leftover_segments(pid: int) -> None:
     """shm segments are unlinked once every rank has mapped them; a rank killed in between leaves its
-    file behind (named by its pid: coconet.codegen.shm)."""
+    file behind (named by its pid: coconet.kernels.shm)."""
     for leftover in Path("/dev/shm").glob(f"coconet-{pid}-*"):
         leftover.unlink(missing_ok=True)
 

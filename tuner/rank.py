@@ -119,6 +119,8 @@ def _run(job: dict[str, Any], rank: int, conn: Connection) -> int:
     import torch
     import torch.distributed as dist
 
+    from coconet.kernels.segments import close_groups
+
     opts = job["options"]
     world, stages = opts.world, opts.stages
     torch.set_num_threads(job.get("threads", 1))
@@ -171,8 +173,7 @@ def _run(job: dict[str, Any], rank: int, conn: Connection) -> int:
         except Exception as e:
             conn.send(("error", task, rank, error_report(e, path)))
             return 1
-        for shm in list(ns.get("_GROUPS", {}).values()):  # the next task maps its own segments
-            shm.close()
+        close_groups()  # the next task maps its own segments
     dist.destroy_process_group()
     return 0
 

@@ -101,7 +101,7 @@ def matmul_rate(threads: int = 1, m: int | None = None, k: int | None = None, n:
     measured step), hence 8192 on each side there."""
     import torch
 
-    from coconet.codegen.runtime import matmul
+    from coconet.kernels.ops import matmul
 
     side = 8192 if device == "cuda" else None
     m, k, n = m or side or 1024, k or side or 2048, n or side or 1024

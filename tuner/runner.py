@@ -125,6 +125,8 @@ class _Rank:
         """Check (``protocol`` None) or time the step; returns what the driver needs, or the error."""
         import torch
 
+        from coconet.kernels.segments import close_groups
+
         device = torch.device("cuda", 0) if self.backend == "nccl" else torch.device("cpu")
         stage = self.rank // self.world
         opts = Options(world=self.world, sizes=sizes, seed=seed)
@@ -150,8 +152,7 @@ class _Rank:
         except Exception as e:
             return {"error": _error(e, filename), "kind": _kind(e)}
         finally:
-            for shm in list(ns.get("_GROUPS", {}).values()):
-                shm.close()
+            close_groups()
 
 
 def _error(e: BaseException, filename: str) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from datetime import timedelta
 from coconet.tuner.launch import free_port
 
 PRELOAD = ["torch", "torch.distributed", "coconet.step", "coconet.optim", "coconet.codegen.lower",
-           "coconet.codegen.prelude", "tests.coconet.ranks"]
+           "coconet.kernels.compiled", "tests.coconet.ranks"]
 
 
 def run(fn, world: int, *args, timeout_s: float = 120.0) -> list:

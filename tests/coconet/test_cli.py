@@ -735,3 +735,16 @@ def test_best_and_results_read_the_store(tmp_path):
     assert "5e1f00d5e1f0" in coconet("results", "examples/adam.py", "--db", db).stdout
     assert_one_error(coconet("results", "examples/adam.py", "--db", f"sqlite:///{tmp_path / 'none.db'}"),
                      "no store at")
+
+
+def test_run_emit_standalone_writes_the_runtime_beside_the_modules(tmp_path):
+    proc = coconet("run", "examples/sgd.py", "--world", "1", "--size", "N=8", "--repeats", "1", "--warmup", "0",
+                   "--kernels", "eager", "--emit", tmp_path, "--standalone", "--json")
+    assert proc.returncode == 0, proc.stderr
+    (module,) = tmp_path.glob("sgd_*_gloo.py")
+    assert "from coconet_kernels.context import Ctx as _Ctx" in module.read_text()
+    assert "from coconet.kernels" not in module.read_text()
+    copied = tmp_path / "coconet_kernels"
+    assert (copied / "collectives.py").read_text() == (ROOT / "kernels" / "collectives.py").read_text()
+    assert not (copied / "shm.py").exists()  # a gloo module imports none of the shm backend's runtime
+    assert_one_error(coconet("run", "examples/sgd.py", "--size", "N=8", "--standalone"), "give --emit DIR too")

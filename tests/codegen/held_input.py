@@ -16,6 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from coconet.kernels import segments
 from coconet.loader import load_file
 from coconet.schedules import interp
 from coconet.schedules.schedule import Schedule
@@ -67,7 +68,7 @@ def main(rank: int, world: int, port: int, kernels: str) -> None:
         assert torch.equal(tensors["g"], g), f"rank {rank}, {what}: the step changed the gradient"
         around = torch.cat([buffer[:2], buffer[2 + N:N + 5], buffer[2 * N + 5:]])
         assert bool((around == -7).all()), f"rank {rank}, {what}: the buffer around the views was written"
-        shm = next(iter(ns["_GROUPS"].values()))
+        shm = next(iter(segments._GROUPS.values()))
         if compiled:
             assert len(published) == publishes, (
                 f"rank {rank}, {what}: published {len(published)} of acc and g, not {publishes}")

@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 
 from coconet.codegen.lower import lower
+from coconet.kernels import segments
+from coconet.kernels import shm as shm_kernels
 from coconet.schedules import interp
 from coconet.schedules.schedule import Schedule
 from coconet.tuner.launch import Options
@@ -33,16 +35,16 @@ N = 1001
 
 
 def counting_rank(sched, kernels: str, rank: int, world: int, port: int) -> tuple[dict, list]:
-    """This rank in its gloo group, and the schedule's shm module run in a namespace of its own whose
-    ``_publish`` appends to the list returned with it."""
+    """This rank in its gloo group, and the schedule's shm module run in a namespace of its own, with the
+    runtime's ``_publish`` appending to the list returned with it."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
     ns: dict = {"__name__": "coconet_generated_counting"}
     exec(compile(lower(sched, "shm", kernels).source, "<counting_rank>", "exec"), ns)
     ns["_Shm"].PATIENCE_S = 20.0  # no launch watches these ranks: a failed rank ends the others soon
     published: list = []
-    publish = ns["_publish"]
-    ns["_publish"] = lambda *a: published.append(1) or publish(*a)
+    publish = shm_kernels._publish
+    shm_kernels._publish = lambda *a: published.append(1) or publish(*a)
     return ns, published
 
 
@@ -53,7 +55,7 @@ def main(rank: int, world: int, port: int, kernels: str, schedule: str = "zero1"
     ns, published = counting_rank(sched, kernels, rank, world, port)
     private = sharing == "private"
     if private:
-        ns["_share_storage"] = lambda t, path: None
+        segments._share_storage = lambda t, path: None
     opts = Options(world=world, sizes={"N": N})
     start, scalars = inputs(sched.scheduled, opts, 0, rank, torch.device("cpu"))
     grads = interp.make_inputs(sched.scheduled, world, {"N": N})["g"]  # every rank's, (world, N)
@@ -117,7 +119,7 @@ def main(rank: int, world: int, port: int, kernels: str, schedule: str = "zero1"
         assert torch.equal(g, sent), f"rank {rank}, {what}: the step changed the gradient"
         assert bool(published) == publishes, (
             f"rank {rank}, {what}: {'published' if published else 'did not publish'} its gradient")
-        shm = next(iter(ns["_GROUPS"].values()))
+        shm = next(iter(segments._GROUPS.values()))
         seg = shm.inputs["g"][0]
         assert (seg is not None) == segment, f"rank {rank}, {what}: {'no' if segment else 'a'} segment held for g"
         mapped = [r for r, peer in enumerate(shm.peer_states["g"]) if r != rank and (peer is not None) != segment]

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from coconet.codegen.lower import lower
+from coconet.kernels import segments
 from coconet.schedules import interp
 from coconet.schedules.schedule import Schedule
 from coconet.tuner.launch import Options
@@ -40,7 +41,7 @@ def main(rank: int, world: int, port: int, kernels: str, schedule: str = SCHEDUL
     # no launch watches these ranks: a rank that fails ends the others at their next barrier, not in 300 s
     ns["_Shm"].PATIENCE_S = 20.0
     if sharing == "private":
-        ns["_share_storage"] = lambda t, path: None
+        segments._share_storage = lambda t, path: None
     opts = Options(world=world, sizes={"N": N})
     start, scalars = inputs(sched.scheduled, opts, 0, rank, torch.device("cpu"))
     want = interp.run(sched.scheduled, world, {"N": N}, seed=opts.seed).observable()["stage0.state.w"]
@@ -73,7 +74,7 @@ def main(rank: int, world: int, port: int, kernels: str, schedule: str = SCHEDUL
         if w is flat:
             assert params[0].data_ptr() == w.data_ptr(), "a buffer other tensors view must stay where they see it"
             assert torch.equal(torch.cat([params[0], params[1].flatten()]), w), "the views do not see the step"
-            seg, moved = next(iter(ns["_GROUPS"].values())).states["w"]
+            seg, moved = next(iter(segments._GROUPS.values())).states["w"]
             if sharing == "private":
                 assert not moved and w.data_ptr() == before, f"{what}: w must be shadowed where it is"
             else:

@@ -1,3 +1,4 @@
+import ast
 import os
 import runpy
 import subprocess
@@ -7,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from coconet import __version__
+from coconet.codegen import runtime
 from coconet.codegen.cache import module_path
 from coconet.codegen.lower import lower
 from coconet.errors import BackendError
@@ -18,6 +20,12 @@ from tests.codegen import faulty
 ROOT = Path(__file__).parents[2]
 GOLDEN = Path(__file__).parent / "golden"
 EXAMPLES = sorted(p.stem for p in (ROOT / "examples").glob("*.py"))
+
+
+def _names_imported(source):
+    """The names a module binds by its imports of the runtime."""
+    return {a.asname for node in ast.parse(source).body if isinstance(node, ast.ImportFrom)
+            and (node.module or "").startswith("coconet.kernels.") for a in node.names}
 
 
 def example(name):
@@ -35,7 +43,10 @@ def test_every_schedule_lowers_for_both_backends(name):
             assert f"coconet {__version__}" in gen.source
             compile(gen.source, "<test>", "exec")
             imports = [x for x in gen.source.split("\n") if x.startswith(("import ", "from "))]
-            assert imports == ["import torch", "import torch.distributed as dist"], imports  # torch only
+            # torch, and the runtime's names the module calls, each bound as _<name>
+            assert imports[:2] == ["import torch", "import torch.distributed as dist"], imports
+            assert all(x.startswith("from coconet.kernels.") for x in imports[2:]), imports
+            assert "_Ctx" in _names_imported(gen.source)
             # every statement is implemented on lines of its own or of its group
             mapped = set(gen.line_map.values())
             scheduled = sched.scheduled
@@ -451,7 +462,9 @@ def test_generated_code_runs_where_coconet_cannot_be_imported(tmp_path, text, ba
     prog = example("adam")
     sched = Schedule.parse(text, prog) if text else Schedule(prog)
     module = tmp_path / "adam_step.py"
-    module.write_text(lower(sched, backend, "eager").source)
+    runtime.write(lower(sched, backend, "eager").source, backend, module, standalone=True)
+    assert "from coconet_kernels." in module.read_text() and "from coconet.kernels" not in module.read_text()
+    assert (tmp_path / "coconet_kernels" / "context.py").is_file()
     driver = tmp_path / "driver.py"
     driver.write_text(STANDALONE)
     import socket

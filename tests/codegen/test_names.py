@@ -90,7 +90,7 @@ KERNEL_NAME = re.compile(r"_(fuse|chunk)\d+\Z")
 
 
 def _ours(node) -> bool:
-    """The step and its kernels: what the lowering writes, not the helpers pasted from the prelude."""
+    """The step and its kernels: what the lowering writes, not what the module imports of the runtime."""
     if isinstance(node, ast.FunctionDef):
         return node.name == "step" or bool(KERNEL_NAME.match(node.name))
     return isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and KERNEL_NAME.match(t.id)

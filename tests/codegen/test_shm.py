@@ -18,9 +18,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coconet.codegen import shm
 from coconet.codegen.lower import lower
-from coconet.kernels import native
+from coconet.kernels import copier, native
+from coconet.kernels import segments as shm_segments
 from coconet.schedules.schedule import Schedule
 from coconet.schedules.space import generate
 from coconet.tuner.launch import Options, free_port, run_schedules
@@ -622,7 +622,7 @@ def c_chunk_and_python(source: str, monkeypatch, tmp_path) -> tuple[str, list[tu
         raise AssertionError("the C kernel handed the call to the Python kernel")
 
     monkeypatch.setenv("COCONET_CACHE_DIR", str(tmp_path))
-    kernel = shm._native(fallback, kinds, c)
+    kernel = copier.native(fallback, kinds, c)
     runs = []
     for rows in (4096, 37):
         want = args(rows)
@@ -871,7 +871,7 @@ def test_every_schedule_with_streaming_copies(name, monkeypatch, tmp_path):
 
 def test_streaming_copy_matches_torch_at_every_alignment(monkeypatch, tmp_path):
     monkeypatch.setenv("COCONET_CACHE_DIR", str(tmp_path))
-    copy = shm._stream_copier()
+    copy = copier.stream_copier()
     src = torch.randn(4096)
     for n in (0, 1, 15, 16, 63, 64, 65, 1000):
         for offset in (0, 1, 3, 17):
@@ -886,14 +886,14 @@ def test_a_compiler_that_fails_is_named(monkeypatch, tmp_path):
     monkeypatch.setenv("COCONET_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", "false")
     with pytest.raises(RuntimeError, match="false could not compile its copy kernel"):
-        shm._stream_copier()
+        copier.stream_copier()
     assert not list((tmp_path / "kernels").iterdir())  # nothing half-built left in the cache
 
 
 def test_without_a_c_compiler_torch_copies_every_size(monkeypatch):
     looked = []
-    monkeypatch.setattr(shm, "_stream_copier", lambda: looked.append(1))  # finds no compiler: None
-    s = shm._Shm.__new__(shm._Shm)  # the copy needs no process group
+    monkeypatch.setattr(shm_segments, "stream_copier", lambda: looked.append(1))  # finds no compiler: None
+    s = shm_segments.Shm.__new__(shm_segments.Shm)  # the copy needs no process group
     s.stream_min, s.stream = 1, None
     src = torch.randn(100)
     for stream in (None, True, None):
@@ -909,23 +909,23 @@ def test_a_segment_dev_shm_cannot_hold_is_refused_when_made(monkeypatch, tmp_pat
     def full(fd, offset, length):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(shm.os, "posix_fallocate", full)
+    monkeypatch.setattr(shm_segments.os, "posix_fallocate", full)
     path = tmp_path / "coconet-segment"
     with pytest.raises(RuntimeError, match=r"cannot hold a segment of 3\.0 MiB \(No space left on device; .* MiB "
                                            r"free of .* MiB\)"):
-        shm._segment(str(path), 3 << 20, new=True)
+        shm_segments.segment(str(path), 3 << 20, new=True)
     assert not path.exists()
     monkeypatch.undo()
-    seg = shm._segment(str(path), 4096, new=True)
+    seg = shm_segments.segment(str(path), 4096, new=True)
     assert seg.numel() == 4096 and path.stat().st_size == 4096 and path.stat().st_blocks * 512 >= 4096  # taken
     path.unlink()
     # slots, of which a rank writes only some rows, take no pages when made: they are checked for room instead
     free = shutil.disk_usage(tmp_path).free
-    slots = shm._segment(str(path), 1 << 20, new=True, ranks=2)
+    slots = shm_segments.segment(str(path), 1 << 20, new=True, ranks=2)
     assert slots.numel() == 1 << 20 and path.stat().st_blocks * 512 <= 1 << 16  # a page or so, not 1 MiB
     path.unlink()
     with pytest.raises(RuntimeError, match=r"cannot hold a segment of .* MiB \(one for each of 3 ranks; "):
-        shm._segment(str(path), free // 2, new=True, ranks=3)
+        shm_segments.segment(str(path), free // 2, new=True, ranks=3)
     assert not path.exists()
 
 
@@ -936,31 +936,31 @@ def test_a_buffer_other_tensors_view_is_made_shared_where_it_is(monkeypatch):
     buffer untouched; left private where sharing it would cut off another process or gains nothing."""
     flat = torch.arange(1000, dtype=torch.float32)
     views = [flat[:10], flat[500:].view(25, 20)]
-    assert not shm._movable(flat) and shm._whole(flat)
+    assert not shm_segments._movable(flat) and shm_segments._whole(flat)
     path = f"/dev/shm/coconet-{os.getpid()}-test-share"
-    offset = shm._share_storage(flat, path)
+    offset = shm_segments._share_storage(flat, path)
     try:
         assert offset is not None and offset % 64 == 0
         assert flat.untyped_storage().is_shared() and views[0].data_ptr() == flat.data_ptr()
         assert torch.equal(flat, torch.arange(1000, dtype=torch.float32))  # values kept, the mark undone
-        peer = shm._state_segment(path, (1000,), torch.float32, offset=offset)
+        peer = shm_segments._state_segment(path, (1000,), torch.float32, offset=offset)
         views[1][0, 3] = -5.0
         peer[7] = 42.0
         assert float(peer[503]) == -5.0 and float(views[0][7]) == 42.0
     finally:
         os.unlink(path)
-    assert shm._share_storage(flat, path) is None and not os.path.exists(path)  # already shared: left as it is
+    assert shm_segments._share_storage(flat, path) is None and not os.path.exists(path)  # already shared: left as it is
     tiny = torch.zeros(8)
-    assert shm._share_storage(tiny, path) is None and not tiny.untyped_storage().is_shared()
+    assert shm_segments._share_storage(tiny, path) is None and not tiny.untyped_storage().is_shared()
 
     class Full:
         f_bavail, f_frsize, f_blocks = 10, 4096, 100
 
     other = torch.zeros(1 << 16)
-    monkeypatch.setattr(shm.os, "statvfs", lambda folder: Full)
+    monkeypatch.setattr(shm_segments.os, "statvfs", lambda folder: Full)
     with pytest.raises(RuntimeError, match=r"cannot hold a segment of 0\.2 MiB \(for a buffer that other tensors "
                                            r"view; 0\.0 MiB free of 0\.4 MiB\)"):
-        shm._share_storage(other, path)
+        shm_segments._share_storage(other, path)
     assert not other.untyped_storage().is_shared() and not os.path.exists(path)
 
 
@@ -1057,11 +1057,11 @@ def test_a_fuse_kernel_that_sums_its_mask_steps_as_the_program_does():
 
 def test_a_held_buffer_is_the_same_tensor_every_step_until_its_shape_changes():
     box = types.SimpleNamespace(kept={})
-    a = shm._Shm.held(box, "add0", (5,), torch.float32)
-    assert shm._Shm.held(box, "add0", (5,), torch.float32) is a
-    b = shm._Shm.held(box, "add0", (6,), torch.float32)
+    a = shm_segments.Shm.held(box, "add0", (5,), torch.float32)
+    assert shm_segments.Shm.held(box, "add0", (5,), torch.float32) is a
+    b = shm_segments.Shm.held(box, "add0", (6,), torch.float32)
     assert b is not a and b.shape == (6,)
-    assert shm._Shm.held(box, "add0", (6,), torch.bfloat16).dtype == torch.bfloat16
+    assert shm_segments.Shm.held(box, "add0", (6,), torch.bfloat16).dtype == torch.bfloat16
 
 
 def test_a_kernel_computes_what_a_fused_collective_reduces_where_the_peers_read_it():
@@ -1119,9 +1119,10 @@ def test_a_sum_of_values_of_each_ranks_own_is_reduced_where_the_peers_read_them(
 
 
 def test_the_runtime_reads_each_chunk_parameter_as_the_kind_native_gives_it():
-    """shm's _native is pasted into generated modules, so it cannot import native.KINDS: its letters for lists
-    and for half precision are kept by hand, and a letter missed there would pass a half tensor to C as float32."""
-    source = inspect.getsource(shm._native)
+    """The runtime's native (coconet.kernels.copier) does not import native.KINDS, the C writer's table: its letters
+    for lists and for half precision are kept by hand, and a letter missed there would pass a half tensor to C as
+    float32."""
+    source = inspect.getsource(copier.native)
     lists = re.search(r'xs = x if kind in "(\w+)"', source).group(1)
     assert f'if kind in "{lists}":' in source
     widths = dict(re.findall(r'torch\.(bfloat16|float16) if kind in "(\w+)"', source))
@@ -1164,7 +1165,7 @@ def test_adafactors_update_reads_its_factors_in_the_c_kernel(monkeypatch, tmp_pa
     def fallback(*_):
         raise AssertionError("the C kernel handed the call to the Python kernel")
 
-    kernel = shm._native(fallback, kinds, c)
+    kernel = copier.native(fallback, kinds, c)
     gen = torch.Generator().manual_seed(0)
     for m, k in ((29, 37), (8, 4096), (3, 5)):
         want = [[torch.zeros(m, k), torch.zeros(m, k)], torch.randn(m, k, generator=gen),

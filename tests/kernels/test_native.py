@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coconet.codegen import shm
+from coconet.kernels import copier
 from coconet.kernels.native import COMPARE, DTYPE, HALF, OPS, POWERS, ChunkKernel, Untranslatable, c_source, half
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
@@ -39,7 +39,7 @@ assert set(UNARY) | set(BINARY) == set(OPS)
 POWER = {0.0: lambda a: torch.ones_like(a), 1.0: lambda a: a, 2.0: lambda a: a * a, 3.0: lambda a: a * a * a,
          -1.0: lambda a: 1 / a, -2.0: lambda a: 1 / (a * a), 0.5: UNARY["sqrt"], -0.5: UNARY["rsqrt"]}
 assert set(POWER) == set(POWERS)
-# every rank's rows combined in order, as codegen.shm._reduce_all does
+# every rank's rows combined in order, as codegen.shm.reduce_all does
 REDUCTIONS = {"sum": torch.add, "avg": torch.add, "prod": torch.mul, "max": maximum, "min": minimum}
 COMPARISONS = {"lt": torch.lt, "le": torch.le, "gt": torch.gt, "ge": torch.ge, "eq": torch.eq, "ne": torch.ne}
 assert set(COMPARISONS) == set(COMPARE)
@@ -223,12 +223,12 @@ def dtype_of(kind: str) -> torch.dtype:
 
 def without_f16c(monkeypatch):
     """The C kernels compiled as for a machine without F16C (float16 converted by hand)."""
-    build = shm._native_library
+    build = copier.native_library
 
     def without(source, name, flags, what):
         return build(source, name, [*flags, "-mno-f16c"], what)
 
-    monkeypatch.setattr(shm, "_native_library", without)
+    monkeypatch.setattr(copier, "native_library", without)
 
 
 def given_after_parts(parts2, ranks):
@@ -241,7 +241,7 @@ def run_native(k, args, monkeypatch, tmp_path):
     def fallback(*_):
         raise AssertionError("the C kernel handed a call it can take to the Python kernel")
 
-    return shm._native(fallback, k.kinds, c_source(k), sums=len(k.sums))(*args)
+    return copier.native(fallback, k.kinds, c_source(k), sums=len(k.sums))(*args)
 
 
 @settings(max_examples=20, deadline=None)
@@ -486,7 +486,7 @@ def test_what_c_cannot_take_goes_to_the_python_kernel(monkeypatch, tmp_path):
     monkeypatch.setenv("COCONET_CACHE_DIR", str(tmp_path))
     k = adam_kernel()
     calls = []
-    kernel = shm._native(lambda *args: calls.append(args), k.kinds, c_source(k))
+    kernel = copier.native(lambda *args: calls.append(args), k.kinds, c_source(k))
     kernel(*adam_args(100))
     assert calls == [] and len(list((tmp_path / "kernels").glob("chunk_*.so"))) == 1
     bad = [adam_args(100) for _ in range(5)]
@@ -506,7 +506,7 @@ def test_without_a_c_compiler_the_python_kernel_runs(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))
     k = adam_kernel()
     calls = []
-    shm._native(lambda *args: calls.append(1), k.kinds, c_source(k))(*adam_args(10))
+    copier.native(lambda *args: calls.append(1), k.kinds, c_source(k))(*adam_args(10))
     assert calls == [1]
 
 
@@ -659,7 +659,7 @@ def test_row_and_column_factors_are_broadcast_to_the_rows(monkeypatch, tmp_path,
 def test_factors_that_do_not_fit_the_rows_go_to_the_python_kernel(monkeypatch, tmp_path):
     monkeypatch.setenv("COCONET_CACHE_DIR", str(tmp_path))
     calls = []
-    kernel = shm._native(lambda *args: calls.append(1), FACTORED.kinds, c_source(FACTORED))
+    kernel = copier.native(lambda *args: calls.append(1), FACTORED.kinds, c_source(FACTORED))
 
     def args(r_shape=(4, 1), c_shape=(1, 8)):
         return ([torch.zeros(4, 8)], torch.zeros(4, 8), torch.ones(r_shape), torch.ones(c_shape), torch.tensor(1.0),

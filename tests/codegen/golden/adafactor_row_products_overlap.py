@@ -9,125 +9,23 @@ Call step(tensors, scalars, group=...) on every rank of an initialised process g
 Replicated and Local tensors whole, Sliced ones as this rank's rows. Updated state is
 written in place; nothing else of the inputs is. step returns the program's outputs
 and what it sent to the next pipeline stage. Custom ops come in custom_ops={name: fn}.
-Needs torch only.
+Needs torch and coconet's runtime, coconet.kernels (or a copy of it beside the module).
 """
 
 import torch
 import torch.distributed as dist
 
+from coconet.kernels.collectives import (
+    allreduce as _allreduce,
+    reduce_scatter as _reduce_scatter,
+    all_gather as _all_gather,
+)
+from coconet.kernels.context import Ctx as _Ctx
+from coconet.kernels.ops import matmul as _matmul
+
 
 def _t(x):
     return x if isinstance(x, torch.Tensor) else torch.tensor(x)
-
-
-_OPS = {"sum": "SUM", "prod": "PRODUCT", "max": "MAX", "min": "MIN", "avg": "SUM"}
-# torch >= 2.12 names the flat collectives *_single; older releases *_tensor
-_AG = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_RS = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-class _Ctx:
-    """Where this rank stands: its group, rank and world within it, device."""
-
-    def __init__(self, group, device, shm=None):
-        self.group, self.shm = group, shm
-        self.rank = dist.get_rank(group)
-        self.world = dist.get_world_size(group)
-        self.global_rank = dist.get_rank()
-        self.device = device
-
-    def rows(self, n, rank=None):
-        """Rows [lo, hi) of a dim of extent n that this rank (or ``rank``) holds when Sliced."""
-        chunk = -(-n // self.world)
-        lo = min((self.rank if rank is None else rank) * chunk, n)
-        return lo, min(lo + chunk, n)
-
-    def cut(self, x, dim, n):
-        lo, hi = self.rows(n)
-        return x.narrow(dim, lo, hi - lo)
-
-
-def _reduce_op(op):
-    return getattr(dist.ReduceOp, _OPS[op])
-
-
-def _allreduce(c, x, op, async_op=False):
-    """In place on x. gloo has no AVG: sum, then divide."""
-    work = dist.all_reduce(x, op=_reduce_op(op), group=c.group, async_op=async_op)
-    if op == "avg":
-        if work is not None:
-            work.wait()
-            work = None
-        x.div_(c.world)
-    return work
-
-
-def _matmul(a, b):
-    """a (..., K) @ b (K, M). float32 on CPU goes through oneDNN's linear, as Inductor's CPU lowering does:
-    on the Megatron layer's shapes it ran 1.07-1.25x torch.matmul's MKL sgemm where first measured, two
-    ranks at once included, and 0.85-0.99x on an Intel Xeon (benchmarks/cpu_matmul.py). A product with
-    one row or one column (a matrix's row or column sums as a product with ones) is torch.matmul: MKL's
-    gemv ran it 1.9-2.4x as fast as oneDNN there. Anything else, or a torch without oneDNN, too."""
-    if (a.device.type == "cpu" and a.dtype == b.dtype == torch.float32 and a.dim() >= 2 and a.numel()
-            and b.numel() and a.numel() > a.shape[-1] and b.shape[-1] > 1 and torch.backends.mkldnn.is_available()):
-        if not (b.is_contiguous() or b.t().is_contiguous()):
-            # a weight whose rows are strided (the overlap's column chunks of a weight): oneDNN's linear on
-            # one took 15 s where the same chunk copied took 11 ms (2048 x 1024 x 256); the copy is 1/m of
-            # the product's work
-            b = b.contiguous()
-        y = torch.ops.mkldnn._linear_pointwise(a.reshape(-1, a.shape[-1]), b.t(), None, "none", [], "")
-        return y.reshape(a.shape[:-1] + b.shape[-1:])
-    return torch.matmul(a, b)
-
-
-def _padded(c, x, dim, n):
-    """x moved so that ``dim`` leads, padded to world * ceil(n / world) rows: collectives want equal parts."""
-    chunk = -(-n // c.world)
-    x = x.movedim(dim, 0)
-    if x.shape[0] == chunk * c.world:
-        return x.contiguous(), chunk
-    pad = x.new_zeros((chunk * c.world - x.shape[0],) + tuple(x.shape[1:]))
-    return torch.cat([x, pad]), chunk
-
-
-def _rows_of(c, out, dim, n, op):
-    """This rank's rows from a reduce_scatter's padded output."""
-    if op == "avg":
-        out.div_(c.world)
-    lo, hi = c.rows(n)
-    return out[: hi - lo].movedim(0, dim)
-
-
-def _reduce_scatter(c, x, dim, n, op="sum", async_op=False):
-    """The rows this rank holds of the reduction over ranks of x (uneven slices allowed).
-    With async_op, returns a function that waits and gives the rows (the collective is in flight)."""
-    full, chunk = _padded(c, x, dim, n)
-    out = full.new_empty((chunk,) + tuple(full.shape[1:]))
-    work = _RS(out, full, op=_reduce_op(op), group=c.group, async_op=async_op)
-
-    def finish():
-        if work is not None:
-            work.wait()
-        return _rows_of(c, out, dim, n, op)
-
-    return finish if async_op else finish()
-
-
-def _part(c, x, dim, n):
-    """This rank's rows of x with dim leading, padded to ceil(n / world): what an all_gather sends."""
-    chunk = -(-n // c.world)
-    part = x.movedim(dim, 0)
-    if part.shape[0] != chunk:
-        part = torch.cat([part, part.new_zeros((chunk - part.shape[0],) + tuple(part.shape[1:]))])
-    return part.contiguous()
-
-
-def _all_gather(c, x, dim, n):
-    """The whole value from every rank's rows along dim (uneven slices allowed)."""
-    part = _part(c, x, dim, n)
-    out = part.new_empty((part.shape[0] * c.world,) + tuple(part.shape[1:]))
-    _AG(out, part, group=c.group)
-    return out[:n].movedim(0, dim)
 
 
 

@@ -9,58 +9,19 @@ Call step(tensors, scalars, group=...) on every rank of an initialised process g
 Replicated and Local tensors whole, Sliced ones as this rank's rows. Updated state is
 written in place; nothing else of the inputs is. step returns the program's outputs
 and what it sent to the next pipeline stage. Custom ops come in custom_ops={name: fn}.
-Needs torch only.
+Needs torch and coconet's runtime, coconet.kernels (or a copy of it beside the module).
 Dropout is torch's own (F.dropout): its masks are not coconet's counter-based ones.
 """
 
 import torch
 import torch.distributed as dist
 
+from coconet.kernels.collectives import allreduce as _allreduce
+from coconet.kernels.context import Ctx as _Ctx
+
 
 def _t(x):
     return x if isinstance(x, torch.Tensor) else torch.tensor(x)
-
-
-_OPS = {"sum": "SUM", "prod": "PRODUCT", "max": "MAX", "min": "MIN", "avg": "SUM"}
-# torch >= 2.12 names the flat collectives *_single; older releases *_tensor
-_AG = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_RS = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-class _Ctx:
-    """Where this rank stands: its group, rank and world within it, device."""
-
-    def __init__(self, group, device, shm=None):
-        self.group, self.shm = group, shm
-        self.rank = dist.get_rank(group)
-        self.world = dist.get_world_size(group)
-        self.global_rank = dist.get_rank()
-        self.device = device
-
-    def rows(self, n, rank=None):
-        """Rows [lo, hi) of a dim of extent n that this rank (or ``rank``) holds when Sliced."""
-        chunk = -(-n // self.world)
-        lo = min((self.rank if rank is None else rank) * chunk, n)
-        return lo, min(lo + chunk, n)
-
-    def cut(self, x, dim, n):
-        lo, hi = self.rows(n)
-        return x.narrow(dim, lo, hi - lo)
-
-
-def _reduce_op(op):
-    return getattr(dist.ReduceOp, _OPS[op])
-
-
-def _allreduce(c, x, op, async_op=False):
-    """In place on x. gloo has no AVG: sum, then divide."""
-    work = dist.all_reduce(x, op=_reduce_op(op), group=c.group, async_op=async_op)
-    if op == "avg":
-        if work is not None:
-            work.wait()
-            work = None
-        x.div_(c.world)
-    return work
 
 
 

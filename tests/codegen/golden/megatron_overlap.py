@@ -9,189 +9,20 @@ Call step(tensors, scalars, group=...) on every rank of an initialised process g
 Replicated and Local tensors whole, Sliced ones as this rank's rows. Updated state is
 written in place; nothing else of the inputs is. step returns the program's outputs
 and what it sent to the next pipeline stage. Custom ops come in custom_ops={name: fn}.
-Needs torch only.
+Needs torch and coconet's runtime, coconet.kernels (or a copy of it beside the module).
 """
 
 import torch
 import torch.distributed as dist
 
+from coconet.kernels.collectives import reduce_scatter as _reduce_scatter, all_gather as _all_gather
+from coconet.kernels.context import Ctx as _Ctx
+from coconet.kernels.dropout import dropout as _dropout
+from coconet.kernels.ops import matmul as _matmul
+
 
 def _t(x):
     return x if isinstance(x, torch.Tensor) else torch.tensor(x)
-
-
-_OPS = {"sum": "SUM", "prod": "PRODUCT", "max": "MAX", "min": "MIN", "avg": "SUM"}
-# torch >= 2.12 names the flat collectives *_single; older releases *_tensor
-_AG = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_RS = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-class _Ctx:
-    """Where this rank stands: its group, rank and world within it, device."""
-
-    def __init__(self, group, device, shm=None):
-        self.group, self.shm = group, shm
-        self.rank = dist.get_rank(group)
-        self.world = dist.get_world_size(group)
-        self.global_rank = dist.get_rank()
-        self.device = device
-
-    def rows(self, n, rank=None):
-        """Rows [lo, hi) of a dim of extent n that this rank (or ``rank``) holds when Sliced."""
-        chunk = -(-n // self.world)
-        lo = min((self.rank if rank is None else rank) * chunk, n)
-        return lo, min(lo + chunk, n)
-
-    def cut(self, x, dim, n):
-        lo, hi = self.rows(n)
-        return x.narrow(dim, lo, hi - lo)
-
-
-def _reduce_op(op):
-    return getattr(dist.ReduceOp, _OPS[op])
-
-
-def _matmul(a, b):
-    """a (..., K) @ b (K, M). float32 on CPU goes through oneDNN's linear, as Inductor's CPU lowering does:
-    on the Megatron layer's shapes it ran 1.07-1.25x torch.matmul's MKL sgemm where first measured, two
-    ranks at once included, and 0.85-0.99x on an Intel Xeon (benchmarks/cpu_matmul.py). A product with
-    one row or one column (a matrix's row or column sums as a product with ones) is torch.matmul: MKL's
-    gemv ran it 1.9-2.4x as fast as oneDNN there. Anything else, or a torch without oneDNN, too."""
-    if (a.device.type == "cpu" and a.dtype == b.dtype == torch.float32 and a.dim() >= 2 and a.numel()
-            and b.numel() and a.numel() > a.shape[-1] and b.shape[-1] > 1 and torch.backends.mkldnn.is_available()):
-        if not (b.is_contiguous() or b.t().is_contiguous()):
-            # a weight whose rows are strided (the overlap's column chunks of a weight): oneDNN's linear on
-            # one took 15 s where the same chunk copied took 11 ms (2048 x 1024 x 256); the copy is 1/m of
-            # the product's work
-            b = b.contiguous()
-        y = torch.ops.mkldnn._linear_pointwise(a.reshape(-1, a.shape[-1]), b.t(), None, "none", [], "")
-        return y.reshape(a.shape[:-1] + b.shape[-1:])
-    return torch.matmul(a, b)
-
-
-def _padded(c, x, dim, n):
-    """x moved so that ``dim`` leads, padded to world * ceil(n / world) rows: collectives want equal parts."""
-    chunk = -(-n // c.world)
-    x = x.movedim(dim, 0)
-    if x.shape[0] == chunk * c.world:
-        return x.contiguous(), chunk
-    pad = x.new_zeros((chunk * c.world - x.shape[0],) + tuple(x.shape[1:]))
-    return torch.cat([x, pad]), chunk
-
-
-def _rows_of(c, out, dim, n, op):
-    """This rank's rows from a reduce_scatter's padded output."""
-    if op == "avg":
-        out.div_(c.world)
-    lo, hi = c.rows(n)
-    return out[: hi - lo].movedim(0, dim)
-
-
-def _reduce_scatter(c, x, dim, n, op="sum", async_op=False):
-    """The rows this rank holds of the reduction over ranks of x (uneven slices allowed).
-    With async_op, returns a function that waits and gives the rows (the collective is in flight)."""
-    full, chunk = _padded(c, x, dim, n)
-    out = full.new_empty((chunk,) + tuple(full.shape[1:]))
-    work = _RS(out, full, op=_reduce_op(op), group=c.group, async_op=async_op)
-
-    def finish():
-        if work is not None:
-            work.wait()
-        return _rows_of(c, out, dim, n, op)
-
-    return finish if async_op else finish()
-
-
-def _part(c, x, dim, n):
-    """This rank's rows of x with dim leading, padded to ceil(n / world): what an all_gather sends."""
-    chunk = -(-n // c.world)
-    part = x.movedim(dim, 0)
-    if part.shape[0] != chunk:
-        part = torch.cat([part, part.new_zeros((chunk - part.shape[0],) + tuple(part.shape[1:]))])
-    return part.contiguous()
-
-
-def _all_gather(c, x, dim, n):
-    """The whole value from every rank's rows along dim (uneven slices allowed)."""
-    part = _part(c, x, dim, n)
-    out = part.new_empty((part.shape[0] * c.world,) + tuple(part.shape[1:]))
-    _AG(out, part, group=c.group)
-    return out[:n].movedim(0, dim)
-
-
-def _flat_index(shape, dim, first, count, device):
-    """Row-major flat indices into ``shape`` of rows [first, first + count) of ``dim`` (all of it if dim < 0).
-    ``first`` may be a tensor: one compiled kernel then serves every chunk of a fused collective."""
-    index = torch.zeros((), dtype=torch.int64, device=device)
-    stride = 1
-    for k in range(len(shape) - 1, -1, -1):
-        if k == dim:
-            axis = (torch.arange(count, dtype=torch.int64, device=device) + first) * stride
-        else:
-            axis = torch.arange(shape[k], dtype=torch.int64, device=device) * stride
-        index = index + axis.reshape((-1,) + (1,) * (len(shape) - 1 - k))
-        stride *= shape[k]
-    return index
-
-
-def _words(seed, shape, dim, first, count, device):
-    """The Philox word of each element of rows [first, first + count) of ``dim`` of ``shape`` (all of it if
-    dim < 0), in that piece's shape. On CPU the rounds bound the kernel: where every row is whole blocks of
-    four, one call serves a block and the four words go through a buffer. On CUDA memory bounds it (an
-    H100 ran the fused epilogue at 71% of copy bandwidth): every element runs its own call."""
-    inner = 1
-    for n in shape[dim + 1:] if dim >= 0 else shape:
-        inner *= n
-    if device.type != "cpu" or inner % 4:
-        return philox_words(seed, _flat_index(shape, dim, first, count, device))
-    rows = (tuple(shape[:dim]) + (count,)) if dim >= 0 else ()
-    blocks = _flat_index(tuple(shape[:dim + 1]) + (inner // 4,), dim, first, count, device)
-    return philox_blocks(seed, blocks).reshape(rows + tuple(shape[dim + 1:] if dim >= 0 else shape))
-
-
-def philox_rounds(seed: int, block):
-    """The four Philox4x32-10 words (int64 tensors in [0, 2^32)) of each block counter (an int64 tensor)
-    under a 64-bit ``seed``. Self-contained (torch only) so generated code can carry a copy of it."""
-    mask = 0xFFFFFFFF
-    c0, c1 = block & mask, (block >> 32) & mask
-    c2 = torch.zeros_like(block)
-    c3 = torch.zeros_like(block)
-    k0, k1 = seed & mask, (seed >> 32) & mask  # seed: an int, or an int64 tensor (two's complement)
-    for r in range(10):
-        if r:
-            k0, k1 = (k0 + 0x9E3779B9) & mask, (k1 + 0xBB67AE85) & mask
-        p0, p1 = c0 * 0xD2511F53, c2 * 0xCD9E8D57
-        hi0, lo0 = (p0 >> 32) & mask, p0 & mask
-        hi1, lo1 = (p1 >> 32) & mask, p1 & mask
-        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
-    return c0, c1, c2, c3
-
-
-def philox_words(seed: int, index):
-    """The Philox word (int64 in [0, 2^32)) of each global flat index (int64 tensor): a call per element."""
-    c0, c1, c2, c3 = philox_rounds(seed, index >> 2)
-    lane = index & 3
-    # a select, not a stack + gather: a compiler fuses it into the one loop
-    return torch.where(lane < 2, torch.where(lane == 0, c0, c1), torch.where(lane == 2, c2, c3))
-
-
-def philox_blocks(seed: int, block):
-    """The words of elements 4b … 4b+3 of each block b (int64 tensor), along a new last dim: one
-    Philox call per four elements."""
-    return torch.stack(philox_rounds(seed, block), -1)
-
-
-def _dropout(c, x, p, seed, shape, dim):
-    """Inverted dropout with the counter-based mask of coconet.schedules.rng (Philox4x32-10)."""
-    if p == 0:
-        return x
-    lo, hi = c.rows(shape[dim]) if dim >= 0 else (0, 0)
-    return _dropped(x, p, _words(seed, shape, dim, lo, hi - lo, x.device))
-
-
-def _dropped(x, p, words):
-    keep = (words >> 8) >= int(p * 16777216 + 0.5)
-    return torch.where(keep, x / (1.0 - p), torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 

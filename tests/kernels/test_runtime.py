@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coconet.codegen import prelude
+from coconet.kernels import compiled, dropout, ops
 from coconet.kernels import rng as trng
 from coconet.schedules import rng
 
@@ -33,7 +33,7 @@ def test_words_of_a_piece_are_the_specified_ones(piece, seed):
     """Whether a row is whole blocks of four (one Philox call per block) or not (one per element), every
     element gets the word of its global index."""
     shape, dim, first, count = piece
-    got = prelude._words(seed, shape, dim, first, count, torch.device("cpu"))
+    got = dropout.dropout_words(seed, shape, dim, first, count, torch.device("cpu"))
     want = rng.random_bits(seed, rng.global_index(shape, _piece(shape, dim, first, count) if dim >= 0 else None))
     assert got.shape == want.shape and np.array_equal(got.numpy(), want.astype(np.int64))
 
@@ -51,7 +51,7 @@ def test_chunk_rows_from_a_tensor_compiled():
     """A fused collective's chunk kernel: the first row arrives as a 0-d tensor, the shape as ints, and the
     compiled kernel (one call per block here: the last dim is 12) draws the specified mask."""
     shape, dim, p, seed = (6, 3, 12), 0, 0.25, 2**63 + 11
-    fn = torch.compile(lambda x, s, first: prelude._dropout_rows(x, p, s, shape, dim, first), dynamic=False,
+    fn = torch.compile(lambda x, s, first: dropout.dropout_rows(x, p, s, shape, dim, first), dynamic=False,
                        fullgraph=True)
     x = torch.ones(2, 3, 12)
     for first in (0, 2, 4):
@@ -71,7 +71,7 @@ def test_dropout_of_a_ranks_piece(shape, dim):
 
     lo, hi = Rank().rows(shape[dim]) if dim >= 0 else (0, 0)
     local = tuple(hi - lo if k == dim else n for k, n in enumerate(shape))
-    got = prelude._dropout(Rank(), torch.ones(local), 0.5, 5, shape, dim)
+    got = dropout.dropout(Rank(), torch.ones(local), 0.5, 5, shape, dim)
     keep = rng.dropout_mask(5, 0.5, shape, _piece(shape, dim, lo, hi - lo) if dim >= 0 else None)
     assert np.array_equal(got.numpy(), np.where(keep, 2.0, 0.0).astype(np.float32))
 
@@ -82,7 +82,7 @@ def test_kernels_are_kept_out_of_aotautograds_cache(tmp_path):
     other views of its segment, which failed ('expected size 1008==1001') or wrote wrong rows."""
     script = (
         "import torch\n"
-        "from coconet.codegen.prelude import _kernel\n"
+        "from coconet.kernels.compiled import kernel as _kernel\n"
         "def f(a, b, x):\n"
         "    a.copy_(x * 2)\n"
         "    b.copy_(x + 1)\n"
@@ -120,7 +120,7 @@ def test_a_cpu_kernel_runs_inductors_code_without_dynamo(monkeypatch):
             p.copy_(m1 * 2)
         return m1 + 1, g
 
-    kernel = prelude._kernel(step)
+    kernel = compiled.kernel(step)
     for shape, cut in (((6,), lambda t: t), ((9,), lambda t: t), ((5, 4), lambda t: t[:, 1:3])):
         m, peer, g0, g1 = (cut(torch.rand(shape)) for _ in range(4))
         want_m = 0.5 * m + g0 + g1
@@ -136,9 +136,9 @@ def test_a_cpu_kernel_runs_inductors_code_without_dynamo(monkeypatch):
 def test_dropout_in_a_kernel_traces_without_dynamo(monkeypatch):
     _no_dynamo(monkeypatch)
     x = torch.rand(3, 16)
-    got = prelude._kernel(lambda x, seed, first: prelude._dropout_rows(x * 1.0, 0.5, seed, (8, 16), 0, first))(
-        x, prelude._int64(5), prelude._int64(2))
-    assert torch.equal(got, prelude._dropout_rows(x, 0.5, prelude._int64(5), (8, 16), 0, prelude._int64(2)))
+    got = compiled.kernel(lambda x, seed, first: dropout.dropout_rows(x * 1.0, 0.5, seed, (8, 16), 0, first))(
+        x, ops.int64(5), ops.int64(2))
+    assert torch.equal(got, dropout.dropout_rows(x, 0.5, ops.int64(5), (8, 16), 0, ops.int64(2)))
 
 
 def test_a_kernel_compiles_once_for_a_context_made_anew_every_step(monkeypatch):
@@ -156,7 +156,7 @@ def test_a_kernel_compiles_once_for_a_context_made_anew_every_step(monkeypatch):
         def __init__(self, rank):
             self.rank, self.world, self.device = rank, 2, torch.device("cpu")
 
-    kernel = prelude._kernel(lambda c, x: x * (c.rank + 1))
+    kernel = compiled.kernel(lambda c, x: x * (c.rank + 1))
     x = torch.arange(4.0)
     for _ in range(3):
         assert torch.equal(kernel(Ctx(0), x), x)
@@ -182,7 +182,7 @@ def test_a_kernel_is_handed_bools_as_bytes_and_returns_bools(monkeypatch):
         c = x * 2.0
         return torch.where(mask & flags[0], c, -c), c >= 1.0, x.sum() > 0, flags[1]
 
-    kernel = prelude._kernel(f)
+    kernel = compiled.kernel(f)
     x = torch.linspace(-2, 2, 37)
     mask, flags = x > -0.5, [x < 1.5, torch.arange(37) % 3 == 0]
     for _ in range(2):
@@ -199,7 +199,7 @@ def test_a_kernel_is_handed_bools_as_bytes_and_returns_bools(monkeypatch):
         out[2:5].copy_(x[2:5] > 0.0)
         return x * flags.to(torch.float32)
 
-    kernel = prelude._kernel(rows_of_a_mask)
+    kernel = compiled.kernel(rows_of_a_mask)
     out = torch.zeros(37, dtype=torch.bool)
     kernel(out, x, mask)
     assert torch.equal(out, torch.arange(37).ge(2) & torch.arange(37).lt(5) & (x > 0))
@@ -209,11 +209,11 @@ def test_a_kernel_is_handed_bools_as_bytes_and_returns_bools(monkeypatch):
 def test_inputs_that_share_memory_go_through_torch_compile(monkeypatch):
     """A kernel traced for separate inputs would write views of one buffer as if apart: those calls take
     torch.compile's path, whose guards see the aliasing, even where the same shapes ran standalone before."""
-    compiled = []
+    dynamo = []
     real = torch.compile
 
     def spy(fn, **kwargs):
-        compiled.append(fn)
+        dynamo.append(fn)
         return real(fn, **kwargs)
 
     monkeypatch.setattr(torch, "compile", spy)
@@ -222,14 +222,14 @@ def test_inputs_that_share_memory_go_through_torch_compile(monkeypatch):
         a.copy_(x * 2)
         b.copy_(x + 1)
 
-    kernel = prelude._kernel(f)
+    kernel = compiled.kernel(f)
     x = torch.arange(8.0)
     a, b = torch.zeros(8), torch.zeros(8)
     kernel(a, b, x)
-    assert not compiled and torch.equal(a, x * 2) and torch.equal(b, x + 1)
+    assert not dynamo and torch.equal(a, x * 2) and torch.equal(b, x + 1)
     seg = torch.zeros(24)
     kernel(seg[0:8], seg[16:24], x)
-    assert compiled and torch.equal(seg[0:8], x * 2) and torch.equal(seg[16:24], x + 1)
+    assert dynamo and torch.equal(seg[0:8], x * 2) and torch.equal(seg[16:24], x + 1)
 
 
 @pytest.mark.gpu
@@ -247,7 +247,7 @@ def test_a_cuda_kernel_goes_through_torch_compile_with_host_scalars(monkeypatch)
     def f(m, g, beta):
         m.copy_(beta * m + g)
 
-    kernel = prelude._kernel(f)
+    kernel = compiled.kernel(f)
     m, g = torch.rand(1000, device="cuda"), torch.rand(1000, device="cuda")
     for _ in range(2):
         want = 0.5 * m + g
@@ -269,7 +269,7 @@ def test_the_generated_gemm_is_a_matmul(lead, k, m, dtype, strided_a, b_view):
         b = torch.randn(m, k, generator=gen).to(a.dtype).t()
     else:
         b = torch.randn(k, 3 * m + 1 if b_view == "cols" else m, generator=gen).to(a.dtype)[:, m:2 * m]
-    got = prelude._matmul(a, b)
+    got = ops.matmul(a, b)
     want = torch.matmul(a.double(), b.double())
     assert got.dtype == a.dtype and got.shape == want.shape
     tol = {"float32": 1e-5, "float64": 1e-12, "bfloat16": 2e-2}[dtype] * max(1, k)
@@ -282,7 +282,7 @@ def test_the_generated_gemm_is_onednn_on_cpu_in_float32():
         pytest.skip("this torch has no oneDNN")
     a, b = torch.randn(8, 16), torch.randn(16, 4)
     with torch.profiler.profile() as prof:
-        prelude._matmul(a, b)
+        ops.matmul(a, b)
     names = {e.name for e in prof.events()}
     assert "mkldnn::_linear_pointwise" in names and "aten::mm" not in names
 
@@ -304,9 +304,9 @@ def test_onednn_is_handed_dense_weights_only():
 
     a, w = torch.randn(6, 16), torch.randn(16, 12)
     with Record():
-        got = [prelude._matmul(a, chunk) for chunk in torch.tensor_split(w, 4, dim=1)]
-        prelude._matmul(a, w)
-        prelude._matmul(a, w.t().contiguous().t())
+        got = [ops.matmul(a, chunk) for chunk in torch.tensor_split(w, 4, dim=1)]
+        ops.matmul(a, w)
+        ops.matmul(a, w.t().contiguous().t())
     assert len(weights) == 6
     assert all(x.is_contiguous() or x.t().is_contiguous() for x in weights)
     assert torch.allclose(torch.cat(got, dim=1), a @ w, rtol=1e-5, atol=1e-5)
@@ -318,7 +318,7 @@ def test_norm_holds_float32_to_its_rounding_at_any_size(n):
     1.8e-4 at 2^24 elements (enough to fail every schedule of a LAMB step against the reference)."""
     x = torch.empty(n).uniform_(0.25, 1.0, generator=torch.Generator().manual_seed(n))
     want = x.double().norm().item()
-    got = prelude._norm(x)
+    got = ops.norm(x)
     assert got.dtype == torch.float32 and got.dim() == 0
     assert abs(got.item() - want) / want < 1e-6
 
@@ -326,5 +326,5 @@ def test_norm_holds_float32_to_its_rounding_at_any_size(n):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_norm_of_a_half_tensor_accumulates_in_float32(dtype):
     x = torch.full((3, 10_000), 0.5, dtype=dtype)  # a sum of 30000 quarters: 7500, past what half holds exactly
-    got = prelude._norm(x)
+    got = ops.norm(x)
     assert got.dtype == dtype and got.item() == pytest.approx(7500**0.5, rel=4e-3)
