@@ -61,7 +61,7 @@ class _Command(typer.core.TyperCommand):
 app = typer.Typer(
     name="coconet",
     help="Co-optimise computation and communication of distributed ML programs, and tune their schedules.",
-    add_completion=False,
+    add_completion=True,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
 )
@@ -458,9 +458,11 @@ def run(
     schedule: List[str] = typer.Option(["baseline"], "--schedule", help="A schedule's text, its id in "
                                        "`coconet schedules`, `baseline` or `all` (repeatable). The baseline "
                                        "always runs too."),
-    backend: str = typer.Option("gloo", "--backend", help="gloo (CPU tensors), nccl (CUDA tensors) or shm (CPU "
+    backend: str = typer.Option("gloo", "--backend", metavar="[gloo|nccl|shm]",
+                                help="gloo (CPU tensors), nccl (CUDA tensors) or shm (CPU "
                                 "tensors, collectives in shared memory)."),
-    kernels: str = typer.Option("compiled", "--kernels", help="compiled: fused groups compiled by Inductor "
+    kernels: str = typer.Option("compiled", "--kernels", metavar="[compiled|eager]",
+                                help="compiled: fused groups compiled by Inductor "
                                 "(the first call compiles; cached on disk); eager: plain torch statements."),
     stages: Optional[int] = typer.Option(None, "--stages", min=1, max=16,
                                          help="Pipeline stages for programs that send/recv (default 2)."),
@@ -482,7 +484,8 @@ def run(
     trace: Optional[Path] = typer.Option(None, "--trace", help="Profile one more step per rank and write its "
                                          "Chrome trace here (chrome://tracing, Perfetto); `coconet.tuner.trace` "
                                          "reads off how much communication ran under compute."),
-    launcher: str = typer.Option("auto", "--launcher", help="local: start the ranks on this machine; env: this "
+    launcher: str = typer.Option("auto", "--launcher", metavar="[auto|local|env]",
+                                 help="local: start the ranks on this machine; env: this "
                                  "process is one rank of a job that torchrun started (or any launcher that sets "
                                  "RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), joined through env://, rank 0 "
                                  "printing the results; auto: env when those variables are set, else local."),
@@ -600,7 +603,8 @@ def tune(
     topology: str = typer.Option("local", "--topology", help="`local` (this machine, calibrated on first use); "
                                  "another name only with --ray-address, on a cluster that is that topology: its "
                                  "nodes, CPUs and GPU model are checked against the topology before any trial."),
-    backend: List[str] = typer.Option([], "--backend", help="Restrict the backends tried (repeatable); default: "
+    backend: List[str] = typer.Option([], "--backend", metavar="[gloo|nccl|shm]",
+                                      help="Restrict the backends tried (repeatable); default: "
                                       "every one this machine runs (gloo and shm on CPU, nccl on GPUs)."),
     db: Optional[str] = typer.Option(None, "--db", help="Store URL (default $COCONET_DATABASE_URL, else SQLite in "
                                      "the user data dir)."),
@@ -608,14 +612,15 @@ def tune(
                                               "starting a local one (HOST:PORT of its head; a cluster with "
                                               "Ray's token authentication needs its token in ~/.ray/auth_token "
                                               "or $RAY_AUTH_TOKEN)."),
-    placement: str = typer.Option("pack", "--placement", help="Where a candidate's ranks go on the cluster: "
+    placement: str = typer.Option("pack", "--placement", metavar="[pack|spread]",
+                                  help="Where a candidate's ranks go on the cluster: "
                                   "pack (as few nodes as hold them) or spread (across nodes; shm, which needs "
                                   "one node, is then not tried)."),
-    kernels: str = typer.Option("compiled", "--kernels", help="compiled or eager."),
-    depth: int = typer.Option(6, "--depth", min=0),
+    kernels: str = typer.Option("compiled", "--kernels", metavar="[compiled|eager]", help="compiled or eager."),
+    depth: int = typer.Option(6, "--depth", min=0, help="Longest transform sequence in the space searched."),
     timeout: float = typer.Option(300.0, "--timeout", min=1.0, help="Seconds a candidate's check or timing may "
                                   "take before its ranks are killed (timeout)."),
-    seed: int = typer.Option(0, "--seed"),
+    seed: int = typer.Option(0, "--seed", help="Seed of the search, of the inputs and of dropout."),
     shardable: List[str] = typer.Option([], "--shardable", help=f"{SHARDABLE_HELP} Schedules sharding other "
                                         "state are not tried; the winner is recorded for this choice."),
     as_json: bool = JSON_OPT,
@@ -739,7 +744,8 @@ def sweep(
                                   "topology's too."),
     db: Optional[str] = typer.Option(None, "--db", help="Store URL (default $COCONET_DATABASE_URL, else SQLite in "
                                      "the user data dir)."),
-    ray_address: Optional[str] = typer.Option(None, "--ray-address"),
+    ray_address: Optional[str] = typer.Option(None, "--ray-address", help="Measure the local keys on this Ray "
+                                               "cluster (HOST:PORT) instead of one started here."),
     as_json: bool = JSON_OPT,
 ) -> None:
     """Offline sweep over programs x sizes x topologies: measured (tuned) on the local topology, predicted by the
@@ -952,15 +958,17 @@ def bench(
     workload: str = typer.Argument(..., help="An example's name (adam, megatron_mlp, …) or a program file."),
     world: int = typer.Option(2, "--world", min=1, max=64),
     size: List[str] = typer.Option(..., "--size", help="One point per --size, e.g. --size N=2^20 --size N=2^22."),
-    backend: List[str] = typer.Option(["gloo", "shm"], "--backend", help="gloo, shm or nccl (repeatable: every "
+    backend: List[str] = typer.Option(["gloo", "shm"], "--backend", metavar="[gloo|nccl|shm]",
+                                      help="gloo, shm or nccl (repeatable: every "
                                       "schedule runs on each)."),
-    kernels: str = typer.Option("compiled", "--kernels", help="compiled or eager."),
-    repeats: int = typer.Option(10, "--repeats", min=1),
+    kernels: str = typer.Option("compiled", "--kernels", metavar="[compiled|eager]", help="compiled or eager."),
+    repeats: int = typer.Option(10, "--repeats", min=1, help="Timed steps per schedule and point."),
     rounds: int = typer.Option(1, "--rounds", min=1, help="Launch every point this many times, one after the "
                                "other: a time is then the median of its rounds' medians, and the speed-up is "
                                "also given per round (load on a shared machine comes and goes between them)."),
-    warmup: int = typer.Option(3, "--warmup", min=0),
-    timeout: float = typer.Option(600.0, "--timeout", min=1.0),
+    warmup: int = typer.Option(3, "--warmup", min=0, help="Untimed steps first."),
+    timeout: float = typer.Option(600.0, "--timeout", min=1.0, help="Seconds a launch may take before its "
+                                  "ranks are stopped."),
     schedule: List[str] = typer.Option(["all"], "--schedule", help="Which schedules (as `coconet run`: text, id "
                                        "or `all`); the program as written always runs first."),
     knobs: str = typer.Option("default", "--knobs", help="default: each schedule at its knobs' defaults (or the "
@@ -1287,7 +1295,8 @@ def best(
     size: Optional[List[str]] = SIZE_OPT,
     world: Optional[int] = typer.Option(None, "--world", min=1, help="Only a winner at this world (default: any)."),
     topology: str = typer.Option("local", "--topology", help="The topology the winner was tuned or predicted on."),
-    backend: Optional[str] = typer.Option(None, "--backend", help="Only a winner on this backend (default: any)."),
+    backend: Optional[str] = typer.Option(None, "--backend", metavar="[gloo|nccl|shm]",
+                                          help="Only a winner on this backend (default: any)."),
     source: Optional[str] = typer.Option(None, "--source", help="measured or predicted: only a winner of that kind "
                                          "(default: a measured one where the key has one, else a predicted one)."),
     shardable: List[str] = typer.Option([], "--shardable", help=f"The winner of a tuning that asked this. "
