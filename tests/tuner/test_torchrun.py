@@ -280,7 +280,7 @@ def test_the_torchrun_recipe_runs_as_written(tmp_path):
     zero, one = _together([["bash", "-c", command]] * 2, env)
     assert zero.returncode == 0 and one.returncode == 0, zero.stderr[-3000:] + one.stderr[-3000:]
     tables = [node.stdout for node in (zero, one) if node.stdout.strip()]
-    assert len(tables) == 1 and re.search(r"^ ok .* baseline", tables[0], re.M), tables
+    assert len(tables) == 1 and re.search(r"^ +0 │ ok .* baseline", tables[0], re.M), tables
 
 
 def test_the_slurm_script_parses_and_runs_the_tested_command(tmp_path):
