@@ -65,23 +65,27 @@ def from_program(program: Any, params: Iterable[Any], *, group: Any = None, sche
     ``hyper``: the program's scalars (``lr=1e-3``), beside the file's ``defaults``. See ``compile``
     for ``schedule``, ``store``, ``server``, ``backend``, ``kernels``, ``tune_on_miss`` and ``budget``; without
     ``tune_on_miss`` a size never tuned runs the program as written, with a warning."""
-    prog, file_defaults, file_host = _program_file(program)
+    prog, file_defaults, file_host, initial = _program_file(program)
     return Optimizer(params, prog, dict(file_defaults, **_torch_names(prog, hyper)), group=group,
                      schedule=schedule, store=store, server=server, token=token, backend=backend, kernels=kernels,
                      topology=topology, weights=weights, grad=grad, host_scalars=host_scalars or file_host,
-                     tune_on_miss=tune_on_miss, budget=budget)
+                     tune_on_miss=tune_on_miss, budget=budget, initial_state=initial)
 
 
-def _program_file(program: Any) -> tuple[Program, dict, Callable | None]:
+def _program_file(program: Any) -> tuple[Program, dict, Callable | None, dict[str, str]]:
+    """The program, and what its file adds for an optimizer: ``defaults``, ``host_scalars`` and
+    ``initial_state`` (a state's name -> the hyperparameter its buffer starts at, as Adagrad's
+    ``initial_accumulator_value``; zero otherwise)."""
     program = named_example(program, "optim")
     prog = load_program(program)
     if not isinstance(program, (str, Path)) or Path(program).suffix != ".py":
-        return prog, {}, None
+        return prog, {}, None, {}
     text = Path(program).read_text()
-    if not re.search(r"^(defaults|host_scalars)\b|^def host_scalars\b", text, re.M):
-        return prog, {}, None
+    if not re.search(r"^(defaults|host_scalars|initial_state)\b|^def host_scalars\b", text, re.M):
+        return prog, {}, None, {}
     namespace = runpy.run_path(str(program), run_name="__coconet_program__")  # loaded once already: it runs
-    return prog, dict(namespace.get("defaults") or {}), namespace.get("host_scalars")
+    return (prog, dict(namespace.get("defaults") or {}), namespace.get("host_scalars"),
+            dict(namespace.get("initial_state") or {}))
 
 
 def _torch_names(prog: Program, hyper: Mapping[str, Any]) -> dict[str, Any]:
@@ -113,7 +117,8 @@ class _Bucket:
     """The parameters of one param group and dtype and device as views of flat buffers, with the state the
     program keeps for them and the step compiled for their count."""
 
-    def __init__(self, params: list, step: Step, weights: str, grad: str, state: list[str]) -> None:
+    def __init__(self, params: list, step: Step, weights: str, grad: str, state: list[str],
+                 starts: Mapping[str, float] | None = None) -> None:
         self.params, self.step, self.weights_name, self.grad_name = params, step, weights, grad
         self.numel = sum(p.numel() for p in params)
         first = params[0]
@@ -138,7 +143,8 @@ class _Bucket:
         self.state = {}
         for name in state:
             spec = step.inputs[name]
-            self.state[name] = torch.zeros(spec.shape, dtype=getattr(torch, spec.dtype), device=first.device)
+            self.state[name] = torch.full(spec.shape, (starts or {}).get(name, 0.0), dtype=getattr(torch, spec.dtype),
+                                          device=first.device)
         self.tensors = {grad: self.g, weights: self.w, **self.state}
 
     def collect_grads(self) -> None:
@@ -194,9 +200,14 @@ class Optimizer(torch.optim.Optimizer):
                  backend: str | None = None, kernels: str = "compiled", topology: str = "local",
                  weights: str = "w", grad: str = "g",
                  host_scalars: Callable[[dict, int, int], Mapping[str, float]] | None = None,
-                 tune_on_miss: bool = False, budget: int = 32) -> None:
+                 tune_on_miss: bool = False, budget: int = 32, initial_state: Mapping[str, str] | None = None) -> None:
         self.program, self.group, self.host_scalars = program, group, host_scalars
         self._layout = _roles(program, weights, grad)
+        self._initial = dict(initial_state or {})
+        unknown = sorted(set(self._initial) - set(self._layout[2]))
+        if unknown:
+            raise CoconetError(f"initial_state names {', '.join(unknown)}: not state {program.name} updates "
+                               f"(its state: {', '.join(self._layout[2]) or 'none'})")
         self._hyper = self._hyper_names(host_scalars, defaults)
         self._lookup = dict(schedule=schedule, store=store, server=server, token=token, backend=backend,
                             kernels=kernels, topology=topology, tune_on_miss=tune_on_miss, budget=budget)
@@ -213,7 +224,7 @@ class Optimizer(torch.optim.Optimizer):
         scalars = [s.name for s in self.program.inputs if s.op == "scalar" and s.name != self._counter]
         self._from_host = frozenset(host(dict(defaults), 1, 1)) if host is not None else frozenset()
         extra = [n for n in defaults if n not in scalars]
-        if extra and host is None:
+        if [n for n in extra if n not in self._initial.values()] and host is None:
             raise CoconetError(f"{', '.join(extra)}: not scalars of {self.program.name} (its hyperparameters: "
                                f"{', '.join(scalars)})")
         return tuple(n for n in scalars if n not in self._from_host) + tuple(extra)
@@ -237,7 +248,8 @@ class Optimizer(torch.optim.Optimizer):
         buckets = []
         for params in by_kind.values():
             step = self._compile(sum(p.numel() for p in params), state)
-            buckets.append(_Bucket(params, step, weights, grad, state))
+            starts = {name: float(group[hyper]) for name, hyper in self._initial.items()}
+            buckets.append(_Bucket(params, step, weights, grad, state, starts))
         self._buckets.append(buckets)
         self._counts.append(0)
 

@@ -32,11 +32,21 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeInt,
+    PositiveInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 import coconet
 from coconet.codegen.baselines import shardable_text
 from coconet.errors import CoconetError, SizeError
-from coconet.loader import load_file
+from coconet.loader import examples_dir, load_file
 from coconet.schedules import shardable as shard
 from coconet.schedules.dims import parse_sizes
 from coconet.schedules.ir import Program
@@ -81,61 +91,91 @@ class SweepConfig:
             raise CoconetError(f"cannot read sweep config {path}: {e.strerror}") from None
         except yaml.YAMLError as e:
             raise CoconetError(f"sweep config {path} is not YAML: {e}") from None
-        if not isinstance(data, dict):
-            raise CoconetError(f"sweep config {path}: expected a mapping with programs and topologies")
-        unknown = set(data) - {"programs", "topologies", "worlds", "budget", "depth"}
-        if unknown:
-            raise CoconetError(f"sweep config {path}: unknown key {sorted(unknown)[0]!r}")
+        try:
+            doc = SweepFile.model_validate(data)
+        except ValidationError as e:
+            raise CoconetError(f"sweep config {path}: {_first_error(e)}") from None
         entries = []
-        for i, item in enumerate(_list(data, "programs", path)):
+        for i, item in enumerate(doc.programs):
             where = f"sweep config {path}: programs[{i}]"
-            if not isinstance(item, dict) or ("example" in item) == ("file" in item):
-                raise CoconetError(f"{where}: give `example: NAME` or `file: PATH`")
-            if "file" in item:
-                file = (path.parent / str(item["file"])).resolve()
+            if item.file is not None:
+                file = (path.parent / item.file).resolve()
             else:
-                file = Path(__file__).resolve().parents[1] / "examples" / f"{item['example']}.py"
+                file = examples_dir() / f"{item.example}.py"
                 if not file.exists():
-                    raise CoconetError(f"{where}: no example {item['example']!r}")
+                    raise CoconetError(f"{where}: no example {item.example!r}")
             prog = load_file(file)
-            specs = item.get("sizes")
-            if not isinstance(specs, list) or not specs:
-                raise CoconetError(f"{where}: sizes must be a non-empty list such as ['N=2^10..2^20']")
-            sizes = tuple(s for spec in specs for s in expand_sizes(str(spec), prog.dims, where))
-            entries.append(Entry(prog, str(file), sizes, _shardable(item.get("shardable"), prog, where)))
-        topologies = tuple(str(t) for t in _list(data, "topologies", path))
-        worlds_raw = data.get("worlds") or {}
-        if not isinstance(worlds_raw, dict):
-            raise CoconetError(f"sweep config {path}: worlds must map topology names to lists of ranks")
-        worlds = {}
-        for name, ws in worlds_raw.items():
-            ws = ws if isinstance(ws, list) else [ws]
-            if not ws or not all(isinstance(w, int) and w >= 1 for w in ws):
-                raise CoconetError(f"sweep config {path}: worlds.{name} must be positive ints, got {ws!r}")
-            worlds[str(name)] = tuple(ws)
-        budget, depth = data.get("budget", 16), data.get("depth", 6)
-        for name, v in (("budget", budget), ("depth", depth)):
-            if not isinstance(v, int) or v < (1 if name == "budget" else 0):
-                raise CoconetError(f"sweep config {path}: {name} must be a positive int, got {v!r}")
-        return cls(tuple(entries), topologies, worlds, budget, depth)
+            sizes = tuple(s for spec in item.sizes for s in expand_sizes(spec, prog.dims, where))
+            entries.append(Entry(prog, str(file), sizes, _shardable(item.shardable, prog, where)))
+        worlds = {name: tuple(ws) for name, ws in doc.worlds.items()}
+        return cls(tuple(entries), tuple(doc.topologies), worlds, doc.budget, doc.depth)
+
+
+class SweepProgram(BaseModel):
+    """One entry of ``programs:``: an example's name or a program file, its sizes, and what its schedules may
+    leave sharded."""
+
+    model_config = ConfigDict(extra="forbid")
+    example: str | None = Field(None, description="The name of an example shipped with coconet (adam, sgd, ...).")
+    file: str | None = Field(None, description="A program file, relative to the config.")
+    sizes: list[str] = Field(min_length=1, description="Size bindings; `a..b` runs over powers of two, `a..b:k` "
+                             "with k points per doubling (`N=2^10..2^30:4`, `B=1..16,S=512..2048`).")
+    shardable: list[str] | None = Field(None, description="State a schedule may leave sharded, or `all`; "
+                                        "left out: what the program's baseline's caller never reads.")
+
+    @field_validator("shardable", mode="before")
+    @classmethod
+    def _one_name_is_a_list(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "SweepProgram":
+        if (self.example is None) == (self.file is None):
+            raise ValueError("give `example: NAME` or `file: PATH`")
+        return self
+
+
+class SweepFile(BaseModel):
+    """A sweep config as written (YAML): programs × sizes × topologies × worlds."""
+
+    model_config = ConfigDict(extra="forbid")
+    programs: list[SweepProgram] = Field(min_length=1)
+    topologies: list[str] = Field(min_length=1, description="Topology names: shipped, or calibrated into the "
+                                  "data dir; `local` is measured, every other one predicted.")
+    worlds: dict[str, list[PositiveInt]] = Field(default_factory=dict, description="Ranks per stage for each "
+                                                 "topology; left out: every rank of the topology.")
+    budget: PositiveInt = Field(16, description="Trials per measured key.")
+    depth: NonNegativeInt = Field(6, description="Longest transform sequence of the space.")
+
+    @field_validator("worlds", mode="before")
+    @classmethod
+    def _one_world_is_a_list(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: v if isinstance(v, list) else [v] for k, v in value.items()}
+        return value
+
+
+def _first_error(e: ValidationError) -> str:
+    """The first of pydantic's complaints as `programs[0].sizes: ...`, the field's path first."""
+    first = e.errors()[0]
+    loc = list(first["loc"])
+    if first["type"] == "extra_forbidden":
+        key, loc = loc[-1], loc[:-1]
+        message = f"unknown key {key!r}"
+    else:
+        message = first["msg"]
+    where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
+    more = f" (and {e.error_count() - 1} more)" if e.error_count() > 1 else ""
+    return f"{where}: {message}{more}" if where else f"{message}{more}"
 
 
 def _shardable(value: Any, prog: Program, where: str) -> str:
     """An entry's ``shardable:`` (a list of names, or ``all``); left out, the program's default."""
     names = value if isinstance(value, list) or value is None else [value]
-    if names is not None and not all(isinstance(n, str) for n in names):
-        raise CoconetError(f"{where}: shardable must be a list of state names or `all`, got {value!r}")
     try:
         return shardable_text(prog, names)
     except CoconetError as e:
         raise CoconetError(f"{where}: {e}") from None
-
-
-def _list(data: dict, key: str, path: Path) -> list:
-    v = data.get(key)
-    if not isinstance(v, list) or not v:
-        raise CoconetError(f"sweep config {path}: {key} must be a non-empty list")
-    return v
 
 
 def expand_sizes(spec: str, dims: Sequence[str], where: str = "sizes") -> list[dict[str, int]]:

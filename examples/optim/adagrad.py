@@ -1,5 +1,6 @@
-"""Adagrad (Duchi et al. 2011) as ``torch.optim.Adagrad`` computes it, learning-rate decay and weight decay
-included. Gradients averaged over the ranks (``op="avg"``)."""
+"""Adagrad (Duchi et al. 2011) as ``torch.optim.Adagrad`` computes it, learning-rate decay, weight decay and
+``initial_accumulator_value`` (where the sum of squares starts) included. Gradients averaged over the ranks
+(``op="avg"``)."""
 
 from coconet import Local, Program, Replicated, allreduce, sqrt
 
@@ -14,5 +15,6 @@ s1 = s + grad * grad
 p.update(s, s1)
 p.update(w, w - (lr / (1 + (t - 1) * lr_decay)) * grad / (sqrt(s1) + eps))
 
-defaults = {"lr": 1e-2, "lr_decay": 0.0, "eps": 1e-10, "weight_decay": 0.0}
+defaults = {"lr": 1e-2, "lr_decay": 0.0, "eps": 1e-10, "weight_decay": 0.0, "initial_accumulator_value": 0.0}
+initial_state = {"s": "initial_accumulator_value"}  # coconet.optim fills s with it when it makes the buffer
 program = p

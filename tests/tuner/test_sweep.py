@@ -76,7 +76,7 @@ worlds: {dgx-h100-8: [8]}
 
 
 @pytest.mark.parametrize("text, message", [
-    ("programs: []\ntopologies: [local]\n", "programs must be a non-empty list"),
+    ("programs: []\ntopologies: [local]\n", "programs: List should have at least 1 item"),
     ("programs:\n  - example: nope\n    sizes: [N=4]\ntopologies: [local]\n", "no example 'nope'"),
     ("programs:\n  - example: adam\n    sizes: [N=4]\ntopologies: [local]\nbudget: 0\n", "budget"),
     ("programs:\n  - example: adam\n    sizes: [N=4]\ntopologies: [local]\ncolour: red\n", "unknown key 'colour'"),
@@ -84,7 +84,12 @@ worlds: {dgx-h100-8: [8]}
     ("programs:\n  - example: adam\n    sizes: [N=4]\n    shardable: [g]\ntopologies: [local]\n",
      r"programs\[0\]: shardable g: not replicated state adam updates"),
     ("programs:\n  - example: adam\n    sizes: [N=4]\n    shardable: [1]\ntopologies: [local]\n",
-     "shardable must be a list of state names"),
+     r"programs\[0\].shardable\[0\]: Input should be a valid string"),
+    ("programs:\n  - sizes: [N=4]\ntopologies: [local]\n", r"programs\[0\]: Value error, give `example: NAME`"),
+    ("programs:\n  - example: adam\n    sizes: []\ntopologies: [local]\n", r"programs\[0\].sizes: List should"),
+    ("programs:\n  - example: adam\n    sizes: [N=4]\ntopologies: [local]\nworlds: {local: [0]}\n",
+     r"worlds.local\[0\]: Input should be greater than 0"),
+    ("- 1\n", "Input should be a valid dictionary"),
 ])
 def test_bad_configs_name_the_cause(tmp_path, text, message):
     with pytest.raises(CoconetError, match=message):
@@ -141,3 +146,16 @@ worlds: {local: [2]}
         best = store.best(prog.hash, {"N": 2**16}, "local", 2)
         assert best.winner.id == measured and best.source == "measured"
         assert store.best(prog.hash, {"N": 2**18}, "local", 2).source == "model"
+
+
+def test_the_published_schema_is_the_configs():
+    """docs/sweep-config.schema.json is what the loader validates against: regenerated when the model changes
+    (python -c "import json; from coconet.tuner.sweep import SweepFile; print(json.dumps(
+    SweepFile.model_json_schema(), indent=2))" > docs/sweep-config.schema.json)."""
+    import json
+    from pathlib import Path
+
+    from coconet.tuner.sweep import SweepFile
+
+    published = Path(__file__).resolve().parents[2] / "docs" / "sweep-config.schema.json"
+    assert json.loads(published.read_text()) == SweepFile.model_json_schema()
