@@ -32,7 +32,7 @@ from coconet.codegen.baselines import baseline_for, shardable_text
 from coconet.codegen.lower import BACKENDS, KERNELS, lower
 from coconet.codegen.runtime import write as write_module
 from coconet.errors import CoconetError
-from coconet.loader import examples_dir, load_file, named_example
+from coconet.loader import example_names, examples_dir, load_file, named_example
 from coconet.schedules import shardable as shard
 from coconet.schedules.dims import format_sizes, parse_sizes
 from coconet.schedules.schedule import Schedule
@@ -89,6 +89,8 @@ PROGRAM_HELP = "The program: a .py file defining `program`, its JSON IR, or the 
 def _program_path(value: Path) -> Path:
     """A program argument as a path: a bare name that is no file here is the example of that name."""
     return Path(named_example(str(value)))
+
+
 SHARDABLE_HELP = ("State a schedule may leave sharded (as_slice, ZeRO-style: after the step each rank holds only "
                   "its rows): names, repeatable or joined by commas; `all` for any. Default: what the program's "
                   "baseline caller never reads (Adam: m, v), else none.")
@@ -302,8 +304,10 @@ def _require_sizes(prog: Any, size: Optional[List[str]]) -> None:
                            if prog.dims else "--size is required")
 
 
-def _pick_schedules(prog: Any, picks: List[str], depth: int, best: Optional[Callable[[], Any]] = None) -> list:
-    space = None
+def _pick_schedules(prog: Any, picks: List[str], depth: int, best: Optional[Callable[[], Any]] = None,
+                    space: Any = None) -> list:
+    """The schedules ``picks`` name, the baseline first; ``space``: the program's, where the caller made it
+    already (else made here at the first `all` or id)."""
     chosen: list = [Schedule(prog)]  # the baseline runs first: every speed-up is against it
     for pick in picks:
         pick = pick.strip()
@@ -525,7 +529,8 @@ def run(
                        "median_s": found.measurement.median_s, "speedup": found.winner.speedup})
         return sched
 
-    picked = _pick_schedules(prog, schedule, depth, best=tuned)
+    space = generate(prog, depth=depth)  # `all` and ids pick from it; the table gives each schedule's id in it
+    picked = _pick_schedules(prog, schedule, depth, best=tuned, space=space)
     if emit is not None and not quiet:
         emit.mkdir(parents=True, exist_ok=True)
         for sched in picked:
@@ -550,7 +555,7 @@ def run(
     if quiet:
         raise typer.Exit(1 if failed else 0)
     base = results[0].median_s
-    ids = {sched.hash: i for i, sched in enumerate(generate(prog, depth=depth))}
+    ids = {sched.hash: i for i, sched in enumerate(space)}
     rows = []
     for r in results:
         row = r.to_json()
@@ -884,10 +889,9 @@ def _workload_file(workload: str) -> Path:
     if path.suffix in (".py", ".json"):
         return path
 
-    examples = examples_dir()
-    candidate = examples / f"{workload}.py"
+    candidate = examples_dir() / f"{workload}.py"
     if not candidate.exists():
-        known = ", ".join(sorted(p.stem for p in examples.glob("*.py"))) or "none here"
+        known = ", ".join(example_names()) or "none here"
         raise CoconetError(f"no workload {workload!r}: name an example ({known}) or a program file")
     return candidate
 
@@ -1416,10 +1420,7 @@ def submit(
     _require_sizes(prog, size)
     points = [parse_sizes(spec, prog.dims) for spec in size]
     with Client.open(server, token or os.environ.get(ENV_TOKEN) or None) as client:
-        program = client.post_program(to_json(prog, indent=None))["hash"]
-        if program != prog.hash:  # the server would tune something other than what this file says
-            raise ServiceError(f"the server hashed {prog.name} as {program}, this coconet as {prog.hash}: "
-                               "are the versions the same?")
+        program = client.send_program(prog)
         # checked here; none given, the server's default
         names = list(shard.spelled(shardable_text(prog, shardable))) if shardable else None
         jobs = [client.post_job(program, sizes, topology=topology, world=world, budget=budget,
@@ -1434,8 +1435,8 @@ def submit(
         emit.mkdir(parents=True, exist_ok=True)
         for d in docs:
             if d["code"] is not None:
-                path = emit / f"{prog.name}_{d['best']['hash']}_{d['best']['backend']}.py"
-                path.write_text(d["code"])
+                path = write_module(d["code"], d["best"]["backend"],
+                                    emit / f"{prog.name}_{d['best']['hash']}_{d['best']['backend']}.py")
                 Console(stderr=True, highlight=False, soft_wrap=True).print(f"wrote {path}", markup=False)
             if not code:
                 d["code"] = None

@@ -13,6 +13,8 @@ import httpx
 
 from coconet.errors import CoconetError
 from coconet.schedules.dims import format_sizes
+from coconet.schedules.ir import Program
+from coconet.schedules.serialize import export as to_json
 
 API = "/api/v1"
 ENV_TOKEN = "COCONET_API_TOKEN"
@@ -52,6 +54,15 @@ class Client:
 
     def post_program(self, ir_json: str) -> dict[str, Any]:
         return self._call("POST", "/programs", content=ir_json, headers={"Content-Type": "application/json"})
+
+    def send_program(self, prog: Program) -> str:
+        """POST /programs with ``prog``'s JSON IR; its hash, refused where the server hashes it otherwise (it
+        would tune something other than what this coconet holds)."""
+        got = self.post_program(to_json(prog, indent=None))["hash"]
+        if got != prog.hash:
+            raise ServiceError(f"the server hashed {prog.name} as {got}, this coconet as {prog.hash}: "
+                               "are the versions the same?")
+        return got
 
     def post_job(self, program: str, sizes: Mapping[str, int], *, topology: str, world: int,
                  budget: int, shardable: list[str] | str | None = None) -> dict[str, Any]:

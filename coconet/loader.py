@@ -27,8 +27,7 @@ def load_file(path: str | os.PathLike, ops: Any = None) -> Program:
     p = Path(path)
     if not p.is_file():
         if len(p.parts) == 1 and not p.suffix:
-            known = ", ".join(sorted(e.stem for e in examples_dir().glob("*.py")))
-            raise ProgramError(f"{path}: no such file, nor an example of that name ({known})")
+            raise ProgramError(f"{path}: no such file, nor an example of that name ({', '.join(example_names())})")
         raise ProgramError(f"{path}: no such file")
     if p.suffix == ".json":
         if p.stat().st_size > MAX_JSON_BYTES:
@@ -96,6 +95,11 @@ def examples_dir() -> Path:
     here = Path(__file__).resolve().parent
     installed = here / "examples"
     return installed if installed.is_dir() else here.parent / "examples"
+
+
+def example_names(folder: str = "") -> list[str]:
+    """The names of the examples shipped with coconet (``examples/<folder>``), sorted."""
+    return sorted(e.stem for e in (examples_dir() / folder).glob("*.py"))
 
 
 def named_example(source: Any, folder: str = "") -> Any:

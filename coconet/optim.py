@@ -224,8 +224,9 @@ class Optimizer(torch.optim.Optimizer):
         scalars = [s.name for s in self.program.inputs if s.op == "scalar" and s.name != self._counter]
         self._from_host = frozenset(host(dict(defaults), 1, 1)) if host is not None else frozenset()
         extra = [n for n in defaults if n not in scalars]
-        if [n for n in extra if n not in self._initial.values()] and host is None:
-            raise CoconetError(f"{', '.join(extra)}: not scalars of {self.program.name} (its hyperparameters: "
+        unknown = [n for n in extra if n not in self._initial.values()]
+        if unknown and host is None:
+            raise CoconetError(f"{', '.join(unknown)}: not scalars of {self.program.name} (its hyperparameters: "
                                f"{', '.join(scalars)})")
         return tuple(n for n in scalars if n not in self._from_host) + tuple(extra)
 
@@ -245,10 +246,10 @@ class Optimizer(torch.optim.Optimizer):
         by_kind: dict[tuple, list] = {}
         for p in group["params"]:
             by_kind.setdefault((p.dtype, p.device), []).append(p)
+        starts = {name: float(group[hyper]) for name, hyper in self._initial.items()}
         buckets = []
         for params in by_kind.values():
             step = self._compile(sum(p.numel() for p in params), state)
-            starts = {name: float(group[hyper]) for name, hyper in self._initial.items()}
             buckets.append(_Bucket(params, step, weights, grad, state, starts))
         self._buckets.append(buckets)
         self._counts.append(0)

@@ -37,7 +37,6 @@ from coconet.schedules import shardable
 from coconet.schedules.dims import format_sizes, parse_sizes
 from coconet.schedules.ir import Program
 from coconet.schedules.schedule import Schedule
-from coconet.schedules.serialize import export as to_json
 from coconet.schedules.types import Local, Replicated, Sliced
 
 BEST = "best"
@@ -334,10 +333,8 @@ class _Lookup:
     tuning: Tuning | None = None
 
     def shardable_text(self) -> str | None:
-        if self.shardable is None:
-            return None
-        names = [self.shardable] if isinstance(self.shardable, str) else list(self.shardable)
-        return shardable.to_text(self.prog, shardable.resolve(self.prog, names))
+        names = self._shardable_names()
+        return None if names is None else shardable.to_text(self.prog, shardable.resolve(self.prog, names))
 
     def answer(self) -> tuple[str, dict[str, int], str, Origin]:
         """(schedule text, knobs, backend, origin); raises CoconetError on a miss. With ``tuning``, a key
@@ -391,10 +388,7 @@ class _Lookup:
         from coconet.client import Client, follow
 
         with Client.open(self.server, self.token) as client:  # type: ignore[arg-type]
-            # the server tunes what it holds: the program goes first, as `coconet submit` sends it
-            if client.post_program(to_json(self.prog, indent=None))["hash"] != self.prog.hash:
-                raise CoconetError(f"server {self.server} hashes {self.prog.name} otherwise than this coconet: "
-                                   "are the versions the same?")
+            client.send_program(self.prog)  # the server tunes what it holds, as `coconet submit` sends it
             backends = self._tune_backends()
             _, started = client.best_or_tune(self.prog.hash, self.sizes, topology=self.topology, world=self.world,
                                              backend=backends[0] if backends else None, budget=tuning.budget,

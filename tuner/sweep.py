@@ -169,9 +169,8 @@ def _first_error(e: ValidationError) -> str:
     return f"{where}: {message}{more}" if where else f"{message}{more}"
 
 
-def _shardable(value: Any, prog: Program, where: str) -> str:
-    """An entry's ``shardable:`` (a list of names, or ``all``); left out, the program's default."""
-    names = value if isinstance(value, list) or value is None else [value]
+def _shardable(names: list[str] | None, prog: Program, where: str) -> str:
+    """An entry's ``shardable:`` (names, or ``[all]``); left out, the program's default."""
     try:
         return shardable_text(prog, names)
     except CoconetError as e:
