@@ -35,6 +35,7 @@ import yaml
 
 from coconet.errors import TopologyError
 from coconet.paths import data_dir
+from coconet.tuner.topology_file import LinkFile, TopologyFile, validate
 
 DEVICES = ("cpu", "cuda")
 BACKENDS = ("gloo", "nccl", "shm")
@@ -239,167 +240,63 @@ def to_dict(t: Topology) -> dict[str, Any]:
     return out
 
 
-_TOP_KEYS = {"name", "description", "device", "nodes", "ranks_per_node", "backends", "links",
-             "memory_bandwidth_GBps", "matmul_TFLOPS", "launch_s", "compiled_launch_s", "elementwise_Gops",
-             "eager_elementwise_Gops", "cache_bytes",
-             "cache_bandwidth_GBps", "fresh_cost", "overlap", "overlap_memory", "shm_barrier_s",
-             "algorithms", "measured", "fingerprint"}
+def _fail(source: str, path: str, message: str) -> TopologyError:
+    return TopologyError(f"topology {source}: {path}: {message}", field=path)
 
 
-class _Reader:
-    """Typed access to a parsed YAML mapping, with errors that name the field and the file."""
+def _link(f: LinkFile, path: str, source: str) -> Link:
+    if (f.bandwidth_GBps is None) == (f.beta_s_per_byte is None):
+        raise _fail(source, f"{path}.bandwidth_GBps", "give exactly one of bandwidth_GBps and beta_s_per_byte")
+    bw = f.bandwidth_GBps if f.bandwidth_GBps is not None else 1.0 / (float(f.beta_s_per_byte or 0) * 1e9)
+    return Link(f.alpha_s, bw, f.kind)
 
-    def __init__(self, source: str):
-        self.source = source
 
-    def fail(self, path: str, message: str) -> TopologyError:
-        return TopologyError(f"topology {self.source}: {path}: {message}", field=path)
-
-    def mapping(self, value: Any, path: str, keys: set[str] | None = None) -> dict:
-        if not isinstance(value, dict):
-            raise self.fail(path, f"must be a mapping, got {type(value).__name__}")
-        if keys is not None:
-            unknown = sorted(str(k) for k in value if k not in keys)
-            if unknown:
-                raise self.fail(f"{path}.{unknown[0]}" if path else unknown[0],
-                                f"unknown field (known: {', '.join(sorted(keys))})")
-        return value
-
-    def number(self, d: dict, key: str, path: str, *, default: Any = ..., positive: bool = True,
-               allow_zero: bool = False, none_ok: bool = False, upper: float | None = None) -> Any:
-        where = f"{path}.{key}" if path else key
-        if key not in d:
-            if default is ...:
-                raise self.fail(where, "is required")
-            return default
-        v = d[key]
-        if v is None and none_ok:
-            return None
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise self.fail(where, f"must be a number, got {v!r}")
-        if positive and (v < 0 or (v == 0 and not allow_zero)):
-            raise self.fail(where, f"must be {'non-negative' if allow_zero else 'positive'}, got {v!r}")
-        if upper is not None and v > upper:
-            raise self.fail(where, f"must be at most {upper}, got {v!r}")
-        return float(v) if isinstance(v, float) else v
-
-    def integer(self, d: dict, key: str, path: str, default: Any = ...) -> int:
-        v = self.number(d, key, path, default=default, allow_zero=False)
-        if isinstance(v, float):
-            raise self.fail(f"{path}.{key}" if path else key, f"must be an integer, got {v!r}")
-        return v
-
-    def string(self, d: dict, key: str, path: str, default: Any = ..., choices: tuple[str, ...] | None = None) -> str:
-        where = f"{path}.{key}" if path else key
-        if key not in d:
-            if default is ...:
-                raise self.fail(where, "is required")
-            return default
-        v = d[key]
-        if not isinstance(v, str):
-            raise self.fail(where, f"must be a string, got {v!r}")
-        if choices is not None and v not in choices:
-            raise self.fail(where, f"must be one of {', '.join(choices)}, got {v!r}")
-        return v
-
-    def curve(self, value: Any, path: str) -> tuple[tuple[int, float], ...]:
-        if not isinstance(value, list):
-            raise self.fail(path, f"must be a list of [bytes, seconds_per_byte] pairs, got {value!r}")
-        out: list[tuple[int, float]] = []
-        for i, pt in enumerate(value):
-            where = f"{path}[{i}]"
-            if (not isinstance(pt, list) or len(pt) != 2 or any(isinstance(x, bool) for x in pt)
-                    or not isinstance(pt[0], int) or pt[0] <= 0 or not isinstance(pt[1], (int, float))
-                    or not math.isfinite(pt[1]) or pt[1] < 0):
-                raise self.fail(where, f"must be [bytes > 0, seconds_per_byte >= 0], got {pt!r}")
-            if out and pt[0] <= out[-1][0]:
-                raise self.fail(where, "sizes must increase")
-            out.append((pt[0], float(pt[1])))
-        return tuple(out)
-
-    def link(self, value: Any, path: str) -> Link:
-        d = self.mapping(value, path, {"kind", "alpha_s", "bandwidth_GBps", "beta_s_per_byte"})
-        alpha = self.number(d, "alpha_s", path, allow_zero=True)
-        if ("bandwidth_GBps" in d) == ("beta_s_per_byte" in d):
-            raise self.fail(f"{path}.bandwidth_GBps", "give exactly one of bandwidth_GBps and beta_s_per_byte")
-        if "bandwidth_GBps" in d:
-            bw = self.number(d, "bandwidth_GBps", path)
-        else:
-            bw = 1.0 / (self.number(d, "beta_s_per_byte", path) * 1e9)
-        return Link(alpha, bw, self.string(d, "kind", path, default=""))
+def _check(f: TopologyFile, source: str) -> None:
+    """What no one field says alone: which backends run where, the links a node count needs, float32's
+    figure, sizes that increase, the algorithms each collective may run and the fingerprint's values."""
+    if "shm" in f.backends and f.nodes != 1:
+        raise _fail(source, "backends", "shm runs within one node only (nodes must be 1)")
+    if "nccl" in f.backends and f.device != "cuda":
+        raise _fail(source, "backends", "nccl needs device cuda")
+    if f.device == "cuda" and ("gloo" in f.backends or "shm" in f.backends):
+        raise _fail(source, "backends", "gloo and shm run on CPU tensors (device cpu)")
+    if f.nodes > 1 and f.links.inter is None:
+        raise _fail(source, "links.inter", "is required when nodes > 1")
+    if "float32" not in f.matmul_TFLOPS:
+        raise _fail(source, "matmul_TFLOPS.float32", "is required")
+    for i in range(1, len(f.fresh_cost)):
+        if f.fresh_cost[i][0] <= f.fresh_cost[i - 1][0]:
+            raise _fail(source, f"fresh_cost[{i}]", "sizes must increase")
+    for b, ops in f.algorithms.items():
+        for op, algs in ops.items():
+            algs = [algs] if isinstance(algs, str) else algs
+            if not algs or any(a not in ALGORITHMS[op] for a in algs):
+                allowed = ", ".join(ALGORITHMS[op])
+                raise _fail(source, f"algorithms.{b}.{op}", f"must be a list of {allowed}, got {algs!r}")
+    for k, v in f.fingerprint.items():
+        if not isinstance(v, (str, int, float, bool)) and v is not None:
+            raise _fail(source, f"fingerprint.{k}", f"must be a string or a number, got {type(v).__name__}")
 
 
 def from_dict(data: Any, source: str = "<dict>") -> Topology:
-    r = _Reader(source)
-    d = r.mapping(data, "", _TOP_KEYS)
-    name = r.string(d, "name", "")
-    device = r.string(d, "device", "", choices=DEVICES)
-    nodes = r.integer(d, "nodes", "")
-    rpn = r.integer(d, "ranks_per_node", "")
-    backends = d.get("backends")
-    if not isinstance(backends, list) or not backends or any(b not in BACKENDS for b in backends):
-        raise r.fail("backends", f"must be a non-empty list of {', '.join(BACKENDS)}, got {backends!r}")
-    if "shm" in backends and nodes != 1:
-        raise r.fail("backends", "shm runs within one node only (nodes must be 1)")
-    if "nccl" in backends and device != "cuda":
-        raise r.fail("backends", "nccl needs device cuda")
-    if device == "cuda" and ("gloo" in backends or "shm" in backends):
-        raise r.fail("backends", "gloo and shm run on CPU tensors (device cpu)")
-    links = r.mapping(d.get("links"), "links", {"intra", "inter"})
-    if "intra" not in links:
-        raise r.fail("links.intra", "is required")
-    intra = r.link(links["intra"], "links.intra")
-    inter = r.link(links["inter"], "links.inter") if links.get("inter") is not None else None
-    if nodes > 1 and inter is None:
-        raise r.fail("links.inter", "is required when nodes > 1")
-    flops = r.mapping(d.get("matmul_TFLOPS"), "matmul_TFLOPS")
-    if "float32" not in flops:
-        raise r.fail("matmul_TFLOPS.float32", "is required")
-    for k in flops:
-        if not isinstance(k, str):
-            raise r.fail(f"matmul_TFLOPS.{k}", "keys are dtype names")
-        r.number(flops, k, "matmul_TFLOPS")
-    algorithms: dict[str, dict[str, tuple[str, ...]]] = {}
-    for b, ops in r.mapping(d.get("algorithms", {}) or {}, "algorithms", set(BACKENDS)).items():
-        ops = r.mapping(ops, f"algorithms.{b}", set(ALGORITHMS))
-        algorithms[b] = {}
-        for op, algs in ops.items():
-            if isinstance(algs, str):
-                algs = [algs]
-            if not isinstance(algs, list) or not algs or any(a not in ALGORITHMS[op] for a in algs):
-                raise r.fail(f"algorithms.{b}.{op}", f"must be a list of {', '.join(ALGORITHMS[op])}, got {algs!r}")
-            algorithms[b][op] = tuple(algs)
-    measured: dict[str, dict[str, Fit]] = {}
-    for b, ops in r.mapping(d.get("measured", {}) or {}, "measured", set(BACKENDS)).items():
-        ops = r.mapping(ops, f"measured.{b}", set(ALGORITHMS))
-        measured[b] = {}
-        for op, fit in ops.items():
-            path = f"measured.{b}.{op}"
-            fit = r.mapping(fit, path, {"alpha_s", "beta_s_per_byte"})
-            measured[b][op] = Fit(r.number(fit, "alpha_s", path, allow_zero=True),
-                                  r.number(fit, "beta_s_per_byte", path, allow_zero=True))
-    fingerprint = r.mapping(d.get("fingerprint", {}) or {}, "fingerprint")
-    for k, v in fingerprint.items():
-        if not isinstance(v, (str, int, float, bool)) and v is not None:
-            raise r.fail(f"fingerprint.{k}", f"must be a string or a number, got {type(v).__name__}")
-    description = d.get("description", "") or ""
-    if not isinstance(description, str):
-        raise r.fail("description", "must be a string")
+    """A topology from a parsed YAML document, every field validated (``TopologyFile``); an error names the
+    field's path and the file."""
+    f = validate(data, source)
+    _check(f, source)
     return Topology(
-        name=name, device=device, nodes=nodes, ranks_per_node=rpn, intra=intra, inter=inter,
-        memory_bandwidth_GBps=r.number(d, "memory_bandwidth_GBps", ""),
-        matmul_TFLOPS={str(k): v for k, v in flops.items()}, backends=tuple(backends),
-        launch_s=r.number(d, "launch_s", "", default=5e-6, allow_zero=True),
-        compiled_launch_s=r.number(d, "compiled_launch_s", "", default=None, none_ok=True, allow_zero=True),
-        elementwise_Gops=r.number(d, "elementwise_Gops", "", default=None, none_ok=True),
-        eager_elementwise_Gops=r.number(d, "eager_elementwise_Gops", "", default=None, none_ok=True),
-        cache_bytes=int(r.number(d, "cache_bytes", "", default=0, allow_zero=True)),
-        cache_bandwidth_GBps=r.number(d, "cache_bandwidth_GBps", "", default=None, none_ok=True),
-        fresh_cost=r.curve(d.get("fresh_cost", []) or [], "fresh_cost"),
-        overlap=r.number(d, "overlap", "", default=1.0, allow_zero=True, upper=1.0),
-        overlap_memory=r.number(d, "overlap_memory", "", default=None, none_ok=True, allow_zero=True, upper=1.0),
-        shm_barrier_s=r.number(d, "shm_barrier_s", "", default=2e-6, allow_zero=True),
-        algorithms=algorithms, measured=measured, fingerprint=fingerprint, description=description)
+        name=f.name, device=f.device, nodes=f.nodes, ranks_per_node=f.ranks_per_node,
+        intra=_link(f.links.intra, "links.intra", source),
+        inter=_link(f.links.inter, "links.inter", source) if f.links.inter is not None else None,
+        memory_bandwidth_GBps=f.memory_bandwidth_GBps, matmul_TFLOPS=f.matmul_TFLOPS, backends=tuple(f.backends),
+        launch_s=f.launch_s, compiled_launch_s=f.compiled_launch_s, elementwise_Gops=f.elementwise_Gops,
+        eager_elementwise_Gops=f.eager_elementwise_Gops, cache_bytes=f.cache_bytes,
+        cache_bandwidth_GBps=f.cache_bandwidth_GBps, fresh_cost=tuple(f.fresh_cost), overlap=f.overlap,
+        overlap_memory=f.overlap_memory, shm_barrier_s=f.shm_barrier_s,
+        algorithms={b: {op: (a,) if isinstance(a, str) else tuple(a) for op, a in ops.items()}
+                    for b, ops in f.algorithms.items()},
+        measured={b: {op: Fit(fit.alpha_s, fit.beta_s_per_byte) for op, fit in ops.items()}
+                  for b, ops in f.measured.items()},
+        fingerprint=f.fingerprint, description=f.description)
 
 
 def from_yaml(text: str, source: str = "<yaml>") -> Topology:

@@ -84,7 +84,7 @@ def test_beta_may_be_given_instead_of_bandwidth():
     ({"device": "tpu"}, "device"),
     ({"nodes": 0}, "nodes"),
     ({"nodes": 1.5}, "nodes"),
-    ({"backends": ["mpi"]}, "backends"),
+    ({"backends": ["mpi"]}, "backends[0]"),
     ({"nodes": 2, "links": {"intra": {"alpha_s": 0, "bandwidth_GBps": 1},
                             "inter": {"alpha_s": 0, "bandwidth_GBps": 1}}},
      "backends"),  # shm across nodes
@@ -168,3 +168,16 @@ def test_calibrate_writes_local_into_the_data_dir_with_the_fingerprint(tmp_path)
         assert fit.alpha_s > 0 and fit.time(2**20) > 0
     assert t.intra.alpha_s > 0 and t.intra.bandwidth_GBps > 0 and t.memory_bandwidth_GBps > 0
     assert t.flops("float32") > 0 and t.launch_s > 0 and t.shm_barrier_s > 0 and 0 <= t.overlap <= 1
+
+
+def test_the_published_schema_is_the_files():
+    """docs/topology.schema.json is what topology files are validated against: regenerated when the model
+    changes (python -c "import json; from coconet.tuner.topology_file import TopologyFile; print(json.dumps(
+    TopologyFile.model_json_schema(), indent=2))" > docs/topology.schema.json)."""
+    import json
+    from pathlib import Path
+
+    from coconet.tuner.topology_file import TopologyFile
+
+    published = Path(__file__).resolve().parents[2] / "docs" / "topology.schema.json"
+    assert json.loads(published.read_text()) == TopologyFile.model_json_schema()
