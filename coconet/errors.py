@@ -25,7 +25,7 @@ class CoconetError(Exception):
         return self.message
 
 
-def _rebuild(cls: type, message: str, fields: dict) -> CoconetError:
+def _rebuild(cls: type[CoconetError], message: str, fields: dict) -> CoconetError:
     err = cls.__new__(cls)
     CoconetError.__init__(err, message, **fields)
     return err
@@ -38,6 +38,11 @@ class ProgramError(CoconetError):
     the program as a whole), ``rule`` the rule it broke, ``location`` the user's
     ``file:line`` when the program was built from Python.
     """
+
+    statement: str | None
+    op: str | None
+    rule: str | None
+    location: str | None
 
     def __init__(
         self,
@@ -72,6 +77,8 @@ class SizeError(CoconetError):
 class IllegalTransform(CoconetError):
     """A transform was asked to apply where its preconditions do not hold."""
 
+    transform: str | None
+
     def __init__(self, message: str, *, transform: str | None = None) -> None:
         super().__init__(message, transform=transform)
 
@@ -85,6 +92,9 @@ class ScheduleError(CoconetError):
 
 class BackendError(CoconetError):
     """A backend cannot run a schedule, or a run failed; ``kind`` classifies it."""
+
+    kind: str
+    rank: int | None
 
     def __init__(self, message: str, *, kind: str = "runtime_error", rank: int | None = None) -> None:
         super().__init__(message, kind=kind, rank=rank)
@@ -107,6 +117,9 @@ class KeyBusy(StoreError):
     """A tuner asked for a key whose job another live process is running; ``running`` is that job's id,
     ``driver`` the text naming its process (``coconet.server.driver``), or None."""
 
+    running: int
+    driver: str | None
+
     def __init__(self, message: str, *, running: int, driver: str | None = None) -> None:
         super().__init__(message, running=running, driver=driver)
 
@@ -115,6 +128,8 @@ class TopologyError(CoconetError):
     """A topology (``configs/topologies/*.yaml``) is missing, malformed, or cannot run what was asked;
     ``field`` names the offending field (``links.intra.bandwidth_GBps``), None when it is the whole file."""
 
+    field: str | None
+
     def __init__(self, message: str, *, field: str | None = None) -> None:
         super().__init__(message, field=field)
 
@@ -122,6 +137,10 @@ class TopologyError(CoconetError):
 class InputError(CoconetError):
     """A tensor or scalar handed to a compiled step does not fit its schedule: ``input`` names it, ``given``
     says what it was and ``expected`` what the schedule wants on this rank."""
+
+    input: str | None
+    given: str | None
+    expected: str | None
 
     def __init__(self, message: str, *, input: str | None = None, given: str | None = None,
                  expected: str | None = None) -> None:

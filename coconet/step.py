@@ -387,7 +387,8 @@ class _Lookup:
     def _tune_on_server(self, tuning: Tuning) -> None:
         from coconet.client import Client, follow
 
-        with Client.open(self.server, self.token) as client:  # type: ignore[arg-type]
+        assert self.server is not None  # only a step that names a server tunes there
+        with Client.open(self.server, self.token) as client:
             client.send_program(self.prog)  # the server tunes what it holds, as `coconet submit` sends it
             backends = self._tune_backends()
             _, started = client.best_or_tune(self.prog.hash, self.sizes, topology=self.topology, world=self.world,
@@ -434,6 +435,7 @@ class _Lookup:
     def _from_server(self) -> tuple[str, dict[str, int], str, Origin]:
         from coconet.client import Client, ServiceError
 
+        assert self.server is not None  # _read asks the server only when one is named
         with Client.open(self.server, self.token) as client:
             try:
                 got = client.best(self.prog.hash, self.sizes, topology=self.topology, world=self.world,

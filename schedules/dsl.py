@@ -10,7 +10,8 @@ from __future__ import annotations
 import math
 import os
 import sys
-from typing import Any, Iterable
+from types import FrameType
+from typing import Any, Callable, Iterable
 
 from coconet.errors import ProgramError
 from coconet.schedules.builder import Builder, CustomSpec
@@ -26,7 +27,7 @@ _PKG_ROOTS = tuple(
 
 def _caller() -> str | None:
     """``file:line`` of the first frame outside coconet: where the user wrote the statement."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         fname = os.path.abspath(frame.f_code.co_filename)
         if not fname.startswith(_PKG_ROOTS):
@@ -223,8 +224,9 @@ def _binary(op: str, a: Any, b: Any) -> Expr:
     return _apply(op, (a, b))
 
 
-_MATH = {"sqrt": math.sqrt, "exp": math.exp, "log": math.log, "abs": abs, "neg": lambda v: -v,
-         "rsqrt": lambda v: 1.0 / math.sqrt(v)}
+_MATH: dict[str, Callable[[float], float]] = {
+    "sqrt": math.sqrt, "exp": math.exp, "log": math.log, "abs": abs, "neg": lambda v: -v,
+    "rsqrt": lambda v: 1.0 / math.sqrt(v)}
 
 
 def _unary(op: str, x: Any) -> Any:

@@ -193,9 +193,9 @@ class Schedule:
 def _apply(program: Program, transforms: tuple[Transform, ...]) -> Program:
     """``transforms`` applied in order; a run of one class in one rebuild where the class can (``apply_all``):
     one rebuild per transform made reading a schedule of k tensors cost k² statement copies."""
-    for cls, group in itertools.groupby(transforms, key=type):
+    for _, group in itertools.groupby(transforms, key=type):
         run = tuple(group)
-        batched = cls.apply_all(program, run) if len(run) > 1 else None
+        batched = type(run[0]).apply_all(program, run) if len(run) > 1 else None
         if batched is not None:
             program = batched
             continue
