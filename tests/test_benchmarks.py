@@ -289,3 +289,23 @@ def test_bench_between_pairs_each_round_and_divides_by_each_runs_torch(tmp_path)
     assert rows["baseline [shm]"]["after_over_before"] == [2.0, 1.0]
     assert rows["baseline [shm]"]["after_over_before_vs_torch"] == [1.0, 1.0]
     assert rows["fc [shm]"]["after_over_before_vs_torch"] == [0.5, 0.5] and rows["fc [shm]"]["median_ratio"] == 0.75
+
+
+def test_the_docs_result_tables_are_their_json():
+    # a figure on a page is the figure a run wrote: the tables are rendered from benchmarks/results, not copied
+    tables = _script("tables")
+    pages = sorted((ROOT / "docs").glob("*.md"))
+    assert sum(p.read_text().count("<!-- table: ") for p in pages) >= 3
+    assert tables.stale(pages) == []
+
+
+def test_a_table_block_is_rewritten_from_its_json(tmp_path):
+    tables = _script("tables")
+    page = ("before\n<!-- table: training training_loop_w2.json -->\n| stale | row |\n<!-- /table -->\nafter\n")
+    new = tables.rewrite(page)
+    data = json.loads((ROOT / "benchmarks" / "results" / "training_loop_w2.json").read_text())
+    speedups = sorted(r["speedup"] for r in data["rounds"])
+    assert "stale" not in new and new.startswith("before\n") and new.endswith("<!-- /table -->\nafter\n")
+    assert f"{speedups[0]:.2f}–{speedups[-1]:.2f}x" in new
+    with pytest.raises(ValueError, match="KIND one of"):
+        tables.render("nonsense training_loop_w2.json")
