@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 from coconet.codegen.baselines import shardable_text
 from coconet.codegen.lower import BACKENDS, KERNELS
 from coconet.errors import CoconetError
+from coconet.extras import EXTRAS, STORE, require
 from coconet.loader import load
 from coconet.schedules import shardable as shard
 from coconet.schedules.dims import parse_sizes
@@ -105,6 +106,7 @@ def tune(program: Any, sizes: Any | Iterable[Any], *, world: int = 2, budget: in
          shardable: Sequence[str] | None = None, placement: str = "pack") -> dict[str, Any] | list[dict[str, Any]]:
     """Tune ``program`` at ``sizes`` (one binding, or a list of them) on Ray and record the winners, as
     ``coconet tune --json``: one result for one binding, a list (smallest first) for several."""
+    require(EXTRAS["tune"], "coconet.tune")
     from coconet.server.store import Store
     from coconet.tuner.tune import Request, check, cost_prior
     from coconet.tuner.tune import tune as run_tune
@@ -139,6 +141,7 @@ def best(program: Any, sizes: Any, *, topology: str = "local", world: int | None
         with Client.open(server, token) as client:
             return client.best(prog.hash, sizes, topology=topology, world=world, backend=backend,
                                shardable=",".join(names) if names is not None else None, source=source)
+    require(STORE, "coconet.best")
     from coconet.server.store import Store
 
     if source is not None and source not in STORED_SOURCE:
@@ -167,6 +170,7 @@ def sweep(config: str | os.PathLike | SweepConfig, *, simulate: bool = False, st
     """An offline sweep from its YAML config, as ``coconet sweep --json`` reports it: local keys tuned (unless
     ``simulate``), the others predicted by the cost model; keys done before are skipped, measured keys are
     never predicted."""
+    require(STORE if simulate else EXTRAS["tune"], "coconet.sweep")
     from coconet.server.store import Store
     from coconet.tuner.tune import Request, cost_prior
     from coconet.tuner.tune import tune as run_tune

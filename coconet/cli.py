@@ -32,6 +32,7 @@ from coconet.codegen.baselines import baseline_for, shardable_text
 from coconet.codegen.lower import BACKENDS, KERNELS, lower
 from coconet.codegen.runtime import write as write_module
 from coconet.errors import CoconetError
+from coconet.extras import extra_for, missing
 from coconet.loader import example_names, examples_dir, load_file, named_example
 from coconet.schedules import shardable as shard
 from coconet.schedules.dims import format_sizes, parse_sizes
@@ -149,6 +150,8 @@ def _guard(fn: Callable[..., Any]) -> Callable[..., Any]:
                 _fail(f"cannot write {e.filename or 'the answer'}: {e.strerror}")
             if isinstance(e, OSError) and e.filename is not None and e.strerror:  # a path the user gave, or its folder
                 _fail(f"{e.filename}: {e.strerror}")
+            if isinstance(e, ModuleNotFoundError) and extra_for(e.name) is not None and e.name:
+                _fail(str(missing(e.name, f"`coconet {fn.__name__}`")))
             if os.environ.get("COCONET_DEBUG"):
                 raise
             _fail(f"internal error: {type(e).__name__}: {e} (set COCONET_DEBUG=1 for the traceback)")

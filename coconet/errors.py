@@ -109,6 +109,17 @@ class NotAvailable(CoconetError):
     """A command or feature that this version of coconet does not provide yet."""
 
 
+class MissingDependency(CoconetError):
+    """A command or function needs a package the install lacks: ``module`` is its import name, ``extra`` the pip
+    extra of coconet that installs it (``coconet[tune]``), None if none does."""
+
+    module: str
+    extra: str | None
+
+    def __init__(self, message: str, *, module: str, extra: str | None) -> None:
+        super().__init__(message, module=module, extra=extra)
+
+
 class StoreError(CoconetError):
     """The results store cannot be opened or reached, or refused a record (unknown program, bad key)."""
 

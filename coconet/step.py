@@ -32,6 +32,7 @@ from coconet import api
 from coconet.codegen.cache import module_path
 from coconet.codegen.lower import lower
 from coconet.errors import CoconetError, InputError, StoreError
+from coconet.extras import STORE, require
 from coconet.loader import load_file, named_example
 from coconet.schedules import shardable
 from coconet.schedules.dims import format_sizes, parse_sizes
@@ -407,6 +408,7 @@ class _Lookup:
         return ["nccl"] if self.device_type == "cuda" else [None, "shm", "gloo"]
 
     def _from_store(self) -> tuple[str, dict[str, int], str, Origin]:
+        require(STORE, "coconet.compile without a schedule (it reads the tuned one from the store)")
         from coconet.server.store import Store
 
         opened = not hasattr(self.store, "best")

@@ -73,3 +73,26 @@ def test_commands_name_the_shipped_examples(installed: dict) -> None:
     assert row["status"] == "ok"
     missing = _run(installed, "schedules", "adan")
     assert missing.returncode == 2 and "adan: no such file, nor an example of that name (adam, " in missing.stderr
+
+
+def test_the_core_runs_without_the_extras_and_a_command_names_the_one_it_needs(installed: dict, tmp_path) -> None:
+    """`pip install coconet` without extras: the DSL, schedules and `coconet run` work; tuning, the store and
+    the service say which extra to install. The extras' packages are made unimportable (None in sys.modules,
+    from a sitecustomize) in the wheel's environment, which otherwise shares the test environment's."""
+    from coconet.extras import EXTRAS
+
+    blocked = sorted({m for mods in EXTRAS.values() for m in mods})
+    (tmp_path / "sitecustomize.py").write_text(f"import sys\nfor m in {blocked!r}:\n    sys.modules[m] = None\n")
+    light = {**installed, "env": {**installed["env"], "PYTHONPATH": str(tmp_path)}}
+    probe = subprocess.run([str(installed["python"]), "-c", "import ray"], capture_output=True, text=True,
+                           env=light["env"], timeout=60)
+    assert probe.returncode != 0 and "ModuleNotFoundError" in probe.stderr  # the block holds
+    ran = _run(light, "run", "adam", "--world", "2", "--size", "N=2^10", "--kernels", "eager", "--json")
+    assert ran.returncode == 0, ran.stderr
+    assert json.loads(ran.stdout)["results"][0]["status"] == "ok"
+    assert _run(light, "schedules", "adam").returncode == 0
+    for args, extra in ((("tune", "adam", "--size", "N=2^10"), "tune"), (("results", "adam"), "tune"),
+                        (("serve", "--port", "0"), "server")):
+        proc = _run(light, *args)
+        assert proc.returncode == 2 and f"pip install 'coconet[{extra}]'" in proc.stderr, (args, proc.stderr)
+        assert "Traceback" not in proc.stderr and "internal error" not in proc.stderr
