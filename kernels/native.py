@@ -38,6 +38,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .c_helpers import F16, HALF_LINE, PRELUDE
+
 # op -> C over operand texts (each a name or a load: free to repeat), per element and per 8-wide vector.
 # maximum and minimum propagate NaN as torch's do.
 OPS = {
@@ -94,114 +96,6 @@ def unhalved(kind: str | None) -> str | None:
 def _rounded(tag: str, x: str, vector: bool) -> str:
     """C text of ``x`` rounded to the half dtype ``tag`` (``bf16``, ``f16``) as torch casts it, kept as float32."""
     return f"{'vround' if vector else 'round'}_{tag}({x})"
-
-
-_PRELUDE = """#include <immintrin.h>
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
-
-typedef float v8 __attribute__((vector_size(32)));
-typedef int v8i __attribute__((vector_size(32)));
-
-static inline v8 ld(const float *p) { v8 x; memcpy(&x, p, sizeof x); return x; }
-/* bfloat16 is float32's upper half: widened exactly, as torch casts it */
-typedef unsigned short v8h __attribute__((vector_size(16)));
-typedef unsigned int v8u __attribute__((vector_size(32)));
-static inline float bf16(uint16_t x) { uint32_t u = (uint32_t)x << 16; float f; memcpy(&f, &u, sizeof f); return f; }
-static inline v8 ld_bf16(const uint16_t *p) {
-    v8h h; memcpy(&h, p, sizeof h); v8u u = __builtin_convertvector(h, v8u) << 16; return (v8)u;
-}
-static inline void st(float *p, v8 x) { memcpy(p, &x, sizeof x); }
-/* x in every lane (as (v8){0} + x would not be for x = -0.0, which the sign of an infinity after may show) */
-static inline v8 splat(float x) { return (v8){x, x, x, x, x, x, x, x}; }
-/* a cast to bfloat16 as torch rounds it (to nearest, ties to even; every NaN 0xffff), kept as the float32 it
-   widens back to: stored, its upper half is the bfloat16 */
-static inline float round_bf16(float x) {
-    uint32_t u; memcpy(&u, &x, sizeof u);
-    u = x != x ? 0xffff0000u : (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-    float f; memcpy(&f, &u, sizeof f); return f;
-}
-static inline v8 vround_bf16(v8 x) {
-    v8u u = (v8u)x, nan = (v8u)(x != x);
-    return (v8)((nan & 0xffff0000u) | (~nan & ((u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u)));
-}
-static inline uint16_t bits_bf16(float x) { uint32_t u; memcpy(&u, &x, sizeof u); return (uint16_t)(u >> 16); }
-static inline v8h vbits_bf16(v8 x) { return __builtin_convertvector((v8u)x >> 16, v8h); }
-static inline void st_bf16(uint16_t *p, v8 x) { v8h h = vbits_bf16(x); memcpy(p, &h, sizeof h); }
-static inline v8 vabs(v8 x) { return (v8)((v8i)x & 0x7fffffff); }
-static inline v8 vsel(v8i m, v8 x, v8 y) { return (v8)(((v8i)x & m) | ((v8i)y & ~m)); }
-static inline v8 vmax(v8 x, v8 y) { return vsel((x > y) | (x != x), x, y); }
-static inline v8 vmin(v8 x, v8 y) { return vsel((x < y) | (x != x), x, y); }
-/* a sum's running totals: four lanes of double, each taking two lanes of every vector summed, so that
-   nothing is summed in float (to overflow or round) and the sum costs a few vector operations a line */
-typedef float v4 __attribute__((vector_size(16)));
-typedef double v4d __attribute__((vector_size(32)));
-static inline v4d widen(v8 x) {
-    v4 lo, hi; memcpy(&lo, &x, sizeof lo); memcpy(&hi, (const char *)&x + sizeof lo, sizeof hi);
-    return __builtin_convertvector(lo, v4d) + __builtin_convertvector(hi, v4d);
-}
-static inline double hsum4(v4d x) { return (x[0] + x[1]) + (x[2] + x[3]); }
-static inline v8 vsqrt(v8 x) {
-#ifdef __AVX__
-    return (v8)_mm256_sqrt_ps((__m256)x);
-#else
-    float t[8]; st(t, x); for (int q = 0; q < 8; q++) t[q] = sqrtf(t[q]); return ld(t);
-#endif
-}
-/* one 64-byte line, its address aligned, past the cache */
-static inline void stream_line(float *d, v8 x, v8 y) {
-#ifdef __AVX__
-    _mm256_stream_ps(d, (__m256)x); _mm256_stream_ps(d + 8, (__m256)y);
-#else
-    float t[16] __attribute__((aligned(64))); st(t, x); st(t + 8, y);
-    for (int q = 0; q < 16; q += 4) _mm_stream_ps(d + q, _mm_load_ps(t + q));
-#endif
-}
-"""
-
-_F16 = """/* float16 as torch's vectorised cast has it (F16C's conversions): widened exactly, rounded to nearest,
-   ties to even. Without F16C, by hand (FP16's fp16_ieee_{to,from}_fp32_value): the same bits but a NaN's payload */
-#ifdef __F16C__
-static inline float f16(uint16_t x) { return _cvtsh_ss(x); }
-static inline uint16_t bits_f16(float x) { return (uint16_t)_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT); }
-static inline v8 vwiden_f16(v8h h) { return (v8)_mm256_cvtph_ps((__m128i)h); }
-static inline v8h vbits_f16(v8 x) { return (v8h)_mm256_cvtps_ph((__m256)x, _MM_FROUND_TO_NEAREST_INT); }
-#else
-static inline float f16(uint16_t x) {
-    const uint32_t w = (uint32_t)x << 16, sign = w & 0x80000000u, two_w = w + w;
-    uint32_t u = (two_w >> 4) + (0xe0u << 23); float normal; memcpy(&normal, &u, sizeof u); normal *= 0x1.0p-112f;
-    u = (two_w >> 17) | (126u << 23); float subnormal; memcpy(&subnormal, &u, sizeof u); subnormal -= 0.5f;
-    const float f = two_w < (1u << 27) ? subnormal : normal;
-    memcpy(&u, &f, sizeof u); u |= sign; float r; memcpy(&r, &u, sizeof r); return r;
-}
-static inline uint16_t bits_f16(float x) {
-    float base = (fabsf(x) * 0x1.0p+112f) * 0x1.0p-110f;
-    uint32_t w; memcpy(&w, &x, sizeof w);
-    const uint32_t shl1 = w + w, sign = w & 0x80000000u;
-    uint32_t bias = shl1 & 0xff000000u; if (bias < 0x71000000u) bias = 0x71000000u;
-    bias = (bias >> 1) + 0x07800000u; float b; memcpy(&b, &bias, sizeof b); base = b + base;
-    uint32_t bits; memcpy(&bits, &base, sizeof bits);
-    return (uint16_t)((sign >> 16) | (shl1 > 0xff000000u ? 0x7e00u : ((bits >> 13) & 0x7c00u) + (bits & 0x0fffu)));
-}
-static inline v8 vwiden_f16(v8h h) { float t[8]; for (int q = 0; q < 8; q++) t[q] = f16(h[q]); return ld(t); }
-static inline v8h vbits_f16(v8 x) {
-    float t[8]; st(t, x); v8h h; for (int q = 0; q < 8; q++) h[q] = bits_f16(t[q]); return h;
-}
-#endif
-static inline v8 ld_f16(const uint16_t *p) { v8h h; memcpy(&h, p, sizeof h); return vwiden_f16(h); }
-static inline float round_f16(float x) { return f16(bits_f16(x)); }
-static inline v8 vround_f16(v8 x) { return vwiden_f16(vbits_f16(x)); }
-static inline void st_f16(uint16_t *p, v8 x) { v8h h = vbits_f16(x); memcpy(p, &h, sizeof h); }
-"""
-
-# one 64-byte line of 32 half-precision values, its address aligned, past the cache: four 16-byte streamed
-# stores back to back fill the write-combining buffer whole
-_HALF_LINE = """static inline void stream_line_TAG(uint16_t *d, v8 x, v8 y, v8 z, v8 w) {
-    const v8h h[4] = {vbits_TAG(x), vbits_TAG(y), vbits_TAG(z), vbits_TAG(w)};
-    for (int q = 0; q < 4; q++) _mm_stream_si128((__m128i *)d + q, (__m128i)h[q]);
-}
-"""
 
 
 @dataclass(frozen=True)
@@ -269,35 +163,53 @@ def c_source(k: ChunkKernel) -> str:
     double *sums)``, ``ptr`` the data of every rows, parts and peers tensor in parameter order, ``count`` the
     length of each list, ``scal`` the scalars in order, ``sums`` where the chunk's sums go. Program names
     become ``p_<name>`` (a program may name a value ``n``). Raises Untranslatable."""
-    kind = dict(k.params)
-    masks = {name for name, op, *_ in (*k.pre, *k.stmts) if op in COMPARE}
-    # values of a half-precision dtype (casts to one, a sum of half rows): held as the float32 they widen to,
-    # which arithmetic whose result is float32 reads exactly, as torch promotes them; stored only into tensors of
-    # that dtype, never summed over the rows. (Arithmetic whose result stays half is the lowering's to refuse:
-    # rounding every op as torch's half kernels do made C slower than Inductor's chunk, which rounds once.)
-    halves = {name: value for name, op, _, value in k.stmts if op == "cast" and value in HALF}
-    summed_half = half(kind.get(k.parts[1])) if k.parts and not k.pre else None
-    if summed_half:  # half-precision rows summed as they are: the total is a value of that dtype too
-        halves[k.parts[0]] = DTYPE[summed_half]
-    values = {name for name, *_ in (*k.pre, *k.stmts)} | ({k.parts[0]} if k.parts else set())
-    values |= ({k.part} if k.part else set()) | {name for name, _ in (*k.ranked, *k.also)}
-    rows_of = ({k.part: k.parts[1]} if k.part and k.parts else {}) | dict(k.also)  # each input's parts
-    tensors = values - k.numbers - masks
-    # the values known here, for a power's exponent: the chunk's constants and those passed in as scalars
-    known = [(name, value) for name, op, _, value in (*k.pre, *k.stmts) if op == "const"] + list(k.constants)
-    constants = {name: float(value) for name, value in known
-                 if isinstance(value, (int, float)) and not isinstance(value, bool)}
+    return _Source(k).text()
 
-    def ref(name: str, vector: bool, stored: str | None = None) -> str:
+
+IND = "    "
+
+
+class _Source:
+    """The translation of one chunk kernel: what each of its names is, read once, then the C of each part (the
+    arguments' struct, a row's and eight rows' computation, the loop over the chunk's rows that stores them)."""
+
+    def __init__(self, k: ChunkKernel) -> None:
+        self.k = k
+        self.kind = kind = dict(k.params)
+        self.masks = {name for name, op, *_ in (*k.pre, *k.stmts) if op in COMPARE}
+        # values of a half-precision dtype (casts to one, a sum of half rows): held as the float32 they widen to,
+        # which arithmetic whose result is float32 reads exactly, as torch promotes them; stored only into tensors
+        # of that dtype, never summed over the rows. (Arithmetic whose result stays half is the lowering's to
+        # refuse: rounding every op as torch's half kernels do made C slower than Inductor's chunk, which rounds
+        # once.)
+        self.halves = {name: value for name, op, _, value in k.stmts if op == "cast" and value in HALF}
+        self.summed_half = half(kind.get(k.parts[1])) if k.parts and not k.pre else None
+        if self.summed_half:  # half-precision rows summed as they are: the total is a value of that dtype too
+            self.halves[k.parts[0]] = DTYPE[self.summed_half]
+        values = {name for name, *_ in (*k.pre, *k.stmts)} | ({k.parts[0]} if k.parts else set())
+        self.values = values | ({k.part} if k.part else set()) | {name for name, _ in (*k.ranked, *k.also)}
+        self.rows_of = ({k.part: k.parts[1]} if k.part and k.parts else {}) | dict(k.also)  # each input's parts
+        self.tensors = self.values - k.numbers - self.masks
+        # the values known here, for a power's exponent: the chunk's constants and those passed in as scalars
+        known = [(name, value) for name, op, _, value in (*k.pre, *k.stmts) if op == "const"] + list(k.constants)
+        self.constants = {name: float(value) for name, value in known
+                          if isinstance(value, (int, float)) and not isinstance(value, bool)}
+        self.fields, self.unpack, self.lists = self._arguments()
+        self.numbers = self._numbers()
+
+    # --- names as C operands ---
+
+    def ref(self, name: str, vector: bool, stored: str | None = None) -> str:
         """``name``'s value as float32, read by arithmetic or (``stored``) stored as a tensor of that dtype."""
-        if name in masks:
+        k, kind = self.k, self.kind
+        if name in self.masks:
             raise Untranslatable(f"comparison {name} read as a number")
-        held = halves.get(name) or DTYPE.get(half(kind.get(name)), "float32")
+        held = self.halves.get(name) or DTYPE.get(half(kind.get(name)), "float32")
         if stored is not None and held != stored:
             raise Untranslatable(f"{name} ({held}) stored as {stored}")
         if name in k.numbers:
             return f"vn_{name}" if vector else f"((float)p_{name})"
-        if name in tensors or kind.get(name) == "scalar":
+        if name in self.tensors or kind.get(name) == "scalar":
             return f"p_{name}"
         if kind.get(name) == "rows":
             return f"ld(p_{name} + i)" if vector else f"p_{name}[i]"
@@ -310,135 +222,171 @@ def c_source(k: ChunkKernel) -> str:
             return f"ld_{tag}(p_{name} + i)" if vector else f"{tag}(p_{name}[i])"
         raise Untranslatable(f"operand {name}")
 
-    def number_ref(name: str) -> str:
-        if name in k.numbers:
+    def number_ref(self, name: str) -> str:
+        if name in self.k.numbers:
             return f"p_{name}"
         raise Untranslatable(f"host number {name} of a tensor")
 
-    fields, unpack, scalars, lists = [], [], 0, 0
-    for name, what in k.params:
-        if what == "scalar":
-            fields.append(f"float p_{name};")
-            unpack.append(f"a.p_{name} = scal[{scalars}];")
-            scalars += 1
-        elif unhalved(what) == "rows":
-            element = "uint16_t" if half(what) else "float"
-            fields.append(f"{element} *p_{name};")
-            unpack.append(f"a.p_{name} = ({element} *)ptr[at++];")
-        elif what == "rank numbers" or what in FACTORS:
-            fields.append(f"const float *p_{name};")
-            unpack.append(f"a.p_{name} = (const float *)ptr[at++];")
-        elif unhalved(what) in ("parts", "peers"):
-            element = ("const uint16_t" if unhalved(what) == "parts" else "uint16_t") if half(what) else "float"
-            fields += [f"{element} *const *p_{name};", f"long n_{name};"]
-            unpack.append(f"a.p_{name} = ({element} *const *)(ptr + at); a.n_{name} = count[{lists}]; "
-                          f"at += count[{lists}];")
-            lists += 1
-    numbers = []
-    for name, op, args, value in k.stmts:
-        if name not in k.numbers:
-            continue
-        if op == "const":
-            numbers.append(f"const double p_{name} = {_literal(value)};")
-        elif op in NUMBER_OPS:
-            numbers.append(f"const double p_{name} = {NUMBER_OPS[op].format(*map(number_ref, args))};")
-        else:
-            raise Untranslatable(f"{op} of host numbers")
+    # --- the arguments and the host numbers ---
 
-    def statements(stmts, vector: bool) -> list[str]:
+    def _arguments(self) -> tuple[list[str], list[str], int]:
+        """The struct's fields, the lines that fill them from ``ptr``, ``count`` and ``scal``, and how many lists."""
+        fields, unpack, scalars, lists = [], [], 0, 0
+        for name, what in self.k.params:
+            if what == "scalar":
+                fields.append(f"float p_{name};")
+                unpack.append(f"a.p_{name} = scal[{scalars}];")
+                scalars += 1
+            elif unhalved(what) == "rows":
+                element = "uint16_t" if half(what) else "float"
+                fields.append(f"{element} *p_{name};")
+                unpack.append(f"a.p_{name} = ({element} *)ptr[at++];")
+            elif what == "rank numbers" or what in FACTORS:
+                fields.append(f"const float *p_{name};")
+                unpack.append(f"a.p_{name} = (const float *)ptr[at++];")
+            elif unhalved(what) in ("parts", "peers"):
+                element = ("const uint16_t" if unhalved(what) == "parts" else "uint16_t") if half(what) else "float"
+                fields += [f"{element} *const *p_{name};", f"long n_{name};"]
+                unpack.append(f"a.p_{name} = ({element} *const *)(ptr + at); a.n_{name} = count[{lists}]; "
+                              f"at += count[{lists}];")
+                lists += 1
+        return fields, unpack, lists
+
+    def _numbers(self) -> list[str]:
+        numbers = []
+        for name, op, args, value in self.k.stmts:
+            if name not in self.k.numbers:
+                continue
+            if op == "const":
+                numbers.append(f"const double p_{name} = {_literal(value)};")
+            elif op in NUMBER_OPS:
+                numbers.append(f"const double p_{name} = {NUMBER_OPS[op].format(*map(self.number_ref, args))};")
+            else:
+                raise Untranslatable(f"{op} of host numbers")
+        return numbers
+
+    # --- a row's (or eight rows') computation ---
+
+    def statements(self, stmts, vector: bool) -> list[str]:
         t = "v8" if vector else "float"
         out = []
         for name, op, args, value in stmts:
-            if name in k.numbers:
+            if name in self.k.numbers:
                 continue
-            if op == "const":
-                lit = f"(float){_literal(value)}"
-                expr = f"splat({lit})" if vector else lit
-            elif op == "pow" and constants.get(args[1]) in POWERS and args[0] not in k.numbers:
-                expr = POWERS[constants[args[1]]][vector].format(ref(args[0], vector))
-            elif op == "div" and args[0] in k.numbers | k.host:
-                expr = RDIV[vector].format(*(ref(x, vector) for x in args))
-            elif op in OPS:
-                expr = OPS[op][vector].format(*(ref(x, vector) for x in args))
-            elif op in COMPARE:
-                x, y = (ref(a, vector) for a in args)
+            if op in COMPARE:
+                x, y = (self.ref(a, vector) for a in args)
                 out.append(f"const {'v8i' if vector else 'int'} p_{name} = ({x} {COMPARE[op]} {y});")
                 continue
-            elif op == "where" and args[0] in masks:
-                x, y = (ref(a, vector) for a in args[1:])
-                expr = f"vsel(p_{args[0]}, {x}, {y})" if vector else f"(p_{args[0]} ? {x} : {y})"
-            elif op == "where" and kind.get(args[0]) == "scalar":  # a mask passed in: one choice for every row
-                x, y = (ref(a, vector) for a in args[1:])
-                expr = f"(a->p_{args[0]} != 0.0f) ? {x} : {y}"
-            elif op == "cast" and value == "float32" and args[0] in masks:
-                one = "(v8){0} + 1.0f" if vector else "1.0f"
-                expr = f"vsel(p_{args[0]}, {one}, (v8){{0}})" if vector else f"(p_{args[0]} ? {one} : 0.0f)"
-            elif op == "cast" and value == "float32" and args[0] not in k.numbers:
-                expr = ref(args[0], vector)  # float32 already, or a half widened exactly as it was loaded
-            elif op == "cast" and value in HALF and args[0] not in k.numbers:
-                expr = _rounded(HALF[value], ref(args[0], vector), vector)
-            else:
-                raise Untranslatable(op)
-            out.append(f"const {t} p_{name} = {expr};")
+            out.append(f"const {t} p_{name} = {self._expression(op, args, value, vector)};")
         return out
 
-    def body(vector: bool) -> list[str]:
+    def _expression(self, op: str, args: tuple[str, ...], value: object, vector: bool) -> str:
+        k, ref = self.k, self.ref
+        if op == "const":
+            lit = f"(float){_literal(value)}"
+            return f"splat({lit})" if vector else lit
+        if op == "pow" and self.constants.get(args[1]) in POWERS and args[0] not in k.numbers:
+            return POWERS[self.constants[args[1]]][vector].format(ref(args[0], vector))
+        if op == "div" and args[0] in k.numbers | k.host:
+            return RDIV[vector].format(*(ref(x, vector) for x in args))
+        if op in OPS:
+            return OPS[op][vector].format(*(ref(x, vector) for x in args))
+        if op == "where" and args[0] in self.masks:
+            x, y = (ref(a, vector) for a in args[1:])
+            return f"vsel(p_{args[0]}, {x}, {y})" if vector else f"(p_{args[0]} ? {x} : {y})"
+        if op == "where" and self.kind.get(args[0]) == "scalar":  # a mask passed in: one choice for every row
+            x, y = (ref(a, vector) for a in args[1:])
+            return f"(a->p_{args[0]} != 0.0f) ? {x} : {y}"
+        if op == "cast" and value == "float32" and args[0] in self.masks:
+            one = "(v8){0} + 1.0f" if vector else "1.0f"
+            return f"vsel(p_{args[0]}, {one}, (v8){{0}})" if vector else f"(p_{args[0]} ? {one} : 0.0f)"
+        if op == "cast" and value == "float32" and args[0] not in k.numbers:
+            return ref(args[0], vector)  # float32 already, or a half widened exactly as it was loaded
+        if op == "cast" and value in HALF and args[0] not in k.numbers:
+            return _rounded(HALF[value], ref(args[0], vector), vector)
+        raise Untranslatable(op)
+
+    def body(self, vector: bool) -> list[str]:
+        k = self.k
         t = "v8" if vector else "float"
         out = [f"const {t} p_{n} = " + (f"splat(a->p_{n});" if vector else f"a->p_{n};")
                for n, what in k.params if what == "scalar"]
         out += [f"float *const p_{n} = a->p_{n};" for n, what in k.params if what == "rows"]
         out += [f"uint16_t *const p_{n} = a->p_{n};" for n, what in k.params if half(what) and unhalved(what) == "rows"]
-        out += numbers
+        out += self.numbers
         if vector:
             out += [f"const v8 vn_{n} = splat((float)p_{n});" for n in sorted(k.numbers)]
         if k.parts is not None:
-            total, plist, op = k.parts
-            if unhalved(kind.get(plist)) != "parts" or op not in REDUCE:
-                raise Untranslatable(f"parts {plist} ({op})")
+            out += self._reduction(vector)
+        out += self.statements(k.stmts, vector)
+        return out + self._stores(vector)
 
-            def rounded(x: str) -> str:
-                # torch's half-precision add (mul, div) rounds each result to its dtype: so does the sum here,
-                # computed in float32 first (exact, or rounded twice to the same value: 24 >= 2 * 11 + 2 bits)
-                return _rounded(summed_half, x, vector) if summed_half else x
+    # --- the sum over the ranks' rows ---
 
-            def combine(x: str) -> str:  # p_total <- p_total (op) x, in the order torch reduces them
-                combined = REDUCE[op][vector].format(f'p_{total}', x)
-                return f"p_{total} = {combined if op in ('max', 'min') else rounded(combined)};"
+    def _rounded_sum(self, x: str, vector: bool) -> str:
+        # torch's half-precision add (mul, div) rounds each result to its dtype: so does the sum here,
+        # computed in float32 first (exact, or rounded twice to the same value: 24 >= 2 * 11 + 2 bits)
+        return _rounded(self.summed_half, x, vector) if self.summed_half else x
 
-            def load(param: str, rank: str) -> str:
-                tag = half(kind.get(param))
-                if tag and unhalved(kind[param]) == "parts":  # widened exactly: summed as they are, or (pre) read
-                    if k.pre:  # only through casts to float32
-                        name = next((x for x, q in rows_of.items() if q == param), None)
-                        if name is None or any(name in args and (op != "cast" or value != "float32")
-                                               for _, op, args, value in k.pre):
-                            raise Untranslatable(f"{DTYPE[tag]} rows {param} read but by a cast to float32")
-                    return f"ld_{tag}(a->p_{param}[{rank}] + i)" if vector else f"{tag}(a->p_{param}[{rank}][i])"
-                if kind.get(param) != "parts":
-                    raise Untranslatable(f"rows {param} of every rank not passed as such")
-                return f"ld(a->p_{param}[{rank}] + i)" if vector else f"a->p_{param}[{rank}][i]"
+    def _combine(self, x: str, vector: bool) -> str:
+        """p_total <- p_total (op) x, in the order torch reduces them."""
+        assert self.k.parts is not None
+        total, _, op = self.k.parts
+        combined = REDUCE[op][vector].format(f'p_{total}', x)
+        return f"p_{total} = {combined if op in ('max', 'min') else self._rounded_sum(combined, vector)};"
 
-            if k.pre:  # each rank's rows of the value summed, from its rows of the inputs: summed in rank order
-                if any(kind.get(param) != "rank numbers" for _, param in k.ranked):
-                    raise Untranslatable("numbers of every rank not passed as such")
-                each = [f"const {t} p_{x} = {load(param, 'r')};" for x, param in rows_of.items()]
-                each += [f"const {t} p_{x} = " + (f"splat(a->p_{param}[r]);" if vector else f"a->p_{param}[r];")
-                         for x, param in k.ranked]
-                each += statements(k.pre, vector)
-                out += [f"{t} p_{total};", f"for (long r = 0; r < a->n_{plist}; r++) {{",
-                        *("    " + x for x in each),
-                        f"    if (r == 0) p_{total} = p_{k.pre[-1][0]}; else {combine(f'p_{k.pre[-1][0]}')}", "}"]
-            else:
-                out += [f"{t} p_{total} = {load(plist, '0')};",
-                        f"for (long r = 1; r < a->n_{plist}; r++) {combine(load(plist, 'r'))}"]
-            if op == "avg":
-                out.append(f"p_{total} = {rounded(f'p_{total} / (float)a->n_{plist}')};" if summed_half
-                           else f"p_{total} /= (float)a->n_{plist};")
-        out += statements(k.stmts, vector)
+    def _load_part(self, param: str, rank: str, vector: bool) -> str:
+        k, kind = self.k, self.kind
+        tag = half(kind.get(param))
+        if tag and unhalved(kind[param]) == "parts":  # widened exactly: summed as they are, or (pre) read
+            if k.pre:  # only through casts to float32
+                name = next((x for x, q in self.rows_of.items() if q == param), None)
+                if name is None or any(name in args and (op != "cast" or value != "float32")
+                                       for _, op, args, value in k.pre):
+                    raise Untranslatable(f"{DTYPE[tag]} rows {param} read but by a cast to float32")
+            return f"ld_{tag}(a->p_{param}[{rank}] + i)" if vector else f"{tag}(a->p_{param}[{rank}][i])"
+        if kind.get(param) != "parts":
+            raise Untranslatable(f"rows {param} of every rank not passed as such")
+        return f"ld(a->p_{param}[{rank}] + i)" if vector else f"a->p_{param}[{rank}][i]"
+
+    def _reduction(self, vector: bool) -> list[str]:
+        k, kind = self.k, self.kind
+        assert k.parts is not None
+        t = "v8" if vector else "float"
+        total, plist, op = k.parts
+        if unhalved(kind.get(plist)) != "parts" or op not in REDUCE:
+            raise Untranslatable(f"parts {plist} ({op})")
+        out = []
+        if k.pre:  # each rank's rows of the value summed, from its rows of the inputs: summed in rank order
+            if any(kind.get(param) != "rank numbers" for _, param in k.ranked):
+                raise Untranslatable("numbers of every rank not passed as such")
+            each = [f"const {t} p_{x} = {self._load_part(param, 'r', vector)};" for x, param in self.rows_of.items()]
+            each += [f"const {t} p_{x} = " + (f"splat(a->p_{param}[r]);" if vector else f"a->p_{param}[r];")
+                     for x, param in k.ranked]
+            each += self.statements(k.pre, vector)
+            last = k.pre[-1][0]
+            out += [f"{t} p_{total};", f"for (long r = 0; r < a->n_{plist}; r++) {{",
+                    *("    " + x for x in each),
+                    f"    if (r == 0) p_{total} = p_{last}; else {self._combine(f'p_{last}', vector)}", "}"]
+        else:
+            out += [f"{t} p_{total} = {self._load_part(plist, '0', vector)};",
+                    f"for (long r = 1; r < a->n_{plist}; r++) "
+                    f"{self._combine(self._load_part(plist, 'r', vector), vector)}"]
+        if op == "avg":
+            out.append(f"p_{total} = {self._rounded_sum(f'p_{total} / (float)a->n_{plist}', vector)};"
+                       if self.summed_half else f"p_{total} /= (float)a->n_{plist};")
+        return out
+
+    # --- what a row stores ---
+
+    def _stores(self, vector: bool) -> list[str]:
+        k, kind, ref = self.k, self.kind, self.ref
+        out = []
         for target, value in k.writes:
             tag = half(kind.get(target))
             # a value of the chunk, or rows passed in as they are (Adan keeps the reduced gradient it was given)
-            if unhalved(kind.get(target)) != "rows" or (value not in values and unhalved(kind.get(value)) != "rows"):
+            if unhalved(kind.get(target)) != "rows" or (value not in self.values
+                                                        and unhalved(kind.get(value)) != "rows"):
                 raise Untranslatable(f"a write of {value} into {target}")
             if tag:
                 out.append(f"st_{tag}(p_{target} + i, {ref(value, True, DTYPE[tag])});" if vector
@@ -447,125 +395,160 @@ def c_source(k: ChunkKernel) -> str:
                 out.append(f"st(p_{target} + i, {ref(value, True, 'float32')});" if vector
                            else f"p_{target}[i] = {ref(value, False, 'float32')};")
         for s, (target, value) in enumerate(k.streams):
-            if unhalved(kind.get(target)) != "peers" or value not in tensors:
+            if unhalved(kind.get(target)) != "peers" or value not in self.tensors:
                 raise Untranslatable(f"a stream of {value} into {target}")
             out.append(f"out[{s}] = {ref(value, vector, DTYPE.get(half(kind[target]), 'float32'))};")
         for s, (_, value) in enumerate(k.sums, len(k.streams)):
-            if value not in tensors:
+            if value not in self.tensors:
                 raise Untranslatable(f"a sum of {value}")
             out.append(f"out[{s}] = {ref(value, vector, 'float32')};")
         return out
 
-    ns, nout = len(k.streams), max(1, len(k.streams) + len(k.sums))
-    peers = [target for target, _ in k.streams]
-    halved = {p: half(kind[p]) for p in peers if half(kind[p])}
-    factored = any(what in FACTORS for _, what in k.params)
-    if factored and halved:
-        raise Untranslatable("a row or column factor beside half-precision peers")
-    end = "e" if factored else "n"  # where the rows stop: the chunk's, or (factored) the row's
-    streamed = [p for p in peers if p not in halved]
-    ind = "    "
-    f16 = "float16" in halves.values() or any(half(what) == "f16" for _, what in k.params)
-    lines = [_PRELUDE + (_F16 if f16 else "")
-             + "".join(_HALF_LINE.replace("TAG", tag) for tag in sorted(set(halved.values()))),
-             "typedef struct {", *(ind + f for f in fields), *([ind + "long q, c0;"] if factored else []),
-             "} args_t;", "",
-             "/* row i of the chunk; its values for the peers' copies into out */",
-             "static inline __attribute__((always_inline)) void row(const args_t *a, long i, float *out) {",
-             *(ind + x for x in body(False)), "}", "",
-             "/* rows [i, i + 8) */",
-             "static inline __attribute__((always_inline)) void rows8(const args_t *a, long i, v8 *out) {",
-             *(ind + x for x in body(True)), "}", "",
-             "void coconet_chunk(long n, void **ptr, const long *count, const float *scal, double *sums) {",
-             ind + "args_t a;", ind + "long at = 0;", ind + "(void)at; (void)count; (void)scal; (void)sums;",
-             *(ind + x for x in unpack),
-             ind + f"float o[{nout}];", ind + f"v8 x[{nout}], y[{nout}];"]
-    if k.sums:
-        lines.append(ind + f"double tot[{len(k.sums)}] = {{0}};")
-        lines.append(ind + f"v4d acc[{len(k.sums)}] = {{{{0}}}};")
-    summed = [f"tot[{j}] += (double)o[{ns + j}];" for j in range(len(k.sums))]
-    plain = [f"for (long r = 0; r < a.n_{p}; r++) a.p_{p}[r][i] = " + (f"bits_{halved[p]}(o[{s}]);" if p in halved
-                                                                        else f"o[{s}];") for s, p in enumerate(peers)]
+    # --- the whole kernel ---
 
-    def one_by_one(until: str) -> list[str]:  # rows i .. until, one at a time (a head or the tail)
-        return [ind + f"for (; {until}; i++) {{", ind * 2 + "row(&a, i, o);",
-                *(ind * 2 + x for x in plain + summed), ind + "}"]
+    def text(self) -> str:
+        loop = _Loop(self)  # refuses what it cannot store before a row's code is made
+        return "\n".join(self._functions(loop) + loop.lines()) + "\n"
 
+    def _functions(self, loop: _Loop) -> list[str]:
+        """The helpers, the arguments' struct, and a row's and eight rows' computation."""
+        f16 = "float16" in self.halves.values() or any(half(what) == "f16" for _, what in self.k.params)
+        return [PRELUDE + (F16 if f16 else "")
+                + "".join(HALF_LINE.replace("TAG", tag) for tag in sorted(set(loop.halved.values()))),
+                "typedef struct {", *(IND + f for f in self.fields),
+                *([IND + "long q, c0;"] if loop.factored else []),
+                "} args_t;", "",
+                "/* row i of the chunk; its values for the peers' copies into out */",
+                "static inline __attribute__((always_inline)) void row(const args_t *a, long i, float *out) {",
+                *(IND + x for x in self.body(False)), "}", "",
+                "/* rows [i, i + 8) */",
+                "static inline __attribute__((always_inline)) void rows8(const args_t *a, long i, v8 *out) {",
+                *(IND + x for x in self.body(True)), "}", ""]
+
+
+class _Loop:
+    """``coconet_chunk`` itself: rows one at a time up to where the peers' lines start, then a line at a time
+    (two or four vectors of 8) streamed whole into every peer's copy, then the tail a row at a time; with a row
+    or column factor, that per row of the factor."""
+
+    def __init__(self, src: _Source) -> None:
+        k = src.k
+        self.src, self.k = src, k
+        self.ns, self.nout = len(k.streams), max(1, len(k.streams) + len(k.sums))
+        self.peers = [target for target, _ in k.streams]
+        self.halved = {p: half(src.kind[p]) for p in self.peers if half(src.kind[p])}
+        self.factored = any(what in FACTORS for _, what in k.params)
+        if self.factored and self.halved:
+            raise Untranslatable("a row or column factor beside half-precision peers")
+        self.end = "e" if self.factored else "n"  # where the rows stop: the chunk's, or (factored) the row's
+        self.streamed = [p for p in self.peers if p not in self.halved]
+        self.parts = ("x", "y", "z", "u") if self.halved else ("x", "y")
+        self.summed = [f"tot[{j}] += (double)o[{self.ns + j}];" for j in range(len(k.sums))]
+        self.plain = [f"for (long r = 0; r < a.n_{p}; r++) a.p_{p}[r][i] = "
+                      + (f"bits_{self.halved[p]}(o[{s}]);" if p in self.halved else f"o[{s}];")
+                      for s, p in enumerate(self.peers)]
+
+    def lines(self) -> list[str]:
+        return self._entry() + self._head() + self._factor_rows() + self._line_loop() + self._exit()
+
+    def one_by_one(self, until: str) -> list[str]:
+        """Rows i .. until, one at a time (a head or the tail)."""
+        return [IND + f"for (; {until}; i++) {{", IND * 2 + "row(&a, i, o);",
+                *(IND * 2 + x for x in self.plain + self.summed), IND + "}"]
+
+    @staticmethod
     def same_offset(flag: str, off: str, group: list[str]) -> list[str]:
-        return [ind + f"for (long r = 0; r < a.n_{p}; r++) {flag} = {flag} && ((uintptr_t)a.p_{p}[r] & 63) == {off};"
+        return [IND + f"for (long r = 0; r < a.n_{p}; r++) {flag} = {flag} && ((uintptr_t)a.p_{p}[r] & 63) == {off};"
                 for p in group]
 
-    if halved:
-        # a half-precision line holds 32 rows: the loop takes 32 a step so that each line is streamed whole (half
-        # a line a step went out as partial writes), from the row where the half copies' lines start; the
-        # float32 copies are streamed too where their lines start on that row
-        first = sorted(halved)[0]
-        lines += [ind + f"uintptr_t off16 = a.n_{first} ? (uintptr_t)a.p_{first}[0] & 63 : 0;",
-                  ind + "int nt16 = (off16 & 1) == 0;", *same_offset("nt16", "off16", sorted(halved)),
-                  ind + "long head = nt16 ? (long)((64 - off16) & 63) / 2 : 0, i = 0;"]
+    def _entry(self) -> list[str]:
+        k, nout = self.k, self.nout
+        out = ["void coconet_chunk(long n, void **ptr, const long *count, const float *scal, double *sums) {",
+               IND + "args_t a;", IND + "long at = 0;", IND + "(void)at; (void)count; (void)scal; (void)sums;",
+               *(IND + x for x in self.src.unpack),
+               IND + f"float o[{nout}];", IND + f"v8 x[{nout}], y[{nout}];"]
+        if k.sums:
+            out.append(IND + f"double tot[{len(k.sums)}] = {{0}};")
+            out.append(IND + f"v4d acc[{len(k.sums)}] = {{{{0}}}};")
+        return out
+
+    def _head(self) -> list[str]:
+        """The rows before the first whole line of the peers' copies, and whether to stream (``nt``, ``nt16``)."""
+        halved, streamed = self.halved, self.streamed
+        if halved:
+            # a half-precision line holds 32 rows: the loop takes 32 a step so that each line is streamed whole
+            # (half a line a step went out as partial writes), from the row where the half copies' lines start;
+            # the float32 copies are streamed too where their lines start on that row
+            first = sorted(halved)[0]
+            out = [IND + f"uintptr_t off16 = a.n_{first} ? (uintptr_t)a.p_{first}[0] & 63 : 0;",
+                   IND + "int nt16 = (off16 & 1) == 0;", *self.same_offset("nt16", "off16", sorted(halved)),
+                   IND + "long head = nt16 ? (long)((64 - off16) & 63) / 2 : 0, i = 0;"]
+            if streamed:
+                out += [IND + f"uintptr_t off = a.n_{streamed[0]} ? (uintptr_t)a.p_{streamed[0]}[0] & 63 : 0;",
+                        IND + "int nt = (off & 3) == 0 && ((off + 4 * (uintptr_t)head) & 63) == 0;",
+                        *self.same_offset("nt", "off", streamed)]
+            return out + self.one_by_one("i < head && i < n") + [IND + f"v8 z[{self.nout}], u[{self.nout}];"]
         if streamed:
-            lines += [ind + f"uintptr_t off = a.n_{streamed[0]} ? (uintptr_t)a.p_{streamed[0]}[0] & 63 : 0;",
-                      ind + "int nt = (off & 3) == 0 && ((off + 4 * (uintptr_t)head) & 63) == 0;",
-                      *same_offset("nt", "off", streamed)]
-        lines += one_by_one("i < head && i < n")
-        parts = ("x", "y", "z", "u")
-        lines.append(ind + f"v8 z[{nout}], u[{nout}];")
-    elif streamed:
-        lines += [
-            ind + "/* streamed where every destination has the same offset in its line, on a float */",
-            ind + f"uintptr_t off = a.n_{streamed[0]} ? (uintptr_t)a.p_{streamed[0]}[0] & 63 : 0;",
-            ind + "int nt = (off & 3) == 0;",
-            *same_offset("nt", "off", streamed),
-        ]
-        if not factored:
-            lines += [ind + "long head = nt ? (long)((64 - off) & 63) / 4 : 0, i = 0;",
-                      *one_by_one("i < head && i < n")]
-        parts = ("x", "y")
-    else:
-        if not factored:
-            lines.append(ind + "long i = 0;")
-        parts = ("x", "y")
-    if factored:
-        # a row at a time, its factor's value and its columns' start set before its first: every row's lines
-        # begin at their own offset, so each has a head of its own
-        lines += [ind + f"const long width = count[{lists}];",
-                  ind + "for (long q0 = 0; width > 0 && q0 < n; q0 += width) {",
-                  ind + "a.q = q0 / width; a.c0 = q0;",
-                  ind + "const long e = q0 + width;",
-                  ind + "long i = q0;"]
-        if streamed:
-            lines += [ind + "const long head = nt ? (long)((64 - ((off + 4 * (uintptr_t)q0) & 63)) & 63) / 4 : 0;",
-                      *one_by_one("i < q0 + head && i < e")]
+            out = [IND + "/* streamed where every destination has the same offset in its line, on a float */",
+                   IND + f"uintptr_t off = a.n_{streamed[0]} ? (uintptr_t)a.p_{streamed[0]}[0] & 63 : 0;",
+                   IND + "int nt = (off & 3) == 0;",
+                   *self.same_offset("nt", "off", streamed)]
+            if not self.factored:
+                out += [IND + "long head = nt ? (long)((64 - off) & 63) / 4 : 0, i = 0;",
+                        *self.one_by_one("i < head && i < n")]
+            return out
+        return [] if self.factored else [IND + "long i = 0;"]
 
-    def at(j: int, width: int) -> str:
-        return f"d + {width * j}" if j else "d"
+    def _factor_rows(self) -> list[str]:
+        """With a factor, a row at a time, its factor's value and its columns' start set before its first: every
+        row's lines begin at their own offset, so each has a head of its own."""
+        if not self.factored:
+            return []
+        out = [IND + f"const long width = count[{self.src.lists}];",
+               IND + "for (long q0 = 0; width > 0 && q0 < n; q0 += width) {",
+               IND + "a.q = q0 / width; a.c0 = q0;",
+               IND + "const long e = q0 + width;",
+               IND + "long i = q0;"]
+        if self.streamed:
+            out += [IND + "const long head = nt ? (long)((64 - ((off + 4 * (uintptr_t)q0) & 63)) & 63) / 4 : 0;",
+                    *self.one_by_one("i < q0 + head && i < e")]
+        return out
 
-    def branch(flag: str, fast: list[str], slow: list[str]) -> str:
-        streamed_text = fast[0] if len(fast) == 1 else "{ " + " ".join(fast) + " }"
-        return f"if ({flag}) {streamed_text} else {{ {' '.join(slow)} }}"
+    def _line_loop(self) -> list[str]:
+        parts, end = self.parts, self.end
+        step = LINE * len(parts) // 2  # two vectors of 8 a float32 line
+        out = [IND + f"for (; i + {step} <= {end}; i += {step}) {{",
+               *(IND * 2 + f"rows8(&a, {'i' if j == 0 else f'i + {8 * j}'}, {v});" for j, v in enumerate(parts))]
+        for s, p in enumerate(self.peers):
+            out += [IND * 2 + f"for (long r = 0; r < a.n_{p}; r++) {{",
+                    IND * 3 + f"{'uint16_t' if p in self.halved else 'float'} *d = a.p_{p}[r] + i;",
+                    IND * 3 + self._store(s, p), IND * 2 + "}"]
+        out += [IND * 2 + f"acc[{j}] += " + " + ".join(f"widen({v}[{self.ns + j}])" for v in parts) + ";"
+                for j in range(len(self.k.sums))]
+        out += [IND + "}", *self.one_by_one(f"i < {end}")]
+        return out + ([IND + "}"] if self.factored else [])
 
-    step = LINE * len(parts) // 2  # two vectors of 8 a float32 line
-    lines += [ind + f"for (; i + {step} <= {end}; i += {step}) {{",
-              *(ind * 2 + f"rows8(&a, {'i' if j == 0 else f'i + {8 * j}'}, {v});" for j, v in enumerate(parts))]
-    for s, p in enumerate(peers):
-        if p in halved:
-            tag = halved[p]
-            store = branch("nt16", [f"stream_line_{tag}(d, {', '.join(f'{v}[{s}]' for v in parts)});"],
-                           [f"st_{tag}({at(j, 8)}, {v}[{s}]);" for j, v in enumerate(parts)])
-        else:
-            store = branch("nt", [f"stream_line({at(j, 16)}, {parts[2 * j]}[{s}], {parts[2 * j + 1]}[{s}]);"
-                                  for j in range(len(parts) // 2)],
-                           [f"st({at(j, 8)}, {v}[{s}]);" for j, v in enumerate(parts)])
-        lines += [ind * 2 + f"for (long r = 0; r < a.n_{p}; r++) {{",
-                  ind * 3 + f"{'uint16_t' if p in halved else 'float'} *d = a.p_{p}[r] + i;",
-                  ind * 3 + store, ind * 2 + "}"]
-    lines += [ind * 2 + f"acc[{j}] += " + " + ".join(f"widen({v}[{ns + j}])" for v in parts) + ";"
-              for j in range(len(k.sums))]
-    lines += [ind + "}", *one_by_one(f"i < {end}")]
-    if factored:
-        lines.append(ind + "}")
-    lines += [ind + f"sums[{j}] = tot[{j}] + hsum4(acc[{j}]);" for j in range(len(k.sums))]
-    if peers:
-        lines.append(ind + "_mm_sfence();  /* the streamed stores are visible before the barrier's flag after */")
-    lines.append("}")
-    return "\n".join(lines) + "\n"
+    def _store(self, s: int, p: str) -> str:
+        """Peer ``p``'s line at ``d``: streamed whole where its lines line up, else stored vector by vector."""
+        parts = self.parts
+
+        def at(j: int, width: int) -> str:
+            return f"d + {width * j}" if j else "d"
+
+        def branch(flag: str, fast: list[str], slow: list[str]) -> str:
+            streamed_text = fast[0] if len(fast) == 1 else "{ " + " ".join(fast) + " }"
+            return f"if ({flag}) {streamed_text} else {{ {' '.join(slow)} }}"
+
+        if p in self.halved:
+            tag = self.halved[p]
+            return branch("nt16", [f"stream_line_{tag}(d, {', '.join(f'{v}[{s}]' for v in parts)});"],
+                          [f"st_{tag}({at(j, 8)}, {v}[{s}]);" for j, v in enumerate(parts)])
+        return branch("nt", [f"stream_line({at(j, 16)}, {parts[2 * j]}[{s}], {parts[2 * j + 1]}[{s}]);"
+                             for j in range(len(parts) // 2)],
+                      [f"st({at(j, 8)}, {v}[{s}]);" for j, v in enumerate(parts)])
+
+    def _exit(self) -> list[str]:
+        out = [IND + f"sums[{j}] = tot[{j}] + hsum4(acc[{j}]);" for j in range(len(self.k.sums))]
+        if self.peers:
+            out.append(IND + "_mm_sfence();  /* the streamed stores are visible before the barrier's flag after */")
+        return out + ["}"]
