@@ -348,12 +348,22 @@ def _reps(nbytes: int, repeats: int) -> int:
 
 
 def _measure_all(s: Settings, R: int, rank: int, threads: int, dist, torch) -> dict[str, Any]:
+    timer = _Timer(dist, torch)
+    out: dict[str, Any] = {"torch": str(torch.__version__), "threads": threads, "collectives": {"gloo": {}, "shm": {}}}
+    _collectives(s, R, timer, dist, torch, out)
+    _memory(s, timer, torch, out)
+    _fresh_buffers(s, timer, torch, out)
+    _eager_rates(s, timer, torch, out)
+    _matmul_and_overlap(timer, dist, torch, out)
+    return out
+
+
+def _collectives(s: Settings, R: int, timer: _Timer, dist, torch, out: dict[str, Any]) -> None:
+    """Each collective of gloo and shm over the sizes, and shm's barrier."""
     # import torch: after the ranks' set-up
     from coconet.kernels import collectives, context, segments, shm
 
-    timer = _Timer(dist, torch)
     sizes = [2**k for k in range(s.min_log2, s.max_log2 + 1)]
-    out: dict[str, Any] = {"torch": str(torch.__version__), "threads": threads, "collectives": {"gloo": {}, "shm": {}}}
 
     def gloo_op(op, n):
         elems = max(R, (n // 4) // R * R)
@@ -390,6 +400,9 @@ def _measure_all(s: Settings, R: int, rank: int, threads: int, dist, torch) -> d
     out["shm_barrier_s"] = timer.median(c.shm.barrier, s.repeats * 5)
     c.shm.close()
 
+
+
+def _memory(s: Settings, timer: _Timer, torch, out: dict[str, Any]) -> None:
     # memory: every rank streams at once, as the ranks of a step do; from tensors that fit the cache
     # to ones that do not. DRAM's figure is the largest size's, the cache's the best small one's, and
     # the cache ends where the rate falls below the geometric mean of the two.
@@ -411,6 +424,9 @@ def _measure_all(s: Settings, R: int, rank: int, threads: int, dist, torch) -> d
     out["cache_bandwidth"] = top
     out["cache_bytes"] = max(fits) if fits and top > 1.2 * dram else 0
     out["memory_sweep"] = sweep
+
+
+def _fresh_buffers(s: Settings, timer: _Timer, torch, out: dict[str, Any]) -> None:
     # fresh buffers: eager ops whose results stay alive a while, as a program's temporaries do, against
     # the same ops writing into buffers made once: the excess per byte, by buffer size.
     excess = []
@@ -442,6 +458,10 @@ def _measure_all(s: Settings, R: int, rank: int, threads: int, dist, torch) -> d
         top = max(top, e)
         smooth.append((n, top))
     out["alloc_sweep"] = smooth
+
+
+def _eager_rates(s: Settings, timer: _Timer, torch, out: dict[str, Any]) -> None:
+    """An eager op's dispatch, dropout's integer rate eager and compiled, a compiled kernel's call."""
     # dispatch: an eager op on one element
     one, two = torch.ones(1), torch.ones(1)
 
@@ -453,7 +473,6 @@ def _measure_all(s: Settings, R: int, rank: int, threads: int, dist, torch) -> d
     # dropout as the generated code runs it unfused on CPU: Philox rounds in eager int64 ops, a call per
     # four elements, then the mask
     from coconet.kernels.dropout import dropout_words, dropped
-    from coconet.kernels.ops import matmul
 
     value = torch.ones(2**18)
     # the median: interference from other work on the machine slows these long runs of ops as it slows
@@ -487,6 +506,11 @@ def _measure_all(s: Settings, R: int, rank: int, threads: int, dist, torch) -> d
 
         per = timer.best(xor, 5) / 200
         out["elementwise_ops"] = n / max(per - out["launch_s"], per / 10)
+
+
+def _matmul_and_overlap(timer: _Timer, dist, torch, out: dict[str, Any]) -> None:
+    from coconet.kernels.ops import matmul
+
     # matmul
     m = 1024
     ma, mb = torch.randn(m, m), torch.randn(m, m)
@@ -527,8 +551,6 @@ def _measure_all(s: Settings, R: int, rank: int, threads: int, dist, torch) -> d
     per_add = 3 * 2**24 / out["memory_bandwidth"]
     j = max(1, round(comm / per_add))
     out["overlap_memory"] = hidden(lambda: [sa.add_(sb) for _ in range(j)])
-    return out
-
 
 if __name__ == "__main__":
     sys.exit(_rank_main(sys.argv[1:]))
