@@ -189,111 +189,152 @@ def tune(request: Request, store, *, on_progress: Callable[[dict, Progress], Non
          job_id: int | None = None) -> list[Tuned]:
     """Tune every size of ``request`` into ``store``; ``prior`` gives the cost model's top-k. ``job_id``: a job
     the caller created and claimed (the service's worker) to run instead of a new one; one size only."""
-    prog = request.program
-    backends = check(request)
     if job_id is not None and len(request.sizes) != 1:
+        check(request)
         raise CoconetError(f"job {job_id} tunes one size; the request has {len(request.sizes)}")
-    allowed_text = shardable_text(prog, request.shardable)
-    topo = local_topology() if request.topology == LOCAL else load_topology(request.topology)
-    if job_id is None:
-        _free_keys(store, prog, request.sizes, request, allowed_text)
-    stages = 2 if prog.is_pipeline else 1
-    connect(request.ray_address, ranks=request.world * stages * len(backends))
-    cluster = detect_cluster()
-    # before any trial: results under a topology's name are of its machines. `local` is this machine's kind,
-    # which a cluster joined by --ray-address may have several of (each measurement records how many it used)
-    check_topology(topo, of_nodes(cluster), per_node=request.topology == LOCAL)
-    fit = plan(Need(request.world * stages, gpu="nccl" in backends), backends, offer(),
-               asked=bool(request.backends), placement=request.placement)
-    space = SearchSpace.of(prog, fit.backends, request.depth, shard.names(allowed_text))
-    store.add_program(prog)
-    if request.topology == LOCAL:
-        store.add_topology(LOCAL, fingerprint(), source="measured")
-    storage = store.optuna_storage()
-    order = sorted(request.sizes, key=lambda s: math.prod(s.values()))
+    study = _Study.open(request, store, on_progress, lowering, prior, free_keys=job_id is None)
     done: list[Tuned] = []
-    me = this_process()
-    for sizes in order:
+    for sizes in sorted(request.sizes, key=lambda s: math.prod(s.values())):
         sizes = dict(sizes)
-        beating: AbstractContextManager[None]
-        if job_id is not None:
-            job, beating = job_id, nullcontext()
-        else:
-            try:  # the key looked at again as it is taken: another tuner may have started it since the check
-                job = store.take_job(prog.hash, sizes, request.topology, request.world, budget=request.budget,
-                                     backends=list(backends), shardable=allowed_text, driver=me.text if me else None,
-                                     abandoned=abandoned).id
-            except KeyBusy as err:
-                raise _busy(prog, request, [_busy_text(sizes, err.running, err.driver)]) from None
-            beating = heartbeat(store, job)  # the service sees the key taken while this runs, and free if it dies
+        job, beating = (job_id, nullcontext()) if job_id is not None else study.take(sizes)
         with beating:
-            runners: dict[str, Runner] = {}
-
-            def measure(c: Candidate) -> RunResult:
-                if not fit.shared:  # the cluster holds one backend's ranks at a time: the others let theirs go
-                    for other, runner in runners.items():
-                        if other != c.backend:
-                            runner.close()
-                if c.backend not in runners:
-                    runners[c.backend] = Runner(prog, world=request.world, sizes=sizes, backend=c.backend,
-                                                protocol=request.protocol, program_file=request.program_file,
-                                                lowering=lowering, placement=request.placement)
-                return runners[c.backend].measure(c.schedule)
-
-            def record(c: Candidate, res: RunResult, role: str) -> int:
-                s = summarize(res.samples) if res.samples else None
-                err = res.max_rel_err if res.max_rel_err is not None and math.isfinite(res.max_rel_err) else None
-                return store.add_measurement(NewMeasurement.of(
-                    c.schedule, sizes=sizes, topology=request.topology, world=request.world, backend=c.backend,
-                    status=res.status, error=res.error, samples=list(res.samples), n=len(res.samples),
-                    median_s=s.median if s else None, ci_lo_s=s.ci95[0] if s else None,
-                    ci_hi_s=s.ci95[1] if s else None, max_rel_err=err, source="measured",
-                    versions=versions(c.backend, request.protocol.kernels, placed(c.backend), ran_on(c.backend)),
-                    job_id=job))
-
-            def placed(backend: str) -> str | None:
-                runner = runners.get(backend)
-                return runner.placed if runner is not None else None
-
-            def ran_on(backend: str) -> Fingerprint:
-                runner = runners.get(backend)  # not placed yet (a group that never formed): the whole cluster
-                return of_nodes(cluster, runner.nodes if runner is not None and runner.nodes else None)
-
-            def progress(p: Progress) -> None:
-                store.update_job(job, progress=JobProgress(done=p.trials, total=p.budget, failed=p.failed,
-                                                           best_s=p.best[1] if p.best else None))
-                if on_progress:
-                    on_progress(sizes, p)
-
-            seeds = _neighbours(store, space, prog, sizes, request, done, allowed_text)
-            if prior is not None:
-                seeds += list(prior(space, sizes, request.topology, request.world))[:request.top_k]
-            try:
-                outcome = search(space, sizes, storage=storage,
-                                 study=study_name(prog, sizes, request.topology, request.world, allowed_text,
-                                                  request.protocol.kernels),
-                                 budget=request.budget, measure=measure, record=record, prior=seeds,
-                                 seed=request.seed, on_progress=progress,
-                                 recorded=_recorded(store, space, prog, sizes, request))
-            except BaseException as e:
-                store.update_job(job, state="interrupted" if isinstance(e, KeyboardInterrupt) else "failed",
-                                 error=f"{type(e).__name__}: {e}"[:2000])
-                raise
-            finally:
-                for r in runners.values():
-                    r.close()
-            winner_id = None
-            if outcome.winner is not None:
-                base_id = _record_id(outcome.baseline, record)
-                winner_id = store.add_winner(_record_id(outcome.winner, record),
-                                             runner_up_id=_record_id(outcome.runner_up, record),
-                                             baseline_id=base_id, job_id=job, shardable=allowed_text,
-                                             order_reversed=outcome.order_reversed)
-            tuned = Tuned(sizes, outcome, job, winner_id, shardable=allowed_text, left_out=dict(fit.left_out),
-                          machines=_machines(store, outcome.winner, record))
-            store.update_job(job, state="done", result=tuned.to_json(prog, request.topology, request.world))
-            done.append(tuned)
+            done.append(_Key(study, sizes, job).tune(done))
     return done
+
+
+@dataclass
+class _Study:
+    """What every size of a request shares: the program, backends and shardable state asked, the cluster and
+    how candidates fit it, the schedule space, the store and its Optuna storage, and the caller's hooks."""
+
+    request: Request
+    store: Any
+    backends: tuple[str, ...]
+    allowed_text: str
+    cluster: Any
+    fit: Any
+    space: SearchSpace
+    storage: Any
+    on_progress: Callable[[dict, Progress], None] | None
+    lowering: Callable[[Schedule, str, str], Generated]
+    prior: Callable[[SearchSpace, Mapping[str, int], str, int], Sequence[Candidate]] | None
+
+    @classmethod
+    def open(cls, request: Request, store, on_progress, lowering, prior, *, free_keys: bool) -> _Study:
+        """Checks the request, the keys, the cluster and the topology before any trial; records the program."""
+        prog = request.program
+        backends = check(request)
+        allowed_text = shardable_text(prog, request.shardable)
+        topo = local_topology() if request.topology == LOCAL else load_topology(request.topology)
+        if free_keys:
+            _free_keys(store, prog, request.sizes, request, allowed_text)
+        stages = 2 if prog.is_pipeline else 1
+        connect(request.ray_address, ranks=request.world * stages * len(backends))
+        cluster = detect_cluster()
+        # before any trial: results under a topology's name are of its machines. `local` is this machine's kind,
+        # which a cluster joined by --ray-address may have several of (each measurement records how many it used)
+        check_topology(topo, of_nodes(cluster), per_node=request.topology == LOCAL)
+        fit = plan(Need(request.world * stages, gpu="nccl" in backends), backends, offer(),
+                   asked=bool(request.backends), placement=request.placement)
+        space = SearchSpace.of(prog, fit.backends, request.depth, shard.names(allowed_text))
+        store.add_program(prog)
+        if request.topology == LOCAL:
+            store.add_topology(LOCAL, fingerprint(), source="measured")
+        return cls(request, store, backends, allowed_text, cluster, fit, space, store.optuna_storage(),
+                   on_progress, lowering, prior)
+
+    def take(self, sizes: dict[str, int]) -> tuple[int, AbstractContextManager[None]]:
+        """A job for the key, taken now, and the heartbeat that holds it while its tuning runs."""
+        request, prog = self.request, self.request.program
+        me = this_process()
+        try:  # the key looked at again as it is taken: another tuner may have started it since the check
+            job = self.store.take_job(prog.hash, sizes, request.topology, request.world, budget=request.budget,
+                                      backends=list(self.backends), shardable=self.allowed_text,
+                                      driver=me.text if me else None, abandoned=abandoned).id
+        except KeyBusy as err:
+            raise _busy(prog, request, [_busy_text(sizes, err.running, err.driver)]) from None
+        return job, heartbeat(self.store, job)  # the service sees the key taken while this runs, and free if it dies
+
+
+class _Key:
+    """One size's tuning: a runner per backend (made on its first candidate), and how a trial is measured,
+    recorded and reported."""
+
+    def __init__(self, study: _Study, sizes: dict[str, int], job: int) -> None:
+        self.study, self.sizes, self.job = study, sizes, job
+        self.runners: dict[str, Runner] = {}
+
+    def measure(self, c: Candidate) -> RunResult:
+        study, request = self.study, self.study.request
+        if not study.fit.shared:  # the cluster holds one backend's ranks at a time: the others let theirs go
+            for other, runner in self.runners.items():
+                if other != c.backend:
+                    runner.close()
+        if c.backend not in self.runners:
+            self.runners[c.backend] = Runner(request.program, world=request.world, sizes=self.sizes,
+                                             backend=c.backend, protocol=request.protocol,
+                                             program_file=request.program_file, lowering=study.lowering,
+                                             placement=request.placement)
+        return self.runners[c.backend].measure(c.schedule)
+
+    def record(self, c: Candidate, res: RunResult, role: str) -> int:
+        request = self.study.request
+        s = summarize(res.samples) if res.samples else None
+        err = res.max_rel_err if res.max_rel_err is not None and math.isfinite(res.max_rel_err) else None
+        return self.study.store.add_measurement(NewMeasurement.of(
+            c.schedule, sizes=self.sizes, topology=request.topology, world=request.world, backend=c.backend,
+            status=res.status, error=res.error, samples=list(res.samples), n=len(res.samples),
+            median_s=s.median if s else None, ci_lo_s=s.ci95[0] if s else None,
+            ci_hi_s=s.ci95[1] if s else None, max_rel_err=err, source="measured",
+            versions=versions(c.backend, request.protocol.kernels, self.placed(c.backend), self.ran_on(c.backend)),
+            job_id=self.job))
+
+    def placed(self, backend: str) -> str | None:
+        runner = self.runners.get(backend)
+        return runner.placed if runner is not None else None
+
+    def ran_on(self, backend: str) -> Fingerprint:
+        runner = self.runners.get(backend)  # not placed yet (a group that never formed): the whole cluster
+        return of_nodes(self.study.cluster, runner.nodes if runner is not None and runner.nodes else None)
+
+    def progress(self, p: Progress) -> None:
+        self.study.store.update_job(self.job, progress=JobProgress(done=p.trials, total=p.budget, failed=p.failed,
+                                                                   best_s=p.best[1] if p.best else None))
+        if self.study.on_progress:
+            self.study.on_progress(self.sizes, p)
+
+    def tune(self, done: list[Tuned]) -> Tuned:
+        """The search (seeded by the sizes tuned before and the cost model), its winner recorded, the job ended."""
+        study, request, store, sizes = self.study, self.study.request, self.study.store, self.sizes
+        prog = request.program
+        seeds = _neighbours(store, study.space, prog, sizes, request, done, study.allowed_text)
+        if study.prior is not None:
+            seeds += list(study.prior(study.space, sizes, request.topology, request.world))[:request.top_k]
+        try:
+            outcome = search(study.space, sizes, storage=study.storage,
+                             study=study_name(prog, sizes, request.topology, request.world, study.allowed_text,
+                                              request.protocol.kernels),
+                             budget=request.budget, measure=self.measure, record=self.record, prior=seeds,
+                             seed=request.seed, on_progress=self.progress,
+                             recorded=_recorded(store, study.space, prog, sizes, request))
+        except BaseException as e:
+            store.update_job(self.job, state="interrupted" if isinstance(e, KeyboardInterrupt) else "failed",
+                             error=f"{type(e).__name__}: {e}"[:2000])
+            raise
+        finally:
+            for r in self.runners.values():
+                r.close()
+        winner_id = None
+        if outcome.winner is not None:
+            base_id = _record_id(outcome.baseline, self.record)  # recorded first, where it is not yet
+            winner_id = store.add_winner(_record_id(outcome.winner, self.record),
+                                         runner_up_id=_record_id(outcome.runner_up, self.record),
+                                         baseline_id=base_id, job_id=self.job,
+                                         shardable=study.allowed_text, order_reversed=outcome.order_reversed)
+        tuned = Tuned(sizes, outcome, self.job, winner_id, shardable=study.allowed_text,
+                      left_out=dict(study.fit.left_out), machines=_machines(store, outcome.winner, self.record))
+        store.update_job(self.job, state="done", result=tuned.to_json(prog, request.topology, request.world))
+        return tuned
 
 
 def _free_keys(store: Any, prog: Program, sizes: Sequence[Mapping[str, int]], request: Request, allowed_text: str,
