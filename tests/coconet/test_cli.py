@@ -458,14 +458,15 @@ def test_bench_rounds_take_the_median_of_each_schedules_rounds():
     # the table on an 80-column terminal: every figure whole, the best schedule after it in full
     from rich.console import Console
 
-    from coconet.cli import _fmt_over_floor, _fmt_s, _fmt_speedup, _print_bench
+    from coconet.cli.bench import _fmt_over_floor, _fmt_speedup, _print_bench
+    from coconet.cli.output import fmt_s
 
     big = dict(point, sizes={"B": 4, "S": 512, "H": 1024})  # the longest sizes the README's runs give
     text = io.StringIO()
     _print_bench(dict(report, points=[point, big]), Console(width=80, file=text, highlight=False))
     out = text.getvalue()
     assert all(len(line) <= 80 for line in out.splitlines()) and "…" not in out
-    figures = [_fmt_s(torch_row["median_s"]), _fmt_s(best["median_s"]), _fmt_s(point["floor_s"]),
+    figures = [fmt_s(torch_row["median_s"]), fmt_s(best["median_s"]), fmt_s(point["floor_s"]),
                *_fmt_speedup(point).split("\n"), *_fmt_over_floor(point).split("\n")]
     assert len(figures) == 7
     assert all(out.count(f) >= 2 for f in figures), (figures, out)
@@ -473,16 +474,16 @@ def test_bench_rounds_take_the_median_of_each_schedules_rounds():
 
 
 def test_a_schedule_that_failed_in_any_round_is_reported_failed():
-    from coconet.cli import _over_rounds
+    from coconet.tuner.bench import over_rounds
 
     ok = {"schedule": "s", "status": "ok", "median_s": 1.0, "ci95_s": [0.9, 1.1], "samples": 5}
     bad = dict(ok, status="timeout", median_s=None, error="rank 1 timed out")
-    assert _over_rounds([ok, bad, ok]) == bad
-    assert _over_rounds([ok]) == ok
-    both = _over_rounds([ok, dict(ok, median_s=3.0)])
+    assert over_rounds([ok, bad, ok]) == bad
+    assert over_rounds([ok]) == ok
+    both = over_rounds([ok, dict(ok, median_s=3.0)])
     assert both["median_s"] == 2.0 and both["round_medians_s"] == [1.0, 3.0] and both["samples"] == 10
     assert "round_bandwidth_GBps" not in both
-    probed = _over_rounds([dict(ok, bandwidth_GBps=50.0), dict(ok, bandwidth_GBps=80.0)])
+    probed = over_rounds([dict(ok, bandwidth_GBps=50.0), dict(ok, bandwidth_GBps=80.0)])
     assert probed["round_bandwidth_GBps"] == [50.0, 80.0] and probed["bandwidth_GBps"] == 80.0
 
 
@@ -497,7 +498,7 @@ def test_bench_errors():
 
 
 def test_tune_says_why_its_trials_failed(capsys):
-    from coconet.cli import _print_tune_table
+    from coconet.cli.tune import _print_tune_table
     from coconet.loader import load_file
     from coconet.schedules.schedule import Schedule
     from coconet.tuner.launch import RunResult
@@ -648,23 +649,23 @@ def test_a_sweep_says_which_keys_it_left_out(tmp_path):
 
 
 def test_a_ratio_keeps_three_digits_or_more_and_never_an_exponent():
-    from coconet.cli import _ratio
+    from coconet.cli.output import ratio
 
-    assert [_ratio(x) for x in (1.2345, 14.93, 151.33, 1234.5, 99.96)] == ["1.23", "14.9", "151", "1234", "100.0"]
+    assert [ratio(x) for x in (1.2345, 14.93, 151.33, 1234.5, 99.96)] == ["1.23", "14.9", "151", "1234", "100.0"]
 
 
 def test_a_confidence_interval_says_its_unit_once_where_its_ends_share_it():
-    from coconet.cli import _fmt_ci
+    from coconet.cli.output import fmt_ci
 
-    assert _fmt_ci([2.02e-4, 2.73e-4]) == "202–273 us"
-    assert _fmt_ci([5.7e-4, 1.04e-3]) == "570 us–1.04 ms"
-    assert _fmt_ci(None) == "" and _fmt_ci([]) == ""
+    assert fmt_ci([2.02e-4, 2.73e-4]) == "202–273 us"
+    assert fmt_ci([5.7e-4, 1.04e-3]) == "570 us–1.04 ms"
+    assert fmt_ci(None) == "" and fmt_ci([]) == ""
 
 
 def test_run_schedule_best_says_whether_it_was_measured_or_predicted(tmp_path, capsys):
     """`coconet run --schedule best` takes the store's answer: the measured winner where the key has one, and
     it says which it took; a key only predicted runs the prediction, saying so and how to measure it."""
-    from coconet.cli import _tuned_best
+    from coconet.cli.run import _tuned_best
     from coconet.loader import load_file
     from coconet.schedules.space import generate
     from coconet.server.records import NewMeasurement

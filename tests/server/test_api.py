@@ -189,6 +189,7 @@ def test_best_answers_only_for_the_state_the_question_lets_stay_sharded(client: 
 def test_the_fast_path_answers_as_the_route_does(db_url: str, monkeypatch) -> None:
     """Plain /best requests are answered by FastBest; every request gets the bytes the route alone would send."""
     from coconet.server import app as app_module
+    from coconet.server import fastbest
 
     fast = create_app(db_url, token=TOKEN, hosts=HOSTS, start_workers=False)
     route = create_app(db_url, token=TOKEN, hosts=HOSTS, start_workers=False)
@@ -198,14 +199,14 @@ def test_the_fast_path_answers_as_the_route_does(db_url: str, monkeypatch) -> No
     _seed_winner(fast.state.store, prog, 1024)
     h = prog.hash
     answered = []
-    plain = app_module._plain_best
+    plain = fastbest._plain_best
 
     def counted(state: Any, query: bytes) -> bytes | None:
         body = plain(state, query)
         answered.append(body is not None)
         return body
 
-    monkeypatch.setattr(app_module, "_plain_best", counted)
+    monkeypatch.setattr(fastbest, "_plain_best", counted)
     cases = {  # query -> whether the fast path answers it
         f"program={h}&sizes=N=1024": True,
         f"program={h}&sizes=N%3D2%5E10&topology=local&world=2&backend=gloo&other=ignored": True,

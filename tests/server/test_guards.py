@@ -439,7 +439,7 @@ def test_serve_opens_writes_only_on_loopback_and_without_a_token(tmp_path: Path)
     import subprocess
     import sys
 
-    from coconet.cli import _served_names
+    from coconet.cli.server import _served_names
 
     env = {k: v for k, v in os.environ.items() if k != "COCONET_API_TOKEN"}
     db = f"sqlite:///{tmp_path / 's.db'}"

@@ -871,7 +871,7 @@ def test_sqlite_pragmas(tmp_path):
 def test_a_connection_meeting_another_mid_change_to_wal_tries_again():
     import sqlite3
 
-    from coconet.server.store import _sqlite_wal
+    from coconet.server.store.engine import _sqlite_wal
 
     class Cursor:  # a file another process is turning to WAL: "locked" twice, as SQLite answers without waiting
         def __init__(self, fails, error="database is locked"):

@@ -1,0 +1,89 @@
+"""The options and checks the commands share: the program argument, sizes, schedules picked by text or id,
+paths the command will write, JSON on stdout."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable, List, Optional
+
+import typer
+
+from coconet.errors import CoconetError
+from coconet.loader import named_example
+from coconet.schedules.schedule import Schedule
+from coconet.schedules.space import generate
+
+JSON_OPT = typer.Option(False, "--json", help="Answer in JSON on stdout.")
+SIZE_OPT = typer.Option(None, "--size", help="Size bindings, e.g. N=2^20 or B=8,S=1024,H=3072 (repeatable).")
+
+PROGRAM_HELP = "The program: a .py file defining `program`, its JSON IR, or the name of an example (adam, sgd, ...)."
+
+
+def program_path(value: Path) -> Path:
+    """A program argument as a path: a bare name that is no file here is the example of that name."""
+    return Path(named_example(str(value)))
+
+
+SHARDABLE_HELP = ("State a schedule may leave sharded (as_slice, ZeRO-style: after the step each rank holds only "
+                  "its rows): names, repeatable or joined by commas; `all` for any. Default: what the program's "
+                  "baseline caller never reads (Adam: m, v), else none.")
+
+
+def echo_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2) + "\n")
+
+
+def writable(path: Optional[Path], option: str, *, folder: bool = False) -> Optional[Path]:
+    """A file (or with ``folder``, a folder) the command will write, checked before the work whose answer it
+    holds: a bench measures for minutes, and a path it cannot write would lose them. Missing folders are
+    made when it writes; a path under a file, or where this user cannot write, is refused now."""
+    if path is None:
+        return None
+    if path.exists() and path.is_dir() != folder:
+        raise CoconetError(f"{option} {path} is a {'file' if folder else 'folder'}: name "
+                           f"{'a folder' if folder else 'the file to write'}")
+    there = path.parent
+    while not there.exists():
+        there = there.parent
+    if not there.is_dir():
+        raise CoconetError(f"{option} {path}: {there} is a file, not a folder")
+    if not os.access(there, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise CoconetError(f"{option} {path}: this user cannot write there")
+    return path
+
+
+def require_sizes(prog: Any, size: Optional[List[str]]) -> None:
+    if not size:
+        raise CoconetError(f"--size is required: bind {', '.join(prog.dims)} (e.g. --size {prog.dims[0]}=2^20)"
+                           if prog.dims else "--size is required")
+
+
+def pick_schedules(prog: Any, picks: List[str], depth: int, best: Optional[Callable[[], Any]] = None,
+                   space: Any = None) -> list:
+    """The schedules ``picks`` name, the baseline first; ``space``: the program's, where the caller made it
+    already (else made here at the first `all` or id)."""
+    chosen: list = [Schedule(prog)]  # the baseline runs first: every speed-up is against it
+    for pick in picks:
+        pick = pick.strip()
+        if pick == "best":
+            if best is None:
+                raise CoconetError("--schedule best is for coconet run (it reads the results store)")
+            chosen.append(best())
+            continue
+        if pick == "all" or pick.isdigit():
+            space = space if space is not None else generate(prog, depth=depth)
+            if pick == "all":
+                chosen.extend(space)
+                continue
+            if int(pick) >= len(space):
+                raise CoconetError(f"there is no schedule {pick}; the space has {len(space)} (0-{len(space) - 1})")
+            chosen.append(space[int(pick)])
+            continue
+        chosen.append(Schedule.parse(pick, prog))
+    unique: dict[str, Any] = {}
+    for sched in chosen:
+        unique.setdefault(sched.hash, sched)
+    return list(unique.values())
