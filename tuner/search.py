@@ -213,42 +213,8 @@ def search(space: SearchSpace, sizes: Mapping[str, int], *, storage, study: str,
     ``recorded``: results already in the store by candidate key, used instead of measuring again (a tuner
     killed after recording a result but before the study heard of it).
     ``sampler`` (``brute``, ``tpe``, ``random``) overrides the choice by budget (for benchmarks)."""
-    import optuna
-
-    # ERROR: a trial cut by Ctrl-C or a coconet bug is reported once, by the caller; Optuna would also log its traceback
-    optuna.logging.set_verbosity(optuna.logging.ERROR)
-    kind = sampler or ("brute" if space.size <= budget else "tpe")
-    with warnings.catch_warnings():  # BruteForceSampler is "experimental" since Optuna 3.1
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        samplers = {"brute": optuna.samplers.BruteForceSampler, "tpe": optuna.samplers.TPESampler,
-                    "random": optuna.samplers.RandomSampler}
-        if kind not in samplers:
-            raise CoconetError(f"unknown sampler {kind!r} (use {', '.join(samplers)})")
-        chosen = samplers[kind](seed=seed)
-    st = optuna.create_study(study_name=f"{study}:space[{space.digest}]", storage=storage, sampler=chosen,
-                             direction="minimize", load_if_exists=True)
-    _fail_orphans(st)
-    _adopt(st, space, study, storage)
-    complete = [t for t in st.get_trials(deepcopy=False)
-                if t.state == optuna.trial.TrialState.COMPLETE and "candidate" in t.user_attrs]
-    done = {t.user_attrs["candidate"]: t for t in complete}  # each candidate's latest
-    kills = Counter(t.user_attrs["candidate"] for t in complete if t.user_attrs.get("status") == "killed")
-    # killed once (a signal from outside, perhaps): measured again in this run; killed twice, it stays
-    again = [k for k, t in done.items() if t.user_attrs.get("status") == "killed" and kills[k] < KILLED_TRIES]
-    trials: dict[str, Trial] = {k: _trial_from(space, t) for k, t in done.items() if k not in again}
-    queued = {t.user_attrs.get("candidate") for t in st.get_trials(deepcopy=False,
-                                                                  states=(optuna.trial.TrialState.WAITING,))}
-    # A trial cut short (the tuner killed or interrupted in it) finished as FAIL without a result:
-    # the exhaustive sampler counts it as visited, so its candidate goes back in the queue.
-    cut = [_trial_from(space, t).candidate for t in st.get_trials(deepcopy=False)
-           if t.state == optuna.trial.TrialState.FAIL and "schedule" in t.params]
-    cut += [_trial_from(space, done[k]).candidate for k in again]
-    base = Candidate(Schedule(space.program), space.backends[0])
-    for c in [base, *prior, *cut]:
-        # a prior from another space (a neighbour's winner, the store's) may have no place in this one
-        if space.contains(c) and c.key not in trials and c.key not in queued:
-            st.enqueue_trial(space.params(c), user_attrs={"candidate": c.key})
-            queued.add(c.key)
+    st = _open(space, study, storage, sampler or ("brute" if space.size <= budget else "tpe"), seed)
+    trials, base = _resume(st, space, prior)
     progress = Progress(trials=len(trials), budget=min(budget, space.size),
                         failed=sum(t.result.status != "ok" for t in trials.values()))
     _update_best(progress, trials.values())
@@ -296,6 +262,55 @@ def search(space: SearchSpace, sizes: Mapping[str, int], *, storage, study: str,
     if len(trials) < goal:
         st.optimize(objective, callbacks=[after], gc_after_trial=False)
     return _finish(st.study_name, dict(sizes), list(trials.values()), base, measure, record)
+
+
+def _open(space: SearchSpace, study: str, storage, kind: str, seed: int):
+    """The Optuna study of ``space`` in the family ``study``, created or loaded, its orphaned trials failed and
+    an earlier space's trials adopted."""
+    import optuna
+
+    # ERROR: a trial cut by Ctrl-C or a coconet bug is reported once, by the caller; Optuna would also log its traceback
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    with warnings.catch_warnings():  # BruteForceSampler is "experimental" since Optuna 3.1
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        samplers = {"brute": optuna.samplers.BruteForceSampler, "tpe": optuna.samplers.TPESampler,
+                    "random": optuna.samplers.RandomSampler}
+        if kind not in samplers:
+            raise CoconetError(f"unknown sampler {kind!r} (use {', '.join(samplers)})")
+        chosen = samplers[kind](seed=seed)
+    st = optuna.create_study(study_name=f"{study}:space[{space.digest}]", storage=storage, sampler=chosen,
+                             direction="minimize", load_if_exists=True)
+    _fail_orphans(st)
+    _adopt(st, space, study, storage)
+    return st
+
+
+def _resume(st, space: SearchSpace, prior: Iterable[Candidate]) -> tuple[dict[str, Trial], Candidate]:
+    """The results the study has (each candidate's latest), and the queue: the baseline, ``prior``, and the
+    candidates a killed or cut trial left without a result, unless measured or queued already."""
+    import optuna
+
+    complete = [t for t in st.get_trials(deepcopy=False)
+                if t.state == optuna.trial.TrialState.COMPLETE and "candidate" in t.user_attrs]
+    done = {t.user_attrs["candidate"]: t for t in complete}  # each candidate's latest
+    kills = Counter(t.user_attrs["candidate"] for t in complete if t.user_attrs.get("status") == "killed")
+    # killed once (a signal from outside, perhaps): measured again in this run; killed twice, it stays
+    again = [k for k, t in done.items() if t.user_attrs.get("status") == "killed" and kills[k] < KILLED_TRIES]
+    trials: dict[str, Trial] = {k: _trial_from(space, t) for k, t in done.items() if k not in again}
+    queued = {t.user_attrs.get("candidate") for t in st.get_trials(deepcopy=False,
+                                                                  states=(optuna.trial.TrialState.WAITING,))}
+    # A trial cut short (the tuner killed or interrupted in it) finished as FAIL without a result:
+    # the exhaustive sampler counts it as visited, so its candidate goes back in the queue.
+    cut = [_trial_from(space, t).candidate for t in st.get_trials(deepcopy=False)
+           if t.state == optuna.trial.TrialState.FAIL and "schedule" in t.params]
+    cut += [_trial_from(space, done[k]).candidate for k in again]
+    base = Candidate(Schedule(space.program), space.backends[0])
+    for c in [base, *prior, *cut]:
+        # a prior from another space (a neighbour's winner, the store's) may have no place in this one
+        if space.contains(c) and c.key not in trials and c.key not in queued:
+            st.enqueue_trial(space.params(c), user_attrs={"candidate": c.key})
+            queued.add(c.key)
+    return trials, base
 
 
 def _finish(study: str, sizes, trials: list[Trial], base: Candidate, measure: Measure,
