@@ -21,6 +21,16 @@ spent before its first kernel, even one found in the on-disk cache. The server s
 it (tqdm's monitor thread off).
 
 ``COCONET_FORKSERVER=0`` starts every rank as a fresh interpreter.
+
+Why not ``multiprocessing``'s forkserver with ``set_forkserver_preload``: its preload imports modules and runs
+nothing else, so the Inductor warm-up above could only be an import's side effect, and that warm-up is most of
+what the server saves once it has served a launch (Adam's fused kernel, ``launch_startup_compiled.json``: a
+launch took 1.3 s at world 2 and 3.0 s at world 4 from the warmed server, 8.0 and 14.9 s from the same server
+unwarmed, 9.3 and 20.2 s from fresh interpreters; docs/schedules.md). It also keeps one server per process
+for the environment it first saw, where a launch here may change the environment (``COCONET_…`` switches,
+threads per rank) and must get a server that started with it; and its children are started by
+``Process.start`` with a pickled target, where a rank here is handed its log and report descriptors and
+reports its exit code to the launcher, which polls ranks as ``subprocess.Popen`` objects.
 """
 
 from __future__ import annotations
