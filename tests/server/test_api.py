@@ -555,8 +555,9 @@ def _schemathesis(app: Any, headers: dict[str, str], examples: int) -> tuple[int
 
 def test_schemathesis_finds_no_failure(db_url: str) -> None:
     """Every operation and check, 20 examples an operation and phase, with the token and without, and on an open
-    server (no token, writes taken), on each database (their integers differ): no 5xx, every status and body as
-    documented, what the schema allows taken and what it forbids refused, the right Allow.
+    server (no token, writes taken), on SQLite; with the token on PostgreSQL too (their integers differ; who may
+    write does not depend on the database): no 5xx, every status and body as documented, what the schema allows
+    taken and what it forbids refused, the right Allow.
     object_level_authorization does not run: it needs two identities, and the API has one token. The exceptions
     to positive_data_acceptance, and why, are in tests/server/schemathesis.toml."""
     app = create_app(db_url, token=TOKEN, hosts=HOSTS, start_workers=False)
@@ -565,8 +566,8 @@ def test_schemathesis_finds_no_failure(db_url: str) -> None:
     _seed_winner(app.state.store, prog, 1024)
     open_app = create_app(db_url, hosts=HOSTS, start_workers=False, open_writes=True)
     found = []
-    for name, served, headers in (("with the token", app, AUTH), ("without a token", app, {}),
-                                  ("open, without a token", open_app, {})):
+    ways = (("with the token", app, AUTH), ("without a token", app, {}), ("open, without a token", open_app, {}))
+    for name, served, headers in ways if db_url.startswith("sqlite") else ways[:1]:
         cases, labels, failures = _schemathesis(served, headers, examples=20)
         found += [f"{name}: {title}\n{sample}" for title, sample in failures.items()]
         assert {"POST /api/v1/programs", "POST /api/v1/jobs", "GET /api/v1/best",
