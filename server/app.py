@@ -42,6 +42,7 @@ from coconet.schedules.ir import Program
 from coconet.schedules.schedule import Schedule, sharded_by
 from coconet.schedules.serialize import load
 from coconet.server import dashboard
+from coconet.server.assets import mount_docs
 from coconet.server.driver import describe as describe_driver
 from coconet.server.hosts import HostCheck
 from coconet.server.jobs import Workers, WorkerSettings
@@ -164,8 +165,10 @@ def create_app(store_url: str | None = None, *, token: str | None = None, worker
             jobs.close()
             store.close()
 
+    # /docs and /redoc come from assets.mount_docs, on local scripts: FastAPI's own load theirs from a CDN
     app = FastAPI(title="coconet", version=__version__, lifespan=lifespan, responses=ANY_ERROR,
-                  description="Best schedules of distributed ML programs, tuned on demand.")
+                  description="Best schedules of distributed ML programs, tuned on demand.",
+                  docs_url=None, redoc_url=None)
     app.state.store = store
     app.state.settings = settings
     app.state.workers = None
@@ -174,6 +177,7 @@ def create_app(store_url: str | None = None, *, token: str | None = None, worker
     app.include_router(_router(settings), prefix=PREFIX)
 
     dashboard.mount(app)
+    mount_docs(app)
     app.add_middleware(WriteSlots, slots=WRITE_SLOTS, wait_s=wait_s)
     app.add_middleware(BodyLimit, max_body=MAX_BODY, max_depth=MAX_DEPTH)
     app.add_middleware(FastBest)

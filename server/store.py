@@ -15,7 +15,7 @@ import math
 import os
 import time
 from collections import Counter
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import fields
 from datetime import datetime, timezone
 from functools import partial
@@ -651,6 +651,11 @@ class Store:
             q = _valid_winners().with_only_columns(WinnerRow.program_hash, WinnerRow.sizes_key, WinnerRow.topology,
                                                    WinnerRow.world, WinnerRow.backend, WinnerRow.shardable).distinct()
             return dict(Counter(row[0] for row in s.execute(q)))
+
+    def reading(self, what: str) -> AbstractContextManager[Session]:
+        """A read-only transaction for queries written outside the store (the dashboard's filtered pages), on
+        the read pool; SQLAlchemy's errors leave as a StoreError naming ``what``."""
+        return self._tx(what)
 
     # -- plumbing
 
