@@ -91,7 +91,8 @@ def timing_points(store: Store, program_hash: str, filters: Filters) -> list[Poi
     q = (select(_M.c.sizes_key, _M.c.topology, _M.c.world, _M.c.backend, _M.c.schedule, _M.c.median_s, _M.c.source)
          .where(_M.c.program_hash == program_hash, _M.c.status == "ok", _M.c.median_s.is_not(None)))
     with store.reading("dashboard timings") as s:
-        return [tuple(r) for r in s.execute(filters.apply(q, _M).order_by(_M.c.id))]  # type: ignore[misc]
+        rows = s.execute(filters.apply(q, _M).order_by(_M.c.id))
+        return [(k, t, w, b, sch, m, src) for k, t, w, b, sch, m, src in rows]
 
 
 def plots(points: Iterable[Point], winners: list[Current]) -> dict[str, Any]:
