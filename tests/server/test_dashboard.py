@@ -532,6 +532,8 @@ def test_screenshot(filled: dict[str, Any], browser: Any) -> None:
             _render(browser, served + "/")
             height = browser.execute_script("return document.body.scrollHeight")
             browser.set_window_size(1400, min(height + 40, 4000))
+            _draw_all(browser)
+            browser.execute_script("window.scrollTo(0, 0)")
             time.sleep(0.5)  # plotly re-lays out on resize
             SCREENSHOT.parent.mkdir(exist_ok=True)
             browser.save_screenshot(str(SCREENSHOT))
