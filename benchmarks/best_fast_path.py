@@ -4,10 +4,10 @@ dependencies, the hop to a worker thread, the response model), in interleaved ro
 
     python benchmarks/best_fast_path.py [--rounds 5] [--requests 500]
 
-The app is ``create_app`` on a SQLite store of 10,000 measurements, 1,000 tuned keys (``api_latency.populate``); each request is
-an ASGI call made directly (no socket, no HTTP client), so what is timed is the server's own work per request.
-90% of the requests ask for a tuned key, 10% for untuned sizes (the nearest tuned ones answer). Writes
-benchmarks/results/best_fast_path.json.
+The app is ``create_app`` on a SQLite store of 10,000 measurements of 1,000 tuned keys (``api_latency.populate``);
+each request is an ASGI call made directly (no socket, no HTTP client), so what is timed is the server's own work
+per request. 90% of the requests ask for a tuned key, 10% for untuned sizes (the nearest tuned ones answer).
+Writes benchmarks/results/best_fast_path.json.
 """
 
 from __future__ import annotations
