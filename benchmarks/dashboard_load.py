@@ -1,76 +1,129 @@
-"""Time to build a program's dashboard view (``GET /dashboard/api/programs/{hash}``) from a SQLite store of
-``--rows`` measurements, read as digests (what the view does) against full measurement records (what it
-did before: every row's samples, versions and schedule IR decoded), side by side in one run.
+"""What the dashboard's data costs the server for a program of ``--keys`` tuned keys in a SQLite store, against
+reading every winner of the program (``Store.results``, what the page read and sent before it was paged and
+filtered), in interleaved rounds.
 
-    python benchmarks/dashboard_load.py [--rows 10000 200000] [--repeats 3]
+    python benchmarks/dashboard_load.py [--keys 1000 10000] [--repeats 5]
 
-The store is the one ``benchmarks/api_latency.py`` fills (the examples' programs, 20 sizes, five worlds,
-two backends). Writes benchmarks/results/dashboard_load.json: per size, the median of ``--repeats`` of
-each way and their ratio.
+Each key is adam's, with a baseline and a winner (SYNTHETIC timings: this measures reads, not schedules), over 4
+topologies, 5 worlds, 2 backends and sizes N. Timed, each on its own: the first page of the winners table read
+afresh (``winners_page`` over ``current_winners``), the next page (the cache's), the plots of every key and of one
+topology, and ``Store.results``. Bytes: the first page's JSON against every winner's row as JSON. Writes
+benchmarks/results/dashboard_load.json and, with matplotlib, dashboard_load.png.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "results" / "dashboard_load.json"
-sys.path.insert(0, str(ROOT / "benchmarks"))
+TOPOLOGIES = {"local": "measured", "cluster": "measured", "dgx2": "model", "a100x8": "model"}
+WORLDS, BACKENDS = (2, 4, 8, 16, 32), ("gloo", "nccl")
+
+
+def populate(url: str, keys: int) -> str:
+    """A store of ``keys`` keys of adam, each a baseline and a winner; the program's hash."""
+    from coconet.loader import load_file
+    from coconet.schedules.space import generate
+    from coconet.server.records import NewMeasurement
+    from coconet.server.store import Store
+
+    program = load_file(ROOT / "examples" / "adam.py")
+    schedules = [NewMeasurement.of(s, sizes={"N": 1}, topology="-", world=1, backend="gloo")
+                 for s in list(generate(program))[:3]]
+    sizes = max(1, keys // (len(TOPOLOGIES) * len(WORLDS) * len(BACKENDS)))
+    rows = []
+    for topology, source in TOPOLOGIES.items():
+        for world in WORLDS:
+            for backend in BACKENDS:
+                for i in range(sizes):
+                    n = 1024 * (i + 1)
+                    base = 1e-5 * (i + 1) * (1 + world / 8)
+                    for s, f in ((schedules[0], 1.0), (schedules[1 + i % 2], 0.6)):
+                        rows.append(dataclasses.replace(s, schedule_json=None, sizes={"N": n}, topology=topology,
+                                                        world=world, backend=backend, median_s=base * f, n=5,
+                                                        ci_lo_s=base * f * 0.97, ci_hi_s=base * f * 1.03,
+                                                        source=source))
+    with Store.open(url) as store:
+        h = store.add_program(program)
+        ids = store.add_measurements(rows)
+        store.add_winners([(ids[j + 1], None, ids[j]) for j in range(0, len(ids), 2)])
+    return h
 
 
 def main() -> None:
-    from api_latency import populate
-
-    from coconet.server import dashboard_data
+    from coconet.server import dashboard_data as data
+    from coconet.server import dashboard_plots as plots
     from coconet.server.store import Store
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", type=int, nargs="+", default=[10_000, 200_000])
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--keys", type=int, nargs="+", default=[1000, 10_000])
+    ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
 
-    class FullRecords:
-        """The store, its digests served from full records: the view as it was built before."""
-
-        def __init__(self, store: Store) -> None:
-            self.store = store
-
-        def measurement_digests(self, program_hash: str):
-            return self.store.measurements(program_hash)
-
-        def __getattr__(self, name: str):
-            return getattr(self.store, name)
-
     points = []
-    for rows in args.rows:
+    for keys in args.keys:
         with tempfile.TemporaryDirectory() as tmp:
             url = f"sqlite:///{tmp}/store.db"
-            populate(url, rows)
+            h = populate(url, keys)
             store = Store.open(url)
-            program = max(dashboard_data.program_list(store), key=lambda p: p["results"])["hash"]
-            measured = len(store.measurement_digests(program))
-            times: dict[str, list[float]] = {"digests": [], "full_records": []}
-            for _ in range(args.repeats):  # interleaved: load on the machine falls on both alike
-                for way, source in (("digests", store), ("full_records", FullRecords(store))):
+            every, local = data.Filters(), data.Filters(topology="local")
+            warm = data.WinnersCache()
+            warm.get(store, h, every)
+            ways: dict[str, Callable[[], Any]] = {
+                "every_winner": lambda: store.results(h),
+                "first_page": lambda: data.winners_page(data.WinnersCache().get(store, h, every), 25, 0),
+                "next_page": lambda: data.winners_page(warm.get(store, h, every), 25, 25),
+                "plots_all": lambda: plots.plots(plots.timing_points(store, h, every),
+                                                 data.WinnersCache().get(store, h, every)),
+                "plots_one_topology": lambda: plots.plots(plots.timing_points(store, h, local),
+                                                          data.WinnersCache().get(store, h, local)),
+            }
+            times: dict[str, list[float]] = {k: [] for k in ways}
+            for _ in range(args.repeats):  # interleaved: load on the machine falls on every way alike
+                for way, read in ways.items():
                     t0 = time.perf_counter()
-                    view = dashboard_data.program_view(source, program)
+                    read()
                     times[way].append(time.perf_counter() - t0)
-            assert view is not None
-            median = {k: statistics.median(v) for k, v in times.items()}
-            points.append({"rows": rows, "program_measurements": measured, "median_s": median, "samples_s": times,
-                           "speedup": median["full_records"] / median["digests"]})
-            print(f"{rows:>9,} rows ({measured:,} of the program): digests {median['digests']:.3f} s, "
-                  f"full records {median['full_records']:.3f} s, {points[-1]['speedup']:.1f}x")
+            page = json.dumps(ways["first_page"]())
+            everything = json.dumps([data.winner_row(c) for c in data.current_winners(store, h, every)])
+            store.close()
+        median = {k: statistics.median(v) for k, v in times.items()}
+        points.append({"keys": keys, "median_s": median, "samples_s": times,
+                       "first_page_vs_every_winner": median["every_winner"] / median["first_page"],
+                       "bytes": {"first_page": len(page), "every_winner": len(everything)}})
+        print(f"{keys:>7,} keys: " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in median.items()) +
+              f"; first page {len(page):,} B against {len(everything):,} B for every winner")
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps({"store": "sqlite", "machine": platform.machine(), "python": platform.python_version(),
-                               "points": points}, indent=2) + "\n")
+                               "repeats": args.repeats, "points": points}, indent=2) + "\n")
+    _plot(points)
+
+
+def _plot(points: list[dict[str, Any]]) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for way in points[0]["median_s"]:
+        ax.plot([p["keys"] for p in points], [p["median_s"][way] * 1e3 for p in points], marker="o", label=way)
+    ax.set(xscale="log", yscale="log", xlabel="tuned keys of the program", ylabel="median time (ms)",
+           title="dashboard data: the server's time per request")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(OUT.with_suffix(".png"), dpi=100)
 
 
 if __name__ == "__main__":

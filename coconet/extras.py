@@ -18,7 +18,8 @@ from coconet.errors import MissingDependency
 # extra -> the top-level modules it installs that coconet imports
 EXTRAS: Mapping[str, tuple[str, ...]] = MappingProxyType({
     "tune": ("ray", "optuna", "sqlalchemy", "alembic", "scipy"),  # Ray workers, the search, the store, calibration
-    "server": ("fastapi", "uvicorn", "sqlalchemy", "alembic", "plotly"),  # REST API, store, dashboard
+    # the REST API, the store, the dashboard, /docs and /redoc
+    "server": ("fastapi", "uvicorn", "sqlalchemy", "alembic", "plotly", "fastapi_offline"),
     "postgres": ("psycopg",),
 })
 # the package pip knows a module by, where the names differ

@@ -30,6 +30,7 @@ from coconet.errors import (
     StoreError,
 )
 from coconet.server import dashboard
+from coconet.server.assets import mount_docs
 from coconet.server.facts import ProgramFacts
 from coconet.server.fastbest import FastBest
 from coconet.server.hosts import HostCheck
@@ -86,8 +87,10 @@ def create_app(store_url: str | None = None, *, token: str | None = None, worker
             jobs.close()
             store.close()
 
+    # /docs and /redoc come from assets.mount_docs, on local scripts: FastAPI's own load theirs from a CDN
     app = FastAPI(title="coconet", version=__version__, lifespan=lifespan, responses=ANY_ERROR,
-                  description="Best schedules of distributed ML programs, tuned on demand.")
+                  description="Best schedules of distributed ML programs, tuned on demand.",
+                  docs_url=None, redoc_url=None)
     app.state.store = store
     app.state.settings = settings
     app.state.workers = None
@@ -96,6 +99,7 @@ def create_app(store_url: str | None = None, *, token: str | None = None, worker
     app.include_router(router(settings), prefix=PREFIX)
 
     dashboard.mount(app)
+    mount_docs(app)
     app.add_middleware(WriteSlots, slots=WRITE_SLOTS, wait_s=wait_s)
     app.add_middleware(BodyLimit, max_body=MAX_BODY, max_depth=MAX_DEPTH)
     app.add_middleware(FastBest)

@@ -38,8 +38,10 @@ class FastBest:
     """ASGI middleware answering a plain ``GET /api/v1/best``: parameters the route would take as they are,
     neither ``tune`` nor ``budget``, and a winner to answer with. It answers on the event loop with the body the
     route would send (``best_out``), without FastAPI's per-request work (parameter models, dependencies, the hop
-    to a worker thread, validating the response again), which cost several times the lookup itself. Anything
-    else goes on to the route: every error, every request nothing answers, every tuning request, as before.
+    to a worker thread, validating the response again), which cost more than the lookup itself: in process, on
+    a SQLite store of 1,000 tuned keys, it answers 2.6x the requests per second the route does (1,036 against
+    401, interleaved rounds; ``benchmarks/best_fast_path.py``, ``benchmarks/results/best_fast_path.json``).
+    Anything else goes on to the route: every error, every request nothing answers, every tuning request.
 
     The lookup blocks the event loop for its round trip: an indexed read that never waits for a writer (SQLite
     in WAL mode, PostgreSQL's snapshots), cheaper than the thread hop it saves."""

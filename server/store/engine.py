@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import time
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
@@ -109,6 +109,11 @@ class StoreBase:
     @property
     def dialect(self) -> str:
         return self._engine.dialect.name
+
+    def reading(self, what: str) -> AbstractContextManager[Session]:
+        """A read-only transaction for queries written outside the store (the dashboard's filtered pages), on
+        the read pool; SQLAlchemy's errors leave as a StoreError naming ``what``."""
+        return self._tx(what)
 
     def _read(self, what: str, read: Callable[[Any], _R]) -> _R:
         """``read(cursor)`` on a DB-API cursor of the read engine, outside a transaction: for reads of rows that
