@@ -25,35 +25,26 @@ import marshal
 import re
 import textwrap
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Sequence
 
 from coconet import __version__
 from coconet.codegen import runtime
 from coconet.codegen.analysis import (
-    ELEMENTWISE,
-    absorbed_by_collective,
-    computed_on_rows,
+    OUT,
     custom_group,
-    cut_to_rows,
-    group_io,
-    in_place_outputs,
-    needs_copy,
-    readers_of,
     row_dim,
-    step_positions,
-    step_units,
-    ungrouped_pointwise,
 )
 from coconet.codegen.cache import cache_dir
+from coconet.codegen.fused import FusedCollective, chunk_compiles
+from coconet.codegen.plan import BACKENDS, LoweringPlan
 from coconet.codegen.rowwise import normalize_text, reduce_text
 from coconet.errors import BackendError
 from coconet.kernels.native import FACTORS, HALF, ChunkKernel, Untranslatable, c_source
 from coconet.schedules.dims import Dim
-from coconet.schedules.ir import COMPARE, EFFECTS, ROWWISE_OPS, Group, Program, Stmt
+from coconet.schedules.ir import COMPARE, ROWWISE_OPS, Group, Program, Stmt
 from coconet.schedules.schedule import Schedule
-from coconet.schedules.types import ITEMSIZE, Local, Replicated, Sliced
+from coconet.schedules.types import ITEMSIZE, Replicated, Sliced
 
-BACKENDS = ("gloo", "nccl", "shm")
 TORCH_DTYPE = {"float16": "torch.float16", "bfloat16": "torch.bfloat16", "float32": "torch.float32",
                "float64": "torch.float64", "int64": "torch.int64", "bool": "torch.bool"}
 BINARY = {"add": "{} + {}", "sub": "{} - {}", "mul": "{} * {}", "div": "{} / {}", "pow": "{} ** {}",
@@ -61,11 +52,6 @@ BINARY = {"add": "{} + {}", "sub": "{} - {}", "mul": "{} * {}", "div": "{} / {}"
           "maximum": "torch.maximum(_t({}), _t({}))", "minimum": "torch.minimum(_t({}), _t({}))"}
 UNARY = {"neg": "-{}", "sqrt": "torch.sqrt({})", "rsqrt": "torch.rsqrt({})", "exp": "torch.exp({})",
          "log": "torch.log({})", "abs": "torch.abs({})"}
-# torch's functions with an ``out=`` for the pointwise ops: how a value is computed into a buffer it is given
-# (held_source)
-OUT = {"add": "torch.add", "sub": "torch.sub", "mul": "torch.mul", "div": "torch.div", "pow": "torch.pow",
-       "maximum": "torch.maximum", "minimum": "torch.minimum", "neg": "torch.neg", "sqrt": "torch.sqrt",
-       "rsqrt": "torch.rsqrt", "exp": "torch.exp", "log": "torch.log", "abs": "torch.abs", "where": "torch.where"}
 # what the step and its kernels read besides the program's values and coconet's own ``_`` names: the
 # module's imports and step, step's parameters, the builtins the lowering calls
 RESERVED = frozenset({"torch", "dist", "math", "step", "tensors", "scalars", "group", "stage", "stages", "sizes",
@@ -158,31 +144,28 @@ class Generated:
 
 
 class _Emitter:
-    def __init__(self, schedule: Schedule, backend: str, kernels: str, dropout: str = "counter"):
-        self.s = schedule
+    """Renders a lowering plan: the code of its statements and units. The plan decides; the emitter keeps only
+    what rendering produces (the kernels' text, the names it makes up)."""
+
+    def __init__(self, plan: LoweringPlan, dropout: str = "counter"):
+        self.plan = plan
+        self.s = plan.schedule
         self.dropout = dropout
-        self.p: Program = schedule.scheduled
-        self.backend = backend
-        self.compile = kernels == "compiled"
+        self.p: Program = plan.program
+        self.backend = plan.backend
+        self.compile = plan.compiled
         self.ident = _Names(self.p)
         # coconet's GEMM with its compiled kernels; the eager form (the eager baseline too) is plain torch
         self.matmul = "_matmul" if self.compile else "torch.matmul"
         self.kernels: list[str] = []  # nested in step: they read its dims
         self.toplevel: list[tuple[str, str | None]] = []  # fused pointwise kernels, at module level
-        self.written: set[str] = set()  # state a kernel writes in place
-        self.at: dict[str, int] = {}  # each statement's place in the step (step_positions)
         self.chunked: set[str] | None = None  # members of the chunked unit being emitted
-        self.absorbed: dict[Group, tuple[str, ...]] = {}  # see absorbed_by_collective
-        self.slotless: set[str] = set()  # shm all_gathers written straight into the peers' state (gather_into)
         self.packed: list[tuple[str, ...]] = []  # inputs a chunk kernel sums from one slot (_shm_segments)
-        self.into_state: dict[str, str] = {}  # see gathers_into_state: all_gather → the state it writes
-        self.fuse_into: dict[Group, dict[str, str]] = {}  # see fuse_gathers_into
-        self.rowwise: dict[str, Group] = {}  # absorbed Replicated statements: a chunk computes its own rows
-        self.rows_only: dict[str, int] = {}  # see computed_on_rows: statement → the dim its readers cut
-        self.fuse_absorbed: dict[Group, dict[str, int]] = {}  # see fuse_absorbed
-        self.fuse_reduced: dict[Group, tuple[str, ...]] = {}  # see fuse_reduced
-        self.held: set[str] = set()  # see held_source: computed into the buffer _Shm.held keeps for them
-        self.aliased: dict[str, str] = {}  # state another is updated to → its copy from before the step
+        self.rows_only = plan.rows_only
+        self.rowwise = plan.chunk_rows
+        # state another is updated to (a swap, a moment kept from the step before) is copied as the step begins,
+        # before a kernel may write it, into a name of its own: the state's name stays the caller's tensor
+        self.aliased = {v: self.ident.fresh(f"_{self.ident(v)}_before", set()) for v in plan.aliased}
 
     # --- expressions for one statement's local value ---
 
@@ -265,7 +248,7 @@ class _Emitter:
     def stmt(self, s: Stmt) -> list[str]:
         n, op = self.ident(s.name), s.op
         args = [self.operand(s, a) for a in s.args]
-        if s.name in self.held and s.name not in self.p.group_of:
+        if s.name in self.plan.held and s.name not in self.p.group_of:
             dtype = TORCH_DTYPE[s.type.dtype or "float32"]
             return [f"{n} = {self.into(s, f'_c.shm.held({s.name!r}, {self.local_shape_expr(s.type)}, {dtype})')}"]
         if op == "input":
@@ -318,7 +301,7 @@ class _Emitter:
         if op == "matmul":
             return [f"{n} = {self.matmul}({args[0]}, {args[1]})"]
         if op == "allreduce":
-            if needs_copy(self.p, s.name):
+            if s.name in self.plan.copies:
                 return [f"{n} = _allreduced(_c, {args[0]}, {s.attr('op')!r})"]
             return [f"{n} = {args[0]}", f"_allreduce(_c, {n}, {s.attr('op')!r})"]
         if op == "reduce_scatter":
@@ -327,8 +310,8 @@ class _Emitter:
         if op == "all_gather":
             t = self.p[s.args[0]].type
             d = t.layout.dim
-            state = self.into_state.get(s.name)
-            if any(s.name in into for into in self.fuse_into.values()):
+            state = self.plan.into_state.get(s.name)
+            if s.name in self.plan.fused_gathers:
                 return []  # the kernel that computes its rows writes them into every copy of the state
             if state is not None:
                 return [f"_gather_into(_c, {args[0]}, {d}, {dim_expr(t.shape[d])}, {self.ident(state)}, {state!r})"]
@@ -381,54 +364,20 @@ def lower(schedule: Schedule, backend: str = "gloo", kernels: str = "compiled", 
     if dropout == "torch" and (kernels != "eager" or schedule.scheduled.groups):
         raise BackendError("torch's dropout draws its own mask per call: only an eager, unfused program "
                            "can use it, not fused or chunked kernels", kind="compile_error")
-    e = _Emitter(schedule, backend, kernels, dropout)
+    plan = LoweringPlan.of(schedule, backend, kernels == "compiled")
+    e = _Emitter(plan, dropout)
     p = e.p
-    units = step_units(p)
-    # every input bound (and a state another is updated to copied) before any unit runs: a unit may write a
-    # state it does not read in the program, a fused collective gathering into it
-    first = [u for u in units if not isinstance(u, Group) and p[u].op in ("input", "scalar")]
-    bound = set(first)
-    units = first + [u for u in units if isinstance(u, Group) or u not in bound]
-    e.absorbed = absorbed_by_collective(p) if e.compile else {}
-    e.rowwise = {m: g for g, ms in e.absorbed.items() for m in ms if isinstance(p[m].type.layout, Replicated)}
-    skip = {m for ms in e.absorbed.values() for m in ms}
-    if e.compile:
-        skip.update(m for ms in kernel_reduced(p, backend, e.absorbed).values() for m in ms)
-    e.fuse_absorbed = fuse_absorbed(p, skip)
-    e.fuse_reduced = fuse_reduced(p) if e.compile else {}
-    for ms in e.fuse_reduced.values():
-        skip.update(ms)
-    for ms in e.fuse_absorbed.values():
-        e.rows_only.update(ms)
-        skip.update(ms)
-    e.rows_only.update(computed_on_rows(p, skip))
-    if backend == "shm":
-        e.into_state = gathers_into_state(p, units, e.absorbed)
-        e.written.update(e.into_state.values())
-        e.slotless.update(e.into_state)
-        if e.compile:
-            e.fuse_into = fuse_gathers_into(p, units, e.into_state, e.absorbed, e.fuse_absorbed)
-        e.held = held_sources(p, backend, e.absorbed, e.compile)
-    # a state another is updated to (a swap, a moment kept from the step before) is copied as the step begins,
-    # before a kernel may write it, into a name of its own: the state's name stays the caller's tensor
-    e.aliased = aliased = {v: e.ident.fresh(f"_{e.ident(v)}_before", set())
-                           for v in dict.fromkeys(p.updates.values()) if p[v].op == "input" and v in p.updates}
-    at_end = updated_in_place(p, skip | set(e.rows_only))
-    skip |= set(at_end.values())
-    e.at = step_positions(units, e.absorbed, e.fuse_absorbed, e.fuse_reduced,
-                      kernel_reduced(p, backend, e.absorbed) if e.compile else {})
     lowered: list[list[tuple[str, str]]] = []  # per unit: (line, statement it implements)
-    for unit in units:
-        if unit in skip:
-            continue
+    for unit in plan.units:
         if isinstance(unit, Group):
             lowered.append([(x, unit.members[0]) for x in _lower_group(e, unit)])
         else:
             s = p[unit]
             lowered.append([(x, s.name) for x in e.stmt(s)])
-    updates = [(f"{e.ident(t)}.copy_({aliased.get(v) or e.tensor(v, e.ident(v))})", t) for t, v in p.updates.items()
-               if t not in e.written and t not in at_end]
-    updates += [(e.into(p[v], e.ident(t)), v) for t, v in at_end.items()]  # after the copies: see updated_in_place
+    aliased = e.aliased
+    updates = [(f"{e.ident(t)}.copy_({aliased.get(v) or e.tensor(v, e.ident(v))})", t) for t, v in plan.copied_at_end]
+    # after the copies: see updated_in_place
+    updates += [(e.into(p[v], e.ident(t)), v) for t, v in plan.at_end.items()]
     kept = set().union(*(_free_names([x for x, _ in k]) for k in e.kernels))
     kept |= _names([x for x, _ in updates] + [e.ident(v) for v in aliased])
     body = _freeing(e, lowered, kept)
@@ -497,162 +446,19 @@ def _freeing(e: _Emitter, lowered: list[list[tuple[str, str]]], kept: set[str]) 
 
 
 def _lower_group(e: _Emitter, g: Group) -> list[str]:
-    knobs = e.s.knob_values
+    knobs = e.plan.knobs
     if g.kind == "overlap":
-        return _lower_overlap(e, g, knobs.get("chunks", 4))
+        return _lower_overlap(e, g, knobs["chunks"])
     if g.kind == "bucket":
-        return _lower_bucket(e, g, knobs.get("bucket_bytes", 2**22))
+        return _lower_bucket(e, g, knobs["bucket_bytes"])
     if g.kind == "fuse":
         return _lower_fuse(e, g)
-    return _lower_fused_collective(e, g, knobs.get("fc_chunks", 1))
-
-
-@dataclass(frozen=True)
-class FusedCollective:
-    """A fused collective as the lowering emits it and the cost model prices it: what it reads, what each chunk
-    computes, and where each result goes."""
-    rs: Stmt
-    ins: tuple[str, ...]
-    outs: tuple[str, ...]  # handed on after it: neither written in place nor gathered into state
-    inplace: Mapping[str, str]  # result -> the sliced state each chunk writes it into (_fc_in_place)
-    into: Mapping[str, str]  # all_gather -> the replicated state whose every copy it writes (gather_into)
-    gathers: tuple[str, ...]
-    partials: tuple[str, ...]  # partial sums handed on, each chunk's added up after the last
-    sliced_outs: tuple[str, ...]  # values on this rank's rows handed on, whole
-    compute: tuple[str, ...]  # what each chunk computes: its absorbed statements, then the members'
-    needed: frozenset[str]  # what the chunk's computation must give: for a gather that sends it, or handed on
-    direct: bool  # reads_input_in_place
-    compiles: bool  # the chunk one compiled kernel (chunk_compiles), where the lowering compiles
-    sums_parts: bool  # that kernel takes the rows on every rank unreduced (sums_parts)
-    pre: tuple[str, ...] = ()  # what that kernel computes on every rank's rows before it sums them (reduced_in_kernel)
-    # whose rows every rank's come from: the reduce_scatter's operand, or the inputs pre reads (program order)
-    sources: tuple[str, ...] = ()
-    ranked: tuple[str, ...] = ()  # the numbers of every rank's own that pre reads (rank_numbers)
-    held: bool = False  # source computed into a buffer the peers read where it lies (held_source)
-
-
-def fused_collective_plan(p: Program, backend: str, g: Group, absorbed: tuple[str, ...],
-                          compiled: bool = True) -> FusedCollective:
-    ins, outs = group_io(p, g, absorbed)
-    inplace = _fc_in_place(p, g, outs, absorbed) if compiled else {}
-    into = gather_into(p, backend, g, outs, absorbed)
-    outs = [o for o in outs if o not in inplace and o not in into]
-    gathers = tuple(m for m in g.members if p[m].op == "all_gather")
-    partials = tuple(o for o in outs if p[o].op == "partial_sum")
-    sliced_outs = tuple(o for o in outs if p[o].op not in ("all_gather", "partial_sum"))
-    needed = {p[m].args[0] for m in gathers if m not in into} | set(sliced_outs) | set(partials)
-    compute = tuple(m for m in (*absorbed, *g.members[1:]) if p[m].op != "all_gather")
-    compiles = compiled and chunk_compiles(p, g, compute)
-    sums = compiles and sums_parts(p, backend, g, into)
-    rs = p[g.members[0]]
-    pre = reduced_in_kernel(p, g) if sums else ()
-    read = {a for m in pre for a in p[m].args if p[a].op == "input" and p[a].type.shape}
-    sources = tuple(s.name for s in p.stmts if s.name in read) or (rs.args[0],)
-    if pre:
-        ins, _ = group_io(p, g, (*pre, *absorbed))
-    held = not pre and held_source(p, backend, rs)
-    direct = held or all(reads_input_in_place(p, backend, x, after=bool(pre)) for x in sources)
-    return FusedCollective(
-        rs=rs, ins=tuple(ins), outs=tuple(outs), inplace=inplace, into=into, gathers=gathers,
-        partials=partials, sliced_outs=sliced_outs, compute=compute, needed=frozenset(needed),
-        direct=direct, compiles=compiles, sums_parts=sums, pre=pre, sources=sources,
-        ranked=rank_numbers(p, pre), held=held)
-
-
-def updated_in_place(p: Program, skip: set[str]) -> dict[str, str]:
-    """State → the value it is updated to, where that value is computed at the end of the step straight into
-    the state (``torch.mul(acc, 0.0, out=acc)``) rather than into a new tensor copied into it: a pointwise
-    statement torch computes into a buffer (``OUT``), of no group, that nothing else reads. It reads no other
-    state (written by then, or about to be), of this state only the same element (the update's type is the
-    value's), and of computed values only those of pointwise statements of no group, which are tensors of
-    their own, not views of state. One pass and one new tensor fewer (an accumulator cleared, ``w - u``)."""
-    out = {}
-    for t, v in p.updates.items():
-        s = p[v]
-        if (v in skip or s.op not in OUT or not ungrouped_pointwise(p, s) or len(p.users[v]) != 1
-                or s.type != p[t].type or not s.type.shape):
-            continue
-        if all(a == t or (a not in p.updates and (p[a].op in ("input", "scalar", "const") or (
-                ungrouped_pointwise(p, p[a]) and p[a].op != "cast" and a not in skip))) for a in s.args):
-            out[t] = v
-    return out
-
-
-def held_sources(p: Program, backend: str, absorbed: Mapping[Group, tuple[str, ...]],
-                 compiled: bool = True) -> set[str]:
-    """The values fused collectives reduce that the step computes into buffers of their own (held_source)."""
-    return {fc.sources[0] for g in p.groups if g.kind == "fused_collective"
-            for fc in [fused_collective_plan(p, backend, g, absorbed.get(g, ()), compiled)] if fc.held}
-
-
-def kernel_reduced(p: Program, backend: str, absorbed: Mapping[Group, tuple[str, ...]],
-                   compiled: bool = True) -> dict[Group, tuple[str, ...]]:
-    """Per fused collective, the statements before it that its chunk kernel computes (``reduced_in_kernel``):
-    no unit of their own."""
-    out = {}
-    for g in p.groups:
-        if g.kind == "fused_collective":
-            pre = fused_collective_plan(p, backend, g, absorbed.get(g, ()), compiled).pre
-            if pre:
-                out[g] = pre
-    return out
-
-
-def rank_numbers(p: Program, pre: Sequence[str]) -> tuple[str, ...]:
-    """The 0-d Local values ``pre`` (reduced_in_kernel) reads: numbers each rank holds its own of (a weight, a
-    clip factor from its gradient's norm), which every rank posts at the barrier that begins the collective
-    (``_Shm.post``), so that the kernel computes each rank's rows with that rank's."""
-    return tuple(dict.fromkeys(a for m in pre for a in p[m].args
-                               if p[a].type.shape == () and isinstance(p[a].type.layout, Local)))
-
-
-def reduced_in_kernel(p: Program, g: Group) -> tuple[str, ...]:
-    """The statements before a fused collective's reduce_scatter that its chunk kernel computes on each rank's
-    rows as it sums them (where it takes them unreduced, ``sums_parts``): pointwise statements of Local inputs
-    of the reduced value's shape (a gradient; a buffer of earlier micro-batches' gradients the step clears once
-    reduced), of numbers every rank holds alike (scalars, constants, 0-d Replicated values) and of float32
-    numbers each rank holds its own of (``rank_numbers``), that nothing else reads: the gradient predivided or
-    unscaled before its allreduce, cast to float32, weighted by the rank's share of the tokens, clipped by its
-    own norm, added to the accumulated ones. The reduction then reads those inputs where they lie
-    (``reads_input_in_place``), and their value is never written out and published (on a step of N floats: N
-    words written and 2N read, per rank; N written and N read where it would have gone into a buffer the peers
-    read). Their semantics is unchanged: each rank's rows are computed from its own inputs, then summed."""
-    rs = p[g.members[0]]
-    x = rs.args[0]
-    shape = p[x].type.shape
-    pre: set[str] = set()
-    leaves: set[str] = set()
-    todo = [x]
-    while todo:
-        s = p[todo.pop()]
-        if s.name in pre:
-            continue
-        if (not ungrouped_pointwise(p, s) or s.op == "dropout" or s.type.shape != shape
-                or not isinstance(s.type.layout, Local)):
-            return ()
-        pre.add(s.name)
-        for a in s.args:
-            t = p[a]
-            if t.op == "input" and isinstance(t.type.layout, Local) and t.type.shape == shape:
-                leaves.add(a)
-            elif t.type.shape == () and isinstance(t.type.layout, Replicated):
-                continue  # the same number on every rank: the kernel's own
-            elif t.type.shape == () and isinstance(t.type.layout, Local) and (t.type.dtype or "float32") == "float32":
-                continue  # a number of each rank's own (rank_numbers): posted at the barrier
-            else:
-                todo.append(a)
-    if not leaves or any(u not in pre and u != rs.name for m in pre for u in p.users[m]):
-        return ()
-    return tuple(s.name for s in p.stmts if s.name in pre)
+    return _lower_fused_collective(e, g, knobs["fc_chunks"])
 
 
 def _lower_fused_collective(e: _Emitter, g: Group, chunks: int) -> list[str]:
     p = e.p
-    absorbed = e.absorbed.get(g, ())
-    fc = fused_collective_plan(p, e.backend, g, absorbed, e.compile)
-    e.written.update(fc.inplace.values())
-    e.written.update(fc.into.values())
-    e.slotless.update(fc.into)
+    fc = e.plan.fused_collectives[g]
     fname = f"_{g.kind}{len(e.kernels)}"
     ops = [p[m].op for m in g.members]
     parts = ["reduce_scatter", "the computation on this rank's slice"]
@@ -668,149 +474,15 @@ def _lower_fused_collective(e: _Emitter, g: Group, chunks: int) -> list[str]:
     return [f"{_tuple_text(map(e.ident, fc.outs))} = {call}" if fc.outs else call]
 
 
-def fuse_absorbed(p: Program, skip: set[str] = frozenset()) -> dict[Group, dict[str, int]]:
-    """Per fuse group, the ungrouped Replicated pointwise statements on Replicated values and scalars whose
-    readers are all the group's members on this rank's slice, or such statements (AdamW's ``w * (1 - lr *
-    wd)``, Adam's ``beta1 * m`` with m whole after ``reorder(ag0)``), each with the dim those readers cut:
-    computed inside the group's kernel on this rank's rows, not as a full pass over every rank's rows before
-    it."""
-    out = {}
-    for g in p.groups:
-        if g.kind == "fuse":
-            inside = set(g.members)
-            taken = cut_to_rows(p, skip, inside.__contains__)
-            if taken:
-                out[g] = {s.name: taken[s.name] for s in p.stmts if s.name in taken}
-    return out
-
-
-def fuse_reduced(p: Program) -> dict[Group, tuple[str, ...]]:
-    """Per fuse group of whole values (Local or Replicated), the ungrouped sums and norms of its members: its
-    kernel computes them as it computes what they sum and hands on the number, and what they sum is written
-    out only where something else reads it (a loss scaler's count of non-finite elements, ``sum(where(abs(g) >
-    t, 1, 0))``: the mask is never written). No member reads them (the group is convex), so the kernel may."""
-    out = {}
-    for g in p.groups:
-        if g.kind != "fuse" or isinstance(p[g.members[0]].type.layout, Sliced) or custom_group(p, g):
-            continue
-        inside = set(g.members)
-        taken = tuple(s.name for s in p.stmts
-                      if s.op in ("sum", "norm") and s.name not in p.group_of and s.args[0] in inside)
-        if taken:
-            out[g] = taken
-    return out
-
-
-def _fc_in_place(p: Program, g: Group, outs: list[str], absorbed) -> dict[str, str]:
-    """Values a fused collective computes on this rank's slice of sharded state that it can write straight
-    into that state, chunk by chunk."""
-    return _updated_in_place(p, g, outs, absorbed, gathered=False)
-
-
-def gather_into(p: Program, backend: str, g: Group, outs: list[str], absorbed) -> dict[str, str]:
-    """All_gathers of a fused collective on shm whose value only updates Replicated state that nothing
-    outside reads: the chunk writes this rank's rows into the state, then into every peer's copy of it
-    (which lives in shared memory). No gathered temporary, no slot, no copy into the state after."""
-    return _updated_in_place(p, g, outs, absorbed, gathered=True) if backend == "shm" else {}
-
-
-def gathers_into_state(p: Program, units: list, absorbed: dict[Group, tuple[str, ...]]) -> dict[str, str]:
-    """Ungrouped all_gathers (shm) whose value is the new value of one Replicated state and read by nothing
-    else, where the state is bound and every other reader of it runs before them (``units``: the order the
-    step runs its statements; ``absorbed``: statements that run inside their fused collective): each rank
-    writes its rows straight into its own copy of the state and every peer's, with no gathered temporary, no
-    slot and no copy into the state at the end. Each gather maps to its state."""
-    at = step_positions(units, absorbed)
-    found = {}
-    for s in p.stmts:
-        if s.op != "all_gather" or s.name in p.group_of or any(p[u].op != "update" for u in p.users[s.name]):
-            continue
-        targets = [t for t, v in p.updates.items() if v == s.name]
-        if len(targets) != 1 or p[targets[0]].op != "input" or p[targets[0]].type != s.type:
-            continue
-        t = targets[0]
-        # an update, output or send reading the state would see it after the step's end, or hold it
-        readers = [t] + readers_of(p, t)
-        if isinstance(s.type.layout, Replicated) and all(p[u].op not in EFFECTS and at[u] < at[s.name]
-                                                         for u in readers):
-            found[s.name] = t
-    return found
-
-
-def fuse_gathers_into(p: Program, units: list, into_state: dict[str, str], absorbed: dict[Group, tuple[str, ...]],
-                      rows: dict[Group, dict[str, int]]) -> dict[Group, dict[str, str]]:
-    """Per compiled fuse group on shm, the gathers into state (``into_state``, see gathers_into_state) of
-    values nothing else outside the group reads that its kernel can do itself: it writes each new row into
-    its own copy of the state and every peer's as it computes it, so the value is never written out to be
-    copied. Each gather maps to the value it gathers. Every reader of the state in the group must read this
-    rank's rows of it alone (a member Sliced on the state's shape, or a statement it computes on those rows:
-    ``rows``, see fuse_absorbed), and every other reader runs before the group: the peers write their rows
-    into this rank's copy while the kernel runs."""
-    at = step_positions(units, absorbed, rows)
-    out: dict[Group, dict[str, str]] = {}
-    for g in p.groups:
-        if g.kind != "fuse" or custom_group(p, g):
-            continue
-        inside = set(g.members) | set(rows.get(g, {}))
-        found = {}
-        for ag, state in into_state.items():
-            o = p[ag].args[0]
-            t = p[state].type
-            if o not in g.members or any(u != ag and u not in g.members for u in p.users[o]):
-                continue
-            d = p[o].type.layout.dim
-
-            def rows_of_state(u: str) -> bool:
-                if u in rows.get(g, {}):
-                    return rows[g][u] == d
-                ut = p[u].type
-                return isinstance(ut.layout, Sliced) and ut.layout.dim == d and ut.shape == t.shape
-
-            readers = readers_of(p, state)
-            if all(rows_of_state(u) if u in inside else at[u] < at[g.members[0]] for u in readers):
-                found[ag] = o
-        if found:
-            out[g] = found
-    return out
-
-
-def _updated_in_place(p: Program, g: Group, outs: list[str], absorbed, *, gathered: bool) -> dict[str, str]:
-    """Outputs of a fused collective (its all_gathers if ``gathered``, else the others) that are the new
-    value of one state tensor of their type (Replicated for a gather, Sliced otherwise), read outside only
-    by that update (a gather's not even inside), and every reader of the state is a pointwise statement or
-    a slice inside: each reads its chunk's rows before the same kernel writes them."""
-    inside = set(g.members) | set(absorbed)
-    layout = Replicated if gathered else Sliced
-    found = {}
-    for o in outs:
-        targets = [t for t, v in p.updates.items() if v == o]
-        if (p[o].op == "all_gather") != gathered or len(targets) != 1:
-            continue
-        t = targets[0]
-        if p[t].type != p[o].type or not isinstance(p[t].type.layout, layout):
-            continue
-        readers = [u for u in readers_of(p, t) if p[u].op != "update"]
-        if all(p[u].op == "update" or (u in inside and not gathered) for u in p.users[o]) and \
-                all(u in inside and (p[u].op in ELEMENTWISE or p[u].op == "slice") for u in readers):
-            found[o] = t
-    return found
-
-
 def _lower_fuse(e: _Emitter, g: Group) -> list[str]:
     """A pointwise group as one module-level function; compiled, Inductor fuses it into one loop (C++ on
     CPU, Triton on CUDA) that writes updated state in place. One that writes its rows into every peer's copy
     of a state (``fuse_gathers_into``) takes its rows cut at the call, so that C may run it (see
     _native_chunk): its streamed stores skip the read of every line an ordinary store makes first."""
     p = e.p
-    absorbed = tuple(e.fuse_absorbed.get(g, ()))
-    reduced = e.fuse_reduced.get(g, ())
-    ins, outs = group_io(p, g, (*absorbed, *reduced))
-    inplace = in_place_outputs(p, g, outs, e.at)
-    e.written.update(inplace.values())
-    into = e.fuse_into.get(g, {})  # gather -> the value whose rows the kernel writes into every copy of the state
-    held = [o for o in outs if o in e.held and o not in inplace and o not in into.values()]
-    rest = [o for o in outs if o not in inplace and o not in into.values() and (into or o not in held)]
-    rest += list(reduced)
+    k = e.plan.fuse_kernels[g]
+    absorbed, reduced, ins, inplace, into, held = tuple(k.rows), k.sums, k.ins, k.inplace, k.into, k.held
+    rest = list(k.returns)
     body = []
     for m in (*absorbed, *g.members, *reduced):
         body.extend(("    " + x, m) for x in e.stmt(p[m]))
@@ -825,18 +497,18 @@ def _lower_fuse(e: _Emitter, g: Group) -> list[str]:
         body += [(f"    {buffers[o]}.copy_({e.ident(o)})", o) for o in held]
     peers = {}  # gather -> the kernel's parameter: this rank's rows of every peer's copy of the state
     for ag, o in into.items():
-        state, peer = e.into_state[ag], e.ident.fresh("_peer", scope)
+        state, peer = e.plan.into_state[ag], e.ident.fresh("_peer", scope)
         peers[ag] = e.ident.fresh(f"{e.ident(state)}_peers", scope)
         body += [(f"    {e.operand(p[o], state)}.copy_({e.ident(o)})", ag),
                  (f"    for {peer} in {peers[ag]}:", ag), (f"        {peer}.copy_({e.ident(o)})", ag)]
-    compiled = e.compile and not custom_group(p, g)  # a custom op's torch code may not trace; it runs as written
+    compiled = k.compiled  # a custom op's torch code may not trace; it runs as written
     call = None
     if into and compiled:  # rows cut at the call: the kernel may run as C, streaming into the peers' copies
         doc = (f"fuse({', '.join(g.members)}): one pointwise kernel on this rank's rows, state written in place "
                "and into every peer's copy")
         compute = [*absorbed, *g.members]
         args = {x: x for x in peers.values()}  # the peers' rows, bound under the same names at the call
-        states = {ag: e.into_state[ag] for ag in into}
+        states = {ag: e.plan.into_state[ag] for ag in into}
         call = _cut_kernel(e, g, "_fuse", doc, list(body), compute, set(map(e.ident, compute)), args, scope, rest,
                            lambda dims: _native_chunk(e, compute, inplace, states, peers, {}, None, (), args, dims,
                                                       rest))
@@ -848,7 +520,7 @@ def _lower_fuse(e: _Emitter, g: Group) -> list[str]:
     # every state's copies mapped at one barrier before the kernel, every one whole at one barrier after it
     specs, gathers, ends = [], [], []
     for ag, o in into.items():
-        t, state = p[o].type, e.into_state[ag]
+        t, state = p[o].type, e.plan.into_state[ag]
         d = t.layout.dim
         specs.append(f"({d}, {dim_expr(t.shape[d])}, {e.ident(state)}, {state!r})")
         gathers.append(e.ident.fresh(f"_{e.ident(ag)}", set()))
@@ -875,7 +547,7 @@ def _whole_fuse(e: _Emitter, g: Group, body: list, ins: list[str], inplace: dict
     dims = [f"d_{d}" for d in p.dims if f"d_{d}" in used]
     custom = custom_group(p, g)
     params = ["_c"] + dims + (["_custom"] if custom else []) + [e.ident(a) for a in ins]
-    params += [e.ident(t) for t in (*inplace.values(), *(e.into_state[ag] for ag in into)) if t not in ins]
+    params += [e.ident(t) for t in (*inplace.values(), *(e.plan.into_state[ag] for ag in into)) if t not in ins]
     params = list(dict.fromkeys(params)) + list(peers.values()) + list(given)
     fname = f"_fuse{len([x for x in e.toplevel if x[0].startswith('def ')])}"
     head = [(f"def {fname}({', '.join(params)}):", g.members[0]),
@@ -1008,72 +680,7 @@ def _holder_rows(p: Program, o: str, holder: str) -> str:
     return f"_c.local({holder}, {p[o].type.layout.dim})"
 
 
-def sums_parts(p: Program, backend: str, g: Group, into) -> bool:
-    """Whether a fused collective's compiled chunk kernel (shm) takes the chunk's rows on every rank unreduced
-    and reduces them as it reads them (any of the IR's REDUCE_OPS: sum, avg, prod, max, min): the reduced rows
-    are never written out, unless the group outputs them, and then only once, by the kernel. Not where a
-    gather outside the kernel sends them. A max allreduce of each rank's |g| (an amax) then reads g where it
-    lies too."""
-    rs = p[g.members[0]]
-    sent = any(p[m].op == "all_gather" and m not in into and p[m].args[0] == rs.name for m in g.members)
-    return backend == "shm" and not sent
-
-
-def reads_input_in_place(p: Program, backend: str, source: str, after: bool = False) -> bool:
-    """Whether a fused collective on shm reads its reduce_scatter's operand where it lies on every rank, moved
-    into a segment of its own (``_Shm.stage_input``), rather than published into a slot: the operand is an
-    input the step leaves as it is (a gradient). The barrier that ends the collective (``_end_collective``,
-    its gathers' or its own where it gathers nothing) comes after the peers' last read of it and before any
-    rank returns to a caller who may write the next one into it. ``after``: an input the chunk kernel reads
-    (``reduced_in_kernel``) may be a Local state, for nothing writes one before the collective has ended: its
-    new value is written in place at the step's end or by a kernel that runs after every reader of it
-    (``in_place_outputs``), and the collective is one."""
-    src = p[source]
-    return (backend == "shm" and src.op == "input"
-            and (src.name not in p.updates or (after and isinstance(src.type.layout, Local))))
-
-
-def held_source(p: Program, backend: str, rs: Stmt) -> bool:
-    """Whether a fused collective on shm reads the value its reduce_scatter reduces where it lies on every
-    rank, because the step computes it into a buffer it keeps from step to step (``_Shm.held``), which moves
-    into a segment of its own as an input does (``_Shm.stage_input``), rather than into a new tensor that is
-    published into a slot: a pointwise statement torch computes into a buffer (``OUT``) that nothing else
-    reads and the chunk kernel does not compute (``reduced_in_kernel``), as a gradient accumulated over
-    micro-batches added to the last one's (``acc + g``, two inputs). Saved per rank and step: the copy into
-    the slot (N words read and written) and a new tensor's first touch of every page. The barrier that ends
-    the collective comes after the peers' last read of it, before the next step computes into it again. So
-    does a fuse group's output that nothing outside the group but the reduce_scatter reads (the compressed
-    gradient of an error-feedback step): the kernel stores it into the buffer, not into a new tensor."""
-    s = p[rs.args[0]]
-    if backend != "shm" or not s.type.shape:
-        return False
-    g = p.group_of.get(s.name)
-    if g is None:
-        return s.op in OUT and ungrouped_pointwise(p, s) and tuple(p.users[s.name]) == (rs.name,)
-    # a fuse kernel's output: the kernel writes it into the buffer as it computes it (_lower_fuse)
-    return (g.kind == "fuse" and not custom_group(p, g)
-            and all(u == rs.name or u in g.members for u in p.users[s.name]))
-
-
 _CUT = re.compile(r"_c\.(?:local|cut)\((\w+), [^()]*\)")
-
-
-def chunk_compiles(p: Program, g: Group, compute: Sequence[str]) -> bool:
-    """Whether a fused collective's chunk computes in one compiled kernel: pointwise statements, partial sums
-    (the kernel returns the chunk's), slices of replicated values (the chunk's rows of them), and dropout on
-    values sliced as the chunks are (its mask's counters are global element indices, which the kernel gets
-    from the chunk's first row)."""
-    rs = p[g.members[0]]
-    d = rs.type.layout.dim
-    n = rs.type.shape[d]
-
-    def ok(s: Stmt) -> bool:
-        if s.op == "dropout":
-            t = s.type
-            return isinstance(t.layout, Sliced) and t.layout.dim == d and t.shape[d] == n
-        return s.op in ELEMENTWISE or s.op in ("partial_sum", "slice")  # the chunk's share of the sum; its rows
-
-    return bool(compute) and all(ok(p[m]) for m in compute)
 
 
 def _chunk_kernel(e: _Emitter, g: Group, compute: list[str], inplace: dict[str, str], needed: set,
@@ -1370,7 +977,7 @@ def _lower_bucket(e: _Emitter, g: Group, cap: int) -> list[str]:
     srcs = "[" + ", ".join(e.operand(p[m], p[m].args[0]) for m in g.members) + "]"
     lines = [f"# bucket({', '.join(g.members)}): at most {cap} bytes per launch"]
     if first.op == "allreduce":
-        keep = [needs_copy(p, m) for m in g.members]
+        keep = [m in e.plan.copies for m in g.members]
         return lines + [f"[{names}] = _bucket_allreduce(_c, {srcs}, {first.attr('op')!r}, {cap}, {keep})"]
     if first.op == "reduce_scatter":
         dims = [p[m].type.layout.dim for m in g.members]
@@ -1478,7 +1085,7 @@ def _module(schedule: Schedule, backend: str, e: _Emitter, body, updates: list[s
         "    _custom = custom_ops or {}",
         "    _outputs, _sent = {}, {}",
     ]]
-    rest = [("    " + x, None) for x in _shm_segments(p, e.slotless, e.packed)] if backend == "shm" else []
+    rest = [("    " + x, None) for x in _shm_segments(p, e.plan.slotless, e.packed)] if backend == "shm" else []
     rest += [("    " + x, m) for k in e.kernels for x, m in [("", None)] + k + [("", None)]]
     rest += [("    " + x, m) for x, m in body]
     used = _names(textwrap.dedent("\n".join(x for x, _ in rest)).split("\n"))

@@ -39,35 +39,15 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
-from coconet.codegen.analysis import (
-    absorbed_by_collective,
-    computed_on_rows,
-    custom_group,
-    group_io,
-    in_place_outputs,
-    needs_copy,
-    row_dim,
-    step_positions,
-    step_units,
-)
-from coconet.codegen.lower import (
-    fuse_absorbed,
-    fuse_gathers_into,
-    fuse_reduced,
-    fused_collective_plan,
-    gathers_into_state,
-    held_sources,
-    kernel_reduced,
-    updated_in_place,
-)
+from coconet.codegen.analysis import row_dim
+from coconet.codegen.plan import BACKENDS, LoweringPlan
 from coconet.errors import CoconetError, SizeError
 from coconet.schedules.dims import Dim
-from coconet.schedules.ir import Group, Program, Stmt
+from coconet.schedules.ir import Group, Stmt
 from coconet.schedules.schedule import Schedule
 from coconet.schedules.types import ITEMSIZE, Replicated, Sliced, TensorType
 from coconet.tuner.topology import Topology
 
-BACKENDS = ("gloo", "nccl", "shm")
 DEFAULT_STAGES = 2  # as `coconet run` runs a pipeline program
 
 
@@ -169,15 +149,14 @@ class Prediction:
 
 
 class _Builder:
-    def __init__(self, p: Program, backend: str, knobs: Mapping[str, int]):
-        self.p, self.backend, self.knobs = p, backend, knobs
-        self.into_state: dict[str, str] = {}  # shm all_gathers written straight into state (set by plan)
-        self.fuse_into: dict[Group, dict[str, str]] = {}  # and those a fuse kernel writes (set by plan)
-        self.fused_gathers: set[str] = set()
-        self.rows: dict[str, int] = {}  # statements computed on this rank's rows, each with its dim (set by plan)
-        self.reduced: dict[Group, tuple[str, ...]] = {}  # sums and norms a fuse kernel computes (set by plan)
-        self.at: dict[str, int] = {}  # each statement's place in the step (set by plan)
-        self.held: set[str] = set()  # computed into a buffer kept from step to step (held_sources, set by plan)
+    """Prices a lowering plan (``coconet.codegen.plan``): every decision is the plan's, read through its
+    attributes; the builder only counts what each unit moves and computes."""
+
+    def __init__(self, plan: LoweringPlan):
+        self.lowering = plan
+        self.p, self.backend, self.knobs = plan.program, plan.backend, plan.knobs
+        self.rows = plan.rows  # statements computed on rows of their value, each with its dim
+        self.held = plan.held  # computed into a buffer kept from step to step (held_source)
         self.dims: dict[Dim, int] = {}
         self.extents: dict[tuple[tuple[int, ...], int], int] = {}
 
@@ -237,57 +216,28 @@ class _Builder:
     # units
 
     def plan(self) -> Plan:
-        p = self.p
-        absorbed = absorbed_by_collective(p)  # the lowering compiles kernels (coconet run's default)
-        skip = {m for ms in absorbed.values() for m in ms}
-        skip.update(m for ms in kernel_reduced(p, self.backend, absorbed).values() for m in ms)
-        rows = fuse_absorbed(p, skip)
-        self.rows = {m: d for ms in rows.values() for m, d in ms.items()}
-        skip |= set(self.rows)
-        self.reduced = fuse_reduced(p)
-        self.held = held_sources(p, self.backend, absorbed)
-        skip.update(m for ms in self.reduced.values() for m in ms)
-        for g, ms in absorbed.items():  # a chunk computes its own rows of them (the lowering's rowwise)
-            d = p[g.members[0]].type.layout.dim
-            self.rows.update((m, d) for m in ms if isinstance(p[m].type.layout, Replicated))
-        rows_only = computed_on_rows(p, skip)  # computed on the rows their readers cut, as the lowering does
-        at_end = updated_in_place(p, skip | set(rows_only))
-        self.rows.update(rows_only)
-        skip |= set(at_end.values())
-        order = step_units(p)
-        self.at = step_positions(order, absorbed, rows, self.reduced, kernel_reduced(p, self.backend, absorbed))
-        self.into_state = gathers_into_state(p, order, absorbed) if self.backend == "shm" else {}
-        # a fuse kernel's rows into every copy of the state: the gather moves no bytes of its own
-        self.fuse_into = fuse_gathers_into(p, order, self.into_state, absorbed, rows) if self.backend == "shm" else {}
-        self.fused_gathers = {ag for into in self.fuse_into.values() for ag in into}
+        p, lp = self.p, self.lowering
         units: list[Unit] = []
-        written: set[str] = set(self.into_state.values())
-        for u in order:
-            if u in skip:
-                continue
+        for u in lp.units:
             if isinstance(u, Group):
-                unit, wrote = self.group(u, absorbed.get(u, ()), rows.get(u, {}))
-                written |= wrote
-                units.append(unit)
+                units.append(self.group(u))
             else:
                 units.extend(self.stmt(p[u]))
         tail: list[Kernel] = []
-        for v in p.updates.values():
-            if p[v].op in ("input", "scalar"):  # state aliased by another update: copied first
-                t = p[v].type
-                b = self.nbytes(t, self.local(t))
-                tail.append(Kernel(f"clone {v}", 1, b, b, b, cold=b))
-        for target, v in p.updates.items():
-            if target in written:
-                continue
-            if target in at_end:  # computed into the state: no new tensor, no copy
+        for v in lp.aliased:  # state another is updated to: copied as the step begins
+            t = p[v].type
+            b = self.nbytes(t, self.local(t))
+            tail.append(Kernel(f"clone {v}", 1, b, b, b, cold=b))
+        copied = dict(lp.copied_at_end)
+        for target, v in p.updates.items():  # in the program's order: each copied, computed into, or written
+            t = p[target].type
+            if target in lp.at_end:  # computed into the state: no new tensor, no copy
                 k = self.eager(p[v])
                 tail.append(dataclasses.replace(k, what=f"{v} into {target}", fresh=(),
-                                                cold=k.cold + self.nbytes(p[target].type, self.local(p[target].type))))
-                continue
-            t = p[target].type
-            tail.append(Kernel(f"{target}.copy_", 1, self.nbytes(p[v].type, self.local(p[v].type)),
-                               self.nbytes(t, self.local(t)), cold=self.nbytes(t, self.local(t))))
+                                                cold=k.cold + self.nbytes(t, self.local(t))))
+            elif target in copied:
+                tail.append(Kernel(f"{target}.copy_", 1, self.nbytes(p[v].type, self.local(p[v].type)),
+                                   self.nbytes(t, self.local(t)), cold=self.nbytes(t, self.local(t))))
         if tail:
             units.append(Unit("updates", tuple(tail)))
         dims = tuple(sorted(self.dims, key=self.dims.__getitem__))
@@ -350,15 +300,15 @@ class _Builder:
             return [Unit(s.name, (self.matmul(s),))]
         if op in ("allreduce", "broadcast"):
             t = p[s.args[0]].type
-            clone = op == "broadcast" or needs_copy(p, s.name)
+            clone = op == "broadcast" or s.name in self.lowering.copies
             b = self.nbytes(t, self.local(t))
             ks = (Kernel(f"clone {s.args[0]}", 1, b, b, b, cold=b if self.is_cold(s.args[0]) else ()),) if clone else ()
             return [Unit(s.name, ks, (self.collective(s),))]
         if op == "reduce_scatter":
             return [Unit(s.name, self.scatter_copies(s), (self.collective(s),))]
-        if op == "all_gather" and s.name in self.fused_gathers:
+        if op == "all_gather" and s.name in self.lowering.fused_gathers:
             return []  # in the fuse kernel that computes its rows
-        if op == "all_gather" and s.name in self.into_state:
+        if op == "all_gather" and s.name in self.lowering.into_state:
             # two barriers; this rank's rows into its own copy of the state and every peer's
             part = p[s.args[0]].type
             mine = self.nbytes(part, self.local(part))
@@ -393,25 +343,23 @@ class _Builder:
             ks.append(Kernel(f"{s.name} contiguous", 1, mine, mine, mine))
         return tuple(ks)
 
-    def group(self, g: Group, absorbed: tuple[str, ...], rows: Mapping[str, int]) -> tuple[Unit, set[str]]:
+    def group(self, g: Group) -> Unit:
         if g.kind == "fuse":
-            return self.fuse(g, rows)
+            return self.fuse(g)
         if g.kind == "overlap":
-            return self.overlap(g), set()
+            return self.overlap(g)
         if g.kind == "bucket":
-            return self.bucket(g), set()
-        return self.fused_collective(g, absorbed)
+            return self.bucket(g)
+        return self.fused_collective(g)
 
-    def fuse(self, g: Group, rows: Mapping[str, int]) -> tuple[Unit, set[str]]:
-        """``rows``: statements the kernel computes on this rank's rows (``fuse_absorbed``), each with its dim."""
+    def fuse(self, g: Group) -> Unit:
         p = self.p
-        reduced = self.reduced.get(g, ())  # sums and norms of members the kernel computes (fuse_reduced)
-        ins, outs = group_io(p, g, (*rows, *reduced))
-        inplace = in_place_outputs(p, g, outs, self.at)
-        outs = [*outs, *reduced]
-        members = (*rows, *g.members)
-        if custom_group(p, g):  # a custom op's code runs as written: statement by statement
-            return Unit(str(g), tuple(self.eager(p[m]) for m in members)), set(inplace.values())
+        fk = self.lowering.fuse_kernels[g]
+        ins, inplace = fk.ins, fk.inplace
+        outs = [*fk.outs, *fk.sums]
+        members = (*fk.rows, *g.members)
+        if not fk.compiled:  # a custom op's code runs as written: statement by statement
+            return Unit(str(g), tuple(self.eager(p[m]) for m in members))
         reads: list[Term] = []
         cold: list[Term] = []
         for a in ins:
@@ -426,7 +374,7 @@ class _Builder:
                 cold += self.nbytes(p[a].type, best)
         writes: list[Term] = []
         fresh: list[Term] = []
-        into = set(self.fuse_into.get(g, {}).values())
+        into = set(fk.into.values())
         for o in outs:
             b = self.nbytes(p[o].type, self.written(o))
             if o in into:  # this rank's rows into its own copy of the state and every peer's: to memory
@@ -444,7 +392,7 @@ class _Builder:
                    cold=tuple(cold))
         # its gathers into state: one barrier before the kernel writes the peers' copies, one after
         comms = (Comm("barrier", (), launches=2, shm=True),) if into else ()
-        return Unit(str(g), (k,), comms), set(inplace.values())
+        return Unit(str(g), (k,), comms)
 
     def dropout_cost(self) -> DropoutCost:
         return DROPOUT_PER_ELEMENT if self.backend == "nccl" else DROPOUT_PER_BLOCK
@@ -465,10 +413,10 @@ class _Builder:
         idx, sliced = next(k for k, v in self.extents.items() if v == e)
         return (sliced < 0, len(idx))
 
-    def fused_collective(self, g: Group, absorbed: tuple[str, ...]) -> tuple[Unit, set[str]]:
+    def fused_collective(self, g: Group) -> Unit:
         p = self.p
-        chunks = self.knobs.get("fc_chunks", 1)
-        fc = fused_collective_plan(p, self.backend, g, absorbed)
+        chunks = self.knobs["fc_chunks"]
+        fc = self.lowering.fused_collectives[g]
         rs, ins, inplace, into, direct = fc.rs, fc.ins, fc.inplace, fc.into, fc.direct
         gathers, sliced_outs, compute = fc.gathers, fc.sliced_outs, fc.compute
         x = p[rs.args[0]].type
@@ -564,11 +512,11 @@ class _Builder:
             b = self.nbytes(p[o].type, self.local(p[o].type))
             kernels.append(Kernel(f"cat {o}", 1, b, b, b))
         overlapped = 1 if shm else chunks
-        return Unit(str(g), tuple(kernels), tuple(comms), overlapped), set(inplace.values()) | set(into.values())
+        return Unit(str(g), tuple(kernels), tuple(comms), overlapped)
 
     def overlap(self, g: Group) -> Unit:
         p = self.p
-        chunks = self.knobs.get("chunks", 4)
+        chunks = self.knobs["chunks"]
         mm, coll = p[g.members[0]], p[g.members[1]]
         # chunks of a's rows times all of b (allreduce), or all of a times chunks of b's columns
         k = self.matmul(mm, chunks, whole_each_chunk=1 if coll.op == "allreduce" else 0)
@@ -583,7 +531,7 @@ class _Builder:
 
     def bucket(self, g: Group) -> Unit:
         p = self.p
-        cap = self.knobs.get("bucket_bytes", 2**22)
+        cap = self.knobs["bucket_bytes"]
         first = p[g.members[0]]
         shm = self.backend == "shm"
         kernels: list[Kernel] = []
@@ -591,7 +539,7 @@ class _Builder:
         parts = False
         for m in g.members:
             s = p[m]
-            if s.op == "allreduce" and needs_copy(p, m):
+            if s.op == "allreduce" and m in self.lowering.copies:
                 t = p[s.args[0]].type
                 b = self.nbytes(t, self.local(t))
                 kernels.append(Kernel(f"clone {s.args[0]}", 1, b, b, b, cold=b if self.is_cold(s.args[0]) else ()))
@@ -628,8 +576,8 @@ def _scaled(terms: Iterable[Term], marker: float) -> tuple[Term, ...]:
 
 @functools.lru_cache(maxsize=16384)
 def _plan(key: "_Key") -> Plan:
-    s = key.schedule
-    return _Builder(s.scheduled, key.backend, s.knob_values).plan()
+    # the kernels compiled: coconet run's default, and what the tuner times
+    return _Builder(LoweringPlan.of(key.schedule, key.backend, compiled=True)).plan()
 
 
 class _Key:
