@@ -36,6 +36,9 @@ class FusedCollective:
     sources: tuple[str, ...] = ()
     ranked: tuple[str, ...] = ()  # the numbers of every rank's own that pre reads (rank_numbers)
     held: bool = False  # source computed into a buffer the peers read where it lies (held_source)
+    # gathers (shm) whose value a compiled chunk kernel writes into this rank's slot, which the peers copy it out
+    # of: never returned and copied in
+    slotted: tuple[str, ...] = ()
 
 
 def fused_collective_plan(p: Program, backend: str, g: Group, absorbed: tuple[str, ...],
@@ -63,7 +66,9 @@ def fused_collective_plan(p: Program, backend: str, g: Group, absorbed: tuple[st
         rs=rs, ins=tuple(ins), outs=tuple(outs), inplace=inplace, into=into, gathers=gathers,
         partials=partials, sliced_outs=sliced_outs, compute=compute, needed=frozenset(needed),
         direct=direct, compiles=compiles, sums_parts=sums, pre=pre, sources=sources,
-        ranked=rank_numbers(p, pre), held=held)
+        ranked=rank_numbers(p, pre), held=held,
+        slotted=tuple(m for m in gathers if backend == "shm" and m not in into and p[m].args[0] in compute
+                      and p[m].args[0] not in sliced_outs))
 
 
 def rank_numbers(p: Program, pre: Sequence[str]) -> tuple[str, ...]:

@@ -69,7 +69,7 @@ def _module_names() -> frozenset[str]:
     return frozenset({"torch", "dist", "_t", "step"}) | runtime.names()
 
 
-class _Names:
+class Names:
     """The Python identifiers of a program's statements, one to one: a statement's own name where it can
     mean nothing else in the module, else ``v_<name>`` (``v_<name>_1``, … where the program has that name
     too). A dim is ``d_<dim>``, which no statement's identifier starts with, nor anything coconet names."""
@@ -154,7 +154,7 @@ class _Emitter:
         self.p: Program = plan.program
         self.backend = plan.backend
         self.compile = plan.compiled
-        self.ident = _Names(self.p)
+        self.ident = Names(self.p)
         # coconet's GEMM with its compiled kernels; the eager form (the eager baseline too) is plain torch
         self.matmul = "_matmul" if self.compile else "torch.matmul"
         self.kernels: list[str] = []  # nested in step: they read its dims
@@ -597,12 +597,9 @@ def _chunked_body(e: _Emitter, g: Group, fc: FusedCollective, chunks: int) -> li
         # compiled, the kernel writes each chunk's rows of a sliced output into the whole output, made before
         # the first chunk: no list of chunks to concatenate after the last
         buffers = {o: tmp[o] for o in sliced_outs}
-        # shm, compiled: a value gathered and not handed on is written by the kernel into this rank's slot,
-        # which the peers copy it out of: it is never returned and copied in
+        # the rows of this rank's slot the kernel writes a gathered value into (FusedCollective.slotted)
         slots = {p[m].args[0]: (f"{tmp[m]}.own(_c, {TORCH_DTYPE[p[m].type.dtype or 'float32']}, "
-                                f"{e.shape_expr(p[m].type)})")
-                 for m in gathers if e.backend == "shm" and m not in into and p[m].args[0] in compute
-                 and p[m].args[0] not in buffers}
+                                f"{e.shape_expr(p[m].type)})") for m in fc.slotted}
         # every rank's of each of the numbers that pre reads, one tensor per number, in the order of the parts
         ranked = {x: e.ident.fresh(f"{e.ident(x)}_ranks", scope) for x in fc.ranked} if parts else {}
         kernel = (_chunk_kernel(e, g, compute, inplace, fc.needed, rs if parts else None, into, parts, peers, buffers,
