@@ -13,6 +13,9 @@ from coconet.errors import BackendError
 from coconet.schedules.ir import Program, Stmt
 from coconet.schedules.types import Replicated, Sliced
 
+# what ``Emitter.collective`` renders: the runtime's collectives and the pipeline's transfers
+COLLECTIVES = frozenset({"allreduce", "reduce_scatter", "all_gather", "broadcast", "send", "recv"})
+
 
 class Emitter:
     """Renders a lowering plan: the code of its statements and units. The plan decides; the emitter keeps only
@@ -122,6 +125,8 @@ class Emitter:
         if s.name in self.plan.held and s.name not in self.p.group_of:
             dtype = TORCH_DTYPE[s.type.dtype or "float32"]
             return [f"{n} = {self.into(s, f'_c.shm.held({s.name!r}, {self.local_shape_expr(s.type)}, {dtype})')}"]
+        if op in COLLECTIVES:
+            return self.collective(s, n, args)
         if op == "input":
             return [f"{n} = tensors[{s.name!r}]"] + ([f"{self.aliased[s.name]} = {n}.clone()"]
                                                      if s.name in self.aliased else [])
@@ -132,16 +137,6 @@ class Emitter:
             # argument, where a 0-d CUDA tensor costs a host-to-device copy per step and every statement of
             # scalars alone a kernel launch (an H100's Adam step at N=2^24 spent 230 us of 840 on both)
             return [f"{n} = torch.tensor(float(scalars[{s.name!r}]), dtype={TORCH_DTYPE[s.type.dtype]})"]
-        if op == "recv":
-            peer = "_c.global_rank - _c.world"
-            return [
-                "if stage == 0:",
-                f"    {n} = tensors[{s.name!r}]",
-                "else:",
-                f"    {n} = torch.empty({self.local_shape_expr(s.type)}, dtype={TORCH_DTYPE[s.type.dtype]}, "
-                "device=_c.device)",
-                f"    dist.recv({n}, src={peer})",
-            ]
         if op == "const":
             return [f"{n} = {s.attr('value')!r}"]
         if op in BINARY:
@@ -171,6 +166,34 @@ class Emitter:
             return [f"{n} = {normalize_text(s, self.tensor(s.args[0], args[0]))}"]
         if op == "matmul":
             return [f"{n} = {self.matmul}({args[0]}, {args[1]})"]
+        if op == "slice":
+            return [f"{n} = {args[0]}"]  # the operand, cut to this rank's rows (or the chunk's)
+        if op == "output":
+            return [f"_outputs[{s.attr('name')!r}] = {self.kept(s.args[0], self.tensor(s.args[0], args[0]))}"]
+        if op == "update":
+            return []  # written at the end: every statement reads the state from before the step
+        custom = self.p.custom_ops.get(op)
+        if custom is not None:
+            if custom.torch is None:
+                raise BackendError(f"custom op {op} has no torch implementation (custom_op(..., torch=fn))",
+                                   kind="compile_error")
+            attrs = "".join(f", {k}={v!r}" for k, v in s.attrs)
+            return [f"{n} = _custom[{op!r}]({', '.join(args)}{attrs})"]
+        raise BackendError(f"the torch backend cannot lower {op} ({s.name})", kind="compile_error")
+
+    def collective(self, s: Stmt, n: str, args: list[str]) -> list[str]:
+        """A collective or a point-to-point transfer of ``s``, bound to ``n``, its operands ``args``."""
+        op = s.op
+        if op == "recv":
+            peer = "_c.global_rank - _c.world"
+            return [
+                "if stage == 0:",
+                f"    {n} = tensors[{s.name!r}]",
+                "else:",
+                f"    {n} = torch.empty({self.local_shape_expr(s.type)}, dtype={TORCH_DTYPE[s.type.dtype]}, "
+                "device=_c.device)",
+                f"    dist.recv({n}, src={peer})",
+            ]
         if op == "allreduce":
             if s.name in self.plan.copies:
                 return [f"{n} = _allreduced(_c, {args[0]}, {s.attr('op')!r})"]
@@ -189,21 +212,8 @@ class Emitter:
             return [f"{n} = _all_gather(_c, {args[0]}, {d}, {dim_expr(t.shape[d])})"]
         if op == "broadcast":
             return [f"{n} = _broadcast(_c, {args[0]}.clone(), {s.attr('root')})"]
-        if op == "slice":
-            return [f"{n} = {args[0]}"]  # the operand, cut to this rank's rows (or the chunk's)
         if op == "send":
             return [f"_sent[{s.attr('tag')!r}] = {self.kept(s.args[0], args[0])}",
                     "if stage + 1 < stages:",
                     f"    dist.send({args[0]}.contiguous(), dst=_c.global_rank + _c.world)"]
-        if op == "output":
-            return [f"_outputs[{s.attr('name')!r}] = {self.kept(s.args[0], self.tensor(s.args[0], args[0]))}"]
-        if op == "update":
-            return []  # written at the end: every statement reads the state from before the step
-        custom = self.p.custom_ops.get(op)
-        if custom is not None:
-            if custom.torch is None:
-                raise BackendError(f"custom op {op} has no torch implementation (custom_op(..., torch=fn))",
-                                   kind="compile_error")
-            attrs = "".join(f", {k}={v!r}" for k, v in s.attrs)
-            return [f"{n} = _custom[{op!r}]({', '.join(args)}{attrs})"]
         raise BackendError(f"the torch backend cannot lower {op} ({s.name})", kind="compile_error")

@@ -35,18 +35,15 @@ def chunked_body(e: Emitter, g: Group, fc: FusedCollective, chunks: int) -> list
     rows are reduced, its all_gathers start while chunk k+1 computes. The statements of a chunk see a
     _Chunk as their context ``_c``; compiled, its pointwise statements are one kernel."""
     p = e.p
-    rs, inplace, into = fc.rs, fc.inplace, fc.into
-    gathers, partials, sliced_outs = fc.gathers, fc.partials, fc.sliced_outs
+    rs, into = fc.rs, fc.into
     d = rs.type.layout.dim
     n = dim_expr(rs.type.shape[d])
-    lines: list[tuple[str, str]] = []
     words = {m: i for i, m in enumerate(into)}
     scope: set[str] = set()  # what the function binds besides the program's values
-    tmp = {m: e.ident.fresh(f"_{e.ident(m)}", scope) for m in (*gathers, *sliced_outs, *partials)}
-    lines += [(f"    {tmp[m]} = _Gather(_rank, {d}, {n}"
-               + (f", {e.ident(into[m])}, {into[m]!r}, {words[m]})" if m in into else ")"), m) for m in gathers]
-    at = len(lines)  # where the sliced outputs' holders are made, once it is known whether a kernel fills them
-    compute = list(fc.compute)
+    tmp = {m: e.ident.fresh(f"_{e.ident(m)}", scope) for m in (*fc.gathers, *fc.sliced_outs, *fc.partials)}
+    lines: list[tuple[str, str]] = [
+        (f"    {tmp[m]} = _Gather(_rank, {d}, {n}"
+         + (f", {e.ident(into[m])}, {into[m]!r}, {words[m]})" if m in into else ")"), m) for m in fc.gathers]
     e.chunked = set(g.members) | set(fc.compute)
     try:
         # shm: the kernel reduces the chunk's rows on every rank as it reads them (sums_parts)
@@ -58,79 +55,114 @@ def chunked_body(e: Emitter, g: Group, fc: FusedCollective, chunks: int) -> list
         peers = {m: f"{tmp[m]}.peer_rows(_c)" for m in into}
         # compiled, the kernel writes each chunk's rows of a sliced output into the whole output, made before
         # the first chunk: no list of chunks to concatenate after the last
-        buffers = {o: tmp[o] for o in sliced_outs}
+        buffers = {o: tmp[o] for o in fc.sliced_outs}
         # the rows of this rank's slot the kernel writes a gathered value into (FusedCollective.slotted)
         slots = {p[m].args[0]: (f"{tmp[m]}.own(_c, {TORCH_DTYPE[p[m].type.dtype or 'float32']}, "
                                 f"{e.shape_expr(p[m].type)})") for m in fc.slotted}
         # every rank's of each of the numbers that pre reads, one tensor per number, in the order of the parts
         ranked = {x: e.ident.fresh(f"{e.ident(x)}_ranks", scope) for x in fc.ranked} if parts else {}
-        kernel = (chunk_kernel(e, g, compute, inplace, fc.needed, rs if parts else None, into, parts, peers, buffers,
-                                fc.pre, fc.sources, ranked, slots) if e.compile else None)
+        kernel = (chunk_kernel(e, g, list(fc.compute), fc.inplace, fc.needed, rs if parts else None, into, parts,
+                               peers, buffers, fc.pre, fc.sources, ranked, slots) if e.compile else None)
         sources, direct = fc.sources, fc.direct
         if kernel is None and fc.pre:  # no kernel to compute them on every rank's rows: computed here, published
-            computed = [("    " + x, m) for m in fc.pre for x in e.stmt(p[m])]
-            lines[:0], at = computed, at + len(computed)
+            lines[:0] = [("    " + x, m) for m in fc.pre for x in e.stmt(p[m])]
             sources, direct = (rs.args[0],), False
-        if kernel is not None:
-            lines[at:at] = [(f"    {tmp[o]} = torch.empty({e.local_shape_expr(p[o].type).replace('_c.', '_rank.')}, "
-                             f"dtype={TORCH_DTYPE[p[o].type.dtype or 'float32']}, device=_rank.device)", o)
-                            for o in sliced_outs]
-        else:
-            lines[at:at] = [(f"    {tmp[o]} = []", o) for o in sliced_outs]
-        lines[at:at] = [(f"    {tmp[o]} = []", o) for o in partials]  # each chunk's, added up after the last
-        source = e.ident(sources[0]) if len(sources) == 1 else f"({', '.join(map(e.ident, sources))})"
-        names = repr(sources[0]) if len(sources) == 1 else repr(sources)
-        where = f", {names}, {len(into)}" if direct else ""
-        if kernel is not None and parts:
-            if ranked:  # posted after the words of the gathers' states and of the inputs (_scatter_parts)
-                words = where or f", None, {len(into)}"
-                where = f"{words}, numbers=({''.join(f'{e.ident(x)}, ' for x in ranked)})"
-            targets = "".join(f", {v}" for v in ranked.values())
-            if len(sources) > 1:
-                e.packed.append(sources)
-            lines.append((f"    for _c, {', '.join(parts)}{targets} in _reduce_scatter_parts(_rank, {source}, "
-                          f"{d}, {n}, {chunks}{where}):", rs.name))
-        else:
-            lines.append((f"    for _c, {e.ident(rs.name)} in _reduce_scatter_chunks(_rank, {source}, "
-                          f"{d}, {n}, {chunks}, {rs.attr('op')!r}{where}):", rs.name))
-        if kernel is not None:
-            lines += kernel
-        else:
-            for m in compute:
-                lines.extend(("        " + x, m) for x in e.stmt(p[m]))
-            for o, t in inplace.items():
-                lines.append((f"        {e.operand(p[o], t)}.copy_({e.ident(o)})", o))
-            for m, t in into.items():
-                src = p[m].args[0]
-                lines.append((f"        {e.operand(p[src], t)}.copy_({e.ident(src)})", m))
-        for m in gathers:
-            if m not in into and not (kernel is not None and p[m].args[0] in slots):
-                src = p[m].args[0]
-                # a value the kernel wrote into its holder (used again after the collective) is not bound
-                # in the loop: the chunk's rows of the holder are what it gathers
-                rows = (holder_rows(p, src, tmp[src]) if kernel is not None and src in buffers
-                        else e.ident(src))
-                lines.append((f"        {tmp[m]}.add(_c, {rows})", m))
-            elif kernel is None:
-                lines.append((f"        {tmp[m]}.push(_c)", m))
+        lines += _holders(e, fc, tmp, kernel is not None)
+        lines.append(_loop_head(e, fc, chunks, sources, direct, parts if kernel is not None else (), ranked))
+        lines += kernel if kernel is not None else _eager_chunk(e, fc)
+        lines += _chunk_gathers(e, fc, tmp, kernel is not None, slots)
     finally:
         e.chunked = None
-    lines += [(f"        {tmp[o]}.append({e.ident(o)})", o) for o in partials]
-    if kernel is None:
-        lines += [(f"        {tmp[o]}.append({e.ident(o)})", o) for o in sliced_outs]
-    for i, m in enumerate(gathers):  # on shm the first ends the collective, at one barrier for all
-        later = i and e.backend == "shm"
-        lines.append((f"    {tmp[m]}.into({e.ident(into[m])}{', end=False' if later else ''})" if m in into else
-                      f"    {e.ident(m)} = {tmp[m]}.result({'end=False' if later else ''})", m))
-    if direct and not gathers:  # nothing gathered: the peers' reads of the input end at a barrier of its own
-        lines.append(("    _end_collective(_rank)", rs.name))
-    lines += [(f"    {e.ident(o)} = {tmp[o]}" if kernel is not None else
-               f"    {e.ident(o)} = torch.cat({tmp[o]}, dim={p[o].type.layout.dim})", o) for o in sliced_outs]
-    lines += [(f"    {e.ident(o)} = torch.stack({tmp[o]}).sum()", o) for o in partials]
+    lines += _after_chunks(e, fc, tmp, kernel is not None, direct)
     how = ("chunk k+1 is reduced while chunk k computes and chunk k-1 is gathered" if e.backend != "shm" else
            f"{'read where it lies once moved into a segment' if direct else 'published once'}, each chunk "
            "reduced out of the peers' segments just before it computes")
     return [(f"    # {chunks} chunk{'s' if chunks > 1 else ''}: {how}", rs.name)] + lines
+
+
+def _holders(e: Emitter, fc: FusedCollective, tmp: dict[str, str], kernel: bool) -> list:
+    """What holds the chunks' results handed on: the whole sliced output a kernel writes each chunk's rows into
+    (else a list of the chunks, concatenated after the last), and each chunk's partial sums, added up then."""
+    p = e.p
+    if kernel:
+        lines = [(f"    {tmp[o]} = torch.empty({e.local_shape_expr(p[o].type).replace('_c.', '_rank.')}, "
+                  f"dtype={TORCH_DTYPE[p[o].type.dtype or 'float32']}, device=_rank.device)", o)
+                 for o in fc.sliced_outs]
+    else:
+        lines = [(f"    {tmp[o]} = []", o) for o in fc.sliced_outs]
+    return [(f"    {tmp[o]} = []", o) for o in fc.partials] + lines
+
+
+def _loop_head(e: Emitter, fc: FusedCollective, chunks: int, sources: tuple[str, ...], direct: bool,
+               parts: tuple[str, ...], ranked: dict[str, str]) -> tuple[str, str]:
+    """The loop over the chunks: each chunk's rows reduced (or, for a kernel that sums them, every rank's)."""
+    rs = fc.rs
+    d = rs.type.layout.dim
+    n = dim_expr(rs.type.shape[d])
+    source = e.ident(sources[0]) if len(sources) == 1 else f"({', '.join(map(e.ident, sources))})"
+    names = repr(sources[0]) if len(sources) == 1 else repr(sources)
+    where = f", {names}, {len(fc.into)}" if direct else ""
+    if not parts:
+        return (f"    for _c, {e.ident(rs.name)} in _reduce_scatter_chunks(_rank, {source}, "
+                f"{d}, {n}, {chunks}, {rs.attr('op')!r}{where}):", rs.name)
+    if ranked:  # posted after the words of the gathers' states and of the inputs (_scatter_parts)
+        words = where or f", None, {len(fc.into)}"
+        where = f"{words}, numbers=({''.join(f'{e.ident(x)}, ' for x in ranked)})"
+    targets = "".join(f", {v}" for v in ranked.values())
+    if len(sources) > 1:
+        e.packed.append(sources)
+    return (f"    for _c, {', '.join(parts)}{targets} in _reduce_scatter_parts(_rank, {source}, "
+            f"{d}, {n}, {chunks}{where}):", rs.name)
+
+
+def _eager_chunk(e: Emitter, fc: FusedCollective) -> list:
+    """A chunk's computation statement by statement, its results written into the state they update."""
+    p = e.p
+    lines = []
+    for m in fc.compute:
+        lines.extend(("        " + x, m) for x in e.stmt(p[m]))
+    for o, t in fc.inplace.items():
+        lines.append((f"        {e.operand(p[o], t)}.copy_({e.ident(o)})", o))
+    for m, t in fc.into.items():
+        src = p[m].args[0]
+        lines.append((f"        {e.operand(p[src], t)}.copy_({e.ident(src)})", m))
+    return lines
+
+
+def _chunk_gathers(e: Emitter, fc: FusedCollective, tmp: dict[str, str], kernel: bool, slots: dict) -> list:
+    """Each chunk's rows handed to its gathers: added, or pushed where they are in place already."""
+    p = e.p
+    lines = []
+    for m in fc.gathers:
+        if m not in fc.into and not (kernel and p[m].args[0] in slots):
+            src = p[m].args[0]
+            # a value the kernel wrote into its holder (used again after the collective) is not bound
+            # in the loop: the chunk's rows of the holder are what it gathers
+            rows = holder_rows(p, src, tmp[src]) if kernel and src in fc.sliced_outs else e.ident(src)
+            lines.append((f"        {tmp[m]}.add(_c, {rows})", m))
+        elif not kernel:
+            lines.append((f"        {tmp[m]}.push(_c)", m))
+    return lines
+
+
+def _after_chunks(e: Emitter, fc: FusedCollective, tmp: dict[str, str], kernel: bool, direct: bool) -> list:
+    """After the last chunk: its results kept, the gathers ended (on shm at one barrier for all), and what the
+    group hands on bound."""
+    p = e.p
+    lines = [(f"        {tmp[o]}.append({e.ident(o)})", o) for o in fc.partials]
+    if not kernel:
+        lines += [(f"        {tmp[o]}.append({e.ident(o)})", o) for o in fc.sliced_outs]
+    for i, m in enumerate(fc.gathers):  # on shm the first ends the collective, at one barrier for all
+        later = i and e.backend == "shm"
+        lines.append((f"    {tmp[m]}.into({e.ident(fc.into[m])}{', end=False' if later else ''})" if m in fc.into
+                      else f"    {e.ident(m)} = {tmp[m]}.result({'end=False' if later else ''})", m))
+    if direct and not fc.gathers:  # nothing gathered: the peers' reads of the input end at a barrier of its own
+        lines.append(("    _end_collective(_rank)", fc.rs.name))
+    lines += [(f"    {e.ident(o)} = {tmp[o]}" if kernel else
+               f"    {e.ident(o)} = torch.cat({tmp[o]}, dim={p[o].type.layout.dim})", o) for o in fc.sliced_outs]
+    lines += [(f"    {e.ident(o)} = torch.stack({tmp[o]}).sum()", o) for o in fc.partials]
+    return lines
+
 
 def chunk_kernel(e: Emitter, g: Group, compute: list[str], inplace: dict[str, str], needed: set,
                   parts: Stmt | None = None, into=None, parts_names: tuple[str, ...] = (), peers=None,
