@@ -158,88 +158,113 @@ def _elems(plan: Plan, sizes: Mapping[str, int], world: int) -> list[float]:
     return out
 
 
+@dataclass(frozen=True)
+class _Rates:
+    """What a topology's figures make of a byte, a launch and an operation for one rank of ``world`` × ``stages``."""
+
+    topo: Topology
+    backend: str
+    world: int
+    each: Topology  # the topology's per-rank rates, shared among more ranks than it places
+    mem_beta: float
+    cache_beta: float
+    buffer_limit: float
+    faults: bool
+    overlap_memory: float
+    send_crosses: bool
+
+    @classmethod
+    def of(cls, topo: Topology, backend: str, world: int, stages: int) -> "_Rates":
+        # more ranks than the topology places (one calibrated with R ranks a node, asked about more) share its
+        # nodes' memory and cores
+        each = topo.shared_by(max(1.0, world * stages / topo.world))
+        mem_beta = each.memory_beta
+        # stage s holds ranks [s·world, (s+1)·world); a send goes world ranks on, across nodes for some rank?
+        rpn = topo.ranks_per_node
+        return cls(topo=topo, backend=backend, world=world, each=each, mem_beta=mem_beta,
+                   cache_beta=1.0 / (each.cache_bandwidth_GBps * 1e9) if each.cache_bandwidth_GBps else mem_beta,
+                   buffer_limit=topo.cache_bytes / 3 if topo.cache_bandwidth_GBps else -1.0,
+                   faults=bool(topo.fresh_cost),
+                   overlap_memory=topo.overlap if topo.overlap_memory is None else topo.overlap_memory,
+                   send_crosses=stages > 1 and any(r // rpn != (r + world) // rpn for r in range(min(world, rpn))))
+
+
+def _kernel_time(k: Kernel, elems: list[float], r: _Rates) -> tuple[float, float, float]:
+    """(compute-bound, memory-bound, launch) seconds of one kernel: the larger of its compute and memory time
+    counts."""
+    world, each = r.world, r.each
+    # each buffer streams from cache if one launch's piece of it fits a third of it (the three
+    # streams of an op, as calibrate measures the cache), the program's inputs and state from memory
+    per = max(1, k.launches)
+    mem_t = 0.0
+    for term in k.read + k.write:
+        b = _value((term,), elems, world)
+        mem_t += b * (r.cache_beta if b / per <= r.buffer_limit else r.mem_beta)
+    for term in k.cold:
+        b = _value((term,), elems, world)
+        if b / per <= r.buffer_limit:
+            mem_t += b * (r.mem_beta - r.cache_beta)
+    if r.faults and k.fresh:
+        for b in _each(k.fresh, elems, world):
+            mem_t += b * each.fresh_s_per_byte(b / k.launches if k.launches > 1 else b)
+    c_t = 0.0
+    if k.flops:
+        c_t = _value(k.flops, elems, world) / each.flops(k.dtype)
+    if k.ops:
+        ew_rate = each.elementwise_Gops * 1e9 if each.elementwise_Gops else math.inf
+        eager_rate = each.eager_elementwise_Gops * 1e9 if each.eager_elementwise_Gops else math.inf
+        c_t = max(c_t, _value(k.ops, elems, world) / (ew_rate if k.compiled else eager_rate))
+    launch = k.launches * (each.fused_launch_s if k.compiled else each.launch_s)
+    return (c_t, 0.0, launch) if c_t > mem_t else (0.0, mem_t, launch)
+
+
+def _comm_time(c: Comm, elems: list[float], r: _Rates, comm: float, mem: float) -> tuple[float, float]:
+    """(communication, memory traffic) seconds of a unit's collectives so far (``comm``, ``mem``) and one
+    more collective, bucket of them, or barrier: added launch by launch, as the sums are."""
+    topo, world = r.topo, r.world
+    if c.op == "barrier":
+        return comm + c.launches * topo.shm_barrier_s, mem
+    sizes_b = _each(c.members, elems, world)
+    if c.shm:
+        for total in bucket_launches(sizes_b, c.cap) if c.cap else [sum(sizes_b)]:
+            per = total / c.launches * (world if c.parts else 1)
+            moved, fresh, barriers = shm_collective(c.op, per, world)
+            t = moved * r.mem_beta
+            if r.faults and fresh:
+                t += fresh * r.each.fresh_s_per_byte(fresh)
+            mem += c.launches * t
+            comm += c.launches * (barriers * topo.shm_barrier_s + r.each.launch_s)
+        return comm, mem
+    if c.between_stages:
+        backend = r.backend if r.backend != "shm" else "gloo"
+        return comm + collective_time("send", sum(sizes_b), topo, backend, world, crosses_nodes=r.send_crosses), mem
+    for total in bucket_launches(sizes_b, c.cap) if c.cap else [sum(sizes_b)]:
+        comm += c.launches * collective_time(c.op, total / c.launches, topo, r.backend, world)
+        if c.flatten and len(sizes_b) > 1:
+            mem += 4 * total * r.mem_beta  # into the flat buffer and back, read and written
+    return comm, mem
+
+
 def evaluate(plan: Plan, sizes: Mapping[str, int], topo: Topology, backend: str, world: int,
              stages: int = 1, detail: list | None = None) -> Prediction:
     elems = _elems(plan, sizes, world)
-    # the kernels' rates: more ranks than the topology places (one calibrated with R ranks a node, asked about
-    # more) share its nodes' memory and cores
-    each = topo.shared_by(max(1.0, world * stages / topo.world))
-    mem_beta = each.memory_beta
-    cache_beta = 1.0 / (each.cache_bandwidth_GBps * 1e9) if each.cache_bandwidth_GBps else mem_beta
-    buffer_limit = topo.cache_bytes / 3 if topo.cache_bandwidth_GBps else -1.0
-    faults = bool(topo.fresh_cost)
-    overlap_memory = topo.overlap if topo.overlap_memory is None else topo.overlap_memory
-    fresh_cost = each.fresh_s_per_byte
-    ew_rate = each.elementwise_Gops * 1e9 if each.elementwise_Gops else math.inf
-    eager_rate = each.eager_elementwise_Gops * 1e9 if each.eager_elementwise_Gops else math.inf
-    eager_launch = each.launch_s
-    fused_launch = each.fused_launch_s
-    # stage s holds ranks [s·world, (s+1)·world); a send goes world ranks on, across nodes for some rank?
-    rpn = topo.ranks_per_node
-    send_crosses = stages > 1 and any(r // rpn != (r + world) // rpn for r in range(min(world, rpn)))
+    r = _Rates.of(topo, backend, world, stages)
     compute = memory = comm = overhead = hidden = 0.0
     for unit in plan.units:
         u_compute = u_memory = u_over = 0.0
         for k in unit.kernels:
-            # each buffer streams from cache if one launch's piece of it fits a third of it (the three
-            # streams of an op, as calibrate measures the cache), the program's inputs and state from memory
-            per = max(1, k.launches)
-            mem_t = 0.0
-            for term in k.read + k.write:
-                b = _value((term,), elems, world)
-                mem_t += b * (cache_beta if b / per <= buffer_limit else mem_beta)
-            for term in k.cold:
-                b = _value((term,), elems, world)
-                if b / per <= buffer_limit:
-                    mem_t += b * (mem_beta - cache_beta)
-            if faults and k.fresh:
-                for b in _each(k.fresh, elems, world):
-                    mem_t += b * fresh_cost(b / k.launches if k.launches > 1 else b)
-            c_t = 0.0
-            if k.flops:
-                c_t = _value(k.flops, elems, world) / each.flops(k.dtype)
-            if k.ops:
-                c_t = max(c_t, _value(k.ops, elems, world) / (ew_rate if k.compiled else eager_rate))
-            if c_t > mem_t:
-                u_compute += c_t
-            else:
-                u_memory += mem_t
-            u_over += k.launches * (fused_launch if k.compiled else eager_launch)
+            c_t, mem_t, launch = _kernel_time(k, elems, r)
+            u_compute, u_memory, u_over = u_compute + c_t, u_memory + mem_t, u_over + launch
         u_comm = u_comm_mem = 0.0
         for c in unit.comms:
-            if c.op == "barrier":
-                u_comm += c.launches * topo.shm_barrier_s
-                continue
-            sizes_b = _each(c.members, elems, world)
-            if c.shm:
-                launches = bucket_launches(sizes_b, c.cap) if c.cap else [sum(sizes_b)]
-                for total in launches:
-                    per = total / c.launches * (world if c.parts else 1)
-                    moved, fresh, barriers = shm_collective(c.op, per, world)
-                    t = moved * mem_beta
-                    if faults and fresh:
-                        t += fresh * fresh_cost(fresh)
-                    u_comm_mem += c.launches * t
-                    u_comm += c.launches * (barriers * topo.shm_barrier_s + eager_launch)
-                continue
-            if c.between_stages:
-                n = sum(sizes_b)
-                u_comm += collective_time("send", n, topo, backend if backend != "shm" else "gloo", world,
-                                          crosses_nodes=send_crosses)
-                continue
-            launches = bucket_launches(sizes_b, c.cap) if c.cap else [sum(sizes_b)]
-            for total in launches:
-                per = total / c.launches
-                u_comm += c.launches * collective_time(c.op, per, topo, backend, world)
-                if c.flatten and len(sizes_b) > 1:
-                    u_comm_mem += 4 * total * mem_beta  # into the flat buffer and back, read and written
+            u_comm, u_comm_mem = _comm_time(c, elems, r, u_comm, u_comm_mem)
         work = u_compute + u_memory + u_over
         talk = u_comm + u_comm_mem
         u_hidden = 0.0
         if unit.chunks > 1 and talk and work:
             # the collectives progress under the computation: fully under compute-bound work where the
             # link does not need the compute units, partly under memory-bound work (the same bytes' path)
-            under = topo.overlap * u_compute + overlap_memory * (u_memory + u_over)
+            under = topo.overlap * u_compute + r.overlap_memory * (u_memory + u_over)
             u_hidden = min(under, talk) * (unit.chunks - 1) / unit.chunks
         compute += u_compute
         memory += u_memory + u_comm_mem

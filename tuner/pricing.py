@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from coconet.codegen.analysis import row_dim
+from coconet.codegen.fused import FusedCollective
 from coconet.codegen.plan import LoweringPlan
 from coconet.schedules.dims import Dim
 from coconet.schedules.ir import Group, Stmt
@@ -364,88 +365,106 @@ class Builder:
         p = self.p
         chunks = self.knobs["fc_chunks"]
         fc = self.lowering.fused_collectives[g]
-        rs, ins, inplace, into, direct = fc.rs, fc.ins, fc.inplace, fc.into, fc.direct
-        gathers, sliced_outs, compute = fc.gathers, fc.sliced_outs, fc.compute
+        rs = fc.rs
         x = p[rs.args[0]].type
         shm = self.backend == "shm"
-        compiled, parts = fc.compiles, fc.sums_parts
-        kernels: list[Kernel] = []
-        comms: list[Comm] = []
         whole_in = self.nbytes(x, self.whole(x))
         mine_in = self.nbytes(rs.type, self.local(rs.type))
         # what the kernel reads of every rank's rows: the inputs its pre statements compute them from
         mine_src = tuple(t for x in fc.sources
                          for t in self.nbytes(dataclasses.replace(rs.type, dtype=p[x].type.dtype), self.local(rs.type)))
-        R = PerWorld  # the number of ranks, bound at evaluation (see PerWorld)
-        if shm:
-            # publish every row but this rank's own, once (unless the peers read the input where it lies); one
-            # barrier; then per chunk the rows are reduced out of the peers' segments (by the kernel itself
-            # when it sums them as it reads)
-            if not direct:
-                kernels.append(Kernel(f"{rs.name} publish", 1, scaled(whole_in, R.PEERS_FRACTION),
-                                      scaled(whole_in, R.PEERS_FRACTION),
-                                      cold=scaled(whole_in, R.PEERS_FRACTION) if self.is_cold(rs.args[0]) else ()))
-            comms.append(Comm("barrier", (), launches=1, shm=True))
-            if not parts:
-                kernels.append(Kernel(f"{rs.name} reduce", chunks, scaled(mine_in, R.TWO_PEERS),
-                                      scaled(mine_in, R.PEERS)))
+        kernels, comms = self.fc_reduce(fc, chunks, whole_in, mine_in)
+        # the computation on this rank's slice: one compiled kernel per chunk, or its statements eagerly
+        if fc.compiles:
+            kernels.append(self.fc_kernel(g, fc, chunks, mine_in, mine_src))
         else:
+            kernels += self.fc_eager(fc, chunks)
+        self.fc_gathers(fc, chunks, kernels, comms)
+        if shm and (fc.gathers or fc.direct):  # one barrier ends the collective: its gathers, the peers' reads
+            comms.append(Comm("barrier", (), launches=1, shm=True))
+        for o in fc.sliced_outs if not fc.compiles else ():  # compiled, the kernel writes them into the whole output
+            b = self.nbytes(p[o].type, self.local(p[o].type))
+            kernels.append(Kernel(f"cat {o}", 1, b, b, b))
+        overlapped = 1 if shm else chunks
+        return Unit(str(g), tuple(kernels), tuple(comms), overlapped)
+
+    def fc_reduce(self, fc: FusedCollective, chunks: int, whole_in, mine_in) -> tuple[list[Kernel], list[Comm]]:
+        """A fused collective's reduction: on shm every row but this rank's published once (unless the peers
+        read the input where it lies), one barrier, then per chunk the rows reduced out of the peers' segments
+        (by the kernel itself when it sums them as it reads); elsewhere, a reduce_scatter per chunk."""
+        rs, R = fc.rs, PerWorld  # the number of ranks, bound at evaluation (see PerWorld)
+        kernels: list[Kernel] = []
+        if self.backend != "shm":
             if chunks > 1:  # each chunk's rows of every rank's block, gathered into one send buffer
                 kernels.append(Kernel(f"{rs.name} chunk buffers", chunks, whole_in, whole_in, whole_in))
-            comms.append(Comm("reduce_scatter", whole_in, launches=chunks))
-        # the computation on this rank's slice: one compiled kernel per chunk, or its statements eagerly
-        if compiled:
-            reads: list[Term] = []
-            cold: list[Term] = []
-            for a in ins:
-                if a in fc.sources or p[a].op == "const":
-                    continue
-                readers = [p[m] for m in compute if a in p[m].args]
-                exts = {self.consumed(m, a) for m in readers}
-                best = max((e for e in exts if e is not None), key=self.extents_rank, default=None)
-                reads += self.nbytes(p[a].type, best)
-                if self.is_cold(a):
-                    cold += self.nbytes(p[a].type, best)
-            reads += scaled(mine_src, R.ALL) if parts else mine_in
-            writes: list[Term] = []
-            fresh: list[Term] = []
-            for o in inplace:
-                writes += self.nbytes(p[o].type, self.local(p[o].type))
-                cold += self.nbytes(p[o].type, self.local(p[o].type))
-            for m in compute:
-                if m in fc.needed:  # a partial sum is a scalar: no bytes
-                    writes += self.nbytes(p[m].type, self.local(p[m].type))
-            if rs.name in sliced_outs:  # the reduced rows, which the group hands on, into one tensor
-                writes += mine_in
-            for m in into:  # this rank's rows of the state, into its own copy and every peer's: to memory
-                part = p[p[m].args[0]].type
-                rows = scaled(self.nbytes(part, self.local(part)), R.ALL)
-                writes += rows
-                cold += rows
-            kernels.append(Kernel(f"{g} kernel", chunks, tuple(reads), tuple(writes), tuple(fresh),
-                                  ops=self.fused_dropout_ops(compute),
-                                  compiled=True, dtype=x.dtype or "float32", cold=tuple(cold)))
-        else:
-            for m in compute:
-                k = self.eager(p[m], launches=chunks)
-                kernels.append(k)
-            for t in inplace.values():
-                b = self.nbytes(p[t].type, self.local(p[t].type))
-                kernels.append(Kernel(f"{t}.copy_", chunks, b, b, cold=b))
-            for m in into:
-                part = p[p[m].args[0]].type
-                b = self.nbytes(part, self.local(part))
-                peers = scaled(b, R.PEERS)
-                kernels.append(Kernel(f"{m} into the peers' copies", chunks, peers, peers, cold=peers))
-        for m in gathers:
+            return kernels, [Comm("reduce_scatter", whole_in, launches=chunks)]
+        if not fc.direct:
+            kernels.append(Kernel(f"{rs.name} publish", 1, scaled(whole_in, R.PEERS_FRACTION),
+                                  scaled(whole_in, R.PEERS_FRACTION),
+                                  cold=scaled(whole_in, R.PEERS_FRACTION) if self.is_cold(rs.args[0]) else ()))
+        if not fc.sums_parts:
+            kernels.append(Kernel(f"{rs.name} reduce", chunks, scaled(mine_in, R.TWO_PEERS), scaled(mine_in, R.PEERS)))
+        return kernels, [Comm("barrier", (), launches=1, shm=True)]
+
+    def fc_kernel(self, g: Group, fc: FusedCollective, chunks: int, mine_in, mine_src) -> Kernel:
+        """A fused collective's chunk as one compiled kernel per chunk."""
+        p, R = self.p, PerWorld
+        reads: list[Term] = []
+        cold: list[Term] = []
+        for a in fc.ins:
+            if a in fc.sources or p[a].op == "const":
+                continue
+            readers = [p[m] for m in fc.compute if a in p[m].args]
+            exts = {self.consumed(m, a) for m in readers}
+            best = max((e for e in exts if e is not None), key=self.extents_rank, default=None)
+            reads += self.nbytes(p[a].type, best)
+            if self.is_cold(a):
+                cold += self.nbytes(p[a].type, best)
+        reads += scaled(mine_src, R.ALL) if fc.sums_parts else mine_in
+        writes: list[Term] = []
+        for o in fc.inplace:
+            writes += self.nbytes(p[o].type, self.local(p[o].type))
+            cold += self.nbytes(p[o].type, self.local(p[o].type))
+        for m in fc.compute:
+            if m in fc.needed:  # a partial sum is a scalar: no bytes
+                writes += self.nbytes(p[m].type, self.local(p[m].type))
+        if fc.rs.name in fc.sliced_outs:  # the reduced rows, which the group hands on, into one tensor
+            writes += mine_in
+        for m in fc.into:  # this rank's rows of the state, into its own copy and every peer's: to memory
+            part = p[p[m].args[0]].type
+            rows = scaled(self.nbytes(part, self.local(part)), R.ALL)
+            writes += rows
+            cold += rows
+        x = p[fc.rs.args[0]].type
+        return Kernel(f"{g} kernel", chunks, tuple(reads), tuple(writes), (), ops=self.fused_dropout_ops(fc.compute),
+                      compiled=True, dtype=x.dtype or "float32", cold=tuple(cold))
+
+    def fc_eager(self, fc: FusedCollective, chunks: int) -> list[Kernel]:
+        """A fused collective's chunk statement by statement, its results copied into the state they update."""
+        p = self.p
+        kernels = [self.eager(p[m], launches=chunks) for m in fc.compute]
+        for t in fc.inplace.values():
+            b = self.nbytes(p[t].type, self.local(p[t].type))
+            kernels.append(Kernel(f"{t}.copy_", chunks, b, b, cold=b))
+        for m in fc.into:
+            part = p[p[m].args[0]].type
+            b = self.nbytes(part, self.local(part))
+            peers = scaled(b, PerWorld.PEERS)
+            kernels.append(Kernel(f"{m} into the peers' copies", chunks, peers, peers, cold=peers))
+        return kernels
+
+    def fc_gathers(self, fc: FusedCollective, chunks: int, kernels: list[Kernel], comms: list[Comm]) -> None:
+        """A fused collective's all_gathers, added to its ``kernels`` and ``comms``."""
+        p = self.p
+        for m in fc.gathers:
             part = p[p[m].args[0]].type
             mine = self.nbytes(part, self.local(part))
             whole = self.nbytes(p[m].type, self.whole(p[m].type))
-            if m in into:
+            if m in fc.into:
                 # the state is whole: it lives in the segment the peers wrote their rows into (a state that
                 # cannot move there, a view into a larger buffer, copies them in: not priced)
                 continue
-            if shm:
+            if self.backend == "shm":
                 # each chunk into this rank's slot; every rank's rows copied out
                 kernels.append(Kernel(f"{m} publish", chunks, mine, mine))
                 kernels.append(Kernel(f"{m} copy out", 1, whole, whole, whole))
@@ -453,13 +472,6 @@ class Builder:
                 # gloo's list all_gather lands in a flat buffer, then in the views: one more copy
                 kernels.append(Kernel(f"{m} into views", chunks, whole, whole, whole))
                 comms.append(Comm("all_gather", whole, launches=chunks))
-        if shm and (gathers or direct):  # one barrier ends the collective: its gathers, the peers' reads of the input
-            comms.append(Comm("barrier", (), launches=1, shm=True))
-        for o in sliced_outs if not compiled else ():  # compiled, the kernel writes them into the whole output
-            b = self.nbytes(p[o].type, self.local(p[o].type))
-            kernels.append(Kernel(f"cat {o}", 1, b, b, b))
-        overlapped = 1 if shm else chunks
-        return Unit(str(g), tuple(kernels), tuple(comms), overlapped)
 
     def overlap(self, g: Group) -> Unit:
         p = self.p
