@@ -10,7 +10,7 @@ decisions are still taken in lower.py and again in cost.py).
 
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from typing import AbstractSet, Callable, Mapping
 
 from coconet.errors import BackendError
 from coconet.schedules.infer import broadcast_shapes
@@ -98,7 +98,8 @@ def computed_on_rows(p: Program, skip: set[str]) -> dict[str, int]:
                                                               fused_pointwise(p, p[u])), groups=True)
 
 
-def cut_to_rows(p: Program, skip: set[str], reader: Callable[[str], bool], groups: bool = False) -> dict[str, int]:
+def cut_to_rows(p: Program, skip: AbstractSet[str], reader: Callable[[str], bool],
+                groups: bool = False) -> dict[str, int]:
     """The ungrouped rowwise Replicated statements not in ``skip`` whose readers are all statements ``reader``
     accepts that are Sliced on the statement's shape, or statements taken so, each with the dim they cut;
     with ``groups``, the members of fuse groups all of whose members are taken so, too."""
@@ -250,7 +251,7 @@ def updated_in_place(p: Program, skip: set[str]) -> dict[str, str]:
     return out
 
 
-def fuse_absorbed(p: Program, skip: set[str] = frozenset()) -> dict[Group, dict[str, int]]:
+def fuse_absorbed(p: Program, skip: AbstractSet[str] = frozenset()) -> dict[Group, dict[str, int]]:
     """Per fuse group, the ungrouped Replicated pointwise statements on Replicated values and scalars whose
     readers are all the group's members on this rank's slice, or such statements (AdamW's ``w * (1 - lr *
     wd)``, Adam's ``beta1 * m`` with m whole after ``reorder(ag0)``), each with the dim those readers cut:

@@ -31,7 +31,7 @@ class Emitter:
         self.ident = Names(self.p)
         # coconet's GEMM with its compiled kernels; the eager form (the eager baseline too) is plain torch
         self.matmul = "_matmul" if self.compile else "torch.matmul"
-        self.kernels: list[str] = []  # nested in step: they read its dims
+        self.kernels: list[list[tuple[str, str]]] = []  # nested in step: they read its dims
         self.toplevel: list[tuple[str, str | None]] = []  # fused pointwise kernels, at module level
         self.chunked: set[str] | None = None  # members of the chunked unit being emitted
         self.packed: list[tuple[str, ...]] = []  # inputs a chunk kernel sums from one slot (_shm_segments)

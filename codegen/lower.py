@@ -48,7 +48,7 @@ class Generated:
     schedule: Schedule
     backend: str
     source: str
-    line_map: dict = None  # 1-based line of the module -> the statement it implements
+    line_map: dict | None = None  # 1-based line of the module -> the statement it implements
     kernels: str = "compiled"
     dropout: str = "counter"
 
@@ -228,7 +228,7 @@ def _dims_prologue(p: Program) -> list[str]:
     return lines
 
 
-def _module(schedule: Schedule, backend: str, e: Emitter, body, updates: list[str]):
+def _module(schedule: Schedule, backend: str, e: Emitter, body, updates: list[tuple[str, str]]):
     p = e.p
     layout_doc = ", ".join(f"{s.name}: {s.type.layout}" for s in p.inputs)
     target = SHM_DOC if backend == "shm" else f"torch.distributed ({backend})"

@@ -103,6 +103,7 @@ def names_in(lines) -> set[str]:
 def free_names(lines) -> set[str]:
     """The names a function nested in ``step`` reads from it: what it loads and neither takes nor binds."""
     fn = ast.parse(textwrap.dedent("\n".join(lines))).body[0]
+    assert isinstance(fn, ast.FunctionDef)
     params = {a.arg for a in ast.walk(fn.args) if isinstance(a, ast.arg)}
     names = [n for n in ast.walk(fn) if isinstance(n, ast.Name)]
     bound = {n.id for n in names if not isinstance(n.ctx, ast.Load)}

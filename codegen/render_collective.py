@@ -118,7 +118,7 @@ def _loop_head(e: Emitter, fc: FusedCollective, chunks: int, sources: tuple[str,
 def _eager_chunk(e: Emitter, fc: FusedCollective) -> list:
     """A chunk's computation statement by statement, its results written into the state they update."""
     p = e.p
-    lines = []
+    lines: list[tuple[str, str]] = []
     for m in fc.compute:
         lines.extend(("        " + x, m) for x in e.stmt(p[m]))
     for o, t in fc.inplace.items():
@@ -132,7 +132,7 @@ def _eager_chunk(e: Emitter, fc: FusedCollective) -> list:
 def _chunk_gathers(e: Emitter, fc: FusedCollective, tmp: dict[str, str], kernel: bool, slots: dict) -> list:
     """Each chunk's rows handed to its gathers: added, or pushed where they are in place already."""
     p = e.p
-    lines = []
+    lines: list[tuple[str, str]] = []
     for m in fc.gathers:
         if m not in fc.into and not (kernel and p[m].args[0] in slots):
             src = p[m].args[0]

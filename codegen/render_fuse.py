@@ -25,7 +25,7 @@ def lower_fuse(e: Emitter, g: Group) -> list[str]:
     k = e.plan.fuse_kernels[g]
     absorbed, reduced, ins, inplace, into, held = tuple(k.rows), k.sums, k.ins, k.inplace, k.into, k.held
     rest = list(k.returns)
-    body = []
+    body: list[tuple[str, str]] = []
     for m in (*absorbed, *g.members, *reduced):
         body.extend(("    " + x, m) for x in e.stmt(p[m]))
     body += [(f"    {e.ident(t)}.copy_({e.ident(o)})", o) for o, t in inplace.items()]
@@ -60,7 +60,9 @@ def lower_fuse(e: Emitter, g: Group) -> list[str]:
     if not into:
         return [*made, call, *bound]
     # every state's copies mapped at one barrier before the kernel, every one whole at one barrier after it
-    specs, gathers, ends = [], [], []
+    specs: list[str] = []
+    gathers: list[str] = []
+    ends: list[str] = []
     for ag, o in into.items():
         t, state = p[o].type, e.plan.into_state[ag]
         d = t.layout.dim

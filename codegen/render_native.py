@@ -130,7 +130,9 @@ class _Translation:
         """The statements as C takes them: (computed, partial sums returned, computed on every rank's rows)."""
         p, e, shape = self.p, self.e, self.shape
         factors = {param for param, kind in kinds if kind in FACTORS}
-        stmts, sums, pre_stmts = [], [], []
+        stmts: list[tuple] = []
+        sums: list[tuple[str, str | None]] = []
+        pre_stmts: list[tuple] = []
         if self.pre and any(p[x].type.dtype != "float32" and p[x].type.dtype not in HALF for x in self.sources):
             return None
         for m in (*self.pre, *self.compute):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Iterable
+from typing import AbstractSet, Iterable
 
 from coconet.codegen.analysis import row_dim
 from coconet.codegen.fused import FusedCollective
@@ -153,7 +153,7 @@ class Builder:
         s = self.p[a]
         return s.op in ("input", "recv") or (s.op == "slice" and self.is_cold(s.args[0]))  # a slice is a view
 
-    def reads(self, s: Stmt, skip: set[str] = frozenset(), cold: bool = False) -> tuple[Term, ...]:
+    def reads(self, s: Stmt, skip: AbstractSet[str] = frozenset(), cold: bool = False) -> tuple[Term, ...]:
         out: list[Term] = []
         for a in dict.fromkeys(s.args):
             if a in skip or self.p[a].op == "const" or (cold and not self.is_cold(a)):
@@ -250,7 +250,8 @@ class Builder:
             t = p[s.args[0]].type
             clone = op == "broadcast" or s.name in self.lowering.copies
             b = self.nbytes(t, self.local(t))
-            ks = (Kernel(f"clone {s.args[0]}", 1, b, b, b, cold=b if self.is_cold(s.args[0]) else ()),) if clone else ()
+            cold = b if self.is_cold(s.args[0]) else ()
+            ks: tuple[Kernel, ...] = (Kernel(f"clone {s.args[0]}", 1, b, b, b, cold=cold),) if clone else ()
             return [Unit(s.name, ks, (self.collective(s),))]
         if op == "reduce_scatter":
             return [Unit(s.name, self.scatter_copies(s), (self.collective(s),))]
