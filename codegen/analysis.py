@@ -3,9 +3,9 @@ the order the step runs its statements and groups in, what each group reads and 
 fused collective computes inside it, which values are computed on this rank's rows only, and which results
 are written straight into the state they update.
 
-``coconet.codegen.lower`` emits code from these decisions and ``coconet.tuner.cost`` prices the same ones,
-so a prediction describes the module that runs (docs/architecture.md, "Known debts": the rest of the
-decisions are still taken in lower.py and again in cost.py).
+``coconet.codegen.plan`` takes these decisions once per schedule and backend (``LoweringPlan``), which
+``coconet.codegen.lower`` renders and ``coconet.tuner.cost`` prices, so a prediction describes the module
+that runs.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def group_io(p: Program, g: Group, absorbed=()) -> tuple[list[str], list[str]]:
     return ins, outs
 
 
-# the ops a fused kernel computes elementwise (lower.py spells each one in torch)
+# the ops a fused kernel computes elementwise (emitter.py spells each one in torch)
 ELEMENTWISE = BINARY | COMPARE | UNARY | {"where", "const"}
 
 

@@ -196,7 +196,7 @@ def held_source(p: Program, backend: str, rs: Stmt) -> bool:
     g = p.group_of.get(s.name)
     if g is None:
         return s.op in OUT and ungrouped_pointwise(p, s) and tuple(p.users[s.name]) == (rs.name,)
-    # a fuse kernel's output: the kernel writes it into the buffer as it computes it (_lower_fuse)
+    # a fuse kernel's output: the kernel writes it into the buffer as it computes it (render_fuse.lower_fuse)
     return (g.kind == "fuse" and not custom_group(p, g)
             and all(u == rs.name or u in g.members for u in p.users[s.name]))
 

@@ -136,7 +136,7 @@ class Builder:
 
     def consumed(self, s: Stmt, a: str) -> int | None:
         """The piece of operand ``a`` that ``s`` reads: a Replicated operand of a Sliced result, or of a
-        statement computed on this rank's rows, is cut to those rows (as ``_Emitter.operand`` cuts it)."""
+        statement computed on this rank's rows, is cut to those rows (as ``Emitter.operand`` cuts it)."""
         t, out = self.p[a].type, s.type
         if t is None or t.is_scalar:
             return None
