@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from coconet.codegen.analysis import ELEMENTWISE, OUT, custom_group, group_io, readers_of, ungrouped_pointwise
+from coconet.codegen.backends import Backend
 from coconet.schedules.ir import Group, Program, Stmt
 from coconet.schedules.types import Local, Replicated, Sliced
 
@@ -41,7 +42,7 @@ class FusedCollective:
     slotted: tuple[str, ...] = ()
 
 
-def fused_collective_plan(p: Program, backend: str, g: Group, absorbed: tuple[str, ...],
+def fused_collective_plan(p: Program, backend: Backend, g: Group, absorbed: tuple[str, ...],
                           compiled: bool = True) -> FusedCollective:
     ins, outs = group_io(p, g, absorbed)
     inplace = sliced_in_place(p, g, outs, absorbed) if compiled else {}
@@ -67,7 +68,7 @@ def fused_collective_plan(p: Program, backend: str, g: Group, absorbed: tuple[st
         partials=partials, sliced_outs=sliced_outs, compute=compute, needed=frozenset(needed),
         direct=direct, compiles=compiles, sums_parts=sums, pre=pre, sources=sources,
         ranked=rank_numbers(p, pre), held=held,
-        slotted=tuple(m for m in gathers if backend == "shm" and m not in into and p[m].args[0] in compute
+        slotted=tuple(m for m in gathers if backend.writes_slots and m not in into and p[m].args[0] in compute
                       and p[m].args[0] not in sliced_outs))
 
 
@@ -125,11 +126,11 @@ def sliced_in_place(p: Program, g: Group, outs: list[str], absorbed) -> dict[str
     return collective_in_place(p, g, outs, absorbed, gathered=False)
 
 
-def gather_into(p: Program, backend: str, g: Group, outs: list[str], absorbed) -> dict[str, str]:
+def gather_into(p: Program, backend: Backend, g: Group, outs: list[str], absorbed) -> dict[str, str]:
     """All_gathers of a fused collective on shm whose value only updates Replicated state that nothing
     outside reads: the chunk writes this rank's rows into the state, then into every peer's copy of it
     (which lives in shared memory). No gathered temporary, no slot, no copy into the state after."""
-    return collective_in_place(p, g, outs, absorbed, gathered=True) if backend == "shm" else {}
+    return collective_in_place(p, g, outs, absorbed, gathered=True) if backend.gathers_into_state else {}
 
 
 def collective_in_place(p: Program, g: Group, outs: list[str], absorbed, *, gathered: bool) -> dict[str, str]:
@@ -154,7 +155,7 @@ def collective_in_place(p: Program, g: Group, outs: list[str], absorbed, *, gath
     return found
 
 
-def sums_parts(p: Program, backend: str, g: Group, into) -> bool:
+def sums_parts(p: Program, backend: Backend, g: Group, into) -> bool:
     """Whether a fused collective's compiled chunk kernel (shm) takes the chunk's rows on every rank unreduced
     and reduces them as it reads them (any of the IR's REDUCE_OPS: sum, avg, prod, max, min): the reduced rows
     are never written out, unless the group outputs them, and then only once, by the kernel. Not where a
@@ -162,10 +163,10 @@ def sums_parts(p: Program, backend: str, g: Group, into) -> bool:
     lies too."""
     rs = p[g.members[0]]
     sent = any(p[m].op == "all_gather" and m not in into and p[m].args[0] == rs.name for m in g.members)
-    return backend == "shm" and not sent
+    return backend.sums_in_kernel and not sent
 
 
-def reads_input_in_place(p: Program, backend: str, source: str, after: bool = False) -> bool:
+def reads_input_in_place(p: Program, backend: Backend, source: str, after: bool = False) -> bool:
     """Whether a fused collective on shm reads its reduce_scatter's operand where it lies on every rank, moved
     into a segment of its own (``_Shm.stage_input``), rather than published into a slot: the operand is an
     input the step leaves as it is (a gradient). The barrier that ends the collective (``_end_collective``,
@@ -175,11 +176,11 @@ def reads_input_in_place(p: Program, backend: str, source: str, after: bool = Fa
     new value is written in place at the step's end or by a kernel that runs after every reader of it
     (``in_place_outputs``), and the collective is one."""
     src = p[source]
-    return (backend == "shm" and src.op == "input"
+    return (backend.reads_in_place and src.op == "input"
             and (src.name not in p.updates or (after and isinstance(src.type.layout, Local))))
 
 
-def held_source(p: Program, backend: str, rs: Stmt) -> bool:
+def held_source(p: Program, backend: Backend, rs: Stmt) -> bool:
     """Whether a fused collective on shm reads the value its reduce_scatter reduces where it lies on every
     rank, because the step computes it into a buffer it keeps from step to step (``_Shm.held``), which moves
     into a segment of its own as an input does (``_Shm.stage_input``), rather than into a new tensor that is
@@ -191,7 +192,7 @@ def held_source(p: Program, backend: str, rs: Stmt) -> bool:
     does a fuse group's output that nothing outside the group but the reduce_scatter reads (the compressed
     gradient of an error-feedback step): the kernel stores it into the buffer, not into a new tensor."""
     s = p[rs.args[0]]
-    if backend != "shm" or not s.type.shape:
+    if not backend.reads_in_place or not s.type.shape:
         return False
     g = p.group_of.get(s.name)
     if g is None:

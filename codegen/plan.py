@@ -32,8 +32,8 @@ from coconet.codegen.analysis import (
     step_units,
     updated_in_place,
 )
+from coconet.codegen.backends import Backend, get
 from coconet.codegen.fused import FusedCollective, fused_collective_plan
-from coconet.errors import BackendError
 from coconet.schedules.ir import Group, Program
 from coconet.schedules.schedule import Schedule
 from coconet.schedules.transforms.bucket import Bucket
@@ -41,7 +41,6 @@ from coconet.schedules.transforms.fuse_collective import FuseCollective
 from coconet.schedules.transforms.overlap import Overlap
 from coconet.schedules.types import Replicated
 
-BACKENDS = ("gloo", "nccl", "shm")
 # the knobs a unit reads, with their defaults as the transforms that make the units declare them
 KNOB_DEFAULTS = MappingProxyType({name: default for t in (Overlap, Bucket, FuseCollective)
                                   for name, (default, _) in t.knobs.items()})
@@ -92,7 +91,7 @@ class LoweringPlan:
     else eager statements), decided once. ``of`` makes one."""
 
     schedule: Schedule
-    backend: str
+    backend: Backend
     compiled: bool
     units: tuple[Unit, ...]  # what the step runs, in order: inputs and scalars bound first
     absorbed: Mapping[Group, tuple[str, ...]]  # per fused collective, what each chunk computes before its members
@@ -110,9 +109,9 @@ class LoweringPlan:
     knobs: Mapping[str, int]  # every unit knob's value: the schedule's, else its transform's default
 
     @classmethod
-    def of(cls, schedule: Schedule, backend: str, compiled: bool = True) -> "LoweringPlan":
-        if backend not in BACKENDS:
-            raise BackendError(f"unknown backend {backend!r} (use {', '.join(BACKENDS)})", kind="compile_error")
+    def of(cls, schedule: Schedule, backend: str | Backend, compiled: bool = True) -> "LoweringPlan":
+        """The plan of ``schedule`` for ``backend`` (a name of ``BACKENDS``, or a Backend)."""
+        backend = backend if isinstance(backend, Backend) else get(backend)
         p = schedule.scheduled
         order = step_units(p)
         # every input bound (and a state another is updated to copied) before any unit runs: a unit may write a
@@ -135,7 +134,7 @@ class LoweringPlan:
         rows_only.update(computed_on_rows(p, skip))
         into_state: dict[str, str] = {}
         fuse_into: dict[Group, dict[str, str]] = {}
-        if backend == "shm":
+        if backend.gathers_into_state:
             into_state = gathers_into_state(p, steps, absorbed)
             if compiled:
                 fuse_into = fuse_gathers_into(p, steps, into_state, absorbed, fuse_rows)

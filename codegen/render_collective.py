@@ -74,7 +74,7 @@ def chunked_body(e: Emitter, g: Group, fc: FusedCollective, chunks: int) -> list
     finally:
         e.chunked = None
     lines += _after_chunks(e, fc, tmp, kernel is not None, direct)
-    how = ("chunk k+1 is reduced while chunk k computes and chunk k-1 is gathered" if e.backend != "shm" else
+    how = ("chunk k+1 is reduced while chunk k computes and chunk k-1 is gathered" if not e.backend.shared_memory else
            f"{'read where it lies once moved into a segment' if direct else 'published once'}, each chunk "
            "reduced out of the peers' segments just before it computes")
     return [(f"    # {chunks} chunk{'s' if chunks > 1 else ''}: {how}", rs.name)] + lines
@@ -153,7 +153,7 @@ def _after_chunks(e: Emitter, fc: FusedCollective, tmp: dict[str, str], kernel: 
     if not kernel:
         lines += [(f"        {tmp[o]}.append({e.ident(o)})", o) for o in fc.sliced_outs]
     for i, m in enumerate(fc.gathers):  # on shm the first ends the collective, at one barrier for all
-        later = i and e.backend == "shm"
+        later = i and e.backend.shared_memory
         lines.append((f"    {tmp[m]}.into({e.ident(fc.into[m])}{', end=False' if later else ''})" if m in fc.into
                       else f"    {e.ident(m)} = {tmp[m]}.result({'end=False' if later else ''})", m))
     if direct and not fc.gathers:  # nothing gathered: the peers' reads of the input end at a barrier of its own

@@ -23,7 +23,7 @@ def native_chunk(e: Emitter, compute: list[str], inplace: dict[str, str], into, 
     translation or it returns anything but partial sums (Inductor's kernel serves alone)."""
     p = e.p
     slots = slots or {}
-    if e.backend != "shm" or not (into or slots) or any(p[r].op != "partial_sum" for r in results):
+    if not e.backend.native_chunks or not (into or slots) or any(p[r].op != "partial_sum" for r in results):
         return None
     chunk = _Translation(e, compute, into, peers, buffers or {}, parts, parts_names, args, pre, sources,
                          ranked or {}, slots)

@@ -39,7 +39,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-from coconet.codegen.plan import BACKENDS, LoweringPlan
+from coconet.codegen import backends
+from coconet.codegen.plan import LoweringPlan
 from coconet.errors import CoconetError, SizeError
 from coconet.schedules.schedule import Schedule
 from coconet.tuner.collective_time import bucket_launches, collective_time, shm_collective
@@ -109,8 +110,7 @@ class _Key:
 
 def plan(schedule: Schedule, backend: str) -> Plan:
     """The size-independent structure of ``schedule`` lowered for ``backend`` (cached by hash)."""
-    if backend not in BACKENDS:
-        raise CoconetError(f"unknown backend {backend!r} (use {', '.join(BACKENDS)})")
+    backends.get(backend)  # a BackendError naming the known ones for any other
     return _plan(_Key(schedule, backend))
 
 
@@ -236,8 +236,8 @@ def _comm_time(c: Comm, elems: list[float], r: _Rates, comm: float, mem: float) 
             comm += c.launches * (barriers * topo.shm_barrier_s + r.each.launch_s)
         return comm, mem
     if c.between_stages:
-        backend = r.backend if r.backend != "shm" else "gloo"
-        return comm + collective_time("send", sum(sizes_b), topo, backend, world, crosses_nodes=r.send_crosses), mem
+        transport = backends.get(r.backend).transport
+        return comm + collective_time("send", sum(sizes_b), topo, transport, world, crosses_nodes=r.send_crosses), mem
     for total in bucket_launches(sizes_b, c.cap) if c.cap else [sum(sizes_b)]:
         comm += c.launches * collective_time(c.op, total / c.launches, topo, r.backend, world)
         if c.flatten and len(sizes_b) > 1:

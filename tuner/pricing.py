@@ -235,7 +235,7 @@ class Builder:
     def collective(self, s: Stmt) -> Comm:
         p = self.p
         t = s.type if s.op == "all_gather" else p[s.args[0]].type
-        return Comm(s.op, self.nbytes(t, self.whole(t)), shm=self.backend == "shm")
+        return Comm(s.op, self.nbytes(t, self.whole(t)), shm=self.backend.shared_memory)
 
     def stmt(self, s: Stmt) -> list[Unit]:
         p, op = self.p, s.op
@@ -272,7 +272,7 @@ class Builder:
     def scatter_copies(self, s: Stmt) -> tuple[Kernel, ...]:
         """gloo/nccl: a reduce_scatter along a dim other than 0 moves it first (a copy); its output is
         a fresh buffer of this rank's rows. shm reads rows in place (its bytes are in the collective)."""
-        if self.backend == "shm":
+        if self.backend.shared_memory:
             return ()
         x = self.p[s.args[0]].type
         out = self.nbytes(s.type, self.local(s.type))
@@ -282,7 +282,7 @@ class Builder:
         return (Kernel(f"{s.name} out", 0, (), (), out),)
 
     def gather_copies(self, s: Stmt) -> tuple[Kernel, ...]:
-        if self.backend == "shm":
+        if self.backend.shared_memory:
             return ()
         part = self.p[s.args[0]].type
         out = self.nbytes(s.type, self.whole(s.type))
@@ -344,7 +344,7 @@ class Builder:
         return Unit(str(g), (k,), comms)
 
     def dropout_cost(self) -> DropoutCost:
-        return DROPOUT_PER_ELEMENT if self.backend == "nccl" else DROPOUT_PER_BLOCK
+        return DROPOUT_PER_ELEMENT if self.backend.per_element_dropout else DROPOUT_PER_BLOCK
 
     def fused_dropout_ops(self, members) -> tuple[Term, ...]:
         """The Philox rounds of the dropouts among ``members``, run inside one compiled kernel."""
@@ -368,7 +368,7 @@ class Builder:
         fc = self.lowering.fused_collectives[g]
         rs = fc.rs
         x = p[rs.args[0]].type
-        shm = self.backend == "shm"
+        shm = self.backend.shared_memory
         whole_in = self.nbytes(x, self.whole(x))
         mine_in = self.nbytes(rs.type, self.local(rs.type))
         # what the kernel reads of every rank's rows: the inputs its pre statements compute them from
@@ -395,7 +395,7 @@ class Builder:
         (by the kernel itself when it sums them as it reads); elsewhere, a reduce_scatter per chunk."""
         rs, R = fc.rs, PerWorld  # the number of ranks, bound at evaluation (see PerWorld)
         kernels: list[Kernel] = []
-        if self.backend != "shm":
+        if not self.backend.shared_memory:
             if chunks > 1:  # each chunk's rows of every rank's block, gathered into one send buffer
                 kernels.append(Kernel(f"{rs.name} chunk buffers", chunks, whole_in, whole_in, whole_in))
             return kernels, [Comm("reduce_scatter", whole_in, launches=chunks)]
@@ -465,7 +465,7 @@ class Builder:
                 # the state is whole: it lives in the segment the peers wrote their rows into (a state that
                 # cannot move there, a view into a larger buffer, copies them in: not priced)
                 continue
-            if self.backend == "shm":
+            if self.backend.shared_memory:
                 # each chunk into this rank's slot; every rank's rows copied out
                 kernels.append(Kernel(f"{m} publish", chunks, mine, mine))
                 kernels.append(Kernel(f"{m} copy out", 1, whole, whole, whole))
@@ -483,9 +483,9 @@ class Builder:
         out = self.nbytes(coll.type, self.local(coll.type))
         cat = Kernel(f"cat {coll.name}", 1, out, out, out)
         t = mm.type
-        comm = Comm(coll.op, self.nbytes(t, self.whole(t)), launches=chunks, shm=self.backend == "shm")
+        comm = Comm(coll.op, self.nbytes(t, self.whole(t)), launches=chunks, shm=self.backend.shared_memory)
         kernels = [k, cat]
-        if coll.op == "reduce_scatter" and self.backend != "shm":
+        if coll.op == "reduce_scatter" and not self.backend.shared_memory:
             kernels += [Kernel(f"{coll.name} out", 0, (), (), out)]
         return Unit(str(g), tuple(kernels), (comm,), chunks)
 
@@ -493,7 +493,7 @@ class Builder:
         p = self.p
         cap = self.knobs["bucket_bytes"]
         first = p[g.members[0]]
-        shm = self.backend == "shm"
+        shm = self.backend.shared_memory
         kernels: list[Kernel] = []
         members: list[Term] = []
         parts = False
@@ -515,7 +515,7 @@ class Builder:
                 members += self.nbytes(t, self.whole(t))
                 if s.op == "reduce_scatter":
                     kernels += self.scatter_copies(s)
-        comm = Comm(first.op, tuple(members), cap=cap, shm=shm, flatten=self.backend == "gloo", parts=parts)
+        comm = Comm(first.op, tuple(members), cap=cap, shm=shm, flatten=self.backend.flattens_buckets, parts=parts)
         return Unit(str(g), tuple(kernels), (comm,))
 
 
