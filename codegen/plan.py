@@ -103,7 +103,7 @@ class LoweringPlan:
     held: frozenset[str]  # values computed into the buffer a fused collective reads where it lies
     aliased: tuple[str, ...]  # state another is updated to: copied as the step begins
     copies: frozenset[str]  # allreduces that work on a copy of their operand (needs_copy)
-    positions: Mapping[str, int]  # each statement's place in ``units`` (inside a group: the group's)
+    positions: Mapping[str, int]  # each statement's place in the step's order (inside a unit: the unit's)
     fused_collectives: Mapping[Group, FusedCollective]
     fuse_kernels: Mapping[Group, FuseKernel]
     knobs: Mapping[str, int]  # every unit knob's value: the schedule's, else its transform's default
