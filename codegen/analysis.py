@@ -3,14 +3,14 @@ the order the step runs its statements and groups in, what each group reads and 
 fused collective computes inside it, which values are computed on this rank's rows only, and which results
 are written straight into the state they update.
 
-``coconet.codegen.lower`` emits code from these decisions and ``coconet.tuner.cost`` prices the same ones,
-so a prediction describes the module that runs (docs/architecture.md, "Known debts": the rest of the
-decisions are still taken in lower.py and again in cost.py).
+``coconet.codegen.plan`` takes these decisions once per schedule and backend (``LoweringPlan``), which
+``coconet.codegen.lower`` renders and ``coconet.tuner.cost`` prices, so a prediction describes the module
+that runs.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from typing import AbstractSet, Callable, Mapping
 
 from coconet.errors import BackendError
 from coconet.schedules.infer import broadcast_shapes
@@ -59,7 +59,7 @@ def group_io(p: Program, g: Group, absorbed=()) -> tuple[list[str], list[str]]:
     return ins, outs
 
 
-# the ops a fused kernel computes elementwise (lower.py spells each one in torch)
+# the ops a fused kernel computes elementwise (emitter.py spells each one in torch)
 ELEMENTWISE = BINARY | COMPARE | UNARY | {"where", "const"}
 
 
@@ -98,7 +98,8 @@ def computed_on_rows(p: Program, skip: set[str]) -> dict[str, int]:
                                                               fused_pointwise(p, p[u])), groups=True)
 
 
-def cut_to_rows(p: Program, skip: set[str], reader: Callable[[str], bool], groups: bool = False) -> dict[str, int]:
+def cut_to_rows(p: Program, skip: AbstractSet[str], reader: Callable[[str], bool],
+                groups: bool = False) -> dict[str, int]:
     """The ungrouped rowwise Replicated statements not in ``skip`` whose readers are all statements ``reader``
     accepts that are Sliced on the statement's shape, or statements taken so, each with the dim they cut;
     with ``groups``, the members of fuse groups all of whose members are taken so, too."""
@@ -222,3 +223,122 @@ def needs_copy(p: Program, name: str) -> bool:
     """An allreduce works in place: on its own buffer unless its operand is dead after it."""
     a = p[name].args[0]
     return p[a].op in ("input", "recv") or len(p.users[a]) > 1
+
+
+# torch's functions with an ``out=`` for the pointwise ops: how a value is computed into a buffer it is given
+# (held_source)
+OUT = {"add": "torch.add", "sub": "torch.sub", "mul": "torch.mul", "div": "torch.div", "pow": "torch.pow",
+       "maximum": "torch.maximum", "minimum": "torch.minimum", "neg": "torch.neg", "sqrt": "torch.sqrt",
+       "rsqrt": "torch.rsqrt", "exp": "torch.exp", "log": "torch.log", "abs": "torch.abs", "where": "torch.where"}
+
+
+def updated_in_place(p: Program, skip: set[str]) -> dict[str, str]:
+    """State → the value it is updated to, where that value is computed at the end of the step straight into
+    the state (``torch.mul(acc, 0.0, out=acc)``) rather than into a new tensor copied into it: a pointwise
+    statement torch computes into a buffer (``OUT``), of no group, that nothing else reads. It reads no other
+    state (written by then, or about to be), of this state only the same element (the update's type is the
+    value's), and of computed values only those of pointwise statements of no group, which are tensors of
+    their own, not views of state. One pass and one new tensor fewer (an accumulator cleared, ``w - u``)."""
+    out = {}
+    for t, v in p.updates.items():
+        s = p[v]
+        if (v in skip or s.op not in OUT or not ungrouped_pointwise(p, s) or len(p.users[v]) != 1
+                or s.type != p[t].type or not s.type.shape):
+            continue
+        if all(a == t or (a not in p.updates and (p[a].op in ("input", "scalar", "const") or (
+                ungrouped_pointwise(p, p[a]) and p[a].op != "cast" and a not in skip))) for a in s.args):
+            out[t] = v
+    return out
+
+
+def fuse_absorbed(p: Program, skip: AbstractSet[str] = frozenset()) -> dict[Group, dict[str, int]]:
+    """Per fuse group, the ungrouped Replicated pointwise statements on Replicated values and scalars whose
+    readers are all the group's members on this rank's slice, or such statements (AdamW's ``w * (1 - lr *
+    wd)``, Adam's ``beta1 * m`` with m whole after ``reorder(ag0)``), each with the dim those readers cut:
+    computed inside the group's kernel on this rank's rows, not as a full pass over every rank's rows before
+    it."""
+    out = {}
+    for g in p.groups:
+        if g.kind == "fuse":
+            inside = set(g.members)
+            taken = cut_to_rows(p, skip, inside.__contains__)
+            if taken:
+                out[g] = {s.name: taken[s.name] for s in p.stmts if s.name in taken}
+    return out
+
+
+def fuse_reduced(p: Program) -> dict[Group, tuple[str, ...]]:
+    """Per fuse group of whole values (Local or Replicated), the ungrouped sums and norms of its members: its
+    kernel computes them as it computes what they sum and hands on the number, and what they sum is written
+    out only where something else reads it (a loss scaler's count of non-finite elements, ``sum(where(abs(g) >
+    t, 1, 0))``: the mask is never written). No member reads them (the group is convex), so the kernel may."""
+    out = {}
+    for g in p.groups:
+        if g.kind != "fuse" or isinstance(p[g.members[0]].type.layout, Sliced) or custom_group(p, g):
+            continue
+        inside = set(g.members)
+        taken = tuple(s.name for s in p.stmts
+                      if s.op in ("sum", "norm") and s.name not in p.group_of and s.args[0] in inside)
+        if taken:
+            out[g] = taken
+    return out
+
+
+def gathers_into_state(p: Program, units: list, absorbed: dict[Group, tuple[str, ...]]) -> dict[str, str]:
+    """Ungrouped all_gathers (shm) whose value is the new value of one Replicated state and read by nothing
+    else, where the state is bound and every other reader of it runs before them (``units``: the order the
+    step runs its statements; ``absorbed``: statements that run inside their fused collective): each rank
+    writes its rows straight into its own copy of the state and every peer's, with no gathered temporary, no
+    slot and no copy into the state at the end. Each gather maps to its state."""
+    at = step_positions(units, absorbed)
+    found = {}
+    for s in p.stmts:
+        if s.op != "all_gather" or s.name in p.group_of or any(p[u].op != "update" for u in p.users[s.name]):
+            continue
+        targets = [t for t, v in p.updates.items() if v == s.name]
+        if len(targets) != 1 or p[targets[0]].op != "input" or p[targets[0]].type != s.type:
+            continue
+        t = targets[0]
+        # an update, output or send reading the state would see it after the step's end, or hold it
+        readers = [t] + readers_of(p, t)
+        if isinstance(s.type.layout, Replicated) and all(p[u].op not in EFFECTS and at[u] < at[s.name]
+                                                         for u in readers):
+            found[s.name] = t
+    return found
+
+
+def fuse_gathers_into(p: Program, units: list, into_state: dict[str, str], absorbed: dict[Group, tuple[str, ...]],
+                      rows: dict[Group, dict[str, int]]) -> dict[Group, dict[str, str]]:
+    """Per compiled fuse group on shm, the gathers into state (``into_state``, see gathers_into_state) of
+    values nothing else outside the group reads that its kernel can do itself: it writes each new row into
+    its own copy of the state and every peer's as it computes it, so the value is never written out to be
+    copied. Each gather maps to the value it gathers. Every reader of the state in the group must read this
+    rank's rows of it alone (a member Sliced on the state's shape, or a statement it computes on those rows:
+    ``rows``, see fuse_absorbed), and every other reader runs before the group: the peers write their rows
+    into this rank's copy while the kernel runs."""
+    at = step_positions(units, absorbed, rows)
+    out: dict[Group, dict[str, str]] = {}
+    for g in p.groups:
+        if g.kind != "fuse" or custom_group(p, g):
+            continue
+        inside = set(g.members) | set(rows.get(g, {}))
+        found = {}
+        for ag, state in into_state.items():
+            o = p[ag].args[0]
+            t = p[state].type
+            if o not in g.members or any(u != ag and u not in g.members for u in p.users[o]):
+                continue
+            d = p[o].type.layout.dim
+
+            def rows_of_state(u: str) -> bool:
+                if u in rows.get(g, {}):
+                    return rows[g][u] == d
+                ut = p[u].type
+                return isinstance(ut.layout, Sliced) and ut.layout.dim == d and ut.shape == t.shape
+
+            readers = readers_of(p, state)
+            if all(rows_of_state(u) if u in inside else at[u] < at[g.members[0]] for u in readers):
+                found[ag] = o
+        if found:
+            out[g] = found
+    return out

@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 
 import coconet.kernels
+from coconet.codegen import backends
 
 PACKAGE = "coconet.kernels"
 STANDALONE_PACKAGE = "coconet_kernels"  # the folder a standalone module's copy of the runtime goes into
@@ -32,7 +33,7 @@ _IMPORTS = {
 
 
 def _table(backend: str) -> dict[str, tuple[str, ...]]:
-    return _IMPORTS["shm" if backend == "shm" else "torch"]
+    return _IMPORTS[backends.get(backend).runtime]
 
 
 def names() -> frozenset[str]:

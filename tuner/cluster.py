@@ -19,9 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from coconet.codegen.backends import BACKENDS
+from coconet.codegen.backends import get as backend_of
 from coconet.errors import ClusterError, CoconetError
 
-ONE_NODE = frozenset({"shm"})  # backends whose ranks share memory: all on one node
+ONE_NODE = frozenset(b for b in BACKENDS if backend_of(b).one_node)  # backends whose ranks share memory
 PLACEMENTS = ("pack", "spread")
 PROBE_S = 30.0
 _CONNECTING = threading.Lock()  # the service's job threads may all ask at once; ray.init may run once

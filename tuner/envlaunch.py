@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Mapping, Sequence
 
+from coconet.codegen import backends
 from coconet.codegen.lower import lower
 from coconet.errors import BackendError, CoconetError
 from coconet.schedules.dims import format_sizes
@@ -100,8 +101,8 @@ def world_of(asked: int | None, env: JobEnv, stages: int) -> int:
 def require_one_node(backend: str, env: JobEnv) -> None:
     """shm's ranks share memory, so they must all run on one node (known before the group forms when the
     launcher says how many ranks this node runs)."""
-    if backend == "shm" and env.local_world_size is not None and env.local_world_size != env.world_size:
-        raise BackendError(f"the shm backend shares memory between ranks on one node, and this job runs "
+    if backends.get(backend).one_node and env.local_world_size is not None and env.local_world_size != env.world_size:
+        raise BackendError(f"the {backend} backend shares memory between ranks on one node, and this job runs "
                            f"{env.local_world_size} of its {env.world_size} ranks per node "
                            f"(LOCAL_WORLD_SIZE={env.local_world_size}): use gloo or nccl across nodes")
 
@@ -149,7 +150,7 @@ class _Job:
         import torch
         import torch.distributed as dist
 
-        if self.opts.backend == "nccl":
+        if backends.get(self.opts.backend).device_type == "cuda":
             if not torch.cuda.is_available():
                 raise BackendError("the nccl backend runs on CUDA tensors and this node has no CUDA device")
             torch.cuda.set_device(self.env.local_rank % torch.cuda.device_count())
@@ -157,7 +158,7 @@ class _Job:
         else:
             self.device = torch.device("cpu")
         if not dist.is_initialized():
-            dist.init_process_group("gloo" if self.opts.backend == "shm" else self.opts.backend,
+            dist.init_process_group(backends.get(self.opts.backend).process_group,
                                     init_method="env://", timeout=self.step_timeout)
         elif (dist.get_rank(), dist.get_world_size()) != (self.env.rank, self.env.world_size):
             raise CoconetError(f"the process group already formed here has rank {dist.get_rank()} of "
@@ -165,7 +166,7 @@ class _Job:
                                f"WORLD_SIZE={self.env.world_size}")
         # values and verdicts travel here, apart from the steps' group, which a failed step may leave unusable
         self.exchange = dist.new_group(backend="gloo", timeout=self.exchange_timeout)
-        if self.opts.backend == "shm" and self.env.local_world_size is None:
+        if backends.get(self.opts.backend).one_node and self.env.local_world_size is None:
             hosts: list[Any] = [None] * self.env.world_size
             dist.all_gather_object(hosts, socket.gethostname(), group=self.exchange)
             if len(set(hosts)) > 1:

@@ -40,6 +40,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from coconet.codegen import backends
 from coconet.codegen.baselines import Baseline, TorchTask
 from coconet.codegen.cache import module_path
 from coconet.codegen.footprint import require_fits
@@ -147,12 +148,13 @@ def run_schedules(schedules: Sequence[Schedule], opts: Options, program_file: st
     if opts.world < 1 or opts.stages < 1:
         raise CoconetError(f"world and stages must be positive, got world={opts.world}, stages={opts.stages}")
     stages = opts.stages if program.is_pipeline else 1
-    if opts.backend == "nccl":
+    target = backends.get(opts.backend)
+    if target.device_type == "cuda":
         require_cuda(opts.world * stages)
     opts = dataclasses.replace(opts, stages=stages, sizes=dict(opts.sizes))
     program.require_world(opts.world)
     require_fits(program, opts.sizes, opts.world, check=opts.check)
-    if opts.backend != "nccl":
+    if target.device_type != "cuda":
         prestart(compiled=opts.kernels == "compiled")  # the ranks' imports, beside the lowering's
     custom = custom_payload(program, program_file)
     results = _Results(on_result)
@@ -192,7 +194,7 @@ def _baseline_task(b: Baseline, program, opts: Options) -> TorchTask:
     if b.make is not None:
         return TorchTask(b, Schedule(program))
     # torch.distributed collectives: the shm backend's ranks form a gloo group too
-    gen = lower(Schedule(program), "nccl" if opts.backend == "nccl" else "gloo", "eager", dropout="torch")
+    gen = lower(Schedule(program), backends.get(opts.backend).process_group, "eager", dropout="torch")
     return TorchTask(b, Schedule(program), gen.source, str(module_path(gen)), gen.line_map, gen.code)
 
 
@@ -229,7 +231,8 @@ def _launch(tasks, opts: Options, reference, results, custom, retry_port: bool =
             rfd, wfd = os.pipe()
             log = open(workdir / f"rank{r}.log", "wb")
             # in a group of their own: Ctrl-C reaches the parent only; it stops the ranks
-            procs.append(start_rank(str(job), r, log.fileno(), wfd, fresh=opts.backend == "nccl"))
+            fresh = backends.get(opts.backend).device_type == "cuda"
+            procs.append(start_rank(str(job), r, log.fileno(), wfd, fresh=fresh))
             os.close(wfd)
             log.close()
             conns[Connection(rfd, writable=False)] = r

@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from coconet.codegen import backends
 from coconet.codegen.baselines import BASELINES
 from coconet.errors import BackendError
 from coconet.loader import load_file
@@ -126,12 +127,12 @@ def _run(job: dict[str, Any], rank: int, conn: Connection) -> int:
     torch.set_num_threads(job.get("threads", 1))
     try:
         custom = _custom_ops(job["custom"])
-        if opts.backend == "nccl":
+        if backends.get(opts.backend).device_type == "cuda":
             torch.cuda.set_device(rank % torch.cuda.device_count())
             device = torch.device("cuda", torch.cuda.current_device())
         else:
             device = torch.device("cpu")
-        dist.init_process_group("gloo" if opts.backend == "shm" else opts.backend,
+        dist.init_process_group(backends.get(opts.backend).process_group,
                                 init_method=f"tcp://127.0.0.1:{job['port']}", rank=rank, world_size=world * stages,
                                 timeout=timedelta(seconds=max(30.0, opts.timeout_s)))
         groups = [dist.new_group(list(range(s * world, (s + 1) * world))) for s in range(stages)]

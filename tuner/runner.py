@@ -31,6 +31,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from coconet.codegen import backends
 from coconet.codegen.lower import BACKENDS, Generated, lower
 from coconet.errors import BackendError, ClusterError, CoconetError
 from coconet.schedules.equivalence import Reference
@@ -113,9 +114,9 @@ class _Rank:
         import torch
         import torch.distributed as dist
 
-        if self.backend == "nccl":
+        if backends.get(self.backend).device_type == "cuda":
             torch.cuda.set_device(0)  # Ray gives each actor its own GPU as device 0
-        dist.init_process_group("nccl" if self.backend == "nccl" else "gloo", init_method=f"tcp://{addr}:{port}",
+        dist.init_process_group(backends.get(self.backend).process_group, init_method=f"tcp://{addr}:{port}",
                                 rank=self.rank, world_size=self.world * self.stages,
                                 timeout=timedelta(seconds=max(30.0, timeout_s)))
         groups = [dist.new_group(list(range(s * self.world, (s + 1) * self.world))) for s in range(self.stages)]
@@ -127,7 +128,7 @@ class _Rank:
 
         from coconet.kernels.segments import close_groups
 
-        device = torch.device("cuda", 0) if self.backend == "nccl" else torch.device("cpu")
+        device = torch.device("cuda", 0) if backends.get(self.backend).device_type == "cuda" else torch.device("cpu")
         stage = self.rank // self.world
         opts = Options(world=self.world, sizes=sizes, seed=seed)
         ns: dict[str, Any] = {"__name__": "coconet_generated"}
@@ -371,7 +372,7 @@ class Runner:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        gpu = self.backend == "nccl"
+        gpu = backends.get(self.backend).device_type == "cuda"
         bundle = {"CPU": 1, "GPU": 1} if gpu else {"CPU": 1}
         # shm ranks must share one node's memory; the others go where the placement asks
         strategy = "STRICT_PACK" if self.backend in ONE_NODE else {"pack": "PACK", "spread": "SPREAD"}[self.placement]

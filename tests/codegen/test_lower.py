@@ -510,8 +510,13 @@ def test_a_chunk_c_cannot_translate_keeps_inductors_kernel():
 def test_a_fuse_kernel_writes_into_the_peers_state_only_where_no_other_reader_runs_while_it_does():
     """The peers write their rows into this rank's w while its kernel runs: LAMB's ``norm(w)``, which reads all
     of w, must come before the kernel."""
-    from coconet.codegen.analysis import absorbed_by_collective, step_units
-    from coconet.codegen.lower import fuse_absorbed, fuse_gathers_into, gathers_into_state
+    from coconet.codegen.analysis import (
+        absorbed_by_collective,
+        fuse_absorbed,
+        fuse_gathers_into,
+        gathers_into_state,
+        step_units,
+    )
 
     p = Schedule.parse("split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse(mul7, sub4); fuse_collective(rs0)",
                        example("lamb")).scheduled

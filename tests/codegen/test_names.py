@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from coconet import Local, Program, Replicated, Sliced, all_gather, allreduce, dropout, matmul, reduce_scatter, sqrt
 from coconet.codegen import lower as lowering
 from coconet.codegen.lower import KERNELS, RESERVED, lower
+from coconet.codegen.names import module_names
 from coconet.errors import BackendError
 from coconet.schedules.schedule import Schedule
 from coconet.schedules.space import generate
@@ -199,7 +200,7 @@ def test_what_generated_code_reads_from_the_module_or_builtins_no_program_name_c
     """A program name is renamed when it is a module-level name of some generated module or in RESERVED: so
     every name that a step or kernel reads from outside it must be one of those, or start with ``_``."""
     prog = example_program(name)
-    allowed = RESERVED | lowering._module_names()
+    allowed = RESERVED | module_names()
     for sched in list(generate(prog))[::3]:
         for backend in ("gloo", "shm"):
             source = lower(sched, backend).source

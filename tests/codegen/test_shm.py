@@ -494,9 +494,9 @@ def test_factors_broadcast_to_the_rows_a_rank_computes():
 def test_without_a_chunk_kernel_the_gradient_is_computed_whole_and_published(monkeypatch):
     """Where no compiled kernel can take the chunk, the statements it would have computed on every rank's rows
     run in the fused collective before it, on this rank's whole gradient, and that is published."""
-    from coconet.codegen import lower as lowering
+    from coconet.codegen import render_collective
 
-    monkeypatch.setattr(lowering, "_chunk_kernel", lambda *a, **k: None)
+    monkeypatch.setattr(render_collective, "chunk_kernel", lambda *a, **k: None)
     adam = Schedule.parse("split(ar0); reorder(ag0); fuse_collective(rs0); fc_chunks=4", predivided_adam())
     src = lower(adam, "shm").source
     fc = src[src.index("def _fused_collective0("):src.index("    g = tensors['g']")]

@@ -212,7 +212,7 @@ def test_zero1_fused_collective_on_shm_moves_the_floors_bytes(chunks):
 @pytest.mark.parametrize("dtype, weighted", [("float32", False), ("bfloat16", False), ("float32", True)])
 def test_a_gradient_computed_before_its_fused_collective_moves_no_bytes_of_its_own(dtype, weighted):
     # g cast and predivided (and weighted by a number of the rank's own) before its allreduce: the chunk
-    # kernel computes each rank's rows of that from the rank's rows of g (codegen.lower.reduced_in_kernel), so
+    # kernel computes each rank's rows of that from the rank's rows of g (codegen.fused.reduced_in_kernel), so
     # the step moves the floor's bytes, g read in its own dtype; no pass over the whole predivided value, no
     # publish of it
     import coconet as cc
@@ -262,7 +262,7 @@ def test_ranks_beyond_the_topologys_share_its_memory_and_cores():
 
 
 def test_a_fuse_kernel_that_sums_a_member_writes_only_the_sum():
-    # a loss scaler's overflow count: the kernel computing the mask sums it (codegen.lower.fuse_reduced), so it
+    # a loss scaler's overflow count: the kernel computing the mask sums it (codegen.analysis.fuse_reduced), so it
     # reads g and writes one number; the mask is not written out and read back by the sum
     import runpy
     from pathlib import Path
@@ -280,9 +280,9 @@ def test_a_fuse_kernel_that_sums_a_member_writes_only_the_sum():
 
 def test_sources_read_where_they_lie_are_not_published_and_an_update_in_place_is_not_copied():
     # gradient accumulation: the chunk kernel reads every rank's acc and g where they lie
-    # (codegen.lower.reduced_in_kernel), a word more per element than Adam's kernel reading g alone, and acc + g
+    # (codegen.fused.reduced_in_kernel), a word more per element than Adam's kernel reading g alone, and acc + g
     # is computed nowhere else (gloo computes it whole); acc is cleared straight into itself
-    # (codegen.lower.updated_in_place): no publish, no copy
+    # (codegen.analysis.updated_in_place): no publish, no copy
     text = "split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse_collective(rs0)"
     prog = runpy.run_path(str(Path(__file__).parents[2] / "benchmarks/programs/adam_accumulate.py"))["program"].ir
     s = Schedule.parse(text, prog)
@@ -307,7 +307,7 @@ def test_sources_read_where_they_lie_are_not_published_and_an_update_in_place_is
 
 def test_a_kernel_storing_into_state_and_into_a_held_buffer_makes_no_new_tensor():
     # error feedback: the second kernel writes the residual into e (e's other reader ran in the first kernel)
-    # and the compressed gradient into the buffer the fused collective reads (codegen.lower._in_place,
+    # and the compressed gradient into the buffer the fused collective reads (codegen.analysis.in_place_outputs,
     # held_source): no fresh tensor, no copy into e, no publish; on gloo the compressed gradient is a new one
     prog = runpy.run_path(str(Path(__file__).parents[2] / "benchmarks/programs/ef_sign.py"))["program"].ir
     s = Schedule.parse("split(ar0); reorder(ag0); fuse_collective(rs0); fuse(add0, abs0, ge0); fuse(where0, sub0)",

@@ -1,0 +1,75 @@
+"""The units that run no kernel of their own making: an overlap (the matmul in chunks, each chunk's collective in
+flight while the next multiplies) and a bucket (its collectives issued together, at most a cap of bytes per
+launch).
+"""
+
+from __future__ import annotations
+
+from coconet.codegen.emitter import Emitter
+from coconet.codegen.names import dim_expr
+from coconet.schedules.ir import Group
+
+
+def lower_overlap(e: Emitter, g: Group, chunks: int) -> list[str]:
+    p = e.p
+    mm, coll = p[g.members[0]], p[g.members[1]]
+    a, b = e.ident(mm.args[0]), e.ident(mm.args[1])
+    out = e.ident(coll.name)
+    lines = [f"# overlap({mm.name}, {coll.name}): {chunks} chunks, chunk k's collective in flight while k+1 multiplies"]
+    if coll.op == "allreduce":
+        lines += [
+            # rows by contraction, spelled out: a rank may hold none of the contraction dim (uneven slices)
+            f"_a = {a}.reshape({a}.shape[:-1].numel(), {a}.shape[-1])",
+            "_parts, _works = [], []",
+            f"for _ak in torch.tensor_split(_a, {chunks}, dim=0):",
+            f"    _yk = {e.matmul}(_ak, {b})",
+            f"    _works.append(_allreduce(_c, _yk, {coll.attr('op')!r}, async_op=True))",
+            "    _parts.append(_yk)",
+            "for _w in _works:",
+            "    if _w is not None:",
+            "        _w.wait()",
+            f"{out} = torch.cat(_parts).reshape({a}.shape[:-1] + ({b}.shape[-1],))",
+        ]
+    elif coll.type.layout.dim == coll.type.ndim - 1:
+        # scattered along the columns: every chunk is a band of rows whose columns the ranks share out
+        n, op = dim_expr(coll.type.shape[-1]), coll.attr("op")
+        lines += [
+            f"_a = {a}.reshape({a}.shape[:-1].numel(), {a}.shape[-1])",
+            "_pending = []",
+            f"for _ak in torch.tensor_split(_a, {chunks}, dim=0):",
+            f"    _pending.append(_reduce_scatter(_c, {e.matmul}(_ak, {b}), 1, {n}, {op!r}, async_op=True))",
+            "_parts = [_finish() for _finish in _pending]",
+            f"{out} = torch.cat(_parts).reshape({a}.shape[:-1] + (_parts[0].shape[-1],))",
+        ]
+    else:
+        d = coll.type.layout.dim
+        n = dim_expr(coll.type.shape[d])
+        lines += [
+            "_pending = []",
+            f"for _bk in torch.tensor_split({b}, {chunks}, dim=1):",
+            f"    _pending.append(_reduce_scatter(_c, {e.matmul}({a}, _bk), {d}, {n}, {coll.attr('op')!r}, "
+            "async_op=True))",
+            f"{out} = torch.cat([_finish() for _finish in _pending], dim=-1)",
+        ]
+    return lines
+
+
+def lower_bucket(e: Emitter, g: Group, cap: int) -> list[str]:
+    """One launch per ``cap`` bytes for the bucket's collectives: NCCL groups them with no copy, gloo runs
+    its coalesced form, which flattens them in C++."""
+    p = e.p
+    first = p[g.members[0]]
+    names = ", ".join(e.ident(m) for m in g.members)
+    srcs = "[" + ", ".join(e.operand(p[m], p[m].args[0]) for m in g.members) + "]"
+    lines = [f"# bucket({', '.join(g.members)}): at most {cap} bytes per launch"]
+    if first.op == "allreduce":
+        keep = [m in e.plan.copies for m in g.members]
+        return lines + [f"[{names}] = _bucket_allreduce(_c, {srcs}, {first.attr('op')!r}, {cap}, {keep})"]
+    if first.op == "reduce_scatter":
+        dims = [p[m].type.layout.dim for m in g.members]
+        ns = [dim_expr(p[m].type.shape[d]) for m, d in zip(g.members, dims)]
+        return lines + [f"{names} = _bucket_reduce_scatter(_c, {srcs}, {dims}, [{', '.join(ns)}], "
+                        f"{first.attr('op')!r}, {cap})"]
+    dims = [p[p[m].args[0]].type.layout.dim for m in g.members]
+    ns = [dim_expr(p[p[m].args[0]].type.shape[d]) for m, d in zip(g.members, dims)]
+    return lines + [f"{names} = _bucket_all_gather(_c, {srcs}, {dims}, [{', '.join(ns)}], {cap})"]
