@@ -214,28 +214,14 @@ def _launch(tasks, opts: Options, reference, results, custom, retry_port: bool =
     """One group of ranks runs the tasks in order until one fails; returns the task ids finished. None, where
     ``retry_port``, if the group never formed because its port was taken: nothing ran, launch again."""
     nranks = opts.world * opts.stages
-    workdir = Path(tempfile.mkdtemp(prefix="coconet-run-"))
-    job = workdir / "job.pkl"
-    with open(job, "wb") as f:
-        pickle.dump(list(sys.path), f)
-        pickle.dump({"options": opts, "port": free_port(), "custom": custom,
-                     "threads": max(1, (os.cpu_count() or 1) // nranks),
-                     "tasks": [(i, gen.code, _task_path(gen), strip_program(gen.schedule.scheduled))
-                               for i, gen in tasks]}, f)
-    procs, conns = [], {}
+    workdir = _write_job(tasks, opts, custom, nranks)
+    procs: list = []
+    conns: dict[Connection, int] = {}
     by_id = dict(tasks)
     done: set[int] = set()
     current = tasks[0][0]
     try:
-        for r in range(nranks):
-            rfd, wfd = os.pipe()
-            log = open(workdir / f"rank{r}.log", "wb")
-            # in a group of their own: Ctrl-C reaches the parent only; it stops the ranks
-            fresh = backends.get(opts.backend).device_type == "cuda"
-            procs.append(start_rank(str(job), r, log.fileno(), wfd, fresh=fresh))
-            os.close(wfd)
-            log.close()
-            conns[Connection(rfd, writable=False)] = r
+        _start_ranks(workdir, nranks, opts, procs, conns)
         pending: dict[int, dict] = {}
         started: dict[int, set] = {}
         # the first task also pays for starting the interpreters and the group
@@ -302,6 +288,33 @@ def _launch(tasks, opts: Options, reference, results, custom, retry_port: bool =
         for conn in conns:
             conn.close()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _write_job(tasks, opts: Options, custom, nranks: int) -> Path:
+    """A folder for one group's launch: the job every rank reads (the caller's path, the options, a free port,
+    the tasks' code), and later the ranks' logs."""
+    workdir = Path(tempfile.mkdtemp(prefix="coconet-run-"))
+    with open(workdir / "job.pkl", "wb") as f:
+        pickle.dump(list(sys.path), f)
+        pickle.dump({"options": opts, "port": free_port(), "custom": custom,
+                     "threads": max(1, (os.cpu_count() or 1) // nranks),
+                     "tasks": [(i, gen.code, _task_path(gen), strip_program(gen.schedule.scheduled))
+                               for i, gen in tasks]}, f)
+    return workdir
+
+
+def _start_ranks(workdir: Path, nranks: int, opts: Options, procs: list, conns: dict) -> None:
+    """Starts the ranks, each logging into ``workdir`` and reporting through a pipe: into ``procs`` and ``conns``
+    as they start, so that the caller stops those that did if a later one cannot."""
+    for r in range(nranks):
+        rfd, wfd = os.pipe()
+        log = open(workdir / f"rank{r}.log", "wb")
+        # in a group of their own: Ctrl-C reaches the parent only; it stops the ranks
+        fresh = backends.get(opts.backend).device_type == "cuda"
+        procs.append(start_rank(str(workdir / "job.pkl"), r, log.fileno(), wfd, fresh=fresh))
+        os.close(wfd)
+        log.close()
+        conns[Connection(rfd, writable=False)] = r
 
 
 def _task_path(task) -> str:
