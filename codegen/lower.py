@@ -49,7 +49,7 @@ from coconet.codegen.rowwise import normalize_text, reduce_text
 from coconet.errors import BackendError
 from coconet.kernels.native import FACTORS, HALF, ChunkKernel, Untranslatable, c_source
 from coconet.schedules.dims import Dim
-from coconet.schedules.ir import COMPARE, EFFECTS, ROWWISE_OPS, Group, Program, Stmt
+from coconet.schedules.ir import COMPARE, CONVS, EFFECTS, ROWWISE_OPS, Group, Program, Stmt
 from coconet.schedules.schedule import Schedule
 from coconet.schedules.types import ITEMSIZE, Local, Replicated, Sliced
 
@@ -317,6 +317,10 @@ class _Emitter:
             return [f"{n} = {normalize_text(s, self.tensor(s.args[0], args[0]))}"]
         if op == "matmul":
             return [f"{n} = {self.matmul}({args[0]}, {args[1]})"]
+        if op in CONVS:
+            # the operands as they lie: a batch, channel or whole piece is what the layout rule convolves (a
+            # Replicated weight is never cut to a Sliced result's rows, as a pointwise operand is)
+            return [f"{n} = {conv_call(s, *map(self.ident, s.args))}"]
         if op == "allreduce":
             if needs_copy(self.p, s.name):
                 return [f"{n} = _allreduced(_c, {args[0]}, {s.attr('op')!r})"]
@@ -353,6 +357,10 @@ class _Emitter:
             attrs = "".join(f", {k}={v!r}" for k, v in s.attrs)
             return [f"{n} = _custom[{op!r}]({', '.join(args)}{attrs})"]
         raise BackendError(f"the torch backend cannot lower {op} ({s.name})", kind="compile_error")
+
+
+def conv_call(s: Stmt, x: str, w: str) -> str:
+    return f"_conv({x}, {w}, {s.attr('stride')}, {s.attr('padding')}, {s.attr('dilation')}, {s.attr('groups')})"
 
 
 def _paren(x: str) -> str:
@@ -1320,6 +1328,8 @@ def _native_chunk(e: _Emitter, compute: list[str], inplace: dict[str, str], into
 def _lower_overlap(e: _Emitter, g: Group, chunks: int) -> list[str]:
     p = e.p
     mm, coll = p[g.members[0]], p[g.members[1]]
+    if mm.op in CONVS:
+        return _lower_conv_overlap(e, mm, coll, chunks)
     a, b = e.ident(mm.args[0]), e.ident(mm.args[1])
     out = e.ident(coll.name)
     lines = [f"# overlap({mm.name}, {coll.name}): {chunks} chunks, chunk k's collective in flight while k+1 multiplies"]
@@ -1359,6 +1369,40 @@ def _lower_overlap(e: _Emitter, g: Group, chunks: int) -> list[str]:
             f"{out} = torch.cat([_finish() for _finish in _pending], dim=-1)",
         ]
     return lines
+
+
+def _lower_conv_overlap(e: _Emitter, conv: Stmt, coll: Stmt, chunks: int) -> list[str]:
+    """A convolution in chunks of its input's batch, each chunk's collective in flight while the next is
+    convolved; for a reduce_scatter along the batch, in chunks of its weight's output channels."""
+    x, w = (e.ident(a) for a in conv.args)
+    out, op = e.ident(coll.name), coll.attr("op")
+    head = f"# overlap({conv.name}, {coll.name}): {chunks} chunks, chunk k's collective in flight while k+1 convolves"
+    if coll.op == "allreduce":
+        return [
+            head,
+            "_parts, _works = [], []",
+            f"for _ak in torch.tensor_split({x}, {chunks}, dim=0):",
+            f"    _yk = {conv_call(conv, '_ak', w)}",
+            f"    _works.append(_allreduce(_c, _yk, {op!r}, async_op=True))",
+            "    _parts.append(_yk)",
+            "for _w in _works:",
+            "    if _w is not None:",
+            "        _w.wait()",
+            f"{out} = torch.cat(_parts)",
+        ]
+    d = coll.type.layout.dim
+    n = dim_expr(coll.type.shape[d])
+    if d == 0:  # scattered along the batch: chunks of the output channels, each scattered along the batch
+        loop, call, cat = f"for _bk in torch.tensor_split({w}, {chunks}, dim=0):", conv_call(conv, x, "_bk"), 1
+    else:
+        loop, call, cat = f"for _ak in torch.tensor_split({x}, {chunks}, dim=0):", conv_call(conv, "_ak", w), 0
+    return [
+        head,
+        "_pending = []",
+        loop,
+        f"    _pending.append(_reduce_scatter(_c, {call}, {d}, {n}, {op!r}, async_op=True))",
+        f"{out} = torch.cat([_finish() for _finish in _pending], dim={cat})",
+    ]
 
 
 def _lower_bucket(e: _Emitter, g: Group, cap: int) -> list[str]:
