@@ -39,12 +39,14 @@ def conv(x, w, stride, padding, dilation, groups):
                    for n, k, s, p, d in zip(x.shape[2:], w.shape[2:], stride, padding, dilation)]
         return x.new_zeros((x.shape[0], w.shape[0], *spatial))
     fn = F.conv1d if w.dim() == 3 else F.conv2d
-    with _ieee(x):
+    with ieee_float32(x):
         return fn(x, w, None, stride, padding, dilation, groups)
 
 
 @contextlib.contextmanager
-def _ieee(x):
+def ieee_float32(x):
+    """Convolutions of ``x`` inside run in float32 where it is a float32 CUDA tensor: cuDNN's TF32 off, and back
+    on after."""
     cudnn = torch.backends.cudnn
     if not (x.is_cuda and x.dtype == torch.float32 and cudnn.allow_tf32):
         yield
