@@ -180,6 +180,9 @@ def _bool(v: Any) -> bool:
     return v
 
 
+MAX_WINDOW = 2**20
+
+
 def _per_dim(nd: int, least: int, what: str) -> Callable[[Any], tuple[int, ...]]:
     """A convolution's stride, padding or dilation: an int for every spatial dim, or one per dim (as torch
     takes them), each at least ``least``; canonical as a tuple of ``nd``."""
@@ -191,6 +194,8 @@ def _per_dim(nd: int, least: int, what: str) -> Callable[[Any], tuple[int, ...]]
             raise ValueError(f"{what} {v!r} is not an int or {nd} ints")
         if any(x < least for x in values):
             raise ValueError(f"{what} {v!r} must be >= {least}")
+        if any(x > MAX_WINDOW for x in values):  # a program from outside must not ask for an unbounded output
+            raise ValueError(f"{what} {v!r} is larger than 2^20")
         return values
     return check
 

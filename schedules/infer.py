@@ -330,11 +330,10 @@ def conv(x: TensorType, w: TensorType, op: str, attrs: dict, names: Sequence[str
     L×R→L · S(0)×R→S(0) (batch slices) · R×S(0)→S(1) (output channels; groups=1) · S(1)×S(1)→L (each rank's
     input channels: partial sums an allreduce or reduce_scatter completes; groups=1)."""
     nd = 1 if op == "conv1d" else 2
-    spatial = "(L)" if nd == 1 else "(H, W)"
+    spatial, taps = ("L", "k") if nd == 1 else ("H, W", "kh, kw")
     if x.ndim != nd + 2 or w.ndim != nd + 2:
-        raise ProgramError(
-            f"{op}({_fmt(names, (x, w))}) takes x (B, C, {spatial[1:-1]}) and w (K, C/groups, "
-            f"{'k' if nd == 1 else 'kh, kw'})", rule=f"{op} shapes")
+        raise ProgramError(f"{op}({_fmt(names, (x, w))}) takes x (B, C, {spatial}) and w (K, C/groups, {taps})",
+                           rule=f"{op} shapes")
     for n, t in zip(names, (x, w)):
         if t.dtype not in FLOAT_DTYPES:
             raise ProgramError(f"{op} operand {n} is {t.dtype}; a convolution needs float tensors",
@@ -349,9 +348,9 @@ def conv(x: TensorType, w: TensorType, op: str, attrs: dict, names: Sequence[str
             f"{groups} x {w.shape[1]}", rule=f"{op}: x's channels = groups x w.shape[1]")
     if any(c % groups for _, c in w.shape[0].terms):
         k = w.shape[0]
-        why = "do not divide" if k.value is not None else f"are not a multiple of it for every size (write {groups}*G)"
-        raise ProgramError(f"{names[1]}'s {k} output channels {why} into groups={groups}",
-                           rule=f"{op}: groups divides the output channels")
+        why = (f"do not divide into groups={groups}" if k.value is not None else
+               f"are not a multiple of groups={groups} for every size (write them as {groups}*G)")
+        raise ProgramError(f"{names[1]}'s {k} output channels {why}", rule=f"{op}: groups divides the output channels")
     out = tuple(_conv_extent(x.shape[2 + i], w.shape[2 + i], attrs["stride"][i], attrs["padding"][i],
                              attrs["dilation"][i], op, names, i) for i in range(nd))
     layout = _conv_layout(x.layout, w.layout, groups, op, names, (x, w))

@@ -22,7 +22,7 @@ from coconet.tuner.launch import Options, run_schedules
 from coconet.tuner.topology import list_topologies, load_topology
 from tests.tuner.test_launch import assert_all_ok, rank_processes
 
-pytestmark = pytest.mark.usefixtures("temp_code_cache")
+pytestmark = pytest.mark.usefixtures("temp_code_cache", "one_thread")
 ROOT = Path(__file__).parents[2]
 
 

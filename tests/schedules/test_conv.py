@@ -21,6 +21,8 @@ from coconet.schedules.transforms.fuse import Fuse
 from coconet.schedules.transforms.overlap import Overlap
 from coconet.schedules.types import Local, Replicated, Sliced
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # torch's convolutions here: see the fixture
+
 LAYOUTS = [Replicated(), Local(), Sliced(0), Sliced(1), Sliced(2), Sliced(3)]
 
 
@@ -110,6 +112,7 @@ def test_output_sizes_follow_torch_on_symbolic_dims(shape, kernel, kw, want):
     (lambda x, w: cc.conv2d(x, w, stride=(1, 1, 1)), r"stride \(1, 1, 1\) is not an int or 2 ints"),
     (lambda x, w: cc.conv2d(x, w, stride=0), r"stride 0 must be >= 1"),
     (lambda x, w: cc.conv2d(x, w, padding=-1), r"padding -1 must be >= 0"),
+    (lambda x, w: cc.conv2d(x, w, padding=(1, 2**40)), r"padding \(1, 1099511627776\) is larger than 2\^20"),
     (lambda x, w: cc.conv2d(x, w, dilation=True), r"dilation True is not an int"),
     (lambda x, w: cc.conv2d(x, w, groups=0), r"groups 0 must be >= 1"),
     (lambda x, w: cc.conv2d(x, w, groups=3), r"x has C channels but w\(C, C, 3, 3\) with groups=3 takes 3 x C"),
@@ -133,7 +136,8 @@ def test_group_and_kernel_checks():
     x = p.tensor("x", ("B", "2*G", 4, 4), layout=Replicated)
     with pytest.raises(ProgramError, match="3 output channels do not divide into groups=2"):
         cc.conv2d(x, p.tensor("w1", (3, "G", 1, 1), layout=Replicated), groups=2)
-    with pytest.raises(ProgramError, match="G output channels are not a multiple of it for every size"):
+    with pytest.raises(ProgramError, match=r"G output channels are not a multiple of groups=2 for every size "
+                                           r"\(write them as 2\*G\)"):
         cc.conv2d(x, p.tensor("w2", ("G", "G", 1, 1), layout=Replicated), groups=2)
     grouped = cc.conv2d(x, p.tensor("w3", ("4*G", "G", 3, 3), layout=Replicated), padding=1, groups=2)
     assert tuple(map(str, grouped.shape)) == ("B", "4*G", "4", "4")
