@@ -29,6 +29,8 @@ from coconet.schedules.dsl import (
     allreduce,
     broadcast,
     cast,
+    conv1d,
+    conv2d,
     dropout,
     exp,
     layer_norm,
@@ -73,8 +75,8 @@ def __getattr__(name: str):
 __all__ = [
     "CoconetError", "CustomOp", "Expr", "IllegalTransform", "Local", "NEXT_STAGE", "OpRegistry", "PREV_STAGE",
     "Program", "ProgramError", "Replicated", "ScheduleError", "SizeError", "Sliced", "Step", "abs", "all_gather",
-    "allreduce", "best", "broadcast", "cast", "compile", "custom_op", "dropout", "exp", "export", "layer_norm",
-    "load", "log", "log_softmax", "matmul", "max", "maximum", "mean", "min", "minimum", "norm", "optim", "recv",
-    "reduce_scatter", "rms_norm", "rsqrt", "run", "schedules", "send", "softmax", "sqrt", "sum", "sweep", "tune",
-    "where",
+    "allreduce", "best", "broadcast", "cast", "compile", "conv1d", "conv2d", "custom_op", "dropout", "exp", "export",
+    "layer_norm", "load", "log", "log_softmax", "matmul", "max", "maximum", "mean", "min", "minimum", "norm", "optim",
+    "recv", "reduce_scatter", "rms_norm", "rsqrt", "run", "schedules", "send", "softmax", "sqrt", "sum", "sweep",
+    "tune", "where"
 ]

@@ -97,6 +97,28 @@ class GptLayerSPStep:
         return {"outputs": {"residual": h, "out": whole[:n]}, "sent": {}}
 
 
+class ConvBlockStep:
+    """The channel-parallel convolution as eager PyTorch: ``F.conv2d`` of this rank's channels, ``dist.all_reduce``,
+    ``F.relu(y + b + r)``. Channel parallelism splits the channels evenly; where the ranks outnumber them, a rank
+    without channels contributes zeros (``F.conv2d`` would give it a result without channels). On CUDA in float32
+    as the generated code convolves, not cuDNN's default TF32: its result is checked, and both do the same work."""
+
+    def __call__(self, tensors, scalars, *, group=None, **_):
+        import torch.distributed as dist
+        import torch.nn.functional as F
+
+        from coconet.kernels.ops import ieee_float32
+
+        x, w = tensors["x"], tensors["w"]
+        if x.shape[1]:
+            with ieee_float32(x):
+                y = F.conv2d(x, w, padding=1)
+        else:
+            y = x.new_zeros((x.shape[0], w.shape[0]) + tuple(x.shape[2:]))
+        dist.all_reduce(y, group=group)
+        return {"outputs": {"out": F.relu(y + tensors["b"] + tensors["r"])}, "sent": {}}
+
+
 @dataclass(frozen=True)
 class Baseline:
     name: str
@@ -124,6 +146,8 @@ BASELINES = {
                              "eager PyTorch as Megatron-LM's sequence parallelism: matmul, "
                              "dist.reduce_scatter_tensor, F.dropout(y + b) + r, F.layer_norm, "
                              "dist.all_gather_into_tensor"),
+    "conv_block": Baseline("conv_block", "conv_block", ConvBlockStep, True,
+                           "eager PyTorch: F.conv2d, dist.all_reduce, F.relu(y + b + r)"),
 }
 
 

@@ -10,7 +10,7 @@ from coconet.codegen.names import BINARY, TORCH_DTYPE, UNARY, Names, dim_expr, p
 from coconet.codegen.plan import LoweringPlan
 from coconet.codegen.rowwise import normalize_text, reduce_text
 from coconet.errors import BackendError
-from coconet.schedules.ir import Program, Stmt
+from coconet.schedules.ir import CONVS, Program, Stmt
 from coconet.schedules.types import Replicated, Sliced
 
 # what ``Emitter.collective`` renders: the runtime's collectives and the pipeline's transfers
@@ -166,6 +166,10 @@ class Emitter:
             return [f"{n} = {normalize_text(s, self.tensor(s.args[0], args[0]))}"]
         if op == "matmul":
             return [f"{n} = {self.matmul}({args[0]}, {args[1]})"]
+        if op in CONVS:
+            # the operands as they lie: a batch, channel or whole piece is what the layout rule convolves (a
+            # Replicated weight is never cut to a Sliced result's rows, as a pointwise operand is)
+            return [f"{n} = {conv_call(s, *map(self.ident, s.args))}"]
         if op == "slice":
             return [f"{n} = {args[0]}"]  # the operand, cut to this rank's rows (or the chunk's)
         if op == "output":
@@ -217,3 +221,8 @@ class Emitter:
                     "if stage + 1 < stages:",
                     f"    dist.send({args[0]}.contiguous(), dst=_c.global_rank + _c.world)"]
         raise BackendError(f"the torch backend cannot lower {op} ({s.name})", kind="compile_error")
+
+
+def conv_call(s: Stmt, x: str, w: str) -> str:
+    """The runtime's convolution of ``x`` by ``w`` with the statement's stride, padding, dilation and groups."""
+    return f"_conv({x}, {w}, {s.attr('stride')}, {s.attr('padding')}, {s.attr('dilation')}, {s.attr('groups')})"

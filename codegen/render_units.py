@@ -5,14 +5,16 @@ launch).
 
 from __future__ import annotations
 
-from coconet.codegen.emitter import Emitter
+from coconet.codegen.emitter import Emitter, conv_call
 from coconet.codegen.names import dim_expr
-from coconet.schedules.ir import Group
+from coconet.schedules.ir import CONVS, Group, Stmt
 
 
 def lower_overlap(e: Emitter, g: Group, chunks: int) -> list[str]:
     p = e.p
     mm, coll = p[g.members[0]], p[g.members[1]]
+    if mm.op in CONVS:
+        return _lower_conv_overlap(e, mm, coll, chunks)
     a, b = e.ident(mm.args[0]), e.ident(mm.args[1])
     out = e.ident(coll.name)
     lines = [f"# overlap({mm.name}, {coll.name}): {chunks} chunks, chunk k's collective in flight while k+1 multiplies"]
@@ -53,6 +55,40 @@ def lower_overlap(e: Emitter, g: Group, chunks: int) -> list[str]:
         ]
     return lines
 
+
+
+def _lower_conv_overlap(e: Emitter, conv: Stmt, coll: Stmt, chunks: int) -> list[str]:
+    """A convolution in chunks of its input's batch, each chunk's collective in flight while the next is
+    convolved; for a reduce_scatter along the batch, in chunks of its weight's output channels."""
+    x, w = (e.ident(a) for a in conv.args)
+    out, op = e.ident(coll.name), coll.attr("op")
+    head = f"# overlap({conv.name}, {coll.name}): {chunks} chunks, chunk k's collective in flight while k+1 convolves"
+    if coll.op == "allreduce":
+        return [
+            head,
+            "_parts, _works = [], []",
+            f"for _ak in torch.tensor_split({x}, {chunks}, dim=0):",
+            f"    _yk = {conv_call(conv, '_ak', w)}",
+            f"    _works.append(_allreduce(_c, _yk, {op!r}, async_op=True))",
+            "    _parts.append(_yk)",
+            "for _w in _works:",
+            "    if _w is not None:",
+            "        _w.wait()",
+            f"{out} = torch.cat(_parts)",
+        ]
+    d = coll.type.layout.dim
+    n = dim_expr(coll.type.shape[d])
+    if d == 0:  # scattered along the batch: chunks of the output channels, each scattered along the batch
+        loop, call, cat = f"for _bk in torch.tensor_split({w}, {chunks}, dim=0):", conv_call(conv, x, "_bk"), 1
+    else:
+        loop, call, cat = f"for _ak in torch.tensor_split({x}, {chunks}, dim=0):", conv_call(conv, "_ak", w), 0
+    return [
+        head,
+        "_pending = []",
+        loop,
+        f"    _pending.append(_reduce_scatter(_c, {call}, {d}, {n}, {op!r}, async_op=True))",
+        f"{out} = torch.cat([_finish() for _finish in _pending], dim={cat})",
+    ]
 
 def lower_bucket(e: Emitter, g: Group, cap: int) -> list[str]:
     """One launch per ``cap`` bytes for the bucket's collectives: NCCL groups them with no copy, gloo runs

@@ -21,7 +21,7 @@ STANDALONE_PACKAGE = "coconet_kernels"  # the folder a standalone module's copy 
 _COLLECTIVES = ("allreduce", "allreduced", "broadcast", "reduce_scatter", "all_gather", "bucket_allreduce",
                 "bucket_reduce_scatter", "bucket_all_gather", "reduce_scatter_chunks", "Gather")
 _COMMON = {"context": ("Ctx", "Chunk"), "compiled": ("kernel",), "dropout": ("dropout", "dropout_rows"),
-           "ops": ("matmul", "norm", "int64", "size")}
+           "ops": ("matmul", "conv", "norm", "int64", "size")}
 # per backend: module of coconet.kernels -> the names generated code may call from it. The shm backend's
 # collectives have the names and signatures of torch.distributed's, so that one lowering serves both
 _IMPORTS = {

@@ -1,10 +1,13 @@
-"""The ops a generated step calls that are not torch's own as they stand: the matrix product, the L2 norm,
-a host integer as a kernel argument, a dim's size that the inputs do not show.
+"""The ops a generated step calls that are not torch's own as they stand: the matrix product, the
+convolution, the L2 norm, a host integer as a kernel argument, a dim's size that the inputs do not show.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+import torch.nn.functional as F
 
 
 def matmul(a, b):
@@ -23,6 +26,36 @@ def matmul(a, b):
         y = torch.ops.mkldnn._linear_pointwise(a.reshape(-1, a.shape[-1]), b.t(), None, "none", [], "")
         return y.reshape(a.shape[:-1] + b.shape[-1:])
     return torch.matmul(a, b)
+
+
+def conv(x, w, stride, padding, dilation, groups):
+    """``F.conv1d``/``F.conv2d`` (by w's dims), no bias. A rank's uneven slice of the channels may hold none:
+    torch refuses a weight without output channels and gives no channels at all for an input without any,
+    where the result is zeros of the full shape (what those channels add to a partial sum). On CUDA a float32
+    convolution runs in float32, not cuDNN's default TF32 (10-bit mantissas), as the generated code's matmuls
+    do: the schedules are checked against the float64 reference at float32's tolerance."""
+    if not (w.shape[0] and w.shape[1]):
+        spatial = [(n + 2 * p - d * (k - 1) - 1) // s + 1
+                   for n, k, s, p, d in zip(x.shape[2:], w.shape[2:], stride, padding, dilation)]
+        return x.new_zeros((x.shape[0], w.shape[0], *spatial))
+    fn = F.conv1d if w.dim() == 3 else F.conv2d
+    with ieee_float32(x):
+        return fn(x, w, None, stride, padding, dilation, groups)
+
+
+@contextlib.contextmanager
+def ieee_float32(x):
+    """Convolutions of ``x`` inside run in float32 where it is a float32 CUDA tensor: cuDNN's TF32 off, and back
+    on after."""
+    cudnn = torch.backends.cudnn
+    if not (x.is_cuda and x.dtype == torch.float32 and cudnn.allow_tf32):
+        yield
+        return
+    cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        cudnn.allow_tf32 = True
 
 
 def norm(x, block=4096):

@@ -25,6 +25,7 @@ from coconet.schedules.ir import (
     BINARY,
     BUILTIN_OPS,
     COMPARE,
+    CONVS,
     EFFECTS,
     MAX_DIMS,
     MAX_NAME,
@@ -77,6 +78,8 @@ PREFIX = {
     "all_gather": "ag",
     "broadcast": "bc",
     "matmul": "mm",
+    "conv1d": "conv",
+    "conv2d": "conv",
     "dropout": "drop",
     "const": "c",
     "partial_sum": "psum",
@@ -177,6 +180,38 @@ def _bool(v: Any) -> bool:
     return v
 
 
+MAX_WINDOW = 2**20
+
+
+def _per_dim(nd: int, least: int, what: str) -> Callable[[Any], tuple[int, ...]]:
+    """A convolution's stride, padding or dilation: an int for every spatial dim, or one per dim (as torch
+    takes them), each at least ``least``; canonical as a tuple of ``nd``."""
+    def check(v: Any) -> tuple[int, ...]:
+        if isinstance(v, str):
+            raise ValueError(f"{what} {v!r} is a string; give an int or {nd} ints ('same'/'valid' are not taken)")
+        values = tuple(v) if isinstance(v, (list, tuple)) else (v,) * nd
+        if len(values) != nd or not all(isinstance(x, int) and not isinstance(x, bool) for x in values):
+            raise ValueError(f"{what} {v!r} is not an int or {nd} ints")
+        if any(x < least for x in values):
+            raise ValueError(f"{what} {v!r} must be >= {least}")
+        if any(x > MAX_WINDOW for x in values):  # a program from outside must not ask for an unbounded output
+            raise ValueError(f"{what} {v!r} is larger than 2^20")
+        return values
+    return check
+
+
+def _groups(v: Any) -> int:
+    v = _int(v)
+    if v < 1:
+        raise ValueError(f"groups {v} must be >= 1")
+    return v
+
+
+def _conv_schema(nd: int) -> Schema:
+    return {"stride": (_per_dim(nd, 1, "stride"), (1,) * nd), "padding": (_per_dim(nd, 0, "padding"), (0,) * nd),
+            "dilation": (_per_dim(nd, 1, "dilation"), (1,) * nd), "groups": (_groups, 1)}
+
+
 def _to(v: Any) -> str:
     if v != NEXT_STAGE:
         raise ValueError(f"send goes to NEXT_STAGE ({NEXT_STAGE!r}), not {v!r}")
@@ -212,6 +247,7 @@ SCHEMAS: dict[str, Schema] = {
     "partial_reduce": {"op": (_reduce_kind, REQ), "dim": (_int, None), "keepdim": (_bool, False)},
     "softmax": {"dim": (_int, REQ)},
     "log_softmax": {"dim": (_int, REQ)},
+    **{op: _conv_schema(nd) for op, nd in CONVS.items()},
     "output": {"name": (_identifier, REQ)},
     "send": {"tag": (_identifier, "activation"), "to": (_to, NEXT_STAGE)},
 }
@@ -229,6 +265,7 @@ ARITY: dict[str, tuple[int, int]] = {
     "softmax": (1, 1),
     "log_softmax": (1, 1),
     "matmul": (2, 2),
+    **{op: (2, 2) for op in CONVS},
     "allreduce": (1, 1),
     "reduce_scatter": (1, 1),
     "all_gather": (1, 1),
@@ -587,6 +624,8 @@ class Builder:
             return infer.normalize(types[0], op, attrs["dim"], names)
         if op == "matmul":
             return infer.matmul(types[0], types[1], names)
+        if op in CONVS:
+            return infer.conv(types[0], types[1], op, attrs, names)
         if op == "allreduce":
             return infer.allreduce(types[0], names)
         if op == "reduce_scatter":

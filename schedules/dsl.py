@@ -325,6 +325,18 @@ def matmul(a: Expr, b: Expr) -> Expr:
     return _apply("matmul", (a, b))
 
 
+def conv2d(x: Expr, w: Expr, stride: Any = 1, padding: Any = 0, dilation: Any = 1, groups: int = 1) -> Expr:
+    """``torch.nn.functional.conv2d`` without a bias: x (B, C, H, W) by w (K, C/groups, kh, kw) into
+    (B, K, H', W'); ``stride``, ``padding``, ``dilation`` an int or a pair. Batch slices of x, output-channel
+    slices of w, or both sliced along their input channels (partial sums for an allreduce): docs/dsl.md."""
+    return _apply("conv2d", (x, w), {"stride": stride, "padding": padding, "dilation": dilation, "groups": groups})
+
+
+def conv1d(x: Expr, w: Expr, stride: Any = 1, padding: Any = 0, dilation: Any = 1, groups: int = 1) -> Expr:
+    """``torch.nn.functional.conv1d`` without a bias: x (B, C, L) by w (K, C/groups, k); as ``conv2d``."""
+    return _apply("conv1d", (x, w), {"stride": stride, "padding": padding, "dilation": dilation, "groups": groups})
+
+
 def dropout(x: Expr, p: float, seed: Any) -> Expr:
     """Inverted dropout; the mask depends only on (seed, global element index) — see coconet.schedules.rng."""
     if isinstance(seed, Expr):

@@ -296,3 +296,86 @@ def normalize(x: TensorType, op: str, dim: int, names: Sequence[str]) -> TensorT
         raise ProgramError(f"{op} of {names[0]} ({x.layout}) along its sliced dim must be written as max and sum "
                            "along the dim", rule=f"{op} along a sliced dim: max, sum and allreduces")
     return TensorType(x.shape, x.dtype or "float32", x.layout)
+
+
+def _exact_quotient(d: Dim, k: int) -> Dim | None:
+    """``d // k`` as a polynomial where every coefficient but the constant's divides by ``k`` (the constant
+    rounds down), else None: a floor of another polynomial is none."""
+    if any(c % k for mono, c in d.terms if mono):
+        return None
+    const = next((c for mono, c in d.terms if not mono), 0)
+    return Dim(tuple((mono, c // k) for mono, c in d.terms if mono)) + Dim.const(const // k)
+
+
+def _conv_extent(n: Dim, k: Dim, stride: int, padding: int, dilation: int, op: str, names: Sequence[str],
+                 i: int) -> Dim:
+    """torch's output size ``(n + 2·padding - dilation·(k - 1) - 1) // stride + 1`` of one spatial dim."""
+    span = n + Dim.const(2 * padding) - Dim.const(dilation) * (k - ONE) - ONE
+    out = _exact_quotient(span, stride)
+    rule = f"{op}: output size (n + 2*padding - dilation*(k - 1) - 1) // stride + 1"
+    if out is None:
+        raise ProgramError(
+            f"spatial dim {i} of {names[0]} is {n} with kernel {k} and stride {stride}: the output size "
+            f"({span}) // {stride} + 1 is not a polynomial of the dims; give {n} as an integer, a multiple of "
+            f"{stride}, or stride 1", rule=rule)
+    out = out + ONE
+    if out.value is not None and out.value <= 0:
+        raise ProgramError(f"spatial dim {i} of {names[0]} ({n}, padded by {padding}) is smaller than the "
+                           f"kernel's reach ({k} taps, dilation {dilation}): the output would be empty", rule=rule)
+    return out
+
+
+def conv(x: TensorType, w: TensorType, op: str, attrs: dict, names: Sequence[str]) -> TensorType:
+    """conv1d/conv2d of x (B, C, *spatial) by w (K, C/groups, *kernel) into (B, K, *out). Layouts: R×R→R ·
+    L×R→L · S(0)×R→S(0) (batch slices) · R×S(0)→S(1) (output channels; groups=1) · S(1)×S(1)→L (each rank's
+    input channels: partial sums an allreduce or reduce_scatter completes; groups=1)."""
+    nd = 1 if op == "conv1d" else 2
+    spatial, taps = ("L", "k") if nd == 1 else ("H, W", "kh, kw")
+    if x.ndim != nd + 2 or w.ndim != nd + 2:
+        raise ProgramError(f"{op}({_fmt(names, (x, w))}) takes x (B, C, {spatial}) and w (K, C/groups, {taps})",
+                           rule=f"{op} shapes")
+    for n, t in zip(names, (x, w)):
+        if t.dtype not in FLOAT_DTYPES:
+            raise ProgramError(f"{op} operand {n} is {t.dtype}; a convolution needs float tensors",
+                               rule=f"{op} needs floats")
+    if x.dtype != w.dtype:
+        raise ProgramError(f"{op} of {names[0]} ({x.dtype}) by {names[1]} ({w.dtype}); cast one to the other's "
+                           "dtype", rule=f"{op}: x and w have one dtype")
+    groups = attrs["groups"]
+    if Dim.const(groups) * w.shape[1] != x.shape[1]:
+        raise ProgramError(
+            f"{names[0]} has {x.shape[1]} channels but {names[1]}{w.shape_text()} with groups={groups} takes "
+            f"{groups} x {w.shape[1]}", rule=f"{op}: x's channels = groups x w.shape[1]")
+    if any(c % groups for _, c in w.shape[0].terms):
+        k = w.shape[0]
+        why = (f"do not divide into groups={groups}" if k.value is not None else
+               f"are not a multiple of groups={groups} for every size (write them as {groups}*G)")
+        raise ProgramError(f"{names[1]}'s {k} output channels {why}", rule=f"{op}: groups divides the output channels")
+    out = tuple(_conv_extent(x.shape[2 + i], w.shape[2 + i], attrs["stride"][i], attrs["padding"][i],
+                             attrs["dilation"][i], op, names, i) for i in range(nd))
+    layout = _conv_layout(x.layout, w.layout, groups, op, names, (x, w))
+    return TensorType((x.shape[0], w.shape[0]) + out, x.dtype, layout)
+
+
+def _conv_layout(lx: Layout, lw: Layout, groups: int, op: str, names: Sequence[str],
+                 types: Sequence[TensorType]) -> Layout:
+    rule = f"{op} layouts"
+    if isinstance(lw, Replicated) and not isinstance(lx, Sliced):
+        return lx  # R×R→R, L×R→L
+    if isinstance(lw, Replicated) and lx == Sliced(0):
+        return lx
+    channels = (isinstance(lx, Replicated) and lw == Sliced(0)) or (lx == Sliced(1) and lw == Sliced(1))
+    if channels and groups != 1:
+        raise ProgramError(
+            f"{op} of {lx} x {lw} ({_fmt(names, types)}) with groups={groups}: slicing channels needs groups=1 "
+            "(a rank's channels may straddle groups)", rule=rule)
+    if channels:
+        return Sliced(1) if isinstance(lx, Replicated) else Local()
+    hint = ""
+    if isinstance(lx, Sliced) and lx.dim >= 2:
+        hint = "; a spatial slice would need its neighbours' rows (a halo exchange), which no collective gives"
+    elif lx == Sliced(1) or lw == Sliced(1):
+        hint = "; partial sums slice both x and w along their input channels (dim 1)"
+    raise ProgramError(
+        f"no {op} rule for {lx} x {lw} ({_fmt(names, types)}); allowed: R×R→R, L×R→L, S(0)×R→S(0), "
+        f"R×S(0)→S(1), S(1)×S(1)→L (partial sums)" + hint, rule=rule)

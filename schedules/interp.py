@@ -399,6 +399,35 @@ def _matmul(ctx: _Ctx, s: Stmt) -> Pieces:
     return [np.matmul(np.asarray(a[r], np.float64), np.asarray(b[r], np.float64)) for r in range(ctx.world)]
 
 
+def conv_reference(x: np.ndarray, w: np.ndarray, stride: tuple[int, ...], padding: tuple[int, ...],
+                   dilation: tuple[int, ...], groups: int) -> np.ndarray:
+    """torch's conv1d/conv2d (no bias) in float64: every kernel tap's strided window of the padded input, and
+    a product with the weights per group. Empty channels (a rank's uneven slice) give zeros of the result's
+    shape, which is what they add to a partial sum."""
+    x = np.pad(np.asarray(x, np.float64), [(0, 0), (0, 0)] + [(p, p) for p in padding])
+    w = np.asarray(w, np.float64)
+    taps = w.shape[2:]
+    out = [(n - d * (k - 1) - 1) // s + 1 for n, k, s, d in zip(x.shape[2:], taps, stride, dilation)]
+    windows = np.empty(x.shape[:2] + taps + tuple(out))
+    for tap in np.ndindex(*taps):
+        window = tuple(slice(t * d, t * d + s * (n - 1) + 1, s) for t, d, s, n in zip(tap, dilation, stride, out))
+        windows[(slice(None), slice(None)) + tap] = x[(slice(None), slice(None)) + window]
+    b, c, k = x.shape[0], x.shape[1] // groups, w.shape[0] // groups
+    windows = windows.reshape((b, groups, c, math.prod(taps)) + tuple(out))
+    y = np.einsum("bgct...,gkct->bgk...", windows, w.reshape(groups, k, c, math.prod(taps)))
+    return y.reshape((b, w.shape[0]) + tuple(out))
+
+
+def _conv(ctx: _Ctx, s: Stmt) -> Pieces:
+    """Each rank's pieces as they lie: its batch rows, its output channels, or its input channels of both (a
+    partial sum); the layout rule says which."""
+    x, w = ctx.vals[s.args[0]], ctx.vals[s.args[1]]
+    attrs = (s.attr("stride"), s.attr("padding"), s.attr("dilation"), s.attr("groups"))
+    if _one_array(x) and _one_array(w):
+        return [conv_reference(x[0], w[0], *attrs)] * ctx.world
+    return [conv_reference(x[r], w[r], *attrs) for r in range(ctx.world)]
+
+
 def _sum(ctx: _Ctx, s: Stmt) -> Pieces:
     return [np.asarray(np.sum(p, dtype=np.float64)) for p in ctx.vals[s.args[0]]]
 
@@ -535,6 +564,8 @@ EVAL: dict[str, Callable[[_Ctx, Stmt], Pieces]] = {
     "softmax": _softmax(log=False),
     "log_softmax": _softmax(log=True),
     "matmul": _matmul,
+    "conv1d": _conv,
+    "conv2d": _conv,
     "allreduce": _allreduce,
     "reduce_scatter": _reduce_scatter,
     "all_gather": _all_gather,

@@ -37,12 +37,14 @@ ROWWISE_OPS = frozenset({"reduce", "softmax", "log_softmax"})
 REDUCE_KINDS = ("sum", "mean", "max", "min")
 # the collective that completes a partial_reduce of each kind (mean's partial is divided by the full extent)
 PARTIAL_COLLECTIVE = {"sum": "sum", "mean": "sum", "max": "max", "min": "min"}
+# convolutions of (B, C, *spatial) inputs by (K, C/groups, *kernel) weights, spatial dims by op
+CONVS = {"conv1d": 1, "conv2d": 2}
 COLLECTIVES = frozenset({"allreduce", "reduce_scatter", "all_gather", "broadcast"})
 EFFECTS = frozenset({"update", "output", "send"})
 # R→S with no communication: each rank's rows of its own copy (slice_reduce makes it)
 VIEWS = frozenset({"slice"})
 BUILTIN_OPS = (SOURCES | POINTWISE | REDUCTIONS | DIM_REDUCTIONS | NORMALIZERS | COLLECTIVES | EFFECTS | VIEWS
-               | {"matmul"})
+               | {"matmul"} | frozenset(CONVS))
 
 REDUCE_OPS = ("sum", "prod", "max", "min", "avg")
 NEXT_STAGE = "next"

@@ -46,6 +46,19 @@ def write_local_topology(path: Path) -> Path:
     return path
 
 
+@pytest.fixture
+def one_thread():
+    """torch's ops in this process run on one thread: a parallel region (a convolution's, on any size) leaves
+    OpenMP's workers behind, and the children of a test that forks ranks from this process later
+    (test_baselines) would hang in their first parallel region."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def temp_code_cache(tmp_path_factory):
     """Generated modules go to a throwaway cache, not the user's."""

@@ -14,7 +14,7 @@ from coconet.codegen.analysis import row_dim
 from coconet.codegen.fused import FusedCollective
 from coconet.codegen.plan import LoweringPlan
 from coconet.schedules.dims import Dim
-from coconet.schedules.ir import Group, Stmt
+from coconet.schedules.ir import CONVS, Group, Stmt
 from coconet.schedules.types import ITEMSIZE, Replicated, Sliced, TensorType
 
 
@@ -232,6 +232,25 @@ class Builder:
             cold += again if self.is_cold(arg) else ()
         return Kernel(s.name, chunks, reads, out, out, flops=flops, dtype=s.type.dtype or "float32", cold=cold)
 
+    def conv(self, s: Stmt, chunks: int = 1, whole_each_chunk: int | None = None) -> Kernel:
+        """A convolution priced as a matmul: 2 flops per multiply-add, of which each output element of this
+        rank's batch rows takes one per element of the weight's row (its piece's input channels by the taps),
+        so this rank's batch by output positions times its piece of the weight. Its operands are read as they
+        lie, in ``chunks`` launches that each read all of operand ``whole_each_chunk`` (0 or 1)."""
+        p = self.p
+        x, w = (p[a].type for a in s.args)
+        rows = self.extent((x.shape[0],) + s.type.shape[2:], 0 if x.layout == Sliced(0) else None)
+        flops = ((2.0, (rows, self.local(w))),)
+        out = self.nbytes(s.type, self.local(s.type))
+        reads = tuple(t for a in s.args for t in self.nbytes(p[a].type, self.local(p[a].type)))
+        cold = tuple(t for a in s.args if self.is_cold(a) for t in self.nbytes(p[a].type, self.local(p[a].type)))
+        if whole_each_chunk is not None and chunks > 1:
+            arg = s.args[whole_each_chunk]
+            again = self.nbytes(p[arg].type, self.local(p[arg].type), chunks - 1)
+            reads += again
+            cold += again if self.is_cold(arg) else ()
+        return Kernel(s.name, chunks, reads, out, out, flops=flops, dtype=s.type.dtype or "float32", cold=cold)
+
     def collective(self, s: Stmt) -> Comm:
         p = self.p
         t = s.type if s.op == "all_gather" else p[s.args[0]].type
@@ -246,6 +265,8 @@ class Builder:
             return [Unit(s.name, (), (Comm("send", self.nbytes(t, self.local(t)), between_stages=True),))]
         if op == "matmul":
             return [Unit(s.name, (self.matmul(s),))]
+        if op in CONVS:
+            return [Unit(s.name, (self.conv(s),))]
         if op in ("allreduce", "broadcast"):
             t = p[s.args[0]].type
             clone = op == "broadcast" or s.name in self.lowering.copies
@@ -478,8 +499,10 @@ class Builder:
         p = self.p
         chunks = self.knobs["chunks"]
         mm, coll = p[g.members[0]], p[g.members[1]]
-        # chunks of a's rows times all of b (allreduce), or all of a times chunks of b's columns
-        k = self.matmul(mm, chunks, whole_each_chunk=1 if coll.op == "allreduce" else 0)
+        # chunks of a's rows times all of b (allreduce), or all of a times chunks of b's columns; a convolution's
+        # chunks of the batch by all of w, or (scattered along the batch) all of x by chunks of w
+        by_rows = coll.op == "allreduce" or (mm.op in CONVS and coll.type.layout != Sliced(0))
+        k = (self.conv if mm.op in CONVS else self.matmul)(mm, chunks, whole_each_chunk=1 if by_rows else 0)
         out = self.nbytes(coll.type, self.local(coll.type))
         cat = Kernel(f"cat {coll.name}", 1, out, out, out)
         t = mm.type

@@ -20,7 +20,7 @@ import time
 from typing import Iterable, Mapping
 
 from coconet.schedules import interp
-from coconet.schedules.ir import Program
+from coconet.schedules.ir import CONVS, Program
 from coconet.schedules.types import ITEMSIZE, Local, Replicated
 
 
@@ -47,7 +47,9 @@ def bytes_moved_once(program: Program, sizes: Mapping[str, int], world: int,
 
 
 def matmul_flops_per_rank(program: Program, sizes: Mapping[str, int], world: int) -> float:
-    """2·M·N·K of every matmul, on the pieces rank 0 holds (a Sliced dim: its first, largest, share)."""
+    """2·M·N·K of every matmul, on the pieces rank 0 holds (a Sliced dim: its first, largest, share), and of
+    every convolution taken as the matmul of its output by the weight's rows (input channels by taps): its
+    floor is then as if it ran at the matmul rate, as a convolution lowered to a GEMM would."""
     def local(t) -> list[int]:
         shape = interp.concrete_shape(t, sizes)
         return [len(range(n)[r]) for n, r in zip(shape, interp.local_region(t, shape, world, 0))]
@@ -58,6 +60,8 @@ def matmul_flops_per_rank(program: Program, sizes: Mapping[str, int], world: int
             # the rank's own rows and columns of the product: a column-parallel one (a weight Sliced(1))
             # holds 1/R of the columns, a row-parallel one its partial sum of every element over 1/R of K
             total += 2.0 * math.prod(local(s.type)) * local(program[s.args[0]].type)[-1]
+        elif s.op in CONVS:
+            total += 2.0 * math.prod(local(s.type)) * math.prod(local(program[s.args[1]].type)[1:])
     return total
 
 

@@ -1,16 +1,20 @@
-"""overlap(producer, collective): chunked pipelining of a matmul with the
-collective that consumes it (CoCoNet §4.4): chunk k's collective is in flight
-while chunk k+1 is computed. ``chunks`` is a knob.
+"""overlap(producer, collective): chunked pipelining of a matmul or a convolution
+with the collective that consumes it (CoCoNet §4.4): chunk k's collective is in
+flight while chunk k+1 is computed. ``chunks`` is a knob. A convolution's chunks
+are batch rows of its input, or, for a reduce_scatter along the batch, output
+channels of its weight.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from coconet.schedules.ir import Group, Program
+from coconet.schedules.ir import CONVS, Group, Program
 from coconet.schedules.transforms.base import Transform, with_group
+from coconet.schedules.types import Sliced
 
 COLLECTIVES = ("allreduce", "reduce_scatter")
+PRODUCERS = ("matmul", *CONVS)
 
 
 @dataclass(frozen=True)
@@ -28,13 +32,13 @@ class Overlap(Transform):
         for s in program.stmts:
             if s.op in COLLECTIVES and s.name not in program.group_of:
                 src = program[s.args[0]]
-                if (src.op == "matmul" and src.name not in program.group_of and src.type.ndim >= 2
-                        and program.users[src.name] == (s.name,)):
+                if (src.op in PRODUCERS and src.name not in program.group_of and src.type.ndim >= 2
+                        and program.users[src.name] == (s.name,) and _chunkable(program, src.name, s.name) is None):
                     out.append(cls(src.name, s.name))
         return out
 
     def apply(self, program: Program) -> Program:
-        mm = self.need(program, self.producer, ("matmul",), "a matmul")
+        mm = self.need(program, self.producer, PRODUCERS, "a matmul or a convolution")
         coll = self.need(program, self.collective, COLLECTIVES, "an allreduce or reduce_scatter")
         if coll.args[0] != mm.name:
             raise self.refuse(f"{coll.name} does not consume {mm.name}")
@@ -45,7 +49,26 @@ class Overlap(Transform):
                 raise self.refuse(f"{n} already runs in {program.group_of[n]}")
         if mm.type.ndim < 2:
             raise self.refuse(f"{mm.name} has a single row dim: nothing to chunk")
+        why = _chunkable(program, mm.name, coll.name)
+        if why is not None:
+            raise self.refuse(why)
         return with_group(program, Group("overlap", (mm.name, coll.name), ("chunks",)))
 
     def describe(self, program: Program) -> str:
         return f"{self.producer} overlapped with {self.collective} in chunks"
+
+
+def _chunkable(program: Program, producer: str, collective: str) -> str | None:
+    """None where the producer's chunks are independent pieces of its result, else why not. A convolution is
+    chunked along the batch (its input whole along it: a rank's batch slice would be another layout), or, for
+    a reduce_scatter along the batch, along its weight's output channels, which must not straddle groups."""
+    s = program[producer]
+    if s.op not in CONVS:
+        return None
+    if program[s.args[0]].type.layout == Sliced(0):
+        return f"{producer}'s input is sliced along the batch: its chunks are the ranks' already"
+    coll = program[collective]
+    if coll.op == "reduce_scatter" and coll.type.layout == Sliced(0) and s.attr("groups") != 1:
+        return (f"{collective} scatters the batch, so {producer} is chunked along its output channels, which "
+                f"would straddle its {s.attr('groups')} groups")
+    return None

@@ -252,6 +252,10 @@ GOLDENS = {  # name: (example, schedule, backend, lower's keywords)
     # its columns of the ones by its rows, scattered along the columns in chunks of rows as they are multiplied
     "adafactor_row_products_overlap": ("benchmarks/programs/adafactor.py",
                                        "split(ar0); reorder(ag0); split(ar0, dim=1); overlap(mm2, rs1)", "gloo", {}),
+    # the channel-parallel convolution in chunks of the batch, each chunk's allreduce in flight
+    "conv_block_overlap": ("conv_block", "overlap(conv0, ar0)", "gloo", {}),
+    # scattered along the batch: chunks of the filters, the block's epilogue on each rank's batch rows
+    "conv_block_overlap_scatter_shm": ("conv_block", "split(ar0); reorder(ag0); overlap(conv0, rs0)", "shm", {}),
 }
 
 
