@@ -14,7 +14,7 @@ import heapq
 from typing import Any, Callable, ClassVar, Iterable
 
 from coconet.errors import IllegalTransform
-from coconet.schedules.builder import ARITY
+from coconet.schedules.attrs import ARITY
 from coconet.schedules.ir import BINARY, COMPARE, ROWWISE_OPS, UNARY, Group, Program, Stmt
 from coconet.schedules.types import Local, Sliced
 
