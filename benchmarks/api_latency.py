@@ -68,8 +68,18 @@ def populate(url: str, rows: int) -> list[tuple[str, str, int]]:
         base: dict[str, Any] = {}
         for p in programs:
             store.add_program(p)
-            base[p.hash] = NewMeasurement.of(Schedule(p), sizes={"N": 1024}, topology="t0", world=2, backend="gloo",
-                                             samples=[1e-3] * 5, n=5, median_s=1e-3, ci_lo_s=9e-4, ci_hi_s=1.1e-3)
+            base[p.hash] = NewMeasurement.of(
+                Schedule(p),
+                sizes={"N": 1024},
+                topology="t0",
+                world=2,
+                backend="gloo",
+                samples=[1e-3] * 5,
+                n=5,
+                median_s=1e-3,
+                ci_lo_s=9e-4,
+                ci_hi_s=1.1e-3,
+            )
         triples: set[tuple[str, str, int]] = set()
 
         def key(i: int) -> tuple[str, dict[str, int], str, int, str]:
@@ -98,8 +108,18 @@ def populate(url: str, rows: int) -> list[tuple[str, str, int]]:
             triples.add((prog, topo, world))
             for j in range(per_key):
                 median = 1e-3 * (1 + j / per_key) * sizes["N"] / 1024
-                pending.append(replace(base[prog], sizes=sizes, topology=topo, world=world, backend=backend,
-                                       median_s=median, ci_lo_s=median * 0.97, ci_hi_s=median * 1.03))
+                pending.append(
+                    replace(
+                        base[prog],
+                        sizes=sizes,
+                        topology=topo,
+                        world=world,
+                        backend=backend,
+                        median_s=median,
+                        ci_lo_s=median * 0.97,
+                        ci_hi_s=median * 1.03,
+                    )
+                )
             if len(pending) >= BATCH:
                 flush()
         if pending:
@@ -204,9 +224,13 @@ def serve(url: str) -> tuple[subprocess.Popen, int]:
     port = free_port()
     env = {**os.environ, "COCONET_API_TOKEN": "bench"}
     # --json: no access log line per request (a log write per request is not what is measured here).
-    proc = subprocess.Popen([sys.executable, "-m", "coconet", "serve", "--port", str(port), "--db", url,
-                             "--workers", "0", "--json"], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "coconet", "serve", "--port", str(port), "--db", url, "--workers", "0", "--json"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
     async def health() -> int:
         conn = await Http("127.0.0.1", port).open()
@@ -261,8 +285,15 @@ def pct(xs: list[float], p: float) -> float:
     return round(xs[min(len(xs) - 1, int(p * len(xs)))] * 1e3, 2)
 
 
-async def load(port: int, triples: list, rate: float, seconds: float, connections: int, server: int,
-               database: Callable[[], list[int]]) -> dict[str, Any]:
+async def load(
+    port: int,
+    triples: list,
+    rate: float,
+    seconds: float,
+    connections: int,
+    server: int,
+    database: Callable[[], list[int]],
+) -> dict[str, Any]:
     """Serial latency, then the open-loop run; ``server`` is the server's pid, ``database()`` the database's
     processes (PostgreSQL's backends; none for SQLite, which runs inside the server)."""
     q = queries(triples)
@@ -329,11 +360,18 @@ async def load(port: int, triples: list, rate: float, seconds: float, connection
     latencies.sort()
     lags.sort()
     return {
-        "requests": n, "ok": statuses.get(200, 0), "statuses": {str(k): v for k, v in sorted(statuses.items())},
-        "errors": errors, "target_rate": rate, "achieved_rate": round(len(latencies) / elapsed, 1),
-        "p50_ms": pct(latencies, 0.50), "p90_ms": pct(latencies, 0.90), "p99_ms": pct(latencies, 0.99),
+        "requests": n,
+        "ok": statuses.get(200, 0),
+        "statuses": {str(k): v for k, v in sorted(statuses.items())},
+        "errors": errors,
+        "target_rate": rate,
+        "achieved_rate": round(len(latencies) / elapsed, 1),
+        "p50_ms": pct(latencies, 0.50),
+        "p90_ms": pct(latencies, 0.90),
+        "p99_ms": pct(latencies, 0.99),
         "max_ms": round(latencies[-1] * 1e3, 2),
-        "serial_p50_ms": pct(serial, 0.50), "serial_p99_ms": pct(serial, 0.99),
+        "serial_p50_ms": pct(serial, 0.50),
+        "serial_p99_ms": pct(serial, 0.99),
         "serial_statuses": {str(k): v for k, v in sorted(serial_statuses.items())},
         # Where the CPU went during the open-loop run, per request: the server, PostgreSQL's backends, this
         # load generator; and how busy the machine's cores were, everyone else's work included.
@@ -346,15 +384,15 @@ async def load(port: int, triples: list, rate: float, seconds: float, connection
     }
 
 
-def run_one(backend: str, rows: int, url: str, rate: float, seconds: float, connections: int,
-            pg: Postgres | None) -> dict[str, Any]:
+def run_one(
+    backend: str, rows: int, url: str, rate: float, seconds: float, connections: int, pg: Postgres | None
+) -> dict[str, Any]:
     t = time.perf_counter()
     triples = populate(url, rows)
     fill_s = time.perf_counter() - t
     proc, port = serve(url)
     try:
-        result = run(load(port, triples, rate, seconds, connections, proc.pid,
-                          pg.backends if pg is not None else list))
+        result = run(load(port, triples, rate, seconds, connections, proc.pid, pg.backends if pg is not None else list))
     finally:
         proc.terminate()
         proc.wait(30)
@@ -396,21 +434,42 @@ def main() -> None:
                 pg = Postgres()
                 pg.start()
             for rows in args.rows:
-                url = pg.new_database(f"b{rows}") if backend == "postgresql" and pg else \
-                    f"sqlite:///{tmp / f'b{rows}.db'}"
-                results.append(run_one(backend, rows, url, args.rate, args.seconds, args.connections,
-                                       pg if backend == "postgresql" else None))
+                url = (
+                    pg.new_database(f"b{rows}")
+                    if backend == "postgresql" and pg
+                    else f"sqlite:///{tmp / f'b{rows}.db'}"
+                )
+                results.append(
+                    run_one(
+                        backend,
+                        rows,
+                        url,
+                        args.rate,
+                        args.seconds,
+                        args.connections,
+                        pg if backend == "postgresql" else None,
+                    )
+                )
     finally:
         if pg is not None:
             pg.stop()
         shutil.rmtree(tmp, ignore_errors=True)
-    doc = {"benchmark": "GET /api/v1/best latency, open loop", "rate": args.rate, "seconds": args.seconds,
-           "connections": args.connections,
-           "machine": {"cpus": os.cpu_count(), "cpu": fingerprint.cpu_model(), "machine": platform.machine(),
-                       "python": platform.python_version()},
-           "note": "client and server share this machine's cores (and other benchmarks may run beside them)",
-           "load_average_before": load_before, "load_average_after": os.getloadavg(),
-           "results": results}
+    doc = {
+        "benchmark": "GET /api/v1/best latency, open loop",
+        "rate": args.rate,
+        "seconds": args.seconds,
+        "connections": args.connections,
+        "machine": {
+            "cpus": os.cpu_count(),
+            "cpu": fingerprint.cpu_model(),
+            "machine": platform.machine(),
+            "python": platform.python_version(),
+        },
+        "note": "client and server share this machine's cores (and other benchmarks may run beside them)",
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg(),
+        "results": results,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=2) + "\n")
     print(json.dumps(doc, indent=2))

@@ -22,8 +22,12 @@ from pathlib import Path
 
 
 def run_one(tree: Path, args: list[str], out: Path) -> None:
-    done = subprocess.run([str(tree / ".venv" / "bin" / "coconet"), "bench", *args, "--json", "-o", str(out)],
-                          cwd=tree, capture_output=True, text=True)
+    done = subprocess.run(
+        [str(tree / ".venv" / "bin" / "coconet"), "bench", *args, "--json", "-o", str(out)],
+        cwd=tree,
+        capture_output=True,
+        text=True,
+    )
     if done.returncode:
         sys.exit(f"bench_between: coconet bench in {tree} failed:\n{done.stderr[-3000:]}")
 
@@ -32,8 +36,11 @@ def times(report: dict) -> dict[str, tuple[float, float]]:
     """(schedule on backend) -> (its median step time, that over the run's torch baseline), first point."""
     pt = report["points"][0]
     torch_s = pt["torch"]["median_s"]
-    return {f"{r['schedule']} [{r['backend']}]": (r["median_s"], r["median_s"] / torch_s)
-            for r in pt["results"] if r.get("status") == "ok"}
+    return {
+        f"{r['schedule']} [{r['backend']}]": (r["median_s"], r["median_s"] / torch_s)
+        for r in pt["results"]
+        if r.get("status") == "ok"
+    }
 
 
 def summarize(runs: Path, workload: str) -> dict:
@@ -43,8 +50,9 @@ def summarize(runs: Path, workload: str) -> dict:
         before = times(json.loads((runs / f"{workload}_before_r{k}.json").read_text()))
         after = times(json.loads((runs / f"{workload}_after_r{k}.json").read_text()))
         for key in before.keys() & after.keys():
-            row = per.setdefault(key, {"after_over_before": [], "after_over_before_vs_torch": [],
-                                       "before_s": [], "after_s": []})
+            row = per.setdefault(
+                key, {"after_over_before": [], "after_over_before_vs_torch": [], "before_s": [], "after_s": []}
+            )
             row["after_over_before"].append(after[key][0] / before[key][0])
             row["after_over_before_vs_torch"].append(after[key][1] / before[key][1])
             row["before_s"].append(before[key][0])
@@ -65,10 +73,20 @@ def plot(report: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(9, 0.5 * len(keys) + 1.5))
     for i, key in enumerate(keys):
         row = report["schedules"][key]
-        ax.scatter(row["after_over_before"], [i] * len(row["after_over_before"]), color="C0", marker="o",
-                   label="raw" if i == 0 else None)
-        ax.scatter(row["after_over_before_vs_torch"], [i + 0.2] * len(row["after_over_before"]), color="C1",
-                   marker="x", label="over torch's time in the same run" if i == 0 else None)
+        ax.scatter(
+            row["after_over_before"],
+            [i] * len(row["after_over_before"]),
+            color="C0",
+            marker="o",
+            label="raw" if i == 0 else None,
+        )
+        ax.scatter(
+            row["after_over_before_vs_torch"],
+            [i + 0.2] * len(row["after_over_before"]),
+            color="C1",
+            marker="x",
+            label="over torch's time in the same run" if i == 0 else None,
+        )
     ax.axvline(1.0, color="grey", lw=0.8)
     ax.set_yticks(range(len(keys)), [k if len(k) <= 70 else k[:48] + "…" + k[-21:] for k in keys], fontsize=7)
     ax.set_xlabel("step time after / before, per round")
@@ -90,7 +108,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--plot", type=Path)
     args = ap.parse_args(argv[:split])
-    bench = argv[split + 1:]
+    bench = argv[split + 1 :]
     if not bench:
         ap.error("give coconet bench's arguments after --")
     workload = bench[0]

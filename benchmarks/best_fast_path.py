@@ -31,9 +31,20 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
 async def _call(app: Any, query: bytes) -> int:
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET", "scheme": "http",
-             "path": "/api/v1/best", "raw_path": b"/api/v1/best", "root_path": "", "query_string": query,
-             "headers": [(b"host", b"127.0.0.1")], "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "GET",
+        "scheme": "http",
+        "path": "/api/v1/best",
+        "raw_path": b"/api/v1/best",
+        "root_path": "",
+        "query_string": query,
+        "headers": [(b"host", b"127.0.0.1")],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+    }
     status = 0
 
     async def receive() -> dict[str, Any]:
@@ -75,8 +86,9 @@ def main() -> None:
         for _ in range(args.requests):
             program, topology, world = rng.choice(triples)
             n = rng.choice(SIZES) if rng.random() < 0.9 else 3 * 2**20
-            queries.append(urlencode({"program": program, "sizes": f"N={n}", "topology": topology,
-                                      "world": world}).encode())
+            queries.append(
+                urlencode({"program": program, "sizes": f"N={n}", "topology": topology, "world": world}).encode()
+            )
         fast = create_app(url, token="t", workers=0, start_workers=False)
         plain = create_app(url, token="t", workers=0, start_workers=False)
         # the same app less the one middleware: every request goes to the route
@@ -95,12 +107,27 @@ def main() -> None:
             app.state.store.close()
     median = {k: statistics.median(v) for k, v in rates.items()}
     ratio = median["fast_path"] / median["route"]
-    print(f"GET /api/v1/best: fast path {median['fast_path']:.0f} req/s, route {median['route']:.0f} req/s, "
-          f"{ratio:.2f}x (median of {args.rounds} rounds of {args.requests})")
+    print(
+        f"GET /api/v1/best: fast path {median['fast_path']:.0f} req/s, route {median['route']:.0f} req/s, "
+        f"{ratio:.2f}x (median of {args.rounds} rounds of {args.requests})"
+    )
     OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps({"store": "sqlite", "keys": 1000, "machine": platform.machine(),
-                               "python": platform.python_version(), "requests_per_round": args.requests,
-                               "req_per_s": rates, "median_req_per_s": median, "ratio": ratio}, indent=2) + "\n")
+    OUT.write_text(
+        json.dumps(
+            {
+                "store": "sqlite",
+                "keys": 1000,
+                "machine": platform.machine(),
+                "python": platform.python_version(),
+                "requests_per_round": args.requests,
+                "req_per_s": rates,
+                "median_req_per_s": median,
+                "ratio": ratio,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
 
 
 if __name__ == "__main__":

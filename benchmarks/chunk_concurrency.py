@@ -56,8 +56,10 @@ def _worker(index: int, world: int, n: int, calls: int, barriers: dict, orders, 
     # the probe's a += b moves 1.5x its buffers' bytes: sized to move what the chunk moves; its C kernel only
     # where there is a C compiler
     probe = kernels(nbytes * 2 // 3)
-    run = {"chunk": (lambda: chunk(peers, m, v, w, parts, *scalars), nbytes),
-           **{kind: (k.run, k.nbytes) for kind, k in zip(KINDS[1:], probe)}}
+    run = {
+        "chunk": (lambda: chunk(peers, m, v, w, parts, *scalars), nbytes),
+        **{kind: (k.run, k.nbytes) for kind, k in zip(KINDS[1:], probe)},
+    }
     for fn, _ in run.values():  # compiles the C kernels (once per machine), faults every page in
         fn()
     compiler = shutil.which(os.environ.get("CC") or "cc") or shutil.which("gcc")  # as _native_library looks
@@ -112,8 +114,10 @@ def main(argv: list[str] | None = None) -> dict:
     barriers = {p: ctx.Barrier(p) for p in counts}
     orders = [ctx.Queue() for _ in range(max(counts))]
     results = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(i, args.world, n, args.calls, barriers, orders[i], results), daemon=True)
-             for i in range(max(counts))]
+    procs = [
+        ctx.Process(target=_worker, args=(i, args.world, n, args.calls, barriers, orders[i], results), daemon=True)
+        for i in range(max(counts))
+    ]
     for p in procs:
         p.start()
     try:
@@ -146,12 +150,18 @@ def main(argv: list[str] | None = None) -> dict:
         return statistics.median(c / a for c, a in zip(rates["chunk", p], rates[kind, p]))
 
     report = {
-        "world": args.world, "rows_per_process": n, "bytes_per_call_per_process": nbytes, "calls": args.calls,
-        "rounds": args.rounds, "chunk_kernel": kernel, "cpus": os.cpu_count(),
+        "world": args.world,
+        "rows_per_process": n,
+        "bytes_per_call_per_process": nbytes,
+        "calls": args.calls,
+        "rounds": args.rounds,
+        "chunk_kernel": kernel,
+        "cpus": os.cpu_count(),
         "machine": platform.processor() or platform.machine(),
         "floor_kernel": "the best of the probe's kernels (a.add_(b), and the C states kernel where a C "
-                        "compiler is), all threads, one process (coconet bench's floor)",
-        "floor_kernel_GBps": floor / 1e9, "floor_kernel_median_GBps": statistics.median(floor_samples) / 1e9,
+        "compiler is), all threads, one process (coconet bench's floor)",
+        "floor_kernel_GBps": floor / 1e9,
+        "floor_kernel_median_GBps": statistics.median(floor_samples) / 1e9,
         "floor_kernel_samples_GBps": [b / 1e9 for b in floor_samples],
         "processes": {
             str(p): {
@@ -159,15 +169,22 @@ def main(argv: list[str] | None = None) -> dict:
                 **{f"{k}_best_GBps": max(rates[k, p]) / 1e9 for k in kinds},
                 **{f"chunk_over_{k}": over(p, k) for k in kinds[1:]},
                 "chunk_over_floor_kernel": statistics.median(rates["chunk", p]) / floor,
-            } for p in counts},
+            }
+            for p in counts
+        },
     }
-    print(f"floor kernel: {report['floor_kernel_GBps']:.1f} GB/s (best of {len(floor_samples)}; their median "
-          f"{report['floor_kernel_median_GBps']:.1f})")
+    print(
+        f"floor kernel: {report['floor_kernel_GBps']:.1f} GB/s (best of {len(floor_samples)}; their median "
+        f"{report['floor_kernel_median_GBps']:.1f})"
+    )
     for p, r in report["processes"].items():
-        print(f"{p} process(es), medians (best): " + ", ".join(
-            f"{k} {r[f'{k}_GBps']:.1f} ({r[f'{k}_best_GBps']:.1f}) GB/s" for k in kinds) + "; " + ", ".join(
-            f"chunk/{k} {r[f'chunk_over_{k}']:.3f}" for k in kinds[1:]) +
-            f", chunk/floor kernel {r['chunk_over_floor_kernel']:.3f}")
+        print(
+            f"{p} process(es), medians (best): "
+            + ", ".join(f"{k} {r[f'{k}_GBps']:.1f} ({r[f'{k}_best_GBps']:.1f}) GB/s" for k in kinds)
+            + "; "
+            + ", ".join(f"chunk/{k} {r[f'chunk_over_{k}']:.3f}" for k in kinds[1:])
+            + f", chunk/floor kernel {r['chunk_over_floor_kernel']:.3f}"
+        )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2) + "\n")

@@ -92,12 +92,40 @@ class Cluster:
 
     def __enter__(self) -> Cluster:
         try:
-            subprocess.run([str(RAY), "start", "--head", "--port", str(self.port), "--num-cpus", "1", "--temp-dir",
-                            str(self.temp), "--include-dashboard=false"], env=self.env, check=True,
-                           capture_output=True, timeout=180)
-            subprocess.run([str(RAY), "start", "--address", self.address, "--num-cpus", "1", "--node-manager-port",
-                            str(self.worker_nm)], env={**self.env, "RAY_AUTH_MODE": "token"}, check=True,
-                           capture_output=True, timeout=180)
+            subprocess.run(
+                [
+                    str(RAY),
+                    "start",
+                    "--head",
+                    "--port",
+                    str(self.port),
+                    "--num-cpus",
+                    "1",
+                    "--temp-dir",
+                    str(self.temp),
+                    "--include-dashboard=false",
+                ],
+                env=self.env,
+                check=True,
+                capture_output=True,
+                timeout=180,
+            )
+            subprocess.run(
+                [
+                    str(RAY),
+                    "start",
+                    "--address",
+                    self.address,
+                    "--num-cpus",
+                    "1",
+                    "--node-manager-port",
+                    str(self.worker_nm),
+                ],
+                env={**self.env, "RAY_AUTH_MODE": "token"},
+                check=True,
+                capture_output=True,
+                timeout=180,
+            )
         except BaseException:
             self.__exit__()
             raise
@@ -117,8 +145,24 @@ def _tune(args, way: str, cluster: Cluster, work: Path, i: int) -> dict:
     from coconet.server.store import Store
 
     db = f"sqlite:///{work / f'{way}{i}.db'}"
-    cmd = [sys.executable, "-m", "coconet", "tune", str(args.program), "--world", str(args.world), "--size",
-           args.size, "--budget", str(args.budget), "--kernels", "eager", "--db", db, "--json"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "coconet",
+        "tune",
+        str(args.program),
+        "--world",
+        str(args.world),
+        "--size",
+        args.size,
+        "--budget",
+        str(args.budget),
+        "--kernels",
+        "eager",
+        "--db",
+        db,
+        "--json",
+    ]
     if way == "cluster":
         cmd += ["--ray-address", cluster.address]
     env = cluster.env if way == "cluster" else {k: v for k, v in cluster.env.items() if k != "RAY_ADDRESS"}
@@ -130,19 +174,24 @@ def _tune(args, way: str, cluster: Cluster, work: Path, i: int) -> dict:
     doc = json.loads(done.stdout)
     with Store.open(db) as store:
         [job] = store.jobs(program_hash=doc["program_hash"])
-        rows = sorted((m for m in store.measurements(doc["program_hash"]) if m.source == "measured"),
-                      key=lambda m: m.created_at)
-    rows = rows[:doc["trials"]]  # the search's trials; the re-timing of the fastest in turns comes after
+        rows = sorted(
+            (m for m in store.measurements(doc["program_hash"]) if m.source == "measured"), key=lambda m: m.created_at
+        )
+    rows = rows[: doc["trials"]]  # the search's trials; the re-timing of the fastest in turns comes after
     if not rows:
         raise SystemExit(f"{way}: no trial recorded")
     stamps = [_seconds(m.created_at) for m in rows]
     gaps = [b - a for a, b in zip(stamps, stamps[1:])]
     overheads = [g - sum(m.samples) for g, m in zip(gaps, rows[1:])]
-    return {"command_s": total, "ray_joined_s": _seconds(job.created_at) - t0, "first_trial_s": stamps[0] - t0,
-            "trials": len(rows),
-            "per_trial_s": statistics.median(gaps) if gaps else None,
-            "per_trial_overhead_s": statistics.median(overheads) if overheads else None,
-            "placement": sorted({m.versions.get("placement", "") for m in rows})}
+    return {
+        "command_s": total,
+        "ray_joined_s": _seconds(job.created_at) - t0,
+        "first_trial_s": stamps[0] - t0,
+        "trials": len(rows),
+        "per_trial_s": statistics.median(gaps) if gaps else None,
+        "per_trial_overhead_s": statistics.median(overheads) if overheads else None,
+        "placement": sorted({m.versions.get("placement", "") for m in rows}),
+    }
 
 
 def _seconds(stamp: datetime) -> float:
@@ -157,9 +206,11 @@ def _plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
-    for ax, key, title in ((axes[0], "ray_joined_s", "launch to Ray joined"),
-                           (axes[1], "first_trial_s", "launch to first trial"),
-                           (axes[2], "per_trial_overhead_s", "per-trial overhead")):
+    for ax, key, title in (
+        (axes[0], "ray_joined_s", "launch to Ray joined"),
+        (axes[1], "first_trial_s", "launch to first trial"),
+        (axes[2], "per_trial_overhead_s", "per-trial overhead"),
+    ):
         data = [[r[way][key] for r in report["rounds"] if r[way][key] is not None] for way in WAYS]
         ax.boxplot(data, tick_labels=[f"{w}\n({'--ray-address' if w == 'cluster' else 'own Ray'})" for w in WAYS])
         for j, ys in enumerate(data, start=1):
@@ -167,8 +218,11 @@ def _plot(report: dict, path: Path) -> None:
         ax.set_title(title)
         ax.set_ylabel("seconds")
         ax.set_ylim(bottom=0)
-    fig.suptitle(f"coconet tune {report['program']} --world {report['world']} --size {report['size']} "
-                 f"--budget {report['budget']}, {len(report['rounds'])} rounds", fontsize=9)
+    fig.suptitle(
+        f"coconet tune {report['program']} --world {report['world']} --size {report['size']} "
+        f"--budget {report['budget']}, {len(report['rounds'])} rounds",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -183,34 +237,46 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
 
-    report: dict = {"program": str(args.program), "world": args.world, "size": args.size, "budget": args.budget,
-                    "cluster": "2 Ray nodes on this machine, 1 CPU each",
-                    "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
-                    "rounds": []}
+    report: dict = {
+        "program": str(args.program),
+        "world": args.world,
+        "size": args.size,
+        "budget": args.budget,
+        "cluster": "2 Ray nodes on this machine, 1 CPU each",
+        "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
+        "rounds": [],
+    }
     work = Path(tempfile.mkdtemp(prefix="coconet-cluster-bench-"))
     try:
         with Cluster() as cluster:
             for i in range(args.rounds):
                 row = {}
-                for way in (WAYS if i % 2 == 0 else WAYS[::-1]):
+                for way in WAYS if i % 2 == 0 else WAYS[::-1]:
                     row[way] = _tune(args, way, cluster, work, i)
-                    print(f"round {i} {way}: first trial {row[way]['first_trial_s']:.2f} s, per trial "
-                          f"{row[way]['per_trial_s'] or 0:.2f} s (overhead {row[way]['per_trial_overhead_s'] or 0:.2f}"
-                          f" s), {row[way]['trials']} trials", flush=True)
+                    print(
+                        f"round {i} {way}: first trial {row[way]['first_trial_s']:.2f} s, per trial "
+                        f"{row[way]['per_trial_s'] or 0:.2f} s (overhead {row[way]['per_trial_overhead_s'] or 0:.2f}"
+                        f" s), {row[way]['trials']} trials",
+                        flush=True,
+                    )
                 report["rounds"].append(row)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     summary = {}
     for key in ("ray_joined_s", "first_trial_s", "per_trial_s", "per_trial_overhead_s", "command_s"):
-        per_way = {way: statistics.median(r[way][key] for r in report["rounds"] if r[way][key] is not None)
-                   for way in WAYS}
-        ratios = [r["cluster"][key] / r["local"][key] for r in report["rounds"]
-                  if r["cluster"][key] and r["local"][key]]
+        per_way = {
+            way: statistics.median(r[way][key] for r in report["rounds"] if r[way][key] is not None) for way in WAYS
+        }
+        ratios = [
+            r["cluster"][key] / r["local"][key] for r in report["rounds"] if r["cluster"][key] and r["local"][key]
+        ]
         summary[key] = {**per_way, "cluster / local (paired, median)": statistics.median(ratios) if ratios else None}
     report["median"] = summary
     for key, m in summary.items():
-        print(f"{key}: cluster {m['cluster']:.2f} s, local {m['local']:.2f} s, "
-              f"cluster / local {m['cluster / local (paired, median)'] or float('nan'):.2f}")
+        print(
+            f"{key}: cluster {m['cluster']:.2f} s, local {m['local']:.2f} s, "
+            f"cluster / local {m['cluster / local (paired, median)'] or float('nan'):.2f}"
+        )
     if args.out:
         args.out.write_text(json.dumps(report, indent=1, default=str) + "\n")
         _plot(report, args.out.with_suffix(".png"))

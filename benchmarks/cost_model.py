@@ -67,8 +67,14 @@ def _speed(min_keys: int = 10_000) -> dict:
     for s, p, t, b in keys:
         cost.predict(s, p, t, b)
     warm = time.perf_counter() - t0
-    return {"keys": len(keys), "cold_s": cold, "warm_s": warm, "predictions_per_s_cold": len(keys) / cold,
-            "predictions_per_s_warm": len(keys) / warm, "us_per_prediction_warm": warm / len(keys) * 1e6}
+    return {
+        "keys": len(keys),
+        "cold_s": cold,
+        "warm_s": warm,
+        "predictions_per_s_cold": len(keys) / cold,
+        "predictions_per_s_warm": len(keys) / warm,
+        "us_per_prediction_warm": warm / len(keys) * 1e6,
+    }
 
 
 def main() -> None:
@@ -78,16 +84,28 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/cost_model_local.json")
-    ap.add_argument("--workload", action="append", choices=[name for name, _ in WORKLOADS],
-                    help="Only these (repeatable; default every one).")
-    ap.add_argument("--skip-measure", type=Path, default=None,
-                    help="reuse the measurements of an earlier report (re-predict only)")
+    ap.add_argument(
+        "--workload",
+        action="append",
+        choices=[name for name, _ in WORKLOADS],
+        help="Only these (repeatable; default every one).",
+    )
+    ap.add_argument(
+        "--skip-measure", type=Path, default=None, help="reuse the measurements of an earlier report (re-predict only)"
+    )
     args = ap.parse_args()
     topo = local_topology() if args.topology == "local" else load_topology(args.topology)  # local: calibrated here
     earlier = json.loads(args.skip_measure.read_text()) if args.skip_measure else None
-    report = {"topology": topo.name, "topology_digest": topo.digest, "topology_fingerprint": dict(topo.fingerprint),
-              "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_average": os.getloadavg()},
-              "rounds": args.rounds, "repeats": args.repeats, "world": 2, "results": []}
+    report = {
+        "topology": topo.name,
+        "topology_digest": topo.digest,
+        "topology_fingerprint": dict(topo.fingerprint),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_average": os.getloadavg()},
+        "rounds": args.rounds,
+        "repeats": args.repeats,
+        "world": 2,
+        "results": [],
+    }
     for name, sizes in WORKLOADS:
         if args.workload and name not in args.workload:
             continue
@@ -108,27 +126,50 @@ def main() -> None:
             predicted = [preds[i].seconds for i in ok]
             tau = float(kendalltau([measured[i] for i in ok], predicted)[0])
             tau_min = float(kendalltau([min(seen[i]) for i in ok], predicted)[0])
-            per_round = [float(kendalltau([r[i] for i in ok if r[i] is not None],
-                                          [preds[i].seconds for i in ok if r[i] is not None])[0]) for r in rounds]
+            per_round = [
+                float(
+                    kendalltau(
+                        [r[i] for i in ok if r[i] is not None], [preds[i].seconds for i in ok if r[i] is not None]
+                    )[0]
+                )
+                for r in rounds
+            ]
             # how well the measurement agrees with itself: a ceiling on what any model can reach
-            pairs = [(a, b) for a in range(len(rounds)) for b in range(a + 1, len(rounds))
-                     if None not in rounds[a] + rounds[b]]
+            pairs = [
+                (a, b)
+                for a in range(len(rounds))
+                for b in range(a + 1, len(rounds))
+                if None not in rounds[a] + rounds[b]
+            ]
             between = [float(kendalltau(rounds[a], rounds[b])[0]) for a, b in pairs]
-            row = {"program": name, "backend": backend, "sizes": sizes, "schedules": len(space), "kendall_tau": tau,
-                   "kendall_tau_lowest_of_rounds": tau_min, "kendall_tau_per_round": per_round,
-                   "kendall_tau_between_rounds": between,
-                   "kendall_tau_between_rounds_mean": statistics.mean(between) if between else None,
-                   "rounds_median_s": rounds,
-                   "schedules_detail": [{"schedule": s.text, "measured_s": measured[i],
-                                         "predicted": preds[i].to_json()} for i, s in enumerate(space)]}
+            row = {
+                "program": name,
+                "backend": backend,
+                "sizes": sizes,
+                "schedules": len(space),
+                "kendall_tau": tau,
+                "kendall_tau_lowest_of_rounds": tau_min,
+                "kendall_tau_per_round": per_round,
+                "kendall_tau_between_rounds": between,
+                "kendall_tau_between_rounds_mean": statistics.mean(between) if between else None,
+                "rounds_median_s": rounds,
+                "schedules_detail": [
+                    {"schedule": s.text, "measured_s": measured[i], "predicted": preds[i].to_json()}
+                    for i, s in enumerate(space)
+                ],
+            }
             report["results"].append(row)
-            print(f"{name:14s} {backend:5s} tau={tau:.3f} (lowest of rounds {tau_min:.3f})  per round "
-                  f"{[round(x, 3) for x in per_round]}  rounds vs each other {[round(x, 3) for x in between]}",
-                  flush=True)
+            print(
+                f"{name:14s} {backend:5s} tau={tau:.3f} (lowest of rounds {tau_min:.3f})  per round "
+                f"{[round(x, 3) for x in per_round]}  rounds vs each other {[round(x, 3) for x in between]}",
+                flush=True,
+            )
     report["speed"] = _speed()
-    print(f"speed: {report['speed']['keys']} predictions, {report['speed']['predictions_per_s_cold']:.0f}/s cold, "
-          f"{report['speed']['predictions_per_s_warm']:.0f}/s warm "
-          f"({report['speed']['us_per_prediction_warm']:.1f} us each)")
+    print(
+        f"speed: {report['speed']['keys']} predictions, {report['speed']['predictions_per_s_cold']:.0f}/s cold, "
+        f"{report['speed']['predictions_per_s_warm']:.0f}/s warm "
+        f"({report['speed']['us_per_prediction_warm']:.1f} us each)"
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -68,24 +68,39 @@ def main() -> None:
     def no_rng(x, b, r):
         return (x + b) * (1 - P) + r
 
-    kernels = {name: torch.compile(fn, dynamic=False, fullgraph=True)
-               for name, fn in (("per_element", per_element), ("per_block", per_block), ("no_rng", no_rng))}
-    report = {"threads": args.threads, "allocator": allocator_policy(), "torch": torch.__version__,
-              "machine": platform.machine(), "p": P, "hidden": args.hidden, "points": []}
+    kernels = {
+        name: torch.compile(fn, dynamic=False, fullgraph=True)
+        for name, fn in (("per_element", per_element), ("per_block", per_block), ("no_rng", no_rng))
+    }
+    report = {
+        "threads": args.threads,
+        "allocator": allocator_policy(),
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "p": P,
+        "hidden": args.hidden,
+        "points": [],
+    }
     for log2n in args.log2n:
         n = 2**log2n
         x = torch.randn(n // args.hidden, args.hidden)
         b, r = torch.randn(args.hidden), torch.randn_like(x)
         if not torch.equal(kernels["per_element"](x, b, r, seed), kernels["per_block"](x, b, r, seed)):
             raise SystemExit("the two Philox kernels drew different masks")
-        s = {"torch_eager": timed(lambda: torch.nn.functional.dropout(x + b, P) + r, args.repeats),
-             "per_element": timed(lambda: kernels["per_element"](x, b, r, seed), args.repeats),
-             "per_block": timed(lambda: kernels["per_block"](x, b, r, seed), args.repeats),
-             "no_rng": timed(lambda: kernels["no_rng"](x, b, r), args.repeats)}
-        point = {"n": n, "seconds": s, "ns_per_element": {k: v / n * 1e9 for k, v in s.items()},
-                 "per_element_over_per_block": s["per_element"] / s["per_block"],
-                 "torch_eager_over_per_block": s["torch_eager"] / s["per_block"],
-                 "per_block_over_no_rng": s["per_block"] / s["no_rng"]}
+        s = {
+            "torch_eager": timed(lambda: torch.nn.functional.dropout(x + b, P) + r, args.repeats),
+            "per_element": timed(lambda: kernels["per_element"](x, b, r, seed), args.repeats),
+            "per_block": timed(lambda: kernels["per_block"](x, b, r, seed), args.repeats),
+            "no_rng": timed(lambda: kernels["no_rng"](x, b, r), args.repeats),
+        }
+        point = {
+            "n": n,
+            "seconds": s,
+            "ns_per_element": {k: v / n * 1e9 for k, v in s.items()},
+            "per_element_over_per_block": s["per_element"] / s["per_block"],
+            "torch_eager_over_per_block": s["torch_eager"] / s["per_block"],
+            "per_block_over_no_rng": s["per_block"] / s["no_rng"],
+        }
         report["points"].append(point)
         print(json.dumps(point))
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -115,10 +115,18 @@ def main() -> None:
     bandwidth = 2 * a.numel() * 4 / copy_s
     results["copy_bandwidth_GBps"] = bandwidth / 1e9
     results["limit"] = 7 * n * 4 / bandwidth
-    out = {"n": n, "threads": args.threads, "torch": torch.__version__, "machine": platform.machine(),
-           "seconds": results,
-           "ratio_to_limit": {k: results[k] / results["limit"] for k in
-                              ("torch_eager", "torch_adam_fused", "torch_compile", "numba") if results.get(k)}}
+    out = {
+        "n": n,
+        "threads": args.threads,
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "seconds": results,
+        "ratio_to_limit": {
+            k: results[k] / results["limit"]
+            for k in ("torch_eager", "torch_adam_fused", "torch_compile", "numba")
+            if results.get(k)
+        },
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2) + "\n")
     print(json.dumps(out, indent=2))

@@ -60,19 +60,30 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     g, e = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
     s = torch.tensor(0.5)
-    ways = {"eager": (writes_mask, reads_mask),
-            "inductor_bools": (torch.compile(writes_mask, dynamic=False), torch.compile(reads_mask, dynamic=False)),
-            "coconet_kernel": (_kernel(writes_mask), _kernel(reads_mask))}
+    ways = {
+        "eager": (writes_mask, reads_mask),
+        "inductor_bools": (torch.compile(writes_mask, dynamic=False), torch.compile(reads_mask, dynamic=False)),
+        "coconet_kernel": (_kernel(writes_mask), _kernel(reads_mask)),
+    }
     seconds, results = {}, {}
     for name, (write, read) in ways.items():
         c, mask, total = write(g, e, 0.0)
         results[name] = read(mask, c, s)
-        seconds[name] = {"writes_mask": timed(lambda: write(g, e, 0.0), args.repeats),
-                         "reads_mask": timed(lambda: read(mask, c, s), args.repeats)}
+        seconds[name] = {
+            "writes_mask": timed(lambda: write(g, e, 0.0), args.repeats),
+            "reads_mask": timed(lambda: read(mask, c, s), args.repeats),
+        }
     same = all(torch.equal(results["eager"], r) for r in results.values())
-    out = {"n": n, "threads": args.threads, "torch": torch.__version__, "machine": platform.machine(),
-           "processor": platform.processor() or None, "same_result": same, "seconds": seconds,
-           "ratio_to_eager": {k: {op: t / seconds["eager"][op] for op, t in v.items()} for k, v in seconds.items()}}
+    out = {
+        "n": n,
+        "threads": args.threads,
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "processor": platform.processor() or None,
+        "same_result": same,
+        "seconds": seconds,
+        "ratio_to_eager": {k: {op: t / seconds["eager"][op] for op, t in v.items()} for k, v in seconds.items()},
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2) + "\n")
     print(json.dumps(out, indent=2))

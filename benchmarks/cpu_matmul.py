@@ -66,8 +66,10 @@ def _pairs(shape, pairs, start=None):
     a, b = torch.randn(m, k, generator=gen), torch.randn(k, width, generator=gen)[:, :n]
     ref = a.double() @ b.double()
     scale = ref.abs().max().item()
-    errs = {name: ((fn(a, b).double() - ref).abs().max().item() / scale)
-            for name, fn in (("mkl", torch.matmul), ("onednn", _onednn))}
+    errs = {
+        name: ((fn(a, b).double() - ref).abs().max().item() / scale)
+        for name, fn in (("mkl", torch.matmul), ("onednn", _onednn))
+    }
     if start is not None:
         start.wait()
     out = {"mkl": [], "onednn": []}
@@ -97,11 +99,18 @@ def measure(shape, pairs, procs):
     name, m, k, n, _ = shape
     flops = 2 * m * k * n
     ratios = [a / b for r in runs for a, b in zip(r["seconds"]["mkl"], r["seconds"]["onednn"])]
-    return {"shape": name, "m": m, "k": k, "n": n, "procs": procs,
-            "mkl_GFLOPs": statistics.median(flops / s / 1e9 for r in runs for s in r["seconds"]["mkl"]),
-            "onednn_GFLOPs": statistics.median(flops / s / 1e9 for r in runs for s in r["seconds"]["onednn"]),
-            "onednn_over_mkl": statistics.median(ratios), "ratios": ratios,
-            "max_rel_err": {lib: max(r["max_rel_err"][lib] for r in runs) for lib in ("mkl", "onednn")}}
+    return {
+        "shape": name,
+        "m": m,
+        "k": k,
+        "n": n,
+        "procs": procs,
+        "mkl_GFLOPs": statistics.median(flops / s / 1e9 for r in runs for s in r["seconds"]["mkl"]),
+        "onednn_GFLOPs": statistics.median(flops / s / 1e9 for r in runs for s in r["seconds"]["onednn"]),
+        "onednn_over_mkl": statistics.median(ratios),
+        "ratios": ratios,
+        "max_rel_err": {lib: max(r["max_rel_err"][lib] for r in runs) for lib in ("mkl", "onednn")},
+    }
 
 
 def main() -> None:
@@ -119,14 +128,22 @@ def main() -> None:
         for shape in SHAPES:
             r = measure(shape, args.pairs, procs)
             rows.append(r)
-            print(f"{r['shape']:<22} procs={procs}  MKL {r['mkl_GFLOPs']:6.1f}  oneDNN {r['onednn_GFLOPs']:6.1f} "
-                  f"GFLOP/s  oneDNN/MKL {r['onednn_over_mkl']:.3f} "
-                  f"(pairs {min(r['ratios']):.2f}-{max(r['ratios']):.2f})",
-                  flush=True)
-    doc = {"torch": torch.__version__, "machine": platform.machine(), "processor": cpu_model(),
-           "mkldnn": torch.backends.mkldnn.is_available(), "pairs": args.pairs, "results": rows,
-           "command": "python benchmarks/cpu_matmul.py " + " ".join(
-               ["--procs", *map(str, args.procs), "--pairs", str(args.pairs)])}
+            print(
+                f"{r['shape']:<22} procs={procs}  MKL {r['mkl_GFLOPs']:6.1f}  oneDNN {r['onednn_GFLOPs']:6.1f} "
+                f"GFLOP/s  oneDNN/MKL {r['onednn_over_mkl']:.3f} "
+                f"(pairs {min(r['ratios']):.2f}-{max(r['ratios']):.2f})",
+                flush=True,
+            )
+    doc = {
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "processor": cpu_model(),
+        "mkldnn": torch.backends.mkldnn.is_available(),
+        "pairs": args.pairs,
+        "results": rows,
+        "command": "python benchmarks/cpu_matmul.py "
+        + " ".join(["--procs", *map(str, args.procs), "--pairs", str(args.pairs)]),
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=2) + "\n")
     print(f"wrote {args.out}")

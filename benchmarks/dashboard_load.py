@@ -37,8 +37,9 @@ def populate(url: str, keys: int) -> str:
     from coconet.server.store import Store
 
     program = load_file(ROOT / "examples" / "adam.py")
-    schedules = [NewMeasurement.of(s, sizes={"N": 1}, topology="-", world=1, backend="gloo")
-                 for s in list(generate(program))[:3]]
+    schedules = [
+        NewMeasurement.of(s, sizes={"N": 1}, topology="-", world=1, backend="gloo") for s in list(generate(program))[:3]
+    ]
     sizes = max(1, keys // (len(TOPOLOGIES) * len(WORLDS) * len(BACKENDS)))
     rows = []
     for topology, source in TOPOLOGIES.items():
@@ -48,10 +49,21 @@ def populate(url: str, keys: int) -> str:
                     n = 1024 * (i + 1)
                     base = 1e-5 * (i + 1) * (1 + world / 8)
                     for s, f in ((schedules[0], 1.0), (schedules[1 + i % 2], 0.6)):
-                        rows.append(dataclasses.replace(s, schedule_json=None, sizes={"N": n}, topology=topology,
-                                                        world=world, backend=backend, median_s=base * f, n=5,
-                                                        ci_lo_s=base * f * 0.97, ci_hi_s=base * f * 1.03,
-                                                        source=source))
+                        rows.append(
+                            dataclasses.replace(
+                                s,
+                                schedule_json=None,
+                                sizes={"N": n},
+                                topology=topology,
+                                world=world,
+                                backend=backend,
+                                median_s=base * f,
+                                n=5,
+                                ci_lo_s=base * f * 0.97,
+                                ci_hi_s=base * f * 1.03,
+                                source=source,
+                            )
+                        )
     with Store.open(url) as store:
         h = store.add_program(program)
         ids = store.add_measurements(rows)
@@ -82,10 +94,12 @@ def main() -> None:
                 "every_winner": lambda: store.results(h),
                 "first_page": lambda: data.winners_page(data.WinnersCache().get(store, h, every), 25, 0),
                 "next_page": lambda: data.winners_page(warm.get(store, h, every), 25, 25),
-                "plots_all": lambda: plots.plots(plots.timing_points(store, h, every),
-                                                 data.WinnersCache().get(store, h, every)),
-                "plots_one_topology": lambda: plots.plots(plots.timing_points(store, h, local),
-                                                          data.WinnersCache().get(store, h, local)),
+                "plots_all": lambda: plots.plots(
+                    plots.timing_points(store, h, every), data.WinnersCache().get(store, h, every)
+                ),
+                "plots_one_topology": lambda: plots.plots(
+                    plots.timing_points(store, h, local), data.WinnersCache().get(store, h, local)
+                ),
             }
             times: dict[str, list[float]] = {k: [] for k in ways}
             for _ in range(args.repeats):  # interleaved: load on the machine falls on every way alike
@@ -97,14 +111,34 @@ def main() -> None:
             everything = json.dumps([data.winner_row(c) for c in data.current_winners(store, h, every)])
             store.close()
         median = {k: statistics.median(v) for k, v in times.items()}
-        points.append({"keys": keys, "median_s": median, "samples_s": times,
-                       "first_page_vs_every_winner": median["every_winner"] / median["first_page"],
-                       "bytes": {"first_page": len(page), "every_winner": len(everything)}})
-        print(f"{keys:>7,} keys: " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in median.items()) +
-              f"; first page {len(page):,} B against {len(everything):,} B for every winner")
+        points.append(
+            {
+                "keys": keys,
+                "median_s": median,
+                "samples_s": times,
+                "first_page_vs_every_winner": median["every_winner"] / median["first_page"],
+                "bytes": {"first_page": len(page), "every_winner": len(everything)},
+            }
+        )
+        print(
+            f"{keys:>7,} keys: "
+            + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in median.items())
+            + f"; first page {len(page):,} B against {len(everything):,} B for every winner"
+        )
     OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps({"store": "sqlite", "machine": platform.machine(), "python": platform.python_version(),
-                               "repeats": args.repeats, "points": points}, indent=2) + "\n")
+    OUT.write_text(
+        json.dumps(
+            {
+                "store": "sqlite",
+                "machine": platform.machine(),
+                "python": platform.python_version(),
+                "repeats": args.repeats,
+                "points": points,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     _plot(points)
 
 
@@ -119,8 +153,13 @@ def _plot(points: list[dict[str, Any]]) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     for way in points[0]["median_s"]:
         ax.plot([p["keys"] for p in points], [p["median_s"][way] * 1e3 for p in points], marker="o", label=way)
-    ax.set(xscale="log", yscale="log", xlabel="tuned keys of the program", ylabel="median time (ms)",
-           title="dashboard data: the server's time per request")
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="tuned keys of the program",
+        ylabel="median time (ms)",
+        title="dashboard data: the server's time per request",
+    )
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(OUT.with_suffix(".png"), dpi=100)

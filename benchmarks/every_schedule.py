@@ -42,13 +42,28 @@ def run_one(path: Path, args: argparse.Namespace) -> None:
     scheds = list(generate(prog))
     # a pipeline needs a rank per stage, and NCCL refuses two ranks of one group on one GPU
     stages = 2 if prog.is_pipeline and args.world >= 2 else 1
-    opts = Options(world=args.world, sizes={d: SIZES[d] for d in prog.dims}, backend=args.backend,
-                   kernels=args.kernels, stages=stages, warmup=2, repeats=5, timeout_s=args.timeout_s)
+    opts = Options(
+        world=args.world,
+        sizes={d: SIZES[d] for d in prog.dims},
+        backend=args.backend,
+        kernels=args.kernels,
+        stages=stages,
+        warmup=2,
+        repeats=5,
+        timeout_s=args.timeout_s,
+    )
     start = time.perf_counter()
 
     def landed(i: int, result) -> None:
-        row = dict(result.to_json(), program=path.stem, backend=args.backend, kernels=args.kernels, world=args.world,
-                   stages=stages, seconds_since_start=round(time.perf_counter() - start, 2))
+        row = dict(
+            result.to_json(),
+            program=path.stem,
+            backend=args.backend,
+            kernels=args.kernels,
+            world=args.world,
+            stages=stages,
+            seconds_since_start=round(time.perf_counter() - start, 2),
+        )
         print(json.dumps(row), flush=True)
 
     run_schedules(scheds, opts, program_file=str(path), on_result=landed)
@@ -77,6 +92,7 @@ def main() -> None:
     logs.mkdir(parents=True, exist_ok=True)
     rows, stopped = [], []
     with args.out.open("w") as out:
+
         def reap(proc, path, log, killed: bool) -> None:
             log.close()
             lines = (logs / f"{path.stem}.out").read_text().splitlines()
@@ -87,20 +103,41 @@ def main() -> None:
             rows.extend(got)
             if killed or proc.returncode:
                 tail = "\n".join([line for line in lines if not line.startswith('{"schedule"')][-15:])
-                summary = {"program": path.stem, "stopped_at_deadline": killed, "returncode": proc.returncode,
-                           "rows": len(got), "tail": tail}
+                summary = {
+                    "program": path.stem,
+                    "stopped_at_deadline": killed,
+                    "returncode": proc.returncode,
+                    "rows": len(got),
+                    "tail": tail,
+                }
                 stopped.append(summary)
                 out.write(json.dumps(summary) + "\n")
-            print(f"{path.stem}: {len(got)} rows, {sum(r['status'] == 'ok' and r['correct'] for r in got)} ok"
-                  + (" (stopped at the deadline)" if killed else f" (exit {proc.returncode})" if proc.returncode
-                     else ""), flush=True)
+            print(
+                f"{path.stem}: {len(got)} rows, {sum(r['status'] == 'ok' and r['correct'] for r in got)} ok"
+                + (" (stopped at the deadline)" if killed else f" (exit {proc.returncode})" if proc.returncode else ""),
+                flush=True,
+            )
 
         while (todo or running) and time.monotonic() < end:
             while todo and len(running) < args.jobs:
                 path = todo.pop(0)
                 log = (logs / f"{path.stem}.out").open("w")
-                cmd = [sys.executable, __file__, str(path), "--one", "--backend", args.backend, "--kernels",
-                       args.kernels, "--world", str(args.world), "--timeout-s", str(args.timeout_s), "--out", "-"]
+                cmd = [
+                    sys.executable,
+                    __file__,
+                    str(path),
+                    "--one",
+                    "--backend",
+                    args.backend,
+                    "--kernels",
+                    args.kernels,
+                    "--world",
+                    str(args.world),
+                    "--timeout-s",
+                    str(args.timeout_s),
+                    "--out",
+                    "-",
+                ]
                 proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
                 running.append((proc, path, log))
             for item in list(running):
@@ -117,8 +154,10 @@ def main() -> None:
             out.write(json.dumps(stopped[-1]) + "\n")
     ok = sum(r["status"] == "ok" and bool(r["correct"]) for r in rows)
     bad = [r for r in rows if not (r["status"] == "ok" and r["correct"])]
-    print(f"{args.backend} {args.kernels}: {ok}/{len(rows)} schedules ok and correct; "
-          f"{len(stopped)} program(s) stopped or not started")
+    print(
+        f"{args.backend} {args.kernels}: {ok}/{len(rows)} schedules ok and correct; "
+        f"{len(stopped)} program(s) stopped or not started"
+    )
     for r in bad[:40]:
         print(f"  {r['program']}: {r['schedule'][:80]}  {r['status']} {(r['error'] or '')[:300]}")
 

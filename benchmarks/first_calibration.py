@@ -62,9 +62,15 @@ def main() -> None:
         row["ratio_short_over_full"] = row["short_median"] / row["full_median"] if row["full_median"] else None
         summary[name] = row
     seconds = {k: statistics.median(x["seconds"] for x in runs[k]) for k in kinds}
-    report = {"machine": detect_local().text(), "rounds": args.rounds,
-              "settings": {k: dataclasses.asdict(v) for k, v in kinds.items()}, "seconds_median": seconds,
-              "time_ratio_short_over_full": seconds["short"] / seconds["full"], "figures": summary, "runs": runs}
+    report = {
+        "machine": detect_local().text(),
+        "rounds": args.rounds,
+        "settings": {k: dataclasses.asdict(v) for k, v in kinds.items()},
+        "seconds_median": seconds,
+        "time_ratio_short_over_full": seconds["short"] / seconds["full"],
+        "figures": summary,
+        "runs": runs,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1))
     plot(report, Path(args.out).with_suffix(".png"))
@@ -81,17 +87,31 @@ def plot(report: dict, out: Path) -> None:
     rows = [report["figures"][n] for n in names]
     fig, ax = plt.subplots(figsize=(9, 4.5))
     y = range(len(names))
-    ax.scatter([r["ratio_short_over_full"] for r in rows], list(y), color="tab:orange", zorder=3,
-               label="short / full (medians)")
+    ax.scatter(
+        [r["ratio_short_over_full"] for r in rows],
+        list(y),
+        color="tab:orange",
+        zorder=3,
+        label="short / full (medians)",
+    )
     for i, r in enumerate(rows):  # the full run's own spread over its rounds, around 1
-        ax.plot([1 / r["full_spread"], r["full_spread"]], [i, i], color="black", lw=3, alpha=0.5,
-                label="full run's spread (max/min)" if i == 0 else None)
+        ax.plot(
+            [1 / r["full_spread"], r["full_spread"]],
+            [i, i],
+            color="black",
+            lw=3,
+            alpha=0.5,
+            label="full run's spread (max/min)" if i == 0 else None,
+        )
     ax.axvline(1.0, color="grey", lw=0.8)
     ax.set_xscale("log")
     ax.set_yticks(list(y), names, fontsize=8)
     s = report["seconds_median"]
-    ax.set_title(f"calibration: short run {s['short']:.0f} s vs full {s['full']:.0f} s (medians of "
-                 f"{report['rounds']} rounds)\n{report['machine']}", fontsize=9)
+    ax.set_title(
+        f"calibration: short run {s['short']:.0f} s vs full {s['full']:.0f} s (medians of "
+        f"{report['rounds']} rounds)\n{report['machine']}",
+        fontsize=9,
+    )
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=110)

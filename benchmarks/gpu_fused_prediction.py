@@ -102,13 +102,8 @@ def fused_one_node(topo: Topology, n: int, world: int) -> dict[str, dict[str, fl
     rs_link = (R - 1) / R * S * b  # the slices of R-1 peers come in over NVLink
     ag_link = (R - 1) / R * S * b  # its w slice goes out to R-1 peers
     ag_hbm = (S / R + (R - 1) / R * S) * hbm  # reads its slice once, peers' slices land in its w
-    seq = {
-        "rs_update": launch + 2 * a + max(rs_link, rs_hbm),
-        "all_gather_w": launch + 2 * a + max(ag_link, ag_hbm),
-    }
-    pipe = {
-        "rs_update_ag": launch + 2 * a + max(rs_link, ag_link, rs_hbm + ag_hbm),
-    }
+    seq = {"rs_update": launch + 2 * a + max(rs_link, rs_hbm), "all_gather_w": launch + 2 * a + max(ag_link, ag_hbm)}
+    pipe = {"rs_update_ag": launch + 2 * a + max(rs_link, ag_link, rs_hbm + ag_hbm)}
     # NVLink SHARP (multimem ld_reduce / st through the NVSwitch, torch symmetric memory's multimem
     # kernels): each GPU sends all of g once and its w slice once, receives its reduced slice and all of
     # w: (S + S/R) each way. NCCL's NVLS allreduce moves the same, so the baseline gets it too.
@@ -139,8 +134,9 @@ def fused_nodes(topo: Topology, n: int) -> dict[str, dict[str, float]]:
     node_rs = launch + 2 * a_in + max(intra_link, S * hbm)  # all of g read once, peers' slices inbound
     node_ag = launch + 2 * a_in + max(intra_link, S / L * hbm + (L - 1) / L * S * hbm)
     part = S / L
-    rail_ar = launch + min(2 * _ring(a_out, b_out, nodes - 1, nodes, part),
-                           2 * (math.ceil(math.log2(nodes)) * a_out + part * b_out))
+    rail_ar = launch + min(
+        2 * _ring(a_out, b_out, nodes - 1, nodes, part), 2 * (math.ceil(math.log2(nodes)) * a_out + part * b_out)
+    )
     return {
         "rail_rs_ag": {
             "node_rs": node_rs,
@@ -159,8 +155,10 @@ def fused_nodes(topo: Topology, n: int) -> dict[str, dict[str, float]]:
 
 
 def best_schedules(space, n: int, topo: Topology, world: int) -> dict[str, dict]:
-    scored = sorted(((cost.predict(s, {"N": n}, topo, "nccl", world=world).seconds, i, s)
-                     for i, s in enumerate(space)), key=lambda x: (x[0], x[1]))
+    scored = sorted(
+        ((cost.predict(s, {"N": n}, topo, "nccl", world=world).seconds, i, s) for i, s in enumerate(space)),
+        key=lambda x: (x[0], x[1]),
+    )
     out = {"best": {"schedule": scored[0][2].text, "seconds": scored[0][0]}}
     # as_slice(w) leaves w sharded after the step (no all-gather of w): not the same result as (i)/(iii)
     rep = next((sc, s) for sc, _, s in scored if "as_slice(w)" not in s.text)
@@ -174,8 +172,11 @@ def predict_all(topologies=TOPOLOGIES, exponents=EXPONENTS) -> dict:
     result: dict = {
         "source": "model",
         "what": "predicted per-rank step time of Adam with its gradient allreduce; nothing here was measured",
-        "program": "examples/adam.py", "dtype": "float32", "schedules_in_space": len(space),
-        "python": platform.python_version(), "topologies": {},
+        "program": "examples/adam.py",
+        "dtype": "float32",
+        "schedules_in_space": len(space),
+        "python": platform.python_version(),
+        "topologies": {},
     }
     for name in topologies:
         topo = load_topology(name)
@@ -196,8 +197,9 @@ def predict_all(topologies=TOPOLOGIES, exponents=EXPONENTS) -> dict:
                     "sequential_vs_baseline": ref / row["fused"]["sequential"]["seconds"],
                     "pipelined_vs_baseline": ref / row["fused"]["pipelined"]["seconds"],
                     "nvls_vs_baseline_nvls": row["baseline_nvls"]["seconds"] / row["fused"]["nvls"]["seconds"],
-                    "sequential_vs_best_replicated_w": (row["best_replicated_w"]["seconds"]
-                                                        / row["fused"]["sequential"]["seconds"]),
+                    "sequential_vs_best_replicated_w": (
+                        row["best_replicated_w"]["seconds"] / row["fused"]["sequential"]["seconds"]
+                    ),
                 }
             else:
                 rails = baseline_rails(topo, n)
@@ -213,11 +215,19 @@ def predict_all(topologies=TOPOLOGIES, exponents=EXPONENTS) -> dict:
                 }
             rows.append(row)
         result["topologies"][name] = {
-            "world": world, "nodes": topo.nodes, "ranks_per_node": topo.ranks_per_node,
-            "figures": {"intra": {"alpha_s": topo.intra.alpha_s, "bandwidth_GBps": topo.intra.bandwidth_GBps},
-                        "inter": (None if topo.inter is None else
-                                  {"alpha_s": topo.inter.alpha_s, "bandwidth_GBps": topo.inter.bandwidth_GBps}),
-                        "memory_bandwidth_GBps": topo.memory_bandwidth_GBps, "launch_s": topo.launch_s},
+            "world": world,
+            "nodes": topo.nodes,
+            "ranks_per_node": topo.ranks_per_node,
+            "figures": {
+                "intra": {"alpha_s": topo.intra.alpha_s, "bandwidth_GBps": topo.intra.bandwidth_GBps},
+                "inter": (
+                    None
+                    if topo.inter is None
+                    else {"alpha_s": topo.inter.alpha_s, "bandwidth_GBps": topo.inter.bandwidth_GBps}
+                ),
+                "memory_bandwidth_GBps": topo.memory_bandwidth_GBps,
+                "launch_s": topo.launch_s,
+            },
             "rows": rows,
         }
     return result
@@ -228,8 +238,10 @@ def table(result: dict) -> list[str]:
     for name, t in result["topologies"].items():
         lines.append(f"{name} (world {t['world']}), predicted µs per step:")
         if t["nodes"] == 1:
-            lines.append("  N      baseline  best(any)  best(w repl.)  fused seq  fused pipe  | NVLS: base  fused"
-                         "   gain seq/pipe/nvls")
+            lines.append(
+                "  N      baseline  best(any)  best(w repl.)  fused seq  fused pipe  | NVLS: base  fused"
+                "   gain seq/pipe/nvls"
+            )
             for r in t["rows"]:
                 f, g = r["fused"], r["gain"]
                 lines.append(
@@ -237,10 +249,13 @@ def table(result: dict) -> list[str]:
                     f" {r['best_replicated_w']['seconds'] * 1e6:13.0f} {f['sequential']['seconds'] * 1e6:10.0f}"
                     f" {f['pipelined']['seconds'] * 1e6:11.0f}  | {r['baseline_nvls']['seconds'] * 1e6:10.0f}"
                     f" {f['nvls']['seconds'] * 1e6:6.0f}   {g['sequential_vs_baseline']:.2f}x/"
-                    f"{g['pipelined_vs_baseline']:.2f}x/{g['nvls_vs_baseline_nvls']:.2f}x")
+                    f"{g['pipelined_vs_baseline']:.2f}x/{g['nvls_vs_baseline_nvls']:.2f}x"
+                )
         else:
-            lines.append("  N      baseline(model)  baseline(rails)  best(any)  best(w repl.)  fused hier."
-                         "  gain vs rails / vs model  (form)")
+            lines.append(
+                "  N      baseline(model)  baseline(rails)  best(any)  best(w repl.)  fused hier."
+                "  gain vs rails / vs model  (form)"
+            )
             for r in t["rows"]:
                 g = r["gain"]
                 lines.append(
@@ -248,7 +263,8 @@ def table(result: dict) -> list[str]:
                     f" {r['baseline_rails']['seconds'] * 1e6:16.0f}"
                     f" {r['best']['seconds'] * 1e6:10.0f} {r['best_replicated_w']['seconds'] * 1e6:13.0f}"
                     f" {r['fused']['hierarchical']['seconds'] * 1e6:12.0f}  {g['hierarchical_vs_baseline_rails']:.2f}x"
-                    f" / {g['hierarchical_vs_baseline_model']:.2f}x  ({r['fused']['hierarchical']['form']})")
+                    f" / {g['hierarchical_vs_baseline_model']:.2f}x  ({r['fused']['hierarchical']['form']})"
+                )
     return lines
 
 
@@ -265,15 +281,21 @@ def plot(result: dict, path: Path) -> None:
         xs = [r["N"] for r in t["rows"]]
         series = [("baseline: allreduce + Adam(fused)", lambda r: r["baseline"]["seconds"], "k-")]
         if t["nodes"] == 1:
-            series += [("baseline with NVLS allreduce", lambda r: r["baseline_nvls"]["seconds"], "k:"),
-                       ("fused, sequential", lambda r: r["fused"]["sequential"]["seconds"], "C0-"),
-                       ("fused, pipelined", lambda r: r["fused"]["pipelined"]["seconds"], "C0--"),
-                       ("fused, NVLS (multimem)", lambda r: r["fused"]["nvls"]["seconds"], "C0:")]
+            series += [
+                ("baseline with NVLS allreduce", lambda r: r["baseline_nvls"]["seconds"], "k:"),
+                ("fused, sequential", lambda r: r["fused"]["sequential"]["seconds"], "C0-"),
+                ("fused, pipelined", lambda r: r["fused"]["pipelined"]["seconds"], "C0--"),
+                ("fused, NVLS (multimem)", lambda r: r["fused"]["nvls"]["seconds"], "C0:"),
+            ]
         else:
-            series += [("baseline, hierarchical on rails", lambda r: r["baseline_rails"]["seconds"], "k--"),
-                       ("fused, hierarchical", lambda r: r["fused"]["hierarchical"]["seconds"], "C0-")]
-        series += [("best schedule today (any)", lambda r: r["best"]["seconds"], "C1-"),
-                   ("best schedule today, w replicated", lambda r: r["best_replicated_w"]["seconds"], "C1--")]
+            series += [
+                ("baseline, hierarchical on rails", lambda r: r["baseline_rails"]["seconds"], "k--"),
+                ("fused, hierarchical", lambda r: r["fused"]["hierarchical"]["seconds"], "C0-"),
+            ]
+        series += [
+            ("best schedule today (any)", lambda r: r["best"]["seconds"], "C1-"),
+            ("best schedule today, w replicated", lambda r: r["best_replicated_w"]["seconds"], "C1--"),
+        ]
         for label, f, style in series:
             ax.plot(xs, [f(r) * 1e6 for r in t["rows"]], style, marker=".", label=label)
         ax.set_xscale("log", base=2)

@@ -63,8 +63,12 @@ def timings(fn, calls=20) -> dict:
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     busy_us = sum(e.time_range.elapsed_us() for e in kernels)
-    return {"single_call_s": single, "pipelined_s": pipelined, "kernels_s": busy_us / 1e6 / calls,
-            "kernels_per_call": len(kernels) / calls}
+    return {
+        "single_call_s": single,
+        "pipelined_s": pipelined,
+        "kernels_s": busy_us / 1e6 / calls,
+        "kernels_per_call": len(kernels) / calls,
+    }
 
 
 def memory_peak_Bps() -> tuple[float | None, str]:
@@ -114,9 +118,14 @@ def main() -> None:
     dist.init_process_group("nccl", rank=0, world_size=1)
     dev = torch.device("cuda", 0)
     peak, peak_source = memory_peak_Bps()
-    out: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                 "memory_peak_GBps": peak / 1e9 if peak else None, "memory_peak_source": peak_source,
-                 "adam": [], "epilogue": {}}
+    out: dict = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "memory_peak_GBps": peak / 1e9 if peak else None,
+        "memory_peak_source": peak_source,
+        "adam": [],
+        "epilogue": {},
+    }
 
     adam = runpy.run_path(str(ROOT / "examples/adam.py"))["program"].ir
     from coconet.schedules.space import generate
@@ -131,6 +140,7 @@ def main() -> None:
         s = {k: torch.tensor(val) for k, val in dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, t=3.0).items()}
         sub0, sub1 = 1 - s["beta1"], 1 - s["beta2"]
         sub2, sub3 = 1 - s["beta1"] ** s["t"], 1 - s["beta2"] ** s["t"]
+
         def ours_step():
             ns["_fuse0"](ctx, s["beta1"], m, sub0, g, s["beta2"], v, sub1, sub2, sub3, s["lr"], s["eps"], w)
 
@@ -150,11 +160,17 @@ def main() -> None:
         a, b = torch.empty(n * 8, device=dev), torch.empty(n * 8, device=dev)
         copy = 2 * a.numel() * 4 / cuda_time(lambda: b.copy_(a))
         moved = 7 * n * 4
-        row = {"n": n, "bytes_moved": moved, "copy_GBps": copy / 1e9, "rel_err_vs_float64": err,
-               "coconet": dict(ours, **rates(moved, ours, copy, peak)),
-               "torch_adam_fused": dict(theirs, **rates(moved, theirs, copy, peak))}
-        row["speedup_vs_torch_adam_fused"] = {how: theirs[f"{how}_s"] / ours[f"{how}_s"]
-                                              for how in ("single_call", "pipelined", "kernels")}
+        row = {
+            "n": n,
+            "bytes_moved": moved,
+            "copy_GBps": copy / 1e9,
+            "rel_err_vs_float64": err,
+            "coconet": dict(ours, **rates(moved, ours, copy, peak)),
+            "torch_adam_fused": dict(theirs, **rates(moved, theirs, copy, peak)),
+        }
+        row["speedup_vs_torch_adam_fused"] = {
+            how: theirs[f"{how}_s"] / ours[f"{how}_s"] for how in ("single_call", "pipelined", "kernels")
+        }
         out["adam"].append(row)
         print(json.dumps(row), flush=True)
 
@@ -170,12 +186,19 @@ def main() -> None:
     a, b = torch.empty(B * S * H * 2, device=dev), torch.empty(B * S * H * 2, device=dev)
     copy = 2 * a.numel() * 4 / cuda_time(lambda: b.copy_(a))
     moved = 3 * B * S * H * 4  # read x and r, write the result
-    out["epilogue"] = {"B": B, "S": S, "H": H, "bytes_moved": moved, "copy_GBps": copy / 1e9,
-                       "coconet_compiled": dict(t_comp, **rates(moved, t_comp, copy, peak)),
-                       "coconet_eager": t_eager_ours,
-                       "torch_eager": dict(t_torch, **rates(moved, t_torch, copy, peak)),
-                       "speedup_vs_torch_eager": {how: t_torch[f"{how}_s"] / t_comp[f"{how}_s"]
-                                                  for how in ("single_call", "pipelined", "kernels")}}
+    out["epilogue"] = {
+        "B": B,
+        "S": S,
+        "H": H,
+        "bytes_moved": moved,
+        "copy_GBps": copy / 1e9,
+        "coconet_compiled": dict(t_comp, **rates(moved, t_comp, copy, peak)),
+        "coconet_eager": t_eager_ours,
+        "torch_eager": dict(t_torch, **rates(moved, t_torch, copy, peak)),
+        "speedup_vs_torch_eager": {
+            how: t_torch[f"{how}_s"] / t_comp[f"{how}_s"] for how in ("single_call", "pipelined", "kernels")
+        },
+    }
     print(json.dumps(out["epilogue"]), flush=True)
     # same mask as the reference: the compiled kernel against its uncompiled statements
     x1 = compiled["_fuse0"](ctx, B, S, H, ar0, bias, seed, r)[0]

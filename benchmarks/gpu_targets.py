@@ -36,20 +36,32 @@ def _kernel_fraction(d, n: int):
 
 
 def judge(outdir: Path) -> list[dict]:
-    adam, meg, kern = (_load(outdir, n) for n in ("bench_adam_nccl_w1.json", "bench_megatron_nccl_w1.json",
-                                                   "gpu_kernels.json"))
+    adam, meg, kern = (
+        _load(outdir, n) for n in ("bench_adam_nccl_w1.json", "bench_megatron_nccl_w1.json", "gpu_kernels.json")
+    )
     rows = [
         {"target": f"Adam N=2^24: {SPEEDUP}", "want": 1.5, "got": _bench_speedup(adam, "N", 2**24)},
         {"target": f"Adam N=2^20: {SPEEDUP}", "want": 1.0, "got": _bench_speedup(adam, "N", 2**20)},
-        {"target": "Megatron B=8,S=1024,H=3072: " + SPEEDUP.replace("all_reduce + Adam(fused=True)", "eager PyTorch"),
-         "want": 1.0, "got": _bench_speedup(meg, "H", 3072)},
-        {"target": "Megatron fused epilogue (bias+dropout+residual): fraction of HBM peak, kernel alone",
-         "want": 0.8,
-         "got": ((kern or {}).get("epilogue") or {}).get("coconet_compiled", {}).get("kernels_fraction_of_peak")},
+        {
+            "target": "Megatron B=8,S=1024,H=3072: "
+            + SPEEDUP.replace("all_reduce + Adam(fused=True)", "eager PyTorch"),
+            "want": 1.0,
+            "got": _bench_speedup(meg, "H", 3072),
+        },
+        {
+            "target": "Megatron fused epilogue (bias+dropout+residual): fraction of HBM peak, kernel alone",
+            "want": 0.8,
+            "got": ((kern or {}).get("epilogue") or {}).get("coconet_compiled", {}).get("kernels_fraction_of_peak"),
+        },
     ]
     for k in range(22, 27):
-        rows.append({"target": f"fused Adam kernel N=2^{k}: fraction of HBM peak, kernel alone", "want": 0.8,
-                     "got": _kernel_fraction(kern, 2**k)})
+        rows.append(
+            {
+                "target": f"fused Adam kernel N=2^{k}: fraction of HBM peak, kernel alone",
+                "want": 0.8,
+                "got": _kernel_fraction(kern, 2**k),
+            }
+        )
     for r in rows:
         r["met"] = None if r["got"] is None else bool(r["got"] >= r["want"])
     return rows

@@ -30,8 +30,17 @@ import time
 from pathlib import Path
 
 
-def _rank(rank: int, world: int, port: int, program_path: str, sizes: dict, paths: list[str], steps: int, out,
-          viewed: tuple[int, ...] = ()):
+def _rank(
+    rank: int,
+    world: int,
+    port: int,
+    program_path: str,
+    sizes: dict,
+    paths: list[str],
+    steps: int,
+    out,
+    viewed: tuple[int, ...] = (),
+):
     import torch
     import torch.distributed as dist
 
@@ -79,8 +88,12 @@ def _rank(rank: int, world: int, port: int, program_path: str, sizes: dict, path
         agree = []
         for tensors, _ in args:
             same = [k for k in program.updates if k in first and tensors[k].shape == first[k].shape]
-            agree.append(max((float((tensors[k] - first[k]).abs().max() / first[k].abs().max().clamp_min(1e-30))
-                              for k in same), default=None))
+            agree.append(
+                max(
+                    (float((tensors[k] - first[k]).abs().max() / first[k].abs().max().clamp_min(1e-30)) for k in same),
+                    default=None,
+                )
+            )
         out.put((times, agree))
     dist.barrier()
     dist.destroy_process_group()
@@ -131,9 +144,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--size", required=True)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--viewed", type=int, action="append", default=[],
-                    help="index of a module whose 1-d tensors are handed over with views of them held, as a flat "
-                         "buffer whose views are a model's parameters (repeatable)")
+    ap.add_argument(
+        "--viewed",
+        type=int,
+        action="append",
+        default=[],
+        help="index of a module whose 1-d tensors are handed over with views of them held, as a flat "
+        "buffer whose views are a model's parameters (repeatable)",
+    )
     args = ap.parse_args(argv)
     sizes = parse_sizes(args.size, load_file(args.program).dims)
     if str(Path(__file__).parent) not in sys.path:  # spawned processes import this module by its name
@@ -141,9 +159,13 @@ def main(argv: list[str] | None = None) -> dict:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, args.world, port, args.program, sizes, args.modules, args.steps, out,
-                                                  tuple(args.viewed)))
-             for r in range(args.world)]
+    procs = [
+        ctx.Process(
+            target=_rank,
+            args=(r, args.world, port, args.program, sizes, args.modules, args.steps, out, tuple(args.viewed)),
+        )
+        for r in range(args.world)
+    ]
     # stopped from outside (SIGTERM), it stops its ranks too and removes the segments they leave mapped
     # by nobody, as coconet's launcher does
     previous = signal.signal(signal.SIGTERM, lambda signum, _: sys.exit(128 + signum))
@@ -155,12 +177,20 @@ def main(argv: list[str] | None = None) -> dict:
     for k, (path, ts, diff) in enumerate(zip(args.modules, times, agree)):
         ratios = sorted(a / b for a, b in zip(ts, times[0]))
         q = len(ratios) // 4
-        report["modules"].append({"module": path, "median_s": statistics.median(ts),
-                                  "ratio_to_first": statistics.median(ratios),
-                                  "ratio_quartiles": [ratios[q], ratios[-1 - q]],
-                                  "state_rel_diff_to_first": diff, "viewed": k in args.viewed})
-        print(f"{path}: {statistics.median(ts) * 1e3:.1f} ms a step, {statistics.median(ratios):.3f}x the first "
-              f"[{ratios[q]:.3f}, {ratios[-1 - q]:.3f}]")
+        report["modules"].append(
+            {
+                "module": path,
+                "median_s": statistics.median(ts),
+                "ratio_to_first": statistics.median(ratios),
+                "ratio_quartiles": [ratios[q], ratios[-1 - q]],
+                "state_rel_diff_to_first": diff,
+                "viewed": k in args.viewed,
+            }
+        )
+        print(
+            f"{path}: {statistics.median(ts) * 1e3:.1f} ms a step, {statistics.median(ratios):.3f}x the first "
+            f"[{ratios[q]:.3f}, {ratios[-1 - q]:.3f}]"
+        )
     if args.out is not None:
         args.out.write_text(json.dumps(report, indent=1))
     return report

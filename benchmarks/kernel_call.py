@@ -58,8 +58,9 @@ def main(argv: list[str] | None = None) -> dict:
     for n in [parse_sizes(s, ("N",))["N"] for s in args.size or ["N=2^10", "N=2^18", "N=2^22"]]:
         gen = torch.Generator(device=args.device).manual_seed(n)
         state = [torch.rand(n, device=args.device, generator=gen) for _ in range(6)]
-        scalars = [torch.tensor(x, device=args.device if args.scalars == "device" else "cpu")
-                   for x in (0.9, 0.999, 1e-3, 1e-8)]
+        scalars = [
+            torch.tensor(x, device=args.device if args.scalars == "device" else "cpu") for x in (0.9, 0.999, 1e-3, 1e-8)
+        ]
 
         def inputs():
             return [t.clone() for t in state] + scalars
@@ -71,8 +72,9 @@ def main(argv: list[str] | None = None) -> dict:
         dynamo_compile = time.perf_counter() - t0
         t0 = time.perf_counter()
         try:
-            standalone = torch._inductor.standalone_compile(make_fx(adam_chunk)(*inputs()), inputs(),
-                                                            dynamic_shapes="from_example_inputs")
+            standalone = torch._inductor.standalone_compile(
+                make_fx(adam_chunk)(*inputs()), inputs(), dynamic_shapes="from_example_inputs"
+            )
             standalone(*inputs())
         except Exception as exc:  # reported with the point: the other sizes still run
             points.append({"n": n, "standalone_error": f"{type(exc).__name__}: {exc}"[:2000]})
@@ -99,15 +101,30 @@ def main(argv: list[str] | None = None) -> dict:
 
         xs = inputs()
         d, s = per_call(dynamo, xs), per_call(standalone, xs)
-        points.append({"n": n, "torch_compile_s": d, "standalone_s": s, "ratio": d / s,
-                       "compile_s": {"torch_compile": dynamo_compile, "standalone": standalone_compile},
-                       "same_results": same, "wrote_in_place": moved})
-        print(f"n={n:>9}  torch.compile {d * 1e6:9.1f} us  standalone {s * 1e6:9.1f} us  {d / s:5.2f}x  "
-              f"same results: {same}  in place: {moved}")
-    report = {"machine": platform.processor() or platform.machine(), "device": args.device,
-              "torch": torch.__version__, "threads": args.threads if args.device == "cpu" else None,
-              "scalars": args.scalars,
-              "calls": args.calls, "points": points}
+        points.append(
+            {
+                "n": n,
+                "torch_compile_s": d,
+                "standalone_s": s,
+                "ratio": d / s,
+                "compile_s": {"torch_compile": dynamo_compile, "standalone": standalone_compile},
+                "same_results": same,
+                "wrote_in_place": moved,
+            }
+        )
+        print(
+            f"n={n:>9}  torch.compile {d * 1e6:9.1f} us  standalone {s * 1e6:9.1f} us  {d / s:5.2f}x  "
+            f"same results: {same}  in place: {moved}"
+        )
+    report = {
+        "machine": platform.processor() or platform.machine(),
+        "device": args.device,
+        "torch": torch.__version__,
+        "threads": args.threads if args.device == "cpu" else None,
+        "scalars": args.scalars,
+        "calls": args.calls,
+        "points": points,
+    }
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2) + "\n")

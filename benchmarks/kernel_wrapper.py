@@ -68,8 +68,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--size", action="append", default=None)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--chunks", type=int, default=4)
-    ap.add_argument("--scalars", choices=("host", "device"), default="host",
-                    help="where the 0-d scalars live (the generated step keeps them on the host)")
+    ap.add_argument(
+        "--scalars",
+        choices=("host", "device"),
+        default="host",
+        help="where the 0-d scalars live (the generated step keeps them on the host)",
+    )
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -115,12 +119,24 @@ def main(argv: list[str] | None = None) -> dict:
                 sync()
                 best[rev]["pipelined_us"] = min(best[rev]["pipelined_us"], (time.perf_counter() - t) / args.steps * 1e6)
         points.append({"n": n, "same_results": same, "step_us": best})
-        print(f"n={n:>9}  " + "  ".join(f"{rev}: {b['sync_us']:8.1f} us synced, {b['pipelined_us']:8.1f} pipelined"
-                                        for rev, b in best.items()), flush=True)
-    report = {"machine": platform.processor() or platform.machine(), "device": args.device,
-              "device_name": torch.cuda.get_device_name() if args.device == "cuda" else None,
-              "torch": torch.__version__, "chunks": args.chunks, "scalars": args.scalars, "steps": args.steps,
-              "revs": args.rev, "points": points}
+        print(
+            f"n={n:>9}  "
+            + "  ".join(
+                f"{rev}: {b['sync_us']:8.1f} us synced, {b['pipelined_us']:8.1f} pipelined" for rev, b in best.items()
+            ),
+            flush=True,
+        )
+    report = {
+        "machine": platform.processor() or platform.machine(),
+        "device": args.device,
+        "device_name": torch.cuda.get_device_name() if args.device == "cuda" else None,
+        "torch": torch.__version__,
+        "chunks": args.chunks,
+        "scalars": args.scalars,
+        "steps": args.steps,
+        "revs": args.rev,
+        "points": points,
+    }
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2) + "\n")

@@ -74,8 +74,24 @@ def _commands(args, world: int) -> dict:
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-m", "coconet", "run", str(args.program), "--world", str(world), "--size", args.size,
-           "--backend", args.backend, "--kernels", args.kernels, "--repeats", "2", "--json"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "coconet",
+        "run",
+        str(args.program),
+        "--world",
+        str(world),
+        "--size",
+        args.size,
+        "--backend",
+        args.backend,
+        "--kernels",
+        args.kernels,
+        "--repeats",
+        "2",
+        "--json",
+    ]
     ways = [w for w in WAYS if w != COLD]  # a new process: its server warms nothing before its second launch
     samples: dict[str, list[float]] = {way: [] for way in ways}
     for i in range(args.cold):
@@ -86,10 +102,18 @@ def _commands(args, world: int) -> dict:
             if done.returncode != 0:
                 raise SystemExit(f"{' '.join(cmd)} ({way}): exit {done.returncode}: {done.stderr[-2000:]}")
     medians = {way: statistics.median(s) for way, s in samples.items()}
-    print(f"coconet run, world {world}, whole command: fork server {medians['fork server']:.2f} s, "
-          f"fresh interpreters {medians['fresh interpreters']:.2f} s", flush=True)
-    return {"world": world, "command": cmd[1:], "samples_s": samples, "median_s": medians,
-            "fresh / fork server": medians["fresh interpreters"] / medians["fork server"]}
+    print(
+        f"coconet run, world {world}, whole command: fork server {medians['fork server']:.2f} s, "
+        f"fresh interpreters {medians['fresh interpreters']:.2f} s",
+        flush=True,
+    )
+    return {
+        "world": world,
+        "command": cmd[1:],
+        "samples_s": samples,
+        "median_s": medians,
+        "fresh / fork server": medians["fresh interpreters"] / medians["fork server"],
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -114,36 +138,55 @@ def main(argv: list[str] | None = None) -> dict:
 
     prog = load_file(args.program)
     sizes = parse_sizes(args.size, prog.dims)
-    schedules = ([Schedule.parse(text, prog) for text in args.schedule] if args.schedule
-                 else list(generate(prog))[:args.schedules])
-    report = {"program": prog.name, "sizes": sizes, "schedules": len(schedules), "backend": args.backend,
-              "kernels": args.kernels,
-              "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
-              "worlds": []}
+    schedules = (
+        [Schedule.parse(text, prog) for text in args.schedule]
+        if args.schedule
+        else list(generate(prog))[: args.schedules]
+    )
+    report = {
+        "program": prog.name,
+        "sizes": sizes,
+        "schedules": len(schedules),
+        "backend": args.backend,
+        "kernels": args.kernels,
+        "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
+        "worlds": [],
+    }
     ways = [w for w in WAYS if args.kernels == "compiled" or w != COLD]
     registries: dict = {}
     for world in args.world or [2, 4]:
-        opts = Options(world=world, sizes=sizes, backend=args.backend, time=False, timeout_s=300,
-                       kernels=args.kernels)
+        opts = Options(world=world, sizes=sizes, backend=args.backend, time=False, timeout_s=300, kernels=args.kernels)
         if "fork server's first launch_s" not in report:
-            report["fork server's first launch_s"] = {"world": world, "s": _launch(schedules, opts, "fork server",
-                                                                                    registries)}
+            report["fork server's first launch_s"] = {
+                "world": world,
+                "s": _launch(schedules, opts, "fork server", registries),
+            }
             if COLD in ways:  # its server's start too, apart; and the launch that warms the other's
                 report["fork server's first launch_s"][COLD] = _launch(schedules, opts, COLD, registries)
                 report["fork server's second launch_s"] = {
-                    "world": world, "s": _launch(schedules, opts, "fork server", registries)}
+                    "world": world,
+                    "s": _launch(schedules, opts, "fork server", registries),
+                }
         samples: dict[str, list[float]] = {way: [] for way in ways}
         for i in range(args.rounds):
             for way in _order(i, ways):
                 samples[way].append(_launch(schedules, opts, way, registries))
         medians = {way: statistics.median(s) for way, s in samples.items()}
-        point = {"world": world, "samples_s": samples, "median_s": medians,
-                 "fresh / fork server": medians["fresh interpreters"] / medians["fork server"]}
+        point = {
+            "world": world,
+            "samples_s": samples,
+            "median_s": medians,
+            "fresh / fork server": medians["fresh interpreters"] / medians["fork server"],
+        }
         if COLD in ways:
             point["not warmed / warmed"] = medians[COLD] / medians["fork server"]
         report["worlds"].append(point)
-        print(f"world {world}: " + ", ".join(f"{way} {m:.3f} s" for way, m in medians.items())
-              + f": fresh / fork server {point['fresh / fork server']:.1f}x", flush=True)
+        print(
+            f"world {world}: "
+            + ", ".join(f"{way} {m:.3f} s" for way, m in medians.items())
+            + f": fresh / fork server {point['fresh / fork server']:.1f}x",
+            flush=True,
+        )
     if args.cold:
         report["coconet run, whole command"] = _commands(args, report["worlds"][0]["world"])
     first = report["fork server's first launch_s"]

@@ -51,8 +51,14 @@ def main(argv: list[str] | None = None) -> dict:
     plain = plain_ns["_chunk0"]
     # Inductor's kernel of the same function: the module's _kernel around the Python kernel, undone by _native
     python_fn = {}
-    exec(compile(source.replace("_chunk0 = _native(_kernel(_chunk0),", "_chunk0 = (lambda f, *_: f)(_kernel(_chunk0),"),
-                 "adam_zero1_shm_inductor", "exec"), python_fn)
+    exec(
+        compile(
+            source.replace("_chunk0 = _native(_kernel(_chunk0),", "_chunk0 = (lambda f, *_: f)(_kernel(_chunk0),"),
+            "adam_zero1_shm_inductor",
+            "exec",
+        ),
+        python_fn,
+    )
     inductor = python_fn["_chunk0"]
 
     gen = torch.Generator().manual_seed(0)
@@ -60,8 +66,9 @@ def main(argv: list[str] | None = None) -> dict:
     start = {k: torch.rand(n, generator=gen) for k in ("m", "v", "w")}
     scalars = [torch.tensor(x) for x in (0.9, 0.999, 0.1, 0.001, 0.5, 0.6, 1e-3, 1e-8)]
     kinds = {"inductor": inductor, "c_streamed": native, "c_plain": plain}
-    state = {k: ({s: t.clone() for s, t in start.items()}, [torch.zeros(n) for _ in range(args.world - 1)])
-             for k in kinds}
+    state = {
+        k: ({s: t.clone() for s, t in start.items()}, [torch.zeros(n) for _ in range(args.world - 1)]) for k in kinds
+    }
 
     def call(kind):
         st, peers = state[kind]
@@ -69,8 +76,11 @@ def main(argv: list[str] | None = None) -> dict:
 
     for kind in kinds:  # compiles; and one step each from the same state, to compare the bits
         call(kind)
-    same = {k: all(torch.equal(state[k][0][s], state["inductor"][0][s]) for s in start)
-            and all(torch.equal(a, b) for a, b in zip(state[k][1], state["inductor"][1])) for k in kinds}
+    same = {
+        k: all(torch.equal(state[k][0][s], state["inductor"][0][s]) for s in start)
+        and all(torch.equal(a, b) for a, b in zip(state[k][1], state["inductor"][1]))
+        for k in kinds
+    }
     times: dict[str, list[float]] = {k: [] for k in kinds}
     for _ in range(args.calls):
         for kind in kinds:
@@ -79,16 +89,26 @@ def main(argv: list[str] | None = None) -> dict:
             times[kind].append(time.perf_counter() - t0)
     words = args.world + 6 + (args.world - 1)  # parts, m v w read and written, the peers' rows
     report = {
-        "world": args.world, "rows": n, "calls": args.calls, "machine": platform.processor() or platform.machine(),
-        "kinds": {k: {"median_ms": statistics.median(ts) * 1e3,
-                      "ratio_to_inductor": statistics.median(a / b for a, b in zip(ts, times["inductor"])),
-                      "GBps_at_needed_bytes": words * 4 * n / statistics.median(ts) / 1e9,
-                      "same_bits_as_inductor": same[k]} for k, ts in times.items()},
+        "world": args.world,
+        "rows": n,
+        "calls": args.calls,
+        "machine": platform.processor() or platform.machine(),
+        "kinds": {
+            k: {
+                "median_ms": statistics.median(ts) * 1e3,
+                "ratio_to_inductor": statistics.median(a / b for a, b in zip(ts, times["inductor"])),
+                "GBps_at_needed_bytes": words * 4 * n / statistics.median(ts) / 1e9,
+                "same_bits_as_inductor": same[k],
+            }
+            for k, ts in times.items()
+        },
     }
     for k, r in report["kinds"].items():
-        print(f"{k:>11}: {r['median_ms']:.2f} ms, {r['ratio_to_inductor']:.3f}x Inductor's, "
-              f"{r['GBps_at_needed_bytes']:.1f} GB/s of the bytes it must move, "
-              f"same bits: {r['same_bits_as_inductor']}")
+        print(
+            f"{k:>11}: {r['median_ms']:.2f} ms, {r['ratio_to_inductor']:.3f}x Inductor's, "
+            f"{r['GBps_at_needed_bytes']:.1f} GB/s of the bytes it must move, "
+            f"same bits: {r['same_bits_as_inductor']}"
+        )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2) + "\n")

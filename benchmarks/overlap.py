@@ -43,19 +43,39 @@ def main() -> None:
     sizes = parse_sizes([args.size], prog.dims)
     scheds = [Schedule.parse(t, prog) for t in SCHEDULES]
     scheds[1] = scheds[1].with_knobs(chunks=args.chunks)
-    report = {"workload": prog.name, "world": args.world, "sizes": sizes, "cpus": os.cpu_count(),
-              "machine": platform.machine(), "rows": []}
+    report = {
+        "workload": prog.name,
+        "world": args.world,
+        "sizes": sizes,
+        "cpus": os.cpu_count(),
+        "machine": platform.machine(),
+        "rows": [],
+    }
     for backend in ("gloo", "shm"):
         with tempfile.TemporaryDirectory() as traces:
-            opts = Options(world=args.world, sizes=sizes, backend=backend, repeats=args.repeats, warmup=2,
-                           timeout_s=300, trace=traces)
+            opts = Options(
+                world=args.world,
+                sizes=sizes,
+                backend=backend,
+                repeats=args.repeats,
+                warmup=2,
+                timeout_s=300,
+                trace=traces,
+            )
             for sched, res in zip(scheds, run_schedules(scheds, opts)):
                 found = sorted(Path(traces).glob(f"*{sched.hash}*_rank0.json"))
                 o = overlap(found[0]) if found else None
-                row = {"backend": backend, "schedule": res.schedule, "status": res.status, "median_s": res.median_s,
-                       "traced_step_s": o.step_s if o else None, "matmul_s": o.compute_s if o else None,
-                       "comm_in_progress_s": o.comm_s if o else None, "both_s": o.overlapped_s if o else None,
-                       "comm_hidden": o.hidden if o else None}
+                row = {
+                    "backend": backend,
+                    "schedule": res.schedule,
+                    "status": res.status,
+                    "median_s": res.median_s,
+                    "traced_step_s": o.step_s if o else None,
+                    "matmul_s": o.compute_s if o else None,
+                    "comm_in_progress_s": o.comm_s if o else None,
+                    "both_s": o.overlapped_s if o else None,
+                    "comm_hidden": o.hidden if o else None,
+                }
                 report["rows"].append(row)
                 print(json.dumps(row))
     args.out.parent.mkdir(parents=True, exist_ok=True)

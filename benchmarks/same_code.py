@@ -98,8 +98,9 @@ def tree_of(rev: str, scratch: Path) -> Path:
         return Path(rev).resolve()
     archive = subprocess.run(["git", "archive", "--format=tar", rev], cwd=ROOT, capture_output=True)
     if archive.returncode:
-        sys.exit(f"same_code: {rev!r} is neither a directory nor a git revision of {ROOT}: "
-                 f"{archive.stderr.decode().strip()}")
+        sys.exit(
+            f"same_code: {rev!r} is neither a directory nor a git revision of {ROOT}: {archive.stderr.decode().strip()}"
+        )
     dest = Path(tempfile.mkdtemp(prefix="tree_", dir=scratch))
     with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
         tar.extractall(dest, filter="data")
@@ -128,8 +129,9 @@ def modules_of(rev: str, programs: list[Path], backend: str, scratch: Path, step
     script = f"KERNELS = {KERNELS!r}\nSTEP_ONLY = {step_only!r}\n" + LOWER_ALL
     # PYTHONSAFEPATH and a cwd outside every tree: the tree's package is the only coconet importable
     env = dict(os.environ, PYTHONPATH=str(site), PYTHONSAFEPATH="1")
-    done = subprocess.run([sys.executable, "-c", script, backend, *files], cwd=scratch, env=env,
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-c", script, backend, *files], cwd=scratch, env=env, capture_output=True, text=True
+    )
     if done.returncode:
         sys.exit(f"same_code: lowering with {rev!r} failed:\n{done.stderr[-4000:]}")
     return json.loads(done.stdout)
@@ -150,14 +152,22 @@ def compare(first: dict, second: dict) -> dict:
         same = [t for t, mods in theirs.items() if ours.get(t) == mods]
         differ = [t for t, mods in theirs.items() if t in ours and ours[t] != mods]
         new = [t for t in theirs if t not in ours]
-        report[name] = {"schedules": len(theirs), "same": len(same), "differ": differ, "not_in_first": new,
-                        "gone_from_second": [t for t in ours if t not in theirs]}
+        report[name] = {
+            "schedules": len(theirs),
+            "same": len(same),
+            "differ": differ,
+            "not_in_first": new,
+            "gone_from_second": [t for t in ours if t not in theirs],
+        }
     return report
 
 
 def covered(report: dict) -> bool:
-    return all(not r.get("absent_from_first") and not r.get("differ") and not r.get("not_in_first")
-               for r in report.values() if not r.get("absent_from_second"))
+    return all(
+        not r.get("absent_from_first") and not r.get("differ") and not r.get("not_in_first")
+        for r in report.values()
+        if not r.get("absent_from_second")
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -171,8 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     if len(args.rev) > 2:
         ap.error("at most two --rev")
     first, second = (args.rev + ["."])[:2]
-    programs = [p.resolve() for p in args.programs] or (sorted((ROOT / "examples").glob("*.py"))
-                                                         + sorted((ROOT / "benchmarks/programs").glob("*.py")))
+    programs = [p.resolve() for p in args.programs] or (
+        sorted((ROOT / "examples").glob("*.py")) + sorted((ROOT / "benchmarks/programs").glob("*.py"))
+    )
     with tempfile.TemporaryDirectory() as scratch:
         a = modules_of(first, programs, args.backend, Path(scratch), args.step_only)
         b = modules_of(second, programs, args.backend, Path(scratch), args.step_only)
@@ -181,22 +192,37 @@ def main(argv: list[str] | None = None) -> int:
         if r.get("absent_from_second") or r.get("absent_from_first"):
             print(f"{name:24} not in {second if r.get('absent_from_second') else first}")
             continue
-        print(f"{name:24} {r['same']:4} of {r['schedules']:4} schedules the same"
-              + (f", {len(r['differ'])} differ" if r["differ"] else "")
-              + (f", {len(r['not_in_first'])} new" if r["not_in_first"] else "")
-              + (f", {len(r['gone_from_second'])} gone" if r["gone_from_second"] else ""))
+        print(
+            f"{name:24} {r['same']:4} of {r['schedules']:4} schedules the same"
+            + (f", {len(r['differ'])} differ" if r["differ"] else "")
+            + (f", {len(r['not_in_first'])} new" if r["not_in_first"] else "")
+            + (f", {len(r['gone_from_second'])} gone" if r["gone_from_second"] else "")
+        )
         for t in r["differ"][:3]:
             print(f"    differs: {t}")
     ok = covered(report)
     total = sum(r.get("schedules", 0) for r in report.values() if not r.get("absent_from_first"))
-    print(f"{'every' if ok else 'NOT every'} module of {second} ({total} schedules x {len(KERNELS)} kernel modes,"
-          f" backend {args.backend}) is {first}'s")
+    print(
+        f"{'every' if ok else 'NOT every'} module of {second} ({total} schedules x {len(KERNELS)} kernel modes,"
+        f" backend {args.backend}) is {first}'s"
+    )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"first": first, "second": second, "backend": args.backend,
-                                        "kernels": KERNELS, "step_only": args.step_only,
-                                        "every_module_same": ok, "programs": report},
-                                       indent=1) + "\n")
+        args.out.write_text(
+            json.dumps(
+                {
+                    "first": first,
+                    "second": second,
+                    "backend": args.backend,
+                    "kernels": KERNELS,
+                    "step_only": args.step_only,
+                    "every_module_same": ok,
+                    "programs": report,
+                },
+                indent=1,
+            )
+            + "\n"
+        )
     return 0 if ok else 1
 
 

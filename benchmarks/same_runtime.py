@@ -24,10 +24,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # old file -> the modules of kernels/ its helpers went to
-HOMES = {"codegen/prelude.py": ("context", "collectives", "compiled", "dropout", "ops", "philox"),
-         "codegen/shm.py": ("segments", "copier", "shm")}
-RENAMED = {"_AG": "all_gather_into_tensor", "_RS": "reduce_scatter_tensor", "_words": "dropout_words",
-           "_OPS": "OPS", "_STREAM_C": "STREAM_C", "_cache_dir": "cache_dir"}
+HOMES = {
+    "codegen/prelude.py": ("context", "collectives", "compiled", "dropout", "ops", "philox"),
+    "codegen/shm.py": ("segments", "copier", "shm"),
+}
+RENAMED = {
+    "_AG": "all_gather_into_tensor",
+    "_RS": "reduce_scatter_tensor",
+    "_words": "dropout_words",
+    "_OPS": "OPS",
+    "_STREAM_C": "STREAM_C",
+    "_cache_dir": "cache_dir",
+}
 LEFT_OUT = {"HELPERS"}  # the list runtime_text cut helpers out by
 LOCAL = {"kernel": {"dispatch": "kernel"}}  # per new function: its local names that were named otherwise
 
@@ -55,8 +63,12 @@ class _Normal(ast.NodeTransformer):
 
     def _body(self, node):
         body = node.body
-        if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
-                and isinstance(body[0].value.value, str):
+        if (
+            body
+            and isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)
+        ):
             body = body[1:]
         node.body = body or [ast.Pass()]
         if hasattr(node, "name"):
@@ -88,8 +100,11 @@ def main(argv: list[str] | None = None) -> int:
     new = {m: top_level((ROOT / "kernels" / f"{m}.py").read_text()) for ms in HOMES.values() for m in ms}
     new_names = {n for defs in new.values() for n in defs}
     olds = {f: top_level(old_text(args.rev, f)) for f in HOMES}
-    names = {o: RENAMED.get(o) or (o[1:] if o.startswith("_") and o[1:] in new_names else o)
-             for old in olds.values() for o in old} | RENAMED
+    names = {
+        o: RENAMED.get(o) or (o[1:] if o.startswith("_") and o[1:] in new_names else o)
+        for old in olds.values()
+        for o in old
+    } | RENAMED
     for old_file, homes in HOMES.items():
         for o, node in olds[old_file].items():
             if o in LEFT_OUT:
@@ -108,11 +123,21 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(report) - len(differ)} of {len(report)} helpers of {args.rev} are coconet.kernels' as they stand")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        commit = subprocess.run(["git", "rev-parse", args.rev], cwd=ROOT, capture_output=True,
-                                text=True).stdout.strip()
-        args.out.write_text(json.dumps({"rev": args.rev, "commit": commit, "same": len(report) - len(differ),
-                                        "helpers": len(report), "differ": differ, "helpers_compared": report},
-                                       indent=1) + "\n")
+        commit = subprocess.run(["git", "rev-parse", args.rev], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        args.out.write_text(
+            json.dumps(
+                {
+                    "rev": args.rev,
+                    "commit": commit,
+                    "same": len(report) - len(differ),
+                    "helpers": len(report),
+                    "differ": differ,
+                    "helpers_compared": report,
+                },
+                indent=1,
+            )
+            + "\n"
+        )
     return 0 if not differ else 1
 
 

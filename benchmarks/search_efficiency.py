@@ -34,11 +34,15 @@ ROOT = Path(__file__).resolve().parents[1]
 def landscape(store, prog, sizes, world, backends, kernels) -> dict[str, float]:
     """(backend:schedule hash) → median seconds (inf for a failure), from an exhaustive study."""
     space = SearchSpace.of(prog, backends)
-    got = {f"{m.backend}:{m.schedule_hash}": (m.median_s if m.status == "ok" and m.median_s else math.inf)
-           for m in store.measurements(prog.hash, sizes, "local", world=world) if m.job_id is not None}
+    got = {
+        f"{m.backend}:{m.schedule_hash}": (m.median_s if m.status == "ok" and m.median_s else math.inf)
+        for m in store.measurements(prog.hash, sizes, "local", world=world)
+        if m.job_id is not None
+    }
     if len(got) < space.size:
-        request = Request(prog, (sizes,), world, budget=space.size, backends=backends,
-                          protocol=Protocol(kernels=kernels))
+        request = Request(
+            prog, (sizes,), world, budget=space.size, backends=backends, protocol=Protocol(kernels=kernels)
+        )
         tune(request, store, on_progress=lambda s, p: print(f"  measured {p.trials}/{p.budget}", flush=True))
         return landscape(store, prog, sizes, world, backends, kernels)
     return got
@@ -56,8 +60,17 @@ def trials_to_target(space, sizes, times, sampler, seed, prior, target) -> int:
             return RunResult(c.text, c.schedule.hash, "runtime_error", error="failed when measured")
         return RunResult(c.text, c.schedule.hash, "ok", True, 0.0, [t] * 5)
 
-    search(space, sizes, storage=optuna.storages.InMemoryStorage(), study="replay", budget=space.size,
-           measure=measure, prior=prior, seed=seed, sampler=sampler)
+    search(
+        space,
+        sizes,
+        storage=optuna.storages.InMemoryStorage(),
+        study="replay",
+        budget=space.size,
+        measure=measure,
+        prior=prior,
+        seed=seed,
+        sampler=sampler,
+    )
     best = math.inf
     for i, t in enumerate(order[:-2], start=1):  # the last two: the final re-timing
         best = min(best, t)
@@ -71,8 +84,11 @@ def main() -> None:
     ap.add_argument("--program", default=str(ROOT / "examples/adam.py"))
     ap.add_argument("--size", default="N=2^20")
     ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--db", default="sqlite:////tmp/coconet-search-landscape.db",
-                    help="Where the exhaustive study is kept (the landscape itself goes into the JSON).")
+    ap.add_argument(
+        "--db",
+        default="sqlite:////tmp/coconet-search-landscape.db",
+        help="Where the exhaustive study is kept (the landscape itself goes into the JSON).",
+    )
     ap.add_argument("--kernels", default="eager")
     ap.add_argument("--seeds", type=int, default=20)
     ap.add_argument("--out", type=Path, default=None)
@@ -88,16 +104,33 @@ def main() -> None:
     within = sum(t <= target for t in times.values())
     prior = _cost_prior(space, sizes, args.world)
     arms = {"random": ("random", ()), "tpe": ("tpe", ()), "tpe + cost model top 3": ("tpe", tuple(prior[:3]))}
-    report = {"program": prog.name, "sizes": sizes, "world": args.world, "backends": list(backends),
-              "kernels": args.kernels, "space": space.size, "candidates_within_5pct": within,
-              "best_s": best, "failed": sum(math.isinf(t) for t in times.values()), "cpus": os.cpu_count(),
-              "arms": {}, "landscape": {k: (None if math.isinf(t) else t) for k, t in sorted(times.items())}}
+    report = {
+        "program": prog.name,
+        "sizes": sizes,
+        "world": args.world,
+        "backends": list(backends),
+        "kernels": args.kernels,
+        "space": space.size,
+        "candidates_within_5pct": within,
+        "best_s": best,
+        "failed": sum(math.isinf(t) for t in times.values()),
+        "cpus": os.cpu_count(),
+        "arms": {},
+        "landscape": {k: (None if math.isinf(t) else t) for k, t in sorted(times.items())},
+    }
     for name, (sampler, pri) in arms.items():
         counts = [trials_to_target(space, sizes, times, sampler, seed, list(pri), target) for seed in range(args.seeds)]
-        report["arms"][name] = {"trials": counts, "median": statistics.median(counts), "mean": statistics.mean(counts),
-                                "worst": max(counts)}
-        print(f"{name:>24}: median {statistics.median(counts):g}, mean {statistics.mean(counts):.1f}, "
-              f"worst {max(counts)} trials of {space.size} to within 5% of the best", flush=True)
+        report["arms"][name] = {
+            "trials": counts,
+            "median": statistics.median(counts),
+            "mean": statistics.mean(counts),
+            "worst": max(counts),
+        }
+        print(
+            f"{name:>24}: median {statistics.median(counts):g}, mean {statistics.mean(counts):.1f}, "
+            f"worst {max(counts)} trials of {space.size} to within 5% of the best",
+            flush=True,
+        )
     # what random search needs in expectation, from the landscape alone: (n+1)/(k+1) draws without replacement
     report["random_expected"] = (space.size + 1) / (within + 1)
     out = args.out or ROOT / f"benchmarks/results/search_efficiency_{prog.name}_w{args.world}.json"
@@ -111,8 +144,14 @@ def _cost_prior(space, sizes, world):
     from coconet.tuner.cost import predict
 
     topo = local_topology()  # this machine's, calibrated here on first use
-    ranked = sorted(((predict(s, sizes, topo, b, world=world).seconds, i, Candidate(s, b))
-                     for b in space.backends for i, s in enumerate(space.schedules)), key=lambda x: x[:2])
+    ranked = sorted(
+        (
+            (predict(s, sizes, topo, b, world=world).seconds, i, Candidate(s, b))
+            for b in space.backends
+            for i, s in enumerate(space.schedules)
+        ),
+        key=lambda x: x[:2],
+    )
     return [c for *_, c in ranked]
 
 
@@ -125,12 +164,15 @@ def _plot(report, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, arm in report["arms"].items():
         xs = sorted(arm["trials"])
-        ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post",
-                label=f"{name} (median {arm['median']:g})")
+        ax.step(
+            xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=f"{name} (median {arm['median']:g})"
+        )
     ax.set_xlabel("trials (distinct candidates measured)")
     ax.set_ylabel("fraction of seeds within 5% of the best")
-    ax.set_title(f"{report['program']} {format_sizes(report['sizes'])}, world {report['world']}: "
-                 f"{report['space']} candidates, {report['candidates_within_5pct']} within 5%")
+    ax.set_title(
+        f"{report['program']} {format_sizes(report['sizes'])}, world {report['world']}: "
+        f"{report['space']} candidates, {report['candidates_within_5pct']} within 5%"
+    )
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

@@ -39,8 +39,9 @@ def launch(sched: Schedule, sizes: dict, world: int, repeats: int, threshold: st
     else:
         os.environ["COCONET_SHM_STREAM_BYTES"] = threshold  # the ranks inherit this process's environment
     try:
-        (res,) = run_schedules([sched], Options(world=world, sizes=sizes, backend="shm", warmup=3, repeats=repeats,
-                                                timeout_s=300))
+        (res,) = run_schedules(
+            [sched], Options(world=world, sizes=sizes, backend="shm", warmup=3, repeats=repeats, timeout_s=300)
+        )
     finally:
         if old is None:
             os.environ.pop("COCONET_SHM_STREAM_BYTES", None)
@@ -62,8 +63,16 @@ def main() -> None:
     args = ap.parse_args()
     prog = runpy.run_path(str(ROOT / "examples/adam.py"))["program"].ir
     sched = Schedule.parse(SCHEDULE, prog).with_knobs(fc_chunks=4)
-    report = {"workload": prog.name, "schedule": sched.text, "world": args.world, "cpus": os.cpu_count(),
-              "machine": platform.machine(), "rounds": args.rounds, "repeats": args.repeats, "points": []}
+    report = {
+        "workload": prog.name,
+        "schedule": sched.text,
+        "world": args.world,
+        "cpus": os.cpu_count(),
+        "machine": platform.machine(),
+        "rounds": args.rounds,
+        "repeats": args.repeats,
+        "points": [],
+    }
     for text in args.size or ["N=2^22", "N=2^24", "N=2^25"]:
         sizes = parse_sizes([text], prog.dims)
         pairs = []
@@ -76,15 +85,23 @@ def main() -> None:
             pairs.append({"streaming_s": times[None], "ordinary_s": times[NEVER], "streaming_first": k % 2 == 0})
             print(json.dumps({"sizes": sizes, **pairs[-1]}), flush=True)
         ratios = [p["ordinary_s"] / p["streaming_s"] for p in pairs]
-        report["points"].append({"sizes": sizes, "pairs": pairs, "ordinary_over_streaming": statistics.median(ratios),
-                                 "streaming_faster_in": sum(r > 1 for r in ratios)})
+        report["points"].append(
+            {
+                "sizes": sizes,
+                "pairs": pairs,
+                "ordinary_over_streaming": statistics.median(ratios),
+                "streaming_faster_in": sum(r > 1 for r in ratios),
+            }
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     if args.plot:
         plot(report, args.plot)
     for p in report["points"]:
-        print(f"{p['sizes']}: ordinary / streaming {p['ordinary_over_streaming']:.2f}x (median of "
-              f"{len(p['pairs'])} pairs; streaming faster in {p['streaming_faster_in']})")
+        print(
+            f"{p['sizes']}: ordinary / streaming {p['ordinary_over_streaming']:.2f}x (median of "
+            f"{len(p['pairs'])} pairs; streaming faster in {p['streaming_faster_in']})"
+        )
 
 
 def plot(report: dict, path: Path) -> None:
@@ -96,10 +113,21 @@ def plot(report: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for k, p in enumerate(report["points"]):
         for j, pair in enumerate(p["pairs"]):
-            ax.plot([k - 0.1, k + 0.1], [pair["ordinary_s"] * 1e3, pair["streaming_s"] * 1e3], "o-", color="gray",
-                    alpha=0.6, label="one pair: ordinary -> streaming" if k == j == 0 else None)
-        ax.annotate(f"{p['ordinary_over_streaming']:.2f}x", (k, max(q["ordinary_s"] for q in p["pairs"]) * 1e3),
-                    textcoords="offset points", xytext=(0, 6), ha="center")
+            ax.plot(
+                [k - 0.1, k + 0.1],
+                [pair["ordinary_s"] * 1e3, pair["streaming_s"] * 1e3],
+                "o-",
+                color="gray",
+                alpha=0.6,
+                label="one pair: ordinary -> streaming" if k == j == 0 else None,
+            )
+        ax.annotate(
+            f"{p['ordinary_over_streaming']:.2f}x",
+            (k, max(q["ordinary_s"] for q in p["pairs"]) * 1e3),
+            textcoords="offset points",
+            xytext=(0, 6),
+            ha="center",
+        )
     ax.set_xticks(range(len(report["points"])))
     ax.set_xticklabels([",".join(f"{n}={v}" for n, v in p["sizes"].items()) for p in report["points"]])
     ax.set_yscale("log")

@@ -44,8 +44,14 @@ class _IoVec(ctypes.Structure):
 def _readv():
     libc = ctypes.CDLL(None, use_errno=True)
     fn = libc.process_vm_readv
-    fn.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.POINTER(_IoVec), ctypes.c_ulong,
-                   ctypes.c_ulong]
+    fn.argtypes = [
+        ctypes.c_int,
+        ctypes.POINTER(_IoVec),
+        ctypes.c_ulong,
+        ctypes.POINTER(_IoVec),
+        ctypes.c_ulong,
+        ctypes.c_ulong,
+    ]
     fn.restype = ctypes.c_ssize_t
     return fn
 
@@ -95,7 +101,8 @@ def _rank(rank: int, n: int, chunks: list[int], repeats: int, rounds: int, segme
                 got = readv(peer_pid, ctypes.byref(here), 1, ctypes.byref(there), 1, 0)
                 if got != (b - a) * 4:
                     raise OSError(ctypes.get_errno(), f"process_vm_readv: {os.strerror(ctypes.get_errno())}")
-                torch.add(own[a:b], buf[:b - a], out=result[a:b])
+                torch.add(own[a:b], buf[: b - a], out=result[a:b])
+
         return run
 
     variants = {"local": local, "publish": publish}
@@ -143,8 +150,10 @@ def main(argv: list[str] | None = None) -> dict:
         with open(p, "wb") as f:
             f.truncate(n // 2 * 4)
     try:
-        procs = [ctx.Process(target=_rank, args=(r, n, chunks, args.repeats, args.rounds, segments, barrier, pipe, out))
-                 for r, pipe in ((0, a), (1, b))]
+        procs = [
+            ctx.Process(target=_rank, args=(r, n, chunks, args.repeats, args.rounds, segments, barrier, pipe, out))
+            for r, pipe in ((0, a), (1, b))
+        ]
         for p in procs:
             p.start()
         got = []
@@ -170,8 +179,11 @@ def main(argv: list[str] | None = None) -> dict:
     for name in t0:
         # a sample is the slower rank's; a round's figure its median; the variant's the median of its rounds
         rounds = [statistics.median(max(x, y) for x, y in zip(s0, s1)) for s0, s1 in zip(t0[name], t1[name])]
-        variants[name] = {"round_medians_s": rounds, "median_s": statistics.median(rounds),
-                          "checksum": [c0[name], c1[name]]}
+        variants[name] = {
+            "round_medians_s": rounds,
+            "median_s": statistics.median(rounds),
+            "checksum": [c0[name], c1[name]],
+        }
     ref = variants["publish"]["median_s"]
     for name, v in variants.items():
         v["vs_publish"] = ref / v["median_s"]
@@ -179,16 +191,26 @@ def main(argv: list[str] | None = None) -> dict:
             v["same_result_as_publish"] = v["checksum"] == variants["publish"]["checksum"]
     # the bytes each variant moves through memory, both processes: the floor's reads and writes, and the publish's
     bytes_local = 2 * (3 * n // 2 * 4)
-    report = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "N": n,
-              "processes": 2, "threads_per_process": 1, "repeats": args.repeats, "rounds": args.rounds,
-              "process_vm_readv": "refused: " + refused if refused else "allowed",
-              "bytes_floor": bytes_local, "bytes_publish": bytes_local + 2 * (2 * n // 2 * 4),
-              "variants": variants}
+    report = {
+        "machine": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "N": n,
+        "processes": 2,
+        "threads_per_process": 1,
+        "repeats": args.repeats,
+        "rounds": args.rounds,
+        "process_vm_readv": "refused: " + refused if refused else "allowed",
+        "bytes_floor": bytes_local,
+        "bytes_publish": bytes_local + 2 * (2 * n // 2 * 4),
+        "variants": variants,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     for name, v in variants.items():
-        print(f"{name:28s} {v['median_s'] * 1e3:8.2f} ms  rounds {[round(x * 1e3, 2) for x in v['round_medians_s']]}"
-              f"  {v['vs_publish']:.2f}x publish")
+        print(
+            f"{name:28s} {v['median_s'] * 1e3:8.2f} ms  rounds {[round(x * 1e3, 2) for x in v['round_medians_s']]}"
+            f"  {v['vs_publish']:.2f}x publish"
+        )
     if refused:
         print(f"process_vm_readv refused: {refused}")
     return report

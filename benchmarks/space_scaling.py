@@ -77,33 +77,45 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/space_scaling.json")
     args = ap.parse_args(argv)
     counts = args.tensors or [10, 30, 60, 120]
-    report = {"program": "Adam over k tensors, one allreduce each", "depth": "default", "rounds": args.rounds,
-              "machine": platform.processor() or platform.machine(), "python": platform.python_version(),
-              "points": []}
+    report = {
+        "program": "Adam over k tensors, one allreduce each",
+        "depth": "default",
+        "rounds": args.rounds,
+        "machine": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "points": [],
+    }
     for k in counts:
         prog = adam_over(k)
         times: dict[str, dict[str, list[float]]] = {w: {"generate_s": [], "read_back_s": []} for w in WAYS}
         spaces = {}
         for r in range(args.rounds):
-            for way in (WAYS if r % 2 == 0 else WAYS[::-1]):
+            for way in WAYS if r % 2 == 0 else WAYS[::-1]:
                 with _way(way):
                     gen, read, spaces[way] = _once(prog)
                 times[way]["generate_s"].append(gen)
                 times[way]["read_back_s"].append(read)
         together, alone = spaces[WAYS[0]], spaces[WAYS[1]]
         assert len(together) == len(alone) and all(
-            a == b and pa == pb and pa.locations == pb.locations for (a, pa), (b, pb) in zip(together, alone)), (
-            f"k={k}: the two ways give different schedules")
-        point = {"tensors": k, "statements": len(prog), "schedules": len(together),
-                 "longest_schedule_transforms": max(len(t.split(";")) for t, _ in together)}
+            a == b and pa == pb and pa.locations == pb.locations for (a, pa), (b, pb) in zip(together, alone)
+        ), f"k={k}: the two ways give different schedules"
+        point = {
+            "tensors": k,
+            "statements": len(prog),
+            "schedules": len(together),
+            "longest_schedule_transforms": max(len(t.split(";")) for t, _ in together),
+        }
         for way in WAYS:
             point[way] = {m: statistics.median(v) for m, v in times[way].items()} | {"rounds": times[way]}
         for m in ("generate_s", "read_back_s"):
             point[f"{m[:-2]}_one_by_one_over_together"] = point[WAYS[1]][m] / point[WAYS[0]][m]
         report["points"].append(point)
-        print(f"k={k:4d} ({len(prog)} statements, {len(together)} schedules): generate "
-              f"{point[WAYS[0]]['generate_s']:.2f} s together, {point[WAYS[1]]['generate_s']:.2f} s one by one; "
-              f"read back {point[WAYS[0]]['read_back_s']:.2f} s / {point[WAYS[1]]['read_back_s']:.2f} s", flush=True)
+        print(
+            f"k={k:4d} ({len(prog)} statements, {len(together)} schedules): generate "
+            f"{point[WAYS[0]]['generate_s']:.2f} s together, {point[WAYS[1]]['generate_s']:.2f} s one by one; "
+            f"read back {point[WAYS[0]]['read_back_s']:.2f} s / {point[WAYS[1]]['read_back_s']:.2f} s",
+            flush=True,
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     _plot(report, args.out.with_suffix(".png"))
@@ -119,8 +131,9 @@ def _plot(report, path: Path) -> None:
 
     ks = [p["tensors"] for p in report["points"]]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, metric, title in zip(axes, ("generate_s", "read_back_s"),
-                                 ("generate the space", "read every schedule back")):
+    for ax, metric, title in zip(
+        axes, ("generate_s", "read_back_s"), ("generate the space", "read every schedule back")
+    ):
         for way, style in zip(WAYS, ("o-", "s--")):
             ax.plot(ks, [p[way][metric] for p in report["points"]], style, label=way)
         ax.set_xscale("log")

@@ -51,12 +51,21 @@ def main(argv: list[str] | None = None) -> dict:
         step.check(tensors, scalars)
 
     fresh = _per_call(first, args.calls // 10)
-    report = {"command": "python benchmarks/step_check_cost.py " + " ".join(argv or []), "inputs": len(tensors),
-              "scalars": len(scalars), "steady_ns_per_call": check, "empty_loop_ns_per_call": empty,
-              "steady_ns_per_input": check / len(tensors), "first_check_ns_per_call": fresh,
-              "torch": torch.__version__, "python": sys.version.split()[0]}
-    print(f"steady state: {check:.0f} ns a call ({check / len(tensors):.0f} ns an input; an empty loop over the "
-          f"inputs {empty:.0f} ns); first check of new tensors: {fresh / 1e3:.1f} us a call")
+    report = {
+        "command": "python benchmarks/step_check_cost.py " + " ".join(argv or []),
+        "inputs": len(tensors),
+        "scalars": len(scalars),
+        "steady_ns_per_call": check,
+        "empty_loop_ns_per_call": empty,
+        "steady_ns_per_input": check / len(tensors),
+        "first_check_ns_per_call": fresh,
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+    }
+    print(
+        f"steady state: {check:.0f} ns a call ({check / len(tensors):.0f} ns an input; an empty loop over the "
+        f"inputs {empty:.0f} ns); first check of new tensors: {fresh / 1e3:.1f} us a call"
+    )
     if args.out is not None:
         args.out.write_text(json.dumps(report, indent=1))
     return report

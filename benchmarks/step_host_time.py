@@ -75,14 +75,19 @@ def main(argv=None) -> dict:
         sys.modules[mod.__name__] = mod
         exec(compile(lower(sched, backend=backend).source, mod.__name__, "exec"), mod.__dict__)
         T = {k: torch.rand(args.n, device=dev) for k in "gwmv"}
-        out = {"device": torch.cuda.get_device_name(0) if cuda else "cpu", "N": args.n, "torch": torch.__version__,
-               "schedule": sched.text}
+        out = {
+            "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+            "N": args.n,
+            "torch": torch.__version__,
+            "schedule": sched.text,
+        }
         out["step"] = timed(lambda: mod.step(T, SCALARS), sync)
 
         def scalars():
-            lr, b1, b2, eps, t = (torch.tensor(float(SCALARS[k]), dtype=torch.float32)
-                                  for k in ("lr", "beta1", "beta2", "eps", "t"))
-            return lr, b1, b2, eps, 1 - b1, 1 - b2, 1 - b1 ** t, 1 - b2 ** t
+            lr, b1, b2, eps, t = (
+                torch.tensor(float(SCALARS[k]), dtype=torch.float32) for k in ("lr", "beta1", "beta2", "eps", "t")
+            )
+            return lr, b1, b2, eps, 1 - b1, 1 - b2, 1 - b1**t, 1 - b2**t
 
         c = mod._Ctx(None, dev)
         lr, b1, b2, eps, sub0, sub1, sub2, sub3 = scalars()

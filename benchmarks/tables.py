@@ -72,24 +72,38 @@ def bench_rows(name: str, data: dict[str, Any]) -> list[list[str]]:
         speedups = p.get("best_speedup_rounds") or [p["best_speedup"]]
         floor = p.get("best_over_floor_rounds") or ([p["best_over_floor"]] if p.get("best_over_floor") else [])
         where = " ".join(x for x in (_link(name, ".json"), _link(name, ".png")) if x)
-        rows.append([f"{data['workload']}, {_sizes(p['sizes'])} ({where})", str(data["world"]),
-                     ", ".join(data["backends"]), str(p.get("rounds_done", data.get("rounds", 1))),
-                     _ms(_medians(torch)), f"{_ms(_medians(best))}, `{best['schedule']}`",
-                     _ratio(speedups), _ratio(floor) if floor else ""])
+        rows.append(
+            [
+                f"{data['workload']}, {_sizes(p['sizes'])} ({where})",
+                str(data["world"]),
+                ", ".join(data["backends"]),
+                str(p.get("rounds_done", data.get("rounds", 1))),
+                _ms(_medians(torch)),
+                f"{_ms(_medians(best))}, `{best['schedule']}`",
+                _ratio(speedups),
+                _ratio(floor) if floor else "",
+            ]
+        )
     return rows
 
 
-BENCH_HEAD = ["workload", "world", "backends", "rounds", "torch baseline", "best schedule", "speed-up",
-              "best / floor"]
+BENCH_HEAD = ["workload", "world", "backends", "rounds", "torch baseline", "best schedule", "speed-up", "best / floor"]
 
 
 def training_rows(name: str, data: dict[str, Any]) -> list[list[str]]:
     rounds = data["rounds"]
     where = " ".join(x for x in (_link(name, ".json"), _link(name, ".png")) if x)
-    return [[f"{data['parameters'] / 1e6:.0f}M parameters, batch {data['batch']} ({where})", str(data["world"]),
-             str(len(rounds)), _ms(r["ddp_step_s"] for r in rounds),
-             _ms(r["coconet_step_s"] for r in rounds), _ratio(r["speedup"] for r in rounds),
-             f"{data['loss_rel_gap']['coconet']:.1e}"]]
+    return [
+        [
+            f"{data['parameters'] / 1e6:.0f}M parameters, batch {data['batch']} ({where})",
+            str(data["world"]),
+            str(len(rounds)),
+            _ms(r["ddp_step_s"] for r in rounds),
+            _ms(r["coconet_step_s"] for r in rounds),
+            _ratio(r["speedup"] for r in rounds),
+            f"{data['loss_rel_gap']['coconet']:.1e}",
+        ]
+    ]
 
 
 TRAINING_HEAD = ["model", "world", "rounds", "DDP + Adam(fused)", "coconet", "speed-up", "loss gap"]
@@ -99,15 +113,24 @@ def cost_model_rows(name: str, data: dict[str, Any]) -> list[list[str]]:
     rows = []
     for r in data["results"]:
         between = r.get("kendall_tau_between_rounds") or []
-        rows.append([f"{r['program']} ({_sizes(r['sizes'])})", r["backend"], str(r["schedules"]),
-                     f"{r['kendall_tau']:.2f}", _range(between, lambda x: f"{x:.2f}") if between else ""])
+        rows.append(
+            [
+                f"{r['program']} ({_sizes(r['sizes'])})",
+                r["backend"],
+                str(r["schedules"]),
+                f"{r['kendall_tau']:.2f}",
+                _range(between, lambda x: f"{x:.2f}") if between else "",
+            ]
+        )
     return rows
 
 
 COST_HEAD = ["program", "backend", "schedules", "τ predicted vs measured", "τ between rounds"]
 KINDS: dict[str, tuple[list[str], Callable[[str, dict[str, Any]], list[list[str]]]]] = {
-    "bench": (BENCH_HEAD, bench_rows), "training": (TRAINING_HEAD, training_rows),
-    "cost_model": (COST_HEAD, cost_model_rows)}
+    "bench": (BENCH_HEAD, bench_rows),
+    "training": (TRAINING_HEAD, training_rows),
+    "cost_model": (COST_HEAD, cost_model_rows),
+}
 
 
 def render(spec: str) -> str:
@@ -139,8 +162,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.check:
         bad = stale(pages)
         for name in bad:
-            print(f"docs/{name}: a result table differs from its JSON; run python benchmarks/tables.py",
-                  file=sys.stderr)
+            print(
+                f"docs/{name}: a result table differs from its JSON; run python benchmarks/tables.py", file=sys.stderr
+            )
         return 1 if bad else 0
     for p in pages:
         text = p.read_text()

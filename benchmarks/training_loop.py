@@ -84,9 +84,16 @@ def _train_coconet(args, xs, ys):
     import coconet
 
     model = _model(args.dims)
-    opt = coconet.optim.from_program(PROGRAM, model.parameters(), lr=HYPER["lr"],
-                                     betas=(HYPER["beta1"], HYPER["beta2"]), eps=HYPER["eps"],
-                                     schedule=args.schedule, backend=args.backend, kernels=args.kernels)
+    opt = coconet.optim.from_program(
+        PROGRAM,
+        model.parameters(),
+        lr=HYPER["lr"],
+        betas=(HYPER["beta1"], HYPER["beta2"]),
+        eps=HYPER["eps"],
+        schedule=args.schedule,
+        backend=args.backend,
+        kernels=args.kernels,
+    )
     losses, times = [], []
     for t in range(len(xs)):
         dist.barrier()
@@ -113,9 +120,9 @@ def _flat_model(dims: list[int]):
     at = 0
     for p in params:
         k = p.numel()
-        w[at:at + k].copy_(p.detach().flatten())
-        p.data = w[at:at + k].view_as(p)
-        p.grad = g[at:at + k].view_as(p)
+        w[at : at + k].copy_(p.detach().flatten())
+        p.data = w[at : at + k].view_as(p)
+        p.grad = g[at : at + k].view_as(p)
         at += k
     return model, w, g
 
@@ -148,8 +155,9 @@ def _allreduce_adam(model, w, g):
     import torch
     import torch.distributed as dist
 
-    opt = torch.optim.Adam(model.parameters(), lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]),
-                           eps=HYPER["eps"], fused=True)
+    opt = torch.optim.Adam(
+        model.parameters(), lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]), eps=HYPER["eps"], fused=True
+    )
 
     def update(t):
         dist.all_reduce(g)
@@ -170,8 +178,7 @@ def _train_ddp(args, rank, world, xs, ys, formula=False):
     model = _model(args.dims)
     ddp = DistributedDataParallel(model, gradient_as_bucket_view=True)
     params = list(model.parameters())
-    opt = torch.optim.Adam(params, lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]), eps=HYPER["eps"],
-                           fused=True)
+    opt = torch.optim.Adam(params, lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]), eps=HYPER["eps"], fused=True)
     moments = [(torch.zeros_like(p), torch.zeros_like(p)) for p in params] if formula else []
     b1, b2 = torch.tensor(HYPER["beta1"]), torch.tensor(HYPER["beta2"])
     losses, times = [], []
@@ -190,7 +197,7 @@ def _train_ddp(args, rank, world, xs, ys, formula=False):
                 for p, (m, v) in zip(params, moments):
                     m.copy_(b1 * m + (1 - b1) * p.grad)
                     v.copy_(b2 * v + (1 - b2) * p.grad * p.grad)
-                    p.copy_(p - HYPER["lr"] * (m / (1 - b1 ** tt)) / (torch.sqrt(v / (1 - b2 ** tt)) + HYPER["eps"]))
+                    p.copy_(p - HYPER["lr"] * (m / (1 - b1**tt)) / (torch.sqrt(v / (1 - b2**tt)) + HYPER["eps"]))
         end = time.perf_counter()
         times.append((end - t0, end - tb))
         losses.append(float(loss.detach()))
@@ -207,7 +214,7 @@ def _rank(rank: int, world: int, port: int, args, out) -> None:
     ways = ("coconet", "ddp", "allreduce")
     report, first = {way: [] for way in ways}, {}
     for r in range(args.rounds):
-        for way in ways[r % 3:] + ways[:r % 3]:  # each way first in a round of its own
+        for way in ways[r % 3 :] + ways[: r % 3]:  # each way first in a round of its own
             if way == "coconet":
                 losses, times, weights = _train_coconet(args, xs, ys)
             elif way == "ddp":
@@ -218,8 +225,13 @@ def _rank(rank: int, world: int, port: int, args, out) -> None:
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             mean_loss = torch.tensor(losses, dtype=torch.float64)
             dist.all_reduce(mean_loss)
-            report[way].append({"losses": (mean_loss / world).tolist(), "times_s": slowest[:, 0].tolist(),
-                                "after_backward_s": slowest[:, 1].tolist()})
+            report[way].append(
+                {
+                    "losses": (mean_loss / world).tolist(),
+                    "times_s": slowest[:, 0].tolist(),
+                    "after_backward_s": slowest[:, 1].tolist(),
+                }
+            )
             first.setdefault(way, weights.clone())
     reference, _, first["formula"] = _train_ddp(args, rank, world, xs, ys, formula=True)
     mean_loss = torch.tensor(reference, dtype=torch.float64)
@@ -227,8 +239,10 @@ def _rank(rank: int, world: int, port: int, args, out) -> None:
     report["formula"] = [{"losses": (mean_loss / world).tolist()}]
     # rank 0's weights after each way's first round (every rank holds them whole), compared here: a tensor
     # put on the queue would need this process alive until it is read
-    gap = {k: float((first[k] - first["ddp"]).abs().max() / first["ddp"].abs().max())
-           for k in ("coconet", "formula", "allreduce")}
+    gap = {
+        k: float((first[k] - first["ddp"]).abs().max() / first["ddp"].abs().max())
+        for k in ("coconet", "formula", "allreduce")
+    }
     report.update(weights_rel_gap=gap, parameters=first["ddp"].numel())
     if rank == 0:
         out.put(report)
@@ -281,35 +295,56 @@ def _report(args, got: dict) -> dict:
     for c, d, a in zip(got["coconet"], got["ddp"], got["allreduce"]):
         tc, td, ta = (statistics.median(x["times_s"][WARMUP:]) for x in (c, d, a))
         bc, bd, ba = (statistics.median(x["after_backward_s"][WARMUP:]) for x in (c, d, a))
-        rounds.append({"coconet_step_s": tc, "ddp_step_s": td, "allreduce_adam_step_s": ta, "speedup": td / tc,
-                       "speedup_over_allreduce_adam": ta / tc,
-                       # from the end of backward to the end of the optimizer step: the gradients' reduction
-                       # that is left (all of it but DDP's) and the update
-                       "after_backward_s": {"coconet": bc, "ddp": bd, "allreduce": ba}})
+        rounds.append(
+            {
+                "coconet_step_s": tc,
+                "ddp_step_s": td,
+                "allreduce_adam_step_s": ta,
+                "speedup": td / tc,
+                "speedup_over_allreduce_adam": ta / tc,
+                # from the end of backward to the end of the optimizer step: the gradients' reduction
+                # that is left (all of it but DDP's) and the update
+                "after_backward_s": {"coconet": bc, "ddp": bd, "allreduce": ba},
+            }
+        )
     report = {
-        "command": "python benchmarks/training_loop.py " + " ".join(
-            f"--{k} {','.join(map(str, v)) if isinstance(v, list) else v}" for k, v in vars(args).items()
-            if k not in ("out", "plot")),
-        "world": args.world, "dims": args.dims, "parameters": got["parameters"], "batch": args.batch,
-        "steps": args.steps, "schedule": args.schedule, "backend": args.backend, "kernels": args.kernels,
+        "command": "python benchmarks/training_loop.py "
+        + " ".join(
+            f"--{k} {','.join(map(str, v)) if isinstance(v, list) else v}"
+            for k, v in vars(args).items()
+            if k not in ("out", "plot")
+        ),
+        "world": args.world,
+        "dims": args.dims,
+        "parameters": got["parameters"],
+        "batch": args.batch,
+        "steps": args.steps,
+        "schedule": args.schedule,
+        "backend": args.backend,
+        "kernels": args.kernels,
         "baseline": "DistributedDataParallel (gloo, gradient_as_bucket_view) + torch.optim.Adam(fused=True)",
         "second_baseline": "the same flat buffers, dist.all_reduce of g, torch.optim.Adam(fused=True)",
         "losses": {"coconet": coconet["losses"], "ddp": ddp["losses"], "formula": formula["losses"]},
         # against DDP + Adam(fused); "formula": the program's update in eager torch on DDP's gradients
         "loss_rel_gap": {"coconet": loss_gap(coconet), "formula": loss_gap(formula)},
-        "weights_rel_gap": weights_gap, "rounds": rounds,
+        "weights_rel_gap": weights_gap,
+        "rounds": rounds,
         "speedup": statistics.median(r["speedup"] for r in rounds),
         "speedup_over_allreduce_adam": statistics.median(r["speedup_over_allreduce_adam"] for r in rounds),
     }
     for k, r in enumerate(rounds):
-        print(f"round {k}: coconet {r['coconet_step_s'] * 1e3:.1f} ms a step, DDP + Adam(fused) "
-              f"{r['ddp_step_s'] * 1e3:.1f} ms ({r['speedup']:.2f}x), all_reduce + Adam(fused) "
-              f"{r['allreduce_adam_step_s'] * 1e3:.1f} ms ({r['speedup_over_allreduce_adam']:.2f}x); after "
-              "backward: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in r["after_backward_s"].items()))
-    print(f"{report['parameters']} parameters; losses {coconet['losses'][0]:.4f} -> {coconet['losses'][-1]:.4f} "
-          f"(DDP {ddp['losses'][-1]:.4f}); largest relative gap to DDP: losses {loss_gap(coconet):.2g}, weights "
-          f"{weights_gap['coconet']:.2g}; the program's update in eager torch: {loss_gap(formula):.2g}, "
-          f"{weights_gap['formula']:.2g}")
+        print(
+            f"round {k}: coconet {r['coconet_step_s'] * 1e3:.1f} ms a step, DDP + Adam(fused) "
+            f"{r['ddp_step_s'] * 1e3:.1f} ms ({r['speedup']:.2f}x), all_reduce + Adam(fused) "
+            f"{r['allreduce_adam_step_s'] * 1e3:.1f} ms ({r['speedup_over_allreduce_adam']:.2f}x); after "
+            "backward: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in r["after_backward_s"].items())
+        )
+    print(
+        f"{report['parameters']} parameters; losses {coconet['losses'][0]:.4f} -> {coconet['losses'][-1]:.4f} "
+        f"(DDP {ddp['losses'][-1]:.4f}); largest relative gap to DDP: losses {loss_gap(coconet):.2g}, weights "
+        f"{weights_gap['coconet']:.2g}; the program's update in eager torch: {loss_gap(formula):.2g}, "
+        f"{weights_gap['formula']:.2g}"
+    )
     if args.out is not None:
         args.out.write_text(json.dumps(report, indent=1))
     if args.plot is not None:
@@ -324,8 +359,11 @@ def plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_l, ax_t) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for way, label, style in (("ddp", "DDP + Adam(fused)", "-"), ("coconet", "coconet step", "--"),
-                              ("formula", "the program's update in eager torch", ":")):
+    for way, label, style in (
+        ("ddp", "DDP + Adam(fused)", "-"),
+        ("coconet", "coconet step", "--"),
+        ("formula", "the program's update in eager torch", ":"),
+    ):
         ax_l.plot(range(1, len(report["losses"][way]) + 1), report["losses"][way], style, label=label)
     ax_l.set_xlabel("step")
     ax_l.set_ylabel("loss, mean over ranks")
@@ -338,8 +376,10 @@ def plot(report: dict, path: Path) -> None:
     ax_t.set_xticks(list(x), [f"round {i}: {r['speedup']:.2f}x" for i, r in enumerate(rounds)])
     ax_t.set_ylabel("training step (ms), median, slowest rank")
     ax_t.legend()
-    fig.suptitle(f"{report['parameters'] / 1e6:.1f}M-parameter MLP, world {report['world']}, "
-                 f"{report['backend']}, batch {report['batch']} per rank")
+    fig.suptitle(
+        f"{report['parameters'] / 1e6:.1f}M-parameter MLP, world {report['world']}, "
+        f"{report['backend']}, batch {report['batch']} per rank"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

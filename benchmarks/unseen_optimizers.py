@@ -35,15 +35,27 @@ PROGRAMS = ROOT / "benchmarks" / "programs"
 # the optimizer and its hyper-parameters, the program's scalars of the same values, the state it keeps
 # (program name -> torch's), and the max_norm the gradient is clipped to before the step (None: not clipped)
 OPTIMIZERS = {
-    "rmsprop": ("RMSprop", dict(lr=1e-3, alpha=0.99, eps=1e-8, momentum=0.9, weight_decay=1e-4, foreach=True),
-                dict(lr=1e-3, alpha=0.99, eps=1e-8, momentum=0.9, weight_decay=1e-4),
-                {"sq": "square_avg", "buf": "momentum_buffer"}, None),
-    "amsgrad": ("Adam", dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, amsgrad=True, fused=True),
-                dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, t=1.0),
-                {"m": "exp_avg", "v": "exp_avg_sq", "vmax": "max_exp_avg_sq"}, None),
-    "adamw_clip": ("AdamW", dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True),
-                   dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, t=1.0, max_norm=1.0),
-                   {"m": "exp_avg", "v": "exp_avg_sq"}, 1.0),
+    "rmsprop": (
+        "RMSprop",
+        dict(lr=1e-3, alpha=0.99, eps=1e-8, momentum=0.9, weight_decay=1e-4, foreach=True),
+        dict(lr=1e-3, alpha=0.99, eps=1e-8, momentum=0.9, weight_decay=1e-4),
+        {"sq": "square_avg", "buf": "momentum_buffer"},
+        None,
+    ),
+    "amsgrad": (
+        "Adam",
+        dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, amsgrad=True, fused=True),
+        dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, t=1.0),
+        {"m": "exp_avg", "v": "exp_avg_sq", "vmax": "max_exp_avg_sq"},
+        None,
+    ),
+    "adamw_clip": (
+        "AdamW",
+        dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True),
+        dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, t=1.0, max_norm=1.0),
+        {"m": "exp_avg", "v": "exp_avg_sq"},
+        1.0,
+    ),
     "adagrad": ("Adagrad", dict(lr=1e-2, eps=1e-10, fused=True), dict(lr=1e-2, eps=1e-10), {"s": "sum"}, None),
 }
 
@@ -138,8 +150,24 @@ def time_torch_optim(name: str, world: int, n: int, repeats: int, warmup: int = 
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "samples.json")
-        procs = [subprocess.Popen([sys.executable, __file__, "--rank", name, str(r), str(world), str(port), str(n),
-                                   str(repeats), str(warmup), out]) for r in range(world)]
+        procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    __file__,
+                    "--rank",
+                    name,
+                    str(r),
+                    str(world),
+                    str(port),
+                    str(n),
+                    str(repeats),
+                    str(warmup),
+                    out,
+                ]
+            )
+            for r in range(world)
+        ]
         codes = [p.wait(timeout=1800) for p in procs]
         if any(codes):
             raise RuntimeError(f"torch.optim {name} ranks exited with {codes}")
@@ -150,13 +178,36 @@ def time_coconet(name: str, world: int, size: str, repeats: int, shardable: tupl
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "bench.json"
         shard = ["--shardable", ",".join(shardable)] if shardable else []
-        subprocess.run([sys.executable, "-m", "coconet", "bench", str(PROGRAMS / f"{name}.py"), "--world", str(world),
-                        "--size", size, "--backend", "shm", "--repeats", str(repeats), "-o", str(out), "--json",
-                        *shard], check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "coconet",
+                "bench",
+                str(PROGRAMS / f"{name}.py"),
+                "--world",
+                str(world),
+                "--size",
+                size,
+                "--backend",
+                "shm",
+                "--repeats",
+                str(repeats),
+                "-o",
+                str(out),
+                "--json",
+                *shard,
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
         point = json.loads(out.read_text())["points"][0]
     best = point["best"]
-    return {"best_schedule": best["schedule"], "best_s": best["median_s"],
-            "eager_program_s": point["torch"]["median_s"]}
+    return {
+        "best_schedule": best["schedule"],
+        "best_s": best["median_s"],
+        "eager_program_s": point["torch"]["median_s"],
+    }
 
 
 def plot(report: dict, path: Path) -> None:
@@ -192,13 +243,21 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/unseen_optimizers_w2.json")
     # torch.optim keeps its state to itself, as ZeRO-1 does: by default the schedules may leave it sharded
-    ap.add_argument("--whole-state", action="store_true",
-                    help="compare only schedules that leave the optimizer's state whole on every rank")
+    ap.add_argument(
+        "--whole-state",
+        action="store_true",
+        help="compare only schedules that leave the optimizer's state whole on every rank",
+    )
     args = ap.parse_args()
     from coconet.schedules.dims import parse_sizes
 
-    report = {"world": args.world, "cpus": os.cpu_count(), "rounds": args.rounds, "semantics_max_rel_diff": {},
-              "rows": []}
+    report = {
+        "world": args.world,
+        "cpus": os.cpu_count(),
+        "rounds": args.rounds,
+        "semantics_max_rel_diff": {},
+        "rows": [],
+    }
     for name in args.program or sorted(OPTIMIZERS):
         report["semantics_max_rel_diff"][name] = diff = check_semantics(name)
         if diff > 1e-4:
@@ -213,15 +272,38 @@ def main() -> None:
             optim = statistics.median(optim_rounds)
             best = statistics.median(r["best_s"] for r in coconet_rounds)
             eager = statistics.median(r["eager_program_s"] for r in coconet_rounds)
-            row = {"program": name, "sizes": size, "torch_optim": OPTIMIZERS[name][0],
-                   "torch_optim_kwargs": {k: v for k, v in OPTIMIZERS[name][1].items() if k != "betas"},
-                   "shardable": list(shardable), "torch_optim_s": optim, "torch_optim_rounds_s": optim_rounds,
-                   "best_s": best, "best_rounds": coconet_rounds, "eager_program_s": eager,
-                   "speedup_over_torch_optim": optim / best, "speedup_over_eager_program": eager / best,
-                   "speedup_over_torch_optim_rounds": [o / c["best_s"] for o, c in zip(optim_rounds, coconet_rounds)]}
+            row = {
+                "program": name,
+                "sizes": size,
+                "torch_optim": OPTIMIZERS[name][0],
+                "torch_optim_kwargs": {k: v for k, v in OPTIMIZERS[name][1].items() if k != "betas"},
+                "shardable": list(shardable),
+                "torch_optim_s": optim,
+                "torch_optim_rounds_s": optim_rounds,
+                "best_s": best,
+                "best_rounds": coconet_rounds,
+                "eager_program_s": eager,
+                "speedup_over_torch_optim": optim / best,
+                "speedup_over_eager_program": eager / best,
+                "speedup_over_torch_optim_rounds": [o / c["best_s"] for o, c in zip(optim_rounds, coconet_rounds)],
+            }
             report["rows"].append(row)
-            print(json.dumps({k: row[k] for k in ("program", "sizes", "torch_optim_s", "best_s", "eager_program_s",
-                                                  "speedup_over_torch_optim")}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        k: row[k]
+                        for k in (
+                            "program",
+                            "sizes",
+                            "torch_optim_s",
+                            "best_s",
+                            "eager_program_s",
+                            "speedup_over_torch_optim",
+                        )
+                    }
+                ),
+                flush=True,
+            )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     plot(report, args.out.with_suffix(".png"))

@@ -12,13 +12,7 @@ and, for a training loop (imported on first use: ``import coconet`` does not imp
 
 import importlib
 
-from coconet.errors import (
-    CoconetError,
-    IllegalTransform,
-    ProgramError,
-    ScheduleError,
-    SizeError,
-)
+from coconet.errors import CoconetError, IllegalTransform, ProgramError, ScheduleError, SizeError
 from coconet.loader import load
 from coconet.schedules.custom import CustomOp, OpRegistry, custom_op
 from coconet.schedules.dsl import (
@@ -59,8 +53,12 @@ from coconet.schedules.types import Local, Replicated, Sliced
 
 __version__ = "0.1.0"
 
-_LAZY = {"compile": ("coconet.step", "compile"), "Step": ("coconet.step", "Step"), "optim": ("coconet.optim", None),
-         **{name: ("coconet.api", name) for name in ("run", "tune", "best", "sweep")}}
+_LAZY = {
+    "compile": ("coconet.step", "compile"),
+    "Step": ("coconet.step", "Step"),
+    "optim": ("coconet.optim", None),
+    **{name: ("coconet.api", name) for name in ("run", "tune", "best", "sweep")},
+}
 
 
 def __getattr__(name: str):
@@ -73,10 +71,57 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "CoconetError", "CustomOp", "Expr", "IllegalTransform", "Local", "NEXT_STAGE", "OpRegistry", "PREV_STAGE",
-    "Program", "ProgramError", "Replicated", "ScheduleError", "SizeError", "Sliced", "Step", "abs", "all_gather",
-    "allreduce", "best", "broadcast", "cast", "compile", "conv1d", "conv2d", "custom_op", "dropout", "exp", "export",
-    "layer_norm", "load", "log", "log_softmax", "matmul", "max", "maximum", "mean", "min", "minimum", "norm", "optim",
-    "recv", "reduce_scatter", "rms_norm", "rsqrt", "run", "schedules", "send", "softmax", "sqrt", "sum", "sweep",
-    "tune", "where"
+    "CoconetError",
+    "CustomOp",
+    "Expr",
+    "IllegalTransform",
+    "Local",
+    "NEXT_STAGE",
+    "OpRegistry",
+    "PREV_STAGE",
+    "Program",
+    "ProgramError",
+    "Replicated",
+    "ScheduleError",
+    "SizeError",
+    "Sliced",
+    "Step",
+    "abs",
+    "all_gather",
+    "allreduce",
+    "best",
+    "broadcast",
+    "cast",
+    "compile",
+    "conv1d",
+    "conv2d",
+    "custom_op",
+    "dropout",
+    "exp",
+    "export",
+    "layer_norm",
+    "load",
+    "log",
+    "log_softmax",
+    "matmul",
+    "max",
+    "maximum",
+    "mean",
+    "min",
+    "minimum",
+    "norm",
+    "optim",
+    "recv",
+    "reduce_scatter",
+    "rms_norm",
+    "rsqrt",
+    "run",
+    "schedules",
+    "send",
+    "softmax",
+    "sqrt",
+    "sum",
+    "sweep",
+    "tune",
+    "where",
 ]

@@ -49,10 +49,24 @@ def schedules(program: Any, *, depth: int = 6) -> list[dict[str, Any]]:
     return space.to_json()["schedules"]
 
 
-def run(program: Any, sizes: Any, *, world: int | None = None, schedules: Sequence[str] = ("baseline",),
-        backend: str = "gloo", kernels: str = "compiled", stages: int | None = None, repeats: int = 20,
-        warmup: int = 3, seed: int = 0, timeout_s: float = 120.0, check: bool = True, depth: int = 6,
-        store: Any = None, launcher: str = "auto") -> dict[str, Any]:
+def run(
+    program: Any,
+    sizes: Any,
+    *,
+    world: int | None = None,
+    schedules: Sequence[str] = ("baseline",),
+    backend: str = "gloo",
+    kernels: str = "compiled",
+    stages: int | None = None,
+    repeats: int = 20,
+    warmup: int = 3,
+    seed: int = 0,
+    timeout_s: float = 120.0,
+    check: bool = True,
+    depth: int = 6,
+    store: Any = None,
+    launcher: str = "auto",
+) -> dict[str, Any]:
     """Check and time schedules on ``world`` ranks of this machine (default 2), as ``coconet run --json``: the
     baseline first, then each of ``schedules`` (a schedule's text, its id in ``schedules(program)``, ``"all"``,
     ``"baseline"``, or ``"best"``: the store's winner for these sizes, said in ``best``). Under torchrun
@@ -88,22 +102,55 @@ def run(program: Any, sizes: Any, *, world: int | None = None, schedules: Sequen
             picked = [Schedule(prog) if pick == "baseline" else Schedule.parse(pick, prog)]
         for s in picked:
             chosen.setdefault(s.hash, s)
-    opts = Options(world=world, sizes=sizes, backend=backend, kernels=kernels, stages=stages or 2, seed=seed,
-                   warmup=warmup, repeats=repeats, check=check, timeout_s=timeout_s)
+    opts = Options(
+        world=world,
+        sizes=sizes,
+        backend=backend,
+        kernels=kernels,
+        stages=stages or 2,
+        seed=seed,
+        warmup=warmup,
+        repeats=repeats,
+        check=check,
+        timeout_s=timeout_s,
+    )
     file = str(source) if isinstance(source, (str, os.PathLike)) and str(source).endswith(".py") else None
-    results = (run_in_job(list(chosen.values()), opts, job) if job is not None
-               else run_schedules(list(chosen.values()), opts, program_file=file))
+    results = (
+        run_in_job(list(chosen.values()), opts, job)
+        if job is not None
+        else run_schedules(list(chosen.values()), opts, program_file=file)
+    )
     base = results[0].median_s
     rows = [dict(r.to_json(), speedup=base / r.median_s if base and r.median_s else None) for r in results]
-    out = {"program": prog.name, "program_hash": prog.hash, "world": world, "backend": backend,
-           "stages": opts.stages if prog.is_pipeline else 1, "sizes": sizes, "results": rows}
+    out = {
+        "program": prog.name,
+        "program_hash": prog.hash,
+        "world": world,
+        "backend": backend,
+        "stages": opts.stages if prog.is_pipeline else 1,
+        "sizes": sizes,
+        "results": rows,
+    }
     return {**out, "best": stored} if stored is not None else out
 
 
-def tune(program: Any, sizes: Any | Iterable[Any], *, world: int = 2, budget: int = 32, topology: str = "local",
-         backends: Sequence[str] = (), store: Any = None, ray_address: str | None = None,
-         kernels: str = "compiled", depth: int = 6, seed: int = 0, timeout_s: float = 300.0,
-         shardable: Sequence[str] | None = None, placement: str = "pack") -> dict[str, Any] | list[dict[str, Any]]:
+def tune(
+    program: Any,
+    sizes: Any | Iterable[Any],
+    *,
+    world: int = 2,
+    budget: int = 32,
+    topology: str = "local",
+    backends: Sequence[str] = (),
+    store: Any = None,
+    ray_address: str | None = None,
+    kernels: str = "compiled",
+    depth: int = 6,
+    seed: int = 0,
+    timeout_s: float = 300.0,
+    shardable: Sequence[str] | None = None,
+    placement: str = "pack",
+) -> dict[str, Any] | list[dict[str, Any]]:
     """Tune ``program`` at ``sizes`` (one binding, or a list of them) on Ray and record the winners, as
     ``coconet tune --json``: one result for one binding, a list (smallest first) for several."""
     require(EXTRAS["tune"], "coconet.tune")
@@ -115,9 +162,21 @@ def tune(program: Any, sizes: Any | Iterable[Any], *, world: int = 2, budget: in
     bindings = [sizes] if isinstance(sizes, (str, Mapping)) else list(sizes)
     points = tuple(_sizes(s, prog) for s in bindings)
     file = str(source) if isinstance(source, (str, os.PathLike)) and str(source).endswith(".py") else None
-    request = Request(prog, points, world, topology, budget, tuple(dict.fromkeys(backends)),
-                      Protocol(timeout_s=timeout_s, kernels=kernels), depth, seed=seed, ray_address=ray_address,
-                      program_file=file, shardable=tuple(shardable) if shardable else None, placement=placement)
+    request = Request(
+        prog,
+        points,
+        world,
+        topology,
+        budget,
+        tuple(dict.fromkeys(backends)),
+        Protocol(timeout_s=timeout_s, kernels=kernels),
+        depth,
+        seed=seed,
+        ray_address=ray_address,
+        program_file=file,
+        shardable=tuple(shardable) if shardable else None,
+        placement=placement,
+    )
     check(request)
     with _opened(store, Store) as opened:
         results = run_tune(request, opened, prior=cost_prior)
@@ -125,9 +184,19 @@ def tune(program: Any, sizes: Any | Iterable[Any], *, world: int = 2, budget: in
     return docs[0] if len(docs) == 1 else docs
 
 
-def best(program: Any, sizes: Any, *, topology: str = "local", world: int | None = None,
-         backend: str | None = None, store: Any = None, server: str | None = None, token: str | None = None,
-         shardable: Sequence[str] | str | None = None, source: str | None = None) -> dict[str, Any]:
+def best(
+    program: Any,
+    sizes: Any,
+    *,
+    topology: str = "local",
+    world: int | None = None,
+    backend: str | None = None,
+    store: Any = None,
+    server: str | None = None,
+    token: str | None = None,
+    shardable: Sequence[str] | str | None = None,
+    source: str | None = None,
+) -> dict[str, Any]:
     """The best schedule recorded for ``program`` at ``sizes`` on ``topology``, as ``GET /api/v1/best`` answers
     it: from ``server`` when given, else from ``store``. A measured winner answers before a predicted one
     (``source``: ``"measured"`` or ``"predicted"``, with the model in ``prediction``); with none at these exact
@@ -139,8 +208,15 @@ def best(program: Any, sizes: Any, *, topology: str = "local", world: int | None
         from coconet.client import Client
 
         with Client.open(server, token) as client:
-            return client.best(prog.hash, sizes, topology=topology, world=world, backend=backend,
-                               shardable=",".join(names) if names is not None else None, source=source)
+            return client.best(
+                prog.hash,
+                sizes,
+                topology=topology,
+                world=world,
+                backend=backend,
+                shardable=",".join(names) if names is not None else None,
+                source=source,
+            )
     require(STORE, "coconet.best")
     from coconet.server.store import Store
 
@@ -148,25 +224,58 @@ def best(program: Any, sizes: Any, *, topology: str = "local", world: int | None
         raise CoconetError(f"source {source!r}: measured or predicted")
     allowed = shardable_text(prog, names)
     with _opened(store, Store, create=False) as opened:
-        found = opened.best(prog.hash, sizes, topology, world, backend=backend, shardable=allowed,
-                            source=STORED_SOURCE.get(source) if source else None)
+        found = opened.best(
+            prog.hash,
+            sizes,
+            topology,
+            world,
+            backend=backend,
+            shardable=allowed,
+            source=STORED_SOURCE.get(source) if source else None,
+        )
         where = opened.url
     if found is None:
-        raise CoconetError(f"nothing tuned for {prog.name} on {topology}" + (f" at world {world}" if world else "")
-                           + f" in {where}, at these or comparable sizes: `coconet tune` (or coconet.tune) first")
+        raise CoconetError(
+            f"nothing tuned for {prog.name} on {topology}"
+            + (f" at world {world}" if world else "")
+            + f" in {where}, at these or comparable sizes: `coconet tune` (or coconet.tune) first"
+        )
     m, w = found.measurement, found.winner
-    return {"program": prog.hash, "sizes": sizes, "tuned_sizes": w.sizes, "exact": found.exact,
-            "distance": found.distance, "topology": w.topology, "world": w.world, "backend": w.backend,
-            "schedule": m.schedule, "schedule_hash": m.schedule_hash, "schedule_json": m.schedule_json,
-            "stats": {"median_s": m.median_s, "ci95_s": [m.ci_lo_s, m.ci_hi_s] if m.ci_lo_s is not None else None,
-                      "n": m.n},
-            "source": answer_source(w.source), "prediction": prediction_of(m), "machines": machines_of(m),
-            "speedup": w.speedup,
-            "order_reversed": w.order_reversed, "winner_id": w.id, "job": w.job_id}
+    return {
+        "program": prog.hash,
+        "sizes": sizes,
+        "tuned_sizes": w.sizes,
+        "exact": found.exact,
+        "distance": found.distance,
+        "topology": w.topology,
+        "world": w.world,
+        "backend": w.backend,
+        "schedule": m.schedule,
+        "schedule_hash": m.schedule_hash,
+        "schedule_json": m.schedule_json,
+        "stats": {
+            "median_s": m.median_s,
+            "ci95_s": [m.ci_lo_s, m.ci_hi_s] if m.ci_lo_s is not None else None,
+            "n": m.n,
+        },
+        "source": answer_source(w.source),
+        "prediction": prediction_of(m),
+        "machines": machines_of(m),
+        "speedup": w.speedup,
+        "order_reversed": w.order_reversed,
+        "winner_id": w.id,
+        "job": w.job_id,
+    }
 
 
-def sweep(config: str | os.PathLike | SweepConfig, *, simulate: bool = False, store: Any = None,
-          ray_address: str | None = None, on_progress: Callable[[Any], None] | None = None) -> dict[str, Any]:
+def sweep(
+    config: str | os.PathLike | SweepConfig,
+    *,
+    simulate: bool = False,
+    store: Any = None,
+    ray_address: str | None = None,
+    on_progress: Callable[[Any], None] | None = None,
+) -> dict[str, Any]:
     """An offline sweep from its YAML config, as ``coconet sweep --json`` reports it: local keys tuned (unless
     ``simulate``), the others predicted by the cost model; keys done before are skipped, measured keys are
     never predicted."""
@@ -177,10 +286,19 @@ def sweep(config: str | os.PathLike | SweepConfig, *, simulate: bool = False, st
 
     cfg = config if isinstance(config, SweepConfig) else SweepConfig.load(Path(config))
     with _opened(store, Store) as opened:
+
         def tune_key(entry: Any, sizes: dict, world: int) -> None:
-            request = Request(entry.program, (sizes,), world, budget=cfg.budget, protocol=Protocol(),
-                              depth=cfg.depth, ray_address=ray_address, program_file=entry.file,
-                              shardable=shard.spelled(entry.shardable))
+            request = Request(
+                entry.program,
+                (sizes,),
+                world,
+                budget=cfg.budget,
+                protocol=Protocol(),
+                depth=cfg.depth,
+                ray_address=ray_address,
+                program_file=entry.file,
+                shardable=shard.spelled(entry.shardable),
+            )
             run_tune(request, opened, prior=cost_prior)
 
         return run_sweep(cfg, opened, simulate=simulate, on_progress=on_progress, tune_key=tune_key).to_json()

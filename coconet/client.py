@@ -30,16 +30,23 @@ class Client:
     http: httpx.Client
 
     @classmethod
-    def open(cls, server: str, token: str | None = None, *, timeout_s: float = 30.0,
-             transport: httpx.BaseTransport | None = None) -> Client:
+    def open(
+        cls,
+        server: str,
+        token: str | None = None,
+        *,
+        timeout_s: float = 30.0,
+        transport: httpx.BaseTransport | None = None,
+    ) -> Client:
         if not server.startswith(("http://", "https://")):
             raise ServiceError(f"--server {server!r} is not an http:// or https:// URL")
         headers = {"Accept": "application/json"}
         if token:
             headers["Authorization"] = f"Bearer {token}"
         try:
-            return cls(httpx.Client(base_url=server.rstrip("/"), headers=headers, timeout=timeout_s,
-                                    transport=transport))
+            return cls(
+                httpx.Client(base_url=server.rstrip("/"), headers=headers, timeout=timeout_s, transport=transport)
+            )
         except httpx.InvalidURL as e:
             raise ServiceError(f"--server {_shown(server)!r} is not a valid URL: {e}") from None
 
@@ -60,14 +67,28 @@ class Client:
         would tune something other than what this coconet holds)."""
         got = self.post_program(to_json(prog, indent=None))["hash"]
         if got != prog.hash:
-            raise ServiceError(f"the server hashed {prog.name} as {got}, this coconet as {prog.hash}: "
-                               "are the versions the same?")
+            raise ServiceError(
+                f"the server hashed {prog.name} as {got}, this coconet as {prog.hash}: are the versions the same?"
+            )
         return got
 
-    def post_job(self, program: str, sizes: Mapping[str, int], *, topology: str, world: int,
-                 budget: int, shardable: list[str] | str | None = None) -> dict[str, Any]:
-        body: dict[str, Any] = {"program": program, "sizes": dict(sizes), "topology": topology, "world": world,
-                                "budget": budget}
+    def post_job(
+        self,
+        program: str,
+        sizes: Mapping[str, int],
+        *,
+        topology: str,
+        world: int,
+        budget: int,
+        shardable: list[str] | str | None = None,
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "program": program,
+            "sizes": dict(sizes),
+            "topology": topology,
+            "world": world,
+            "budget": budget,
+        }
         if shardable is not None:  # else the server's default for the program
             body["shardable"] = shardable
         return self._call("POST", "/jobs", json=body)
@@ -75,8 +96,17 @@ class Client:
     def job(self, job_id: int) -> dict[str, Any]:
         return self._call("GET", f"/jobs/{job_id}")
 
-    def best(self, program: str, sizes: Mapping[str, int], *, topology: str, world: int | None = None,
-             shardable: str | None = None, backend: str | None = None, source: str | None = None) -> dict[str, Any]:
+    def best(
+        self,
+        program: str,
+        sizes: Mapping[str, int],
+        *,
+        topology: str,
+        world: int | None = None,
+        shardable: str | None = None,
+        backend: str | None = None,
+        source: str | None = None,
+    ) -> dict[str, Any]:
         """GET /best: the winner for the key (measured before predicted; ``source`` asks for one kind)."""
         params: dict[str, Any] = {"program": program, "sizes": format_sizes(sizes), "topology": topology}
         for name, value in (("world", world), ("shardable", shardable), ("backend", backend), ("source", source)):
@@ -84,14 +114,27 @@ class Client:
                 params[name] = value
         return self._call("GET", "/best", params=params)
 
-    def best_or_tune(self, program: str, sizes: Mapping[str, int], *, topology: str, world: int,
-                     backend: str | None = None, budget: int = 32,
-                     shardable: list[str] | str | None = None) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    def best_or_tune(
+        self,
+        program: str,
+        sizes: Mapping[str, int],
+        *,
+        topology: str,
+        world: int,
+        backend: str | None = None,
+        budget: int = 32,
+        shardable: list[str] | str | None = None,
+    ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
         """POST /best (needs the token): ``(best, None)`` when the key was tuned at these exact sizes, else
         ``(None, started)``, the tuning job the server started for it (``job``, ``state``, and ``nearest``, the
         best of the nearest tuned sizes meanwhile, or None)."""
-        body: dict[str, Any] = {"program": program, "sizes": dict(sizes), "topology": topology, "world": world,
-                                "budget": budget}
+        body: dict[str, Any] = {
+            "program": program,
+            "sizes": dict(sizes),
+            "topology": topology,
+            "world": world,
+            "budget": budget,
+        }
         if backend is not None:
             body["backend"] = backend
         if shardable is not None:  # else the server's default for the program
@@ -137,9 +180,15 @@ def _shown(url: str | httpx.URL) -> str:
     return str(u.copy_with(password=None)) if u.password else str(u)
 
 
-def follow(client: Client, job_ids: list[int], *, poll_s: float = 1.0, timeout_s: float | None = None,
-           on_update: Callable[[dict[str, Any]], None] | None = None,
-           sleep: Callable[[float], None] = time.sleep) -> dict[int, dict[str, Any]]:
+def follow(
+    client: Client,
+    job_ids: list[int],
+    *,
+    poll_s: float = 1.0,
+    timeout_s: float | None = None,
+    on_update: Callable[[dict[str, Any]], None] | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+) -> dict[int, dict[str, Any]]:
     """Poll the jobs until each is done or failed; ``on_update`` sees every answer. ``interrupted`` is not
     final: the server queues such a job again (it was cut short by a restart)."""
     start = time.monotonic()
@@ -155,11 +204,11 @@ def follow(client: Client, job_ids: list[int], *, poll_s: float = 1.0, timeout_s
             return last
         if timeout_s is not None and time.monotonic() - start > timeout_s:
             waiting = [str(i) for i, j in last.items() if j["state"] not in FINAL_STATES]
-            raise ServiceError(f"job{'s' if len(waiting) > 1 else ''} {', '.join(waiting)} not finished after "
-                               f"{timeout_s:g} s (queued or running: it goes on on the server)")
+            raise ServiceError(
+                f"job{'s' if len(waiting) > 1 else ''} {', '.join(waiting)} not finished after "
+                f"{timeout_s:g} s (queued or running: it goes on on the server)"
+            )
         sleep(poll_s)
-
-
 
 
 def _detail(resp: httpx.Response) -> str:

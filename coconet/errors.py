@@ -153,6 +153,7 @@ class InputError(CoconetError):
     given: str | None
     expected: str | None
 
-    def __init__(self, message: str, *, input: str | None = None, given: str | None = None,
-                 expected: str | None = None) -> None:
+    def __init__(
+        self, message: str, *, input: str | None = None, given: str | None = None, expected: str | None = None
+    ) -> None:
         super().__init__(message, input=input, given=given, expected=expected)

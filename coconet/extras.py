@@ -16,12 +16,14 @@ from typing import Mapping
 from coconet.errors import MissingDependency
 
 # extra -> the top-level modules it installs that coconet imports
-EXTRAS: Mapping[str, tuple[str, ...]] = MappingProxyType({
-    "tune": ("ray", "optuna", "sqlalchemy", "alembic", "scipy"),  # Ray workers, the search, the store, calibration
-    # the REST API, the store, the dashboard, /docs and /redoc
-    "server": ("fastapi", "uvicorn", "sqlalchemy", "alembic", "plotly", "fastapi_offline"),
-    "postgres": ("psycopg",),
-})
+EXTRAS: Mapping[str, tuple[str, ...]] = MappingProxyType(
+    {
+        "tune": ("ray", "optuna", "sqlalchemy", "alembic", "scipy"),  # Ray workers, the search, the store, calibration
+        # the REST API, the store, the dashboard, /docs and /redoc
+        "server": ("fastapi", "uvicorn", "sqlalchemy", "alembic", "plotly", "fastapi_offline"),
+        "postgres": ("psycopg",),
+    }
+)
 # the package pip knows a module by, where the names differ
 _DISTRIBUTION = MappingProxyType({"psycopg": "psycopg[binary]"})
 
@@ -37,11 +39,14 @@ def missing(module: str, why: str = "this") -> MissingDependency:
     extra = extra_for(module)
     top = module.split(".")[0]
     if extra is None:
-        return MissingDependency(f"{why} needs {top}, which is not installed: pip install {top}",
-                                 module=top, extra=None)
+        return MissingDependency(
+            f"{why} needs {top}, which is not installed: pip install {top}", module=top, extra=None
+        )
     return MissingDependency(
         f"{why} needs {_DISTRIBUTION.get(top, top)}, which coconet[{extra}] installs: pip install 'coconet[{extra}]'",
-        module=top, extra=extra)
+        module=top,
+        extra=extra,
+    )
 
 
 STORE = ("sqlalchemy", "alembic")  # what reading or writing the results store imports

@@ -60,8 +60,10 @@ def _run_python(p: Path) -> Program:
         raise ProgramError(f"{_user_frame(e, p)}: {type(e).__name__}{_message(e)}") from None
     left = [t for t in threading.enumerate() if t not in before and t.is_alive() and not t.daemon]
     if left:  # the interpreter would wait for it at exit: the command would never end
-        raise ProgramError(f"{p}: started thread {left[0].name!r}, still running after the file was loaded: a "
-                           "program file defines, it does not run (a daemon thread would not hold the process)")
+        raise ProgramError(
+            f"{p}: started thread {left[0].name!r}, still running after the file was loaded: a "
+            "program file defines, it does not run (a daemon thread would not hold the process)"
+        )
     if "program" not in namespace:
         raise ProgramError(f"{p}: defines no `program` (end the file with `program = p`)")
     prog = namespace["program"]

@@ -55,21 +55,50 @@ LOOKUP_ONLY = ("store", "server", "token", "topology", "tune_on_miss", "budget")
 WEIGHT_NAMES = ("w", "param", "params", "p", "weight", "weights", "theta", "x")
 
 
-def from_program(program: Any, params: Iterable[Any], *, group: Any = None, schedule: Any = BEST,
-                 store: Any = None, server: str | None = None, token: str | None = None, backend: str | None = None,
-                 kernels: str = "compiled", topology: str = "local", weights: str = "w", grad: str = "g",
-                 host_scalars: Callable[[dict, int, int], Mapping[str, float]] | None = None,
-                 tune_on_miss: bool = False, budget: int = 32, **hyper: Any) -> "Optimizer":
+def from_program(
+    program: Any,
+    params: Iterable[Any],
+    *,
+    group: Any = None,
+    schedule: Any = BEST,
+    store: Any = None,
+    server: str | None = None,
+    token: str | None = None,
+    backend: str | None = None,
+    kernels: str = "compiled",
+    topology: str = "local",
+    weights: str = "w",
+    grad: str = "g",
+    host_scalars: Callable[[dict, int, int], Mapping[str, float]] | None = None,
+    tune_on_miss: bool = False,
+    budget: int = 32,
+    **hyper: Any,
+) -> "Optimizer":
     """A ``torch.optim.Optimizer`` stepping ``params`` with ``program`` (a file's path, the name of one of
     ``examples/optim`` such as ``"adamw"``, a ``coconet.Program`` or its IR) over the process group ``group``.
     ``hyper``: the program's scalars (``lr=1e-3``), beside the file's ``defaults``. See ``compile``
     for ``schedule``, ``store``, ``server``, ``backend``, ``kernels``, ``tune_on_miss`` and ``budget``; without
     ``tune_on_miss`` a size never tuned runs the program as written, with a warning."""
     prog, file_defaults, file_host, initial = _program_file(program)
-    return Optimizer(params, prog, dict(file_defaults, **_torch_names(prog, hyper)), group=group,
-                     schedule=schedule, store=store, server=server, token=token, backend=backend, kernels=kernels,
-                     topology=topology, weights=weights, grad=grad, host_scalars=host_scalars or file_host,
-                     tune_on_miss=tune_on_miss, budget=budget, initial_state=initial)
+    return Optimizer(
+        params,
+        prog,
+        dict(file_defaults, **_torch_names(prog, hyper)),
+        group=group,
+        schedule=schedule,
+        store=store,
+        server=server,
+        token=token,
+        backend=backend,
+        kernels=kernels,
+        topology=topology,
+        weights=weights,
+        grad=grad,
+        host_scalars=host_scalars or file_host,
+        tune_on_miss=tune_on_miss,
+        budget=budget,
+        initial_state=initial,
+    )
 
 
 def _program_file(program: Any) -> tuple[Program, dict, Callable | None, dict[str, str]]:
@@ -84,8 +113,12 @@ def _program_file(program: Any) -> tuple[Program, dict, Callable | None, dict[st
     if not re.search(r"^(defaults|host_scalars|initial_state)\b|^def host_scalars\b", text, re.M):
         return prog, {}, None, {}
     namespace = runpy.run_path(str(program), run_name="__coconet_program__")  # loaded once already: it runs
-    return (prog, dict(namespace.get("defaults") or {}), namespace.get("host_scalars"),
-            dict(namespace.get("initial_state") or {}))
+    return (
+        prog,
+        dict(namespace.get("defaults") or {}),
+        namespace.get("host_scalars"),
+        dict(namespace.get("initial_state") or {}),
+    )
 
 
 def _torch_names(prog: Program, hyper: Mapping[str, Any]) -> dict[str, Any]:
@@ -117,8 +150,15 @@ class _Bucket:
     """The parameters of one param group and dtype and device as views of flat buffers, with the state the
     program keeps for them and the step compiled for their count."""
 
-    def __init__(self, params: list, step: Step, weights: str, grad: str, state: list[str],
-                 starts: Mapping[str, float] | None = None) -> None:
+    def __init__(
+        self,
+        params: list,
+        step: Step,
+        weights: str,
+        grad: str,
+        state: list[str],
+        starts: Mapping[str, float] | None = None,
+    ) -> None:
         self.params, self.step, self.weights_name, self.grad_name = params, step, weights, grad
         self.numel = sum(p.numel() for p in params)
         first = params[0]
@@ -128,9 +168,9 @@ class _Bucket:
         with torch.no_grad():
             for p in params:
                 k = p.numel()
-                self.w[at:at + k].copy_(p.detach().reshape(-1))
-                p.data = self.w[at:at + k].view_as(p)
-                view = self.g[at:at + k].view_as(p)
+                self.w[at : at + k].copy_(p.detach().reshape(-1))
+                p.data = self.w[at : at + k].view_as(p)
+                view = self.g[at : at + k].view_as(p)
                 if p.grad is not None:
                     view.copy_(p.grad)
                 p.grad = view
@@ -143,8 +183,9 @@ class _Bucket:
         self.state = {}
         for name in state:
             spec = step.inputs[name]
-            self.state[name] = torch.full(spec.shape, (starts or {}).get(name, 0.0), dtype=getattr(torch, spec.dtype),
-                                          device=first.device)
+            self.state[name] = torch.full(
+                spec.shape, (starts or {}).get(name, 0.0), dtype=getattr(torch, spec.dtype), device=first.device
+            )
         self.tensors = {grad: self.g, weights: self.w, **self.state}
 
     def collect_grads(self) -> None:
@@ -153,9 +194,11 @@ class _Bucket:
         base = self.w.data_ptr()
         for p, view, offset in zip(self.params, self.grads, self.offsets):
             if p.data_ptr() != base + offset:
-                raise CoconetError(f"a parameter of shape {tuple(p.shape)} is no longer a view of the optimizer's "
-                                   "flat buffer (its .data was replaced, or the model moved with .to()): build "
-                                   "the optimizer after moving the model")
+                raise CoconetError(
+                    f"a parameter of shape {tuple(p.shape)} is no longer a view of the optimizer's "
+                    "flat buffer (its .data was replaced, or the model moved with .to()): build "
+                    "the optimizer after moving the model"
+                )
             got = p.grad
             if got is view:
                 continue
@@ -178,14 +221,14 @@ class _Bucket:
         world = self.step.world
         chunk = -(-self.numel // world)
         padded = part.new_zeros(chunk)
-        padded[:part.numel()].copy_(part)
+        padded[: part.numel()].copy_(part)
         pieces = [part.new_empty(chunk) for _ in range(world)]
         dist.all_gather(pieces, padded, group=self.step.group)
-        return torch.cat(pieces)[:self.numel]
+        return torch.cat(pieces)[: self.numel]
 
     def load(self, name: str, whole: torch.Tensor) -> None:
         span = self.sliced(name)
-        rows = whole if span is None else whole[span[0]:span[1]]
+        rows = whole if span is None else whole[span[0] : span[1]]
         self.state[name].copy_(rows)
 
 
@@ -195,22 +238,48 @@ class Optimizer(torch.optim.Optimizer):
     ``param_groups`` hold the hyperparameters by the program's names (an LR scheduler's changes to ``lr`` are
     read at each step); ``describe()`` says which schedule each flat buffer runs and what it keeps sliced."""
 
-    def __init__(self, params: Iterable[Any], program: Program, defaults: Mapping[str, Any], *, group: Any = None,
-                 schedule: Any = BEST, store: Any = None, server: str | None = None, token: str | None = None,
-                 backend: str | None = None, kernels: str = "compiled", topology: str = "local",
-                 weights: str = "w", grad: str = "g",
-                 host_scalars: Callable[[dict, int, int], Mapping[str, float]] | None = None,
-                 tune_on_miss: bool = False, budget: int = 32, initial_state: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        params: Iterable[Any],
+        program: Program,
+        defaults: Mapping[str, Any],
+        *,
+        group: Any = None,
+        schedule: Any = BEST,
+        store: Any = None,
+        server: str | None = None,
+        token: str | None = None,
+        backend: str | None = None,
+        kernels: str = "compiled",
+        topology: str = "local",
+        weights: str = "w",
+        grad: str = "g",
+        host_scalars: Callable[[dict, int, int], Mapping[str, float]] | None = None,
+        tune_on_miss: bool = False,
+        budget: int = 32,
+        initial_state: Mapping[str, str] | None = None,
+    ) -> None:
         self.program, self.group, self.host_scalars = program, group, host_scalars
         self._layout = _roles(program, weights, grad)
         self._initial = dict(initial_state or {})
         unknown = sorted(set(self._initial) - set(self._layout[2]))
         if unknown:
-            raise CoconetError(f"initial_state names {', '.join(unknown)}: not state {program.name} updates "
-                               f"(its state: {', '.join(self._layout[2]) or 'none'})")
+            raise CoconetError(
+                f"initial_state names {', '.join(unknown)}: not state {program.name} updates "
+                f"(its state: {', '.join(self._layout[2]) or 'none'})"
+            )
         self._hyper = self._hyper_names(host_scalars, defaults)
-        self._lookup = dict(schedule=schedule, store=store, server=server, token=token, backend=backend,
-                            kernels=kernels, topology=topology, tune_on_miss=tune_on_miss, budget=budget)
+        self._lookup = dict(
+            schedule=schedule,
+            store=store,
+            server=server,
+            token=token,
+            backend=backend,
+            kernels=kernels,
+            topology=topology,
+            tune_on_miss=tune_on_miss,
+            budget=budget,
+        )
         self._buckets: list[list[_Bucket]] = []
         self._counts: list[int] = []
         super().__init__(params, dict(defaults))  # its add_param_group builds each group's buffers
@@ -226,8 +295,9 @@ class Optimizer(torch.optim.Optimizer):
         extra = [n for n in defaults if n not in scalars]
         unknown = [n for n in extra if n not in self._initial.values()]
         if unknown and host is None:
-            raise CoconetError(f"{', '.join(unknown)}: not scalars of {self.program.name} (its hyperparameters: "
-                               f"{', '.join(scalars)})")
+            raise CoconetError(
+                f"{', '.join(unknown)}: not scalars of {self.program.name} (its hyperparameters: {', '.join(scalars)})"
+            )
         return tuple(n for n in scalars if n not in self._from_host) + tuple(extra)
 
     def add_param_group(self, param_group: dict) -> None:
@@ -240,8 +310,10 @@ class Optimizer(torch.optim.Optimizer):
         group = self.param_groups[index]
         missing = [n for n in self._hyper if n not in group]
         if missing:
-            raise CoconetError(f"{self.program.name} needs {', '.join(missing)}: pass them to from_program "
-                               f"({missing[0]}=...) or in the param group")
+            raise CoconetError(
+                f"{self.program.name} needs {', '.join(missing)}: pass them to from_program "
+                f"({missing[0]}=...) or in the param group"
+            )
         weights, grad, state = self._layout
         by_kind: dict[tuple, list] = {}
         for p in group["params"]:
@@ -260,8 +332,7 @@ class Optimizer(torch.optim.Optimizer):
         schedule = kw.pop("schedule")
         if schedule == BEST:
             try:
-                step = compile(self.program, {dim: n}, schedule=BEST, group=self.group, shardable=state,
-                               **kw)
+                step = compile(self.program, {dim: n}, schedule=BEST, group=self.group, shardable=state, **kw)
             except CoconetError as e:
                 if not getattr(e, "not_tuned", False):
                     raise
@@ -274,8 +345,10 @@ class Optimizer(torch.optim.Optimizer):
                 kw.pop(name)
             step = compile(self.program, {dim: n}, schedule=schedule, group=self.group, **kw)
         if step.inputs[self._layout[0]].sliced:
-            raise CoconetError(f"schedule {step.schedule.text!r} keeps the weights {self._layout[0]} sliced; the "
-                               "model reads them whole: use a schedule that slices state only")
+            raise CoconetError(
+                f"schedule {step.schedule.text!r} keeps the weights {self._layout[0]} sliced; the "
+                "model reads them whole: use a schedule that slices state only"
+            )
         return step
 
     def _scalars(self, index: int, t: int, numel: int) -> dict[str, float]:
@@ -322,9 +395,11 @@ class Optimizer(torch.optim.Optimizer):
         for index, buckets in enumerate(self._buckets):
             for b in buckets:
                 sliced = [n for n in b.state if b.sliced(n)]
-                head = (f"param group {index}: {len(b.params)} parameters, {b.numel} {str(b.w.dtype)[6:]} on "
-                        f"{b.w.device}; state {', '.join(b.state) or 'none'}"
-                        + (f" ({', '.join(sliced)} this rank's rows)" if sliced else ""))
+                head = (
+                    f"param group {index}: {len(b.params)} parameters, {b.numel} {str(b.w.dtype)[6:]} on "
+                    f"{b.w.device}; state {', '.join(b.state) or 'none'}"
+                    + (f" ({', '.join(sliced)} this rank's rows)" if sliced else "")
+                )
                 parts.append(head + "\n" + "\n".join("  " + line for line in b.step.describe().splitlines()))
         return "\n".join(parts)
 
@@ -341,8 +416,12 @@ class Optimizer(torch.optim.Optimizer):
                     entry = {name: whole[lo:hi].view_as(p).clone() for name, whole in wholes.items()}
                     entry["step"] = torch.tensor(float(self._counts[index]))
                     state[place[id(p)] + at] = entry
-            groups.append({**{k: v for k, v in group.items() if k != "params"},
-                           "params": list(range(at, at + len(group["params"])))})
+            groups.append(
+                {
+                    **{k: v for k, v in group.items() if k != "params"},
+                    "params": list(range(at, at + len(group["params"]))),
+                }
+            )
             at += len(group["params"])
         return {"state": state, "param_groups": groups}
 
@@ -351,9 +430,11 @@ class Optimizer(torch.optim.Optimizer):
         world size): each rank keeps its rows of what its schedule slices."""
         saved = state_dict["param_groups"]
         if len(saved) != len(self.param_groups) or any(
-                len(s["params"]) != len(g["params"]) for s, g in zip(saved, self.param_groups)):
-            raise CoconetError("the state_dict's param groups do not match this optimizer's (their count or their "
-                               "parameters' count)")
+            len(s["params"]) != len(g["params"]) for s, g in zip(saved, self.param_groups)
+        ):
+            raise CoconetError(
+                "the state_dict's param groups do not match this optimizer's (their count or their parameters' count)"
+            )
         state = {int(k): v for k, v in state_dict["state"].items()}
         for index, (group, old, buckets) in enumerate(zip(self.param_groups, saved, self._buckets)):
             group.update({k: v for k, v in old.items() if k != "params"})
@@ -364,8 +445,9 @@ class Optimizer(torch.optim.Optimizer):
                     for p in b.params:
                         entry = state.get(first[place[id(p)]], {})
                         if name not in entry:
-                            raise CoconetError(f"the state_dict holds no {name!r} for a parameter of shape "
-                                               f"{tuple(p.shape)}")
+                            raise CoconetError(
+                                f"the state_dict holds no {name!r} for a parameter of shape {tuple(p.shape)}"
+                            )
                         pieces.append(entry[name].reshape(-1).to(b.w.device, b.state[name].dtype))
                     b.load(name, torch.cat(pieces))
             steps = [state[i]["step"] for i in first if i in state and "step" in state[i]]
@@ -380,8 +462,10 @@ def _places(group: dict) -> dict[int, int]:
 def _roles(program: Program, weights: str, grad: str) -> tuple[str, str, list[str]]:
     """(weights, gradient, state): the program's tensors as an optimizer uses them, checked."""
     if len(program.dims) != 1:
-        raise CoconetError(f"{program.name} has dims {', '.join(program.dims)}: an optimizer steps a flat buffer, "
-                           "a program over one dim N whose tensors are all (N,)")
+        raise CoconetError(
+            f"{program.name} has dims {', '.join(program.dims)}: an optimizer steps a flat buffer, "
+            "a program over one dim N whose tensors are all (N,)"
+        )
     tensors = {s.name: s for s in program.inputs if s.op == "input"}
     local = [n for n, s in tensors.items() if isinstance(s.type.layout, Local)]
     if grad not in tensors and len(local) == 1:
@@ -390,20 +474,28 @@ def _roles(program: Program, weights: str, grad: str) -> tuple[str, str, list[st
         weights = next((n for n in WEIGHT_NAMES if n in tensors and n in program.updates), weights)
     for role, name in (("weights", weights), ("gradient", grad)):
         if name not in tensors:
-            raise CoconetError(f"{program.name} has no tensor {name!r} for the {role} (pass "
-                               f"{'weights' if role == 'weights' else 'grad'}=NAME; its tensors: {', '.join(tensors)})")
+            raise CoconetError(
+                f"{program.name} has no tensor {name!r} for the {role} (pass "
+                f"{'weights' if role == 'weights' else 'grad'}=NAME; its tensors: {', '.join(tensors)})"
+            )
     if weights not in program.updates:
         raise CoconetError(f"{program.name} does not update {weights}: it is not an optimizer's step")
     if not isinstance(tensors[grad].type.layout, Local):
-        raise CoconetError(f"{program.name}'s gradient {grad} is {tensors[grad].type.layout}: each rank's own "
-                           "gradient is Local, and the program reduces it")
+        raise CoconetError(
+            f"{program.name}'s gradient {grad} is {tensors[grad].type.layout}: each rank's own "
+            "gradient is Local, and the program reduces it"
+        )
     for s in tensors.values():
         if [str(d) for d in s.type.shape] != [program.dims[0]]:
-            raise CoconetError(f"{program.name}'s tensor {s.name} is shaped ({', '.join(map(str, s.type.shape))}): "
-                               f"an optimizer's tensors are all ({program.dims[0]},)")
+            raise CoconetError(
+                f"{program.name}'s tensor {s.name} is shaped ({', '.join(map(str, s.type.shape))}): "
+                f"an optimizer's tensors are all ({program.dims[0]},)"
+            )
     state = [n for n in tensors if n not in (weights, grad)]
     constant = [n for n in state if n not in program.updates]
     if constant:
-        raise CoconetError(f"{program.name} reads {', '.join(constant)}, which it does not update: an optimizer's "
-                           "program reads weights, gradient, state and scalars only")
+        raise CoconetError(
+            f"{program.name} reads {', '.join(constant)}, which it does not update: an optimizer's "
+            "program reads weights, gradient, state and scalars only"
+        )
     return weights, grad, state

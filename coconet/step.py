@@ -108,7 +108,7 @@ def input_specs(scheduled: Program, sizes: Mapping[str, int], world: int, rank: 
         layout, span, mine = s.type.layout, None, shape
         if isinstance(layout, Sliced):
             span = rows(shape[layout.dim], world, rank)
-            mine = shape[:layout.dim] + (span[1] - span[0],) + shape[layout.dim + 1:]
+            mine = shape[: layout.dim] + (span[1] - span[0],) + shape[layout.dim + 1 :]
         out[s.name] = InputSpec(s.name, layout, mine, shape, s.type.dtype, span)
     return out
 
@@ -118,9 +118,22 @@ class Step:
     ``coconet.compile``; call it as ``step(tensors, scalars)``: updated state is written in place, and it
     returns the program's outputs (``{"outputs": {...}, "sent": {...}}``)."""
 
-    def __init__(self, schedule: Schedule, sizes: Mapping[str, int], *, group: Any, world: int, rank: int,
-                 backend: str, kernels: str, device_type: str, origin: Origin,
-                 custom_ops: Mapping[str, Callable] | None = None, stage: int = 0, stages: int = 1) -> None:
+    def __init__(
+        self,
+        schedule: Schedule,
+        sizes: Mapping[str, int],
+        *,
+        group: Any,
+        world: int,
+        rank: int,
+        backend: str,
+        kernels: str,
+        device_type: str,
+        origin: Origin,
+        custom_ops: Mapping[str, Callable] | None = None,
+        stage: int = 0,
+        stages: int = 1,
+    ) -> None:
         self.schedule, self.program, self.sizes = schedule, schedule.program, dict(sizes)
         self.group, self.world, self.rank = group, world, rank
         self.backend, self.kernels, self.device_type, self.origin = backend, kernels, device_type, origin
@@ -128,8 +141,9 @@ class Step:
         self.scalars = tuple(s.name for s in schedule.scheduled.inputs if s.op == "scalar")
         self.generated = lower(schedule, backend, kernels)
         self._fn = _load(self.generated)
-        self._kwargs = dict(group=group, stage=stage, stages=stages, sizes=dict(self.sizes),
-                            custom_ops=dict(custom_ops or {}))
+        self._kwargs = dict(
+            group=group, stage=stage, stages=stages, sizes=dict(self.sizes), custom_ops=dict(custom_ops or {})
+        )
         self._names, self._scalar_names = frozenset(self.inputs), frozenset(self.scalars)
         self._seen: dict[str, tuple] = {}  # input name -> the key of the tensor last checked for it
 
@@ -150,10 +164,17 @@ class Step:
         return self.generated.source
 
     def describe(self) -> str:
-        head = (f"{self.program.name} (hash {self.program.hash}) at {format_sizes(self.sizes)}, rank {self.rank} "
-                f"of {self.world}, on {self.backend} with {self.kernels} kernels")
-        lines = [head, f"schedule: {self.schedule.text}", f"  {self.schedule.describe()}",
-                 f"  {self.origin}", "inputs on this rank:"]
+        head = (
+            f"{self.program.name} (hash {self.program.hash}) at {format_sizes(self.sizes)}, rank {self.rank} "
+            f"of {self.world}, on {self.backend} with {self.kernels} kernels"
+        )
+        lines = [
+            head,
+            f"schedule: {self.schedule.text}",
+            f"  {self.schedule.describe()}",
+            f"  {self.origin}",
+            "inputs on this rank:",
+        ]
         lines += [f"  {spec}" for spec in self.inputs.values()]
         lines.append(f"scalars: {', '.join(self.scalars) or 'none'}")
         return "\n".join(lines)
@@ -177,8 +198,12 @@ class Step:
             try:
                 key = (id(t), t.data_ptr(), t.shape, t.dtype)
             except AttributeError:
-                raise InputError(f"input {name}: given a {type(t).__name__}, not a torch.Tensor", input=name,
-                                 given=type(t).__name__, expected=self._expected(self.inputs[name])) from None
+                raise InputError(
+                    f"input {name}: given a {type(t).__name__}, not a torch.Tensor",
+                    input=name,
+                    given=type(t).__name__,
+                    expected=self._expected(self.inputs[name]),
+                ) from None
             if seen.get(name) != key:
                 self._check_tensor(self.inputs[name], t)
                 seen[name] = key
@@ -188,10 +213,15 @@ class Step:
             missing, extra = sorted(want - set(given)), sorted(set(given) - want)
             if missing or extra:
                 said = ([f"missing {', '.join(missing)}"] if missing else []) + (
-                    [f"unknown {', '.join(extra)}"] if extra else [])
-                raise InputError(f"{kind} inputs: {'; '.join(said)} ({self.program.name}'s {kind}s: "
-                                 f"{', '.join(sorted(want)) or 'none'})", input=(missing or extra)[0],
-                                 given=", ".join(sorted(given)), expected=", ".join(sorted(want)))
+                    [f"unknown {', '.join(extra)}"] if extra else []
+                )
+                raise InputError(
+                    f"{kind} inputs: {'; '.join(said)} ({self.program.name}'s {kind}s: "
+                    f"{', '.join(sorted(want)) or 'none'})",
+                    input=(missing or extra)[0],
+                    given=", ".join(sorted(given)),
+                    expected=", ".join(sorted(want)),
+                )
 
     def _expected(self, spec: InputSpec) -> str:
         shape = f"{spec.dtype} {list(spec.shape)} on {self.device_type}"
@@ -206,12 +236,18 @@ class Step:
         given = f"{dtype} {list(shape)} on {device}"
         why = ""
         if shape != spec.shape and spec.rows is not None and shape == spec.global_shape:
-            why = (f": the schedule keeps {spec.name} sliced ({self.schedule.text}), so each rank passes its "
-                   "rows only; a whole tensor (as a whole-state schedule's checkpoint holds) must be cut first")
+            why = (
+                f": the schedule keeps {spec.name} sliced ({self.schedule.text}), so each rank passes its "
+                "rows only; a whole tensor (as a whole-state schedule's checkpoint holds) must be cut first"
+            )
         elif shape != spec.shape and isinstance(spec.layout, (Local, Replicated)) and self.world > 1:
             why = f": the schedule keeps {spec.name} whole on every rank"
-        raise InputError(f"input {spec.name}: given {given}, the schedule expects {self._expected(spec)}{why}",
-                         input=spec.name, given=given, expected=self._expected(spec))
+        raise InputError(
+            f"input {spec.name}: given {given}, the schedule expects {self._expected(spec)}{why}",
+            input=spec.name,
+            given=given,
+            expected=self._expected(spec),
+        )
 
 
 def _load(gen: Any) -> Callable:
@@ -252,17 +288,35 @@ def _place(group: Any, world: int | None, rank: int | None, backend: str | None)
         world = dist.get_world_size(group) if world is None else world
         rank = dist.get_rank(group) if rank is None else rank
     elif world is None:
-        raise CoconetError("no process group is initialised: call torch.distributed.init_process_group first, "
-                           "or pass world= and rank= to compile a step you will only read")
+        raise CoconetError(
+            "no process group is initialised: call torch.distributed.init_process_group first, "
+            "or pass world= and rank= to compile a step you will only read"
+        )
     nccl = backend == "nccl" or (backend is None and up and dist.get_backend(group) == "nccl")
     return world, rank or 0, "cuda" if nccl else "cpu", up
 
 
-def compile(program: Any, sizes: Any, *, schedule: Any = BEST, group: Any = None, backend: str | None = None,
-            kernels: str = "compiled", store: Any = None, server: str | None = None, token: str | None = None,
-            topology: str = LOCAL_TOPOLOGY, shardable: Any = None, tune_on_miss: bool = False, budget: int = 32,
-            world: int | None = None, rank: int | None = None, custom_ops: Mapping[str, Callable] | None = None,
-            stage: int = 0, stages: int = 1) -> Step:
+def compile(
+    program: Any,
+    sizes: Any,
+    *,
+    schedule: Any = BEST,
+    group: Any = None,
+    backend: str | None = None,
+    kernels: str = "compiled",
+    store: Any = None,
+    server: str | None = None,
+    token: str | None = None,
+    topology: str = LOCAL_TOPOLOGY,
+    shardable: Any = None,
+    tune_on_miss: bool = False,
+    budget: int = 32,
+    world: int | None = None,
+    rank: int | None = None,
+    custom_ops: Mapping[str, Callable] | None = None,
+    stage: int = 0,
+    stages: int = 1,
+) -> Step:
     """The step of ``program`` (a file's path, a ``coconet.Program`` or its IR) at ``sizes`` for this rank of
     ``group`` (the default group when None), lowered and loaded once.
 
@@ -289,8 +343,19 @@ def compile(program: Any, sizes: Any, *, schedule: Any = BEST, group: Any = None
             raise CoconetError(f"the schedule is for program {schedule.program.hash}, not {prog.hash}")
         chosen, origin = schedule, Origin("given")
     elif schedule == BEST:
-        look = _Lookup(prog, sizes, world, topology, backend, device_type, store, server, token, shardable,
-                       Tuning(program, budget, kernels) if tune_on_miss else None)
+        look = _Lookup(
+            prog,
+            sizes,
+            world,
+            topology,
+            backend,
+            device_type,
+            store,
+            server,
+            token,
+            shardable,
+            Tuning(program, budget, kernels) if tune_on_miss else None,
+        )
         text, knobs, backend, origin = _agreed(look, group, rank if up else 0, world if up else 1)
         chosen = Schedule.parse(text, prog)
         if knobs:
@@ -302,9 +367,20 @@ def compile(program: Any, sizes: Any, *, schedule: Any = BEST, group: Any = None
     if backend is None:
         backend = "nccl" if device_type == "cuda" else "gloo"
     prog.require_world(world)
-    return Step(chosen, sizes, group=group, world=world, rank=rank, backend=backend, kernels=kernels,
-                device_type=device_type, origin=origin, custom_ops=custom_ops or prog.custom_ops, stage=stage,
-                stages=stages)
+    return Step(
+        chosen,
+        sizes,
+        group=group,
+        world=world,
+        rank=rank,
+        backend=backend,
+        kernels=kernels,
+        device_type=device_type,
+        origin=origin,
+        custom_ops=custom_ops or prog.custom_ops,
+        stage=stage,
+        stages=stages,
+    )
 
 
 @dataclass(frozen=True)
@@ -349,17 +425,22 @@ class _Lookup:
         if self.tuning is None or (got is not None and got[3].how == "measured" and got[3].exact):
             return got  # type: ignore[return-value]  # None only with tuning
         where = f"server {self.server}" if self.server is not None else "this machine's Ray"
-        print(f"coconet.compile: {self.prog.name} has no measured winner for {format_sizes(self.sizes)}, world "
-              f"{self.world}, topology {self.topology}: tuning it on {where} ({self.tuning.budget} trials)",
-              file=sys.stderr, flush=True)
+        print(
+            f"coconet.compile: {self.prog.name} has no measured winner for {format_sizes(self.sizes)}, world "
+            f"{self.world}, topology {self.topology}: tuning it on {where} ({self.tuning.budget} trials)",
+            file=sys.stderr,
+            flush=True,
+        )
         if self.server is not None:
             self._tune_on_server(self.tuning)
         else:
             self._tune_here(self.tuning)
         got = self._read()
         if got[3].how != "measured" or not got[3].exact:
-            raise CoconetError(f"the tuning of {self.prog.name} at {format_sizes(self.sizes)} ended without a "
-                               f"measured winner at these sizes")
+            raise CoconetError(
+                f"the tuning of {self.prog.name} at {format_sizes(self.sizes)} ended without a "
+                f"measured winner at these sizes"
+            )
         return got
 
     def _read(self) -> tuple[str, dict[str, int], str, Origin]:
@@ -376,14 +457,23 @@ class _Lookup:
         return [self.shardable] if isinstance(self.shardable, str) else list(self.shardable)
 
     def _tune_here(self, tuning: Tuning) -> None:
-        doc = api.tune(tuning.program, self.sizes, world=self.world, budget=tuning.budget, topology=self.topology,
-                       backends=self._tune_backends(), store=self.store, kernels=tuning.kernels,
-                       shardable=self._shardable_names())
+        doc = api.tune(
+            tuning.program,
+            self.sizes,
+            world=self.world,
+            budget=tuning.budget,
+            topology=self.topology,
+            backends=self._tune_backends(),
+            store=self.store,
+            kernels=tuning.kernels,
+            shardable=self._shardable_names(),
+        )
         assert isinstance(doc, dict)  # one binding, one result
         if doc["best"] is None:
             why = "; ".join(f"{f['count']} {f['status']}: {f['error']}" for f in doc["failures"]) or "no trial ran"
-            raise CoconetError(f"the tuning of {self.prog.name} at {format_sizes(self.sizes)} found no schedule "
-                               f"that ran ({why})")
+            raise CoconetError(
+                f"the tuning of {self.prog.name} at {format_sizes(self.sizes)} found no schedule that ran ({why})"
+            )
 
     def _tune_on_server(self, tuning: Tuning) -> None:
         from coconet.client import Client, follow
@@ -392,15 +482,23 @@ class _Lookup:
         with Client.open(self.server, self.token) as client:
             client.send_program(self.prog)  # the server tunes what it holds, as `coconet submit` sends it
             backends = self._tune_backends()
-            _, started = client.best_or_tune(self.prog.hash, self.sizes, topology=self.topology, world=self.world,
-                                             backend=backends[0] if backends else None, budget=tuning.budget,
-                                             shardable=self._shardable_names())
+            _, started = client.best_or_tune(
+                self.prog.hash,
+                self.sizes,
+                topology=self.topology,
+                world=self.world,
+                backend=backends[0] if backends else None,
+                budget=tuning.budget,
+                shardable=self._shardable_names(),
+            )
             if started is None:
                 return  # tuned meanwhile
             job = follow(client, [started["job"]])[started["job"]]
         if job["state"] != "done":
-            raise CoconetError(f"server {self.server}: tuning job {started['job']} {job['state']}: "
-                               f"{job.get('error') or 'no reason given'}")
+            raise CoconetError(
+                f"server {self.server}: tuning job {started['job']} {job['state']}: "
+                f"{job.get('error') or 'no reason given'}"
+            )
 
     def _wanted_backends(self) -> list[str | None]:
         if self.backend is not None:
@@ -418,13 +516,21 @@ class _Lookup:
             if self.store is not None:
                 raise
             # no store named and none made yet: as good as a store without the program
-            raise CoconetError(f"no store to read the best schedule from ({e}): run `coconet tune` first, or "
-                               "pass store=URL, server=URL or schedule='baseline' or a schedule's text",
-                               not_tuned=True) from None
+            raise CoconetError(
+                f"no store to read the best schedule from ({e}): run `coconet tune` first, or "
+                "pass store=URL, server=URL or schedule='baseline' or a schedule's text",
+                not_tuned=True,
+            ) from None
         try:
             for backend in self._wanted_backends():
-                best = store.best(self.prog.hash, self.sizes, self.topology, self.world, backend=backend,
-                                  shardable=self.shardable_text())
+                best = store.best(
+                    self.prog.hash,
+                    self.sizes,
+                    self.topology,
+                    self.world,
+                    backend=backend,
+                    shardable=self.shardable_text(),
+                )
                 if best is not None and (self.device_type == "cuda") == (best.winner.backend == "nccl"):
                     m = best.measurement
                     origin = Origin(best.source, store.url, best.exact, dict(best.sizes), m.median_s, self.topology)
@@ -440,18 +546,31 @@ class _Lookup:
         assert self.server is not None  # _read asks the server only when one is named
         with Client.open(self.server, self.token) as client:
             try:
-                got = client.best(self.prog.hash, self.sizes, topology=self.topology, world=self.world,
-                                  shardable=self.shardable_text())
+                got = client.best(
+                    self.prog.hash,
+                    self.sizes,
+                    topology=self.topology,
+                    world=self.world,
+                    shardable=self.shardable_text(),
+                )
             except ServiceError as e:
                 if getattr(e, "status", None) == 404:
                     raise self._miss(f"server {self.server}", f"--server {self.server} ") from None
                 raise
         if self.backend is not None and got["backend"] != self.backend:
-            raise CoconetError(f"server {self.server}: the winner runs on {got['backend']}, not {self.backend}; "
-                               "pass schedule=TEXT to run another")
+            raise CoconetError(
+                f"server {self.server}: the winner runs on {got['backend']}, not {self.backend}; "
+                "pass schedule=TEXT to run another"
+            )
         how = "measured" if got.get("source") == "measured" else "model"
-        origin = Origin(how, self.server, bool(got.get("exact", True)), got.get("tuned_sizes"),
-                        (got.get("stats") or {}).get("median_s"), self.topology)
+        origin = Origin(
+            how,
+            self.server,
+            bool(got.get("exact", True)),
+            got.get("tuned_sizes"),
+            (got.get("stats") or {}).get("median_s"),
+            self.topology,
+        )
         knobs = dict((got.get("schedule_json") or {}).get("knobs") or {})
         return got["schedule"], knobs, got["backend"], origin
 
@@ -461,7 +580,8 @@ class _Lookup:
             f"no schedule of {self.prog.name} (hash {self.prog.hash}) tuned for {sizes}, world {self.world}, "
             f"topology {self.topology} in {where}: tune it first (`coconet {'submit' if 'server' in where else 'tune'} "
             f"FILE --world {self.world} --size {sizes} {flag}`) or pass schedule='baseline' or a schedule's text",
-            not_tuned=True)
+            not_tuned=True,
+        )
 
 
 def _agreed(look: _Lookup, group: Any, rank: int, world: int) -> tuple[str, dict[str, int], str, Origin]:

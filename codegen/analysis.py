@@ -94,12 +94,14 @@ def computed_on_rows(p: Program, skip: set[str]) -> dict[str, int]:
     those rows alone instead of on every rank's, 1/R of the work and of the memory. A fuse group of them
     whose every member is so (Adafactor's ``rsqrt(r * c / mean)`` fused, read by the update on the rank's
     rows) computes those rows in its kernel."""
-    return cut_to_rows(p, skip, lambda u: u not in skip and (ungrouped_pointwise(p, p[u]) or
-                                                              fused_pointwise(p, p[u])), groups=True)
+    return cut_to_rows(
+        p, skip, lambda u: u not in skip and (ungrouped_pointwise(p, p[u]) or fused_pointwise(p, p[u])), groups=True
+    )
 
 
-def cut_to_rows(p: Program, skip: AbstractSet[str], reader: Callable[[str], bool],
-                groups: bool = False) -> dict[str, int]:
+def cut_to_rows(
+    p: Program, skip: AbstractSet[str], reader: Callable[[str], bool], groups: bool = False
+) -> dict[str, int]:
     """The ungrouped rowwise Replicated statements not in ``skip`` whose readers are all statements ``reader``
     accepts that are Sliced on the statement's shape, or statements taken so, each with the dim they cut;
     with ``groups``, the members of fuse groups all of whose members are taken so, too."""
@@ -109,8 +111,13 @@ def cut_to_rows(p: Program, skip: AbstractSet[str], reader: Callable[[str], bool
         for s in reversed(p.stmts):  # readers before what they read
             g = p.group_of.get(s.name)
             member = groups and g is not None and g not in banned and fused_pointwise(p, s)
-            if (s.name in skip or not (member or ungrouped_pointwise(p, s)) or not s.type.shape
-                    or not p.users[s.name] or not rowwise(p, s, s.type.shape)):
+            if (
+                s.name in skip
+                or not (member or ungrouped_pointwise(p, s))
+                or not s.type.shape
+                or not p.users[s.name]
+                or not rowwise(p, s, s.type.shape)
+            ):
                 continue
             dims = set()
             for u in p.users[s.name]:
@@ -125,8 +132,7 @@ def cut_to_rows(p: Program, skip: AbstractSet[str], reader: Callable[[str], bool
             if only is not None:
                 out[s.name] = only
         # a group computes on rows whole or not at all; what its members read may then be needed whole
-        partial = {p.group_of[m] for m in out if m in p.group_of
-                   and any(x not in out for x in p.group_of[m].members)}
+        partial = {p.group_of[m] for m in out if m in p.group_of and any(x not in out for x in p.group_of[m].members)}
         if not partial:
             return out
         banned |= partial
@@ -155,8 +161,11 @@ def rowwise(p: Program, s: Stmt, shape) -> bool:
     rows of it instead of a full pass over every rank's rows before the group."""
     if not isinstance(s.type.layout, Replicated) or s.type.shape != shape:
         return False
-    return all(p[a].type.shape == () or (isinstance(p[a].type.layout, Replicated)
-                                         and broadcast_shapes((p[a].type.shape, shape)) == shape) for a in s.args)
+    return all(
+        p[a].type.shape == ()
+        or (isinstance(p[a].type.layout, Replicated) and broadcast_shapes((p[a].type.shape, shape)) == shape)
+        for a in s.args
+    )
 
 
 def row_dim(out_shape, d: int, shape) -> int | None:
@@ -184,7 +193,7 @@ def step_positions(units: list, *inside) -> dict[str, int]:
     (``inside``: per group, its absorbed statements) takes the group's."""
     at: dict[str, int] = {}
     for i, u in enumerate(units):
-        for m in (u.members if isinstance(u, Group) else (u,)):
+        for m in u.members if isinstance(u, Group) else (u,):
             at[m] = i
     for groups in inside:
         for g, ms in groups.items():
@@ -208,8 +217,11 @@ def in_place_outputs(p: Program, g: Group, outs: list[str], at: Mapping[str, int
         t = targets[0]
         if p[t].type.shape != p[o].type.shape or p[t].type.layout != p[o].type.layout:
             continue
-        if all(u in members or (p[u].op not in EFFECTS and p[u].op not in VIEWS and p[u].op != "cast"
-                                and at[u] < at[g.members[0]]) for u in readers_of(p, t)):
+        if all(
+            u in members
+            or (p[u].op not in EFFECTS and p[u].op not in VIEWS and p[u].op != "cast" and at[u] < at[g.members[0]])
+            for u in readers_of(p, t)
+        ):
             found[o] = t
     return found
 
@@ -227,9 +239,22 @@ def needs_copy(p: Program, name: str) -> bool:
 
 # torch's functions with an ``out=`` for the pointwise ops: how a value is computed into a buffer it is given
 # (held_source)
-OUT = {"add": "torch.add", "sub": "torch.sub", "mul": "torch.mul", "div": "torch.div", "pow": "torch.pow",
-       "maximum": "torch.maximum", "minimum": "torch.minimum", "neg": "torch.neg", "sqrt": "torch.sqrt",
-       "rsqrt": "torch.rsqrt", "exp": "torch.exp", "log": "torch.log", "abs": "torch.abs", "where": "torch.where"}
+OUT = {
+    "add": "torch.add",
+    "sub": "torch.sub",
+    "mul": "torch.mul",
+    "div": "torch.div",
+    "pow": "torch.pow",
+    "maximum": "torch.maximum",
+    "minimum": "torch.minimum",
+    "neg": "torch.neg",
+    "sqrt": "torch.sqrt",
+    "rsqrt": "torch.rsqrt",
+    "exp": "torch.exp",
+    "log": "torch.log",
+    "abs": "torch.abs",
+    "where": "torch.where",
+}
 
 
 def updated_in_place(p: Program, skip: set[str]) -> dict[str, str]:
@@ -242,11 +267,26 @@ def updated_in_place(p: Program, skip: set[str]) -> dict[str, str]:
     out = {}
     for t, v in p.updates.items():
         s = p[v]
-        if (v in skip or s.op not in OUT or not ungrouped_pointwise(p, s) or len(p.users[v]) != 1
-                or s.type != p[t].type or not s.type.shape):
+        if (
+            v in skip
+            or s.op not in OUT
+            or not ungrouped_pointwise(p, s)
+            or len(p.users[v]) != 1
+            or s.type != p[t].type
+            or not s.type.shape
+        ):
             continue
-        if all(a == t or (a not in p.updates and (p[a].op in ("input", "scalar", "const") or (
-                ungrouped_pointwise(p, p[a]) and p[a].op != "cast" and a not in skip))) for a in s.args):
+        if all(
+            a == t
+            or (
+                a not in p.updates
+                and (
+                    p[a].op in ("input", "scalar", "const")
+                    or (ungrouped_pointwise(p, p[a]) and p[a].op != "cast" and a not in skip)
+                )
+            )
+            for a in s.args
+        ):
             out[t] = v
     return out
 
@@ -277,8 +317,9 @@ def fuse_reduced(p: Program) -> dict[Group, tuple[str, ...]]:
         if g.kind != "fuse" or isinstance(p[g.members[0]].type.layout, Sliced) or custom_group(p, g):
             continue
         inside = set(g.members)
-        taken = tuple(s.name for s in p.stmts
-                      if s.op in ("sum", "norm") and s.name not in p.group_of and s.args[0] in inside)
+        taken = tuple(
+            s.name for s in p.stmts if s.op in ("sum", "norm") and s.name not in p.group_of and s.args[0] in inside
+        )
         if taken:
             out[g] = taken
     return out
@@ -301,14 +342,20 @@ def gathers_into_state(p: Program, units: list, absorbed: dict[Group, tuple[str,
         t = targets[0]
         # an update, output or send reading the state would see it after the step's end, or hold it
         readers = [t] + readers_of(p, t)
-        if isinstance(s.type.layout, Replicated) and all(p[u].op not in EFFECTS and at[u] < at[s.name]
-                                                         for u in readers):
+        if isinstance(s.type.layout, Replicated) and all(
+            p[u].op not in EFFECTS and at[u] < at[s.name] for u in readers
+        ):
             found[s.name] = t
     return found
 
 
-def fuse_gathers_into(p: Program, units: list, into_state: dict[str, str], absorbed: dict[Group, tuple[str, ...]],
-                      rows: dict[Group, dict[str, int]]) -> dict[Group, dict[str, str]]:
+def fuse_gathers_into(
+    p: Program,
+    units: list,
+    into_state: dict[str, str],
+    absorbed: dict[Group, tuple[str, ...]],
+    rows: dict[Group, dict[str, int]],
+) -> dict[Group, dict[str, str]]:
     """Per compiled fuse group on shm, the gathers into state (``into_state``, see gathers_into_state) of
     values nothing else outside the group reads that its kernel can do itself: it writes each new row into
     its own copy of the state and every peer's as it computes it, so the value is never written out to be

@@ -37,8 +37,11 @@ class AdamStep:
             param = torch.nn.Parameter(w, requires_grad=True)  # shares w's storage
             param.grad = torch.empty_like(w)
             opt = torch.optim.Adam([param], fused=True)
-            opt.state[param] = {"step": torch.zeros((), dtype=torch.float32, device=w.device),
-                                "exp_avg": m, "exp_avg_sq": v}
+            opt.state[param] = {
+                "step": torch.zeros((), dtype=torch.float32, device=w.device),
+                "exp_avg": m,
+                "exp_avg_sq": v,
+            }
             self.ready = {"w": w, "param": param, "opt": opt}
         param, opt = self.ready["param"], self.ready["opt"]
         group_ = opt.param_groups[0]
@@ -138,16 +141,28 @@ class Baseline:
 
 BASELINES = {
     # torch.optim keeps the moments to itself; the model reads w whole
-    "adam": Baseline("adam", "adam", AdamStep, True, "dist.all_reduce + torch.optim.Adam(fused=True)",
-                     shardable=("m", "v")),
-    "megatron_mlp": Baseline("megatron_mlp", "megatron_mlp", MegatronStep, False,
-                             "eager PyTorch: matmul, dist.all_reduce, F.dropout(y + b) + r"),
-    "gpt_layer_sp": Baseline("gpt_layer_sp", "gpt_layer_sp", GptLayerSPStep, False,
-                             "eager PyTorch as Megatron-LM's sequence parallelism: matmul, "
-                             "dist.reduce_scatter_tensor, F.dropout(y + b) + r, F.layer_norm, "
-                             "dist.all_gather_into_tensor"),
-    "conv_block": Baseline("conv_block", "conv_block", ConvBlockStep, True,
-                           "eager PyTorch: F.conv2d, dist.all_reduce, F.relu(y + b + r)"),
+    "adam": Baseline(
+        "adam", "adam", AdamStep, True, "dist.all_reduce + torch.optim.Adam(fused=True)", shardable=("m", "v")
+    ),
+    "megatron_mlp": Baseline(
+        "megatron_mlp",
+        "megatron_mlp",
+        MegatronStep,
+        False,
+        "eager PyTorch: matmul, dist.all_reduce, F.dropout(y + b) + r",
+    ),
+    "gpt_layer_sp": Baseline(
+        "gpt_layer_sp",
+        "gpt_layer_sp",
+        GptLayerSPStep,
+        False,
+        "eager PyTorch as Megatron-LM's sequence parallelism: matmul, "
+        "dist.reduce_scatter_tensor, F.dropout(y + b) + r, F.layer_norm, "
+        "dist.all_gather_into_tensor",
+    ),
+    "conv_block": Baseline(
+        "conv_block", "conv_block", ConvBlockStep, True, "eager PyTorch: F.conv2d, dist.all_reduce, F.relu(y + b + r)"
+    ),
 }
 
 
@@ -155,9 +170,14 @@ def eager(prog: Program) -> Baseline:
     """The program as an engineer would write it in eager PyTorch: a torch op per statement,
     torch.distributed collectives, ``F.dropout``; the state written back in place at the end."""
     dropout = any(s.op == "dropout" for s in prog.stmts)
-    return Baseline("eager", prog.name, None, not dropout,
-                    "eager PyTorch: a torch op per statement, torch.distributed collectives"
-                    + (", F.dropout" if dropout else ""), program_hash=prog.hash)
+    return Baseline(
+        "eager",
+        prog.name,
+        None,
+        not dropout,
+        "eager PyTorch: a torch op per statement, torch.distributed collectives" + (", F.dropout" if dropout else ""),
+        program_hash=prog.hash,
+    )
 
 
 def baseline_for(prog: Program) -> Baseline:

@@ -112,11 +112,14 @@ class Emitter:
         if s.op == "div" and self.number(s.args[0]):
             # ``c / x`` is x's reciprocal times c in torch (Tensor.__rtruediv__), at times an ulp from the quotient
             # that ``torch.div(c, x)`` gives: the bits of the same statement computed into a new tensor
-            return (f"torch.mul(torch.reciprocal({self.operand(s, s.args[1])}, out={out}), "
-                    f"{self.operand(s, s.args[0])}, out={out})")
+            return (
+                f"torch.mul(torch.reciprocal({self.operand(s, s.args[1])}, out={out}), "
+                f"{self.operand(s, s.args[0])}, out={out})"
+            )
         wrap = s.op in ("maximum", "minimum", "where")  # tensors only
-        args = [self.tensor(a, self.operand(s, a)) if k == 0 or wrap else self.operand(s, a)
-                for k, a in enumerate(s.args)]
+        args = [
+            self.tensor(a, self.operand(s, a)) if k == 0 or wrap else self.operand(s, a) for k, a in enumerate(s.args)
+        ]
         return f"{OUT[s.op]}({', '.join(args)}, out={out})"
 
     def stmt(self, s: Stmt) -> list[str]:
@@ -128,8 +131,9 @@ class Emitter:
         if op in COLLECTIVES:
             return self.collective(s, n, args)
         if op == "input":
-            return [f"{n} = tensors[{s.name!r}]"] + ([f"{self.aliased[s.name]} = {n}.clone()"]
-                                                     if s.name in self.aliased else [])
+            return [f"{n} = tensors[{s.name!r}]"] + (
+                [f"{self.aliased[s.name]} = {n}.clone()"] if s.name in self.aliased else []
+            )
         if op == "scalar":
             if s.type.dtype == "int64":
                 return [f"{n} = int(scalars[{s.name!r}])"]
@@ -179,8 +183,9 @@ class Emitter:
         custom = self.p.custom_ops.get(op)
         if custom is not None:
             if custom.torch is None:
-                raise BackendError(f"custom op {op} has no torch implementation (custom_op(..., torch=fn))",
-                                   kind="compile_error")
+                raise BackendError(
+                    f"custom op {op} has no torch implementation (custom_op(..., torch=fn))", kind="compile_error"
+                )
             attrs = "".join(f", {k}={v!r}" for k, v in s.attrs)
             return [f"{n} = _custom[{op!r}]({', '.join(args)}{attrs})"]
         raise BackendError(f"the torch backend cannot lower {op} ({s.name})", kind="compile_error")
@@ -217,9 +222,11 @@ class Emitter:
         if op == "broadcast":
             return [f"{n} = _broadcast(_c, {args[0]}.clone(), {s.attr('root')})"]
         if op == "send":
-            return [f"_sent[{s.attr('tag')!r}] = {self.kept(s.args[0], args[0])}",
-                    "if stage + 1 < stages:",
-                    f"    dist.send({args[0]}.contiguous(), dst=_c.global_rank + _c.world)"]
+            return [
+                f"_sent[{s.attr('tag')!r}] = {self.kept(s.args[0], args[0])}",
+                "if stage + 1 < stages:",
+                f"    dist.send({args[0]}.contiguous(), dst=_c.global_rank + _c.world)",
+            ]
         raise BackendError(f"the torch backend cannot lower {op} ({s.name})", kind="compile_error")
 
 

@@ -57,8 +57,9 @@ def _gib(n: float) -> str:
     return f"{n:.0f} B"
 
 
-def require_fits(program: Program, sizes: Mapping[str, int], world: int, *, check: bool,
-                 available: int | None = None) -> None:
+def require_fits(
+    program: Program, sizes: Mapping[str, int], world: int, *, check: bool, available: int | None = None
+) -> None:
     have = machine_bytes() if available is None else available
     if not have:
         return
@@ -67,4 +68,5 @@ def require_fits(program: Program, sizes: Mapping[str, int], world: int, *, chec
         raise SizeError(
             f"at {format_sizes(sizes)} the inputs of {program.name} on {world} rank(s) take at least {_gib(need)}"
             + (" with the reference check's float64 copies" if check else "")
-            + f"; this machine has {_gib(have)} of memory")
+            + f"; this machine has {_gib(have)} of memory"
+        )

@@ -19,6 +19,7 @@ from coconet.schedules.types import Local, Replicated, Sliced
 class FusedCollective:
     """A fused collective as the lowering emits it and the cost model prices it: what it reads, what each chunk
     computes, and where each result goes."""
+
     rs: Stmt
     ins: tuple[str, ...]
     outs: tuple[str, ...]  # handed on after it: neither written in place nor gathered into state
@@ -42,8 +43,9 @@ class FusedCollective:
     slotted: tuple[str, ...] = ()
 
 
-def fused_collective_plan(p: Program, backend: Backend, g: Group, absorbed: tuple[str, ...],
-                          compiled: bool = True) -> FusedCollective:
+def fused_collective_plan(
+    p: Program, backend: Backend, g: Group, absorbed: tuple[str, ...], compiled: bool = True
+) -> FusedCollective:
     ins, outs = group_io(p, g, absorbed)
     inplace = sliced_in_place(p, g, outs, absorbed) if compiled else {}
     into = gather_into(p, backend, g, outs, absorbed)
@@ -64,20 +66,40 @@ def fused_collective_plan(p: Program, backend: Backend, g: Group, absorbed: tupl
     held = not pre and held_source(p, backend, rs)
     direct = held or all(reads_input_in_place(p, backend, x, after=bool(pre)) for x in sources)
     return FusedCollective(
-        rs=rs, ins=tuple(ins), outs=tuple(outs), inplace=inplace, into=into, gathers=gathers,
-        partials=partials, sliced_outs=sliced_outs, compute=compute, needed=frozenset(needed),
-        direct=direct, compiles=compiles, sums_parts=sums, pre=pre, sources=sources,
-        ranked=rank_numbers(p, pre), held=held,
-        slotted=tuple(m for m in gathers if backend.writes_slots and m not in into and p[m].args[0] in compute
-                      and p[m].args[0] not in sliced_outs))
+        rs=rs,
+        ins=tuple(ins),
+        outs=tuple(outs),
+        inplace=inplace,
+        into=into,
+        gathers=gathers,
+        partials=partials,
+        sliced_outs=sliced_outs,
+        compute=compute,
+        needed=frozenset(needed),
+        direct=direct,
+        compiles=compiles,
+        sums_parts=sums,
+        pre=pre,
+        sources=sources,
+        ranked=rank_numbers(p, pre),
+        held=held,
+        slotted=tuple(
+            m
+            for m in gathers
+            if backend.writes_slots and m not in into and p[m].args[0] in compute and p[m].args[0] not in sliced_outs
+        ),
+    )
 
 
 def rank_numbers(p: Program, pre: Sequence[str]) -> tuple[str, ...]:
     """The 0-d Local values ``pre`` (reduced_in_kernel) reads: numbers each rank holds its own of (a weight, a
     clip factor from its gradient's norm), which every rank posts at the barrier that begins the collective
     (``_Shm.post``), so that the kernel computes each rank's rows with that rank's."""
-    return tuple(dict.fromkeys(a for m in pre for a in p[m].args
-                               if p[a].type.shape == () and isinstance(p[a].type.layout, Local)))
+    return tuple(
+        dict.fromkeys(
+            a for m in pre for a in p[m].args if p[a].type.shape == () and isinstance(p[a].type.layout, Local)
+        )
+    )
 
 
 def reduced_in_kernel(p: Program, g: Group) -> tuple[str, ...]:
@@ -101,8 +123,12 @@ def reduced_in_kernel(p: Program, g: Group) -> tuple[str, ...]:
         s = p[todo.pop()]
         if s.name in pre:
             continue
-        if (not ungrouped_pointwise(p, s) or s.op == "dropout" or s.type.shape != shape
-                or not isinstance(s.type.layout, Local)):
+        if (
+            not ungrouped_pointwise(p, s)
+            or s.op == "dropout"
+            or s.type.shape != shape
+            or not isinstance(s.type.layout, Local)
+        ):
             return ()
         pre.add(s.name)
         for a in s.args:
@@ -149,8 +175,9 @@ def collective_in_place(p: Program, g: Group, outs: list[str], absorbed, *, gath
         if p[t].type != p[o].type or not isinstance(p[t].type.layout, layout):
             continue
         readers = [u for u in readers_of(p, t) if p[u].op != "update"]
-        if all(p[u].op == "update" or (u in inside and not gathered) for u in p.users[o]) and \
-                all(u in inside and (p[u].op in ELEMENTWISE or p[u].op == "slice") for u in readers):
+        if all(p[u].op == "update" or (u in inside and not gathered) for u in p.users[o]) and all(
+            u in inside and (p[u].op in ELEMENTWISE or p[u].op == "slice") for u in readers
+        ):
             found[o] = t
     return found
 
@@ -176,8 +203,11 @@ def reads_input_in_place(p: Program, backend: Backend, source: str, after: bool 
     new value is written in place at the step's end or by a kernel that runs after every reader of it
     (``in_place_outputs``), and the collective is one."""
     src = p[source]
-    return (backend.reads_in_place and src.op == "input"
-            and (src.name not in p.updates or (after and isinstance(src.type.layout, Local))))
+    return (
+        backend.reads_in_place
+        and src.op == "input"
+        and (src.name not in p.updates or (after and isinstance(src.type.layout, Local)))
+    )
 
 
 def held_source(p: Program, backend: Backend, rs: Stmt) -> bool:
@@ -198,8 +228,7 @@ def held_source(p: Program, backend: Backend, rs: Stmt) -> bool:
     if g is None:
         return s.op in OUT and ungrouped_pointwise(p, s) and tuple(p.users[s.name]) == (rs.name,)
     # a fuse kernel's output: the kernel writes it into the buffer as it computes it (render_fuse.lower_fuse)
-    return (g.kind == "fuse" and not custom_group(p, g)
-            and all(u == rs.name or u in g.members for u in p.users[s.name]))
+    return g.kind == "fuse" and not custom_group(p, g) and all(u == rs.name or u in g.members for u in p.users[s.name])
 
 
 def chunk_compiles(p: Program, g: Group, compute: Sequence[str]) -> bool:

@@ -75,8 +75,9 @@ class Generated:
         try:
             return marshal.dumps(compile(self.source, self.path, "exec"))
         except SyntaxError as err:  # a bug of coconet's, but one schedule's: the others can still run
-            raise BackendError(f"the code generated for schedule {self.schedule.text!r} does not compile: {err}",
-                               kind="compile_error") from err
+            raise BackendError(
+                f"the code generated for schedule {self.schedule.text!r} does not compile: {err}", kind="compile_error"
+            ) from err
 
 
 KERNELS = ("compiled", "eager")
@@ -97,8 +98,11 @@ def lower(schedule: Schedule, backend: str = "gloo", kernels: str = "compiled", 
     if dropout not in DROPOUTS:
         raise BackendError(f"unknown dropout {dropout!r} (use {' or '.join(DROPOUTS)})", kind="compile_error")
     if dropout == "torch" and (kernels != "eager" or schedule.scheduled.groups):
-        raise BackendError("torch's dropout draws its own mask per call: only an eager, unfused program "
-                           "can use it, not fused or chunked kernels", kind="compile_error")
+        raise BackendError(
+            "torch's dropout draws its own mask per call: only an eager, unfused program "
+            "can use it, not fused or chunked kernels",
+            kind="compile_error",
+        )
     plan = LoweringPlan.of(schedule, target, kernels == "compiled")
     e = Emitter(plan, dropout)
     p = e.p
@@ -128,9 +132,14 @@ _STEP_NAMES = {"_c", "_custom", "_outputs", "_sent"}
 
 def _bound(lines) -> set[str]:
     """The names a unit assigns at its own level (``x = …``, ``a, b = …``), not inside its loops or branches."""
-    return {n.id for st in ast.parse("\n".join(lines)).body if isinstance(st, ast.Assign)
-            for target in st.targets for n in ast.walk(target)
-            if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    return {
+        n.id
+        for st in ast.parse("\n".join(lines)).body
+        if isinstance(st, ast.Assign)
+        for target in st.targets
+        for n in ast.walk(target)
+        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)
+    }
 
 
 def _freeing(e: Emitter, lowered: list[list[tuple[str, str]]], kept: set[str]) -> list[tuple[str, str | None]]:
@@ -139,8 +148,11 @@ def _freeing(e: Emitter, lowered: list[list[tuple[str, str]]], kept: set[str]) -
     instead of 5 (1.9 GB per rank at N=2^25, four ranks on one node). Inputs, scalars, what the step
     returns and what its end or a nested kernel reads are left alone."""
     p = e.p
-    tensors = {e.ident(s.name) for s in p.stmts
-               if s.op not in ("input", "scalar", "const") and s.type is not None and s.type.shape}
+    tensors = {
+        e.ident(s.name)
+        for s in p.stmts
+        if s.op not in ("input", "scalar", "const") and s.type is not None and s.type.shape
+    }
     ir = {e.ident(s.name) for s in p.stmts}
     kept = kept | _STEP_NAMES
     mentions = [names_in(x for x, _ in unit) for unit in lowered]
@@ -198,8 +210,14 @@ def _shm_segments(p: Program, slotless: set[str], packed: Sequence[tuple[str, ..
             sizes.append(" + ".join(f"{_nbytes_expr(t)} + 64" for t in full))
     if not sizes:  # its gathers write into the state alone: the barrier's flags and words
         return ["_c.shm = _Shm.of(group, 2, 64)"] if any(p[m].op == "all_gather" for m in slotless) else []
-    gathers = max([sum(p[m].op == "all_gather" and m not in slotless for m in g.members) for g in p.groups
-                   if g.kind == "fused_collective"], default=0)
+    gathers = max(
+        [
+            sum(p[m].op == "all_gather" and m not in slotless for m in g.members)
+            for g in p.groups
+            if g.kind == "fused_collective"
+        ],
+        default=0,
+    )
     sizes = list(dict.fromkeys(sizes))
     need = sizes[0] if len(sizes) == 1 else f"max({', '.join(sizes)})"
     return [f"_c.shm = _Shm.of(group, {gathers + 2}, {need})"]
@@ -241,11 +259,16 @@ def _module(schedule: Schedule, backend: Backend, e: Emitter, body, updates: lis
         "and what it sent to the next pipeline stage. Custom ops come in custom_ops={name: fn}.",
         "Needs torch and coconet's runtime, coconet.kernels (or a copy of it beside the module).",
         *backend.notes,
-        *(["So does a chunk kernel given in C (_native): without a compiler, Inductor's runs."]
-          if backend.native_chunks and any(x.startswith("_chunk") and "= _native(" in x for x, _ in e.toplevel)
-          else []),
-        *(["Dropout is torch's own (F.dropout): its masks are not coconet's counter-based ones."]
-          if e.dropout == "torch" and any(s.op == "dropout" for s in p.stmts) else []),
+        *(
+            ["So does a chunk kernel given in C (_native): without a compiler, Inductor's runs."]
+            if backend.native_chunks and any(x.startswith("_chunk") and "= _native(" in x for x, _ in e.toplevel)
+            else []
+        ),
+        *(
+            ["Dropout is torch's own (F.dropout): its masks are not coconet's counter-based ones."]
+            if e.dropout == "torch" and any(s.op == "dropout" for s in p.stmts)
+            else []
+        ),
         '"""',
         "",
         "import torch",
@@ -259,13 +282,16 @@ def _module(schedule: Schedule, backend: Backend, e: Emitter, body, updates: lis
         "",
         "",
     ]
-    lines: list[tuple[str, str | None]] = [(x, None) for x in [
-        "",
-        "def step(tensors, scalars, *, group=None, stage=0, stages=1, sizes=None, custom_ops=None):",
-        f"    _c = _Ctx(group, {backend.device})",
-        "    _custom = custom_ops or {}",
-        "    _outputs, _sent = {}, {}",
-    ]]
+    lines: list[tuple[str, str | None]] = [
+        (x, None)
+        for x in [
+            "",
+            "def step(tensors, scalars, *, group=None, stage=0, stages=1, sizes=None, custom_ops=None):",
+            f"    _c = _Ctx(group, {backend.device})",
+            "    _custom = custom_ops or {}",
+            "    _outputs, _sent = {}, {}",
+        ]
+    ]
     rest = [("    " + x, None) for x in _shm_segments(p, e.plan.slotless, e.packed)] if backend.shared_memory else []
     rest += [("    " + x, m) for k in e.kernels for x, m in [("", None)] + k + [("", None)]]
     rest += [("    " + x, m) for x, m in body]
@@ -279,6 +305,6 @@ def _module(schedule: Schedule, backend: Backend, e: Emitter, body, updates: lis
     code = "\n".join(x.rstrip() for x, _ in lines) + "\n"
     # the runtime's names the code calls, imported (coconet.kernels)
     at = header.index("RUNTIME")
-    head = header[:at] + "\n".join(runtime.imports(code, backend.name)).split("\n") + header[at + 1:]
+    head = header[:at] + "\n".join(runtime.imports(code, backend.name)).split("\n") + header[at + 1 :]
     line_map = {len(head) + i + 1: m for i, (_, m) in enumerate(lines) if m is not None}
     return "\n".join(head) + "\n" + code, line_map

@@ -14,29 +14,87 @@ from coconet.codegen import runtime
 from coconet.schedules.dims import Dim
 from coconet.schedules.ir import Program
 
-TORCH_DTYPE = {"float16": "torch.float16", "bfloat16": "torch.bfloat16", "float32": "torch.float32",
-               "float64": "torch.float64", "int64": "torch.int64", "bool": "torch.bool"}
+TORCH_DTYPE = {
+    "float16": "torch.float16",
+    "bfloat16": "torch.bfloat16",
+    "float32": "torch.float32",
+    "float64": "torch.float64",
+    "int64": "torch.int64",
+    "bool": "torch.bool",
+}
 
 
-BINARY = {"add": "{} + {}", "sub": "{} - {}", "mul": "{} * {}", "div": "{} / {}", "pow": "{} ** {}",
-          "lt": "{} < {}", "le": "{} <= {}", "gt": "{} > {}", "ge": "{} >= {}", "eq": "{} == {}", "ne": "{} != {}",
-          "maximum": "torch.maximum(_t({}), _t({}))", "minimum": "torch.minimum(_t({}), _t({}))"}
+BINARY = {
+    "add": "{} + {}",
+    "sub": "{} - {}",
+    "mul": "{} * {}",
+    "div": "{} / {}",
+    "pow": "{} ** {}",
+    "lt": "{} < {}",
+    "le": "{} <= {}",
+    "gt": "{} > {}",
+    "ge": "{} >= {}",
+    "eq": "{} == {}",
+    "ne": "{} != {}",
+    "maximum": "torch.maximum(_t({}), _t({}))",
+    "minimum": "torch.minimum(_t({}), _t({}))",
+}
 
 
-UNARY = {"neg": "-{}", "sqrt": "torch.sqrt({})", "rsqrt": "torch.rsqrt({})", "exp": "torch.exp({})",
-         "log": "torch.log({})", "abs": "torch.abs({})"}
+UNARY = {
+    "neg": "-{}",
+    "sqrt": "torch.sqrt({})",
+    "rsqrt": "torch.rsqrt({})",
+    "exp": "torch.exp({})",
+    "log": "torch.log({})",
+    "abs": "torch.abs({})",
+}
 
 
 # what the step and its kernels read besides the program's values and coconet's own ``_`` names: the
 # module's imports and step, step's parameters, the builtins the lowering calls
-RESERVED = frozenset({"torch", "dist", "math", "step", "tensors", "scalars", "group", "stage", "stages", "sizes",
-                      "custom_ops", "int", "float", "len", "max"})
+RESERVED = frozenset(
+    {
+        "torch",
+        "dist",
+        "math",
+        "step",
+        "tensors",
+        "scalars",
+        "group",
+        "stage",
+        "stages",
+        "sizes",
+        "custom_ops",
+        "int",
+        "float",
+        "len",
+        "max",
+    }
+)
 
 
 # the names generated code binds in step and its kernels besides those of the program (the module's
 # functions come from module_names): a derived name that the lowering makes up (``_<name>``) avoids them
-LOCALS = frozenset({"_c", "_custom", "_outputs", "_sent", "_rank", "_a", "_ak", "_yk", "_parts", "_works", "_w",
-                     "_pending", "_bk", "_finish", "_t"})
+LOCALS = frozenset(
+    {
+        "_c",
+        "_custom",
+        "_outputs",
+        "_sent",
+        "_rank",
+        "_a",
+        "_ak",
+        "_yk",
+        "_parts",
+        "_works",
+        "_w",
+        "_pending",
+        "_bk",
+        "_finish",
+        "_t",
+    }
+)
 
 
 @functools.cache
@@ -56,8 +114,11 @@ class Names:
         kernels = {f"_{kind}{i}" for kind in ("fuse", "chunk", "fused_collective") for i in range(len(p.groups) + 1)}
         # a statement keeps its name unless it could be (or be mistaken for) a name the lowering makes up:
         # those all start with _ or d_, or are reserved
-        plain = [n for n in names
-                 if not (keyword.iskeyword(n) or n in RESERVED or n in module_names() or n.startswith(("_", "d_")))]
+        plain = [
+            n
+            for n in names
+            if not (keyword.iskeyword(n) or n in RESERVED or n in module_names() or n.startswith(("_", "d_")))
+        ]
         self.taken = set(plain) | RESERVED | module_names() | LOCALS | kernels | {f"d_{d}" for d in p.dims}
         self.of = {n: n for n in plain}
         for n in names:

@@ -42,8 +42,9 @@ from coconet.schedules.transforms.overlap import Overlap
 from coconet.schedules.types import Replicated
 
 # the knobs a unit reads, with their defaults as the transforms that make the units declare them
-KNOB_DEFAULTS = MappingProxyType({name: default for t in (Overlap, Bucket, FuseCollective)
-                                  for name, (default, _) in t.knobs.items()})
+KNOB_DEFAULTS = MappingProxyType(
+    {name: default for t in (Overlap, Bucket, FuseCollective) for name, (default, _) in t.knobs.items()}
+)
 
 Unit = Union[str, Group]  # a statement run on its own, or a group run as one unit
 
@@ -74,15 +75,32 @@ class FuseKernel:
         return (*self.rows, *self.group.members, *self.sums)
 
 
-def _fuse_kernel(p: Program, g: Group, rows: Mapping[str, int], sums: tuple[str, ...], at: Mapping[str, int],
-                 into: Mapping[str, str], held: frozenset[str], compiled: bool) -> FuseKernel:
+def _fuse_kernel(
+    p: Program,
+    g: Group,
+    rows: Mapping[str, int],
+    sums: tuple[str, ...],
+    at: Mapping[str, int],
+    into: Mapping[str, str],
+    held: frozenset[str],
+    compiled: bool,
+) -> FuseKernel:
     ins, outs = group_io(p, g, (*rows, *sums))
     inplace = in_place_outputs(p, g, outs, at)
     kept = [o for o in outs if o in held and o not in inplace and o not in into.values()]
     rest = [o for o in outs if o not in inplace and o not in into.values() and (into or o not in kept)]
-    return FuseKernel(group=g, rows=_frozen(rows), sums=tuple(sums), ins=tuple(ins), outs=tuple(outs),
-                      inplace=_frozen(inplace), into=_frozen(into), held=tuple(kept), returns=(*rest, *sums),
-                      compiled=compiled and not custom_group(p, g))
+    return FuseKernel(
+        group=g,
+        rows=_frozen(rows),
+        sums=tuple(sums),
+        ins=tuple(ins),
+        outs=tuple(outs),
+        inplace=_frozen(inplace),
+        into=_frozen(into),
+        held=tuple(kept),
+        returns=(*rest, *sums),
+        compiled=compiled and not custom_group(p, g),
+    )
 
 
 @dataclass(frozen=True)
@@ -120,8 +138,11 @@ class LoweringPlan:
         bound = set(first)
         steps = first + [u for u in order if isinstance(u, Group) or u not in bound]
         absorbed = absorbed_by_collective(p) if compiled else {}
-        collectives = {g: fused_collective_plan(p, backend, g, absorbed.get(g, ()), compiled)
-                       for g in p.groups if g.kind == "fused_collective"}
+        collectives = {
+            g: fused_collective_plan(p, backend, g, absorbed.get(g, ()), compiled)
+            for g in p.groups
+            if g.kind == "fused_collective"
+        }
         pre = {g: fc.pre for g, fc in collectives.items() if fc.pre}
         skip = {m for ms in (*absorbed.values(), *pre.values()) for m in ms}
         fuse_rows = fuse_absorbed(p, skip)
@@ -142,20 +163,32 @@ class LoweringPlan:
         at_end = updated_in_place(p, skip | set(rows_only))
         skip |= set(at_end.values())
         at = step_positions(steps, absorbed, fuse_rows, sums, pre)
-        kernels = {g: _fuse_kernel(p, g, fuse_rows.get(g, {}), sums.get(g, ()), at, fuse_into.get(g, {}), held,
-                                   compiled) for g in p.groups if g.kind == "fuse"}
+        kernels = {
+            g: _fuse_kernel(p, g, fuse_rows.get(g, {}), sums.get(g, ()), at, fuse_into.get(g, {}), held, compiled)
+            for g in p.groups
+            if g.kind == "fuse"
+        }
         return cls(
-            schedule=schedule, backend=backend, compiled=compiled,
+            schedule=schedule,
+            backend=backend,
+            compiled=compiled,
             units=tuple(u for u in steps if u not in skip),
             absorbed=_frozen(absorbed),
-            chunk_rows=_frozen({m: g for g, ms in absorbed.items() for m in ms
-                                if isinstance(p[m].type.layout, Replicated)}),
-            pre=_frozen(pre), rows_only=_frozen(rows_only), at_end=_frozen(at_end), into_state=_frozen(into_state),
+            chunk_rows=_frozen(
+                {m: g for g, ms in absorbed.items() for m in ms if isinstance(p[m].type.layout, Replicated)}
+            ),
+            pre=_frozen(pre),
+            rows_only=_frozen(rows_only),
+            at_end=_frozen(at_end),
+            into_state=_frozen(into_state),
             held=held,
             aliased=tuple(v for v in dict.fromkeys(p.updates.values()) if p[v].op == "input" and v in p.updates),
             copies=frozenset(s.name for s in p.stmts if s.op == "allreduce" and needs_copy(p, s.name)),
-            positions=_frozen(at), fused_collectives=_frozen(collectives), fuse_kernels=_frozen(kernels),
-            knobs=_frozen({**KNOB_DEFAULTS, **schedule.knob_values}))
+            positions=_frozen(at),
+            fused_collectives=_frozen(collectives),
+            fuse_kernels=_frozen(kernels),
+            knobs=_frozen({**KNOB_DEFAULTS, **schedule.knob_values}),
+        )
 
     @property
     def program(self) -> Program:

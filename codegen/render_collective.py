@@ -19,12 +19,13 @@ def lower_fused_collective(e: Emitter, g: Group, chunks: int) -> list[str]:
     ops = [p[m].op for m in g.members]
     parts = ["reduce_scatter", "the computation on this rank's slice"]
     parts += ["its partial sums"] * ("partial_sum" in ops) + ["the all_gathers"] * ("all_gather" in ops)
-    lines = [(f"def {fname}(_rank, {', '.join(e.ident(a) for a in fc.ins)}):", g.members[0]),
-             (f'    """fused_collective: {", ".join(parts)}, as one unit."""', g.members[0])]
+    lines = [
+        (f"def {fname}(_rank, {', '.join(e.ident(a) for a in fc.ins)}):", g.members[0]),
+        (f'    """fused_collective: {", ".join(parts)}, as one unit."""', g.members[0]),
+    ]
     lines += chunked_body(e, g, fc, chunks)
     if fc.outs:
-        lines.append((f"    return {tuple_text(map(e.ident, fc.outs))}",
-                      g.members[-1]))
+        lines.append((f"    return {tuple_text(map(e.ident, fc.outs))}", g.members[-1]))
     e.kernels.append(lines)
     call = f"{fname}(_c, {', '.join(e.ident(a) for a in fc.ins)})"
     return [f"{tuple_text(map(e.ident, fc.outs))} = {call}" if fc.outs else call]
@@ -42,14 +43,24 @@ def chunked_body(e: Emitter, g: Group, fc: FusedCollective, chunks: int) -> list
     scope: set[str] = set()  # what the function binds besides the program's values
     tmp = {m: e.ident.fresh(f"_{e.ident(m)}", scope) for m in (*fc.gathers, *fc.sliced_outs, *fc.partials)}
     lines: list[tuple[str, str]] = [
-        (f"    {tmp[m]} = _Gather(_rank, {d}, {n}"
-         + (f", {e.ident(into[m])}, {into[m]!r}, {words[m]})" if m in into else ")"), m) for m in fc.gathers]
+        (
+            f"    {tmp[m]} = _Gather(_rank, {d}, {n}"
+            + (f", {e.ident(into[m])}, {into[m]!r}, {words[m]})" if m in into else ")"),
+            m,
+        )
+        for m in fc.gathers
+    ]
     e.chunked = set(g.members) | set(fc.compute)
     try:
         # shm: the kernel reduces the chunk's rows on every rank as it reads them (sums_parts)
         # the chunk's rows on every rank, of each input pre reads where there are several
-        parts = (() if not fc.sums_parts else (e.ident.fresh(f"{e.ident(rs.name)}_parts", scope),)
-                 if len(fc.sources) == 1 else tuple(e.ident.fresh(f"{e.ident(x)}_parts", scope) for x in fc.sources))
+        parts = (
+            ()
+            if not fc.sums_parts
+            else (e.ident.fresh(f"{e.ident(rs.name)}_parts", scope),)
+            if len(fc.sources) == 1
+            else tuple(e.ident.fresh(f"{e.ident(x)}_parts", scope) for x in fc.sources)
+        )
         # compiled, the kernel writes this rank's rows of a gathered state into every peer's copy as it computes
         # them: a push after it would read them back from memory (shm.py's module doc)
         peers = {m: f"{tmp[m]}.peer_rows(_c)" for m in into}
@@ -57,12 +68,32 @@ def chunked_body(e: Emitter, g: Group, fc: FusedCollective, chunks: int) -> list
         # the first chunk: no list of chunks to concatenate after the last
         buffers = {o: tmp[o] for o in fc.sliced_outs}
         # the rows of this rank's slot the kernel writes a gathered value into (FusedCollective.slotted)
-        slots = {p[m].args[0]: (f"{tmp[m]}.own(_c, {TORCH_DTYPE[p[m].type.dtype or 'float32']}, "
-                                f"{e.shape_expr(p[m].type)})") for m in fc.slotted}
+        slots = {
+            p[m].args[0]: (f"{tmp[m]}.own(_c, {TORCH_DTYPE[p[m].type.dtype or 'float32']}, {e.shape_expr(p[m].type)})")
+            for m in fc.slotted
+        }
         # every rank's of each of the numbers that pre reads, one tensor per number, in the order of the parts
         ranked = {x: e.ident.fresh(f"{e.ident(x)}_ranks", scope) for x in fc.ranked} if parts else {}
-        kernel = (chunk_kernel(e, g, list(fc.compute), fc.inplace, fc.needed, rs if parts else None, into, parts,
-                               peers, buffers, fc.pre, fc.sources, ranked, slots) if e.compile else None)
+        kernel = (
+            chunk_kernel(
+                e,
+                g,
+                list(fc.compute),
+                fc.inplace,
+                fc.needed,
+                rs if parts else None,
+                into,
+                parts,
+                peers,
+                buffers,
+                fc.pre,
+                fc.sources,
+                ranked,
+                slots,
+            )
+            if e.compile
+            else None
+        )
         sources, direct = fc.sources, fc.direct
         if kernel is None and fc.pre:  # no kernel to compute them on every rank's rows: computed here, published
             lines[:0] = [("    " + x, m) for m in fc.pre for x in e.stmt(p[m])]
@@ -74,9 +105,12 @@ def chunked_body(e: Emitter, g: Group, fc: FusedCollective, chunks: int) -> list
     finally:
         e.chunked = None
     lines += _after_chunks(e, fc, tmp, kernel is not None, direct)
-    how = ("chunk k+1 is reduced while chunk k computes and chunk k-1 is gathered" if not e.backend.shared_memory else
-           f"{'read where it lies once moved into a segment' if direct else 'published once'}, each chunk "
-           "reduced out of the peers' segments just before it computes")
+    how = (
+        "chunk k+1 is reduced while chunk k computes and chunk k-1 is gathered"
+        if not e.backend.shared_memory
+        else f"{'read where it lies once moved into a segment' if direct else 'published once'}, each chunk "
+        "reduced out of the peers' segments just before it computes"
+    )
     return [(f"    # {chunks} chunk{'s' if chunks > 1 else ''}: {how}", rs.name)] + lines
 
 
@@ -85,16 +119,28 @@ def _holders(e: Emitter, fc: FusedCollective, tmp: dict[str, str], kernel: bool)
     (else a list of the chunks, concatenated after the last), and each chunk's partial sums, added up then."""
     p = e.p
     if kernel:
-        lines = [(f"    {tmp[o]} = torch.empty({e.local_shape_expr(p[o].type).replace('_c.', '_rank.')}, "
-                  f"dtype={TORCH_DTYPE[p[o].type.dtype or 'float32']}, device=_rank.device)", o)
-                 for o in fc.sliced_outs]
+        lines = [
+            (
+                f"    {tmp[o]} = torch.empty({e.local_shape_expr(p[o].type).replace('_c.', '_rank.')}, "
+                f"dtype={TORCH_DTYPE[p[o].type.dtype or 'float32']}, device=_rank.device)",
+                o,
+            )
+            for o in fc.sliced_outs
+        ]
     else:
         lines = [(f"    {tmp[o]} = []", o) for o in fc.sliced_outs]
     return [(f"    {tmp[o]} = []", o) for o in fc.partials] + lines
 
 
-def _loop_head(e: Emitter, fc: FusedCollective, chunks: int, sources: tuple[str, ...], direct: bool,
-               parts: tuple[str, ...], ranked: dict[str, str]) -> tuple[str, str]:
+def _loop_head(
+    e: Emitter,
+    fc: FusedCollective,
+    chunks: int,
+    sources: tuple[str, ...],
+    direct: bool,
+    parts: tuple[str, ...],
+    ranked: dict[str, str],
+) -> tuple[str, str]:
     """The loop over the chunks: each chunk's rows reduced (or, for a kernel that sums them, every rank's)."""
     rs = fc.rs
     d = rs.type.layout.dim
@@ -103,16 +149,22 @@ def _loop_head(e: Emitter, fc: FusedCollective, chunks: int, sources: tuple[str,
     names = repr(sources[0]) if len(sources) == 1 else repr(sources)
     where = f", {names}, {len(fc.into)}" if direct else ""
     if not parts:
-        return (f"    for _c, {e.ident(rs.name)} in _reduce_scatter_chunks(_rank, {source}, "
-                f"{d}, {n}, {chunks}, {rs.attr('op')!r}{where}):", rs.name)
+        return (
+            f"    for _c, {e.ident(rs.name)} in _reduce_scatter_chunks(_rank, {source}, "
+            f"{d}, {n}, {chunks}, {rs.attr('op')!r}{where}):",
+            rs.name,
+        )
     if ranked:  # posted after the words of the gathers' states and of the inputs (_scatter_parts)
         words = where or f", None, {len(fc.into)}"
         where = f"{words}, numbers=({''.join(f'{e.ident(x)}, ' for x in ranked)})"
     targets = "".join(f", {v}" for v in ranked.values())
     if len(sources) > 1:
         e.packed.append(sources)
-    return (f"    for _c, {', '.join(parts)}{targets} in _reduce_scatter_parts(_rank, {source}, "
-            f"{d}, {n}, {chunks}{where}):", rs.name)
+    return (
+        f"    for _c, {', '.join(parts)}{targets} in _reduce_scatter_parts(_rank, {source}, "
+        f"{d}, {n}, {chunks}{where}):",
+        rs.name,
+    )
 
 
 def _eager_chunk(e: Emitter, fc: FusedCollective) -> list:
@@ -154,20 +206,45 @@ def _after_chunks(e: Emitter, fc: FusedCollective, tmp: dict[str, str], kernel: 
         lines += [(f"        {tmp[o]}.append({e.ident(o)})", o) for o in fc.sliced_outs]
     for i, m in enumerate(fc.gathers):  # on shm the first ends the collective, at one barrier for all
         later = i and e.backend.shared_memory
-        lines.append((f"    {tmp[m]}.into({e.ident(fc.into[m])}{', end=False' if later else ''})" if m in fc.into
-                      else f"    {e.ident(m)} = {tmp[m]}.result({'end=False' if later else ''})", m))
+        lines.append(
+            (
+                f"    {tmp[m]}.into({e.ident(fc.into[m])}{', end=False' if later else ''})"
+                if m in fc.into
+                else f"    {e.ident(m)} = {tmp[m]}.result({'end=False' if later else ''})",
+                m,
+            )
+        )
     if direct and not fc.gathers:  # nothing gathered: the peers' reads of the input end at a barrier of its own
         lines.append(("    _end_collective(_rank)", fc.rs.name))
-    lines += [(f"    {e.ident(o)} = {tmp[o]}" if kernel else
-               f"    {e.ident(o)} = torch.cat({tmp[o]}, dim={p[o].type.layout.dim})", o) for o in fc.sliced_outs]
+    lines += [
+        (
+            f"    {e.ident(o)} = {tmp[o]}"
+            if kernel
+            else f"    {e.ident(o)} = torch.cat({tmp[o]}, dim={p[o].type.layout.dim})",
+            o,
+        )
+        for o in fc.sliced_outs
+    ]
     lines += [(f"    {e.ident(o)} = torch.stack({tmp[o]}).sum()", o) for o in fc.partials]
     return lines
 
 
-def chunk_kernel(e: Emitter, g: Group, compute: list[str], inplace: dict[str, str], needed: set,
-                  parts: Stmt | None = None, into=None, parts_names: tuple[str, ...] = (), peers=None,
-                  buffers=None, pre: tuple[str, ...] = (), sources: tuple[str, ...] = (), ranked=None,
-                  slots=None) -> list | None:
+def chunk_kernel(
+    e: Emitter,
+    g: Group,
+    compute: list[str],
+    inplace: dict[str, str],
+    needed: set,
+    parts: Stmt | None = None,
+    into=None,
+    parts_names: tuple[str, ...] = (),
+    peers=None,
+    buffers=None,
+    pre: tuple[str, ...] = (),
+    sources: tuple[str, ...] = (),
+    ranked=None,
+    slots=None,
+) -> list | None:
     """The pointwise statements of a fused collective's chunk as one module-level function compiled by
     Inductor, called once per chunk with the chunk's rows of what it reads (cut at the call: the chunk's
     position stays out of the compiled code; dropout gets the chunk's first row as a tensor). None when a
@@ -197,8 +274,13 @@ def chunk_kernel(e: Emitter, g: Group, compute: list[str], inplace: dict[str, st
             body += [(f"    {summed} = []", parts.name), (f"    for {each} in {rows}:", parts.name)]
             body += [("        " + x, m) for m in pre for x in e.stmt(p[m])]
             body.append((f"        {summed}.append({e.ident(parts.args[0])})", parts.name))
-        body.append((f"    {e.ident(parts.name)} = _reduce_all({summed}, {parts.attr('op')!r})"
-                     + (f" / len({parts_names[0]})" if parts.attr("op") == "avg" else ""), parts.name))
+        body.append(
+            (
+                f"    {e.ident(parts.name)} = _reduce_all({summed}, {parts.attr('op')!r})"
+                + (f" / len({parts_names[0]})" if parts.attr("op") == "avg" else ""),
+                parts.name,
+            )
+        )
     args: dict[str, str] = {}  # argument at the call -> parameter of the kernel
     for m in compute:
         s = p[m]
@@ -208,8 +290,9 @@ def chunk_kernel(e: Emitter, g: Group, compute: list[str], inplace: dict[str, st
         row0 = f"_int64(_c.rows({dim_expr(n)})[0])"
         if row0 not in args:
             args[row0] = e.ident.fresh("row0_k", scope)
-        body.append((f"    {e.ident(m)} = _dropout_rows({e.operand(s, s.args[0])}, {e.dropout_args(s)}, {d}, "
-                     f"{args[row0]})", m))
+        body.append(
+            (f"    {e.ident(m)} = _dropout_rows({e.operand(s, s.args[0])}, {e.dropout_args(s)}, {d}, {args[row0]})", m)
+        )
     for o, t in inplace.items():
         body.append((f"    {e.operand(p[o], t)}.copy_({e.ident(o)})", o))
     for m, t in (into or {}).items():  # this rank's rows of the gathered state, in place and in every peer's copy
@@ -229,8 +312,34 @@ def chunk_kernel(e: Emitter, g: Group, compute: list[str], inplace: dict[str, st
     defined = {e.ident(m) for m in compute} | ({e.ident(parts.name)} if parts is not None else set())
     results = [m for m in compute if m in needed and m not in buffers and m not in slots]
     doc = f"{len(compute)} statements of {g} on one chunk" + (", state written in place" if inplace or into else "")
-    call = cut_kernel(e, g, "_chunk", doc, body, compute, defined, args, scope, results,
-                       lambda dims: native_chunk(e, compute, inplace, into or {}, peers, buffers, parts, parts_names,
-                                                  args, dims, results, pre, sources, ranked, slots),
-                       (*parts_names, *ranked.values()) if parts is not None else ())
+    call = cut_kernel(
+        e,
+        g,
+        "_chunk",
+        doc,
+        body,
+        compute,
+        defined,
+        args,
+        scope,
+        results,
+        lambda dims: native_chunk(
+            e,
+            compute,
+            inplace,
+            into or {},
+            peers,
+            buffers,
+            parts,
+            parts_names,
+            args,
+            dims,
+            results,
+            pre,
+            sources,
+            ranked,
+            slots,
+        ),
+        (*parts_names, *ranked.values()) if parts is not None else (),
+    )
     return None if call is None else [(f"        {call}", compute[0])]

@@ -33,27 +33,45 @@ def lower_fuse(e: Emitter, g: Group) -> list[str]:
     # the value a fused collective reduces where it lies (held_source): the kernel stores it into the kept
     # buffer, handed to it as an argument (a kernel writing peers' rows, cut at the call, copies it after)
     buffers = {o: e.ident.fresh(f"_{e.ident(o)}_held", scope) for o in held}
-    made = [f"{buffers[o]} = _c.shm.held({o!r}, {e.local_shape_expr(p[o].type)}, "
-            f"{TORCH_DTYPE[p[o].type.dtype or 'float32']})" for o in held]
+    made = [
+        f"{buffers[o]} = _c.shm.held({o!r}, {e.local_shape_expr(p[o].type)}, "
+        f"{TORCH_DTYPE[p[o].type.dtype or 'float32']})"
+        for o in held
+    ]
     if not into:
         body += [(f"    {buffers[o]}.copy_({e.ident(o)})", o) for o in held]
     peers = {}  # gather -> the kernel's parameter: this rank's rows of every peer's copy of the state
     for ag, o in into.items():
         state, peer = e.plan.into_state[ag], e.ident.fresh("_peer", scope)
         peers[ag] = e.ident.fresh(f"{e.ident(state)}_peers", scope)
-        body += [(f"    {e.operand(p[o], state)}.copy_({e.ident(o)})", ag),
-                 (f"    for {peer} in {peers[ag]}:", ag), (f"        {peer}.copy_({e.ident(o)})", ag)]
+        body += [
+            (f"    {e.operand(p[o], state)}.copy_({e.ident(o)})", ag),
+            (f"    for {peer} in {peers[ag]}:", ag),
+            (f"        {peer}.copy_({e.ident(o)})", ag),
+        ]
     compiled = k.compiled  # a custom op's torch code may not trace; it runs as written
     call = None
     if into and compiled:  # rows cut at the call: the kernel may run as C, streaming into the peers' copies
-        doc = (f"fuse({', '.join(g.members)}): one pointwise kernel on this rank's rows, state written in place "
-               "and into every peer's copy")
+        doc = (
+            f"fuse({', '.join(g.members)}): one pointwise kernel on this rank's rows, state written in place "
+            "and into every peer's copy"
+        )
         compute = [*absorbed, *g.members]
         args = {x: x for x in peers.values()}  # the peers' rows, bound under the same names at the call
         states = {ag: e.plan.into_state[ag] for ag in into}
-        call = cut_kernel(e, g, "_fuse", doc, list(body), compute, set(map(e.ident, compute)), args, scope, rest,
-                           lambda dims: native_chunk(e, compute, inplace, states, peers, {}, None, (), args, dims,
-                                                      rest))
+        call = cut_kernel(
+            e,
+            g,
+            "_fuse",
+            doc,
+            list(body),
+            compute,
+            set(map(e.ident, compute)),
+            args,
+            scope,
+            rest,
+            lambda dims: native_chunk(e, compute, inplace, states, peers, {}, None, (), args, dims, rest),
+        )
     if call is None:
         call = whole_fuse(e, g, body, ins, inplace, into, peers, rest, compiled, given=list(buffers.values()))
     bound = [f"{e.ident(o)} = {buffers[o]}" + (f".copy_({e.ident(o)})" if into else "") for o in held]
@@ -73,14 +91,23 @@ def lower_fuse(e: Emitter, g: Group) -> list[str]:
     return [start, call] + ends + made + bound
 
 
-def whole_fuse(e: Emitter, g: Group, body: list, ins: list[str], inplace: dict[str, str], into, peers,
-                rest: list[str], compiled: bool, given: Sequence[str] = ()) -> str:
+def whole_fuse(
+    e: Emitter,
+    g: Group,
+    body: list,
+    ins: list[str],
+    inplace: dict[str, str],
+    into,
+    peers,
+    rest: list[str],
+    compiled: bool,
+    given: Sequence[str] = (),
+) -> str:
     """The fuse group's function taking whole tensors and ``_c`` (it cuts the rows it reads itself), Inductor's
     where ``compiled``: its call."""
     p = e.p
     if rest:
-        body = body + [(f"    return {tuple_text(map(e.ident, rest))}",
-                        g.members[-1])]
+        body = body + [(f"    return {tuple_text(map(e.ident, rest))}", g.members[-1])]
     used = names_in(textwrap.dedent("\n".join(x for x, _ in body)).split("\n"))
     dims = [f"d_{d}" for d in p.dims if f"d_{d}" in used]
     custom = custom_group(p, g)
@@ -88,10 +115,16 @@ def whole_fuse(e: Emitter, g: Group, body: list, ins: list[str], inplace: dict[s
     params += [e.ident(t) for t in (*inplace.values(), *(e.plan.into_state[ag] for ag in into)) if t not in ins]
     params = list(dict.fromkeys(params)) + list(peers.values()) + list(given)
     fname = f"_fuse{len([x for x in e.toplevel if x[0].startswith('def ')])}"
-    head = [(f"def {fname}({', '.join(params)}):", g.members[0]),
-            (f'    """fuse({", ".join(g.members)}): one pointwise kernel'
-             + (", state written in place" if inplace or into else "")
-             + (" and into every peer's copy" if into else "") + '."""', g.members[0])]
+    head = [
+        (f"def {fname}({', '.join(params)}):", g.members[0]),
+        (
+            f'    """fuse({", ".join(g.members)}): one pointwise kernel'
+            + (", state written in place" if inplace or into else "")
+            + (" and into every peer's copy" if into else "")
+            + '."""',
+            g.members[0],
+        ),
+    ]
     e.toplevel += head + body + [("", None), ("", None)]
     if compiled:
         e.toplevel += [(f"{fname} = _kernel({fname})", g.members[0]), ("", None)]
@@ -106,9 +139,20 @@ def whole_fuse(e: Emitter, g: Group, body: list, ins: list[str], inplace: dict[s
     return call
 
 
-
-def cut_kernel(e: Emitter, g: Group, prefix: str, doc: str, body: list, compute: list[str], defined: set[str],
-                args: dict[str, str], scope: set[str], results: list[str], native, given=()) -> str | None:
+def cut_kernel(
+    e: Emitter,
+    g: Group,
+    prefix: str,
+    doc: str,
+    body: list,
+    compute: list[str],
+    defined: set[str],
+    args: dict[str, str],
+    scope: set[str],
+    results: list[str],
+    native,
+    given=(),
+) -> str | None:
     """A kernel whose rows of each value are cut at the call (``_c.cut``, ``_c.local``: the rank's or the chunk's
     position stays out of the compiled code) as a module-level function, Inductor's, or C where ``native(dims)``
     gives its kinds and source (see native_chunk). ``args``: argument at the call -> parameter, for those the
@@ -134,15 +178,17 @@ def cut_kernel(e: Emitter, g: Group, prefix: str, doc: str, body: list, compute:
     # output (another reduce_scatter's rows read by this one's computation)
     stored = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)}
     ir = {e.ident(x.name) for x in p.stmts}
-    raw += [n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
-            and n.id in ir and n.id not in defined | stored]
+    raw += [
+        n.id
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.id in ir and n.id not in defined | stored
+    ]
     for name in dict.fromkeys(raw):
         if name in used:
             args.setdefault(name, name)
     dims = [f"d_{x}" for x in p.dims if f"d_{x}" in used]
     if results:
-        body.append((f"    return {tuple_text(map(e.ident, results))}",
-                     compute[-1]))
+        body.append((f"    return {tuple_text(map(e.ident, results))}", compute[-1]))
     fname = f"{prefix}{len([x for x in e.toplevel if x[0].startswith('def ')])}"
     params = dims + list(args.values())
     e.toplevel += [(f"def {fname}({', '.join(params)}):", g.members[0]), (f'    """{doc}."""', g.members[0])]
@@ -152,7 +198,7 @@ def cut_kernel(e: Emitter, g: Group, prefix: str, doc: str, body: list, compute:
         e.toplevel += [(f"{fname} = _kernel({fname})", g.members[0]), ("", None)]
     else:
         kinds, source, sums = built
-        e.toplevel += [(f"{fname} = _native(_kernel({fname}), {kinds!r}, r\"\"\"", g.members[0])]
+        e.toplevel += [(f'{fname} = _native(_kernel({fname}), {kinds!r}, r"""', g.members[0])]
         e.toplevel += [(x, g.members[0]) for x in source.rstrip("\n").split("\n")]
         e.toplevel += [(f'""", sums={sums})' if sums else '""")', g.members[0]), ("", None)]
     ints = {e.ident(a) for m in compute for a in p[m].args if p[a].op == "scalar" and p[a].type.dtype == "int64"}

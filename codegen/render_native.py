@@ -12,10 +12,23 @@ from coconet.schedules.dims import Dim
 from coconet.schedules.ir import COMPARE, ROWWISE_OPS, Stmt
 
 
-def native_chunk(e: Emitter, compute: list[str], inplace: dict[str, str], into, peers, buffers,
-                 parts: Stmt | None, parts_names: tuple[str, ...], args: dict[str, str], dims: list[str],
-                 results: list[str], pre: tuple[str, ...] = (), sources: tuple[str, ...] = (),
-                 ranked=None, slots=None) -> tuple[str, str, int] | None:
+def native_chunk(
+    e: Emitter,
+    compute: list[str],
+    inplace: dict[str, str],
+    into,
+    peers,
+    buffers,
+    parts: Stmt | None,
+    parts_names: tuple[str, ...],
+    args: dict[str, str],
+    dims: list[str],
+    results: list[str],
+    pre: tuple[str, ...] = (),
+    sources: tuple[str, ...] = (),
+    ranked=None,
+    slots=None,
+) -> tuple[str, str, int] | None:
     """The chunk kernel as C (coconet.kernels.native): its parameters' kinds, its source and how many partial
     sums it returns. Only where it stores a gathered state's rows into the peers' copies (shm), where its
     streamed stores save the read of every line an ordinary store makes first, or a gathered value into this
@@ -25,8 +38,9 @@ def native_chunk(e: Emitter, compute: list[str], inplace: dict[str, str], into, 
     slots = slots or {}
     if not e.backend.native_chunks or not (into or slots) or any(p[r].op != "partial_sum" for r in results):
         return None
-    chunk = _Translation(e, compute, into, peers, buffers or {}, parts, parts_names, args, pre, sources,
-                         ranked or {}, slots)
+    chunk = _Translation(
+        e, compute, into, peers, buffers or {}, parts, parts_names, args, pre, sources, ranked or {}, slots
+    )
     kinds = chunk.kinds(dims)
     if kinds is None:
         return None
@@ -40,12 +54,18 @@ def native_chunk(e: Emitter, compute: list[str], inplace: dict[str, str], into, 
     spec = ChunkKernel(
         params=tuple(kinds),
         parts=(e.ident(parts.name), parts_names[0], parts.attr("op")) if parts is not None else None,
-        stmts=tuple(stmts), numbers=frozenset(e.ident(m) for m in compute if e.number(m)),
-        writes=tuple(writes), streams=tuple((args[peers[m]], e.ident(p[m].args[0])) for m in into),
-        sums=tuple(sums), constants=tuple(chunk.constants), host=frozenset(chunk.host),
-        pre=tuple(pre_stmts), part=e.ident(sources[0]) if pre else None,
+        stmts=tuple(stmts),
+        numbers=frozenset(e.ident(m) for m in compute if e.number(m)),
+        writes=tuple(writes),
+        streams=tuple((args[peers[m]], e.ident(p[m].args[0])) for m in into),
+        sums=tuple(sums),
+        constants=tuple(chunk.constants),
+        host=frozenset(chunk.host),
+        pre=tuple(pre_stmts),
+        part=e.ident(sources[0]) if pre else None,
         also=tuple(zip(map(e.ident, sources[1:]), parts_names[1:])) if pre else (),
-        ranked=tuple((e.ident(x), param) for x, param in (ranked or {}).items()))
+        ranked=tuple((e.ident(x), param) for x, param in (ranked or {}).items()),
+    )
     try:
         return spec.kinds, c_source(spec), len(sums)
     except Untranslatable:
@@ -61,8 +81,9 @@ class _Translation:
     """What ``native_chunk`` reads of a chunk kernel to give it in C: each parameter's kind, its statements and
     what it writes (see native_chunk for the arguments)."""
 
-    def __init__(self, e: Emitter, compute, into, peers, buffers, parts, parts_names, args, pre, sources, ranked,
-                 slots):
+    def __init__(
+        self, e: Emitter, compute, into, peers, buffers, parts, parts_names, args, pre, sources, ranked, slots
+    ):
         p = self.p = e.p
         self.e, self.compute, self.into, self.peers, self.buffers = e, compute, into, peers, buffers
         self.parts, self.parts_names, self.args, self.pre, self.sources = parts, parts_names, args, pre, sources
@@ -76,7 +97,8 @@ class _Translation:
         # the shape of what the chunk computes: an (m, 1) or (1, w) float32 operand of (m, w) statements is a
         # factor broadcast to its rows (Adafactor's r and c), read a row at a time
         self.shape = next((p[p[m].args[0]].type.shape for m in into), None) or next(
-            (p[m].type.shape for m in compute if p[m].op != "partial_sum" and p[m].type is not None), None)
+            (p[m].type.shape for m in compute if p[m].op != "partial_sum" and p[m].type is not None), None
+        )
 
     def rows_or_factor(self, t) -> str:
         shape = self.shape
@@ -139,8 +161,13 @@ class _Translation:
             s = p[m]
             if s.op in ROWWISE_OPS:
                 return None  # C computes a chunk of flat elements: a row's reduction is Inductor's
-            dtype = ("bool" if s.op in COMPARE
-                     else s.attr("dtype") if s.op == "cast" and s.attr("dtype") in HALF else "float32")
+            dtype = (
+                "bool"
+                if s.op in COMPARE
+                else s.attr("dtype")
+                if s.op == "cast" and s.attr("dtype") in HALF
+                else "float32"
+            )
             # arithmetic kept in a half dtype is Inductor's: torch's kernels round every op to it, which C can do
             # but at a cost that outweighs what it saves (benchmarks/results/interleaved_adam_bf16_rounded_w*.json)
             if s.type is None or (s.type.dtype or "float32") != dtype or s.op == "dropout":
@@ -148,16 +175,21 @@ class _Translation:
             operands = [self.name_of(e.operand(s, a)) for a in s.args]
             if factors and (s.type.shape if s.op != "partial_sum" else p[s.args[0]].type.shape) != shape:
                 return None  # beside factors, every value of the chunk is one of its rows' (a sum of a factor is not)
-            if None in operands or (s.op != "partial_sum" and any(
+            if None in operands or (
+                s.op != "partial_sum"
+                and any(
                     p[a].type.shape not in ((), s.type.shape) and not (s.type.shape == shape and x in factors)
-                    for a, x in zip(s.args, operands))):
+                    for a, x in zip(s.args, operands)
+                )
+            ):
                 return None  # C reads an operand row for row, a factor a row at a time: another broadcast is Inductor's
             if s.op == "partial_sum":
                 if m in results:
                     sums.append((e.ident(m), operands[0]))
                 continue
             (pre_stmts if m in self.pre else stmts).append(
-                (e.ident(m), s.op, tuple(operands), s.attr("dtype") if s.op == "cast" else s.attr("value")))
+                (e.ident(m), s.op, tuple(operands), s.attr("dtype") if s.op == "cast" else s.attr("value"))
+            )
         return stmts, sums, pre_stmts
 
     def writes(self, inplace) -> list[tuple[str | None, str]]:

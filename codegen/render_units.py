@@ -56,7 +56,6 @@ def lower_overlap(e: Emitter, g: Group, chunks: int) -> list[str]:
     return lines
 
 
-
 def _lower_conv_overlap(e: Emitter, conv: Stmt, coll: Stmt, chunks: int) -> list[str]:
     """A convolution in chunks of its input's batch, each chunk's collective in flight while the next is
     convolved; for a reduce_scatter along the batch, in chunks of its weight's output channels."""
@@ -90,6 +89,7 @@ def _lower_conv_overlap(e: Emitter, conv: Stmt, coll: Stmt, chunks: int) -> list
         f"{out} = torch.cat([_finish() for _finish in _pending], dim={cat})",
     ]
 
+
 def lower_bucket(e: Emitter, g: Group, cap: int) -> list[str]:
     """One launch per ``cap`` bytes for the bucket's collectives: NCCL groups them with no copy, gloo runs
     its coalesced form, which flattens them in C++."""
@@ -104,8 +104,9 @@ def lower_bucket(e: Emitter, g: Group, cap: int) -> list[str]:
     if first.op == "reduce_scatter":
         dims = [p[m].type.layout.dim for m in g.members]
         ns = [dim_expr(p[m].type.shape[d]) for m, d in zip(g.members, dims)]
-        return lines + [f"{names} = _bucket_reduce_scatter(_c, {srcs}, {dims}, [{', '.join(ns)}], "
-                        f"{first.attr('op')!r}, {cap})"]
+        return lines + [
+            f"{names} = _bucket_reduce_scatter(_c, {srcs}, {dims}, [{', '.join(ns)}], {first.attr('op')!r}, {cap})"
+        ]
     dims = [p[p[m].args[0]].type.layout.dim for m in g.members]
     ns = [dim_expr(p[p[m].args[0]].type.shape[d]) for m, d in zip(g.members, dims)]
     return lines + [f"{names} = _bucket_all_gather(_c, {srcs}, {dims}, [{', '.join(ns)}], {cap})"]

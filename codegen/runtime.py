@@ -18,17 +18,35 @@ from coconet.codegen import backends
 PACKAGE = "coconet.kernels"
 STANDALONE_PACKAGE = "coconet_kernels"  # the folder a standalone module's copy of the runtime goes into
 
-_COLLECTIVES = ("allreduce", "allreduced", "broadcast", "reduce_scatter", "all_gather", "bucket_allreduce",
-                "bucket_reduce_scatter", "bucket_all_gather", "reduce_scatter_chunks", "Gather")
-_COMMON = {"context": ("Ctx", "Chunk"), "compiled": ("kernel",), "dropout": ("dropout", "dropout_rows"),
-           "ops": ("matmul", "conv", "norm", "int64", "size")}
+_COLLECTIVES = (
+    "allreduce",
+    "allreduced",
+    "broadcast",
+    "reduce_scatter",
+    "all_gather",
+    "bucket_allreduce",
+    "bucket_reduce_scatter",
+    "bucket_all_gather",
+    "reduce_scatter_chunks",
+    "Gather",
+)
+_COMMON = {
+    "context": ("Ctx", "Chunk"),
+    "compiled": ("kernel",),
+    "dropout": ("dropout", "dropout_rows"),
+    "ops": ("matmul", "conv", "norm", "int64", "size"),
+}
 # per backend: module of coconet.kernels -> the names generated code may call from it. The shm backend's
 # collectives have the names and signatures of torch.distributed's, so that one lowering serves both
 _IMPORTS = {
     "torch": {**_COMMON, "collectives": _COLLECTIVES},
-    "shm": {**_COMMON, "segments": ("Shm",), "copier": ("native",),
-            "shm": _COLLECTIVES + ("scatter_parts", "reduce_scatter_parts", "reduce_all", "end_collective",
-                                   "gather_into", "into_peers")},
+    "shm": {
+        **_COMMON,
+        "segments": ("Shm",),
+        "copier": ("native",),
+        "shm": _COLLECTIVES
+        + ("scatter_parts", "reduce_scatter_parts", "reduce_all", "end_collective", "gather_into", "into_peers"),
+    },
 }
 
 

@@ -41,11 +41,13 @@ def triton_problems(torch_requires: list[str] | None, installed: dict[str, str])
     if want is None:
         return ["torch pins no Triton: it is not a CUDA build (install torch's CUDA wheel)"]
     if len(found) > 1:
-        return [f"two Tritons installed ({', '.join(f'{n}=={v}' for n, v in sorted(found.items()))}); "
-                f"torch needs triton=={want} alone"]
+        return [
+            f"two Tritons installed ({', '.join(f'{n}=={v}' for n, v in sorted(found.items()))}); "
+            f"torch needs triton=={want} alone"
+        ]
     if not found:
         return [f"Triton is not installed; torch needs triton=={want}"]
-    (name, version), = found.items()
+    ((name, version),) = found.items()
     if name != "triton" or version != want:
         return [f"{name}=={version} installed, torch needs triton=={want}"]
     return []
@@ -61,8 +63,12 @@ def compiler_problems(cc: str | None, include: str) -> list[str]:
         src = os.path.join(d, "probe.c")
         with open(src, "w") as f:
             f.write("#include <Python.h>\nint probe(void) { return PY_MAJOR_VERSION; }\n")
-        proc = subprocess.run([cc, "-fPIC", "-c", src, "-I", include, "-o", os.path.join(d, "probe.o")],
-                              capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(
+            [cc, "-fPIC", "-c", src, "-I", include, "-o", os.path.join(d, "probe.o")],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     if proc.returncode:
         return [f"{cc} cannot compile against Python.h: {proc.stderr.strip().splitlines()[-1:]}"]
     return []
@@ -90,8 +96,10 @@ def main() -> int:
     for p in problems:
         print(f"worker_check: {p}", file=sys.stderr)
     if not problems:
-        print(f"worker_check: ok (triton {installed.get('triton')}, cc {cc}, Python.h in "
-              f"{sysconfig.get_paths()['include']})")
+        print(
+            f"worker_check: ok (triton {installed.get('triton')}, cc {cc}, Python.h in "
+            f"{sysconfig.get_paths()['include']})"
+        )
     return len(problems)
 
 

@@ -19,5 +19,5 @@ for name, shape in (("w1", ("H", "4*H")), ("b1", ("4*H",)), ("w2", ("4*H", "H"))
     v1 = beta2 * v + (1 - beta2) * avg * avg
     p.update(m, m1)
     p.update(v, v1)
-    p.update(w, w - lr * (m1 / (1 - beta1 ** t)) / (sqrt(v1 / (1 - beta2 ** t)) + eps))
+    p.update(w, w - lr * (m1 / (1 - beta1**t)) / (sqrt(v1 / (1 - beta2**t)) + eps))
 program = p

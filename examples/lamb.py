@@ -17,8 +17,8 @@ lr, beta1, beta2, eps, weight_decay, t = p.scalars("lr beta1 beta2 eps weight_de
 avg = allreduce(g)
 m1 = beta1 * m + (1 - beta1) * avg
 v1 = beta2 * v + (1 - beta2) * avg * avg
-m_hat = m1 / (1 - beta1 ** t)
-v_hat = v1 / (1 - beta2 ** t)
+m_hat = m1 / (1 - beta1**t)
+v_hat = v1 / (1 - beta2**t)
 u = m_hat / (sqrt(v_hat) + eps) + weight_decay * w
 trust = norm(w) / norm(u)
 p.update(m, m1)

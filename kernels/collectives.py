@@ -168,8 +168,9 @@ def reduce_scatter_chunks(c, x, dim, n, count, op):
         b = min(a + size, per)
         out = full.new_empty((b - a,) + tuple(full.shape[1:]))
         send = blocks[:, a:b].reshape(((b - a) * c.world,) + tuple(full.shape[1:]))
-        started.append((Chunk(c, n, a, b), out,
-                        reduce_scatter_tensor(out, send, op=reduce_op(op), group=c.group, async_op=True)))
+        started.append(
+            (Chunk(c, n, a, b), out, reduce_scatter_tensor(out, send, op=reduce_op(op), group=c.group, async_op=True))
+        )
     for k, out, work in started:
         work.wait()
         if op == "avg":

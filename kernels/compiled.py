@@ -47,17 +47,29 @@ def kernel(fn):
                 layout.append((None, 1))
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         grad = torch.is_grad_enabled()
-        key = (tuple(layout), grad, tuple((x.shape, x.stride(), x.dtype, x.device, x.requires_grad)
-                                          if isinstance(x, torch.Tensor) else constant(x) for x in leaves))
+        key = (
+            tuple(layout),
+            grad,
+            tuple(
+                (x.shape, x.stride(), x.dtype, x.device, x.requires_grad)
+                if isinstance(x, torch.Tensor)
+                else constant(x)
+                for x in leaves
+            ),
+        )
         hit = built.get(key, False)
         separate = len({x.untyped_storage().data_ptr() for x in tensors}) == len(tensors)
         if hit is False:
-            plain = (separate and all(x.device.type == "cpu" for x in tensors)
-                     and not (grad and any(x.requires_grad for x in tensors)))
+            plain = (
+                separate
+                and all(x.device.type == "cpu" for x in tensors)
+                and not (grad and any(x.requires_grad for x in tensors))
+            )
             hit = built[key] = _no_autograd_cache(_standalone, fn, leaves, tuple(layout), tensors) if plain else None
         if hit is None or not separate:  # inputs that share memory: the kernel was traced for separate ones
             return through_dynamo(*args)
         return hit(*tensors)
+
     return dispatch
 
 
@@ -94,15 +106,14 @@ def _standalone(fn, leaves, layout, tensors):
             full[i] = derived[j] = x.to(torch.float32) != 0 if j in bools_in else x
         args, k = [], 0
         for kind, n in layout:  # the arguments again: leaves, and lists or tuples of them
-            args.append(full[k] if kind is None else kind(full[k:k + n]))
+            args.append(full[k] if kind is None else kind(full[k : k + n]))
             k += 1 if kind is None else n
         out = fn(*args)
         written.update(j for j in bools_in if derived[j]._version)
         returns.append(out is None or isinstance(out, torch.Tensor))
         outs = () if out is None else (out,) if isinstance(out, torch.Tensor) else tuple(out)
         bools_out.extend(i for i, o in enumerate(outs) if o.dtype == torch.bool)
-        return tuple(torch.where(o, 1.0, 0.0).to(torch.uint8) if i in bools_out else o
-                     for i, o in enumerate(outs))
+        return tuple(torch.where(o, 1.0, 0.0).to(torch.uint8) if i in bools_out else o for i, o in enumerate(outs))
 
     def as_bytes(xs):
         return [x.view(torch.uint8) if j in bools_in else x for j, x in enumerate(xs)]
@@ -113,8 +124,7 @@ def _standalone(fn, leaves, layout, tensors):
             bools_in -= written
             bools_out.clear()
             graph = make_fx(flat, tracing_mode="fake")(*as_bytes(tensors))
-        compiled = torch._inductor.standalone_compile(graph, as_bytes(tensors),
-                                                      dynamic_shapes="from_example_inputs")
+        compiled = torch._inductor.standalone_compile(graph, as_bytes(tensors), dynamic_shapes="from_example_inputs")
     except Exception:  # data-dependent Python that only Dynamo traces, or a torch without standalone_compile
         return None
     if bools_in or bools_out:

@@ -35,7 +35,12 @@ class Chunk:
 
     def __init__(self, c, n, a, b):
         self.group, self.rank, self.world, self.global_rank, self.device = (
-            c.group, c.rank, c.world, c.global_rank, c.device)
+            c.group,
+            c.rank,
+            c.world,
+            c.global_rank,
+            c.device,
+        )
         self.shm = c.shm
         self.n, self.span = n, (a, b)
         self.lo, hi = c.rows(n)

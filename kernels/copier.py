@@ -86,8 +86,11 @@ def native_library(source, name, flags, what):
         with tempfile.TemporaryDirectory(dir=folder) as tmp:
             with open(os.path.join(tmp, f"{name}.c"), "w") as f:
                 f.write(source)
-            built = subprocess.run([cc, *flags, "-shared", "-fPIC", "-o", os.path.join(tmp, f"{name}.so"),
-                                    os.path.join(tmp, f"{name}.c")], capture_output=True, text=True)
+            built = subprocess.run(
+                [cc, *flags, "-shared", "-fPIC", "-o", os.path.join(tmp, f"{name}.so"), os.path.join(tmp, f"{name}.c")],
+                capture_output=True,
+                text=True,
+            )
             if built.returncode != 0:
                 raise RuntimeError(f"shm backend: {cc} could not compile {what}:\n{built.stderr}")
             os.replace(os.path.join(tmp, f"{name}.so"), path)  # atomic: ranks compiling at once agree
@@ -110,8 +113,12 @@ def native(fn, kinds, source, sums=0):
     def kernel(*args):
         if not lib:
             # IEEE operations as written: no fused multiply-adds, no reassociation (not -ffast-math)
-            built = native_library(source, "chunk", ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math",
-                                                      "-ffp-contract=off"], "a chunk kernel")
+            built = native_library(
+                source,
+                "chunk",
+                ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off"],
+                "a chunk kernel",
+            )
             if built is not None:
                 built = built.coconet_chunk
                 built.argtypes = (ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
@@ -126,15 +133,25 @@ def native(fn, kinds, source, sums=0):
             if kind == "d":
                 continue
             if kind in "rc":
-                if (x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous() or x.dim() != 2
-                        or x.shape[1 if kind == "r" else 0] != 1 or (grad and x.requires_grad)):
+                if (
+                    x.dtype != torch.float32
+                    or x.device.type != "cpu"
+                    or not x.is_contiguous()
+                    or x.dim() != 2
+                    or x.shape[1 if kind == "r" else 0] != 1
+                    or (grad and x.requires_grad)
+                ):
                     return fn(*args)
                 (rows if kind == "r" else cols).add(x.numel())
                 ptrs.append(x.data_ptr())
                 continue
             if kind == "s":
-                if isinstance(x, torch.Tensor) and (x.numel() != 1 or x.dtype not in (torch.float32, torch.bool)
-                                                    or x.device.type != "cpu" or (grad and x.requires_grad)):
+                if isinstance(x, torch.Tensor) and (
+                    x.numel() != 1
+                    or x.dtype not in (torch.float32, torch.bool)
+                    or x.device.type != "cpu"
+                    or (grad and x.requires_grad)
+                ):
                     return fn(*args)
                 scalars.append(float(x))
                 continue
@@ -148,8 +165,13 @@ def native(fn, kinds, source, sums=0):
                 counts.append(len(xs))
             dtype = torch.bfloat16 if kind in "hub" else torch.float16 if kind in "kxy" else torch.float32
             for t in xs:
-                if (t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous()
-                        or (n is not None and t.numel() != n) or (grad and t.requires_grad)):
+                if (
+                    t.dtype != dtype
+                    or t.device.type != "cpu"
+                    or not t.is_contiguous()
+                    or (n is not None and t.numel() != n)
+                    or (grad and t.requires_grad)
+                ):
                     return fn(*args)
                 n = t.numel()
                 ptrs.append(t.data_ptr())
@@ -160,14 +182,25 @@ def native(fn, kinds, source, sums=0):
             m, width = next(iter(rows), None), next(iter(cols), None)
             if width is None:
                 width = n // m if m else 0
-            tensors = [t for kind, x in zip(kinds, args) if kind in "tuxlhpbky"
-                       for t in (x if kind in "lhpbky" else (x,))]
-            if (not width or n % width or (m is not None and m * width != n)
-                    or any(t.dim() == 0 or t.shape[-1] != width for t in tensors)):
+            tensors = [
+                t for kind, x in zip(kinds, args) if kind in "tuxlhpbky" for t in (x if kind in "lhpbky" else (x,))
+            ]
+            if (
+                not width
+                or n % width
+                or (m is not None and m * width != n)
+                or any(t.dim() == 0 or t.shape[-1] != width for t in tensors)
+            ):
                 return fn(*args)
             counts.append(width)
         out = (ctypes.c_double * max(1, sums))()
-        lib[0](n, (ctypes.c_void_p * len(ptrs))(*ptrs), (ctypes.c_long * max(1, len(counts)))(*counts),
-               (ctypes.c_float * max(1, len(scalars)))(*scalars), out)
+        lib[0](
+            n,
+            (ctypes.c_void_p * len(ptrs))(*ptrs),
+            (ctypes.c_long * max(1, len(counts)))(*counts),
+            (ctypes.c_float * max(1, len(scalars)))(*scalars),
+            out,
+        )
         return tuple(torch.tensor(x, dtype=torch.float32) for x in out[:sums]) if sums else None
+
     return kernel

@@ -30,13 +30,13 @@ def dropout_words(seed, shape, dim, first, count, device):
     four, one call serves a block and the four words go through a buffer. On CUDA memory bounds it (an
     H100 ran the fused epilogue at 71% of copy bandwidth): every element runs its own call."""
     inner = 1
-    for n in shape[dim + 1:] if dim >= 0 else shape:
+    for n in shape[dim + 1 :] if dim >= 0 else shape:
         inner *= n
     if device.type != "cpu" or inner % 4:
         return philox_words(seed, flat_index(shape, dim, first, count, device))
     rows = (tuple(shape[:dim]) + (count,)) if dim >= 0 else ()
-    blocks = flat_index(tuple(shape[:dim + 1]) + (inner // 4,), dim, first, count, device)
-    return philox_blocks(seed, blocks).reshape(rows + tuple(shape[dim + 1:] if dim >= 0 else shape))
+    blocks = flat_index(tuple(shape[: dim + 1]) + (inner // 4,), dim, first, count, device)
+    return philox_blocks(seed, blocks).reshape(rows + tuple(shape[dim + 1 :] if dim >= 0 else shape))
 
 
 def dropout(c, x, p, seed, shape, dim):

@@ -43,10 +43,14 @@ from .c_helpers import F16, HALF_LINE, PRELUDE
 # op -> C over operand texts (each a name or a load: free to repeat), per element and per 8-wide vector.
 # maximum and minimum propagate NaN as torch's do.
 OPS = {
-    "add": ("({0} + {1})", "({0} + {1})"), "sub": ("({0} - {1})", "({0} - {1})"),
-    "mul": ("({0} * {1})", "({0} * {1})"), "div": ("({0} / {1})", "({0} / {1})"),
-    "neg": ("(-{0})", "(-{0})"), "sqrt": ("sqrtf({0})", "vsqrt({0})"),
-    "rsqrt": ("(1.0f / sqrtf({0}))", "(1.0f / vsqrt({0}))"), "abs": ("fabsf({0})", "vabs({0})"),
+    "add": ("({0} + {1})", "({0} + {1})"),
+    "sub": ("({0} - {1})", "({0} - {1})"),
+    "mul": ("({0} * {1})", "({0} * {1})"),
+    "div": ("({0} / {1})", "({0} / {1})"),
+    "neg": ("(-{0})", "(-{0})"),
+    "sqrt": ("sqrtf({0})", "vsqrt({0})"),
+    "rsqrt": ("(1.0f / sqrtf({0}))", "(1.0f / vsqrt({0}))"),
+    "abs": ("fabsf({0})", "vabs({0})"),
     "maximum": ("(({0} > {1} || {0} != {0}) ? {0} : {1})", "vmax({0}, {1})"),
     "minimum": ("(({0} < {1} || {0} != {0}) ? {0} : {1})", "vmin({0}, {1})"),
     "slice": ("{0}", "{0}"),  # a chunk's rows of a replicated value are its rows of the slice
@@ -57,10 +61,14 @@ RDIV = ("((1.0f / {1}) * {0})", "((1.0f / {1}) * {0})")
 # x ** c for a constant c: what torch computes for these (ATen's pow of a tensor and a number multiplies,
 # divides or takes a square root), on one operand text. Any other exponent keeps Inductor's kernel.
 POWERS = {
-    0.0: ("1.0f", "((v8){{0}} + 1.0f)"), 1.0: ("{0}", "{0}"),
-    2.0: ("({0} * {0})", "({0} * {0})"), 3.0: ("(({0} * {0}) * {0})", "(({0} * {0}) * {0})"),
-    -1.0: ("(1.0f / {0})", "(1.0f / {0})"), -2.0: ("(1.0f / ({0} * {0}))", "(1.0f / ({0} * {0}))"),
-    0.5: OPS["sqrt"], -0.5: OPS["rsqrt"],
+    0.0: ("1.0f", "((v8){{0}} + 1.0f)"),
+    1.0: ("{0}", "{0}"),
+    2.0: ("({0} * {0})", "({0} * {0})"),
+    3.0: ("(({0} * {0}) * {0})", "(({0} * {0}) * {0})"),
+    -1.0: ("(1.0f / {0})", "(1.0f / {0})"),
+    -2.0: ("(1.0f / ({0} * {0}))", "(1.0f / ({0} * {0}))"),
+    0.5: OPS["sqrt"],
+    -0.5: OPS["rsqrt"],
 }
 # comparisons: a mask, an int per element (0 or 1) and a v8i per vector (0 or -1), as GCC's vector compares give
 COMPARE = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
@@ -76,9 +84,22 @@ LINE = 16  # float32 values per 64-byte cache line
 HALF = {"bfloat16": "bf16", "float16": "f16"}
 DTYPE = {tag: dtype for dtype, tag in HALF.items()}
 
-KINDS = {"dim": "d", "scalar": "s", "rows": "t", "parts": "l", "bf16 parts": "h", "peers": "p", "rank numbers": "q",
-         "bf16 rows": "u", "bf16 peers": "b", "f16 parts": "k", "f16 rows": "x", "f16 peers": "y",
-         "row factor": "r", "column factor": "c"}
+KINDS = {
+    "dim": "d",
+    "scalar": "s",
+    "rows": "t",
+    "parts": "l",
+    "bf16 parts": "h",
+    "peers": "p",
+    "rank numbers": "q",
+    "bf16 rows": "u",
+    "bf16 peers": "b",
+    "f16 parts": "k",
+    "f16 rows": "x",
+    "f16 peers": "y",
+    "row factor": "r",
+    "column factor": "c",
+}
 FACTORS = ("row factor", "column factor")
 
 
@@ -192,8 +213,11 @@ class _Source:
         self.tensors = self.values - k.numbers - self.masks
         # the values known here, for a power's exponent: the chunk's constants and those passed in as scalars
         known = [(name, value) for name, op, _, value in (*k.pre, *k.stmts) if op == "const"] + list(k.constants)
-        self.constants = {name: float(value) for name, value in known
-                          if isinstance(value, (int, float)) and not isinstance(value, bool)}
+        self.constants = {
+            name: float(value)
+            for name, value in known
+            if isinstance(value, (int, float)) and not isinstance(value, bool)
+        }
         self.fields, self.unpack, self.lists = self._arguments()
         self.numbers = self._numbers()
 
@@ -247,8 +271,9 @@ class _Source:
             elif unhalved(what) in ("parts", "peers"):
                 element = ("const uint16_t" if unhalved(what) == "parts" else "uint16_t") if half(what) else "float"
                 fields += [f"{element} *const *p_{name};", f"long n_{name};"]
-                unpack.append(f"a.p_{name} = ({element} *const *)(ptr + at); a.n_{name} = count[{lists}]; "
-                              f"at += count[{lists}];")
+                unpack.append(
+                    f"a.p_{name} = ({element} *const *)(ptr + at); a.n_{name} = count[{lists}]; at += count[{lists}];"
+                )
                 lists += 1
         return fields, unpack, lists
 
@@ -309,8 +334,11 @@ class _Source:
     def body(self, vector: bool) -> list[str]:
         k = self.k
         t = "v8" if vector else "float"
-        out = [f"const {t} p_{n} = " + (f"splat(a->p_{n});" if vector else f"a->p_{n};")
-               for n, what in k.params if what == "scalar"]
+        out = [
+            f"const {t} p_{n} = " + (f"splat(a->p_{n});" if vector else f"a->p_{n};")
+            for n, what in k.params
+            if what == "scalar"
+        ]
         out += [f"float *const p_{n} = a->p_{n};" for n, what in k.params if what == "rows"]
         out += [f"uint16_t *const p_{n} = a->p_{n};" for n, what in k.params if half(what) and unhalved(what) == "rows"]
         out += self.numbers
@@ -332,7 +360,7 @@ class _Source:
         """p_total <- p_total (op) x, in the order torch reduces them."""
         assert self.k.parts is not None
         total, _, op = self.k.parts
-        combined = REDUCE[op][vector].format(f'p_{total}', x)
+        combined = REDUCE[op][vector].format(f"p_{total}", x)
         return f"p_{total} = {combined if op in ('max', 'min') else self._rounded_sum(combined, vector)};"
 
     def _load_part(self, param: str, rank: str, vector: bool) -> str:
@@ -341,8 +369,9 @@ class _Source:
         if tag and unhalved(kind[param]) == "parts":  # widened exactly: summed as they are, or (pre) read
             if k.pre:  # only through casts to float32
                 name = next((x for x, q in self.rows_of.items() if q == param), None)
-                if name is None or any(name in args and (op != "cast" or value != "float32")
-                                       for _, op, args, value in k.pre):
+                if name is None or any(
+                    name in args and (op != "cast" or value != "float32") for _, op, args, value in k.pre
+                ):
                     raise Untranslatable(f"{DTYPE[tag]} rows {param} read but by a cast to float32")
             return f"ld_{tag}(a->p_{param}[{rank}] + i)" if vector else f"{tag}(a->p_{param}[{rank}][i])"
         if kind.get(param) != "parts":
@@ -361,20 +390,30 @@ class _Source:
             if any(kind.get(param) != "rank numbers" for _, param in k.ranked):
                 raise Untranslatable("numbers of every rank not passed as such")
             each = [f"const {t} p_{x} = {self._load_part(param, 'r', vector)};" for x, param in self.rows_of.items()]
-            each += [f"const {t} p_{x} = " + (f"splat(a->p_{param}[r]);" if vector else f"a->p_{param}[r];")
-                     for x, param in k.ranked]
+            each += [
+                f"const {t} p_{x} = " + (f"splat(a->p_{param}[r]);" if vector else f"a->p_{param}[r];")
+                for x, param in k.ranked
+            ]
             each += self.statements(k.pre, vector)
             last = k.pre[-1][0]
-            out += [f"{t} p_{total};", f"for (long r = 0; r < a->n_{plist}; r++) {{",
-                    *("    " + x for x in each),
-                    f"    if (r == 0) p_{total} = p_{last}; else {self._combine(f'p_{last}', vector)}", "}"]
+            out += [
+                f"{t} p_{total};",
+                f"for (long r = 0; r < a->n_{plist}; r++) {{",
+                *("    " + x for x in each),
+                f"    if (r == 0) p_{total} = p_{last}; else {self._combine(f'p_{last}', vector)}",
+                "}",
+            ]
         else:
-            out += [f"{t} p_{total} = {self._load_part(plist, '0', vector)};",
-                    f"for (long r = 1; r < a->n_{plist}; r++) "
-                    f"{self._combine(self._load_part(plist, 'r', vector), vector)}"]
+            out += [
+                f"{t} p_{total} = {self._load_part(plist, '0', vector)};",
+                f"for (long r = 1; r < a->n_{plist}; r++) {self._combine(self._load_part(plist, 'r', vector), vector)}",
+            ]
         if op == "avg":
-            out.append(f"p_{total} = {self._rounded_sum(f'p_{total} / (float)a->n_{plist}', vector)};"
-                       if self.summed_half else f"p_{total} /= (float)a->n_{plist};")
+            out.append(
+                f"p_{total} = {self._rounded_sum(f'p_{total} / (float)a->n_{plist}', vector)};"
+                if self.summed_half
+                else f"p_{total} /= (float)a->n_{plist};"
+            )
         return out
 
     # --- what a row stores ---
@@ -385,15 +424,22 @@ class _Source:
         for target, value in k.writes:
             tag = half(kind.get(target))
             # a value of the chunk, or rows passed in as they are (Adan keeps the reduced gradient it was given)
-            if unhalved(kind.get(target)) != "rows" or (value not in self.values
-                                                        and unhalved(kind.get(value)) != "rows"):
+            if unhalved(kind.get(target)) != "rows" or (
+                value not in self.values and unhalved(kind.get(value)) != "rows"
+            ):
                 raise Untranslatable(f"a write of {value} into {target}")
             if tag:
-                out.append(f"st_{tag}(p_{target} + i, {ref(value, True, DTYPE[tag])});" if vector
-                           else f"p_{target}[i] = bits_{tag}({ref(value, False, DTYPE[tag])});")
+                out.append(
+                    f"st_{tag}(p_{target} + i, {ref(value, True, DTYPE[tag])});"
+                    if vector
+                    else f"p_{target}[i] = bits_{tag}({ref(value, False, DTYPE[tag])});"
+                )
             else:
-                out.append(f"st(p_{target} + i, {ref(value, True, 'float32')});" if vector
-                           else f"p_{target}[i] = {ref(value, False, 'float32')};")
+                out.append(
+                    f"st(p_{target} + i, {ref(value, True, 'float32')});"
+                    if vector
+                    else f"p_{target}[i] = {ref(value, False, 'float32')};"
+                )
         for s, (target, value) in enumerate(k.streams):
             if unhalved(kind.get(target)) != "peers" or value not in self.tensors:
                 raise Untranslatable(f"a stream of {value} into {target}")
@@ -413,17 +459,26 @@ class _Source:
     def _functions(self, loop: _Loop) -> list[str]:
         """The helpers, the arguments' struct, and a row's and eight rows' computation."""
         f16 = "float16" in self.halves.values() or any(half(what) == "f16" for _, what in self.k.params)
-        return [PRELUDE + (F16 if f16 else "")
-                + "".join(HALF_LINE.replace("TAG", tag) for tag in sorted(set(loop.halved.values()))),
-                "typedef struct {", *(IND + f for f in self.fields),
-                *([IND + "long q, c0;"] if loop.factored else []),
-                "} args_t;", "",
-                "/* row i of the chunk; its values for the peers' copies into out */",
-                "static inline __attribute__((always_inline)) void row(const args_t *a, long i, float *out) {",
-                *(IND + x for x in self.body(False)), "}", "",
-                "/* rows [i, i + 8) */",
-                "static inline __attribute__((always_inline)) void rows8(const args_t *a, long i, v8 *out) {",
-                *(IND + x for x in self.body(True)), "}", ""]
+        return [
+            PRELUDE
+            + (F16 if f16 else "")
+            + "".join(HALF_LINE.replace("TAG", tag) for tag in sorted(set(loop.halved.values()))),
+            "typedef struct {",
+            *(IND + f for f in self.fields),
+            *([IND + "long q, c0;"] if loop.factored else []),
+            "} args_t;",
+            "",
+            "/* row i of the chunk; its values for the peers' copies into out */",
+            "static inline __attribute__((always_inline)) void row(const args_t *a, long i, float *out) {",
+            *(IND + x for x in self.body(False)),
+            "}",
+            "",
+            "/* rows [i, i + 8) */",
+            "static inline __attribute__((always_inline)) void rows8(const args_t *a, long i, v8 *out) {",
+            *(IND + x for x in self.body(True)),
+            "}",
+            "",
+        ]
 
 
 class _Loop:
@@ -444,29 +499,42 @@ class _Loop:
         self.streamed = [p for p in self.peers if p not in self.halved]
         self.parts = ("x", "y", "z", "u") if self.halved else ("x", "y")
         self.summed = [f"tot[{j}] += (double)o[{self.ns + j}];" for j in range(len(k.sums))]
-        self.plain = [f"for (long r = 0; r < a.n_{p}; r++) a.p_{p}[r][i] = "
-                      + (f"bits_{self.halved[p]}(o[{s}]);" if p in self.halved else f"o[{s}];")
-                      for s, p in enumerate(self.peers)]
+        self.plain = [
+            f"for (long r = 0; r < a.n_{p}; r++) a.p_{p}[r][i] = "
+            + (f"bits_{self.halved[p]}(o[{s}]);" if p in self.halved else f"o[{s}];")
+            for s, p in enumerate(self.peers)
+        ]
 
     def lines(self) -> list[str]:
         return self._entry() + self._head() + self._factor_rows() + self._line_loop() + self._exit()
 
     def one_by_one(self, until: str) -> list[str]:
         """Rows i .. until, one at a time (a head or the tail)."""
-        return [IND + f"for (; {until}; i++) {{", IND * 2 + "row(&a, i, o);",
-                *(IND * 2 + x for x in self.plain + self.summed), IND + "}"]
+        return [
+            IND + f"for (; {until}; i++) {{",
+            IND * 2 + "row(&a, i, o);",
+            *(IND * 2 + x for x in self.plain + self.summed),
+            IND + "}",
+        ]
 
     @staticmethod
     def same_offset(flag: str, off: str, group: list[str]) -> list[str]:
-        return [IND + f"for (long r = 0; r < a.n_{p}; r++) {flag} = {flag} && ((uintptr_t)a.p_{p}[r] & 63) == {off};"
-                for p in group]
+        return [
+            IND + f"for (long r = 0; r < a.n_{p}; r++) {flag} = {flag} && ((uintptr_t)a.p_{p}[r] & 63) == {off};"
+            for p in group
+        ]
 
     def _entry(self) -> list[str]:
         k, nout = self.k, self.nout
-        out = ["void coconet_chunk(long n, void **ptr, const long *count, const float *scal, double *sums) {",
-               IND + "args_t a;", IND + "long at = 0;", IND + "(void)at; (void)count; (void)scal; (void)sums;",
-               *(IND + x for x in self.src.unpack),
-               IND + f"float o[{nout}];", IND + f"v8 x[{nout}], y[{nout}];"]
+        out = [
+            "void coconet_chunk(long n, void **ptr, const long *count, const float *scal, double *sums) {",
+            IND + "args_t a;",
+            IND + "long at = 0;",
+            IND + "(void)at; (void)count; (void)scal; (void)sums;",
+            *(IND + x for x in self.src.unpack),
+            IND + f"float o[{nout}];",
+            IND + f"v8 x[{nout}], y[{nout}];",
+        ]
         if k.sums:
             out.append(IND + f"double tot[{len(k.sums)}] = {{0}};")
             out.append(IND + f"v4d acc[{len(k.sums)}] = {{{{0}}}};")
@@ -480,22 +548,31 @@ class _Loop:
             # (half a line a step went out as partial writes), from the row where the half copies' lines start;
             # the float32 copies are streamed too where their lines start on that row
             first = sorted(halved)[0]
-            out = [IND + f"uintptr_t off16 = a.n_{first} ? (uintptr_t)a.p_{first}[0] & 63 : 0;",
-                   IND + "int nt16 = (off16 & 1) == 0;", *self.same_offset("nt16", "off16", sorted(halved)),
-                   IND + "long head = nt16 ? (long)((64 - off16) & 63) / 2 : 0, i = 0;"]
+            out = [
+                IND + f"uintptr_t off16 = a.n_{first} ? (uintptr_t)a.p_{first}[0] & 63 : 0;",
+                IND + "int nt16 = (off16 & 1) == 0;",
+                *self.same_offset("nt16", "off16", sorted(halved)),
+                IND + "long head = nt16 ? (long)((64 - off16) & 63) / 2 : 0, i = 0;",
+            ]
             if streamed:
-                out += [IND + f"uintptr_t off = a.n_{streamed[0]} ? (uintptr_t)a.p_{streamed[0]}[0] & 63 : 0;",
-                        IND + "int nt = (off & 3) == 0 && ((off + 4 * (uintptr_t)head) & 63) == 0;",
-                        *self.same_offset("nt", "off", streamed)]
+                out += [
+                    IND + f"uintptr_t off = a.n_{streamed[0]} ? (uintptr_t)a.p_{streamed[0]}[0] & 63 : 0;",
+                    IND + "int nt = (off & 3) == 0 && ((off + 4 * (uintptr_t)head) & 63) == 0;",
+                    *self.same_offset("nt", "off", streamed),
+                ]
             return out + self.one_by_one("i < head && i < n") + [IND + f"v8 z[{self.nout}], u[{self.nout}];"]
         if streamed:
-            out = [IND + "/* streamed where every destination has the same offset in its line, on a float */",
-                   IND + f"uintptr_t off = a.n_{streamed[0]} ? (uintptr_t)a.p_{streamed[0]}[0] & 63 : 0;",
-                   IND + "int nt = (off & 3) == 0;",
-                   *self.same_offset("nt", "off", streamed)]
+            out = [
+                IND + "/* streamed where every destination has the same offset in its line, on a float */",
+                IND + f"uintptr_t off = a.n_{streamed[0]} ? (uintptr_t)a.p_{streamed[0]}[0] & 63 : 0;",
+                IND + "int nt = (off & 3) == 0;",
+                *self.same_offset("nt", "off", streamed),
+            ]
             if not self.factored:
-                out += [IND + "long head = nt ? (long)((64 - off) & 63) / 4 : 0, i = 0;",
-                        *self.one_by_one("i < head && i < n")]
+                out += [
+                    IND + "long head = nt ? (long)((64 - off) & 63) / 4 : 0, i = 0;",
+                    *self.one_by_one("i < head && i < n"),
+                ]
             return out
         return [] if self.factored else [IND + "long i = 0;"]
 
@@ -504,27 +581,38 @@ class _Loop:
         row's lines begin at their own offset, so each has a head of its own."""
         if not self.factored:
             return []
-        out = [IND + f"const long width = count[{self.src.lists}];",
-               IND + "for (long q0 = 0; width > 0 && q0 < n; q0 += width) {",
-               IND + "a.q = q0 / width; a.c0 = q0;",
-               IND + "const long e = q0 + width;",
-               IND + "long i = q0;"]
+        out = [
+            IND + f"const long width = count[{self.src.lists}];",
+            IND + "for (long q0 = 0; width > 0 && q0 < n; q0 += width) {",
+            IND + "a.q = q0 / width; a.c0 = q0;",
+            IND + "const long e = q0 + width;",
+            IND + "long i = q0;",
+        ]
         if self.streamed:
-            out += [IND + "const long head = nt ? (long)((64 - ((off + 4 * (uintptr_t)q0) & 63)) & 63) / 4 : 0;",
-                    *self.one_by_one("i < q0 + head && i < e")]
+            out += [
+                IND + "const long head = nt ? (long)((64 - ((off + 4 * (uintptr_t)q0) & 63)) & 63) / 4 : 0;",
+                *self.one_by_one("i < q0 + head && i < e"),
+            ]
         return out
 
     def _line_loop(self) -> list[str]:
         parts, end = self.parts, self.end
         step = LINE * len(parts) // 2  # two vectors of 8 a float32 line
-        out = [IND + f"for (; i + {step} <= {end}; i += {step}) {{",
-               *(IND * 2 + f"rows8(&a, {'i' if j == 0 else f'i + {8 * j}'}, {v});" for j, v in enumerate(parts))]
+        out = [
+            IND + f"for (; i + {step} <= {end}; i += {step}) {{",
+            *(IND * 2 + f"rows8(&a, {'i' if j == 0 else f'i + {8 * j}'}, {v});" for j, v in enumerate(parts)),
+        ]
         for s, p in enumerate(self.peers):
-            out += [IND * 2 + f"for (long r = 0; r < a.n_{p}; r++) {{",
-                    IND * 3 + f"{'uint16_t' if p in self.halved else 'float'} *d = a.p_{p}[r] + i;",
-                    IND * 3 + self._store(s, p), IND * 2 + "}"]
-        out += [IND * 2 + f"acc[{j}] += " + " + ".join(f"widen({v}[{self.ns + j}])" for v in parts) + ";"
-                for j in range(len(self.k.sums))]
+            out += [
+                IND * 2 + f"for (long r = 0; r < a.n_{p}; r++) {{",
+                IND * 3 + f"{'uint16_t' if p in self.halved else 'float'} *d = a.p_{p}[r] + i;",
+                IND * 3 + self._store(s, p),
+                IND * 2 + "}",
+            ]
+        out += [
+            IND * 2 + f"acc[{j}] += " + " + ".join(f"widen({v}[{self.ns + j}])" for v in parts) + ";"
+            for j in range(len(self.k.sums))
+        ]
         out += [IND + "}", *self.one_by_one(f"i < {end}")]
         return out + ([IND + "}"] if self.factored else [])
 
@@ -541,11 +629,19 @@ class _Loop:
 
         if p in self.halved:
             tag = self.halved[p]
-            return branch("nt16", [f"stream_line_{tag}(d, {', '.join(f'{v}[{s}]' for v in parts)});"],
-                          [f"st_{tag}({at(j, 8)}, {v}[{s}]);" for j, v in enumerate(parts)])
-        return branch("nt", [f"stream_line({at(j, 16)}, {parts[2 * j]}[{s}], {parts[2 * j + 1]}[{s}]);"
-                             for j in range(len(parts) // 2)],
-                      [f"st({at(j, 8)}, {v}[{s}]);" for j, v in enumerate(parts)])
+            return branch(
+                "nt16",
+                [f"stream_line_{tag}(d, {', '.join(f'{v}[{s}]' for v in parts)});"],
+                [f"st_{tag}({at(j, 8)}, {v}[{s}]);" for j, v in enumerate(parts)],
+            )
+        return branch(
+            "nt",
+            [
+                f"stream_line({at(j, 16)}, {parts[2 * j]}[{s}], {parts[2 * j + 1]}[{s}]);"
+                for j in range(len(parts) // 2)
+            ],
+            [f"st({at(j, 8)}, {v}[{s}]);" for j, v in enumerate(parts)],
+        )
 
     def _exit(self) -> list[str]:
         out = [IND + f"sums[{j}] = tot[{j}] + hsum4(acc[{j}]);" for j in range(len(self.k.sums))]

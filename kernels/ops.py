@@ -16,8 +16,16 @@ def matmul(a, b):
     ranks at once included, and 0.85-0.99x on an Intel Xeon (benchmarks/cpu_matmul.py). A product with
     one row or one column (a matrix's row or column sums as a product with ones) is torch.matmul: MKL's
     gemv ran it 1.9-2.4x as fast as oneDNN there. Anything else, or a torch without oneDNN, too."""
-    if (a.device.type == "cpu" and a.dtype == b.dtype == torch.float32 and a.dim() >= 2 and a.numel()
-            and b.numel() and a.numel() > a.shape[-1] and b.shape[-1] > 1 and torch.backends.mkldnn.is_available()):
+    if (
+        a.device.type == "cpu"
+        and a.dtype == b.dtype == torch.float32
+        and a.dim() >= 2
+        and a.numel()
+        and b.numel()
+        and a.numel() > a.shape[-1]
+        and b.shape[-1] > 1
+        and torch.backends.mkldnn.is_available()
+    ):
         if not (b.is_contiguous() or b.t().is_contiguous()):
             # a weight whose rows are strided (the overlap's column chunks of a weight): oneDNN's linear on
             # one took 15 s where the same chunk copied took 11 ms (2048 x 1024 x 256); the copy is 1/m of
@@ -35,8 +43,10 @@ def conv(x, w, stride, padding, dilation, groups):
     convolution runs in float32, not cuDNN's default TF32 (10-bit mantissas), as the generated code's matmuls
     do: the schedules are checked against the float64 reference at float32's tolerance."""
     if not (w.shape[0] and w.shape[1]):
-        spatial = [(n + 2 * p - d * (k - 1) - 1) // s + 1
-                   for n, k, s, p, d in zip(x.shape[2:], w.shape[2:], stride, padding, dilation)]
+        spatial = [
+            (n + 2 * p - d * (k - 1) - 1) // s + 1
+            for n, k, s, p, d in zip(x.shape[2:], w.shape[2:], stride, padding, dilation)
+        ]
         return x.new_zeros((x.shape[0], w.shape[0], *spatial))
     fn = F.conv1d if w.dim() == 3 else F.conv2d
     with ieee_float32(x):

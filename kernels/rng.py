@@ -30,8 +30,9 @@ def keep_mask(seed: int, p: float, index: Any):
     return (random_bits(seed, g) >> 8) >= t
 
 
-def dropout_mask(seed: int, p: float, shape: tuple[int, ...], region: tuple[slice, ...] | None = None,
-                 device: Any = None):
+def dropout_mask(
+    seed: int, p: float, shape: tuple[int, ...], region: tuple[slice, ...] | None = None, device: Any = None
+):
     import torch
 
     return keep_mask(seed, p, torch.as_tensor(global_index(shape, region), device=device))
@@ -72,8 +73,9 @@ def cuda_random_bits(seed: int, index: Any) -> np.ndarray:
     try:
         import cupy
     except ImportError:
-        raise RuntimeError("cuda_random_bits needs CuPy (pip install cupy-cuda12x, or the CuPy of your CUDA) "
-                           "and a CUDA device") from None
+        raise RuntimeError(
+            "cuda_random_bits needs CuPy (pip install cupy-cuda12x, or the CuPy of your CUDA) and a CUDA device"
+        ) from None
     seed = check_seed(seed)
     idx = cupy.asarray(np.ascontiguousarray(index, dtype=np.int64).reshape(-1))
     out = cupy.empty(idx.shape, dtype=cupy.uint32)

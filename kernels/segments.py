@@ -81,12 +81,11 @@ class Shm:
         mine = segment(paths[self.rank], size, new=True, ranks=self.world)
         mine[:8].view(torch.int64).fill_(self.epoch)
         dist.barrier(group=self.group)  # every segment exists
-        self.segments = [mine if r == self.rank else segment(p, size)
-                         for r, p in enumerate(paths)]
+        self.segments = [mine if r == self.rank else segment(p, size) for r, p in enumerate(paths)]
         dist.barrier(group=self.group)  # every rank has mapped them: the names can go
         os.unlink(paths[self.rank])
         self.flags = [s[:8].view(torch.int64) for s in self.segments]
-        self.words = [s[self.WORDS:self.HEADER].view(torch.int64).view(2, -1) for s in self.segments]
+        self.words = [s[self.WORDS : self.HEADER].view(torch.int64).view(2, -1) for s in self.segments]
         self.slot_bytes = slot_bytes
 
     def take(self):
@@ -98,14 +97,19 @@ class Shm:
         """Rank ``rank``'s slot as a tensor of ``shape``, from byte ``offset`` of the slot."""
         start = self.HEADER + slot * self.slot_bytes + offset
         nbytes = math.prod(shape) * dtype.itemsize
-        return self.segments[rank][start:start + nbytes].view(dtype).view(shape)
+        return self.segments[rank][start : start + nbytes].view(dtype).view(shape)
 
     def copy(self, dst, src, stream=None):
         """``dst.copy_(src)``, between tensors alike with non-temporal stores: from ``stream_min`` bytes, or
         as ``stream`` says (a copy that is one of many whose destinations all go unread after)."""
         n = dst.numel() * dst.element_size()
-        if (not (n >= self.stream_min if stream is None else stream) or dst.dtype != src.dtype
-                or dst.shape != src.shape or not dst.is_contiguous() or not src.is_contiguous()):
+        if (
+            not (n >= self.stream_min if stream is None else stream)
+            or dst.dtype != src.dtype
+            or dst.shape != src.shape
+            or not dst.is_contiguous()
+            or not src.is_contiguous()
+        ):
             return dst.copy_(src)
         if self.stream is None:
             self.stream = stream_copier() or False
@@ -127,8 +131,9 @@ class Shm:
                 time.sleep(5e-5)
                 deadline = deadline or time.monotonic() + self.PATIENCE_S
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"shm barrier: rank {r} of the group did not arrive within "
-                                       f"{self.PATIENCE_S:.0f} s")
+                    raise RuntimeError(
+                        f"shm barrier: rank {r} of the group did not arrive within {self.PATIENCE_S:.0f} s"
+                    )
         if self.staged:
             self._map_states()
 
@@ -139,8 +144,12 @@ class Shm:
         if word >= self.STATES:
             raise RuntimeError(f"shm: a fused collective gathering into more than {self.STATES} states")
         held = self.states.get(name)
-        if held is not None and held[0].shape == t.shape and held[0].dtype == t.dtype and (
-                (t.is_contiguous() and t.data_ptr() == held[0].data_ptr()) if held[1] else not _movable(t)):
+        if (
+            held is not None
+            and held[0].shape == t.shape
+            and held[0].dtype == t.dtype
+            and ((t.is_contiguous() and t.data_ptr() == held[0].data_ptr()) if held[1] else not _movable(t))
+        ):
             news = 0
         else:
             home = self._own_segment(t)
@@ -186,8 +195,11 @@ class Shm:
             self.inputs[name] = [None, weakref.ref(x), 0]
             news = -2
         # (a movable x that fits a gone one's segment took it above: what comes here with it does not move)
-        elif ((not fits or held[1]() is None) and (seg is not None or held is None or held[1]() is x)
-              and (home := self._own_segment(x)) is not None):
+        elif (
+            (not fits or held[1]() is None)
+            and (seg is not None or held is None or held[1]() is x)
+            and (home := self._own_segment(x)) is not None
+        ):
             news, seg = home
             self.inputs[name] = [seg, weakref.ref(x), 1]
         elif seg is None and held is not None:
@@ -209,8 +221,10 @@ class Shm:
         """Before a barrier: this rank's ``numbers`` (0-d float32 tensors) in its words from ``word`` on, as
         float64 (which holds a float32 exactly), for the peers to read after it (``posted``)."""
         if word + len(numbers) > self.words[self.rank].shape[1]:
-            raise RuntimeError(f"shm: {len(numbers)} numbers of every rank from word {word} on: "
-                               f"a barrier carries {self.words[self.rank].shape[1]}")
+            raise RuntimeError(
+                f"shm: {len(numbers)} numbers of every rank from word {word} on: "
+                f"a barrier carries {self.words[self.rank].shape[1]}"
+            )
         row = self.words[self.rank][(self.epoch + 1) % 2].view(torch.float64)
         for j, x in enumerate(numbers):
             row[word + j] = float(x)
@@ -219,7 +233,7 @@ class Shm:
         """After the barrier: per number posted from ``word`` on, every rank's as one float32 tensor, this
         rank's first and then the peers' in rank order (the order of the rows every rank's reductions sum)."""
         order = [self.rank] + [r for r in range(self.world) if r != self.rank]
-        rows = torch.stack([self.words[r][self.epoch % 2, word:word + count].view(torch.float64) for r in order])
+        rows = torch.stack([self.words[r][self.epoch % 2, word : word + count].view(torch.float64) for r in order])
         return list(rows.t().to(torch.float32).contiguous())
 
     def _new_segment(self, t):
@@ -269,10 +283,14 @@ class Shm:
                 if news == -2:  # rank r let its segment go: so does this rank's mapping of it
                     peers[r] = None
                 if news > 0:  # a new file, its data from the offset in the high bits (``_share_in_place``)
-                    peers[r] = _state_segment(f"{self.prefix}-state-{r}-{news & 0xFFFFFFFF}", shape, dtype,
-                                              offset=news >> 32)
-                elif r != self.rank and news == 0 and (peers[r] is None or peers[r].shape != shape
-                                                       or peers[r].dtype != dtype):
+                    peers[r] = _state_segment(
+                        f"{self.prefix}-state-{r}-{news & 0xFFFFFFFF}", shape, dtype, offset=news >> 32
+                    )
+                elif (
+                    r != self.rank
+                    and news == 0
+                    and (peers[r] is None or peers[r].shape != shape or peers[r].dtype != dtype)
+                ):
                     raise RuntimeError(f"shm: rank {r} has no segment for {name!r} shaped {tuple(shape)}")
                 here.append(peers[r] if news >= 0 else None)
             self.sources[name] = here
@@ -321,8 +339,13 @@ def _on_comm_thread(fn, *args):
 
 def _whole(t):
     """Whether ``t`` is the whole, contiguous content of a CPU storage (not a view into a larger buffer)."""
-    return (t.device.type == "cpu" and t.is_contiguous() and t._base is None and t.storage_offset() == 0
-            and t.untyped_storage().nbytes() == t.numel() * t.element_size())
+    return (
+        t.device.type == "cpu"
+        and t.is_contiguous()
+        and t._base is None
+        and t.storage_offset() == 0
+        and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    )
 
 
 def _movable(t):
@@ -382,7 +405,7 @@ def _state_segment(path, shape, dtype, new=False, offset=0):
     """The file ``path`` of /dev/shm (made if ``new``) mapped as a contiguous tensor of ``shape`` from byte
     ``offset``."""
     nbytes = math.prod(shape) * dtype.itemsize
-    return segment(path, max(offset + nbytes, 64), new)[offset:offset + nbytes].view(dtype).view(shape)
+    return segment(path, max(offset + nbytes, 64), new)[offset : offset + nbytes].view(dtype).view(shape)
 
 
 def segment(path, nbytes, new=False, ranks=0):
@@ -417,4 +440,5 @@ def _no_room(folder, nbytes, why):
     raise RuntimeError(
         f"shm backend: {folder} cannot hold a segment of {nbytes / mib:.1f} MiB ({why}; "
         f"{room.f_bavail * room.f_frsize / mib:.1f} MiB free of {room.f_blocks * room.f_frsize / mib:.1f} "
-        "MiB): give it more room (docker run --shm-size, a larger tmpfs) or run on gloo")
+        "MiB): give it more room (docker run --shm-size, a larger tmpfs) or run on gloo"
+    )

@@ -139,9 +139,11 @@ def _shm_reduce_scatter(c, xs, dims, ns, op):
     s.barrier()
     outs = []
     for k, x in enumerate(rows):
-        peers = [s.at(r, slot, offsets[k], x.dtype, tuple(x.shape))[lo[k]:hi[k]] for r in range(c.world) if r != c.rank]
+        peers = [
+            s.at(r, slot, offsets[k], x.dtype, tuple(x.shape))[lo[k] : hi[k]] for r in range(c.world) if r != c.rank
+        ]
         out = x.new_empty((hi[k] - lo[k],) + tuple(x.shape[1:]))
-        outs.append(_shm_reduce(c, x[lo[k]:hi[k]], peers, op, out).movedim(0, dims[k]))
+        outs.append(_shm_reduce(c, x[lo[k] : hi[k]], peers, op, out).movedim(0, dims[k]))
     return outs
 
 
@@ -243,8 +245,9 @@ def bucket_allreduce(c, xs, op, cap, keep=None):
 def bucket_reduce_scatter(c, xs, dims, ns, op, cap):
     outs = [None] * len(xs)
     for launch in launches(xs, cap):
-        got = c.shm.call(_shm_reduce_scatter, c, [xs[i] for i in launch], [dims[i] for i in launch],
-                         [ns[i] for i in launch], op)
+        got = c.shm.call(
+            _shm_reduce_scatter, c, [xs[i] for i in launch], [dims[i] for i in launch], [ns[i] for i in launch], op
+        )
         for i, y in zip(launch, got):
             outs[i] = y
     return outs
@@ -253,8 +256,9 @@ def bucket_reduce_scatter(c, xs, dims, ns, op, cap):
 def bucket_all_gather(c, xs, dims, ns, cap):
     outs = [None] * len(xs)
     for launch in launches(xs, cap):
-        got = c.shm.call(_shm_all_gather, c, [xs[i] for i in launch], [dims[i] for i in launch],
-                         [ns[i] for i in launch])
+        got = c.shm.call(
+            _shm_all_gather, c, [xs[i] for i in launch], [dims[i] for i in launch], [ns[i] for i in launch]
+        )
         for i, y in zip(launch, got):
             outs[i] = y
     return outs
@@ -295,8 +299,11 @@ def scatter_parts(c, x, dim, n, count, name=None, word=0, numbers=(), every=None
         each = []
         for t, at, seg in zip(rows, offsets, where):
             shape = tuple(t.shape)
-            peers = [(s.at(r, slot, at, t.dtype, shape) if seg[r] is None else seg[r].movedim(dim, 0))[span]
-                     for r in range(c.world) if r != c.rank]
+            peers = [
+                (s.at(r, slot, at, t.dtype, shape) if seg[r] is None else seg[r].movedim(dim, 0))[span]
+                for r in range(c.world)
+                if r != c.rank
+            ]
             # this rank's own rows of its slot: nobody reads them, and they stay mapped from step to step
             each += [t[span], peers, s.at(c.rank, slot, at, t.dtype, shape)[span]]
         yield (k, *each)
@@ -355,7 +362,7 @@ class Gather:
     def own(self, k, dtype, shape):
         """Chunk k's rows of this rank's slot, for the gathered value of ``shape`` and ``dtype``: a compiled
         chunk kernel writes them there as it computes them, where a returned chunk would be copied in by add."""
-        rest = tuple(shape[:self.dim]) + tuple(shape[self.dim + 1:])
+        rest = tuple(shape[: self.dim]) + tuple(shape[self.dim + 1 :])
         return self._slot_rows(k, dtype, rest).movedim(0, self.dim)
 
     def _slot_rows(self, k, dtype, rest):
@@ -364,7 +371,7 @@ class Gather:
             self.slot = self.c.shm.call(self.c.shm.take)
         self.shape, self.dtype = (self.n,) + rest, dtype
         lo, _ = self.c.rows(self.n)
-        return self.c.shm.at(self.c.rank, self.slot, 0, dtype, self.shape)[lo + k.a:lo + k.b]
+        return self.c.shm.at(self.c.rank, self.slot, 0, dtype, self.shape)[lo + k.a : lo + k.b]
 
     def result(self, end=True):
         """The gathered value, once every rank has written its rows: after the barrier that ends the collective,

@@ -119,6 +119,7 @@ MAX_WINDOW = 2**20
 def _per_dim(nd: int, least: int, what: str) -> Callable[[Any], tuple[int, ...]]:
     """A convolution's stride, padding or dilation: an int for every spatial dim, or one per dim (as torch
     takes them), each at least ``least``; canonical as a tuple of ``nd``."""
+
     def check(v: Any) -> tuple[int, ...]:
         if isinstance(v, str):
             raise ValueError(f"{what} {v!r} is a string; give an int or {nd} ints ('same'/'valid' are not taken)")
@@ -130,6 +131,7 @@ def _per_dim(nd: int, least: int, what: str) -> Callable[[Any], tuple[int, ...]]
         if any(x > MAX_WINDOW for x in values):  # a program from outside must not ask for an unbounded output
             raise ValueError(f"{what} {v!r} is larger than 2^20")
         return values
+
     return check
 
 
@@ -141,8 +143,12 @@ def _groups(v: Any) -> int:
 
 
 def _conv_schema(nd: int) -> Schema:
-    return {"stride": (_per_dim(nd, 1, "stride"), (1,) * nd), "padding": (_per_dim(nd, 0, "padding"), (0,) * nd),
-            "dilation": (_per_dim(nd, 1, "dilation"), (1,) * nd), "groups": (_groups, 1)}
+    return {
+        "stride": (_per_dim(nd, 1, "stride"), (1,) * nd),
+        "padding": (_per_dim(nd, 0, "padding"), (0,) * nd),
+        "dilation": (_per_dim(nd, 1, "dilation"), (1,) * nd),
+        "groups": (_groups, 1),
+    }
 
 
 def _to(v: Any) -> str:

@@ -36,13 +36,7 @@ from coconet.schedules.ir import (
     Program,
     Stmt,
 )
-from coconet.schedules.types import (
-    Replicated,
-    Sliced,
-    TensorType,
-    as_layout,
-    float_dtype,
-)
+from coconet.schedules.types import Replicated, Sliced, TensorType, as_layout, float_dtype
 
 
 class CustomSpec(Protocol):
@@ -79,6 +73,8 @@ PREFIX = {
     "slice": "sl",
     "send": "send",
 }
+
+
 @dataclass
 class _Node:
     name: str
@@ -101,8 +97,9 @@ def _inference_key(op: str, types: list, weak: list, canon: tuple) -> tuple:
 class Builder:
     """Mutable construction state; ``finish`` returns the immutable ``Program``."""
 
-    def __init__(self, name: str, dims: tuple[str, ...] | list[str] = (),
-                 custom_ops: Mapping[str, CustomSpec] | None = None):
+    def __init__(
+        self, name: str, dims: tuple[str, ...] | list[str] = (), custom_ops: Mapping[str, CustomSpec] | None = None
+    ):
         if not isinstance(name, str) or not IDENT.match(name) or len(name) > MAX_NAME:
             raise ProgramError(f"program name {name!r} must be an identifier of at most {MAX_NAME} characters")
         if isinstance(dims, str):
@@ -199,17 +196,27 @@ class Builder:
         label = name or self._peek_name(op, attrs.get("op"))
         return self._labelled(op, label, location, lambda: self._add(op, tuple(args), attrs, name, location, label))
 
-    def add_verified(self, op: str, args: tuple[int, ...], canon: tuple, ty: TensorType, *, name: str | None = None,
-                     location: str | None = None) -> int:
+    def add_verified(
+        self,
+        op: str,
+        args: tuple[int, ...],
+        canon: tuple,
+        ty: TensorType,
+        *,
+        name: str | None = None,
+        location: str | None = None,
+    ) -> int:
         """A statement verified before with operands of these very types (a rewrite's copy of one it left
         alone): its canonical attributes and its type are taken as they are, not checked and inferred again,
         which made a schedule of a program with many tensors take seconds to apply."""
+
         def add() -> int:
             self._check_room(op, name)
             if op == "update":
                 self._check_update_target(args[0])
-            return self._append(op, args, canon, ty, name, location,
-                                self.custom_ops.get(op) if op not in BUILTIN_OPS else None)
+            return self._append(
+                op, args, canon, ty, name, location, self.custom_ops.get(op) if op not in BUILTIN_OPS else None
+            )
 
         return self._labelled(op, name or self._peek_name(op), location, add)
 
@@ -233,8 +240,9 @@ class Builder:
             if name in self.index:
                 raise ProgramError(f"name {name!r} is defined twice", rule="statement names are unique")
 
-    def _add(self, op: str, args: tuple[int, ...], attrs: dict, name: str | None, location: str | None,
-             label: str) -> int:
+    def _add(
+        self, op: str, args: tuple[int, ...], attrs: dict, name: str | None, location: str | None, label: str
+    ) -> int:
         self._check_room(op, name)
         custom = self.custom_ops.get(op) if op not in BUILTIN_OPS else None
         if op not in BUILTIN_OPS and custom is None:
@@ -288,8 +296,16 @@ class Builder:
             ty = self.inferred[key] = self._infer(op, args, dict(canon), custom)
         return self._append(op, args, canon, ty, name, location, custom)
 
-    def _append(self, op: str, args: tuple[int, ...], canon: tuple, ty: TensorType | None, name: str | None,
-                location: str | None, custom: CustomSpec | None) -> int:
+    def _append(
+        self,
+        op: str,
+        args: tuple[int, ...],
+        canon: tuple,
+        ty: TensorType | None,
+        name: str | None,
+        location: str | None,
+        custom: CustomSpec | None,
+    ) -> int:
         key = None
         if op not in EFFECTS and op not in ("input", "scalar", "recv"):
             key = (op, args, typed_attrs(canon))
@@ -299,8 +315,9 @@ class Builder:
             self.updated.add(args[0])
         if op == "output":
             if any(n.op == "output" and dict(n.attrs)["name"] == canon_dict(canon)["name"] for n in self.nodes):
-                raise ProgramError(f"output {canon_dict(canon)['name']!r} is defined twice",
-                                   rule="output names are unique")
+                raise ProgramError(
+                    f"output {canon_dict(canon)['name']!r} is defined twice", rule="output names are unique"
+                )
         if name is None:
             name = self._auto_name(op, {"__target": args[0] if args else None, **dict(canon)})
         idx = len(self.nodes)
@@ -371,8 +388,15 @@ class Builder:
 
     def _partial_product(self, args: tuple[int, ...]) -> bool:
         a, b = (self.type_of(x) for x in args)
-        return (isinstance(a.layout, Replicated) and a.ndim >= 1 and b.ndim == 2 and isinstance(b.layout, Sliced)
-                and b.layout.dim == 0 and a.shape[-1] == b.shape[0] and "bool" not in (a.dtype, b.dtype))
+        return (
+            isinstance(a.layout, Replicated)
+            and a.ndim >= 1
+            and b.ndim == 2
+            and isinstance(b.layout, Sliced)
+            and b.layout.dim == 0
+            and a.shape[-1] == b.shape[0]
+            and "bool" not in (a.dtype, b.dtype)
+        )
 
     def _check_update_target(self, target: int) -> None:
         node = self.nodes[target]
@@ -420,8 +444,9 @@ class Builder:
         if op in ("sum", "norm", "partial_sum"):
             return infer.reduction(types[0], op, names)
         if op in ("reduce", "partial_reduce"):
-            return infer.reduce_dim(types[0], attrs["op"], attrs.get("dim"), attrs["keepdim"], names,
-                                    partial=op == "partial_reduce")
+            return infer.reduce_dim(
+                types[0], attrs["op"], attrs.get("dim"), attrs["keepdim"], names, partial=op == "partial_reduce"
+            )
         if op in NORMALIZERS:
             return infer.normalize(types[0], op, attrs["dim"], names)
         if op == "matmul":
@@ -463,8 +488,9 @@ class Builder:
         except ProgramError:
             raise
         except Exception as e:  # a user's rule failing is the user's error, reported as such
-            raise ProgramError(f"the infer rule of custom op {custom.name} failed: {e}",
-                               rule=f"{custom.name}.infer") from None
+            raise ProgramError(
+                f"the infer rule of custom op {custom.name} failed: {e}", rule=f"{custom.name}.infer"
+            ) from None
         layout = infer.pointwise_layout(types, shape, names) if types else Replicated()
         return TensorType(shape, dtype, layout)
 
@@ -497,9 +523,9 @@ class Builder:
             stmts.append(Stmt(n.name, n.op, tuple(self.nodes[a].name for a in n.args), n.attrs, n.type))
             if i in self.locations:
                 locations[n.name] = self.locations[i]
-        return Program(self.name, self.dims, tuple(stmts), tuple(groups), custom_ops=dict(self.used_ops),
-                       locations=locations)
-
+        return Program(
+            self.name, self.dims, tuple(stmts), tuple(groups), custom_ops=dict(self.used_ops), locations=locations
+        )
 
     def _check_channels(self) -> None:
         """A recv and the send of the same tag carry the same type: stage s+1 receives what stage s sent."""
@@ -514,7 +540,9 @@ class Builder:
             if (sent.shape, sent.dtype, sent.layout) != (n.type.shape, n.type.dtype, n.type.layout):
                 raise ProgramError(
                     f"receives {n.type} on tag {tag!r} but the stage sends {sent}",
-                    statement=n.name, op="recv", rule="recv and send of one tag carry one type",
+                    statement=n.name,
+                    op="recv",
+                    rule="recv and send of one tag carry one type",
                     location=self.locations.get(self.index[n.name]),
                 )
         tags = [dict(n.attrs)["tag"] for n in self.nodes if n.op == "send"]

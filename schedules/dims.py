@@ -135,9 +135,7 @@ def parse_dim(spec: Union[int, str, Dim], known: tuple[str, ...] | frozenset[str
     if known is not None:
         unknown = sorted(dim.names - set(known))
         if unknown:
-            raise ValueError(
-                f"dim {str(dim)!r} uses {', '.join(unknown)}, not among the program's dims {tuple(known)}"
-            )
+            raise ValueError(f"dim {str(dim)!r} uses {', '.join(unknown)}, not among the program's dims {tuple(known)}")
     v = dim.value
     if v is not None and v <= 0:
         raise ValueError(f"dim {spec!r} must be positive")
@@ -184,8 +182,10 @@ def parse_sizes(specs: str | list[str] | tuple[str, ...], dims: tuple[str, ...] 
     if dims is not None:
         extra = sorted(set(sizes) - set(dims))
         if extra:
-            raise SizeError(f"size given for {', '.join(extra)}, which the program does not have "
-                            f"(dims: {', '.join(dims) or 'none'})")
+            raise SizeError(
+                f"size given for {', '.join(extra)}, which the program does not have "
+                f"(dims: {', '.join(dims) or 'none'})"
+            )
         missing = [d for d in dims if d not in sizes]
         if missing:
             raise SizeError(f"no size given for {', '.join(missing)} (e.g. --size {missing[0]}=2^20)")

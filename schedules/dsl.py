@@ -83,8 +83,15 @@ class Program:
     def output(self, name: str, value: Any) -> None:
         self._add("output", (self._operand(value).idx,), {"name": name})
 
-    def recv(self, name: str, shape: Iterable[Any], layout: Any = None, dtype: str = "float32",
-             frm: str = PREV_STAGE, tag: str = "activation") -> "Expr":
+    def recv(
+        self,
+        name: str,
+        shape: Iterable[Any],
+        layout: Any = None,
+        dtype: str = "float32",
+        frm: str = PREV_STAGE,
+        tag: str = "activation",
+    ) -> "Expr":
         if layout is None:
             raise ProgramError(f"recv {name!r} needs a layout", statement=name, location=_caller())
         if isinstance(shape, (str, int)):
@@ -105,8 +112,9 @@ class Program:
         if not isinstance(x, Expr):
             raise ProgramError(f"{what} needs a tensor of this program, got {x!r}", location=_caller())
         if x.program is not self:
-            raise ProgramError(f"{what}: {x.name} belongs to program {x.program.name}, not {self.name}",
-                               location=_caller())
+            raise ProgramError(
+                f"{what}: {x.name} belongs to program {x.program.name}, not {self.name}", location=_caller()
+            )
         return x
 
     def _operand(self, x: Any) -> "Expr":
@@ -177,27 +185,68 @@ class Expr:
 
     __hash__ = object.__hash__
 
-    def __add__(self, o): return _binary("add", self, o)
-    def __radd__(self, o): return _binary("add", o, self)
-    def __sub__(self, o): return _binary("sub", self, o)
-    def __rsub__(self, o): return _binary("sub", o, self)
-    def __mul__(self, o): return _binary("mul", self, o)
-    def __rmul__(self, o): return _binary("mul", o, self)
-    def __truediv__(self, o): return _binary("div", self, o)
-    def __rtruediv__(self, o): return _binary("div", o, self)
-    def __pow__(self, o): return _binary("pow", self, o)
-    def __rpow__(self, o): return _binary("pow", o, self)
-    def __matmul__(self, o): return matmul(self, o)
-    def __rmatmul__(self, o): return matmul(o, self)
-    def __neg__(self): return _unary("neg", self)
-    def __pos__(self): return self
-    def __abs__(self): return _unary("abs", self)
-    def __lt__(self, o): return _binary("lt", self, o)
-    def __le__(self, o): return _binary("le", self, o)
-    def __gt__(self, o): return _binary("gt", self, o)
-    def __ge__(self, o): return _binary("ge", self, o)
-    def __eq__(self, o): return _binary("eq", self, o)  # type: ignore[override]
-    def __ne__(self, o): return _binary("ne", self, o)  # type: ignore[override]
+    def __add__(self, o):
+        return _binary("add", self, o)
+
+    def __radd__(self, o):
+        return _binary("add", o, self)
+
+    def __sub__(self, o):
+        return _binary("sub", self, o)
+
+    def __rsub__(self, o):
+        return _binary("sub", o, self)
+
+    def __mul__(self, o):
+        return _binary("mul", self, o)
+
+    def __rmul__(self, o):
+        return _binary("mul", o, self)
+
+    def __truediv__(self, o):
+        return _binary("div", self, o)
+
+    def __rtruediv__(self, o):
+        return _binary("div", o, self)
+
+    def __pow__(self, o):
+        return _binary("pow", self, o)
+
+    def __rpow__(self, o):
+        return _binary("pow", o, self)
+
+    def __matmul__(self, o):
+        return matmul(self, o)
+
+    def __rmatmul__(self, o):
+        return matmul(o, self)
+
+    def __neg__(self):
+        return _unary("neg", self)
+
+    def __pos__(self):
+        return self
+
+    def __abs__(self):
+        return _unary("abs", self)
+
+    def __lt__(self, o):
+        return _binary("lt", self, o)
+
+    def __le__(self, o):
+        return _binary("le", self, o)
+
+    def __gt__(self, o):
+        return _binary("gt", self, o)
+
+    def __ge__(self, o):
+        return _binary("ge", self, o)
+
+    def __eq__(self, o):
+        return _binary("eq", self, o)  # type: ignore[override]
+
+    def __ne__(self, o):
+        return _binary("ne", self, o)  # type: ignore[override]
 
 
 def _program_of(*xs: Any) -> Program | None:
@@ -225,8 +274,13 @@ def _binary(op: str, a: Any, b: Any) -> Expr:
 
 
 _MATH: dict[str, Callable[[float], float]] = {
-    "sqrt": math.sqrt, "exp": math.exp, "log": math.log, "abs": abs, "neg": lambda v: -v,
-    "rsqrt": lambda v: 1.0 / math.sqrt(v)}
+    "sqrt": math.sqrt,
+    "exp": math.exp,
+    "log": math.log,
+    "abs": abs,
+    "neg": lambda v: -v,
+    "rsqrt": lambda v: 1.0 / math.sqrt(v),
+}
 
 
 def _unary(op: str, x: Any) -> Any:
@@ -235,14 +289,36 @@ def _unary(op: str, x: Any) -> Any:
     return _apply(op, (x,))
 
 
-def sqrt(x: Any) -> Any: return _unary("sqrt", x)
-def rsqrt(x: Any) -> Any: return _unary("rsqrt", x)
-def exp(x: Any) -> Any: return _unary("exp", x)
-def log(x: Any) -> Any: return _unary("log", x)
-def abs(x: Any) -> Any: return _unary("abs", x)  # noqa: A001 - the DSL's name, like torch.abs
-def maximum(a: Any, b: Any) -> Expr: return _binary("maximum", a, b)
-def minimum(a: Any, b: Any) -> Expr: return _binary("minimum", a, b)
-def where(cond: Any, a: Any, b: Any) -> Expr: return _apply("where", (cond, a, b))
+def sqrt(x: Any) -> Any:
+    return _unary("sqrt", x)
+
+
+def rsqrt(x: Any) -> Any:
+    return _unary("rsqrt", x)
+
+
+def exp(x: Any) -> Any:
+    return _unary("exp", x)
+
+
+def log(x: Any) -> Any:
+    return _unary("log", x)
+
+
+def abs(x: Any) -> Any:
+    return _unary("abs", x)  # noqa: A001 - the DSL's name, like torch.abs
+
+
+def maximum(a: Any, b: Any) -> Expr:
+    return _binary("maximum", a, b)
+
+
+def minimum(a: Any, b: Any) -> Expr:
+    return _binary("minimum", a, b)
+
+
+def where(cond: Any, a: Any, b: Any) -> Expr:
+    return _apply("where", (cond, a, b))
 
 
 def cast(x: Any, dtype: str) -> Expr:
@@ -365,8 +441,15 @@ def send(x: Expr, to: str = NEXT_STAGE, tag: str = "activation") -> None:
     _apply("send", (x,), {"to": to, "tag": tag})
 
 
-def recv(program: Program, name: str, shape: Iterable[Any], layout: Any = None, dtype: str = "float32",
-         frm: str = PREV_STAGE, tag: str = "activation") -> Expr:
+def recv(
+    program: Program,
+    name: str,
+    shape: Iterable[Any],
+    layout: Any = None,
+    dtype: str = "float32",
+    frm: str = PREV_STAGE,
+    tag: str = "activation",
+) -> Expr:
     """Receive the previous stage's ``send`` of the same tag; on stage 0, an input."""
     return program.recv(name, shape, layout=layout, dtype=dtype, frm=frm, tag=tag)
 
@@ -377,8 +460,9 @@ def apply_custom(op: CustomSpec, operands: tuple, attrs: dict) -> Expr:
         raise ProgramError(f"custom op {op.name} needs at least one tensor of a program", location=_caller())
     known = prog._b.custom_ops.get(op.name)
     if known is not None and known is not op:
-        raise ProgramError(f"program {prog.name} already uses a different custom op named {op.name!r}",
-                           location=_caller())
+        raise ProgramError(
+            f"program {prog.name} already uses a different custom op named {op.name!r}", location=_caller()
+        )
     prog._b.custom_ops[op.name] = op
     return _apply(op.name, operands, attrs)
 

@@ -46,8 +46,7 @@ def rel_err(got: np.ndarray, want: np.ndarray) -> float:
     if got.shape != want.shape:
         return float("inf")
     got, want = got.reshape(-1), want.reshape(-1)
-    return max((_block_err(got[i:i + _BLOCK], want[i:i + _BLOCK]) for i in range(0, got.size, _BLOCK)),
-               default=0.0)
+    return max((_block_err(got[i : i + _BLOCK], want[i : i + _BLOCK]) for i in range(0, got.size, _BLOCK)), default=0.0)
 
 
 def _block_err(got: np.ndarray, want: np.ndarray) -> float:
@@ -74,8 +73,9 @@ def compare(ref: Mapping[str, np.ndarray], got: Mapping[str, np.ndarray], tol: f
     return out
 
 
-def check(schedule: Schedule, world: int, sizes: Mapping[str, int] | None = None, *, stages: int | None = None,
-          seed: int = 0) -> list[Mismatch]:
+def check(
+    schedule: Schedule, world: int, sizes: Mapping[str, int] | None = None, *, stages: int | None = None, seed: int = 0
+) -> list[Mismatch]:
     """Mismatches of ``schedule`` against its program on ``world`` simulated ranks (empty: equivalent)."""
     prog = schedule.program
     sizes = dict(sizes or small_sizes(prog))

@@ -11,15 +11,7 @@ from typing import Any, Sequence
 
 from coconet.errors import ProgramError
 from coconet.schedules.dims import Dim
-from coconet.schedules.types import (
-    FLOAT_DTYPES,
-    Layout,
-    Local,
-    Replicated,
-    Sliced,
-    TensorType,
-    promote,
-)
+from coconet.schedules.types import FLOAT_DTYPES, Layout, Local, Replicated, Sliced, TensorType, promote
 
 ONE = Dim.const(1)
 SCALAR_SHAPE: tuple[Dim, ...] = ()
@@ -211,8 +203,9 @@ def broadcast(x: TensorType, names: Sequence[str]) -> TensorType:
 def slice_view(x: TensorType, dim: int, names: Sequence[str]) -> TensorType:
     """Each rank's rows of a value it holds whole: no communication, so only a value every rank holds the same."""
     if not isinstance(x.layout, Replicated):
-        raise ProgramError(f"slice of {names[0]} ({x.layout}); only Replicated values are sliced where they lie",
-                           rule="slice: R→S")
+        raise ProgramError(
+            f"slice of {names[0]} ({x.layout}); only Replicated values are sliced where they lie", rule="slice: R→S"
+        )
     if x.is_scalar:
         raise ProgramError(f"slice of scalar {names[0]}: nothing to slice", rule="slice: R→S")
     return TensorType(x.shape, x.dtype, Sliced(normalize_dim(dim, x.ndim, names[0])))
@@ -221,8 +214,9 @@ def slice_view(x: TensorType, dim: int, names: Sequence[str]) -> TensorType:
 def _need_local(x: TensorType, names: Sequence[str], rule: str) -> None:
     if not isinstance(x.layout, Local):
         hint = " (it is already the same on every rank)" if isinstance(x.layout, Replicated) else ""
-        raise ProgramError(f"{rule.split(':')[0]} of {names[0]} ({x.layout}){hint}; the operand must be Local",
-                           rule=rule)
+        raise ProgramError(
+            f"{rule.split(':')[0]} of {names[0]} ({x.layout}){hint}; the operand must be Local", rule=rule
+        )
 
 
 def normalize_dim(dim: int, ndim: int, name: str) -> int:
@@ -252,13 +246,16 @@ def update(target: TensorType, value: TensorType, names: Sequence[str]) -> None:
 def dim_index(x: TensorType, dim: int, op: str, name: str) -> int:
     if not -x.ndim <= dim < x.ndim:
         valid = f"in [{-x.ndim}, {x.ndim - 1}]" if x.ndim else "none: it is a scalar"
-        raise ProgramError(f"{op} over dim {dim} of {name} with shape {x.shape_text()}: dims are {valid}",
-                           rule=f"{op}(x, dim): dim indexes x's shape")
+        raise ProgramError(
+            f"{op} over dim {dim} of {name} with shape {x.shape_text()}: dims are {valid}",
+            rule=f"{op}(x, dim): dim indexes x's shape",
+        )
     return dim % x.ndim
 
 
-def reduce_dim(x: TensorType, kind: str, dim: int | None, keepdim: bool, names: Sequence[str],
-               partial: bool = False) -> TensorType:
+def reduce_dim(
+    x: TensorType, kind: str, dim: int | None, keepdim: bool, names: Sequence[str], partial: bool = False
+) -> TensorType:
     """``kind`` (sum, mean, max, min) over ``dim`` (None: every dim): the dim goes, or stays with extent 1 under
     ``keepdim``. R→R, L→L; S(k) over another dim stays Sliced (along k, or k-1 where an earlier dim goes); S(k)
     over k (or every dim) is this rank's share of the result, Local (``partial_reduce``), that an allreduce
@@ -276,11 +273,15 @@ def reduce_dim(x: TensorType, kind: str, dim: int | None, keepdim: bool, names: 
         if not over_slices:
             raise ProgramError(
                 f"partial_reduce of {names[0]} ({layout}) over dim {dim}: a partial reduction reduces a Sliced "
-                "value over its sliced dim", rule="partial_reduce: S(k) over k → L")
+                "value over its sliced dim",
+                rule="partial_reduce: S(k) over k → L",
+            )
         return TensorType(shape, dtype, Local())
     if over_slices:
-        raise ProgramError(f"{kind} of {names[0]} ({layout}) over its sliced dim must be partial_reduce + allreduce",
-                           rule=f"{kind} over a sliced dim: partials + allreduce")
+        raise ProgramError(
+            f"{kind} of {names[0]} ({layout}) over its sliced dim must be partial_reduce + allreduce",
+            rule=f"{kind} over a sliced dim: partials + allreduce",
+        )
     if isinstance(layout, Sliced) and not keepdim:
         layout = Sliced(layout.dim - len([k for k in dims if k < layout.dim]))
     return TensorType(shape, dtype, layout)
@@ -293,8 +294,10 @@ def normalize(x: TensorType, op: str, dim: int, names: Sequence[str]) -> TensorT
         raise ProgramError(f"{op} of {names[0]} ({x.dtype}) needs a float tensor", rule=f"{op}(x: float)")
     d = dim_index(x, dim, op, names[0])
     if isinstance(x.layout, Sliced) and x.layout.dim == d:
-        raise ProgramError(f"{op} of {names[0]} ({x.layout}) along its sliced dim must be written as max and sum "
-                           "along the dim", rule=f"{op} along a sliced dim: max, sum and allreduces")
+        raise ProgramError(
+            f"{op} of {names[0]} ({x.layout}) along its sliced dim must be written as max and sum along the dim",
+            rule=f"{op} along a sliced dim: max, sum and allreduces",
+        )
     return TensorType(x.shape, x.dtype or "float32", x.layout)
 
 
@@ -307,8 +310,9 @@ def _exact_quotient(d: Dim, k: int) -> Dim | None:
     return Dim(tuple((mono, c // k) for mono, c in d.terms if mono)) + Dim.const(const // k)
 
 
-def _conv_extent(n: Dim, k: Dim, stride: int, padding: int, dilation: int, op: str, names: Sequence[str],
-                 i: int) -> Dim:
+def _conv_extent(
+    n: Dim, k: Dim, stride: int, padding: int, dilation: int, op: str, names: Sequence[str], i: int
+) -> Dim:
     """torch's output size ``(n + 2·padding - dilation·(k - 1) - 1) // stride + 1`` of one spatial dim."""
     span = n + Dim.const(2 * padding) - Dim.const(dilation) * (k - ONE) - ONE
     out = _exact_quotient(span, stride)
@@ -317,11 +321,16 @@ def _conv_extent(n: Dim, k: Dim, stride: int, padding: int, dilation: int, op: s
         raise ProgramError(
             f"spatial dim {i} of {names[0]} is {n} with kernel {k} and stride {stride}: the output size "
             f"({span}) // {stride} + 1 is not a polynomial of the dims; give {n} as an integer, a multiple of "
-            f"{stride}, or stride 1", rule=rule)
+            f"{stride}, or stride 1",
+            rule=rule,
+        )
     out = out + ONE
     if out.value is not None and out.value <= 0:
-        raise ProgramError(f"spatial dim {i} of {names[0]} ({n}, padded by {padding}) is smaller than the "
-                           f"kernel's reach ({k} taps, dilation {dilation}): the output would be empty", rule=rule)
+        raise ProgramError(
+            f"spatial dim {i} of {names[0]} ({n}, padded by {padding}) is smaller than the "
+            f"kernel's reach ({k} taps, dilation {dilation}): the output would be empty",
+            rule=rule,
+        )
     return out
 
 
@@ -332,33 +341,47 @@ def conv(x: TensorType, w: TensorType, op: str, attrs: dict, names: Sequence[str
     nd = 1 if op == "conv1d" else 2
     spatial, taps = ("L", "k") if nd == 1 else ("H, W", "kh, kw")
     if x.ndim != nd + 2 or w.ndim != nd + 2:
-        raise ProgramError(f"{op}({_fmt(names, (x, w))}) takes x (B, C, {spatial}) and w (K, C/groups, {taps})",
-                           rule=f"{op} shapes")
+        raise ProgramError(
+            f"{op}({_fmt(names, (x, w))}) takes x (B, C, {spatial}) and w (K, C/groups, {taps})", rule=f"{op} shapes"
+        )
     for n, t in zip(names, (x, w)):
         if t.dtype not in FLOAT_DTYPES:
-            raise ProgramError(f"{op} operand {n} is {t.dtype}; a convolution needs float tensors",
-                               rule=f"{op} needs floats")
+            raise ProgramError(
+                f"{op} operand {n} is {t.dtype}; a convolution needs float tensors", rule=f"{op} needs floats"
+            )
     if x.dtype != w.dtype:
-        raise ProgramError(f"{op} of {names[0]} ({x.dtype}) by {names[1]} ({w.dtype}); cast one to the other's "
-                           "dtype", rule=f"{op}: x and w have one dtype")
+        raise ProgramError(
+            f"{op} of {names[0]} ({x.dtype}) by {names[1]} ({w.dtype}); cast one to the other's dtype",
+            rule=f"{op}: x and w have one dtype",
+        )
     groups = attrs["groups"]
     if Dim.const(groups) * w.shape[1] != x.shape[1]:
         raise ProgramError(
             f"{names[0]} has {x.shape[1]} channels but {names[1]}{w.shape_text()} with groups={groups} takes "
-            f"{groups} x {w.shape[1]}", rule=f"{op}: x's channels = groups x w.shape[1]")
+            f"{groups} x {w.shape[1]}",
+            rule=f"{op}: x's channels = groups x w.shape[1]",
+        )
     if any(c % groups for _, c in w.shape[0].terms):
         k = w.shape[0]
-        why = (f"do not divide into groups={groups}" if k.value is not None else
-               f"are not a multiple of groups={groups} for every size (write them as {groups}*G)")
+        why = (
+            f"do not divide into groups={groups}"
+            if k.value is not None
+            else f"are not a multiple of groups={groups} for every size (write them as {groups}*G)"
+        )
         raise ProgramError(f"{names[1]}'s {k} output channels {why}", rule=f"{op}: groups divides the output channels")
-    out = tuple(_conv_extent(x.shape[2 + i], w.shape[2 + i], attrs["stride"][i], attrs["padding"][i],
-                             attrs["dilation"][i], op, names, i) for i in range(nd))
+    out = tuple(
+        _conv_extent(
+            x.shape[2 + i], w.shape[2 + i], attrs["stride"][i], attrs["padding"][i], attrs["dilation"][i], op, names, i
+        )
+        for i in range(nd)
+    )
     layout = _conv_layout(x.layout, w.layout, groups, op, names, (x, w))
     return TensorType((x.shape[0], w.shape[0]) + out, x.dtype, layout)
 
 
-def _conv_layout(lx: Layout, lw: Layout, groups: int, op: str, names: Sequence[str],
-                 types: Sequence[TensorType]) -> Layout:
+def _conv_layout(
+    lx: Layout, lw: Layout, groups: int, op: str, names: Sequence[str], types: Sequence[TensorType]
+) -> Layout:
     rule = f"{op} layouts"
     if isinstance(lw, Replicated) and not isinstance(lx, Sliced):
         return lx  # R×R→R, L×R→L
@@ -368,7 +391,9 @@ def _conv_layout(lx: Layout, lw: Layout, groups: int, op: str, names: Sequence[s
     if channels and groups != 1:
         raise ProgramError(
             f"{op} of {lx} x {lw} ({_fmt(names, types)}) with groups={groups}: slicing channels needs groups=1 "
-            "(a rank's channels may straddle groups)", rule=rule)
+            "(a rank's channels may straddle groups)",
+            rule=rule,
+        )
     if channels:
         return Sliced(1) if isinstance(lx, Replicated) else Local()
     hint = ""
@@ -378,4 +403,6 @@ def _conv_layout(lx: Layout, lw: Layout, groups: int, op: str, names: Sequence[s
         hint = "; partial sums slice both x and w along their input channels (dim 1)"
     raise ProgramError(
         f"no {op} rule for {lx} x {lw} ({_fmt(names, types)}); allowed: R×R→R, L×R→L, S(0)×R→S(0), "
-        f"R×S(0)→S(1), S(1)×S(1)→L (partial sums)" + hint, rule=rule)
+        f"R×S(0)→S(1), S(1)×S(1)→L (partial sums)" + hint,
+        rule=rule,
+    )

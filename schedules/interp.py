@@ -101,8 +101,9 @@ def assemble(t: TensorType, pieces: Pieces) -> np.ndarray:
     return pieces[0]
 
 
-def make_inputs(program: Any, world: int, sizes: Mapping[str, int], seed: int = 0,
-                stage: int = 0) -> dict[str, np.ndarray]:
+def make_inputs(
+    program: Any, world: int, sizes: Mapping[str, int], seed: int = 0, stage: int = 0
+) -> dict[str, np.ndarray]:
     """Deterministic global input values for ``program``: same (seed, stage, name) → same values.
 
     Floats are drawn uniformly from [0.25, 1) — positive, so that sqrt, log and
@@ -122,8 +123,9 @@ def make_inputs(program: Any, world: int, sizes: Mapping[str, int], seed: int = 
     return out
 
 
-def rank_inputs(program: Any, world: int, sizes: Mapping[str, int], rank: int, seed: int = 0,
-                stage: int = 0) -> dict[str, np.ndarray]:
+def rank_inputs(
+    program: Any, world: int, sizes: Mapping[str, int], rank: int, seed: int = 0, stage: int = 0
+) -> dict[str, np.ndarray]:
     """``rank``'s pieces of ``make_inputs``, the same values. A rank's row of a Local float input is drawn alone
     (the generator skipped past the rows before it: a uniform draw takes one step of its stream), so a rank
     does not hold every rank's gradient to keep its own."""
@@ -235,8 +237,18 @@ def run(
     for k in range(stages):
         given = inputs[k] if isinstance(inputs, list) else (inputs or {})
         # the stage owns the values (it lets go of each once rounded into pieces)
-        results.append(_run_stage(prog, world, sizes, k, make_inputs(prog, world, sizes, seed, stage=k) | dict(given),
-                                  results[-1] if results else None, keep_values, precision == "declared"))
+        results.append(
+            _run_stage(
+                prog,
+                world,
+                sizes,
+                k,
+                make_inputs(prog, world, sizes, seed, stage=k) | dict(given),
+                results[-1] if results else None,
+                keep_values,
+                precision == "declared",
+            )
+        )
     return Result(prog, world, sizes, results)
 
 
@@ -249,8 +261,16 @@ class _Ctx:
         return concrete_shape(self.prog[name].type, self.sizes)
 
 
-def _run_stage(prog: Program, world: int, sizes: Mapping[str, int], stage: int, inputs: dict[str, Any],
-               prev: StageResult | None, keep_values: bool = True, declared: bool = False) -> StageResult:
+def _run_stage(
+    prog: Program,
+    world: int,
+    sizes: Mapping[str, int],
+    stage: int,
+    inputs: dict[str, Any],
+    prev: StageResult | None,
+    keep_values: bool = True,
+    declared: bool = False,
+) -> StageResult:
     ctx = _Ctx(prog, world, sizes, stage)
     out = StageResult(values=ctx.vals)
     last = {} if keep_values else _last_readers(prog)
@@ -325,6 +345,7 @@ def _input_pieces(ctx: _Ctx, s: Stmt, inputs: dict[str, Any]) -> Pieces:
 
 # --- evaluation rules, one per op ---
 
+
 def _operand_pieces(ctx: _Ctx, s: Stmt, arg: str) -> Pieces:
     """An operand's pieces as a pointwise op consumes them: Replicated operands of a
     Sliced result are cut to each rank's rows (the zero-copy view a backend takes)."""
@@ -349,6 +370,7 @@ def _pointwise(fn: Callable[..., np.ndarray]) -> Callable[[_Ctx, Stmt], Pieces]:
         if all(_one_array(op) for op in operands):  # the same operands on every rank: one result serves them all
             return [np.asarray(fn(*(op[0] for op in operands)))] * ctx.world
         return [np.asarray(fn(*(op[r] for op in operands))) for r in range(ctx.world)]
+
     return rule
 
 
@@ -365,6 +387,7 @@ def _quiet(fn: Callable) -> Callable:
     def wrapped(*xs):
         with np.errstate(all="ignore"):  # inf/nan are values like any other; the caller compares them
             return fn(*xs)
+
     return wrapped
 
 
@@ -399,8 +422,14 @@ def _matmul(ctx: _Ctx, s: Stmt) -> Pieces:
     return [np.matmul(np.asarray(a[r], np.float64), np.asarray(b[r], np.float64)) for r in range(ctx.world)]
 
 
-def conv_reference(x: np.ndarray, w: np.ndarray, stride: tuple[int, ...], padding: tuple[int, ...],
-                   dilation: tuple[int, ...], groups: int) -> np.ndarray:
+def conv_reference(
+    x: np.ndarray,
+    w: np.ndarray,
+    stride: tuple[int, ...],
+    padding: tuple[int, ...],
+    dilation: tuple[int, ...],
+    groups: int,
+) -> np.ndarray:
     """torch's conv1d/conv2d (no bias) in float64: every kernel tap's strided window of the padded input, and
     a product with the weights per group. Empty channels (a rank's uneven slice) give zeros of the result's
     shape, which is what they add to a partial sum."""
@@ -513,6 +542,7 @@ def _softmax(log: bool) -> Callable[[_Ctx, Stmt], Pieces]:
                 total = np.sum(np.exp(z), axis=d, keepdims=True)
                 out.append(z - np.log(total) if log else np.exp(z) / total)
         return out
+
     return rule
 
 

@@ -43,8 +43,18 @@ COLLECTIVES = frozenset({"allreduce", "reduce_scatter", "all_gather", "broadcast
 EFFECTS = frozenset({"update", "output", "send"})
 # R→S with no communication: each rank's rows of its own copy (slice_reduce makes it)
 VIEWS = frozenset({"slice"})
-BUILTIN_OPS = (SOURCES | POINTWISE | REDUCTIONS | DIM_REDUCTIONS | NORMALIZERS | COLLECTIVES | EFFECTS | VIEWS
-               | {"matmul"} | frozenset(CONVS))
+BUILTIN_OPS = (
+    SOURCES
+    | POINTWISE
+    | REDUCTIONS
+    | DIM_REDUCTIONS
+    | NORMALIZERS
+    | COLLECTIVES
+    | EFFECTS
+    | VIEWS
+    | {"matmul"}
+    | frozenset(CONVS)
+)
 
 REDUCE_OPS = ("sum", "prod", "max", "min", "avg")
 NEXT_STAGE = "next"
@@ -174,9 +184,13 @@ class Program:
         root = self.least_world - 1
         if world <= root:
             where = next(s.name for s in self.stmts if s.op == "broadcast" and int(s.attr("root")) == root)
-            raise ProgramError(f"broadcasts from rank {root}: it needs {root + 1} ranks at least, not {world}",
-                               statement=where, op="broadcast", rule="0 <= root < world",
-                               location=self.location(where))
+            raise ProgramError(
+                f"broadcasts from rank {root}: it needs {root + 1} ranks at least, not {world}",
+                statement=where,
+                op="broadcast",
+                rule="0 <= root < world",
+                location=self.location(where),
+            )
 
     @cached_property
     def stmt_hashes(self) -> dict[str, str]:

@@ -43,11 +43,15 @@ class Rewriter:
         name, location = None if s.name in self.b.index else s.name, self.src.location(s.name)
         if attrs is None and all(self._as_before(n, a) for n, a in zip(new_args, s.args)):
             # operands as before: the statement is what it was (the builder's rules gave it its type)
-            idx = self._guard(lambda: self.b.add_verified(s.op, new_args, s.attrs, s.type, name=name,
-                                                          location=location))
+            idx = self._guard(
+                lambda: self.b.add_verified(s.op, new_args, s.attrs, s.type, name=name, location=location)
+            )
         else:
-            idx = self._guard(lambda: self.b.add(s.op, new_args, dict(s.attrs) if attrs is None else dict(attrs),
-                                                 name=name, location=location))
+            idx = self._guard(
+                lambda: self.b.add(
+                    s.op, new_args, dict(s.attrs) if attrs is None else dict(attrs), name=name, location=location
+                )
+            )
         self.new[s.name] = idx
         return idx
 

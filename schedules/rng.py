@@ -95,7 +95,7 @@ def global_index(shape: tuple[int, ...], region: tuple[slice, ...] | None = None
         if step != 1:
             raise ValueError("regions are boxes: slices with step 1")
         axes.append(np.arange(start, max(start, stop), dtype=np.int64))
-    strides = [int(np.prod(shape[k + 1:], dtype=np.int64)) for k in range(len(shape))]
+    strides = [int(np.prod(shape[k + 1 :], dtype=np.int64)) for k in range(len(shape))]
     out = np.zeros(tuple(len(a) for a in axes), dtype=np.int64)
     for k, (a, s) in enumerate(zip(axes, strides)):
         out += (a * s).reshape((1,) * k + (-1,) + (1,) * (len(shape) - k - 1))

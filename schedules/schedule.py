@@ -61,9 +61,13 @@ class Schedule:
         the step each rank holds only its rows of it, ZeRO-style. Fine for optimizer moments that only the
         step reads; not for weights the model reads whole."""
         declared = {s.name: s.type.layout for s in self.program.inputs}
-        return tuple(s.name for s in self.scheduled.inputs
-                     if s.name in self.program.updates and isinstance(declared.get(s.name), Replicated)
-                     and isinstance(s.type.layout, Sliced))
+        return tuple(
+            s.name
+            for s in self.scheduled.inputs
+            if s.name in self.program.updates
+            and isinstance(declared.get(s.name), Replicated)
+            and isinstance(s.type.layout, Sliced)
+        )
 
     @property
     def knob_domains(self) -> dict[str, tuple[int, tuple[int, ...]]]:
@@ -149,8 +153,10 @@ class Schedule:
         """Parse canonical text; every transform is applied, so an illegal one is refused here."""
         limit = MAX_TEXT + TEXT_PER_STATEMENT * len(program)
         if not isinstance(text, str) or len(text) > limit:
-            raise ScheduleError(f"schedule text must be a string of at most {limit} characters "
-                                f"for a program of {len(program)} statements")
+            raise ScheduleError(
+                f"schedule text must be a string of at most {limit} characters "
+                f"for a program of {len(program)} statements"
+            )
         transforms, knobs = _read(text)
         if not transforms and not knobs:
             return cls(program)

@@ -39,8 +39,7 @@ def export(program: Program, indent: int | None = 2) -> str:
 
 
 def load(
-    source: str | bytes | Mapping[str, Any],
-    ops: OpRegistry | Mapping[str, CustomOp] | Iterable[CustomOp] | None = None,
+    source: str | bytes | Mapping[str, Any], ops: OpRegistry | Mapping[str, CustomOp] | Iterable[CustomOp] | None = None
 ) -> Program:
     """Parse and verify a JSON program; raises ``ProgramError``."""
     data = _parse(source) if isinstance(source, (str, bytes)) else source
@@ -112,8 +111,12 @@ def _topological(entries: dict[str, dict], order: list[str]) -> list[str]:
     for name in order:
         for a in entries[name].get("args", []):
             if a not in entries:
-                raise ProgramError(f"refers to {a!r}, which no statement defines", statement=name,
-                                   op=entries[name]["op"], rule="references name earlier statements")
+                raise ProgramError(
+                    f"refers to {a!r}, which no statement defines",
+                    statement=name,
+                    op=entries[name]["op"],
+                    rule="references name earlier statements",
+                )
     state: dict[str, int] = {}  # 1 visiting, 2 done
     out: list[str] = []
     for root in order:
@@ -128,9 +131,11 @@ def _topological(entries: dict[str, dict], order: list[str]) -> list[str]:
                 stack[-1] = (name, i + 1)
                 nxt = args[i]
                 if state.get(nxt) == 1:
-                    cycle = [n for n, _ in stack[[n for n, _ in stack].index(nxt):]] + [nxt]
+                    cycle = [n for n, _ in stack[[n for n, _ in stack].index(nxt) :]] + [nxt]
                     raise ProgramError(
-                        f"cyclic reference: {' -> '.join(cycle)}", statement=nxt, op=entries[nxt]["op"],
+                        f"cyclic reference: {' -> '.join(cycle)}",
+                        statement=nxt,
+                        op=entries[nxt]["op"],
                         rule="programs are acyclic",
                     )
                 if not state.get(nxt):

@@ -38,8 +38,10 @@ def resolve(program: Program, names: Iterable[str]) -> frozenset[str]:
         return frozenset(state)
     unknown = sorted(set(names) - set(state))
     if unknown:
-        raise CoconetError(f"shardable {', '.join(unknown)}: not replicated state {program.name} updates "
-                           f"(it can shard {', '.join(state) or 'nothing'}; `{ALL}` for every one)")
+        raise CoconetError(
+            f"shardable {', '.join(unknown)}: not replicated state {program.name} updates "
+            f"(it can shard {', '.join(state) or 'nothing'}; `{ALL}` for every one)"
+        )
     return frozenset(names)
 
 

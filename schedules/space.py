@@ -76,9 +76,15 @@ class Space:
             "depth": self.depth,
             "truncated": self.truncated,
             "schedules": [
-                {"id": i, "text": s.text, "transforms": s.names, "hash": s.hash, "structure": s.structure,
-                 "knobs": {k: {"default": d, "domain": list(dom)} for k, (d, dom) in s.knob_domains.items()},
-                 "description": s.describe(memo)}
+                {
+                    "id": i,
+                    "text": s.text,
+                    "transforms": s.names,
+                    "hash": s.hash,
+                    "structure": s.structure,
+                    "knobs": {k: {"default": d, "domain": list(dom)} for k, (d, dom) in s.knob_domains.items()},
+                    "description": s.describe(memo),
+                }
                 for i, s in enumerate(self.schedules)
             ],
         }

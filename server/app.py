@@ -5,7 +5,6 @@ the server's workers, the best schedule per (program, sizes, topology) out, with
 ``coconet.server.fastbest`` before them.
 """
 
-
 import logging
 import os
 import re
@@ -52,10 +51,19 @@ WRITE_SLOTS = 15
 log = logging.getLogger("coconet.server")
 
 
-def create_app(store_url: str | None = None, *, token: str | None = None, workers: int = 1,
-               start_workers: bool = True, protocol: Protocol | None = None, ray_address: str | None = None,
-               stale_s: float | None = None, open_writes: bool = False, hosts: Iterable[str] = (),
-               wait_s: float = WRITE_WAIT_S) -> FastAPI:
+def create_app(
+    store_url: str | None = None,
+    *,
+    token: str | None = None,
+    workers: int = 1,
+    start_workers: bool = True,
+    protocol: Protocol | None = None,
+    ray_address: str | None = None,
+    stale_s: float | None = None,
+    open_writes: bool = False,
+    hosts: Iterable[str] = (),
+    wait_s: float = WRITE_WAIT_S,
+) -> FastAPI:
     """The API on the store at ``store_url`` (default: as ``Store.open``). Writes need ``token`` (default
     ``$COCONET_API_TOKEN``); with none, writes are refused unless ``open_writes`` (keep such a server on
     loopback). It answers requests for loopback names and ``hosts`` (``*``: any), and takes writes from web
@@ -88,9 +96,15 @@ def create_app(store_url: str | None = None, *, token: str | None = None, worker
             store.close()
 
     # /docs and /redoc come from assets.mount_docs, on local scripts: FastAPI's own load theirs from a CDN
-    app = FastAPI(title="coconet", version=__version__, lifespan=lifespan, responses=ANY_ERROR,
-                  description="Best schedules of distributed ML programs, tuned on demand.",
-                  docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title="coconet",
+        version=__version__,
+        lifespan=lifespan,
+        responses=ANY_ERROR,
+        description="Best schedules of distributed ML programs, tuned on demand.",
+        docs_url=None,
+        redoc_url=None,
+    )
     app.state.store = store
     app.state.settings = settings
     app.state.workers = None
@@ -144,9 +158,14 @@ def _handlers(app: FastAPI) -> None:
             # allows all of theirs.
             allowed = _methods(request.app, request.url.path)
             if allowed:
-                return JSONResponse({"detail": f"{request.method} is not allowed on {request.url.path} "
-                                     f"(allowed: {', '.join(allowed)})"}, status_code=405,
-                                    headers={"Allow": ", ".join(allowed)})
+                return JSONResponse(
+                    {
+                        "detail": f"{request.method} is not allowed on {request.url.path} "
+                        f"(allowed: {', '.join(allowed)})"
+                    },
+                    status_code=405,
+                    headers={"Allow": ", ".join(allowed)},
+                )
         return await http_exception_handler(request, err)
 
     @app.exception_handler(RecursionError)
@@ -157,7 +176,6 @@ def _handlers(app: FastAPI) -> None:
     async def bug(request: Request, err: Exception) -> JSONResponse:
         log.exception("internal error on %s %s", request.method, request.url.path)
         return JSONResponse({"detail": f"internal error: {type(err).__name__}"}, status_code=500)
-
 
 
 # Human forms of the parameters whose patterns are too long to print in a message.
@@ -178,8 +196,9 @@ def _one_line(errors: Sequence[Any]) -> str:
         return [str(x) for x in e.get("loc", ()) if not (isinstance(x, str) and _UNION_TAG.fullmatch(x))]
 
     within = where(errors[0])  # a union's alternatives, and the items of a list among them
-    first = next((e for e in errors if where(e)[:len(within)] == within and not e.get("type", "").endswith("_type")),
-                 errors[0])
+    first = next(
+        (e for e in errors if where(e)[: len(within)] == within and not e.get("type", "").endswith("_type")), errors[0]
+    )
     loc = where(first)
     given = first.get("input")
     if first.get("type") == "string_pattern_mismatch" and loc and loc[-1] in _FORMS:

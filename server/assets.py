@@ -90,9 +90,13 @@ def _zero(q: str) -> bool:
 def mount_docs(app: FastAPI) -> None:
     """``/docs`` and ``/redoc`` on local scripts, for an app made with ``docs_url=None, redoc_url=None``."""
     bundled = resources.files("fastapi_offline") / "static"
-    assets = Assets({"swagger-ui-bundle.js": (bundled / "swagger-ui-bundle.js", "text/javascript"),
-                     "swagger-ui.css": (bundled / "swagger-ui.css", "text/css"),
-                     "redoc.standalone.js": (bundled / "redoc.standalone.js", "text/javascript")})
+    assets = Assets(
+        {
+            "swagger-ui-bundle.js": (bundled / "swagger-ui-bundle.js", "text/javascript"),
+            "swagger-ui.css": (bundled / "swagger-ui.css", "text/css"),
+            "redoc.standalone.js": (bundled / "redoc.standalone.js", "text/javascript"),
+        }
+    )
     openapi_url = app.openapi_url or "/openapi.json"
     redirect = app.swagger_ui_oauth2_redirect_url or "/docs/oauth2-redirect"
 
@@ -104,10 +108,14 @@ def mount_docs(app: FastAPI) -> None:
     def swagger(request: Request) -> HTMLResponse:
         root = request.scope.get("root_path", "")
         page = get_swagger_ui_html(
-            openapi_url=root + openapi_url, title=f"{app.title} - Swagger UI", oauth2_redirect_url=root + redirect,
+            openapi_url=root + openapi_url,
+            title=f"{app.title} - Swagger UI",
+            oauth2_redirect_url=root + redirect,
             swagger_js_url=f"{root}{DOCS_STATIC}/swagger-ui-bundle.js",
-            swagger_css_url=f"{root}{DOCS_STATIC}/swagger-ui.css", swagger_favicon_url=root + FAVICON,
-            swagger_ui_parameters=app.swagger_ui_parameters)
+            swagger_css_url=f"{root}{DOCS_STATIC}/swagger-ui.css",
+            swagger_favicon_url=root + FAVICON,
+            swagger_ui_parameters=app.swagger_ui_parameters,
+        )
         page.headers.update(_LOCAL_ONLY)
         return page
 
@@ -119,8 +127,12 @@ def mount_docs(app: FastAPI) -> None:
     def redoc(request: Request) -> HTMLResponse:
         root = request.scope.get("root_path", "")
         # no Google Fonts: they would be a request to another host
-        page = get_redoc_html(openapi_url=root + openapi_url, title=f"{app.title} - ReDoc",
-                              redoc_js_url=f"{root}{DOCS_STATIC}/redoc.standalone.js", redoc_favicon_url=root + FAVICON,
-                              with_google_fonts=False)
+        page = get_redoc_html(
+            openapi_url=root + openapi_url,
+            title=f"{app.title} - ReDoc",
+            redoc_js_url=f"{root}{DOCS_STATIC}/redoc.standalone.js",
+            redoc_favicon_url=root + FAVICON,
+            with_google_fonts=False,
+        )
         page.headers.update(_LOCAL_ONLY)
         return page

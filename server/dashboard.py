@@ -44,12 +44,14 @@ def mount(app: FastAPI) -> None:
     """Serve the page at ``/``, its assets under ``/static``, its favicon, and its data under
     ``/api/v1/dashboard``. The data routes read ``app.state.store`` (a ``coconet.server.store.Store``)."""
     static = resources.files("coconet.server") / "static"
-    assets = Assets({
-        "dashboard.js": (static / "dashboard.js", "text/javascript"),
-        "dashboard.css": (static / "dashboard.css", "text/css"),
-        "favicon.svg": (static / "favicon.svg", "image/svg+xml"),
-        "plotly.min.js": (resources.files("plotly") / "package_data" / "plotly.min.js", "text/javascript"),
-    })
+    assets = Assets(
+        {
+            "dashboard.js": (static / "dashboard.js", "text/javascript"),
+            "dashboard.css": (static / "dashboard.css", "text/css"),
+            "favicon.svg": (static / "favicon.svg", "image/svg+xml"),
+            "plotly.min.js": (resources.files("plotly") / "package_data" / "plotly.min.js", "text/javascript"),
+        }
+    )
 
     @app.get("/", include_in_schema=False)
     def index() -> HTMLResponse:
@@ -85,9 +87,13 @@ def _data_router(cache: data.WinnersCache) -> APIRouter:
         return _found(_guard(lambda: data.program_summary(_store(request), program_hash)), program_hash)
 
     @router.get("/programs/{program_hash}/winners", responses=error_responses(404, 422))
-    def winners(request: Request, program_hash: Hash, f: Filtered,
-                limit: int = Query(default=PAGE_DEFAULT, ge=1, le=data.PAGE_MAX),
-                offset: int = Query(default=0, ge=0, le=MAX_ID)) -> Response:
+    def winners(
+        request: Request,
+        program_hash: Hash,
+        f: Filtered,
+        limit: int = Query(default=PAGE_DEFAULT, ge=1, le=data.PAGE_MAX),
+        offset: int = Query(default=0, ge=0, le=MAX_ID),
+    ) -> Response:
         """One page of the current winners the filters leave, and their total."""
         store = _store(request)
         _found(_guard(lambda: store.program(program_hash)), program_hash)
@@ -98,12 +104,15 @@ def _data_router(cache: data.WinnersCache) -> APIRouter:
         """Speed-ups and time vs size per shape family, of what the filters leave."""
         store = _store(request)
         _found(_guard(lambda: store.program(program_hash)), program_hash)
-        return _json(request, _guard(lambda: plots.plots(plots.timing_points(store, program_hash, f),
-                                                         cache.get(store, program_hash, f))))
+        return _json(
+            request,
+            _guard(lambda: plots.plots(plots.timing_points(store, program_hash, f), cache.get(store, program_hash, f))),
+        )
 
     @router.get("/programs/{program_hash}/studies", responses=error_responses(404, 422))
-    def studies(request: Request, program_hash: Hash, f: Filtered,
-                limit: int = Query(default=50, ge=1, le=data.PAGE_MAX)) -> list[dict[str, Any]]:
+    def studies(
+        request: Request, program_hash: Hash, f: Filtered, limit: int = Query(default=50, ge=1, le=data.PAGE_MAX)
+    ) -> list[dict[str, Any]]:
         """The tuning jobs on the filters' topology and world, newest first."""
         store = _store(request)
         _found(_guard(lambda: store.program(program_hash)), program_hash)
@@ -118,12 +127,20 @@ def _data_router(cache: data.WinnersCache) -> APIRouter:
         return found
 
     # The code is text, its errors JSON: a plain Response class leaves each documented with its own type.
-    @router.get("/programs/{program_hash}/code", response_class=Response,
-                responses={200: {"description": "The generated module",
-                                 "content": {"text/plain": {"schema": {"type": "string"}}}}}
-                | error_responses(404, 422))
-    def code(request: Request, program_hash: Hash, measurement: int = Query(ge=1, le=MAX_ID),
-             backend: str | None = Query(default=None, pattern="^(gloo|nccl|shm)$")) -> Response:
+    @router.get(
+        "/programs/{program_hash}/code",
+        response_class=Response,
+        responses={
+            200: {"description": "The generated module", "content": {"text/plain": {"schema": {"type": "string"}}}}
+        }
+        | error_responses(404, 422),
+    )
+    def code(
+        request: Request,
+        program_hash: Hash,
+        measurement: int = Query(ge=1, le=MAX_ID),
+        backend: str | None = Query(default=None, pattern="^(gloo|nccl|shm)$"),
+    ) -> Response:
         source = _guard(lambda: data.winner_code(_store(request), program_hash, measurement, backend))
         if source is None:
             raise HTTPException(404, f"no schedule recorded as measurement {measurement} of program {program_hash}")
@@ -138,8 +155,11 @@ def _json(request: Request, body: Any) -> Response:
     raw = json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
     headers = {"Vary": "Accept-Encoding"}
     if len(raw) > 4096 and accepts_gzip(request.headers.get("accept-encoding", "")):
-        return Response(gzip.compress(raw, compresslevel=5), media_type="application/json",
-                        headers={**headers, "Content-Encoding": "gzip"})
+        return Response(
+            gzip.compress(raw, compresslevel=5),
+            media_type="application/json",
+            headers={**headers, "Content-Encoding": "gzip"},
+        )
     return Response(raw, media_type="application/json", headers=headers)
 
 

@@ -40,8 +40,12 @@ class Filters:
     source: str | None = None
 
     def apply(self, q: Any, table: Any) -> Any:
-        for column, value in (("topology", self.topology), ("world", self.world), ("backend", self.backend),
-                              ("source", None if self.source is None else SOURCES[self.source])):
+        for column, value in (
+            ("topology", self.topology),
+            ("world", self.world),
+            ("backend", self.backend),
+            ("source", None if self.source is None else SOURCES[self.source]),
+        ):
             if value is not None:
                 q = q.where(table.c[column] == value)
         return q
@@ -74,8 +78,10 @@ class Current:
 
 def program_list(store: Store) -> list[dict[str, Any]]:
     counts = store.result_counts()
-    return [{"hash": p.hash, "name": p.name, "created_at": p.created_at.isoformat(),
-             "results": counts.get(p.hash, 0)} for p in store.programs(newest_first=True)]
+    return [
+        {"hash": p.hash, "name": p.name, "created_at": p.created_at.isoformat(), "results": counts.get(p.hash, 0)}
+        for p in store.programs(newest_first=True)
+    ]
 
 
 def program_summary(store: Store, program_hash: str) -> dict[str, Any] | None:
@@ -100,12 +106,31 @@ def current_winners(store: Store, program_hash: str, filters: Filters) -> list[C
     measured_first = case((_W.c.source == "measured", 0), else_=1)
     rank = func.row_number().over(
         partition_by=(_W.c.sizes_key, _W.c.topology, _W.c.world, _W.c.backend, _W.c.shardable),
-        order_by=(measured_first, _W.c.created_at.desc(), _W.c.id.desc()))
-    q = (select(_W.c.id, _W.c.measurement_id, _W.c.sizes_key, _W.c.topology, _W.c.world, _W.c.backend,
-                _W.c.shardable, _W.c.source, _M.c.schedule, _M.c.median_s, _M.c.ci_lo_s, _M.c.ci_hi_s,
-                _BASE.c.median_s.label("baseline_s"), _W.c.speedup, _W.c.job_id, rank.label("rank"))
-         .join(_M, _M.c.id == _W.c.measurement_id).outerjoin(_BASE, _BASE.c.id == _W.c.baseline_id)
-         .where(_W.c.program_hash == program_hash, _M.c.status == "ok", _M.c.median_s.is_not(None)))
+        order_by=(measured_first, _W.c.created_at.desc(), _W.c.id.desc()),
+    )
+    q = (
+        select(
+            _W.c.id,
+            _W.c.measurement_id,
+            _W.c.sizes_key,
+            _W.c.topology,
+            _W.c.world,
+            _W.c.backend,
+            _W.c.shardable,
+            _W.c.source,
+            _M.c.schedule,
+            _M.c.median_s,
+            _M.c.ci_lo_s,
+            _M.c.ci_hi_s,
+            _BASE.c.median_s.label("baseline_s"),
+            _W.c.speedup,
+            _W.c.job_id,
+            rank.label("rank"),
+        )
+        .join(_M, _M.c.id == _W.c.measurement_id)
+        .outerjoin(_BASE, _BASE.c.id == _W.c.baseline_id)
+        .where(_W.c.program_hash == program_hash, _M.c.status == "ok", _M.c.median_s.is_not(None))
+    )
     ranked = filters.apply(q, _W).subquery()
     sizes: dict[str, dict[str, int]] = {}
     out = []
@@ -147,8 +172,12 @@ class WinnersCache:
 
 def winners_page(rows: list[Current], limit: int, offset: int) -> dict[str, Any]:
     """One page of the winners table and how many rows the filters leave in all."""
-    return {"total": len(rows), "offset": offset, "limit": limit,
-            "rows": [winner_row(c) for c in rows[offset:offset + limit]]}
+    return {
+        "total": len(rows),
+        "offset": offset,
+        "limit": limit,
+        "rows": [winner_row(c) for c in rows[offset : offset + limit]],
+    }
 
 
 def winner_row(c: Current) -> dict[str, Any]:
@@ -196,8 +225,18 @@ def studies(store: Store, program_hash: str, filters: Filters, limit: int) -> li
         if filters.topology not in (None, job.topology) or filters.world not in (None, job.world):
             continue
         p = job.progress
-        out.append({"job_id": job.id, "state": job.state, "sizes": job.sizes, "topology": job.topology,
-                    "world": job.world, "done": p.done, "total": p.total, "failed": p.failed})
+        out.append(
+            {
+                "job_id": job.id,
+                "state": job.state,
+                "sizes": job.sizes,
+                "topology": job.topology,
+                "world": job.world,
+                "done": p.done,
+                "total": p.total,
+                "failed": p.failed,
+            }
+        )
         if len(out) == limit:
             break
     return out
@@ -210,9 +249,17 @@ def study(store: Store, program_hash: str, job_id: int) -> dict[str, Any] | None
     if job is None or job.program_hash != program_hash:
         return None
     trials = store.measurements(program_hash, job_id=job_id)
-    return {"job_id": job.id, "state": job.state, "sizes": job.sizes, "topology": job.topology, "world": job.world,
-            "trials": [{"schedule": t.schedule, "backend": t.backend, "status": t.status, "median_s": t.median_s,
-                        "error": t.error} for t in sorted(trials, key=lambda t: (t.created_at, t.id))]}
+    return {
+        "job_id": job.id,
+        "state": job.state,
+        "sizes": job.sizes,
+        "topology": job.topology,
+        "world": job.world,
+        "trials": [
+            {"schedule": t.schedule, "backend": t.backend, "status": t.status, "median_s": t.median_s, "error": t.error}
+            for t in sorted(trials, key=lambda t: (t.created_at, t.id))
+        ],
+    }
 
 
 def winner_code(store: Store, program_hash: str, measurement_id: int, backend: str | None = None) -> str | None:

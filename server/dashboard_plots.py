@@ -88,8 +88,9 @@ def families(keys: Mapping[str, Mapping[str, int]]) -> list[Family]:
 
 def timing_points(store: Store, program_hash: str, filters: Filters) -> list[Point]:
     """Every successful timing the filters leave, oldest first."""
-    q = (select(_M.c.sizes_key, _M.c.topology, _M.c.world, _M.c.backend, _M.c.schedule, _M.c.median_s, _M.c.source)
-         .where(_M.c.program_hash == program_hash, _M.c.status == "ok", _M.c.median_s.is_not(None)))
+    q = select(
+        _M.c.sizes_key, _M.c.topology, _M.c.world, _M.c.backend, _M.c.schedule, _M.c.median_s, _M.c.source
+    ).where(_M.c.program_hash == program_hash, _M.c.status == "ok", _M.c.median_s.is_not(None))
     with store.reading("dashboard timings") as s:
         rows = s.execute(filters.apply(q, _M).order_by(_M.c.id))
         return [(k, t, w, b, sch, m, src) for k, t, w, b, sch, m, src in rows]
@@ -119,22 +120,37 @@ def _timings(points: Iterable[Point], winners: list[Current]) -> list[dict]:
             inside = {s: {k: pts[k] for k in fam.keys if k in pts} for s, pts in by_series.items()}
             inside = {s: pts for s, pts in inside.items() if pts}
             chosen = _pick(inside, won[ctx])
-            out.append({"context": ctx, "family": fam.label, "axis": fam.axis(), "schedules": len(inside),
-                        "shown": len(chosen), "series": [_series(fam, keys, s, inside[s]) for s in chosen]})
+            out.append(
+                {
+                    "context": ctx,
+                    "family": fam.label,
+                    "axis": fam.axis(),
+                    "schedules": len(inside),
+                    "shown": len(chosen),
+                    "series": [_series(fam, keys, s, inside[s]) for s in chosen],
+                }
+            )
     return out
 
 
 def _series(fam: Family, keys: Mapping[str, Mapping[str, int]], s: _Series, pts: dict[str, float]) -> dict:
     backend, schedule, source = s
     order = [k for k in fam.keys if k in pts]
-    return {"name": f"{source} · {backend}: {schedule}", "backend": backend, "schedule": schedule,
-            "source": source, "x": [fam.x(keys[k]) for k in order], "median_s": [pts[k] for k in order]}
+    return {
+        "name": f"{source} · {backend}: {schedule}",
+        "backend": backend,
+        "schedule": schedule,
+        "source": source,
+        "x": [fam.x(keys[k]) for k in order],
+        "median_s": [pts[k] for k in order],
+    }
 
 
 def _pick(by_series: dict[_Series, dict[str, float]], winners: set[_Series]) -> list[_Series]:
     """The baselines and the winners first, then the fastest others, up to MAX_SERIES."""
     first = sorted(k for k in by_series if k[1] == BASELINE) + sorted(
-        k for k in winners if k in by_series and k[1] != BASELINE)
+        k for k in winners if k in by_series and k[1] != BASELINE
+    )
     rest = sorted((k for k in by_series if k not in first), key=lambda k: (min(by_series[k].values()), k))
     return (first + rest)[:MAX_SERIES]
 
@@ -156,11 +172,17 @@ def _speedups(winners: list[Current]) -> list[dict[str, Any]]:
         series = []
         for (ctx, source), cs in sorted(by_series.items()):
             cs.sort(key=lambda c: order[c.sizes_key])
-            series.append({"name": f"{source} · {ctx}", "context": ctx, "source": source,
-                           "x": [fam.x(c.sizes) for c in cs], "speedup": [c.speedup for c in cs],
-                           "schedule": [c.schedule for c in cs]})
-        out.append({"family": fam.label, "axis": fam.axis(), "series": series[:MAX_SERIES],
-                    "contexts": len(series)})
+            series.append(
+                {
+                    "name": f"{source} · {ctx}",
+                    "context": ctx,
+                    "source": source,
+                    "x": [fam.x(c.sizes) for c in cs],
+                    "speedup": [c.speedup for c in cs],
+                    "schedule": [c.schedule for c in cs],
+                }
+            )
+        out.append({"family": fam.label, "axis": fam.axis(), "series": series[:MAX_SERIES], "contexts": len(series)})
     return out
 
 

@@ -83,4 +83,3 @@ def check_dims(name: str, dims: tuple[str, ...], sizes: dict[str, int]) -> None:
     for k, v in sizes.items():
         if not 1 <= v <= MAX_SIZE:
             raise SizeError(f"size {k}={v} is outside 1..2^40")
-

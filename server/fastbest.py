@@ -29,9 +29,15 @@ def _accepts(spec: dict[str, Any]) -> Callable[[str], bool]:
 
 # Values the route's declarations accept as they are (a subset of what FastAPI would coerce: "02" is left to it).
 _WORLD = re.compile(r"[1-9][0-9]{0,3}")
-_PLAIN = {"program": _accepts(HASH), "sizes": _accepts(SIZES), "topology": _accepts(TOPOLOGY),
-          "backend": _accepts(BACKEND), "shardable": _accepts(SHARDABLE),
-          "world": lambda v: _WORLD.fullmatch(v) is not None, "source": STORED_SOURCE.__contains__}
+_PLAIN = {
+    "program": _accepts(HASH),
+    "sizes": _accepts(SIZES),
+    "topology": _accepts(TOPOLOGY),
+    "backend": _accepts(BACKEND),
+    "shardable": _accepts(SHARDABLE),
+    "world": lambda v: _WORLD.fullmatch(v) is not None,
+    "source": STORED_SOURCE.__contains__,
+}
 
 
 class FastBest:
@@ -50,13 +56,24 @@ class FastBest:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (scope["type"] == "http" and scope["path"] == _BEST_PATH and scope["method"] == "GET"
-                and not scope.get("root_path")):
+        if (
+            scope["type"] == "http"
+            and scope["path"] == _BEST_PATH
+            and scope["method"] == "GET"
+            and not scope.get("root_path")
+        ):
             body = _plain_best(scope["app"].state, scope["query_string"])
             if body is not None:
-                await send({"type": "http.response.start", "status": 200,
-                            "headers": [(b"content-length", str(len(body)).encode()),
-                                        (b"content-type", b"application/json")]})
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": 200,
+                        "headers": [
+                            (b"content-length", str(len(body)).encode()),
+                            (b"content-type", b"application/json"),
+                        ],
+                    }
+                )
                 await send({"type": "http.response.body", "body": body})
                 return
         await self.app(scope, receive, send)
@@ -73,8 +90,15 @@ def _plain_best(state: Any, query: bytes) -> bytes | None:
     shardable, source = params.get("shardable"), params.get("source")
     if program is None or sizes is None:
         return None
-    for name, value in (("program", program), ("sizes", sizes), ("topology", topology), ("world", world),
-                        ("backend", backend), ("shardable", shardable), ("source", source)):
+    for name, value in (
+        ("program", program),
+        ("sizes", sizes),
+        ("topology", topology),
+        ("world", world),
+        ("backend", backend),
+        ("shardable", shardable),
+        ("source", source),
+    ):
         if value is not None and not _PLAIN[name](value):
             return None
     if world is not None and int(world) > MAX_WORLD:
@@ -85,8 +109,15 @@ def _plain_best(state: Any, query: bytes) -> bytes | None:
             return None
         allowed = facts.shardable(None if shardable is None else [shardable])
         asked = request_sizes(sizes)
-        found = state.store.best(program, asked, topology, int(world) if world else None, backend=backend,
-                                 shardable=allowed, source=STORED_SOURCE.get(source or ""))
+        found = state.store.best(
+            program,
+            asked,
+            topology,
+            int(world) if world else None,
+            backend=backend,
+            shardable=allowed,
+            source=STORED_SOURCE.get(source or ""),
+        )
         if found is None:
             return None
         if not found.exact:  # the route first checks the sizes against the program's dims

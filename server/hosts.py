@@ -29,7 +29,7 @@ def host_name(value: str) -> str | None:
     value = value.strip().lower()
     if value.startswith("["):
         end = value.find("]")
-        rest = value[end + 1:]
+        rest = value[end + 1 :]
         if end < 0 or (rest and not (rest.startswith(":") and rest[1:].isdigit())):
             return None
         return value[1:end] or None
@@ -61,14 +61,19 @@ class HostCheck:
         headers = dict(scope.get("headers") or [])
         host = headers.get(b"host", b"").decode("latin-1")
         if not self.allowed(host_name(host)):
-            log.warning("refused a request for host %r (allowed: %s; coconet serve --allow-host NAME adds one)",
-                        host[:100], ", ".join(sorted(self.hosts)))
+            log.warning(
+                "refused a request for host %r (allowed: %s; coconet serve --allow-host NAME adds one)",
+                host[:100],
+                ", ".join(sorted(self.hosts)),
+            )
             await _reply(send, 400, b"text/plain; charset=utf-8", b"Invalid host header")
             return
         origin = headers.get(b"origin")
         if origin is not None and scope.get("method", "GET") not in _READS and not self._trusted(origin):
-            detail = ("writes from a web page of another site are refused (Origin "
-                      f"{origin.decode('latin-1')[:100]!r} is not an allowed host)")
+            detail = (
+                "writes from a web page of another site are refused (Origin "
+                f"{origin.decode('latin-1')[:100]!r} is not an allowed host)"
+            )
             await _reply(send, 403, b"application/json", json.dumps({"detail": detail}).encode())
             return
         await self.app(scope, receive, send)
@@ -82,7 +87,15 @@ class HostCheck:
 
 
 async def _reply(send: Send, status: int, kind: bytes, body: bytes) -> None:
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", kind), (b"content-length", str(len(body)).encode()),
-                            (b"connection", b"close")]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", kind),
+                (b"content-length", str(len(body)).encode()),
+                (b"connection", b"close"),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})

@@ -66,8 +66,11 @@ class LimitedHttpTools(HttpToolsProtocol):
                 self._arm()
                 room = self.limits.max_head - self._head_bytes
                 if room <= 0:
-                    self._refuse(431, f"request head (request line and headers) over {self.limits.max_head} "
-                                      "bytes; at most that many are accepted")
+                    self._refuse(
+                        431,
+                        f"request head (request line and headers) over {self.limits.max_head} "
+                        "bytes; at most that many are accepted",
+                    )
                     return
                 piece, data = data[:room], data[room:]
                 self._head_bytes += len(piece)
@@ -126,8 +129,11 @@ class LimitedHttpTools(HttpToolsProtocol):
             body = json.dumps({"detail": detail}).encode()
             head = [STATUS_LINE[status]]
             head += [name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers]
-            head += [b"content-type: application/json\r\n", b"content-length: %d\r\n" % len(body),
-                     b"connection: close\r\n\r\n"]
+            head += [
+                b"content-type: application/json\r\n",
+                b"content-length: %d\r\n" % len(body),
+                b"connection: close\r\n\r\n",
+            ]
             self.transport.write(b"".join(head) + body)
         self.transport.close()
 
@@ -143,8 +149,9 @@ def protocol(limits: HeadLimits = HeadLimits()) -> type[LimitedHttpTools]:
     return type("LimitedHttpTools", (LimitedHttpTools,), {"limits": limits})
 
 
-def server_config(app: Any, *, host: str = "127.0.0.1", port: int = 8000, limits: HeadLimits = HeadLimits(),
-                  **options: Any) -> uvicorn.Config:
+def server_config(
+    app: Any, *, host: str = "127.0.0.1", port: int = 8000, limits: HeadLimits = HeadLimits(), **options: Any
+) -> uvicorn.Config:
     """uvicorn's config for serving ``app`` with the request-head ``limits``; ``options`` go to
     ``uvicorn.Config`` as they are (log_level, access_log, ...)."""
     return uvicorn.Config(app, host=host, port=port, http=protocol(limits), ws="none", **options)

@@ -116,9 +116,17 @@ class Workers:
         record = self.store.program(job.program_hash)
         if record is None:
             raise CoconetError(f"program {job.program_hash} is not in the store")
-        request = tuning.Request(load(record.ir), (job.sizes,), job.world, job.topology, job.budget or 32,
-                          tuple(job.backends), self.settings.protocol, ray_address=self.settings.ray_address,
-                          shardable=shard.spelled(job.shardable))
+        request = tuning.Request(
+            load(record.ir),
+            (job.sizes,),
+            job.world,
+            job.topology,
+            job.budget or 32,
+            tuple(job.backends),
+            self.settings.protocol,
+            ray_address=self.settings.ray_address,
+            shardable=shard.spelled(job.shardable),
+        )
         tuning.tune(request, self.store, job_id=job.id, on_progress=follow, prior=tuning.cost_prior)
 
 

@@ -69,8 +69,9 @@ class BodyLimit:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_body:
-                await _reply(send, 413,
-                             f"request body over {self.max_body} bytes; at most {self.max_body} are accepted")
+                await _reply(
+                    send, 413, f"request body over {self.max_body} bytes; at most {self.max_body} are accepted"
+                )
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):
@@ -93,9 +94,18 @@ class BodyLimit:
 
 async def _reply(send: Send, status: int, detail: str, headers: list[tuple[bytes, bytes]] | None = None) -> None:
     body = json.dumps({"detail": detail}).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"connection", b"close"), *(headers or [])]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"connection", b"close"),
+                *(headers or []),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 

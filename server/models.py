@@ -41,12 +41,7 @@ class Base(DeclarativeBase):
             "pk": "pk_%(table_name)s",
         }
     )
-    type_annotation_map = {
-        dict[str, Any]: JSON,
-        list[Any]: JSON,
-        datetime: DateTime(timezone=True),
-        float: Double,
-    }
+    type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON, datetime: DateTime(timezone=True), float: Double}
 
 
 class ProgramRow(Base):

@@ -22,10 +22,22 @@ def _stats(m: MeasurementRecord) -> Stats:
 
 
 def schedule_fields(m: MeasurementRecord) -> dict[str, Any]:
-    return dict(measurement_id=m.id, schedule=m.schedule, schedule_hash=m.schedule_hash, backend=m.backend,
-                knobs=m.knobs, sharded=sharded_by(m.schedule), status=m.status, error=m.error, stats=_stats(m),
-                source=answer_source(m.source), prediction=_prediction(m), machines=_machines(m), job_id=m.job_id,
-                created_at=m.created_at)
+    return dict(
+        measurement_id=m.id,
+        schedule=m.schedule,
+        schedule_hash=m.schedule_hash,
+        backend=m.backend,
+        knobs=m.knobs,
+        sharded=sharded_by(m.schedule),
+        status=m.status,
+        error=m.error,
+        stats=_stats(m),
+        source=answer_source(m.source),
+        prediction=_prediction(m),
+        machines=_machines(m),
+        job_id=m.job_id,
+        created_at=m.created_at,
+    )
 
 
 def _prediction(m: MeasurementRecord) -> PredictionOut | None:
@@ -44,21 +56,52 @@ def _schedule_out(m: MeasurementRecord | None) -> ScheduleOut | None:
 
 def best_out(b: Best, asked: dict[str, int]) -> BestOut:
     m, w = b.measurement, b.winner
-    return BestOut(program=w.program_hash, sizes=asked, tuned_sizes=w.sizes, exact=b.exact, distance=b.distance,
-                   topology=w.topology, world=w.world, backend=w.backend, schedule=m.schedule,
-                   schedule_hash=m.schedule_hash, schedule_json=m.schedule_json, sharded=sharded_by(m.schedule),
-                   shardable=shardable_out(w.shardable), stats=_stats(m), source=answer_source(w.source),
-                   prediction=_prediction(m), machines=_machines(m), order_reversed=w.order_reversed,
-                   speedup=w.speedup, runner_up=_schedule_out(b.runner_up), baseline=_schedule_out(b.baseline),
-                   winner_id=w.id, job=w.job_id, created_at=w.created_at)
+    return BestOut(
+        program=w.program_hash,
+        sizes=asked,
+        tuned_sizes=w.sizes,
+        exact=b.exact,
+        distance=b.distance,
+        topology=w.topology,
+        world=w.world,
+        backend=w.backend,
+        schedule=m.schedule,
+        schedule_hash=m.schedule_hash,
+        schedule_json=m.schedule_json,
+        sharded=sharded_by(m.schedule),
+        shardable=shardable_out(w.shardable),
+        stats=_stats(m),
+        source=answer_source(w.source),
+        prediction=_prediction(m),
+        machines=_machines(m),
+        order_reversed=w.order_reversed,
+        speedup=w.speedup,
+        runner_up=_schedule_out(b.runner_up),
+        baseline=_schedule_out(b.baseline),
+        winner_id=w.id,
+        job=w.job_id,
+        created_at=w.created_at,
+    )
 
 
 def job_out(j: JobRecord, show_driver: bool = False) -> JobOut:
     """The job as the API shows it; which process drives it (pid and host name) only to a caller with the token."""
     p = j.progress
-    return JobOut(id=j.id, program=j.program_hash, sizes=j.sizes, topology=j.topology, world=j.world,
-                  shardable=shardable_out(j.shardable), budget=j.budget, backends=j.backends, state=j.state,
-                  progress=ProgressOut(done=p.done, total=p.total, failed=p.failed, best_s=p.best_s),
-                  error=j.error, result=j.result, created_at=j.created_at, updated_at=j.updated_at,
-                  heartbeat_at=j.heartbeat_at, driver=describe_driver(j.driver) if show_driver else None)
-
+    return JobOut(
+        id=j.id,
+        program=j.program_hash,
+        sizes=j.sizes,
+        topology=j.topology,
+        world=j.world,
+        shardable=shardable_out(j.shardable),
+        budget=j.budget,
+        backends=j.backends,
+        state=j.state,
+        progress=ProgressOut(done=p.done, total=p.total, failed=p.failed, best_s=p.best_s),
+        error=j.error,
+        result=j.result,
+        created_at=j.created_at,
+        updated_at=j.updated_at,
+        heartbeat_at=j.heartbeat_at,
+        driver=describe_driver(j.driver) if show_driver else None,
+    )

@@ -147,8 +147,12 @@ def prediction_of(m: MeasurementRecord) -> dict[str, Any] | None:
     if m.source != "model":
         return None
     v = m.versions or {}
-    return {"model": v.get("model", "cost model"), "topology": m.topology, "calibration": v.get("topology"),
-            "coconet": v.get("coconet")}
+    return {
+        "model": v.get("model", "cost model"),
+        "topology": m.topology,
+        "calibration": v.get("topology"),
+        "coconet": v.get("coconet"),
+    }
 
 
 # what a measured record's versions say of the machines it ran on (coconet.tuner.fingerprint): the short hash

@@ -47,14 +47,21 @@ ENV_TOKEN = "COCONET_API_TOKEN"
 PREFIX = "/api/v1"
 
 HASH = dict(pattern=r"^[0-9a-f]{8,64}$", max_length=64)
-SIZES = dict(pattern=SIZES_PATTERN, min_length=3, max_length=400,
-              description="NAME=VALUE[,NAME=VALUE…], each NAME once, VALUE an integer in 1..2^40 or 2^k, e.g. "
-              "N=1048576 or B=8,S=1024,H=3072")
+SIZES = dict(
+    pattern=SIZES_PATTERN,
+    min_length=3,
+    max_length=400,
+    description="NAME=VALUE[,NAME=VALUE…], each NAME once, VALUE an integer in 1..2^40 or 2^k, e.g. "
+    "N=1048576 or B=8,S=1024,H=3072",
+)
 TOPOLOGY = dict(pattern=r"^[A-Za-z_][A-Za-z0-9_.\-]*$", max_length=200)
 BACKEND = dict(pattern=r"^[a-z][a-z0-9_]*$", max_length=32)
-SHARDABLE = dict(pattern=r"^(all|\*|[A-Za-z_][A-Za-z0-9_]*(,[A-Za-z_][A-Za-z0-9_]*)*|)$", max_length=400,
-                  description="State the schedule may leave sharded (as_slice, ZeRO-style): names joined by "
-                  "commas, `all` for any, empty for none. Left out: the program's default (Adam: m,v; else none)")
+SHARDABLE = dict(
+    pattern=r"^(all|\*|[A-Za-z_][A-Za-z0-9_]*(,[A-Za-z_][A-Za-z0-9_]*)*|)$",
+    max_length=400,
+    description="State the schedule may leave sharded (as_slice, ZeRO-style): names joined by "
+    "commas, `all` for any, empty for none. Left out: the program's default (Adam: m,v; else none)",
+)
 HashPath = Annotated[str, Query(**HASH)]
 SizesQuery = Annotated[str, Query(**SIZES)]
 TopologyQuery = Annotated[str, Query(**TOPOLOGY)]
@@ -64,9 +71,13 @@ MaybeSizes = Annotated[str | None, Query(**SIZES)]
 MaybeTopology = Annotated[str | None, Query(**TOPOLOGY)]
 MaybeBackend = Annotated[str | None, Query(**BACKEND)]
 MaybeShardable = Annotated[str | None, Query(**SHARDABLE)]
-SourceQuery = Annotated[Literal["measured", "predicted"] | None,
-                        Query(description="Only a winner of this source; left out, a measured winner where the key "
-                              "has one, else a predicted one")]
+SourceQuery = Annotated[
+    Literal["measured", "predicted"] | None,
+    Query(
+        description="Only a winner of this source; left out, a measured winner where the key "
+        "has one, else a predicted one"
+    ),
+]
 
 
 @dataclass(frozen=True)
@@ -75,7 +86,6 @@ class Settings:
     workers: WorkerSettings
     start_workers: bool
     open_writes: bool = False
-
 
 
 def _store(request: Request) -> Store:
@@ -101,15 +111,23 @@ def router(settings: Settings) -> APIRouter:
         if settings.token is None:
             if settings.open_writes:
                 return
-            raise HTTPException(403, f"this server takes no writes: start it with ${ENV_TOKEN} set (writes then "
-                                     "carry 'Authorization: Bearer <token>'), or with --open on a loopback host")
+            raise HTTPException(
+                403,
+                f"this server takes no writes: start it with ${ENV_TOKEN} set (writes then "
+                "carry 'Authorization: Bearer <token>'), or with --open on a loopback host",
+            )
         if not trusted(creds):
-            raise HTTPException(401, "a valid 'Authorization: Bearer <token>' is needed to write",
-                                headers={"WWW-Authenticate": "Bearer"})
+            raise HTTPException(
+                401,
+                "a valid 'Authorization: Bearer <token>' is needed to write",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
 
     # Without a token the server's writes are open or refused, whatever a request carries: no token is required.
-    writes: dict[str, Any] = {"dependencies": [Depends(writer)],
-                              "openapi_extra": None if settings.token is not None else _TOKEN_OPTIONAL}
+    writes: dict[str, Any] = {
+        "dependencies": [Depends(writer)],
+        "openapi_extra": None if settings.token is not None else _TOKEN_OPTIONAL,
+    }
     out = APIRouter()
     _service_routes(out, settings, trusted)
     _program_routes(out, writes)
@@ -128,8 +146,9 @@ def _service_routes(router: APIRouter, settings: Settings, trusted: Trusted) -> 
 
 
 def _program_routes(router: APIRouter, writes: dict[str, Any]) -> None:
-    @router.post("/programs", status_code=201, tags=["programs"], **writes,
-                 responses=error_responses(401, 403, 413, 422))
+    @router.post(
+        "/programs", status_code=201, tags=["programs"], **writes, responses=error_responses(401, 403, 413, 422)
+    )
     def post_program(request: Request, body: ProgramIn) -> ProgramCreated:
         prog = load(body.model_dump())
         _store(request).add_program(prog)
@@ -142,24 +161,38 @@ def _program_routes(router: APIRouter, writes: dict[str, Any]) -> None:
     @router.get("/programs/{program_hash}", tags=["programs"], responses=error_responses(404, 422))
     def get_program(request: Request, program_hash: Annotated[str, _hash_path()]) -> ProgramOut:
         rec = _program(_store(request), program_hash)
-        return ProgramOut(hash=rec.hash, name=rec.name, dims=list(rec.ir.get("dims", [])),
-                          statements=len(rec.ir.get("statements", [])), created_at=rec.created_at, ir=rec.ir)
+        return ProgramOut(
+            hash=rec.hash,
+            name=rec.name,
+            dims=list(rec.ir.get("dims", [])),
+            statements=len(rec.ir.get("statements", [])),
+            created_at=rec.created_at,
+            ir=rec.ir,
+        )
 
 
 def _job_routes(router: APIRouter, writes: dict[str, Any], trusted: Trusted) -> None:
-    @router.post("/jobs", status_code=202, tags=["jobs"], **writes,
-                 responses=error_responses(401, 403, 404, 413, 422))
+    @router.post("/jobs", status_code=202, tags=["jobs"], **writes, responses=error_responses(401, 403, 404, 413, 422))
     def post_job(request: Request, body: JobIn) -> JobCreated:
         facts = _facts(request, body.program)
         check_dims(facts.name, facts.dims, body.sizes)
         shardable = body.shardable if body.shardable is None or isinstance(body.shardable, list) else [body.shardable]
-        job = _start_job(request, facts.program, body.sizes, body.topology, body.world, body.budget,
-                         tuple(body.backends), facts.shardable(shardable))
+        job = _start_job(
+            request,
+            facts.program,
+            body.sizes,
+            body.topology,
+            body.world,
+            body.budget,
+            tuple(body.backends),
+            facts.shardable(shardable),
+        )
         return JobCreated(id=job.id, state=job.state)
 
     @router.get("/jobs", tags=["jobs"], responses=error_responses(422), openapi_extra=_TOKEN_OPTIONAL)
-    def list_jobs(request: Request, program: HashPath, limit: int = Query(100, ge=1, le=1000),
-                  creds: Credentials = None) -> list[JobOut]:
+    def list_jobs(
+        request: Request, program: HashPath, limit: int = Query(100, ge=1, le=1000), creds: Credentials = None
+    ) -> list[JobOut]:
         jobs = _store(request).jobs(program_hash=program, newest_first=True, limit=limit)
         return [job_out(j, trusted(creds)) for j in jobs]
 
@@ -173,61 +206,99 @@ def _job_routes(router: APIRouter, writes: dict[str, Any], trusted: Trusted) -> 
 
 def _best_routes(router: APIRouter, writes: dict[str, Any]) -> None:
     @router.get("/best", tags=["results"], response_model=BestOut, responses=error_responses(400, 404, 422))
-    def best(request: Request, program: HashPath, sizes: SizesQuery, topology: TopologyQuery = "local",
-             world: int | None = Query(None, ge=1, le=MAX_WORLD), backend: MaybeBackend = None,
-             shardable: MaybeShardable = None, source: SourceQuery = None,
-             tune: str | None = Query(None, include_in_schema=False)) -> Any:
+    def best(
+        request: Request,
+        program: HashPath,
+        sizes: SizesQuery,
+        topology: TopologyQuery = "local",
+        world: int | None = Query(None, ge=1, le=MAX_WORLD),
+        backend: MaybeBackend = None,
+        shardable: MaybeShardable = None,
+        source: SourceQuery = None,
+        tune: str | None = Query(None, include_in_schema=False),
+    ) -> Any:
         if tune is not None:  # a GET changes nothing: a web page could make any browser send one
-            raise HTTPException(400, f"GET {PREFIX}/best only reads; to tune on a miss, POST {PREFIX}/best with "
-                                     "a JSON body (program, sizes as an object, topology, world, backend, budget, "
-                                     "shardable) and the token")
+            raise HTTPException(
+                400,
+                f"GET {PREFIX}/best only reads; to tune on a miss, POST {PREFIX}/best with "
+                "a JSON body (program, sizes as an object, topology, world, backend, budget, "
+                "shardable) and the token",
+            )
         store = _store(request)
         asked = request_sizes(sizes)
         facts = _facts(request, program)
         allowed = facts.shardable(None if shardable is None else [shardable])
-        found = store.best(program, asked, topology, world, backend=backend, shardable=allowed,
-                           source=STORED_SOURCE.get(source or ""))
+        found = store.best(
+            program, asked, topology, world, backend=backend, shardable=allowed, source=STORED_SOURCE.get(source or "")
+        )
         if found is not None and found.exact:
             return best_out(found, asked)
         # A miss: say why (wrong dims, nothing tuned).
         check_dims(facts.name, facts.dims, asked)
         if found is not None:
             return best_out(found, asked)
-        raise HTTPException(404, f"nothing tuned for program {program} on topology {topology!r}"
-                                 + (f" with world {world}" if world else "")
-                                 + (f" and backend {backend}" if backend else "")
-                                 + f" that leaves at most {shard.words(allowed)} sharded"
-                                 + f" at these or comparable sizes (POST {PREFIX}/best starts a job)")
+        raise HTTPException(
+            404,
+            f"nothing tuned for program {program} on topology {topology!r}"
+            + (f" with world {world}" if world else "")
+            + (f" and backend {backend}" if backend else "")
+            + f" that leaves at most {shard.words(allowed)} sharded"
+            + f" at these or comparable sizes (POST {PREFIX}/best starts a job)",
+        )
 
-    @router.post("/best", tags=["results"], response_model=BestOut, **writes,
-                 responses={202: {"model": TuningStarted, "description": "Not measured at these exact sizes: a "
-                                  "tuning job started (or the one already running for the key), and the nearest "
-                                  "tuned sizes' best meanwhile"}} | error_responses(401, 403, 404, 413, 422))
+    @router.post(
+        "/best",
+        tags=["results"],
+        response_model=BestOut,
+        **writes,
+        responses={
+            202: {
+                "model": TuningStarted,
+                "description": "Not measured at these exact sizes: a "
+                "tuning job started (or the one already running for the key), and the nearest "
+                "tuned sizes' best meanwhile",
+            }
+        }
+        | error_responses(401, 403, 404, 413, 422),
+    )
     def best_or_tune(request: Request, body: BestIn) -> Any:
         store = _store(request)
         facts = _facts(request, body.program)
         check_dims(facts.name, facts.dims, body.sizes)
         shardable = body.shardable if body.shardable is None or isinstance(body.shardable, list) else [body.shardable]
         allowed = facts.shardable(shardable)
-        found = store.best(body.program, body.sizes, body.topology, body.world, backend=body.backend,
-                           shardable=allowed)
+        found = store.best(body.program, body.sizes, body.topology, body.world, backend=body.backend, shardable=allowed)
         if found is not None and found.exact and found.source == "measured":
             return best_out(found, body.sizes)
         # a prediction is no answer to a request to tune: it goes back as the nearest, the job measures the key
-        job = _start_job(request, facts.program, body.sizes, body.topology, body.world, body.budget,
-                         (body.backend,) if body.backend else (), allowed)
-        out = TuningStarted(detail=f"no measured result for these exact sizes; tuning job {job.id} is {job.state}",
-                            job=job.id, state=job.state,
-                            nearest=best_out(found, body.sizes) if found is not None else None)
+        job = _start_job(
+            request,
+            facts.program,
+            body.sizes,
+            body.topology,
+            body.world,
+            body.budget,
+            (body.backend,) if body.backend else (),
+            allowed,
+        )
+        out = TuningStarted(
+            detail=f"no measured result for these exact sizes; tuning job {job.id} is {job.state}",
+            job=job.id,
+            state=job.state,
+            nearest=best_out(found, body.sizes) if found is not None else None,
+        )
         return JSONResponse(jsonable_encoder(out), status_code=202)
 
 
 def _result_routes(router: APIRouter) -> None:
     @router.get("/schedules/{schedule_hash}/code", tags=["results"], responses=error_responses(404, 422))
-    def code(request: Request, schedule_hash: Annotated[str, _hash_path()],
-             backend: Annotated[str, Query(pattern=f"^({'|'.join(_backends())})$")] = "gloo",
-             kernels: str = Query("compiled", pattern="^(compiled|eager)$"),
-             program: MaybeHash = None) -> CodeOut:
+    def code(
+        request: Request,
+        schedule_hash: Annotated[str, _hash_path()],
+        backend: Annotated[str, Query(pattern=f"^({'|'.join(_backends())})$")] = "gloo",
+        kernels: str = Query("compiled", pattern="^(compiled|eager)$"),
+        program: MaybeHash = None,
+    ) -> CodeOut:
         if backend not in BACKENDS:
             raise HTTPException(422, f"unknown backend {backend!r} (use {', '.join(BACKENDS)})")
         store = _store(request)
@@ -236,8 +307,14 @@ def _result_routes(router: APIRouter) -> None:
             raise HTTPException(404, f"no recorded schedule with hash {schedule_hash}")
         prog = _loaded(store, m.program_hash)
         generated = lower(Schedule.from_json(m.schedule_json, prog), backend, kernels)
-        return CodeOut(schedule_hash=schedule_hash, schedule=m.schedule, program=prog.hash, backend=backend,
-                       kernels=kernels, source=generated.source)
+        return CodeOut(
+            schedule_hash=schedule_hash,
+            schedule=m.schedule,
+            program=prog.hash,
+            backend=backend,
+            kernels=kernels,
+            source=generated.source,
+        )
 
     @router.get("/results", tags=["results"], responses=error_responses(404, 422))
     def results(request: Request, program: HashPath, topology: MaybeTopology = None) -> ResultsOut:
@@ -247,15 +324,18 @@ def _result_routes(router: APIRouter) -> None:
         return ResultsOut(program=program, winners=[best_out(b, b.winner.sizes) for b in rows])
 
     @router.get("/measurements", tags=["results"], responses=error_responses(404, 422))
-    def measurements(request: Request, program: HashPath, sizes: MaybeSizes = None,
-                     topology: MaybeTopology = None, after: int = Query(0, ge=0, le=MAX_ID),
-                     limit: int = Query(1000, ge=1, le=10_000)) -> list[MeasurementOut]:
+    def measurements(
+        request: Request,
+        program: HashPath,
+        sizes: MaybeSizes = None,
+        topology: MaybeTopology = None,
+        after: int = Query(0, ge=0, le=MAX_ID),
+        limit: int = Query(1000, ge=1, le=10_000),
+    ) -> list[MeasurementOut]:
         store = _store(request)
         _program(store, program)
-        rows = store.measurements(program, request_sizes(sizes) if sizes else None, topology, after=after,
-                                  limit=limit)
-        return [MeasurementOut(**schedule_fields(m), sizes=m.sizes, topology=m.topology, world=m.world)
-                for m in rows]
+        rows = store.measurements(program, request_sizes(sizes) if sizes else None, topology, after=after, limit=limit)
+        return [MeasurementOut(**schedule_fields(m), sizes=m.sizes, topology=m.topology, world=m.world) for m in rows]
 
 
 # A read that shows more to the token's holder: OpenAPI's empty requirement beside the bearer one (FastAPI
@@ -286,7 +366,6 @@ def _loaded(store: Store, program_hash: str) -> Any:
     return load(_program(store, program_hash).ir)
 
 
-
 def _facts(request: Request, program_hash: str) -> "Facts":
     found = request.app.state.programs.get(program_hash)
     if found is None:
@@ -294,19 +373,26 @@ def _facts(request: Request, program_hash: str) -> "Facts":
     return found
 
 
-
-def _start_job(request: Request, prog: Any, sizes: dict[str, int], topology: str, world: int, budget: int,
-               backends: tuple[str, ...], shardable: str) -> JobRecord:
+def _start_job(
+    request: Request,
+    prog: Any,
+    sizes: dict[str, int],
+    topology: str,
+    world: int,
+    budget: int,
+    backends: tuple[str, ...],
+    shardable: str,
+) -> JobRecord:
     """A queued job for the key, or the one already queued or running for it; refused here if the tuner would
     refuse it (a topology without its cluster, a backend this machine lacks)."""
     settings: Settings = request.app.state.settings
     ws = settings.workers
     check(TuneRequest(prog, (sizes,), world, topology, budget, backends, ws.protocol, ray_address=ws.ray_address))
     store = _store(request)
-    job, _ = store.join_job(prog.hash, sizes, topology, world, budget=budget, backends=list(backends),
-                            shardable=shardable)
+    job, _ = store.join_job(
+        prog.hash, sizes, topology, world, budget=budget, backends=list(backends), shardable=shardable
+    )
     pool = request.app.state.workers
     if pool is not None:
         pool.wake()
     return job
-

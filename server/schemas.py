@@ -47,8 +47,12 @@ World = Annotated[int, Field(ge=1, le=MAX_WORLD), Whole]
 Budget = Annotated[int, Field(ge=1, le=MAX_BUDGET), Whole]
 # Pydantic puts a key's pattern in patternProperties, which leaves keys that miss it allowed: propertyNames
 # says every key is a dim name.
-Sizes = Annotated[dict[DimName, Size], Field(max_length=MAX_DIMS, json_schema_extra={"propertyNames": {
-    "pattern": DIM_NAME, "minLength": 1, "maxLength": 64}})]
+Sizes = Annotated[
+    dict[DimName, Size],
+    Field(
+        max_length=MAX_DIMS, json_schema_extra={"propertyNames": {"pattern": DIM_NAME, "minLength": 1, "maxLength": 64}}
+    ),
+]
 # the backends code is generated for (an unknown one could only be refused later, by the tuner)
 Backend = Literal[BACKENDS]
 
@@ -74,10 +78,15 @@ SIZES_PATTERN = rf"^{_SIZE_ITEM}(?:,{_SIZE_ITEM}){{0,{MAX_DIMS - 1}}}$"
 AttrInt = Annotated[int, Field(ge=-MAX_INT, le=MAX_INT)]
 AttrFloat = Annotated[float, Field(ge=-MAX_INT, le=MAX_INT, allow_inf_nan=False)]
 # A shape's entry: a length, or a dim expression over the program's dims ("N", "4*H")
-ShapeDim = Size | Annotated[str, StringConstraints(min_length=1,
-                                                                                       max_length=MAX_DIM_TEXT)]
-AttrValue = Annotated[str, StringConstraints(max_length=MAX_NAME)] | AttrInt | AttrFloat | bool | None \
+ShapeDim = Size | Annotated[str, StringConstraints(min_length=1, max_length=MAX_DIM_TEXT)]
+AttrValue = (
+    Annotated[str, StringConstraints(max_length=MAX_NAME)]
+    | AttrInt
+    | AttrFloat
+    | bool
+    | None
     | Annotated[list[ShapeDim], Field(max_length=MAX_DIMS * 4)]
+)
 
 
 class ErrorItem(BaseModel):
@@ -98,7 +107,7 @@ class ErrorOut(BaseModel):
 
 ERROR_STATUSES: dict[int, str] = {
     400: "Bad request: not HTTP the server reads (a Host it does not serve, a bad Content-Length, JSON nested too "
-         "deeply), or a request the server cannot carry out here",
+    "deeply), or a request the server cannot carry out here",
     401: "No valid `Authorization: Bearer <token>`",
     403: "Not allowed for this client",
     404: "Not found",
@@ -132,15 +141,17 @@ class StatementIn(_Strict):
     name: Name
     op: Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_.]*$", max_length=64)]
     args: Annotated[list[Name], Field(max_length=MAX_ARGS)] = []
-    attrs: Annotated[dict[Annotated[str, StringConstraints(max_length=64)], AttrValue],
-                     Field(max_length=MAX_ATTRS)] = {}
+    attrs: Annotated[
+        dict[Annotated[str, StringConstraints(max_length=64)], AttrValue], Field(max_length=MAX_ATTRS)
+    ] = {}
 
 
 class ProgramIn(_Strict):
     """A program's JSON IR, as ``coconet export`` prints it."""
 
-    version: Annotated[int, Field(ge=SCHEMA_VERSION, le=SCHEMA_VERSION, json_schema_extra={"const": SCHEMA_VERSION}),
-                       Whole]
+    version: Annotated[
+        int, Field(ge=SCHEMA_VERSION, le=SCHEMA_VERSION, json_schema_extra={"const": SCHEMA_VERSION}), Whole
+    ]
     name: Name
     dims: Annotated[list[DimName], Field(max_length=MAX_DIMS, json_schema_extra={"uniqueItems": True})]
     statements: Annotated[list[StatementIn], Field(min_length=1, max_length=MAX_STATEMENTS)]

@@ -37,8 +37,14 @@ def write_local_topology(path: Path) -> Path:
     doc = yaml.safe_load(LOCAL_FIGURES.read_text())
     here = detect_local()
     node = here.nodes[0]
-    doc["fingerprint"].update(hardware=here.text(), hardware_hash=here.digest, cpu=node.cpu, cpus=node.cpus,
-                              memory_gib=node.memory_gib, machine=node.machine)
+    doc["fingerprint"].update(
+        hardware=here.text(),
+        hardware_hash=here.digest,
+        cpu=node.cpu,
+        cpus=node.cpus,
+        memory_gib=node.memory_gib,
+        machine=node.machine,
+    )
     if node.gpus:
         doc["fingerprint"].update(gpu=node.gpus[0], gpus=len(node.gpus))
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -20,14 +20,7 @@ LAYOUTS = ["Local", "Replicated", "Sliced(0)", "Sliced(1)"]
 SHAPES = [("N",), ("N", "M"), ("M",), ("2*N", "M"), ("M", "N")]
 DTYPES = ["float32", "float64", "float16", "bfloat16"]
 UNARY = [cc.sqrt, cc.exp, cc.abs, lambda x: -x, lambda x: cc.cast(x, "float64")]
-BINARY = [
-    lambda a, b: a + b,
-    lambda a, b: a - b,
-    lambda a, b: a * b,
-    lambda a, b: a / b,
-    cc.maximum,
-    cc.minimum,
-]
+BINARY = [lambda a, b: a + b, lambda a, b: a - b, lambda a, b: a * b, lambda a, b: a / b, cc.maximum, cc.minimum]
 
 
 @st.composite
@@ -42,8 +35,9 @@ def programs(draw, max_ops: int = 12, collectives: bool = True, dtypes: bool = T
         pool.append(p.tensor(f"t{i}", shape, layout=layout, dtype=dtype))
     pool.extend(p.scalars("alpha beta"))
     for _ in range(draw(st.integers(1, max_ops))):
-        kind = draw(st.sampled_from(["unary", "binary", "binary", "const", "where", "reduce", "coll", "matmul",
-                                     "dropout"]))
+        kind = draw(
+            st.sampled_from(["unary", "binary", "binary", "const", "where", "reduce", "coll", "matmul", "dropout"])
+        )
         a = draw(st.sampled_from(pool))
         b = draw(st.sampled_from(pool))
         try:
@@ -68,7 +62,7 @@ def programs(draw, max_ops: int = 12, collectives: bool = True, dtypes: bool = T
         except ProgramError:
             continue
         pool.append(e)
-    produced = pool[n_inputs + 2:]
+    produced = pool[n_inputs + 2 :]
     targets = draw(st.lists(st.sampled_from(pool[:n_inputs]), unique_by=id, max_size=n_inputs))
     effects = 0
     for t in targets:
@@ -110,8 +104,11 @@ def collective_programs(draw):
     for i in range(draw(st.integers(1, 2))):
         g = p.tensor(f"g{i}", shape, layout=cc.Local)
         grads.append(g)
-        pre = draw(st.sampled_from(["none", "none", "scale", "acc", "acc_scale"] if acc is not None
-                                   else ["none", "none", "scale"]))
+        pre = draw(
+            st.sampled_from(
+                ["none", "none", "scale", "acc", "acc_scale"] if acc is not None else ["none", "none", "scale"]
+            )
+        )
         x = g + acc if pre.startswith("acc") else g
         op = draw(st.sampled_from(["sum", "sum", "avg", "max", "min"]))  # an amax, a minimum over ranks
         pool.append(cc.allreduce(draw(st.sampled_from(scalars)) * x if pre.endswith("scale") else x, op=op))
@@ -132,8 +129,10 @@ def collective_programs(draw):
     if two_d and draw(st.booleans()):
         # row or column sums (what feeds such factors) of reduced values: a product on the rows a rank holds,
         # or partial products of its rows and an allreduce
-        products = [p.tensor("by_col", ("M", 1), layout=cc.Replicated),
-                    p.tensor("by_row", (1, "N"), layout=cc.Replicated)]
+        products = [
+            p.tensor("by_col", ("M", 1), layout=cc.Replicated),
+            p.tensor("by_row", (1, "N"), layout=cc.Replicated),
+        ]
     if draw(st.booleans()):
         # a 0-d state (a step counter, a loss scale): broadcast into the others, never sliced
         k = p.tensor("k", (), layout=cc.Replicated)

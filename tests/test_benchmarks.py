@@ -27,8 +27,20 @@ def test_the_unseen_optimizers_are_the_updates_torch_optim_makes(program):
 
 def test_the_single_copy_reduces_the_rows_the_publish_does(tmp_path):
     # its times mean something only if reading the peer's private memory gives the peer's rows
-    report = _script("single_copy").main(["--size", "N=4096", "--chunk", "300", "--repeats", "1", "--rounds", "1",
-                                          "--out", str(tmp_path / "single_copy.json")])
+    report = _script("single_copy").main(
+        [
+            "--size",
+            "N=4096",
+            "--chunk",
+            "300",
+            "--repeats",
+            "1",
+            "--rounds",
+            "1",
+            "--out",
+            str(tmp_path / "single_copy.json"),
+        ]
+    )
     if report["process_vm_readv"] != "allowed":
         pytest.skip(f"this system refuses process_vm_readv: {report['process_vm_readv']}")
     copied = report["variants"]["single copy, chunks of 300"]
@@ -58,17 +70,22 @@ def test_interleaved_modules_that_compute_the_same_step_agree_and_a_broken_one_d
     program = examples_dir() / "adam.py"
     adam = load_file(program)
     paths = []
-    for name, text in [("as_written", ""), ("zero1", "split(ar0); reorder(ag0); as_slice(m); as_slice(v); "
-                                                     "fuse_collective(rs0); fc_chunks=3")]:
+    for name, text in [
+        ("as_written", ""),
+        ("zero1", "split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse_collective(rs0); fc_chunks=3"),
+    ]:
         paths.append(tmp_path / f"{name}.py")
         paths[-1].write_text(lower(Schedule.parse(text, adam), "shm", "eager").source)
-    broken = paths[1].read_text() + ("\n_step = step\n\n\ndef step(tensors, scalars, **kw):\n"
-                                     "    out = _step(tensors, scalars, **kw)\n"
-                                     "    tensors['w'].mul_(1.01)\n    return out\n")
+    broken = paths[1].read_text() + (
+        "\n_step = step\n\n\ndef step(tensors, scalars, **kw):\n"
+        "    out = _step(tensors, scalars, **kw)\n"
+        "    tensors['w'].mul_(1.01)\n    return out\n"
+    )
     paths.append(tmp_path / "broken.py")
     paths[-1].write_text(broken)
-    report = _script("interleaved").main([str(program), *map(str, paths), "--world", "2", "--size", "N=301",
-                                          "--steps", "2"])
+    report = _script("interleaved").main(
+        [str(program), *map(str, paths), "--world", "2", "--size", "N=301", "--steps", "2"]
+    )
     diffs = [m["state_rel_diff_to_first"] for m in report["modules"]]
     assert diffs[0] == 0 and diffs[1] < 1e-5 and diffs[2] > 1e-3
     assert all(m["median_s"] > 0 for m in report["modules"])
@@ -86,11 +103,32 @@ def test_interleaved_stopped_from_outside_stops_its_ranks_and_leaves_no_segment(
 
     program = examples_dir() / "adam.py"
     module = tmp_path / "zero1.py"
-    module.write_text(lower(Schedule.parse("split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse_collective(rs0)",
-                                           load_file(program)), "shm", "eager").source)
+    module.write_text(
+        lower(
+            Schedule.parse(
+                "split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse_collective(rs0)", load_file(program)
+            ),
+            "shm",
+            "eager",
+        ).source
+    )
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "interleaved.py"
-    proc = subprocess.Popen([sys.executable, str(script), str(program), str(module), "--world", "2",
-                             "--size", "N=4096", "--steps", "100000"], stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(script),
+            str(program),
+            str(module),
+            "--world",
+            "2",
+            "--size",
+            "N=4096",
+            "--steps",
+            "100000",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
     def ranks():
         out = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True, check=False).stdout
@@ -130,8 +168,9 @@ def test_the_c_chunk_kernel_writes_inductors_bits(tmp_path, monkeypatch):
 
 def test_the_chunk_concurrency_runs_the_c_kernel_in_every_process_count(tmp_path, monkeypatch):
     monkeypatch.setenv("COCONET_CACHE_DIR", str(tmp_path))
-    report = _script("chunk_concurrency").main(["--world", "3", "--size", "N=3003", "--processes", "1,2",
-                                                "--calls", "1", "--rounds", "1"])
+    report = _script("chunk_concurrency").main(
+        ["--world", "3", "--size", "N=3003", "--processes", "1,2", "--calls", "1", "--rounds", "1"]
+    )
     assert report["chunk_kernel"] == "C" and list((tmp_path / "kernels").glob("chunk_*.so"))
     assert report["bytes_per_call_per_process"]["chunk"] == (2 * 3 + 5) * 4 * 1001  # the words one rank's chunk moves
     assert set(report["processes"]) == {"1", "2"}
@@ -169,12 +208,14 @@ def test_every_schedule_keeps_each_programs_rows_and_names_what_failed_or_ran_ou
 
     script = ROOT / "benchmarks" / "every_schedule.py"
     sgd = tmp_path / "sgd.py"  # plain SGD: ten schedules, a few seconds at world 1
-    sgd.write_text("from coconet import Local, Program, Replicated, allreduce\n"
-                   "p = Program('sgd', dims=('N',))\n"
-                   "g = p.tensor('g', ('N',), layout=Local)\n"
-                   "w = p.tensor('w', ('N',), layout=Replicated)\n"
-                   "p.update(w, w - p.scalar('lr') * allreduce(g))\n"
-                   "program = p\n")
+    sgd.write_text(
+        "from coconet import Local, Program, Replicated, allreduce\n"
+        "p = Program('sgd', dims=('N',))\n"
+        "g = p.tensor('g', ('N',), layout=Local)\n"
+        "w = p.tensor('w', ('N',), layout=Replicated)\n"
+        "p.update(w, w - p.scalar('lr') * allreduce(g))\n"
+        "program = p\n"
+    )
     broken = tmp_path / "broken.py"
     broken.write_text("raise RuntimeError('this program does not load')\n")
     slow = tmp_path / "slow.py"
@@ -182,9 +223,26 @@ def test_every_schedule_keeps_each_programs_rows_and_names_what_failed_or_ran_ou
 
     def every(*programs, deadline):
         out = tmp_path / "rows.jsonl"
-        done = subprocess.run([sys.executable, str(script), *map(str, programs), "--backend", "gloo", "--kernels",
-                               "eager", "--jobs", "2", "--deadline-s", str(deadline), "--out", str(out)],
-                              capture_output=True, text=True, timeout=300)
+        done = subprocess.run(
+            [
+                sys.executable,
+                str(script),
+                *map(str, programs),
+                "--backend",
+                "gloo",
+                "--kernels",
+                "eager",
+                "--jobs",
+                "2",
+                "--deadline-s",
+                str(deadline),
+                "--out",
+                str(out),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert done.returncode == 0, done.stderr
         return [json.loads(line) for line in out.read_text().splitlines()]
 
@@ -204,17 +262,30 @@ def test_every_schedule_keeps_each_programs_rows_and_names_what_failed_or_ran_ou
 def test_the_gpu_summary_names_failures_stopped_programs_and_missing_files(tmp_path, capsys):
     import json
 
-    rows = [{"schedule": "split(ar0)", "status": "ok", "correct": True, "error": None, "program": "adam"},
-            {"schedule": "fuse(mul0)", "status": "runtime_error", "correct": None, "error": "CUDA error: boom",
-             "program": "adam"},
-            {"program": "lamb", "stopped_at_deadline": True, "returncode": -9, "rows": 0, "tail": ""},
-            {"program": "sgd", "not_started": True}]
+    rows = [
+        {"schedule": "split(ar0)", "status": "ok", "correct": True, "error": None, "program": "adam"},
+        {
+            "schedule": "fuse(mul0)",
+            "status": "runtime_error",
+            "correct": None,
+            "error": "CUDA error: boom",
+            "program": "adam",
+        },
+        {"program": "lamb", "stopped_at_deadline": True, "returncode": -9, "rows": 0, "tail": ""},
+        {"program": "sgd", "not_started": True},
+    ]
     (tmp_path / "every_schedule_nccl_eager.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    point = {"sizes": {"N": 8}, "torch": {"status": "runtime_error", "median_s": None, "error": "no NCCL"},
-             "results": [{"status": "ok", "correct": True}], "best_speedup": None, "best_over_floor": 1.5,
-             "best": {"median_s": 2e-6, "schedule": "fuse(mul0)"}}
-    (tmp_path / "bench_adam_nccl_w1.json").write_text(json.dumps(
-        {"workload": "adam", "world": 1, "backends": ["nccl"], "complete": False, "points": [point]}))
+    point = {
+        "sizes": {"N": 8},
+        "torch": {"status": "runtime_error", "median_s": None, "error": "no NCCL"},
+        "results": [{"status": "ok", "correct": True}],
+        "best_speedup": None,
+        "best_over_floor": 1.5,
+        "best": {"median_s": 2e-6, "schedule": "fuse(mul0)"},
+    }
+    (tmp_path / "bench_adam_nccl_w1.json").write_text(
+        json.dumps({"workload": "adam", "world": 1, "backends": ["nccl"], "complete": False, "points": [point]})
+    )
     (tmp_path / "gpu_kernels.json").write_text('{"device": "H200"')  # cut off mid-write
     _script("gpu_summary").main(tmp_path)
     out = capsys.readouterr().out
@@ -230,9 +301,24 @@ def test_a_model_trained_with_the_generated_step_follows_ddp_and_adam(tmp_path, 
     # the loop's parameters and gradients are views of the flat buffers the step reads and writes on shm: its
     # times mean something only if training that way is training, step for step what DDP and Adam do (2845
     # parameters: uneven rows at world 3)
-    report = _script("training_loop").main(["--world", str(world), "--dims", "24,40,40,5", "--batch", "8",
-                                            "--steps", "6", "--rounds", "1", "--kernels", "eager",
-                                            "--out", str(tmp_path / "loop.json")])
+    report = _script("training_loop").main(
+        [
+            "--world",
+            str(world),
+            "--dims",
+            "24,40,40,5",
+            "--batch",
+            "8",
+            "--steps",
+            "6",
+            "--rounds",
+            "1",
+            "--kernels",
+            "eager",
+            "--out",
+            str(tmp_path / "loop.json"),
+        ]
+    )
     assert report["loss_rel_gap"]["coconet"] < 1e-5 and report["weights_rel_gap"]["coconet"] < 1e-5, report
     assert report["weights_rel_gap"]["allreduce"] < 1e-5, report  # the second baseline trains the same model too
     assert report["losses"]["coconet"][-1] < report["losses"]["coconet"][0]
@@ -301,7 +387,7 @@ def test_the_docs_result_tables_are_their_json():
 
 def test_a_table_block_is_rewritten_from_its_json(tmp_path):
     tables = _script("tables")
-    page = ("before\n<!-- table: training training_loop_w2.json -->\n| stale | row |\n<!-- /table -->\nafter\n")
+    page = "before\n<!-- table: training training_loop_w2.json -->\n| stale | row |\n<!-- /table -->\nafter\n"
     new = tables.rewrite(page)
     data = json.loads((ROOT / "benchmarks" / "results" / "training_loop_w2.json").read_text())
     speedups = sorted(r["speedup"] for r in data["rounds"])

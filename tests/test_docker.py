@@ -116,8 +116,12 @@ def test_worker_image_can_build_inductor_and_triton_kernels() -> None:
 def test_worker_check_judges_triton_against_torchs_pin() -> None:
     wc = _worker_check()
     # torch 2.13.0's Linux wheel, as its Requires-Dist reads
-    reqs = ["filelock", 'triton==3.7.1; platform_system == "Linux" and python_version < "3.15"',
-            'nvidia-nccl-cu13==2.29.7; platform_system == "Linux"', 'optree>=0.13.0; extra == "optree"']
+    reqs = [
+        "filelock",
+        'triton==3.7.1; platform_system == "Linux" and python_version < "3.15"',
+        'nvidia-nccl-cu13==2.29.7; platform_system == "Linux"',
+        'optree>=0.13.0; extra == "optree"',
+    ]
     assert wc.pinned_triton(reqs) == "3.7.1"
     assert wc.triton_problems(reqs, {"triton": "3.7.1"}) == []
     assert "torch needs triton==3.7.1" in wc.triton_problems(reqs, {"triton": "3.6.0"})[0]

@@ -75,8 +75,12 @@ def _parse(args: list[str]) -> None:
 
 def test_a_wrong_option_or_value_does_not_parse():
     _parse(["tune", "examples/adam.py", "--world", "2"])
-    for wrong in (["tune", "examples/adam.py", "--wrld", "2"], ["run", "adam", "--world"],
-                  ["tune", "adam", "--world", "two"], ["tun", "adam"]):
+    for wrong in (
+        ["tune", "examples/adam.py", "--wrld", "2"],
+        ["run", "adam", "--world"],
+        ["tune", "adam", "--world", "two"],
+        ["tun", "adam"],
+    ):
         with pytest.raises(Exception, match="No such|requires an argument|valid integer"):
             _parse(wrong)
 
@@ -94,9 +98,11 @@ def test_the_quick_examples_run(page, tmp_path):
     for args in _commands(page):
         if args[0] not in RUN:
             continue
-        proc = subprocess.run([sys.executable, "-m", "coconet", *args], cwd=tmp_path, env=env, capture_output=True,
-                              text=True, timeout=120)
+        proc = subprocess.run(
+            [sys.executable, "-m", "coconet", *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+        )
         assert proc.returncode == 0, f"{page.name}: coconet {' '.join(args)}\n{proc.stderr[-2000:]}"
         written = args[args.index("-o") + 1] if "-o" in args else None
-        assert (tmp_path / written).stat().st_size if written else proc.stdout.strip(), \
+        assert (tmp_path / written).stat().st_size if written else proc.stdout.strip(), (
             f"{page.name}: coconet {' '.join(args)} gave nothing"
+        )

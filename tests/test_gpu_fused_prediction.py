@@ -49,7 +49,9 @@ def test_fused_moves_what_the_allreduce_moves_and_drops_the_full_update(script):
     assert sum(fused.values()) == pytest.approx(link + 2 * (topo.launch_s + 2 * topo.intra.alpha_s))
     saved = base["copy_g"] + base["adam_full"]
     assert sum(base.values()) - sum(fused.values()) == pytest.approx(
-        saved + base["allreduce"] - link - 2 * (topo.launch_s + 2 * topo.intra.alpha_s))
+        saved + base["allreduce"] - link - 2 * (topo.launch_s + 2 * topo.intra.alpha_s)
+    )
     # pipelining the loads (inbound) under the stores (outbound) halves the link time, no more
     assert sum(script.fused_one_node(topo, n, R)["pipelined"].values()) == pytest.approx(
-        link / 2 + topo.launch_s + 2 * topo.intra.alpha_s)
+        link / 2 + topo.launch_s + 2 * topo.intra.alpha_s
+    )

@@ -19,11 +19,19 @@ def _mod():
 
 
 def test_targets_met_not_met_and_missing(tmp_path, capsys):
-    (tmp_path / "bench_adam_nccl_w1.json").write_text(json.dumps({"points": [
-        {"sizes": {"N": 2**24}, "best_speedup": 1.6}, {"sizes": {"N": 2**20}, "best_speedup": 0.9}]}))
-    (tmp_path / "gpu_kernels.json").write_text(json.dumps({
-        "adam": [{"n": 2**k, "coconet": {"kernels_fraction_of_peak": 0.85}} for k in range(22, 27)],
-        "epilogue": {"coconet_compiled": {"kernels_fraction_of_peak": 0.7}}}))
+    (tmp_path / "bench_adam_nccl_w1.json").write_text(
+        json.dumps(
+            {"points": [{"sizes": {"N": 2**24}, "best_speedup": 1.6}, {"sizes": {"N": 2**20}, "best_speedup": 0.9}]}
+        )
+    )
+    (tmp_path / "gpu_kernels.json").write_text(
+        json.dumps(
+            {
+                "adam": [{"n": 2**k, "coconet": {"kernels_fraction_of_peak": 0.85}} for k in range(22, 27)],
+                "epilogue": {"coconet_compiled": {"kernels_fraction_of_peak": 0.7}},
+            }
+        )
+    )
     rows = _mod().main(tmp_path)
     met = {r["target"].split(":")[0]: r["met"] for r in rows}
     assert met["Adam N=2^24"] is True and met["Adam N=2^20"] is False
@@ -39,6 +47,11 @@ def test_gpu_checks_script_is_valid_bash_with_a_budget_under_ten_minutes():
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
     text = script.read_text()
     assert "budget=${2:-540}" in text  # 9 minutes: inside a 10-minute command limit
-    for needle in ("pytest -q -m gpu", "test_cuda_gloo.py", "--size N=2^24 --size N=2^20", "B=8,S=1024,H=3072",
-                   "gpu_targets.py"):
+    for needle in (
+        "pytest -q -m gpu",
+        "test_cuda_gloo.py",
+        "--size N=2^24 --size N=2^20",
+        "B=8,S=1024,H=3072",
+        "gpu_targets.py",
+    ):
         assert needle in text, needle

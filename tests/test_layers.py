@@ -22,8 +22,14 @@ import pytest
 
 ROOT = Path(__file__).parents[1]
 # folder -> package, as [tool.setuptools.package-dir] in pyproject.toml maps them
-PACKAGES = {"coconet": "coconet", "schedules": "coconet.schedules", "codegen": "coconet.codegen",
-            "kernels": "coconet.kernels", "tuner": "coconet.tuner", "server": "coconet.server"}
+PACKAGES = {
+    "coconet": "coconet",
+    "schedules": "coconet.schedules",
+    "codegen": "coconet.codegen",
+    "kernels": "coconet.kernels",
+    "tuner": "coconet.tuner",
+    "server": "coconet.server",
+}
 
 # module (or package, for all its modules) -> layer; the longest prefix wins
 LAYER_OF = {
@@ -65,8 +71,23 @@ ALLOWED = {
     "cli": BELOW_CODEGEN | {"codegen", "store", "tuner", "service", "client", "api"},
 }
 # slow to import: a function may import these (or a coconet module that imports one) to defer them
-HEAVY = {"torch", "ray", "optuna", "sqlalchemy", "alembic", "fastapi", "starlette", "uvicorn", "httpx", "scipy",
-         "matplotlib", "plotly", "cupy", "triton", "tqdm"}
+HEAVY = {
+    "torch",
+    "ray",
+    "optuna",
+    "sqlalchemy",
+    "alembic",
+    "fastapi",
+    "starlette",
+    "uvicorn",
+    "httpx",
+    "scipy",
+    "matplotlib",
+    "plotly",
+    "cupy",
+    "triton",
+    "tqdm",
+}
 DEFER_ANYTHING = "coconet.cli"  # the CLI's modules: each command imports its layer when it runs
 
 
@@ -236,11 +257,17 @@ def _components(edges: dict[str, set[str]]) -> list[list[str]]:
 
 
 def private_imports(g: Graph) -> list[str]:
-    out = [f"{imp.source}:{imp.line} imports {name} from {imp.target}"
-           for imp in filter(_coconet, g.imports) for name in imp.names
-           if _private(name) and package_of(imp.source) != package_of(imp.target)]
-    out += [f"{module}:{line} reads {name} of {target}" for module, target, name, line in g.private_reads
-            if package_of(module) != package_of(target)]
+    out = [
+        f"{imp.source}:{imp.line} imports {name} from {imp.target}"
+        for imp in filter(_coconet, g.imports)
+        for name in imp.names
+        if _private(name) and package_of(imp.source) != package_of(imp.target)
+    ]
+    out += [
+        f"{module}:{line} reads {name} of {target}"
+        for module, target, name, line in g.private_reads
+        if package_of(module) != package_of(target)
+    ]
     return out
 
 
@@ -308,23 +335,38 @@ def _tree(tmp_path: Path, files: dict[str, str]) -> Graph:
 
 
 BROKEN = {
-    "kernels import codegen": ({"kernels/k.py": "from coconet.codegen import lower\n", "codegen/lower.py": ""},
-                               layer_violations),
+    "kernels import codegen": (
+        {"kernels/k.py": "from coconet.codegen import lower\n", "codegen/lower.py": ""},
+        layer_violations,
+    ),
     "codegen imports the tuner": ({"codegen/c.py": "import coconet.tuner.t\n", "tuner/t.py": ""}, layer_violations),
-    "the store imports the tuner": ({"server/store.py": "from coconet.tuner.t import f\n", "tuner/t.py": "f = 1\n"},
-                                    layer_violations),
-    "a module-level cycle": ({"codegen/a.py": "from coconet.codegen import b\n",
-                              "codegen/b.py": "from coconet.codegen.a import x\n"},
-                             lambda g: cycles(g, in_functions=False)),
-    "a cycle hidden in a function": ({"codegen/a.py": "from coconet.codegen import b\n",
-                                      "codegen/b.py": "def f():\n    from coconet.codegen.a import x\n"},
-                                     lambda g: cycles(g, in_functions=True)),
-    "a private name imported": ({"tuner/t.py": "from coconet.codegen.c import _plan\n", "codegen/c.py": ""},
-                                private_imports),
-    "a private name read": ({"tuner/t.py": "from coconet.codegen import c\nc._plan()\n", "codegen/c.py": ""},
-                            private_imports),
-    "a light import deferred": ({"tuner/t.py": "def f():\n    from coconet.schedules import ir\n",
-                                 "schedules/ir.py": ""}, light_deferred_imports),
+    "the store imports the tuner": (
+        {"server/store.py": "from coconet.tuner.t import f\n", "tuner/t.py": "f = 1\n"},
+        layer_violations,
+    ),
+    "a module-level cycle": (
+        {"codegen/a.py": "from coconet.codegen import b\n", "codegen/b.py": "from coconet.codegen.a import x\n"},
+        lambda g: cycles(g, in_functions=False),
+    ),
+    "a cycle hidden in a function": (
+        {
+            "codegen/a.py": "from coconet.codegen import b\n",
+            "codegen/b.py": "def f():\n    from coconet.codegen.a import x\n",
+        },
+        lambda g: cycles(g, in_functions=True),
+    ),
+    "a private name imported": (
+        {"tuner/t.py": "from coconet.codegen.c import _plan\n", "codegen/c.py": ""},
+        private_imports,
+    ),
+    "a private name read": (
+        {"tuner/t.py": "from coconet.codegen import c\nc._plan()\n", "codegen/c.py": ""},
+        private_imports,
+    ),
+    "a light import deferred": (
+        {"tuner/t.py": "def f():\n    from coconet.schedules import ir\n", "schedules/ir.py": ""},
+        light_deferred_imports,
+    ),
 }
 
 
@@ -335,8 +377,13 @@ def test_each_rule_catches_its_violation(tmp_path, case):
 
 
 def test_the_heavy_deferral_is_allowed(tmp_path):
-    g = _tree(tmp_path, {"tuner/t.py": "def f():\n    import torch\n    from coconet.codegen import p\n",
-                         "codegen/p.py": "import torch\n"})
+    g = _tree(
+        tmp_path,
+        {
+            "tuner/t.py": "def f():\n    import torch\n    from coconet.codegen import p\n",
+            "codegen/p.py": "import torch\n",
+        },
+    )
     assert light_deferred_imports(g) == [] and layer_violations(g) == []
 
 

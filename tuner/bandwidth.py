@@ -58,8 +58,10 @@ def kernels(nbytes: int, threads: int = 1, device: str = "cpu") -> list[Kernel]:
     x, y, z, g = (torch.zeros(n, dtype=torch.float32) for _ in range(4))
     threads = max(1, threads)
     cuts = [n * i // threads // 8 * 8 for i in range(threads)] + [n]
-    parts = [(x.data_ptr() + 4 * lo, y.data_ptr() + 4 * lo, z.data_ptr() + 4 * lo, g.data_ptr() + 4 * lo, hi - lo)
-             for lo, hi in zip(cuts, cuts[1:])]
+    parts = [
+        (x.data_ptr() + 4 * lo, y.data_ptr() + 4 * lo, z.data_ptr() + 4 * lo, g.data_ptr() + 4 * lo, hi - lo)
+        for lo, hi in zip(cuts, cuts[1:])
+    ]
     # ctypes lets go of the GIL for the call: the threads run at once, each on its own rows
     pool = ThreadPoolExecutor(threads, thread_name_prefix="coconet-probe") if threads > 1 else None
 
@@ -69,6 +71,7 @@ def kernels(nbytes: int, threads: int = 1, device: str = "cpu") -> list[Kernel]:
             return
         for f in [pool.submit(fn, *p) for p in parts]:
             f.result()
+
     out.append(Kernel("x += g, y += g*g, z -= g", states, 7 * n * 4, (x, y, z, g), pool))
     for k in out:
         k.run()  # pages faulted in, code loaded
@@ -93,8 +96,9 @@ def memory_bandwidth(nbytes: int = 2**29, threads: int | None = None, repeats: i
     return max(memory_bandwidths(nbytes, threads, repeats, device).values())
 
 
-def memory_bandwidths(nbytes: int = 2**29, threads: int | None = None, repeats: int = 5,
-                      device: str = "cpu") -> dict[str, float]:
+def memory_bandwidths(
+    nbytes: int = 2**29, threads: int | None = None, repeats: int = 5, device: str = "cpu"
+) -> dict[str, float]:
     """``memory_bandwidth`` per kernel of the probe."""
     import torch
 

@@ -64,8 +64,10 @@ class BenchSettings:
         others = [b for b in self.backends if b != "nccl"]
         # one floor per point: the memory and matmul rates of the device the ranks' tensors live on
         if self.device == "cuda" and others:
-            raise CoconetError(f"--backend nccl runs on CUDA tensors and {', '.join(others)} on CPU tensors: their "
-                               "floors differ, bench them in separate runs")
+            raise CoconetError(
+                f"--backend nccl runs on CUDA tensors and {', '.join(others)} on CPU tensors: their "
+                "floors differ, bench them in separate runs"
+            )
 
     @property
     def device(self) -> str:
@@ -77,9 +79,17 @@ OnPoint = Callable[[Mapping[str, int], int], None]  # a point starts: its sizes,
 OnResult = Callable[[int, str, RunResult], None]  # a result landed: its round (from 0), backend, result
 
 
-def bench(prog: Program, points: Sequence[Mapping[str, int]], schedules: Sequence[Schedule],
-          settings: BenchSettings, *, program_file: str | None = None, output: Path | None = None,
-          on_point: OnPoint | None = None, on_result: OnResult | None = None) -> dict[str, Any]:
+def bench(
+    prog: Program,
+    points: Sequence[Mapping[str, int]],
+    schedules: Sequence[Schedule],
+    settings: BenchSettings,
+    *,
+    program_file: str | None = None,
+    output: Path | None = None,
+    on_point: OnPoint | None = None,
+    on_result: OnResult | None = None,
+) -> dict[str, Any]:
     """The report of ``schedules`` (the program as written first) at each of ``points``: per point the
     baseline's row, every schedule's, the best and its speed-up, and the floor; the rates measured on the way.
     ``program_file``: where the ranks can load the program's custom ops again. ``output``: a file written as
@@ -110,8 +120,14 @@ def over_rounds(rows: list[dict]) -> dict:
     if len(rows) == 1 or failed is not None:
         return failed or rows[0]
     medians = [r["median_s"] for r in rows]
-    out = dict(rows[0], median_s=statistics.median(medians), round_medians_s=medians, ci95_s=None,
-               round_ci95_s=[r["ci95_s"] for r in rows], samples=sum(r["samples"] for r in rows))
+    out = dict(
+        rows[0],
+        median_s=statistics.median(medians),
+        round_medians_s=medians,
+        ci95_s=None,
+        round_ci95_s=[r["ci95_s"] for r in rows],
+        samples=sum(r["samples"] for r in rows),
+    )
     if all(r.get("bandwidth_GBps") for r in rows):
         out["round_bandwidth_GBps"] = [r["bandwidth_GBps"] for r in rows]
         out["bandwidth_GBps"] = max(out["round_bandwidth_GBps"])
@@ -138,9 +154,17 @@ class _Run:
     """One bench's state: the report so far, and the rates sampled so far (memory bandwidth; matmul rate per
     thread of a rank, where the program has matmuls)."""
 
-    def __init__(self, prog: Program, settings: BenchSettings, points: Sequence[Mapping[str, int]],
-                 space: list[Schedule], baseline: Baseline, allowed: set[str], left_out: list[dict],
-                 output: Path | None) -> None:
+    def __init__(
+        self,
+        prog: Program,
+        settings: BenchSettings,
+        points: Sequence[Mapping[str, int]],
+        space: list[Schedule],
+        baseline: Baseline,
+        allowed: set[str],
+        left_out: list[dict],
+        output: Path | None,
+    ) -> None:
         self.prog, self.settings, self.space, self.baseline, self.allowed = prog, settings, space, baseline, allowed
         self.output = output
         self.bandwidths: list[float] = []
@@ -153,11 +177,21 @@ class _Run:
         self.rate_cpus = cpus if settings.device == "cpu" else nranks
         self.matmuls = any(matmul_flops_per_rank(prog, sizes, settings.world) for sizes in points)
         self.report: dict[str, Any] = {
-            "workload": prog.name, "program_hash": prog.hash, "world": settings.world,
-            "backends": list(settings.backends), "kernels": settings.kernels, "knobs": settings.knobs,
-            "torch_baseline": baseline.doc, "rank_allocator": allocator_policy(), "cpus": os.cpu_count(),
-            "rounds": settings.rounds, "shardable": sorted(allowed), "left_out": left_out,
-            "floor_device": device_name(settings.device), "points": []}
+            "workload": prog.name,
+            "program_hash": prog.hash,
+            "world": settings.world,
+            "backends": list(settings.backends),
+            "kernels": settings.kernels,
+            "knobs": settings.knobs,
+            "torch_baseline": baseline.doc,
+            "rank_allocator": allocator_policy(),
+            "cpus": os.cpu_count(),
+            "rounds": settings.rounds,
+            "shardable": sorted(allowed),
+            "left_out": left_out,
+            "floor_device": device_name(settings.device),
+            "points": [],
+        }
 
     def sample(self) -> None:
         """The machine's rates now: measured before every round and after the last, in this run."""
@@ -168,8 +202,9 @@ class _Run:
         if self.matmuls:  # the matmul rate of one rank's threads (as the launcher gives them)
             self.rates.append(matmul_rate(self.threads, device=self.settings.device) / self.threads)
 
-    def measure_point(self, sizes: Mapping[str, int], program_file: str | None, on_point: OnPoint | None,
-                      on_result: OnResult | None) -> None:
+    def measure_point(
+        self, sizes: Mapping[str, int], program_file: str | None, on_point: OnPoint | None, on_result: OnResult | None
+    ) -> None:
         s = self.settings
         per_round: list[tuple[dict, list[dict]]] = []
         if on_point is not None:
@@ -191,15 +226,25 @@ class _Run:
             self.save(sizes, per_round, None)
         self.report["points"].append(self.point_of(sizes, per_round))
 
-    def measure_round(self, sizes: Mapping[str, int], program_file: str | None,
-                      landed: Callable[[str, dict, RunResult, bool], None]) -> tuple[dict, list[dict]]:
+    def measure_round(
+        self, sizes: Mapping[str, int], program_file: str | None, landed: Callable[[str, dict, RunResult, bool], None]
+    ) -> tuple[dict, list[dict]]:
         """One launch per backend: the baseline's row (from the first launch) and every schedule's."""
         s = self.settings
         rows: list[dict] = []
         torch_row: dict = {}  # the first launch's first result
         for k, b in enumerate(s.backends):  # the baseline runs once a round, in its first launch, beside them
-            opts = Options(world=s.world, sizes=sizes, backend=b, kernels=s.kernels, repeats=s.repeats,
-                           warmup=s.warmup, timeout_s=s.timeout_s, stages=2, probe=True)
+            opts = Options(
+                world=s.world,
+                sizes=sizes,
+                backend=b,
+                kernels=s.kernels,
+                repeats=s.repeats,
+                warmup=s.warmup,
+                timeout_s=s.timeout_s,
+                stages=2,
+                probe=True,
+            )
             first = 1 if k == 0 else 0  # the baseline's place in the results
 
             # called from within run_schedules below, before the loops move on
@@ -207,8 +252,9 @@ class _Run:
                 sched = None if i < first else self.space[i - first]
                 landed(b, self.row(b, result, sched), result, i < first)
 
-            results = run_schedules(self.space, opts, program_file=program_file,
-                                    baselines=[self.baseline] if k == 0 else [], on_result=one)
+            results = run_schedules(
+                self.space, opts, program_file=program_file, baselines=[self.baseline] if k == 0 else [], on_result=one
+            )
             if k == 0:
                 torch_row = self.row(b, results.pop(0))
             rows += [self.row(b, r, sched) for r, sched in zip(results, self.space)]
@@ -223,17 +269,23 @@ class _Run:
         rows = [over_rounds(list(same)) for same in zip(*(r for _, r in per_round))]
         ok = [r for r in rows if r["status"] == "ok" and r["median_s"]]
         best = min(ok, key=lambda r: r["median_s"]) if ok else None
-        point = {"sizes": sizes, "rounds_done": len(per_round),
-                 "bytes_moved_once": bytes_moved_once(self.prog, sizes, self.settings.world, self.allowed),
-                 "torch": torch_row, "results": rows, "best": best}
+        point = {
+            "sizes": sizes,
+            "rounds_done": len(per_round),
+            "bytes_moved_once": bytes_moved_once(self.prog, sizes, self.settings.world, self.allowed),
+            "torch": torch_row,
+            "results": rows,
+            "best": best,
+        }
         ref = torch_row["median_s"] if torch_row and torch_row["median_s"] else rows[0]["median_s"]
         for b in self.settings.backends:
             mine = [r for r in ok if r["backend"] == b]
             point[f"best_{b}"] = min(mine, key=lambda r: r["median_s"]) if mine else None
         point["best_speedup"] = ref / best["median_s"] if best and ref else None
         if best and "round_medians_s" in best and "round_medians_s" in torch_row:
-            point["best_speedup_rounds"] = [t / b for t, b in zip(torch_row["round_medians_s"],
-                                                                  best["round_medians_s"])]
+            point["best_speedup_rounds"] = [
+                t / b for t, b in zip(torch_row["round_medians_s"], best["round_medians_s"])
+            ]
         return point
 
     def save(self, sizes: Mapping[str, int], per_round: list, in_progress: dict | None) -> None:
@@ -280,12 +332,13 @@ class _Run:
         against it."""
         rounds, best = self.settings.rounds, point["best"]
         own = slice(i * rounds, (i + 1) * rounds)
-        probes = best.get("round_bandwidth_GBps") or ([best["bandwidth_GBps"]] if best.get("bandwidth_GBps")
-                                                      else None)
+        probes = best.get("round_bandwidth_GBps") or ([best["bandwidth_GBps"]] if best.get("bandwidth_GBps") else None)
         near = [b * 1e9 for b in probes] if probes else self.bandwidths[own]
         rates = self.rates[own] if self.rates else [None] * rounds
-        point["floor_rounds_s"] = [max(point["bytes_moved_once"] / bw, self.compute_floor(point, rate) if rate else 0.0)
-                                   for bw, rate in zip(near, rates)]
+        point["floor_rounds_s"] = [
+            max(point["bytes_moved_once"] / bw, self.compute_floor(point, rate) if rate else 0.0)
+            for bw, rate in zip(near, rates)
+        ]
         medians = best.get("round_medians_s") or [best["median_s"]]
         point["best_over_floor_rounds"] = [m / f for m, f in zip(medians, point["floor_rounds_s"])]
 

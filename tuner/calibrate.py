@@ -59,8 +59,10 @@ from coconet.tuner.topology import LOCAL, Fit, Link, Topology, load_topology, sa
 
 OPS = ("allreduce", "reduce_scatter", "all_gather")
 STARTUP_S = 60.0
-HEADER = ("# Written by `coconet calibrate`: figures measured on this machine (see coconet.tuner.calibrate for how "
-          "each is taken).")
+HEADER = (
+    "# Written by `coconet calibrate`: figures measured on this machine (see coconet.tuner.calibrate for how "
+    "each is taken)."
+)
 
 
 @dataclass(frozen=True)
@@ -105,8 +107,9 @@ def fit_alpha_beta(points: Sequence[tuple[float, float]]) -> Fit:
     a = np.stack([1.0 / t, n / t], axis=1)
     (alpha, beta), _ = nnls(a, np.ones_like(t))  # the plain fit starts the robust one
     scale = np.array([max(alpha, 1e-9), max(beta, 1e-15)])
-    got = least_squares(lambda x: a @ (x * scale) - 1.0, x0=np.ones(2), bounds=(0.0, np.inf), loss="soft_l1",
-                        f_scale=0.1)
+    got = least_squares(
+        lambda x: a @ (x * scale) - 1.0, x0=np.ones(2), bounds=(0.0, np.inf), loss="soft_l1", f_scale=0.1
+    )
     alpha, beta = got.x * scale
     return Fit(float(alpha), float(beta))
 
@@ -142,11 +145,15 @@ def local_topology(settings: Settings = FIRST_USE, *, say: Callable[[str], None]
             topo = load_topology(path)
             if topo.fingerprint.get("hardware_hash") == here.digest:
                 return topo
-            why = (f"the `local` topology in {path} was calibrated on "
-                   f"{topo.fingerprint.get('hardware') or 'a machine of no recorded fingerprint'}, "
-                   f"and this machine is {here.text()}")
-        (say or _stderr)(f"{why}: calibrating it now (about {FIRST_USE_S:g} s on 2 cores, once; `coconet "
-                         f"calibrate` does it again at will)")
+            why = (
+                f"the `local` topology in {path} was calibrated on "
+                f"{topo.fingerprint.get('hardware') or 'a machine of no recorded fingerprint'}, "
+                f"and this machine is {here.text()}"
+            )
+        (say or _stderr)(
+            f"{why}: calibrating it now (about {FIRST_USE_S:g} s on 2 cores, once; `coconet "
+            f"calibrate` does it again at will)"
+        )
         topo = calibrate(settings).topology
         save_topology(topo, path, header=HEADER)
         return topo
@@ -187,9 +194,16 @@ def _launch(settings: Settings) -> dict[str, Any]:
         for r in range(settings.world):
             rfd, wfd = os.pipe()
             log = open(workdir / f"rank{r}.log", "wb")
-            procs.append(subprocess.Popen([sys.executable, "-m", "coconet.tuner.calibrate", str(job), str(r), str(wfd)],
-                                          pass_fds=(wfd,), stdin=subprocess.DEVNULL, stdout=log,
-                                          stderr=subprocess.STDOUT, start_new_session=True))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "coconet.tuner.calibrate", str(job), str(r), str(wfd)],
+                    pass_fds=(wfd,),
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
             os.close(wfd)
             log.close()
             conns[Connection(rfd, writable=False)] = r
@@ -207,8 +221,10 @@ def _launch(settings: Settings) -> dict[str, Any]:
                     code = procs[rank].wait(timeout=10)
                     if code != 0:
                         tail = (workdir / f"rank{rank}.log").read_text(errors="replace").strip().splitlines()[-3:]
-                        raise CoconetError(f"calibration rank {rank} died (exit code {code})"
-                                           + (f": {' | '.join(tail)}" if tail else "")) from None
+                        raise CoconetError(
+                            f"calibration rank {rank} died (exit code {code})"
+                            + (f": {' | '.join(tail)}" if tail else "")
+                        ) from None
                     continue
                 if kind == "error":
                     raise CoconetError(f"calibration rank {rank}: {data}")
@@ -241,11 +257,18 @@ def _build(settings: Settings, res: dict[str, Any], seconds: float) -> Calibrati
     machines = detect_local()
     node = machines.nodes[0]
     fingerprint = {
-        "hardware": machines.text(), "hardware_hash": machines.digest, "cpu": node.cpu, "cpus": node.cpus,
-        "memory_gib": node.memory_gib, "machine": node.machine,
+        "hardware": machines.text(),
+        "hardware_hash": machines.digest,
+        "cpu": node.cpu,
+        "cpus": node.cpus,
+        "memory_gib": node.memory_gib,
+        "machine": node.machine,
         **({"gpu": node.gpus[0], "gpus": len(node.gpus)} if node.gpus else {}),
-        "system": platform.platform(terse=True), "python": platform.python_version(), "torch": res["torch"],
-        "ranks": R, "threads_per_rank": res["threads"],
+        "system": platform.platform(terse=True),
+        "python": platform.python_version(),
+        "torch": res["torch"],
+        "ranks": R,
+        "threads_per_rank": res["threads"],
         "calibrated": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "calibration_s": round(seconds, 1),
     }
@@ -255,17 +278,36 @@ def _build(settings: Settings, res: dict[str, Any], seconds: float) -> Calibrati
     topo = Topology(
         name="local",
         description=f"this machine: {R} ranks over gloo loopback and shared memory, measured by coconet calibrate",
-        device="cpu", nodes=1, ranks_per_node=R, intra=link, inter=None,
-        memory_bandwidth_GBps=mem / 1e9, matmul_TFLOPS={"float32": res["matmul_flops"] / 1e12},
-        backends=("gloo", "shm"), launch_s=res["launch_s"], compiled_launch_s=res.get("compiled_launch_s"),
-        elementwise_Gops=res["elementwise_ops"] / 1e9, cache_bytes=cache_bytes,
+        device="cpu",
+        nodes=1,
+        ranks_per_node=R,
+        intra=link,
+        inter=None,
+        memory_bandwidth_GBps=mem / 1e9,
+        matmul_TFLOPS={"float32": res["matmul_flops"] / 1e12},
+        backends=("gloo", "shm"),
+        launch_s=res["launch_s"],
+        compiled_launch_s=res.get("compiled_launch_s"),
+        elementwise_Gops=res["elementwise_ops"] / 1e9,
+        cache_bytes=cache_bytes,
         cache_bandwidth_GBps=res["cache_bandwidth"] / 1e9 if cache_bytes else None,
         fresh_cost=tuple(res["alloc_sweep"]),
         eager_elementwise_Gops=res["eager_ops"] / 1e9,
-        overlap=res["overlap"], overlap_memory=res["overlap_memory"], shm_barrier_s=res["shm_barrier_s"],
-        algorithms={"gloo": {"allreduce": ("ring",), "reduce_scatter": ("allreduce",), "all_gather": ("ring",),
-                             "broadcast": ("direct",), "send": ("direct",)}},
-        measured={"gloo": fits["gloo"]}, fingerprint=fingerprint)
+        overlap=res["overlap"],
+        overlap_memory=res["overlap_memory"],
+        shm_barrier_s=res["shm_barrier_s"],
+        algorithms={
+            "gloo": {
+                "allreduce": ("ring",),
+                "reduce_scatter": ("allreduce",),
+                "all_gather": ("ring",),
+                "broadcast": ("direct",),
+                "send": ("direct",),
+            }
+        },
+        measured={"gloo": fits["gloo"]},
+        fingerprint=fingerprint,
+    )
     extras = {f"shm_{op}_alpha_s": f.alpha_s for op, f in fits["shm"].items()}
     extras |= {f"shm_{op}_GBps": 1e-9 / f.beta_s_per_byte for op, f in fits["shm"].items() if f.beta_s_per_byte}
     for op, points in samples["shm"].items():  # the largest size: measured, and as the model prices it
@@ -273,12 +315,17 @@ def _build(settings: Settings, res: dict[str, Any], seconds: float) -> Calibrati
         moved, fresh, barriers = shm_collective(op, n, R)
         extras[f"shm_{op}_bytes"] = n
         extras[f"shm_{op}_measured_s"] = measured
-        extras[f"shm_{op}_model_s"] = (moved * topo.memory_beta + fresh * topo.fresh_s_per_byte(fresh)
-                                       + barriers * topo.shm_barrier_s + topo.launch_s)
+        extras[f"shm_{op}_model_s"] = (
+            moved * topo.memory_beta
+            + fresh * topo.fresh_s_per_byte(fresh)
+            + barriers * topo.shm_barrier_s
+            + topo.launch_s
+        )
     return Calibration(topology=topo, samples=samples, extras=extras, sweeps=extras_sweeps, seconds=seconds)
 
 
 # --- the rank processes ---
+
 
 def _rank_main(argv: list[str]) -> int:
     die_with_parent()
@@ -334,8 +381,13 @@ def _measure(job: dict[str, Any], rank: int) -> dict[str, Any]:
     s: Settings = job["settings"]
     R = s.world
     torch.set_num_threads(job["threads"])
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{job['port']}", rank=rank, world_size=R,
-                            timeout=timedelta(seconds=max(60.0, s.timeout_s)))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{job['port']}",
+        rank=rank,
+        world_size=R,
+        timeout=timedelta(seconds=max(60.0, s.timeout_s)),
+    )
     try:
         return _measure_all(s, R, rank, job["threads"], dist, torch)
     finally:
@@ -399,7 +451,6 @@ def _collectives(s: Settings, R: int, timer: _Timer, dist, torch, out: dict[str,
             out["collectives"][backend][op] = points
     out["shm_barrier_s"] = timer.median(c.shm.barrier, s.repeats * 5)
     c.shm.close()
-
 
 
 def _memory(s: Settings, timer: _Timer, torch, out: dict[str, Any]) -> None:
@@ -492,8 +543,11 @@ def _eager_rates(s: Settings, timer: _Timer, torch, out: dict[str, Any]) -> None
         # of four elements, the words through a buffer, the mask applied; the seed a tensor, as the generated
         # code passes it (Inductor makes a slower loop of constant keys)
         rows, seed = value.view(2**8, 2**10), torch.tensor(1234, dtype=torch.int64)
-        drop = torch.compile(lambda x, k: dropped(x, 0.1, dropout_words(k, tuple(x.shape), 0, 0, x.shape[0], x.device)),
-                             dynamic=False, fullgraph=True)
+        drop = torch.compile(
+            lambda x, k: dropped(x, 0.1, dropout_words(k, tuple(x.shape), 0, 0, x.shape[0], x.device)),
+            dynamic=False,
+            fullgraph=True,
+        )
         drop(rows, seed)
         out["elementwise_ops"] = 2**18 * DROPOUT_PER_BLOCK.fused_ops / timer.best(lambda: drop(rows, seed), 5)
     else:  # no compiler run: in-cache eager ops, with their dispatch taken off, stand in for it
@@ -551,6 +605,7 @@ def _matmul_and_overlap(timer: _Timer, dist, torch, out: dict[str, Any]) -> None
     per_add = 3 * 2**24 / out["memory_bandwidth"]
     j = max(1, round(comm / per_add))
     out["overlap_memory"] = hidden(lambda: [sa.add_(sb) for _ in range(j)])
+
 
 if __name__ == "__main__":
     sys.exit(_rank_main(sys.argv[1:]))

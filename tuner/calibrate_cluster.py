@@ -39,32 +39,49 @@ def calibrate_cluster(settings: Settings, name: str) -> Calibration:
     nodes = detect_cluster()
     machines = of_nodes(nodes)
     if len(nodes) < 2:
-        raise ClusterError(f"the Ray cluster has one node ({machines.text()}): `coconet calibrate` without "
-                           "--ray-address measures a single machine")
+        raise ClusterError(
+            f"the Ray cluster has one node ({machines.text()}): `coconet calibrate` without "
+            "--ray-address measures a single machine"
+        )
     if len(set(nodes.values())) > 1:
-        raise ClusterError(f"the Ray cluster's nodes differ ({machines.text()}): a topology describes one kind of "
-                           "node; calibrate a cluster of alike nodes")
+        raise ClusterError(
+            f"the Ray cluster's nodes differ ({machines.text()}): a topology describes one kind of "
+            "node; calibrate a cluster of alike nodes"
+        )
     started = time.monotonic()
     # num_cpus=0: the calibration's own rank processes take the node's cores, as they do on one machine
     task = ray.remote(num_cpus=0)(calibrate).options(
-        scheduling_strategy=NodeAffinitySchedulingStrategy(next(iter(nodes)), soft=False))
+        scheduling_strategy=NodeAffinitySchedulingStrategy(next(iter(nodes)), soft=False)
+    )
     node: Calibration = ray.get(task.remote(settings), timeout=settings.timeout_s + PLACE_S)
     points = _between_nodes(settings)
     fit = fit_alpha_beta(points)
     # two ranks in a ring: T = 2·α + n·β, as the loopback link is read off the allreduce (coconet.tuner.calibrate)
     inter = Link(fit.alpha_s / 2, 1.0 / (max(fit.beta_s_per_byte, 1e-15) * 1e9), "network")
     t = node.topology
-    fingerprint = {**t.fingerprint, "hardware": machines.text(), "hardware_hash": machines.digest,
-                   "nodes": len(nodes), "calibration_s": round(time.monotonic() - started, 1)}
+    fingerprint = {
+        **t.fingerprint,
+        "hardware": machines.text(),
+        "hardware_hash": machines.digest,
+        "nodes": len(nodes),
+        "calibration_s": round(time.monotonic() - started, 1),
+    }
     topo = dataclasses.replace(
-        t, name=name, nodes=len(nodes), inter=inter, backends=("gloo",),
+        t,
+        name=name,
+        nodes=len(nodes),
+        inter=inter,
+        backends=("gloo",),
         # the collectives' fits are of one node's ranks: across nodes the model composes the two links
-        measured={}, fingerprint=fingerprint,
+        measured={},
+        fingerprint=fingerprint,
         description=f"a Ray cluster of {len(nodes)} alike nodes, {t.ranks_per_node} ranks each over gloo, measured "
-                    "by coconet calibrate --ray-address")
+        "by coconet calibrate --ray-address",
+    )
     samples = {**node.samples, "between_nodes": {"allreduce": points}}
-    return Calibration(topology=topo, samples=samples, extras=node.extras, sweeps=node.sweeps,
-                       seconds=time.monotonic() - started)
+    return Calibration(
+        topology=topo, samples=samples, extras=node.extras, sweeps=node.sweeps, seconds=time.monotonic() - started
+    )
 
 
 class _Peer:
@@ -80,8 +97,13 @@ class _Peer:
         import torch.distributed as dist
 
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // 2))
-        dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=2,
-                                timeout=timedelta(seconds=max(60.0, timeout_s)))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://{addr}:{port}",
+            rank=rank,
+            world_size=2,
+            timeout=timedelta(seconds=max(60.0, timeout_s)),
+        )
         try:
             out = []
             for n in sizes:
@@ -113,15 +135,21 @@ def _between_nodes(settings: Settings) -> list[tuple[int, float]]:
         try:
             ray.get(pg.ready(), timeout=PLACE_S)
         except Exception:
-            raise ClusterError(f"could not place one rank on each of two nodes within {PLACE_S:g} s (each node "
-                               "needs a free CPU)") from None
+            raise ClusterError(
+                f"could not place one rank on each of two nodes within {PLACE_S:g} s (each node needs a free CPU)"
+            ) from None
         cls = ray.remote(num_cpus=1)(_Peer)
-        actors = [cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r))
-                  .remote() for r in range(2)]
+        actors = [
+            cls.options(
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r)
+            ).remote()
+            for r in range(2)
+        ]
         addr, port = ray.get(actors[0].where.remote(), timeout=PLACE_S)
         sizes = [2**k for k in range(settings.min_log2, settings.max_log2 + 1)]
-        runs = [a.measure.remote(addr, port, r, sizes, settings.repeats, settings.timeout_s)
-                for r, a in enumerate(actors)]
+        runs = [
+            a.measure.remote(addr, port, r, sizes, settings.repeats, settings.timeout_s) for r, a in enumerate(actors)
+        ]
         return ray.get(runs, timeout=settings.timeout_s + PLACE_S)[0]
     finally:
         for a in actors:

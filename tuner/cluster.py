@@ -87,15 +87,18 @@ def offer() -> Offer:
     return Offer(tuple(nodes))
 
 
-def plan(need: Need, backends: tuple[str, ...], cluster: Offer, *, asked: bool = False,
-         placement: str = "pack") -> Plan:
+def plan(
+    need: Need, backends: tuple[str, ...], cluster: Offer, *, asked: bool = False, placement: str = "pack"
+) -> Plan:
     """What of ``backends`` this cluster runs, and whether they hold their ranks at once. Refused when not one
     candidate fits, or when backends the user ``asked`` for cannot run here."""
     unit = "GPU" if need.gpu else "CPU"
     total = cluster.gpus if need.gpu else cluster.cpus
     if total < need.ranks or (need.gpu and cluster.cpus < need.ranks):
-        raise ClusterError(f"the Ray cluster cannot hold one candidate: it needs {need.text()}, and offers "
-                           f"{cluster.text()}; add nodes or lower --world")
+        raise ClusterError(
+            f"the Ray cluster cannot hold one candidate: it needs {need.text()}, and offers "
+            f"{cluster.text()}; add nodes or lower --world"
+        )
     widest = max((n.gpus if need.gpu else n.cpus for n in cluster.nodes), default=0.0)
     left_out = {}
     for b in backends:
@@ -104,14 +107,17 @@ def plan(need: Need, backends: tuple[str, ...], cluster: Offer, *, asked: bool =
         if placement != "pack":
             left_out[b] = "its ranks share memory, and --placement spread puts them on several nodes"
         elif widest < need.ranks:
-            left_out[b] = (f"its ranks share memory on one node, and no node holds {need.ranks} {unit}s "
-                           f"(the largest has {widest:g})")
+            left_out[b] = (
+                f"its ranks share memory on one node, and no node holds {need.ranks} {unit}s "
+                f"(the largest has {widest:g})"
+            )
     if asked and left_out:
         raise ClusterError("; ".join(f"backend {b} cannot run here: {why}" for b, why in left_out.items()))
     kept = tuple(b for b in backends if b not in left_out)
     if not kept:
-        raise ClusterError("no backend can run on this cluster: "
-                           + "; ".join(f"{b}: {why}" for b, why in left_out.items()))
+        raise ClusterError(
+            "no backend can run on this cluster: " + "; ".join(f"{b}: {why}" for b, why in left_out.items())
+        )
     return Plan(kept, shared=total >= need.ranks * len(kept), left_out=left_out)
 
 
@@ -130,8 +136,9 @@ def connect(address: str | None = None, *, ranks: int = 1) -> None:
             try:
                 ray.init(address=address, logging_level="ERROR", log_to_driver=False)
             except (ConnectionError, RuntimeError, ValueError) as e:
-                raise CoconetError(f"--ray-address {address}: could not join the Ray cluster: "
-                                   f"{_first_line(str(e))}") from None
+                raise CoconetError(
+                    f"--ray-address {address}: could not join the Ray cluster: {_first_line(str(e))}"
+                ) from None
         elif threading.current_thread() is threading.main_thread():
             _start_local(ranks)
         else:
@@ -147,8 +154,10 @@ def require_listening(address: str, timeout_s: float = 10.0) -> None:
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
     except OSError as e:
-        raise CoconetError(f"--ray-address {address}: no Ray cluster answers there "
-                           f"({e.strerror or type(e).__name__}); start one with `ray start --head`") from None
+        raise CoconetError(
+            f"--ray-address {address}: no Ray cluster answers there "
+            f"({e.strerror or type(e).__name__}); start one with `ray start --head`"
+        ) from None
 
 
 def auth_token_path() -> Path:
@@ -186,11 +195,14 @@ def _probe(address: str, timeout_s: float = PROBE_S) -> None:
     """One request to the cluster's GCS in a process of its own: a refusal (a token missing or wrong, another
     Ray version) comes back at once as one line, where ray.init retries for 20 s over lines of Ray's logs."""
     try:
-        proc = subprocess.run([sys.executable, "-c", _PROBE, address, str(timeout_s / 2)], capture_output=True,
-                              text=True, timeout=timeout_s)
+        proc = subprocess.run(
+            [sys.executable, "-c", _PROBE, address, str(timeout_s / 2)],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
     except subprocess.TimeoutExpired:
-        raise CoconetError(f"--ray-address {address}: the Ray cluster did not answer within {timeout_s:g} s") \
-            from None
+        raise CoconetError(f"--ray-address {address}: the Ray cluster did not answer within {timeout_s:g} s") from None
     if proc.returncode == 0:
         return
     lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
@@ -200,7 +212,8 @@ def _probe(address: str, timeout_s: float = PROBE_S) -> None:
             f"--ray-address {address}: the Ray cluster asks for its token and "
             + ("refused this one" if os.environ.get("RAY_AUTH_MODE") == "token" else "none was given")
             + f": copy it from the head (`ray get-auth-token` there) into {auth_token_path()} or "
-            "$RAY_AUTH_TOKEN (RAY_AUTH_MODE=token is then set for you)")
+            "$RAY_AUTH_TOKEN (RAY_AUTH_MODE=token is then set for you)"
+        )
     raise CoconetError(f"--ray-address {address}: could not join the Ray cluster: {_first_line(last)}")
 
 
@@ -214,8 +227,13 @@ def _start_local(ranks: int) -> None:
 
     # address="local": a new cluster of this process's own, never one a `ray start` on this machine left
     # running (or left named in Ray's temp dir after it died)
-    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, ranks), include_dashboard=False,
-             logging_level="ERROR", log_to_driver=False)
+    ray.init(
+        address="local",
+        num_cpus=max(os.cpu_count() or 1, ranks),
+        include_dashboard=False,
+        logging_level="ERROR",
+        log_to_driver=False,
+    )
 
 
 def _start_in_own_thread(ranks: int) -> None:

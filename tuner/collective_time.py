@@ -10,8 +10,15 @@ from typing import Sequence
 from coconet.tuner.topology import Topology
 
 
-def collective_time(op: str, nbytes: float, topo: Topology, backend: str, world: int,
-                    between_stages: bool = False, crosses_nodes: bool | None = None) -> float:
+def collective_time(
+    op: str,
+    nbytes: float,
+    topo: Topology,
+    backend: str,
+    world: int,
+    between_stages: bool = False,
+    crosses_nodes: bool | None = None,
+) -> float:
     """Seconds of one collective over a whole buffer of ``nbytes`` among ``world`` ranks on a network
     backend (gloo, nccl): the topology's measured fit, else the best of the backend's algorithms."""
     if world <= 1 and op != "send":

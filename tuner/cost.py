@@ -57,14 +57,30 @@ from coconet.tuner.pricing import (
 )
 from coconet.tuner.topology import Topology
 
-__all__ = ["DEFAULT_STAGES", "DROPOUT_PER_BLOCK", "DROPOUT_PER_ELEMENT", "Comm", "DropoutCost", "Kernel", "Plan",
-           "Prediction", "Unit", "collective_time", "evaluate", "explain", "plan", "predict", "rank",
-           "shm_collective"]
+__all__ = [
+    "DEFAULT_STAGES",
+    "DROPOUT_PER_BLOCK",
+    "DROPOUT_PER_ELEMENT",
+    "Comm",
+    "DropoutCost",
+    "Kernel",
+    "Plan",
+    "Prediction",
+    "Unit",
+    "collective_time",
+    "evaluate",
+    "explain",
+    "plan",
+    "predict",
+    "rank",
+    "shm_collective",
+]
 
 DEFAULT_STAGES = 2  # as `coconet run` runs a pipeline program
 
 
 # --- the plan: what a schedule's generated code does, sizes still symbolic ---
+
 
 @dataclass(frozen=True)
 class Prediction:
@@ -80,9 +96,15 @@ class Prediction:
     source: str = "model"
 
     def to_json(self) -> dict[str, Any]:
-        return {"seconds": self.seconds, "compute_s": self.compute_s, "memory_s": self.memory_s,
-                "communication_s": self.communication_s, "overhead_s": self.overhead_s,
-                "overlapped_s": self.overlapped_s, "source": self.source}
+        return {
+            "seconds": self.seconds,
+            "compute_s": self.compute_s,
+            "memory_s": self.memory_s,
+            "communication_s": self.communication_s,
+            "overhead_s": self.overhead_s,
+            "overlapped_s": self.overlapped_s,
+            "source": self.source,
+        }
 
 
 @functools.lru_cache(maxsize=16384)
@@ -115,6 +137,7 @@ def plan(schedule: Schedule, backend: str) -> Plan:
 
 
 # --- evaluation ---
+
 
 def _fraction(marker: float, world: int) -> float:
     if marker == PerWorld.PEERS_FRACTION:
@@ -181,12 +204,18 @@ class _Rates:
         mem_beta = each.memory_beta
         # stage s holds ranks [s·world, (s+1)·world); a send goes world ranks on, across nodes for some rank?
         rpn = topo.ranks_per_node
-        return cls(topo=topo, backend=backend, world=world, each=each, mem_beta=mem_beta,
-                   cache_beta=1.0 / (each.cache_bandwidth_GBps * 1e9) if each.cache_bandwidth_GBps else mem_beta,
-                   buffer_limit=topo.cache_bytes / 3 if topo.cache_bandwidth_GBps else -1.0,
-                   faults=bool(topo.fresh_cost),
-                   overlap_memory=topo.overlap if topo.overlap_memory is None else topo.overlap_memory,
-                   send_crosses=stages > 1 and any(r // rpn != (r + world) // rpn for r in range(min(world, rpn))))
+        return cls(
+            topo=topo,
+            backend=backend,
+            world=world,
+            each=each,
+            mem_beta=mem_beta,
+            cache_beta=1.0 / (each.cache_bandwidth_GBps * 1e9) if each.cache_bandwidth_GBps else mem_beta,
+            buffer_limit=topo.cache_bytes / 3 if topo.cache_bandwidth_GBps else -1.0,
+            faults=bool(topo.fresh_cost),
+            overlap_memory=topo.overlap if topo.overlap_memory is None else topo.overlap_memory,
+            send_crosses=stages > 1 and any(r // rpn != (r + world) // rpn for r in range(min(world, rpn))),
+        )
 
 
 def _kernel_time(k: Kernel, elems: list[float], r: _Rates) -> tuple[float, float, float]:
@@ -245,8 +274,15 @@ def _comm_time(c: Comm, elems: list[float], r: _Rates, comm: float, mem: float) 
     return comm, mem
 
 
-def evaluate(plan: Plan, sizes: Mapping[str, int], topo: Topology, backend: str, world: int,
-             stages: int = 1, detail: list | None = None) -> Prediction:
+def evaluate(
+    plan: Plan,
+    sizes: Mapping[str, int],
+    topo: Topology,
+    backend: str,
+    world: int,
+    stages: int = 1,
+    detail: list | None = None,
+) -> Prediction:
     elems = _elems(plan, sizes, world)
     r = _Rates.of(topo, backend, world, stages)
     compute = memory = comm = overhead = hidden = 0.0
@@ -272,9 +308,19 @@ def evaluate(plan: Plan, sizes: Mapping[str, int], topo: Topology, backend: str,
         overhead += u_over
         hidden += u_hidden
         if detail is not None:
-            detail.append((unit.what, work + talk - u_hidden, {"compute": u_compute, "memory": u_memory + u_comm_mem,
-                                                               "communication": u_comm, "overhead": u_over,
-                                                               "overlapped": u_hidden}))
+            detail.append(
+                (
+                    unit.what,
+                    work + talk - u_hidden,
+                    {
+                        "compute": u_compute,
+                        "memory": u_memory + u_comm_mem,
+                        "communication": u_comm,
+                        "overhead": u_over,
+                        "overlapped": u_hidden,
+                    },
+                )
+            )
     seconds = compute + memory + comm + overhead - hidden
     return Prediction(seconds, compute, memory, comm, overhead, hidden)
 
@@ -291,8 +337,15 @@ def _world(schedule: Schedule, topo: Topology, world: int | None, stages: int | 
     return total // stages, stages
 
 
-def predict(schedule: Schedule, sizes: Mapping[str, int], topology: Topology, backend: str, *,
-            world: int | None = None, stages: int | None = None) -> Prediction:
+def predict(
+    schedule: Schedule,
+    sizes: Mapping[str, int],
+    topology: Topology,
+    backend: str,
+    *,
+    world: int | None = None,
+    stages: int | None = None,
+) -> Prediction:
     """Predicted step time of ``schedule`` at ``sizes`` with ``backend`` on ``topology``: on all its ranks,
     or on ``world`` of them. A pipeline program's ranks form ``stages`` (default 2) stages of
     ``world // stages`` (``coconet run --world`` counts one stage's); the prediction is one stage's step,
@@ -302,8 +355,15 @@ def predict(schedule: Schedule, sizes: Mapping[str, int], topology: Topology, ba
     return evaluate(plan(schedule, backend), sizes, topology, backend, group, stages)
 
 
-def explain(schedule: Schedule, sizes: Mapping[str, int], topology: Topology, backend: str, *,
-            world: int | None = None, stages: int | None = None) -> list[tuple[str, float, dict]]:
+def explain(
+    schedule: Schedule,
+    sizes: Mapping[str, int],
+    topology: Topology,
+    backend: str,
+    *,
+    world: int | None = None,
+    stages: int | None = None,
+) -> list[tuple[str, float, dict]]:
     """Per unit of the lowered schedule: what it is, its predicted seconds and their breakdown."""
     topology.check_backend(backend)
     group, stages = _world(schedule, topology, world, stages)
@@ -312,10 +372,19 @@ def explain(schedule: Schedule, sizes: Mapping[str, int], topology: Topology, ba
     return detail
 
 
-def rank(schedules: Iterable[Schedule], sizes: Mapping[str, int], topology: Topology, backend: str, *,
-         world: int | None = None, stages: int | None = None) -> list[Schedule]:
+def rank(
+    schedules: Iterable[Schedule],
+    sizes: Mapping[str, int],
+    topology: Topology,
+    backend: str,
+    *,
+    world: int | None = None,
+    stages: int | None = None,
+) -> list[Schedule]:
     """``schedules`` best-first by predicted time; ties keep their given order."""
-    scored = [(predict(s, sizes, topology, backend, world=world, stages=stages).seconds, i, s)
-              for i, s in enumerate(schedules)]
+    scored = [
+        (predict(s, sizes, topology, backend, world=world, stages=stages).seconds, i, s)
+        for i, s in enumerate(schedules)
+    ]
     scored.sort(key=lambda x: (x[0], x[1]))
     return [s for _, _, s in scored]

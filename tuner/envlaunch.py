@@ -80,21 +80,26 @@ def choose(launcher: str, environ: Mapping[str, str] | None = None) -> JobEnv | 
     if found is None and launcher == "env":
         env = os.environ if environ is None else environ
         missing = [k for k in VARIABLES if not env.get(k)]
-        raise CoconetError(f"--launcher env: {', '.join(missing)} not set; start coconet with torchrun (or set "
-                           f"{', '.join(VARIABLES)} as torch.distributed's env:// asks)")
+        raise CoconetError(
+            f"--launcher env: {', '.join(missing)} not set; start coconet with torchrun (or set "
+            f"{', '.join(VARIABLES)} as torch.distributed's env:// asks)"
+        )
     return found
 
 
 def world_of(asked: int | None, env: JobEnv, stages: int) -> int:
     """Ranks per stage: WORLD_SIZE / stages, which ``--world`` must match when given."""
     if env.world_size % stages:
-        raise CoconetError(f"the job has WORLD_SIZE={env.world_size} ranks, not a multiple of the program's "
-                           f"{stages} pipeline stages")
+        raise CoconetError(
+            f"the job has WORLD_SIZE={env.world_size} ranks, not a multiple of the program's {stages} pipeline stages"
+        )
     world = env.world_size // stages
     if asked is not None and asked != world:
         per = f" ({stages} stages of {world})" if stages > 1 else ""
-        raise CoconetError(f"--world {asked} disagrees with the job's WORLD_SIZE={env.world_size}{per}: leave "
-                           "--world out under torchrun, or start as many ranks as it says")
+        raise CoconetError(
+            f"--world {asked} disagrees with the job's WORLD_SIZE={env.world_size}{per}: leave "
+            "--world out under torchrun, or start as many ranks as it says"
+        )
     return world
 
 
@@ -102,13 +107,16 @@ def require_one_node(backend: str, env: JobEnv) -> None:
     """shm's ranks share memory, so they must all run on one node (known before the group forms when the
     launcher says how many ranks this node runs)."""
     if backends.get(backend).one_node and env.local_world_size is not None and env.local_world_size != env.world_size:
-        raise BackendError(f"the {backend} backend shares memory between ranks on one node, and this job runs "
-                           f"{env.local_world_size} of its {env.world_size} ranks per node "
-                           f"(LOCAL_WORLD_SIZE={env.local_world_size}): use gloo or nccl across nodes")
+        raise BackendError(
+            f"the {backend} backend shares memory between ranks on one node, and this job runs "
+            f"{env.local_world_size} of its {env.world_size} ranks per node "
+            f"(LOCAL_WORLD_SIZE={env.local_world_size}): use gloo or nccl across nodes"
+        )
 
 
-def run_in_job(schedules: Sequence[Schedule], opts: Options, env: JobEnv,
-               on_result: Callable[[int, RunResult], None] | None = None) -> list[RunResult]:
+def run_in_job(
+    schedules: Sequence[Schedule], opts: Options, env: JobEnv, on_result: Callable[[int, RunResult], None] | None = None
+) -> list[RunResult]:
     """Check and time ``schedules`` with this process as rank ``env.rank`` of the job; every rank returns the
     same results, ``on_result`` hears of each on rank 0 as it is known."""
     import torch.distributed as dist
@@ -158,21 +166,26 @@ class _Job:
         else:
             self.device = torch.device("cpu")
         if not dist.is_initialized():
-            dist.init_process_group(backends.get(self.opts.backend).process_group,
-                                    init_method="env://", timeout=self.step_timeout)
+            dist.init_process_group(
+                backends.get(self.opts.backend).process_group, init_method="env://", timeout=self.step_timeout
+            )
         elif (dist.get_rank(), dist.get_world_size()) != (self.env.rank, self.env.world_size):
-            raise CoconetError(f"the process group already formed here has rank {dist.get_rank()} of "
-                               f"{dist.get_world_size()}, and the launcher says RANK={self.env.rank} of "
-                               f"WORLD_SIZE={self.env.world_size}")
+            raise CoconetError(
+                f"the process group already formed here has rank {dist.get_rank()} of "
+                f"{dist.get_world_size()}, and the launcher says RANK={self.env.rank} of "
+                f"WORLD_SIZE={self.env.world_size}"
+            )
         # values and verdicts travel here, apart from the steps' group, which a failed step may leave unusable
         self.exchange = dist.new_group(backend="gloo", timeout=self.exchange_timeout)
         if backends.get(self.opts.backend).one_node and self.env.local_world_size is None:
             hosts: list[Any] = [None] * self.env.world_size
             dist.all_gather_object(hosts, socket.gethostname(), group=self.exchange)
             if len(set(hosts)) > 1:
-                raise BackendError(f"the shm backend shares memory between ranks on one node, and this job's ranks "
-                                   f"run on {len(set(hosts))} hosts ({', '.join(sorted(set(hosts)))}): use gloo or "
-                                   "nccl across nodes")
+                raise BackendError(
+                    f"the shm backend shares memory between ranks on one node, and this job's ranks "
+                    f"run on {len(set(hosts))} hosts ({', '.join(sorted(set(hosts)))}): use gloo or "
+                    "nccl across nodes"
+                )
         self.groups = self._step_groups()
 
     def agree(self, schedules: Sequence[Schedule]) -> None:
@@ -181,31 +194,42 @@ class _Job:
         import torch.distributed as dist
 
         opts = self.opts
-        mine = {"program": f"{self.program.name} (hash {self.program.hash})", "sizes": format_sizes(opts.sizes),
-                "backend": opts.backend, "kernels": opts.kernels, "seed": opts.seed,
-                "schedules": ", ".join(s.text for s in schedules)}
+        mine = {
+            "program": f"{self.program.name} (hash {self.program.hash})",
+            "sizes": format_sizes(opts.sizes),
+            "backend": opts.backend,
+            "kernels": opts.kernels,
+            "seed": opts.seed,
+            "schedules": ", ".join(s.text for s in schedules),
+        }
         every: list[Any] = [None] * self.env.world_size
         dist.all_gather_object(every, mine, group=self.exchange)
         for rank, theirs in enumerate(every):
             differ = [k for k in mine if theirs[k] != every[0][k]]
             if differ:
                 k = differ[0]
-                raise CoconetError(f"rank {rank} runs {k} {theirs[k]} where rank 0 runs {every[0][k]}: start every "
-                                   "rank with the same command and program file")
+                raise CoconetError(
+                    f"rank {rank} runs {k} {theirs[k]} where rank 0 runs {every[0][k]}: start every "
+                    "rank with the same command and program file"
+                )
 
     def _step_groups(self) -> list:
         import torch.distributed as dist
 
         w = self.opts.world
-        return [dist.new_group(list(range(s * w, (s + 1) * w)), timeout=self.step_timeout)
-                for s in range(self.opts.stages)]
+        return [
+            dist.new_group(list(range(s * w, (s + 1) * w)), timeout=self.step_timeout) for s in range(self.opts.stages)
+        ]
 
     def run(self, schedules: Sequence[Schedule], on_result) -> list[RunResult]:
         import torch.distributed as dist
 
         opts = self.opts
-        reference = (Reference(self.program, opts.world, opts.sizes, seed=opts.seed, stages=opts.stages)
-                     if opts.check and self.env.rank == 0 else {})
+        reference = (
+            Reference(self.program, opts.world, opts.sizes, seed=opts.seed, stages=opts.stages)
+            if opts.check and self.env.rank == 0
+            else {}
+        )
         # the others wait here, not in a step's collective whose timeout the reference may outlast
         dist.barrier(group=self.exchange)
         results: list[RunResult] = []
@@ -221,9 +245,11 @@ class _Job:
                 except CoconetError:
                     raise
                 except Exception as e:  # an exchange failed: a rank is gone, so no result can be gathered
-                    raise CoconetError(f"rank {self.env.rank}: the job lost a rank while running schedule "
-                                       f"{sched.text!r} ({_first_line(e)}); the other ranks' output says which "
-                                       "and why") from e
+                    raise CoconetError(
+                        f"rank {self.env.rank}: the job lost a rank while running schedule "
+                        f"{sched.text!r} ({_first_line(e)}); the other ranks' output says which "
+                        "and why"
+                    ) from e
                 if results[-1].status != "ok":
                     self.groups = self._step_groups()  # a failed step may have left messages in flight
             if self.env.rank == 0 and on_result is not None:
@@ -240,8 +266,9 @@ class _Job:
         opts, rank = self.opts, self.env.rank
         stage, grank = rank // opts.world, rank % opts.world
         ns: dict[str, Any] = {"__name__": f"coconet_generated_{gen.schedule.hash}"}
-        kwargs = dict(group=self.groups[stage], stage=stage, stages=opts.stages, sizes=dict(opts.sizes),
-                      custom_ops=self.custom)
+        kwargs = dict(
+            group=self.groups[stage], stage=stage, stages=opts.stages, sizes=dict(opts.sizes), custom_ops=self.custom
+        )
         error, report = None, {}
         try:
             exec(marshal.loads(code), ns)
@@ -258,8 +285,9 @@ class _Job:
             error = None
             try:
                 tensors, scalars = inputs(gen.schedule.scheduled, opts, stage, grank, self.device)
-                samples = time_steps(ns["step"], tensors, scalars, kwargs, self.device, warmup=opts.warmup,
-                                     repeats=opts.repeats)
+                samples = time_steps(
+                    ns["step"], tensors, scalars, kwargs, self.device, warmup=opts.warmup, repeats=opts.repeats
+                )
                 del tensors
             except Exception as e:
                 error = error_report(e, gen.path)

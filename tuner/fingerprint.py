@@ -49,17 +49,28 @@ class Node:
         return f"{self.cpu}, {self.cpus} CPUs, {self.memory_gib} GiB, {self.machine or 'unknown arch'}, {gpu}"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"cpu": self.cpu, "cpus": self.cpus, "memory_gib": self.memory_gib, "machine": self.machine,
-                "gpus": list(self.gpus)}
+        return {
+            "cpu": self.cpu,
+            "cpus": self.cpus,
+            "memory_gib": self.memory_gib,
+            "machine": self.machine,
+            "gpus": list(self.gpus),
+        }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Node:
         try:
-            return cls(str(d["cpu"]), int(d["cpus"]), int(d["memory_gib"]), str(d.get("machine", "")),
-                       tuple(str(g) for g in d.get("gpus", ())))
+            return cls(
+                str(d["cpu"]),
+                int(d["cpus"]),
+                int(d["memory_gib"]),
+                str(d.get("machine", "")),
+                tuple(str(g) for g in d.get("gpus", ())),
+            )
         except (KeyError, TypeError, ValueError) as e:
-            raise TopologyError(f"a node's fingerprint needs cpu, cpus and memory_gib: {e}", field="fingerprint") \
-                from None
+            raise TopologyError(
+                f"a node's fingerprint needs cpu, cpus and memory_gib: {e}", field="fingerprint"
+            ) from None
 
 
 @dataclass(frozen=True)
@@ -110,6 +121,7 @@ class Fingerprint:
 
 # --- reading a machine ---
 
+
 def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -148,8 +160,9 @@ def gpu_models() -> tuple[str, ...]:
     smi = shutil.which("nvidia-smi")
     if smi:
         try:
-            out = subprocess.run([smi, "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                                 text=True, timeout=NVIDIA_SMI_S)
+            out = subprocess.run(
+                [smi, "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, timeout=NVIDIA_SMI_S
+            )
             if out.returncode == 0:
                 return tuple(ln.strip() for ln in out.stdout.splitlines() if ln.strip())
         except (OSError, subprocess.TimeoutExpired):
@@ -164,8 +177,13 @@ def gpu_models() -> tuple[str, ...]:
 
 
 def this_node() -> Node:
-    return Node(cpu=cpu_model(), cpus=logical_cpus(), memory_gib=round(memory_bytes() / GIB),
-                machine=platform.machine(), gpus=gpu_models())
+    return Node(
+        cpu=cpu_model(),
+        cpus=logical_cpus(),
+        memory_gib=round(memory_bytes() / GIB),
+        machine=platform.machine(),
+        gpus=gpu_models(),
+    )
 
 
 def detect_local() -> Fingerprint:
@@ -185,8 +203,10 @@ def detect_cluster(timeout_s: float = 60.0) -> dict[str, Node]:
     try:
         found = ray.get(refs, timeout=timeout_s)
     except Exception as e:  # a node that died or never ran the task: no fingerprint can be claimed
-        raise ClusterError(f"could not read the machines of the Ray cluster: {type(e).__name__}: "
-                           f"{str(e).strip().splitlines()[0] if str(e).strip() else 'no reason given'}") from None
+        raise ClusterError(
+            f"could not read the machines of the Ray cluster: {type(e).__name__}: "
+            f"{str(e).strip().splitlines()[0] if str(e).strip() else 'no reason given'}"
+        ) from None
     return {i: Node.from_dict(d) for i, d in zip(ids, found)}
 
 
@@ -201,6 +221,7 @@ def of_nodes(nodes: Mapping[str, Node], ids: Iterable[str] | None = None) -> Fin
 
 
 # --- a topology's claims against the machines ---
+
 
 def gpu_family(name: str) -> str:
     """A GPU's model number: the first word with a digit in it (``h100`` of ``NVIDIA H100 80GB HBM3``)."""
@@ -257,8 +278,10 @@ def check_topology(topology: Any, found: Fingerprint, *, per_node: bool = False)
     as ``mismatches``)."""
     wrong = mismatches(topology, found, per_node=per_node)
     if wrong:
-        raise TopologyError(f"--topology {topology.name} does not describe the machines that would run the ranks "
-                            f"({'; '.join(wrong)}): {claimed(topology)}; found {found.text()}. Measure under the "
-                            "name of the machines you have: `local` for this one, or a cluster's from `coconet "
-                            "calibrate --ray-address ADDR --name NAME`",
-                            field="fingerprint")
+        raise TopologyError(
+            f"--topology {topology.name} does not describe the machines that would run the ranks "
+            f"({'; '.join(wrong)}): {claimed(topology)}; found {found.text()}. Measure under the "
+            "name of the machines you have: `local` for this one, or a cluster's from `coconet "
+            "calibrate --ray-address ADDR --name NAME`",
+            field="fingerprint",
+        )

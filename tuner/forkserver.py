@@ -55,11 +55,24 @@ ENV_SWITCH = "COCONET_FORKSERVER"
 READY_S = 120.0  # the server's imports, on a loaded machine
 # coconet.tuner.launch: a rank's job holds the launch's Options, so unpickling it imported the launcher (and
 # the lowering) in every rank of every launch
-PRELOAD = ("numpy", "torch", "torch.distributed", "coconet.tuner.rank", "coconet.codegen.baselines",
-           "coconet.tuner.launch", "coconet.kernels.collectives", "coconet.kernels.shm", "coconet.kernels.dropout",
-           "coconet.kernels.ops")  # the runtime generated modules import
-COMPILER = ("torch._dynamo", "torch._inductor.compile_fx", "torch.fx.experimental.proxy_tensor",
-            "coconet.kernels.compiled")  # what a rank's first compiled kernel imports
+PRELOAD = (
+    "numpy",
+    "torch",
+    "torch.distributed",
+    "coconet.tuner.rank",
+    "coconet.codegen.baselines",
+    "coconet.tuner.launch",
+    "coconet.kernels.collectives",
+    "coconet.kernels.shm",
+    "coconet.kernels.dropout",
+    "coconet.kernels.ops",
+)  # the runtime generated modules import
+COMPILER = (
+    "torch._dynamo",
+    "torch._inductor.compile_fx",
+    "torch.fx.experimental.proxy_tensor",
+    "coconet.kernels.compiled",
+)  # what a rank's first compiled kernel imports
 # set anew for every test by pytest, and read by nothing at start-up: not part of a server's key (a server
 # per test would never be reused), each rank gets the caller's value at its spawn instead
 VOLATILE = ("PYTEST_CURRENT_TEST",)
@@ -111,8 +124,13 @@ class ForkServer:
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "coconet.tuner.forkserver", str(theirs.fileno())],
-                pass_fds=(theirs.fileno(),), env=env, cwd=cwd, stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL, start_new_session=True)  # its own session: Ctrl-C is the caller's
+                pass_fds=(theirs.fileno(),),
+                env=env,
+                cwd=cwd,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                start_new_session=True,
+            )  # its own session: Ctrl-C is the caller's
         finally:
             theirs.close()
         self.sock = ours
@@ -249,9 +267,14 @@ def start_rank(job: str, rank: int, log_fd: int, pipe_fd: int, *, fresh: bool = 
             return _SERVERS.get().spawn(job, rank, log_fd, pipe_fd)
         except OSError:
             pass  # a fresh interpreter does what the server would have
-    return subprocess.Popen([sys.executable, "-m", "coconet.tuner.rank", job, str(rank), str(pipe_fd)],
-                            pass_fds=(pipe_fd,), stdin=subprocess.DEVNULL, stdout=log_fd,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "coconet.tuner.rank", job, str(rank), str(pipe_fd)],
+        pass_fds=(pipe_fd,),
+        stdin=subprocess.DEVNULL,
+        stdout=log_fd,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 def kill_group(proc) -> None:
@@ -310,6 +333,7 @@ def _warm_compiler() -> list[str]:
     """What every process does before its first compiled kernel, done once here for the ranks to inherit.
     Each step is Inductor's own, cached for the process's life; a torch that lacks one, or a step that
     fails, leaves it to the ranks, which then do it themselves (and report what fails there)."""
+
     def probe_isa() -> None:
         from torch._inductor.cpu_vec_isa import pick_vec_isa
 
@@ -350,8 +374,9 @@ def _reap(sock: socket.socket) -> None:
         sock.send(pickle.dumps(("exit", pid, os.waitstatus_to_exitcode(status))))
 
 
-def _child(sock: socket.socket, wake: tuple[int, int], fds: list[int], job: str, rank: int,
-           volatile: dict[str, str | None]) -> None:
+def _child(
+    sock: socket.socket, wake: tuple[int, int], fds: list[int], job: str, rank: int, volatile: dict[str, str | None]
+) -> None:
     code = 1
     try:
         for k, v in volatile.items():

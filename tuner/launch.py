@@ -84,11 +84,17 @@ class RunResult:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "schedule": self.schedule, "hash": self.hash, "status": self.status, "correct": self.correct,
+            "schedule": self.schedule,
+            "hash": self.hash,
+            "status": self.status,
+            "correct": self.correct,
             "max_rel_err": self.max_rel_err
-            if self.max_rel_err is not None and math.isfinite(self.max_rel_err) else None,
-            "median_s": self.median_s, "ci95_s": list(self.ci95_s) if self.ci95_s else None,
-            "samples": len(self.samples), "error": self.error,
+            if self.max_rel_err is not None and math.isfinite(self.max_rel_err)
+            else None,
+            "median_s": self.median_s,
+            "ci95_s": list(self.ci95_s) if self.ci95_s else None,
+            "samples": len(self.samples),
+            "error": self.error,
             **({"bandwidth_GBps": max(self.bandwidth) / 1e9} if self.bandwidth else {}),
         }
 
@@ -126,9 +132,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_schedules(schedules: Sequence[Schedule], opts: Options, program_file: str | None = None,
-                  baselines: Sequence[Baseline] = (),
-                  on_result: Callable[[int, RunResult], None] | None = None) -> list[RunResult]:
+def run_schedules(
+    schedules: Sequence[Schedule],
+    opts: Options,
+    program_file: str | None = None,
+    baselines: Sequence[Baseline] = (),
+    on_result: Callable[[int, RunResult], None] | None = None,
+) -> list[RunResult]:
     """Check and time ``schedules`` (of one program) on ``opts.world`` ranks per stage, in one launch
     unless a schedule fails (the rest then run on a fresh group). ``program_file`` is where the
     program's custom ops can be re-loaded by the ranks if their code does not pickle. Hand-written
@@ -140,9 +150,14 @@ def run_schedules(schedules: Sequence[Schedule], opts: Options, program_file: st
     program = schedules[0].program
     for b in baselines:
         if not b.computes(program):
-            raise CoconetError(f"baseline {b.name} computes {b.program}"
-                               + (f", not {program.name}" if b.program != program.name else
-                                  f", not this program of that name (hash {program.hash})"))
+            raise CoconetError(
+                f"baseline {b.name} computes {b.program}"
+                + (
+                    f", not {program.name}"
+                    if b.program != program.name
+                    else f", not this program of that name (hash {program.hash})"
+                )
+            )
     if any(s.program.hash != program.hash for s in schedules):
         raise CoconetError("schedules of one run must share their program")
     if opts.world < 1 or opts.stages < 1:
@@ -206,8 +221,11 @@ def custom_payload(program, program_file: str | None):
     except Exception as e:
         if program_file:
             return ("file", os.path.abspath(program_file))
-        raise BackendError(f"custom ops {', '.join(ops)}: their torch code cannot be sent to the ranks ({e}); "
-                           "define them in an importable module", kind="compile_error") from None
+        raise BackendError(
+            f"custom ops {', '.join(ops)}: their torch code cannot be sent to the ranks ({e}); "
+            "define them in an importable module",
+            kind="compile_error",
+        ) from None
 
 
 def _launch(tasks, opts: Options, reference, results, custom, retry_port: bool = False) -> set[int] | None:
@@ -234,8 +252,9 @@ def _launch(tasks, opts: Options, reference, results, custom, retry_port: bool =
             ready = wait(list(conns), timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
                 gen = by_id[current]
-                results[current] = _result(gen, "timeout", f"no result within {opts.timeout_s:g} s"
-                                           + _hang_report(procs, workdir, gen))
+                results[current] = _result(
+                    gen, "timeout", f"no result within {opts.timeout_s:g} s" + _hang_report(procs, workdir, gen)
+                )
                 done.add(current)
                 return done
             for conn in ready:
@@ -249,8 +268,11 @@ def _launch(tasks, opts: Options, reference, results, custom, retry_port: bool =
                         continue
                     gen = by_id[current]
                     # ended by a signal (from outside, or its own crash) is ``killed``, as the tuner's ranks say it
-                    results[current] = _result(gen, "killed" if code < 0 else "runtime_error",
-                                               f"rank {rank} {_died(code)}" + _log_tail(workdir, rank))
+                    results[current] = _result(
+                        gen,
+                        "killed" if code < 0 else "runtime_error",
+                        f"rank {rank} {_died(code)}" + _log_tail(workdir, rank),
+                    )
                     done.add(current)
                     return done
                 if kind == "error":
@@ -260,8 +282,9 @@ def _launch(tasks, opts: Options, reference, results, custom, retry_port: bool =
                         for i, gen in tasks:
                             results[i] = _result(gen, "runtime_error", f"rank {rank}: {data['error']}")
                         return {i for i, _ in tasks}
-                    results[task] = _result(by_id[task], data.get("kind", "runtime_error"),
-                                            describe_error(rank, data, by_id[task]))
+                    results[task] = _result(
+                        by_id[task], data.get("kind", "runtime_error"), describe_error(rank, data, by_id[task])
+                    )
                     done.add(task)
                     return done
                 if kind == "started":
@@ -296,10 +319,16 @@ def _write_job(tasks, opts: Options, custom, nranks: int) -> Path:
     workdir = Path(tempfile.mkdtemp(prefix="coconet-run-"))
     with open(workdir / "job.pkl", "wb") as f:
         pickle.dump(list(sys.path), f)
-        pickle.dump({"options": opts, "port": free_port(), "custom": custom,
-                     "threads": max(1, (os.cpu_count() or 1) // nranks),
-                     "tasks": [(i, gen.code, _task_path(gen), strip_program(gen.schedule.scheduled))
-                               for i, gen in tasks]}, f)
+        pickle.dump(
+            {
+                "options": opts,
+                "port": free_port(),
+                "custom": custom,
+                "threads": max(1, (os.cpu_count() or 1) // nranks),
+                "tasks": [(i, gen.code, _task_path(gen), strip_program(gen.schedule.scheduled)) for i, gen in tasks],
+            },
+            f,
+        )
     return workdir
 
 
@@ -378,15 +407,19 @@ def require_cuda(ranks: int) -> None:
 
     devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if devices == 0:
-        raise BackendError("the nccl backend runs on CUDA tensors and this machine has no CUDA device "
-                           "(gloo and shm run on CPU)")
+        raise BackendError(
+            "the nccl backend runs on CUDA tensors and this machine has no CUDA device (gloo and shm run on CPU)"
+        )
     if ranks > devices:
-        raise BackendError(f"the nccl backend needs a CUDA device per rank: {ranks} ranks, {devices} device"
-                           f"{'s' if devices > 1 else ''} here")
+        raise BackendError(
+            f"the nccl backend needs a CUDA device per rank: {ranks} ranks, {devices} device"
+            f"{'s' if devices > 1 else ''} here"
+        )
 
 
-def compare(prog, reports: Mapping[int, dict], opts: Options, reference, *,
-            again: bool = False) -> tuple[float, str | None]:
+def compare(
+    prog, reports: Mapping[int, dict], opts: Options, reference, *, again: bool = False
+) -> tuple[float, str | None]:
     """The largest relative error of what the ranks reported (rank → observed values) against the
     reference interpreter's, and what differs beyond its dtype's tolerance (None when nothing does);
     ``again``: the reports hold a second step's values too (``coconet.tuner.rank.checked_steps``)."""
@@ -455,16 +488,24 @@ class Check:
         if not e <= max(tol, CONDITIONING * own):
             when = " after a second step on the same inputs" if key != base else ""
             bound = self._allowed(base, tol, own)
-            self.failures.append((key, rank, f"{base}{where}{when} (relative error {e:.3g} > {bound}) "
-                                             f"differs from the reference interpreter"
-                                             f"{self._nonfinite(base, value, self.reference[base])}"))
+            self.failures.append(
+                (
+                    key,
+                    rank,
+                    f"{base}{where}{when} (relative error {e:.3g} > {bound}) "
+                    f"differs from the reference interpreter"
+                    f"{self._nonfinite(base, value, self.reference[base])}",
+                )
+            )
 
     def _allowed(self, key: str, tol: float, own: float) -> str:
         if not CONDITIONING * own > tol:
             return f"{tol:g}"
         dtypes = " and ".join(sorted(self._dtypes(key)))
-        return (f"{CONDITIONING * own:.3g}, {CONDITIONING:g}x the {own:.3g} of the program itself computed in "
-                f"{dtypes} statement by statement: ill-conditioned on these inputs")
+        return (
+            f"{CONDITIONING * own:.3g}, {CONDITIONING:g}x the {own:.3g} of the program itself computed in "
+            f"{dtypes} statement by statement: ill-conditioned on these inputs"
+        )
 
     def _source(self, key: str) -> str:
         """The statement whose value ``key`` reports (a state: the one it is updated to, if it is)."""
@@ -510,9 +551,11 @@ class Check:
         if not count:
             return ""
         largest, narrow = min((float(np.finfo(_NUMPY_FLOAT[d]).max), d) for d in self._dtypes(key))
-        return (f"; {count} element{'s' * (count != 1)} inf or NaN where the reference's are finite: computed in "
-                f"{narrow}, whose largest finite value is {largest:.6g}, an intermediate may overflow where the "
-                "reference interpreter, computing in float64, does not")
+        return (
+            f"; {count} element{'s' * (count != 1)} inf or NaN where the reference's are finite: computed in "
+            f"{narrow}, whose largest finite value is {largest:.6g}, an intermediate may overflow where the "
+            "reference interpreter, computing in float64, does not"
+        )
 
 
 # numpy's float for each dtype with the same largest finite value (bfloat16 shares float32's range)
@@ -526,10 +569,10 @@ def _died(code: int) -> str:
         name = signal.Signals(-code).name
     except ValueError:
         name = f"signal {-code}"
-    why = {signal.SIGKILL: " (the kernel's OOM killer sends it when memory runs out: see dmesg)",
-           signal.SIGBUS: " (a store into shared memory past what /dev/shm can hold is the usual cause: "
-                          "see df /dev/shm)"
-           }.get(-code, "")
+    why = {
+        signal.SIGKILL: " (the kernel's OOM killer sends it when memory runs out: see dmesg)",
+        signal.SIGBUS: " (a store into shared memory past what /dev/shm can hold is the usual cause: see df /dev/shm)",
+    }.get(-code, "")
     return f"was killed by {name}{why}"
 
 

@@ -23,12 +23,15 @@ def bench_plot(report: dict[str, Any], path: Path) -> None:
     series = {
         "torch baseline": [p["torch"]["median_s"] if p["torch"] else None for p in points],
         f"program as written ({report['backends'][0]})": [p["results"][0]["median_s"] for p in points],
-        **{f"best schedule, {b}": [p[f"best_{b}"]["median_s"] if p.get(f"best_{b}") else None for p in points]
-           for b in report["backends"]},
-        ("floor (memory or matmul)" if any(p.get("compute_floor_s") for p in points) else "memory-bandwidth floor"):
-            [p["floor_s"] for p in points],
+        **{
+            f"best schedule, {b}": [p[f"best_{b}"]["median_s"] if p.get(f"best_{b}") else None for p in points]
+            for b in report["backends"]
+        },
+        ("floor (memory or matmul)" if any(p.get("compute_floor_s") for p in points) else "memory-bandwidth floor"): [
+            p["floor_s"] for p in points
+        ],
     }
-    styles = ["o-", "s--"] + ["^-", "v-", "D-"][:len(report["backends"])] + ["kx:"]
+    styles = ["o-", "s--"] + ["^-", "v-", "D-"][: len(report["backends"])] + ["kx:"]
     for (name, ys), style in zip(series.items(), styles):
         pts = [(i, y) for i, y in zip(x, ys) if y]
         if pts:
@@ -36,10 +39,15 @@ def bench_plot(report: dict[str, Any], path: Path) -> None:
     ax_t.set_yscale("log")
     ax_t.set_ylabel("step time (s), median")
     where = f" ({report['floor_device']})" if report.get("floor_device") else ""
-    ax_t.set_title(f"{report['workload']}: world {report['world']}, {'+'.join(report['backends'])}, "
-                   f"{report['kernels']} kernels{where}", fontsize=10)
-    for name, key, style in (("best / torch baseline (speed-up)", "best_speedup", "^-"),
-                             ("best / floor (distance)", "best_over_floor", "kx:")):
+    ax_t.set_title(
+        f"{report['workload']}: world {report['world']}, {'+'.join(report['backends'])}, "
+        f"{report['kernels']} kernels{where}",
+        fontsize=10,
+    )
+    for name, key, style in (
+        ("best / torch baseline (speed-up)", "best_speedup", "^-"),
+        ("best / floor (distance)", "best_over_floor", "kx:"),
+    ):
         pts = [(i, p[key]) for i, p in zip(x, points) if p[key]]
         if pts:
             ax_s.plot([i for i, _ in pts], [y for _, y in pts], style, label=name)

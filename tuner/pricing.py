@@ -181,11 +181,21 @@ class Builder:
             t = p[target].type
             if target in lp.at_end:  # computed into the state: no new tensor, no copy
                 k = self.eager(p[v])
-                tail.append(dataclasses.replace(k, what=f"{v} into {target}", fresh=(),
-                                                cold=k.cold + self.nbytes(t, self.local(t))))
+                tail.append(
+                    dataclasses.replace(
+                        k, what=f"{v} into {target}", fresh=(), cold=k.cold + self.nbytes(t, self.local(t))
+                    )
+                )
             elif target in copied:
-                tail.append(Kernel(f"{target}.copy_", 1, self.nbytes(p[v].type, self.local(p[v].type)),
-                                   self.nbytes(t, self.local(t)), cold=self.nbytes(t, self.local(t))))
+                tail.append(
+                    Kernel(
+                        f"{target}.copy_",
+                        1,
+                        self.nbytes(p[v].type, self.local(p[v].type)),
+                        self.nbytes(t, self.local(t)),
+                        cold=self.nbytes(t, self.local(t)),
+                    )
+                )
         if tail:
             units.append(Unit("updates", tuple(tail)))
         dims = tuple(sorted(self.dims, key=self.dims.__getitem__))
@@ -202,17 +212,33 @@ class Builder:
             base = self.reads(s)
             rng_r, rng_w = (((rng.read, (ext,)),), ((rng.write, (ext,)),)) if ext is not None else ((), ())
             ops = ((rng.passes, (ext,)),) if ext is not None else ()
-            return Kernel(s.name, launches * rng.dispatches, base + rng_r, out + rng_w, out + rng_w, ops=ops,
-                          dtype=t.dtype, cold=self.reads(s, cold=True))
+            return Kernel(
+                s.name,
+                launches * rng.dispatches,
+                base + rng_r,
+                out + rng_w,
+                out + rng_w,
+                ops=ops,
+                dtype=t.dtype,
+                cold=self.reads(s, cold=True),
+            )
         if s.op in ("sum", "partial_sum", "norm"):
             return Kernel(s.name, launches, self.reads(s), dtype=t.dtype or "float32", cold=self.reads(s, cold=True))
         if s.op in ("softmax", "log_softmax"):
             # torch's kernel reads each row three times (its max, its sum of exponentials, the result)
-            return Kernel(s.name, launches, self.reads(s) * 3, out, out, dtype=t.dtype or "float32",
-                          cold=self.reads(s, cold=True))
+            return Kernel(
+                s.name, launches, self.reads(s) * 3, out, out, dtype=t.dtype or "float32", cold=self.reads(s, cold=True)
+            )
         fresh = () if s.name in self.held else out
-        return Kernel(s.name, launches, self.reads(s), out, fresh, dtype=(t.dtype if t else None) or "float32",
-                      cold=self.reads(s, cold=True))
+        return Kernel(
+            s.name,
+            launches,
+            self.reads(s),
+            out,
+            fresh,
+            dtype=(t.dtype if t else None) or "float32",
+            cold=self.reads(s, cold=True),
+        )
 
     def matmul(self, s: Stmt, chunks: int = 1, whole_each_chunk: int | None = None) -> Kernel:
         """A matmul, in ``chunks`` launches; each launch reads all of operand ``whole_each_chunk`` (0 or 1)
@@ -283,8 +309,10 @@ class Builder:
             part = p[s.args[0]].type
             mine = self.nbytes(part, self.local(part))
             peers = scaled(mine, PerWorld.PEERS)
-            ks = (Kernel(f"{s.name} rows", 1, mine, mine, cold=mine),
-                  Kernel(f"{s.name} peers' rows", 1, peers, peers, cold=peers))
+            ks = (
+                Kernel(f"{s.name} rows", 1, mine, mine, cold=mine),
+                Kernel(f"{s.name} peers' rows", 1, peers, peers, cold=peers),
+            )
             return [Unit(s.name, ks, (Comm("barrier", (), launches=2, shm=True),))]
         if op == "all_gather":
             return [Unit(s.name, self.gather_copies(s), (self.collective(s),))]
@@ -358,8 +386,9 @@ class Builder:
                 cold += b
         ops = self.fused_dropout_ops(g.members)
         dtype = next((p[o].type.dtype for o in outs if p[o].type and p[o].type.dtype), "float32")
-        k = Kernel(str(g), 1, tuple(reads), tuple(writes), tuple(fresh), ops=ops, dtype=dtype, compiled=True,
-                   cold=tuple(cold))
+        k = Kernel(
+            str(g), 1, tuple(reads), tuple(writes), tuple(fresh), ops=ops, dtype=dtype, compiled=True, cold=tuple(cold)
+        )
         # its gathers into state: one barrier before the kernel writes the peers' copies, one after
         comms = (Comm("barrier", (), launches=2, shm=True),) if into else ()
         return Unit(str(g), (k,), comms)
@@ -393,8 +422,11 @@ class Builder:
         whole_in = self.nbytes(x, self.whole(x))
         mine_in = self.nbytes(rs.type, self.local(rs.type))
         # what the kernel reads of every rank's rows: the inputs its pre statements compute them from
-        mine_src = tuple(t for x in fc.sources
-                         for t in self.nbytes(dataclasses.replace(rs.type, dtype=p[x].type.dtype), self.local(rs.type)))
+        mine_src = tuple(
+            t
+            for x in fc.sources
+            for t in self.nbytes(dataclasses.replace(rs.type, dtype=p[x].type.dtype), self.local(rs.type))
+        )
         kernels, comms = self.fc_reduce(fc, chunks, whole_in, mine_in)
         # the computation on this rank's slice: one compiled kernel per chunk, or its statements eagerly
         if fc.compiles:
@@ -421,9 +453,15 @@ class Builder:
                 kernels.append(Kernel(f"{rs.name} chunk buffers", chunks, whole_in, whole_in, whole_in))
             return kernels, [Comm("reduce_scatter", whole_in, launches=chunks)]
         if not fc.direct:
-            kernels.append(Kernel(f"{rs.name} publish", 1, scaled(whole_in, R.PEERS_FRACTION),
-                                  scaled(whole_in, R.PEERS_FRACTION),
-                                  cold=scaled(whole_in, R.PEERS_FRACTION) if self.is_cold(rs.args[0]) else ()))
+            kernels.append(
+                Kernel(
+                    f"{rs.name} publish",
+                    1,
+                    scaled(whole_in, R.PEERS_FRACTION),
+                    scaled(whole_in, R.PEERS_FRACTION),
+                    cold=scaled(whole_in, R.PEERS_FRACTION) if self.is_cold(rs.args[0]) else (),
+                )
+            )
         if not fc.sums_parts:
             kernels.append(Kernel(f"{rs.name} reduce", chunks, scaled(mine_in, R.TWO_PEERS), scaled(mine_in, R.PEERS)))
         return kernels, [Comm("barrier", (), launches=1, shm=True)]
@@ -458,8 +496,17 @@ class Builder:
             writes += rows
             cold += rows
         x = p[fc.rs.args[0]].type
-        return Kernel(f"{g} kernel", chunks, tuple(reads), tuple(writes), (), ops=self.fused_dropout_ops(fc.compute),
-                      compiled=True, dtype=x.dtype or "float32", cold=tuple(cold))
+        return Kernel(
+            f"{g} kernel",
+            chunks,
+            tuple(reads),
+            tuple(writes),
+            (),
+            ops=self.fused_dropout_ops(fc.compute),
+            compiled=True,
+            dtype=x.dtype or "float32",
+            cold=tuple(cold),
+        )
 
     def fc_eager(self, fc: FusedCollective, chunks: int) -> list[Kernel]:
         """A fused collective's chunk statement by statement, its results copied into the state they update."""

@@ -132,9 +132,13 @@ def _run(job: dict[str, Any], rank: int, conn: Connection) -> int:
             device = torch.device("cuda", torch.cuda.current_device())
         else:
             device = torch.device("cpu")
-        dist.init_process_group(backends.get(opts.backend).process_group,
-                                init_method=f"tcp://127.0.0.1:{job['port']}", rank=rank, world_size=world * stages,
-                                timeout=timedelta(seconds=max(30.0, opts.timeout_s)))
+        dist.init_process_group(
+            backends.get(opts.backend).process_group,
+            init_method=f"tcp://127.0.0.1:{job['port']}",
+            rank=rank,
+            world_size=world * stages,
+            timeout=timedelta(seconds=max(30.0, opts.timeout_s)),
+        )
         groups = [dist.new_group(list(range(s * world, (s + 1) * world))) for s in range(stages)]
     except Exception as e:  # the group never formed: nothing of this launch can run
         conn.send(("error", None, rank, error_report(e, "")))
@@ -219,8 +223,11 @@ def checked_steps(step, prog, tensors, scalars, kwargs, stage: int):
     out = step(tensors, scalars, **kwargs)
     written = [k for k, v in start.items() if k not in prog.updates and not _same(tensors[k], v)]
     if written:
-        raise BackendError(f"the step wrote into input {', '.join(written)}, which the program does not update: "
-                           "the caller's tensors must be left as they were", kind="wrong_result")
+        raise BackendError(
+            f"the step wrote into input {', '.join(written)}, which the program does not update: "
+            "the caller's tensors must be left as they were",
+            kind="wrong_result",
+        )
     yield observe(prog, tensors, out, stage)
     with torch.no_grad():
         for k, v in start.items():
@@ -312,8 +319,19 @@ def _time(step, tensors, scalars, kwargs, opts, device) -> list[float]:
     return time_steps(step, tensors, scalars, kwargs, device, warmup=opts.warmup, repeats=opts.repeats)
 
 
-def time_steps(step, tensors, scalars, kwargs, device, *, warmup: int, repeats: int, max_repeats: int | None = None,
-               rel_ci: float | None = None, max_s: float | None = None) -> list[float]:
+def time_steps(
+    step,
+    tensors,
+    scalars,
+    kwargs,
+    device,
+    *,
+    warmup: int,
+    repeats: int,
+    max_repeats: int | None = None,
+    rel_ci: float | None = None,
+    max_s: float | None = None,
+) -> list[float]:
     """Each sample: barrier, one step, the slowest rank's time (the step is as slow as its slowest rank).
 
     ``repeats`` samples at least; with ``rel_ci``, more until the 95% CI of the median is within

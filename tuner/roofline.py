@@ -28,8 +28,7 @@ def _nbytes(t, sizes: Mapping[str, int]) -> int:
     return math.prod(interp.concrete_shape(t, sizes)) * ITEMSIZE.get(t.dtype or "float32", 4)
 
 
-def bytes_moved_once(program: Program, sizes: Mapping[str, int], world: int,
-                     shardable: Iterable[str] = ()) -> int:
+def bytes_moved_once(program: Program, sizes: Mapping[str, int], world: int, shardable: Iterable[str] = ()) -> int:
     """``shardable``: the replicated state a schedule may leave sharded (ZeRO: each rank writes its rows)."""
     may_shard = frozenset(shardable)
     total = 0
@@ -50,6 +49,7 @@ def matmul_flops_per_rank(program: Program, sizes: Mapping[str, int], world: int
     """2·M·N·K of every matmul, on the pieces rank 0 holds (a Sliced dim: its first, largest, share), and of
     every convolution taken as the matmul of its output by the weight's rows (input channels by taps): its
     floor is then as if it ran at the matmul rate, as a convolution lowered to a GEMM would."""
+
     def local(t) -> list[int]:
         shape = interp.concrete_shape(t, sizes)
         return [len(range(n)[r]) for n, r in zip(shape, interp.local_region(t, shape, world, 0))]
@@ -65,8 +65,9 @@ def matmul_flops_per_rank(program: Program, sizes: Mapping[str, int], world: int
     return total
 
 
-def compute_floor(program: Program, sizes: Mapping[str, int], world: int, rate_per_thread: float,
-                  cpus: int, threads: int) -> float:
+def compute_floor(
+    program: Program, sizes: Mapping[str, int], world: int, rate_per_thread: float, cpus: int, threads: int
+) -> float:
     """Seconds the matmuls take at least: the busiest rank's flops at ``threads`` threads, or every rank's
     flops on the ``cpus`` cores when the ranks outnumber them."""
     flops = matmul_flops_per_rank(program, sizes, world)
@@ -96,8 +97,14 @@ def best_seconds(fn, repeats: int, device: str) -> float:
     return best
 
 
-def matmul_rate(threads: int = 1, m: int | None = None, k: int | None = None, n: int | None = None,
-                repeats: int = 3, device: str = "cpu") -> float:
+def matmul_rate(
+    threads: int = 1,
+    m: int | None = None,
+    k: int | None = None,
+    n: int | None = None,
+    repeats: int = 3,
+    device: str = "cpu",
+) -> float:
     """Flops per second of a float32 matmul at ``threads`` threads (as one rank runs it), or on the current
     CUDA device (``threads`` unused) at torch's float32 matmul precision, which the generated code runs at;
     the best of ``repeats``, through the faster of torch.matmul and the generated code's GEMM. A GPU reaches its
@@ -115,7 +122,12 @@ def matmul_rate(threads: int = 1, m: int | None = None, k: int | None = None, n:
         torch.set_num_threads(threads)
     try:
         a, b = torch.randn(m, k, device=device), torch.randn(k, n, device=device)
-        return 2.0 * m * k * n / min(best_seconds(functools.partial(mm, a, b), repeats, device)
-                                          for mm in (torch.matmul, matmul))
+        return (
+            2.0
+            * m
+            * k
+            * n
+            / min(best_seconds(functools.partial(mm, a, b), repeats, device) for mm in (torch.matmul, matmul))
+        )
     finally:
         torch.set_num_threads(old)

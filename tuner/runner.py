@@ -107,8 +107,13 @@ class _Rank:
     def where(self) -> tuple[str, int, int, str, str]:
         import ray
 
-        return (ray.util.get_node_ip_address(), free_port(), os.getpid(), str(self.stack_path),
-                ray.get_runtime_context().get_node_id())
+        return (
+            ray.util.get_node_ip_address(),
+            free_port(),
+            os.getpid(),
+            str(self.stack_path),
+            ray.get_runtime_context().get_node_id(),
+        )
 
     def join(self, addr: str, port: int, timeout_s: float) -> None:
         import torch
@@ -116,9 +121,13 @@ class _Rank:
 
         if backends.get(self.backend).device_type == "cuda":
             torch.cuda.set_device(0)  # Ray gives each actor its own GPU as device 0
-        dist.init_process_group(backends.get(self.backend).process_group, init_method=f"tcp://{addr}:{port}",
-                                rank=self.rank, world_size=self.world * self.stages,
-                                timeout=timedelta(seconds=max(30.0, timeout_s)))
+        dist.init_process_group(
+            backends.get(self.backend).process_group,
+            init_method=f"tcp://{addr}:{port}",
+            rank=self.rank,
+            world_size=self.world * self.stages,
+            timeout=timedelta(seconds=max(30.0, timeout_s)),
+        )
         groups = [dist.new_group(list(range(s * self.world, (s + 1) * self.world))) for s in range(self.stages)]
         self.group = groups[self.rank // self.world]
 
@@ -138,17 +147,25 @@ class _Rank:
             except SyntaxError as e:
                 return {"error": _error(e, filename), "kind": "compile_error"}
             step = ns["step"]
-            kwargs = dict(group=self.group, stage=stage, stages=self.stages, sizes=dict(sizes),
-                          custom_ops=self.custom)
+            kwargs = dict(group=self.group, stage=stage, stages=self.stages, sizes=dict(sizes), custom_ops=self.custom)
             tensors, scalars = inputs(prog, opts, stage, self.rank % self.world, device)
             if protocol is None:
                 held: dict[str, Any] = {}
                 for report in checked_steps(step, prog, tensors, scalars, kwargs, stage):
                     held.update((k, np.array(v)) for k, v in report.items())  # a copy: the next step writes on
                 return {"check": held}
-            samples = time_steps(step, tensors, scalars, kwargs, device, warmup=protocol.warmup,
-                                 repeats=protocol.min_repeats, max_repeats=protocol.max_repeats,
-                                 rel_ci=protocol.rel_ci, max_s=protocol.max_time_s)
+            samples = time_steps(
+                step,
+                tensors,
+                scalars,
+                kwargs,
+                device,
+                warmup=protocol.warmup,
+                repeats=protocol.min_repeats,
+                max_repeats=protocol.max_repeats,
+                rel_ci=protocol.rel_ci,
+                max_s=protocol.max_time_s,
+            )
             return {"samples": samples}
         except Exception as e:
             return {"error": _error(e, filename), "kind": _kind(e)}
@@ -179,8 +196,10 @@ def private_file(path: Path) -> Any:
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     st = os.lstat(folder)
     if stat.S_ISLNK(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
-        raise CoconetError(f"{folder} is not a private folder of this user (a link, another owner, or open to "
-                           "others): refusing to write rank diagnostics there")
+        raise CoconetError(
+            f"{folder} is not a private folder of this user (a link, another owner, or open to "
+            "others): refusing to write rank diagnostics there"
+        )
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     return os.fdopen(fd, "w")
 
@@ -190,9 +209,19 @@ class Runner:
     Ray. ``lowering`` turns a schedule into code (``coconet.codegen.lower.lower``; tests inject
     faulty code through it). Use as a context manager, or call ``close``."""
 
-    def __init__(self, program: Program, *, world: int, sizes: Mapping[str, int], backend: str = "gloo",
-                 protocol: Protocol = Protocol(), stages: int = 2, program_file: str | None = None,
-                 lowering: Lowering = lower, placement: str = "pack") -> None:
+    def __init__(
+        self,
+        program: Program,
+        *,
+        world: int,
+        sizes: Mapping[str, int],
+        backend: str = "gloo",
+        protocol: Protocol = Protocol(),
+        stages: int = 2,
+        program_file: str | None = None,
+        lowering: Lowering = lower,
+        placement: str = "pack",
+    ) -> None:
         if backend not in BACKENDS:
             raise BackendError(f"unknown backend {backend!r} (use {', '.join(BACKENDS)})", kind="compile_error")
         if world < 1:
@@ -253,8 +282,9 @@ class Runner:
             if isinstance(got, RunResult):
                 return got
             opts = Options(world=self.world, sizes=self._check_sizes, stages=self.stages)
-            res.max_rel_err, bad = compare(prog, {r: g["check"] for r, g in enumerate(got)}, opts, self._ref(),
-                                              again=True)
+            res.max_rel_err, bad = compare(
+                prog, {r: g["check"] for r, g in enumerate(got)}, opts, self._ref(), again=True
+            )
             res.correct = bad is None
             if bad is not None:
                 res.status, res.error = "wrong_result", bad
@@ -267,8 +297,9 @@ class Runner:
 
     def _ref(self):
         if self._reference is None:
-            self._reference = Reference(self.program, self.world, self._check_sizes, seed=self.protocol.seed,
-                                        stages=self.stages)
+            self._reference = Reference(
+                self.program, self.world, self._check_sizes, seed=self.protocol.seed, stages=self.stages
+            )
         return self._reference
 
     def _call(self, gen: Generated, filename: str, prog, sizes, protocol) -> list[dict] | RunResult:
@@ -294,9 +325,12 @@ class Runner:
             ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
                 late = sorted(rank_of[r] for r in pending)
-                return failed("timeout", f"no result within {self.protocol.timeout_s:g} s from rank"
-                              f"{'s' if len(late) > 1 else ''} {', '.join(map(str, late))}"
-                              + self._hang_report(late, gen, filename))
+                return failed(
+                    "timeout",
+                    f"no result within {self.protocol.timeout_s:g} s from rank"
+                    f"{'s' if len(late) > 1 else ''} {', '.join(map(str, late))}"
+                    + self._hang_report(late, gen, filename),
+                )
             rank = rank_of[ready[0]]
             try:
                 answer = ray.get(ready[0])
@@ -359,8 +393,10 @@ class Runner:
             if ready:
                 return
             if left <= PLACEMENT_POLL_S:
-                raise CoconetError(f"the Ray cluster cannot place {need.text()} within "
-                                   f"{self.protocol.timeout_s:g} s (its CPUs are busy with other work)")
+                raise CoconetError(
+                    f"the Ray cluster cannot place {need.text()} within "
+                    f"{self.protocol.timeout_s:g} s (its CPUs are busy with other work)"
+                )
 
     def _rank_text(self, rank: int) -> str:
         if rank < len(self._nodes):
@@ -388,17 +424,23 @@ class Runner:
             self._run_dir = Path(tempfile.mkdtemp(prefix="coconet-ranks-"))  # mode 0700, a name no one can guess
         cls = ray.remote(_Rank)
         self._actors = [
-            cls.options(num_cpus=1, num_gpus=1 if gpu else 0, max_concurrency=1,
-                        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r))
-            .remote(r, self.world, self.stages, self.backend, threads, self._custom, str(self._run_dir))
-            for r in range(self.nranks)]
+            cls.options(
+                num_cpus=1,
+                num_gpus=1 if gpu else 0,
+                max_concurrency=1,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r),
+            ).remote(r, self.world, self.stages, self.backend, threads, self._custom, str(self._run_dir))
+            for r in range(self.nranks)
+        ]
         try:
             where = ray.get([a.where.remote() for a in self._actors], timeout=self.protocol.timeout_s)
             self._stacks = [(ip, pid, path) for ip, _, pid, path, _ in where]
             self._nodes = [node for *_, node in where]
             addr, port, *_ = where[0]
-            ray.get([a.join.remote(addr, port, self.protocol.timeout_s) for a in self._actors],
-                    timeout=self.protocol.timeout_s + 30)
+            ray.get(
+                [a.join.remote(addr, port, self.protocol.timeout_s) for a in self._actors],
+                timeout=self.protocol.timeout_s + 30,
+            )
         except Exception as e:
             self._reset()
             error = _PortTaken if port_taken(str(e)) else CoconetError
@@ -447,8 +489,10 @@ def _death(rank: str, e: BaseException) -> str:
     # Ray cannot tell a signal from outside (the OOM killer, an operator, a node lost) from the step crashing
     # the process: either is ``killed``, which the next tuning of the key tries once more (a failure that
     # repeats stays)
-    return (f"{rank} died, its process ended without reporting an error (killed by a signal, its node lost, "
-            f"or a crash): {_first_line(e)}")
+    return (
+        f"{rank} died, its process ended without reporting an error (killed by a signal, its node lost, "
+        f"or a crash): {_first_line(e)}"
+    )
 
 
 def _first_line(e: BaseException) -> str:

@@ -77,8 +77,9 @@ class SearchSpace:
     schedules: tuple[Schedule, ...]
 
     @classmethod
-    def of(cls, program: Program, backends: Sequence[str], depth: int = 6,
-           shardable: Iterable[str] | None = None) -> "SearchSpace":
+    def of(
+        cls, program: Program, backends: Sequence[str], depth: int = 6, shardable: Iterable[str] | None = None
+    ) -> "SearchSpace":
         """``shardable``: the state a schedule may leave sharded (None: any), the others left out."""
         if not backends:
             raise CoconetError("no backend to tune on")
@@ -112,8 +113,9 @@ class SearchSpace:
 
     @property
     def digest(self) -> str:
-        return hashlib.sha256(json.dumps(sorted((k, list(v)) for k, v in self.choices.items())).encode()
-                              ).hexdigest()[:12]
+        return hashlib.sha256(json.dumps(sorted((k, list(v)) for k, v in self.choices.items())).encode()).hexdigest()[
+            :12
+        ]
 
     def params(self, c: Candidate) -> dict[str, Any]:
         return {"backend": c.backend, "schedule": structure_text(c.schedule), **c.schedule.knob_values}
@@ -193,8 +195,14 @@ Measure = Callable[[Candidate], RunResult]
 Record = Callable[[Candidate, RunResult, str], Any]  # (candidate, result, role) -> record id
 
 
-def study_name(program: Program, sizes: Mapping[str, int], topology: str, world: int,
-               shardable: str = EVERY, kernels: str = "compiled") -> str:
+def study_name(
+    program: Program,
+    sizes: Mapping[str, int],
+    topology: str,
+    world: int,
+    shardable: str = EVERY,
+    kernels: str = "compiled",
+) -> str:
     # the family of the studies of a key, one per space (``search`` adds the space's digest); a shardable set
     # other than ``*`` has a family of its own, named as when it was how a key's studies were told apart
     name = f"coconet:{program.hash}:{format_sizes(sizes)}:{topology}:w{world}"
@@ -203,10 +211,21 @@ def study_name(program: Program, sizes: Mapping[str, int], topology: str, world:
     return name if kernels == "compiled" else f"{name}:kernels[{kernels}]"
 
 
-def search(space: SearchSpace, sizes: Mapping[str, int], *, storage, study: str, budget: int,
-           measure: Measure, record: Record | None = None, prior: Iterable[Candidate] = (),
-           seed: int = 0, on_progress: Callable[[Progress], None] | None = None,
-           sampler: str | None = None, recorded: Mapping[str, Trial] | None = None) -> Outcome:
+def search(
+    space: SearchSpace,
+    sizes: Mapping[str, int],
+    *,
+    storage,
+    study: str,
+    budget: int,
+    measure: Measure,
+    record: Record | None = None,
+    prior: Iterable[Candidate] = (),
+    seed: int = 0,
+    on_progress: Callable[[Progress], None] | None = None,
+    sampler: str | None = None,
+    recorded: Mapping[str, Trial] | None = None,
+) -> Outcome:
     """Run (or resume) the study of ``space`` in the family ``study`` (``study_name``), in Optuna ``storage``,
     until ``budget`` candidates have results or the space is exhausted; ``measure`` times a candidate,
     ``record`` stores each new result.
@@ -215,8 +234,9 @@ def search(space: SearchSpace, sizes: Mapping[str, int], *, storage, study: str,
     ``sampler`` (``brute``, ``tpe``, ``random``) overrides the choice by budget (for benchmarks)."""
     st = _open(space, study, storage, sampler or ("brute" if space.size <= budget else "tpe"), seed)
     trials, base = _resume(st, space, prior)
-    progress = Progress(trials=len(trials), budget=min(budget, space.size),
-                        failed=sum(t.result.status != "ok" for t in trials.values()))
+    progress = Progress(
+        trials=len(trials), budget=min(budget, space.size), failed=sum(t.result.status != "ok" for t in trials.values())
+    )
     _update_best(progress, trials.values())
 
     def objective(trial) -> float:
@@ -273,13 +293,21 @@ def _open(space: SearchSpace, study: str, storage, kind: str, seed: int):
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     with warnings.catch_warnings():  # BruteForceSampler is "experimental" since Optuna 3.1
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        samplers = {"brute": optuna.samplers.BruteForceSampler, "tpe": optuna.samplers.TPESampler,
-                    "random": optuna.samplers.RandomSampler}
+        samplers = {
+            "brute": optuna.samplers.BruteForceSampler,
+            "tpe": optuna.samplers.TPESampler,
+            "random": optuna.samplers.RandomSampler,
+        }
         if kind not in samplers:
             raise CoconetError(f"unknown sampler {kind!r} (use {', '.join(samplers)})")
         chosen = samplers[kind](seed=seed)
-    st = optuna.create_study(study_name=f"{study}:space[{space.digest}]", storage=storage, sampler=chosen,
-                             direction="minimize", load_if_exists=True)
+    st = optuna.create_study(
+        study_name=f"{study}:space[{space.digest}]",
+        storage=storage,
+        sampler=chosen,
+        direction="minimize",
+        load_if_exists=True,
+    )
     _fail_orphans(st)
     _adopt(st, space, study, storage)
     return st
@@ -290,19 +318,26 @@ def _resume(st, space: SearchSpace, prior: Iterable[Candidate]) -> tuple[dict[st
     candidates a killed or cut trial left without a result, unless measured or queued already."""
     import optuna
 
-    complete = [t for t in st.get_trials(deepcopy=False)
-                if t.state == optuna.trial.TrialState.COMPLETE and "candidate" in t.user_attrs]
+    complete = [
+        t
+        for t in st.get_trials(deepcopy=False)
+        if t.state == optuna.trial.TrialState.COMPLETE and "candidate" in t.user_attrs
+    ]
     done = {t.user_attrs["candidate"]: t for t in complete}  # each candidate's latest
     kills = Counter(t.user_attrs["candidate"] for t in complete if t.user_attrs.get("status") == "killed")
     # killed once (a signal from outside, perhaps): measured again in this run; killed twice, it stays
     again = [k for k, t in done.items() if t.user_attrs.get("status") == "killed" and kills[k] < KILLED_TRIES]
     trials: dict[str, Trial] = {k: _trial_from(space, t) for k, t in done.items() if k not in again}
-    queued = {t.user_attrs.get("candidate") for t in st.get_trials(deepcopy=False,
-                                                                  states=(optuna.trial.TrialState.WAITING,))}
+    queued = {
+        t.user_attrs.get("candidate") for t in st.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,))
+    }
     # A trial cut short (the tuner killed or interrupted in it) finished as FAIL without a result:
     # the exhaustive sampler counts it as visited, so its candidate goes back in the queue.
-    cut = [_trial_from(space, t).candidate for t in st.get_trials(deepcopy=False)
-           if t.state == optuna.trial.TrialState.FAIL and "schedule" in t.params]
+    cut = [
+        _trial_from(space, t).candidate
+        for t in st.get_trials(deepcopy=False)
+        if t.state == optuna.trial.TrialState.FAIL and "schedule" in t.params
+    ]
     cut += [_trial_from(space, done[k]).candidate for k in again]
     base = Candidate(Schedule(space.program), space.backends[0])
     for c in [base, *prior, *cut]:
@@ -313,20 +348,21 @@ def _resume(st, space: SearchSpace, prior: Iterable[Candidate]) -> tuple[dict[st
     return trials, base
 
 
-def _finish(study: str, sizes, trials: list[Trial], base: Candidate, measure: Measure,
-            record: Record | None) -> Outcome:
+def _finish(
+    study: str, sizes, trials: list[Trial], base: Candidate, measure: Measure, record: Record | None
+) -> Outcome:
     """The search's two fastest and the baseline timed again in turns (``retime``); the fastest of that
     re-timing wins, and every figure of the outcome (winner, runner-up, baseline, speed-up) is the re-timing's,
     all taken on the same machine state."""
-    ok = sorted((t for t in trials if t.result.status == "ok" and t.result.median_s),
-                key=lambda t: t.result.median_s)
+    ok = sorted((t for t in trials if t.result.status == "ok" and t.result.median_s), key=lambda t: t.result.median_s)
     baseline = next((t for t in trials if t.candidate.key == base.key), None)
     contenders = [t.candidate for t in ok[:2]]
     if baseline is not None and baseline.result.status == "ok" and base.key not in {c.key for c in contenders}:
         contenders.append(base)
     retimed = [Trial(c, res, record(c, res, "retime") if record else None) for c, res in retime(contenders, measure)]
-    good = sorted((t for t in retimed if t.result.status == "ok" and t.result.median_s),
-                  key=lambda t: t.result.median_s)
+    good = sorted(
+        (t for t in retimed if t.result.status == "ok" and t.result.median_s), key=lambda t: t.result.median_s
+    )
     winner = good[0] if good else (ok[0] if ok else None)
     runner_up = good[1] if len(good) > 1 else None
     baseline = next((t for t in retimed if t.candidate.key == base.key), baseline)
@@ -334,14 +370,15 @@ def _finish(study: str, sizes, trials: list[Trial], base: Candidate, measure: Me
     return Outcome(study, sizes, trials, winner, runner_up, baseline, retimed, ok[0] if ok else None, reversed_)
 
 
-def retime(candidates: list[Candidate], measure: Measure,
-           rounds: int = RETIME_ROUNDS) -> list[tuple[Candidate, RunResult]]:
+def retime(
+    candidates: list[Candidate], measure: Measure, rounds: int = RETIME_ROUNDS
+) -> list[tuple[Candidate, RunResult]]:
     """Each candidate measured ``rounds`` times in turns, the order reversed every other round (A B C, C B A: a
     drift of the machine over the re-timing weighs on each alike); per candidate, its rounds' samples together,
     or the first failure of its rounds."""
     merged: dict[str, RunResult] = {}
     for r in range(rounds):
-        for c in (candidates if r % 2 == 0 else candidates[::-1]):
+        for c in candidates if r % 2 == 0 else candidates[::-1]:
             res = measure(c)
             had = merged.get(c.key)
             if had is None:
@@ -373,8 +410,15 @@ def _trial_from(space: SearchSpace, t) -> Trial:
     backend = p.pop("backend")
     sched = base.with_knobs(**{k: v for k, v in p.items() if k in base.knob_domains})
     a = t.user_attrs
-    res = RunResult(sched.text, sched.hash, a.get("status", "ok"), correct=a.get("status") != "wrong_result",
-                    max_rel_err=a.get("max_rel_err"), samples=list(a.get("samples", [])), error=a.get("error"))
+    res = RunResult(
+        sched.text,
+        sched.hash,
+        a.get("status", "ok"),
+        correct=a.get("status") != "wrong_result",
+        max_rel_err=a.get("max_rel_err"),
+        samples=list(a.get("samples", [])),
+        error=a.get("error"),
+    )
     return Trial(Candidate(sched, backend), res, a.get("record_id"), reused=True)
 
 
@@ -395,9 +439,14 @@ def _adopt(st, space: SearchSpace, family: str, storage) -> None:
             key = t.user_attrs.get("candidate")
             if key is None or key in have or not space.fits(t.params):
                 continue
-            st.add_trial(optuna.trial.create_trial(
-                params=t.params, distributions={k: CategoricalDistribution(choices[k]) for k in t.params},
-                value=t.value, user_attrs={**t.user_attrs, "adopted_from": name}))
+            st.add_trial(
+                optuna.trial.create_trial(
+                    params=t.params,
+                    distributions={k: CategoricalDistribution(choices[k]) for k in t.params},
+                    value=t.value,
+                    user_attrs={**t.user_attrs, "adopted_from": name},
+                )
+            )
             have.add(key)
 
 

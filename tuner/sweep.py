@@ -118,10 +118,16 @@ class SweepProgram(BaseModel):
     model_config = ConfigDict(extra="forbid")
     example: str | None = Field(None, description="The name of an example shipped with coconet (adam, sgd, ...).")
     file: str | None = Field(None, description="A program file, relative to the config.")
-    sizes: list[str] = Field(min_length=1, description="Size bindings; `a..b` runs over powers of two, `a..b:k` "
-                             "with k points per doubling (`N=2^10..2^30:4`, `B=1..16,S=512..2048`).")
-    shardable: list[str] | None = Field(None, description="State a schedule may leave sharded, or `all`; "
-                                        "left out: what the program's baseline's caller never reads.")
+    sizes: list[str] = Field(
+        min_length=1,
+        description="Size bindings; `a..b` runs over powers of two, `a..b:k` "
+        "with k points per doubling (`N=2^10..2^30:4`, `B=1..16,S=512..2048`).",
+    )
+    shardable: list[str] | None = Field(
+        None,
+        description="State a schedule may leave sharded, or `all`; "
+        "left out: what the program's baseline's caller never reads.",
+    )
 
     @field_validator("shardable", mode="before")
     @classmethod
@@ -140,10 +146,14 @@ class SweepFile(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     programs: list[SweepProgram] = Field(min_length=1)
-    topologies: list[str] = Field(min_length=1, description="Topology names: shipped, or calibrated into the "
-                                  "data dir; `local` is measured, every other one predicted.")
-    worlds: dict[str, list[PositiveInt]] = Field(default_factory=dict, description="Ranks per stage for each "
-                                                 "topology; left out: every rank of the topology.")
+    topologies: list[str] = Field(
+        min_length=1,
+        description="Topology names: shipped, or calibrated into the "
+        "data dir; `local` is measured, every other one predicted.",
+    )
+    worlds: dict[str, list[PositiveInt]] = Field(
+        default_factory=dict, description="Ranks per stage for each topology; left out: every rank of the topology."
+    )
     budget: PositiveInt = Field(16, description="Trials per measured key.")
     depth: NonNegativeInt = Field(6, description="Longest transform sequence of the space.")
 
@@ -225,23 +235,41 @@ class SweepReport:
         return done / self.seconds if self.seconds > 0 and done else None
 
     def to_json(self) -> dict[str, Any]:
-        return {"keys": self.keys, "skipped": self.skipped, "kept_measured": self.kept_measured,
-                "unfit": self.unfit, "too_large": self.too_large,
-                "too_large_why": self.too_large_why, "predicted": self.predicted, "measured": self.measured,
-                "predictions": self.predictions, "seconds": self.seconds, "keys_per_s": self.keys_per_s,
-                "by_topology": self.by_topology}
+        return {
+            "keys": self.keys,
+            "skipped": self.skipped,
+            "kept_measured": self.kept_measured,
+            "unfit": self.unfit,
+            "too_large": self.too_large,
+            "too_large_why": self.too_large_why,
+            "predicted": self.predicted,
+            "measured": self.measured,
+            "predictions": self.predictions,
+            "seconds": self.seconds,
+            "keys_per_s": self.keys_per_s,
+            "by_topology": self.by_topology,
+        }
 
 
 def _candidates(program: Program, depth: int, shardable: str) -> list[Schedule]:
     """Every schedule of the space that shards at most ``shardable``, with every value of its knobs."""
     allowed = shard.names(shardable)
-    return [v for s in generate(program, depth).schedules if allowed is None or set(s.sharded) <= allowed
-            for v in knob_variants(s)]
+    return [
+        v
+        for s in generate(program, depth).schedules
+        if allowed is None or set(s.sharded) <= allowed
+        for v in knob_variants(s)
+    ]
 
 
-def sweep(config: SweepConfig, store, *, simulate: bool = False,
-          on_progress: Callable[[SweepReport], None] | None = None,
-          tune_key: Callable[[Entry, dict, int], Any] | None = None) -> SweepReport:
+def sweep(
+    config: SweepConfig,
+    store,
+    *,
+    simulate: bool = False,
+    on_progress: Callable[[SweepReport], None] | None = None,
+    tune_key: Callable[[Entry, dict, int], Any] | None = None,
+) -> SweepReport:
     """Run the sweep into ``store``; ``tune_key(entry, sizes, world)`` measures a local key."""
     t0 = time.perf_counter()
     report = SweepReport()
@@ -291,9 +319,8 @@ def sweep(config: SweepConfig, store, *, simulate: bool = False,
                         on_progress(report)
                 continue
             for i in range(0, len(pending), BATCH):
-                batch = pending[i:i + BATCH]
-                _predict_batch(store, prog, cands, base, topo, name, backends, batch, stages, report,
-                               entry.shardable)
+                batch = pending[i : i + BATCH]
+                _predict_batch(store, prog, cands, base, topo, name, backends, batch, stages, report, entry.shardable)
                 report.predicted += len(batch)
                 report.by_topology[name] = report.by_topology.get(name, 0) + len(batch)
                 report.seconds = time.perf_counter() - t0
@@ -303,8 +330,19 @@ def sweep(config: SweepConfig, store, *, simulate: bool = False,
     return report
 
 
-def _predict_batch(store, prog: Program, cands: list[Schedule], base: Schedule, topo, name: str,
-                   backends: Sequence[str], batch, stages: int, report: SweepReport, shardable: str) -> None:
+def _predict_batch(
+    store,
+    prog: Program,
+    cands: list[Schedule],
+    base: Schedule,
+    topo,
+    name: str,
+    backends: Sequence[str],
+    batch,
+    stages: int,
+    report: SweepReport,
+    shardable: str,
+) -> None:
     versions = {"coconet": coconet.__version__, "model": "alpha-beta roofline", "topology": topo.digest}
     rows, triples = [], []
     for sizes, world in batch:
@@ -321,9 +359,22 @@ def _predict_batch(store, prog: Program, cands: list[Schedule], base: Schedule, 
             if p is None:
                 continue
             t, b, s = p
-            rows.append(NewMeasurement.of(s, sizes=sizes, topology=name, world=world, backend=b, status="ok",
-                                          n=0, median_s=t, source="model", versions=versions))
+            rows.append(
+                NewMeasurement.of(
+                    s,
+                    sizes=sizes,
+                    topology=name,
+                    world=world,
+                    backend=b,
+                    status="ok",
+                    n=0,
+                    median_s=t,
+                    source="model",
+                    versions=versions,
+                )
+            )
         triples.append((k, 1 if picks[1] is not None else None, len(rows) - 1 - k))
     ids = store.add_measurements(rows)
-    store.add_winners([(ids[k], ids[k + ru] if ru is not None else None, ids[k + bl])
-                       for k, ru, bl in triples], shardable=shardable)
+    store.add_winners(
+        [(ids[k], ids[k + ru] if ru is not None else None, ids[k + bl]) for k, ru, bl in triples], shardable=shardable
+    )

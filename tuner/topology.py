@@ -40,25 +40,50 @@ from coconet.tuner.topology_file import LinkFile, TopologyFile, validate
 DEVICES = ("cpu", "cuda")
 BACKENDS = ("gloo", "nccl", "shm")
 # The collectives the model prices, and the algorithms each may run as (see coconet.tuner.cost).
-ALGORITHMS: Mapping[str, tuple[str, ...]] = MappingProxyType({
-    "allreduce": ("ring", "tree", "direct"),
-    "reduce_scatter": ("ring", "direct", "allreduce"),
-    "all_gather": ("ring", "direct"),
-    "broadcast": ("ring", "tree", "direct"),
-    "send": ("direct",),
-})
+ALGORITHMS: Mapping[str, tuple[str, ...]] = MappingProxyType(
+    {
+        "allreduce": ("ring", "tree", "direct"),
+        "reduce_scatter": ("ring", "direct", "allreduce"),
+        "all_gather": ("ring", "direct"),
+        "broadcast": ("ring", "tree", "direct"),
+        "send": ("direct",),
+    }
+)
 # What a backend runs when a topology does not say: NCCL picks the faster of ring and tree for an
 # allreduce (its tuner models both); gloo runs rings, broadcasts from the root to each peer, and runs
 # reduce_scatter_tensor as an allreduce of the whole buffer of which each rank keeps its rows (a
 # profile of a gloo reduce_scatter shows one gloo:all_reduce).
-DEFAULT_ALGORITHMS: Mapping[str, Mapping[str, tuple[str, ...]]] = MappingProxyType({
-    "nccl": MappingProxyType({"allreduce": ("ring", "tree"), "reduce_scatter": ("ring",), "all_gather": ("ring",),
-                              "broadcast": ("ring",), "send": ("direct",)}),
-    "gloo": MappingProxyType({"allreduce": ("ring",), "reduce_scatter": ("allreduce",), "all_gather": ("ring",),
-                              "broadcast": ("direct",), "send": ("direct",)}),
-    "shm": MappingProxyType({"allreduce": ("direct",), "reduce_scatter": ("direct",), "all_gather": ("direct",),
-                             "broadcast": ("direct",), "send": ("direct",)}),
-})
+DEFAULT_ALGORITHMS: Mapping[str, Mapping[str, tuple[str, ...]]] = MappingProxyType(
+    {
+        "nccl": MappingProxyType(
+            {
+                "allreduce": ("ring", "tree"),
+                "reduce_scatter": ("ring",),
+                "all_gather": ("ring",),
+                "broadcast": ("ring",),
+                "send": ("direct",),
+            }
+        ),
+        "gloo": MappingProxyType(
+            {
+                "allreduce": ("ring",),
+                "reduce_scatter": ("allreduce",),
+                "all_gather": ("ring",),
+                "broadcast": ("direct",),
+                "send": ("direct",),
+            }
+        ),
+        "shm": MappingProxyType(
+            {
+                "allreduce": ("direct",),
+                "reduce_scatter": ("direct",),
+                "all_gather": ("direct",),
+                "broadcast": ("direct",),
+                "send": ("direct",),
+            }
+        ),
+    }
+)
 LOCAL = "local"  # this machine, as `coconet calibrate` measured it here
 
 
@@ -137,10 +162,16 @@ class Topology:
         # read-only views: a topology is a value, shared by every prediction made with it
         for name in ("matmul_TFLOPS", "fingerprint"):
             object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name))))
-        object.__setattr__(self, "algorithms", MappingProxyType(
-            {b: MappingProxyType({op: tuple(a) for op, a in ops.items()}) for b, ops in self.algorithms.items()}))
-        object.__setattr__(self, "measured", MappingProxyType(
-            {b: MappingProxyType(dict(ops)) for b, ops in self.measured.items()}))
+        object.__setattr__(
+            self,
+            "algorithms",
+            MappingProxyType(
+                {b: MappingProxyType({op: tuple(a) for op, a in ops.items()}) for b, ops in self.algorithms.items()}
+            ),
+        )
+        object.__setattr__(
+            self, "measured", MappingProxyType({b: MappingProxyType(dict(ops)) for b, ops in self.measured.items()})
+        )
         object.__setattr__(self, "backends", tuple(self.backends))
         object.__setattr__(self, "fresh_cost", tuple((int(n), float(c)) for n, c in self.fresh_cost))
 
@@ -174,14 +205,16 @@ class Topology:
         if k == 1:
             return self
         return dataclasses.replace(
-            self, memory_bandwidth_GBps=self.memory_bandwidth_GBps / k,
+            self,
+            memory_bandwidth_GBps=self.memory_bandwidth_GBps / k,
             matmul_TFLOPS={d: tf / k for d, tf in self.matmul_TFLOPS.items()},
             launch_s=self.launch_s * k,
             compiled_launch_s=None if self.compiled_launch_s is None else self.compiled_launch_s * k,
             elementwise_Gops=self.elementwise_Gops and self.elementwise_Gops / k,
             eager_elementwise_Gops=self.eager_elementwise_Gops and self.eager_elementwise_Gops / k,
             cache_bandwidth_GBps=self.cache_bandwidth_GBps and self.cache_bandwidth_GBps / k,
-            fresh_cost=tuple((n, c * k) for n, c in self.fresh_cost))
+            fresh_cost=tuple((n, c * k) for n, c in self.fresh_cost),
+        )
 
     def fresh_s_per_byte(self, nbytes: float) -> float:
         pts = self.fresh_cost
@@ -199,8 +232,10 @@ class Topology:
 
     def check_backend(self, backend: str) -> None:
         if backend not in self.backends:
-            raise TopologyError(f"topology {self.name} does not run backend {backend!r} "
-                                f"(it allows {', '.join(self.backends)})", field="backends")
+            raise TopologyError(
+                f"topology {self.name} does not run backend {backend!r} (it allows {', '.join(self.backends)})",
+                field="backends",
+            )
 
     @cached_property
     def digest(self) -> str:
@@ -214,6 +249,7 @@ class Topology:
 
 # --- (de)serialisation ---
 
+
 def to_dict(t: Topology) -> dict[str, Any]:
     def link(x: Link | None) -> dict | None:
         if x is None:
@@ -221,18 +257,30 @@ def to_dict(t: Topology) -> dict[str, Any]:
         return {"kind": x.kind, "alpha_s": x.alpha_s, "bandwidth_GBps": x.bandwidth_GBps}
 
     out: dict[str, Any] = {
-        "name": t.name, "description": t.description, "device": t.device, "nodes": t.nodes,
-        "ranks_per_node": t.ranks_per_node, "backends": list(t.backends),
+        "name": t.name,
+        "description": t.description,
+        "device": t.device,
+        "nodes": t.nodes,
+        "ranks_per_node": t.ranks_per_node,
+        "backends": list(t.backends),
         "links": {"intra": link(t.intra), "inter": link(t.inter)},
-        "memory_bandwidth_GBps": t.memory_bandwidth_GBps, "matmul_TFLOPS": dict(t.matmul_TFLOPS),
-        "launch_s": t.launch_s, "compiled_launch_s": t.compiled_launch_s, "elementwise_Gops": t.elementwise_Gops,
-        "eager_elementwise_Gops": t.eager_elementwise_Gops, "cache_bytes": t.cache_bytes,
+        "memory_bandwidth_GBps": t.memory_bandwidth_GBps,
+        "matmul_TFLOPS": dict(t.matmul_TFLOPS),
+        "launch_s": t.launch_s,
+        "compiled_launch_s": t.compiled_launch_s,
+        "elementwise_Gops": t.elementwise_Gops,
+        "eager_elementwise_Gops": t.eager_elementwise_Gops,
+        "cache_bytes": t.cache_bytes,
         "cache_bandwidth_GBps": t.cache_bandwidth_GBps,
-        "fresh_cost": [[n, c] for n, c in t.fresh_cost], "overlap": t.overlap,
-        "overlap_memory": t.overlap_memory, "shm_barrier_s": t.shm_barrier_s,
+        "fresh_cost": [[n, c] for n, c in t.fresh_cost],
+        "overlap": t.overlap,
+        "overlap_memory": t.overlap_memory,
+        "shm_barrier_s": t.shm_barrier_s,
         "algorithms": {b: {op: list(a) for op, a in ops.items()} for b, ops in t.algorithms.items()},
-        "measured": {b: {op: {"alpha_s": f.alpha_s, "beta_s_per_byte": f.beta_s_per_byte} for op, f in ops.items()}
-                     for b, ops in t.measured.items()},
+        "measured": {
+            b: {op: {"alpha_s": f.alpha_s, "beta_s_per_byte": f.beta_s_per_byte} for op, f in ops.items()}
+            for b, ops in t.measured.items()
+        },
         "fingerprint": {k: str(v) if isinstance(v, str) else v for k, v in t.fingerprint.items()},
     }
     if t.inter is None:
@@ -284,19 +332,35 @@ def from_dict(data: Any, source: str = "<dict>") -> Topology:
     f = validate(data, source)
     _check(f, source)
     return Topology(
-        name=f.name, device=f.device, nodes=f.nodes, ranks_per_node=f.ranks_per_node,
+        name=f.name,
+        device=f.device,
+        nodes=f.nodes,
+        ranks_per_node=f.ranks_per_node,
         intra=_link(f.links.intra, "links.intra", source),
         inter=_link(f.links.inter, "links.inter", source) if f.links.inter is not None else None,
-        memory_bandwidth_GBps=f.memory_bandwidth_GBps, matmul_TFLOPS=f.matmul_TFLOPS, backends=tuple(f.backends),
-        launch_s=f.launch_s, compiled_launch_s=f.compiled_launch_s, elementwise_Gops=f.elementwise_Gops,
-        eager_elementwise_Gops=f.eager_elementwise_Gops, cache_bytes=f.cache_bytes,
-        cache_bandwidth_GBps=f.cache_bandwidth_GBps, fresh_cost=tuple(f.fresh_cost), overlap=f.overlap,
-        overlap_memory=f.overlap_memory, shm_barrier_s=f.shm_barrier_s,
-        algorithms={b: {op: (a,) if isinstance(a, str) else tuple(a) for op, a in ops.items()}
-                    for b, ops in f.algorithms.items()},
-        measured={b: {op: Fit(fit.alpha_s, fit.beta_s_per_byte) for op, fit in ops.items()}
-                  for b, ops in f.measured.items()},
-        fingerprint=f.fingerprint, description=f.description)
+        memory_bandwidth_GBps=f.memory_bandwidth_GBps,
+        matmul_TFLOPS=f.matmul_TFLOPS,
+        backends=tuple(f.backends),
+        launch_s=f.launch_s,
+        compiled_launch_s=f.compiled_launch_s,
+        elementwise_Gops=f.elementwise_Gops,
+        eager_elementwise_Gops=f.eager_elementwise_Gops,
+        cache_bytes=f.cache_bytes,
+        cache_bandwidth_GBps=f.cache_bandwidth_GBps,
+        fresh_cost=tuple(f.fresh_cost),
+        overlap=f.overlap,
+        overlap_memory=f.overlap_memory,
+        shm_barrier_s=f.shm_barrier_s,
+        algorithms={
+            b: {op: (a,) if isinstance(a, str) else tuple(a) for op, a in ops.items()}
+            for b, ops in f.algorithms.items()
+        },
+        measured={
+            b: {op: Fit(fit.alpha_s, fit.beta_s_per_byte) for op, fit in ops.items()} for b, ops in f.measured.items()
+        },
+        fingerprint=f.fingerprint,
+        description=f.description,
+    )
 
 
 def from_yaml(text: str, source: str = "<yaml>") -> Topology:
@@ -308,6 +372,7 @@ def from_yaml(text: str, source: str = "<yaml>") -> Topology:
 
 
 # --- where topologies live ---
+
 
 def user_dir() -> Path:
     """Where the topologies measured on the user's machines live: ``<data dir>/topologies``

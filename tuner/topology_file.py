@@ -68,10 +68,9 @@ class TopologyFile(BaseModel):
     cache_bytes: Annotated[int, Field(ge=0)] = 0
     cache_bandwidth_GBps: Positive | None = None
     # lax only as far as taking YAML's [bytes, cost] list as a pair; the numbers in it stay strict
-    fresh_cost: list[Annotated[tuple[Annotated[int, Strict(), Field(gt=0)], Annotated[NonNegative, Strict()]],
-                               Strict(False)]] = Field(
-        default_factory=list,
-        description="[bytes, seconds per byte] a fresh buffer costs over a reused one.")
+    fresh_cost: list[
+        Annotated[tuple[Annotated[int, Strict(), Field(gt=0)], Annotated[NonNegative, Strict()]], Strict(False)]
+    ] = Field(default_factory=list, description="[bytes, seconds per byte] a fresh buffer costs over a reused one.")
     overlap: Fraction = 1.0
     overlap_memory: Fraction | None = None
     shm_barrier_s: NonNegative = 2e-6
@@ -120,8 +119,11 @@ def validate(data: Any, source: str) -> TopologyFile:
 
 def _model_at(loc: tuple) -> type[BaseModel]:
     """The model whose fields an unknown key sits among, for the list of the known ones."""
-    nested: dict[tuple, type[BaseModel]] = {("links",): LinksFile, ("links", "intra"): LinkFile,
-                                             ("links", "inter"): LinkFile}
+    nested: dict[tuple, type[BaseModel]] = {
+        ("links",): LinksFile,
+        ("links", "intra"): LinkFile,
+        ("links", "inter"): LinkFile,
+    }
     if len(loc) == 3 and loc[0] == "measured":
         return FitFile
     return nested.get(loc, TopologyFile)

@@ -58,8 +58,11 @@ def _intersect(xs, ys) -> list[tuple[float, float]]:
 
 
 def overlap(trace: Path | str) -> Overlap:
-    events = [e for e in json.loads(Path(trace).read_text())["traceEvents"]
-              if e.get("ph") == "X" and "dur" in e and e.get("cat") in ("cpu_op", "user_annotation", None)]
+    events = [
+        e
+        for e in json.loads(Path(trace).read_text())["traceEvents"]
+        if e.get("ph") == "X" and "dur" in e and e.get("cat") in ("cpu_op", "user_annotation", None)
+    ]
     mm = [e for e in events if e["name"] in MATMUL]
     if not events:
         return Overlap(0.0, 0.0, 0.0, 0.0)
@@ -69,5 +72,6 @@ def overlap(trace: Path | str) -> Overlap:
     start = min(e["ts"] for e in events)
     end = max(e["ts"] + e["dur"] for e in events)
     us = 1e-6
-    return Overlap((end - start) * us, _length(compute) * us, _length(comm) * us,
-                   _length(_intersect(compute, comm)) * us)
+    return Overlap(
+        (end - start) * us, _length(compute) * us, _length(comm) * us, _length(_intersect(compute, comm)) * us
+    )

@@ -85,19 +85,39 @@ class Tuned:
                 return None
             s = summarize(t.result.samples)
             # the space holds schedules that leave replicated state sharded: the caller must see that
-            return {"schedule": t.candidate.text, "backend": t.candidate.backend, "median_s": s.median,
-                    "ci95_s": list(s.ci95), "n": s.n, "hash": t.candidate.schedule.hash,
-                    "sharded": sorted(t.candidate.schedule.sharded)}
+            return {
+                "schedule": t.candidate.text,
+                "backend": t.candidate.backend,
+                "median_s": s.median,
+                "ci95_s": list(s.ci95),
+                "n": s.n,
+                "hash": t.candidate.schedule.hash,
+                "sharded": sorted(t.candidate.schedule.sharded),
+            }
 
-        return {"program_hash": program.hash, "program": program.name, "sizes": self.sizes, "topology": topology,
-                "world": world, "shardable": sorted(allowed if allowed is not None else shard.candidates(program)),
-                "best": stats(o.winner), "runner_up": stats(o.runner_up),
-                "baseline": stats(o.baseline), "speedup": o.speedup,
-                # the search's own fastest and its figure; best, runner_up, baseline and speedup are the re-timing's
-                "search_best": stats(o.search_best), "order_reversed": o.order_reversed, "trials": len(o.trials),
-                "failed": len(o.failed), "failures": failures(o.failed), "record_id": self.record_id,
-                "job_id": self.job_id, "study": o.study, "backends_left_out": self.left_out,
-                "machines": self.machines}
+        return {
+            "program_hash": program.hash,
+            "program": program.name,
+            "sizes": self.sizes,
+            "topology": topology,
+            "world": world,
+            "shardable": sorted(allowed if allowed is not None else shard.candidates(program)),
+            "best": stats(o.winner),
+            "runner_up": stats(o.runner_up),
+            "baseline": stats(o.baseline),
+            "speedup": o.speedup,
+            # the search's own fastest and its figure; best, runner_up, baseline and speedup are the re-timing's
+            "search_best": stats(o.search_best),
+            "order_reversed": o.order_reversed,
+            "trials": len(o.trials),
+            "failed": len(o.failed),
+            "failures": failures(o.failed),
+            "record_id": self.record_id,
+            "job_id": self.job_id,
+            "study": o.study,
+            "backends_left_out": self.left_out,
+            "machines": self.machines,
+        }
 
 
 def failures(failed: Sequence[Trial], most: int = 5) -> list[dict[str, Any]]:
@@ -107,8 +127,13 @@ def failures(failed: Sequence[Trial], most: int = 5) -> list[dict[str, Any]]:
     for t in failed:
         key = (t.result.status, t.result.error or "")
         if key not in seen:
-            seen[key] = {"status": key[0], "error": key[1][:1000], "count": 0, "schedule": t.candidate.text,
-                         "backend": t.candidate.backend}
+            seen[key] = {
+                "status": key[0],
+                "error": key[1][:1000],
+                "count": 0,
+                "schedule": t.candidate.text,
+                "backend": t.candidate.backend,
+            }
         seen[key]["count"] += 1
     return sorted(seen.values(), key=lambda f: -f["count"])[:most]
 
@@ -123,12 +148,18 @@ def local_backends(world: int) -> tuple[str, ...]:
     return ("gloo", "shm") if platform.machine() in ("x86_64", "AMD64") else ("gloo",)
 
 
-def versions(backend: str, kernels: str = "compiled", placed: str | None = None,
-             machines: Fingerprint | None = None) -> dict[str, str]:
+def versions(
+    backend: str, kernels: str = "compiled", placed: str | None = None, machines: Fingerprint | None = None
+) -> dict[str, str]:
     import torch
 
-    out = {"coconet": coconet.__version__, "torch": torch.__version__, "backend": backend,
-           "python": platform.python_version(), "kernels": kernels}
+    out = {
+        "coconet": coconet.__version__,
+        "torch": torch.__version__,
+        "backend": backend,
+        "python": platform.python_version(),
+        "kernels": kernels,
+    }
     if placed:  # where the ranks ran: "2 ranks on 1 node"
         out["placement"] = placed
     if machines is not None:  # what they ran on: coconet.tuner.fingerprint
@@ -146,16 +177,19 @@ def fingerprint() -> dict[str, Any]:
     import torch
 
     cpu = cpu_model()
-    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] \
-        if torch.cuda.is_available() else []
+    gpus = (
+        [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    )
     return {"machine": platform.machine(), "cpu": cpu, "cpus": os.cpu_count(), "gpus": gpus}
 
 
 def check(request: Request) -> tuple[str, ...]:
     """Refuse a request that cannot run here, before anything is started or written; its backends."""
     if request.topology != LOCAL and not request.ray_address:
-        raise CoconetError(f"coconet tune measures: topology {request.topology!r} needs its cluster "
-                           "(--ray-address); for a prediction use coconet sweep")
+        raise CoconetError(
+            f"coconet tune measures: topology {request.topology!r} needs its cluster "
+            "(--ray-address); for a prediction use coconet sweep"
+        )
     if request.placement not in PLACEMENTS:
         raise CoconetError(f"unknown placement {request.placement!r} (use {' or '.join(PLACEMENTS)})")
     if request.budget < 1:
@@ -164,8 +198,10 @@ def check(request: Request) -> tuple[str, ...]:
         shardable_text(request.program, request.shardable)  # names that are not the program's state: refused
     request.program.require_world(request.world)
     if not request.ray_address and request.world > MAX_RANKS:  # a Ray actor per rank, all on this machine
-        raise CoconetError(f"world {request.world}: the local Ray cluster runs at most {MAX_RANKS} ranks per stage "
-                           "on this machine (--ray-address joins a cluster for more)")
+        raise CoconetError(
+            f"world {request.world}: the local Ray cluster runs at most {MAX_RANKS} ranks per stage "
+            "on this machine (--ray-address joins a cluster for more)"
+        )
     if not request.ray_address:  # the local cluster's ranks share this machine's memory; a cluster's, their nodes'
         for sizes in request.sizes:
             require_fits(request.program, sizes, request.world, check=False)
@@ -178,15 +214,21 @@ def check(request: Request) -> tuple[str, ...]:
     backends = tuple(request.backends) or allowed
     unusable = [b for b in backends if b not in allowed]
     if unusable:
-        raise CoconetError(f"backend {', '.join(unusable)} cannot run on {request.topology} "
-                           f"(it runs {', '.join(allowed)})")
+        raise CoconetError(
+            f"backend {', '.join(unusable)} cannot run on {request.topology} (it runs {', '.join(allowed)})"
+        )
     return backends
 
 
-def tune(request: Request, store, *, on_progress: Callable[[dict, Progress], None] | None = None,
-         lowering: Callable[[Schedule, str, str], Generated] = lower,
-         prior: Callable[[SearchSpace, Mapping[str, int], str, int], Sequence[Candidate]] | None = None,
-         job_id: int | None = None) -> list[Tuned]:
+def tune(
+    request: Request,
+    store,
+    *,
+    on_progress: Callable[[dict, Progress], None] | None = None,
+    lowering: Callable[[Schedule, str, str], Generated] = lower,
+    prior: Callable[[SearchSpace, Mapping[str, int], str, int], Sequence[Candidate]] | None = None,
+    job_id: int | None = None,
+) -> list[Tuned]:
     """Tune every size of ``request`` into ``store``; ``prior`` gives the cost model's top-k. ``job_id``: a job
     the caller created and claimed (the service's worker) to run instead of a new one; one size only."""
     if job_id is not None and len(request.sizes) != 1:
@@ -234,23 +276,47 @@ class _Study:
         # before any trial: results under a topology's name are of its machines. `local` is this machine's kind,
         # which a cluster joined by --ray-address may have several of (each measurement records how many it used)
         check_topology(topo, of_nodes(cluster), per_node=request.topology == LOCAL)
-        fit = plan(Need(request.world * stages, gpu="nccl" in backends), backends, offer(),
-                   asked=bool(request.backends), placement=request.placement)
+        fit = plan(
+            Need(request.world * stages, gpu="nccl" in backends),
+            backends,
+            offer(),
+            asked=bool(request.backends),
+            placement=request.placement,
+        )
         space = SearchSpace.of(prog, fit.backends, request.depth, shard.names(allowed_text))
         store.add_program(prog)
         if request.topology == LOCAL:
             store.add_topology(LOCAL, fingerprint(), source="measured")
-        return cls(request, store, backends, allowed_text, cluster, fit, space, store.optuna_storage(),
-                   on_progress, lowering, prior)
+        return cls(
+            request,
+            store,
+            backends,
+            allowed_text,
+            cluster,
+            fit,
+            space,
+            store.optuna_storage(),
+            on_progress,
+            lowering,
+            prior,
+        )
 
     def take(self, sizes: dict[str, int]) -> tuple[int, AbstractContextManager[None]]:
         """A job for the key, taken now, and the heartbeat that holds it while its tuning runs."""
         request, prog = self.request, self.request.program
         me = this_process()
         try:  # the key looked at again as it is taken: another tuner may have started it since the check
-            job = self.store.take_job(prog.hash, sizes, request.topology, request.world, budget=request.budget,
-                                      backends=list(self.backends), shardable=self.allowed_text,
-                                      driver=me.text if me else None, abandoned=abandoned).id
+            job = self.store.take_job(
+                prog.hash,
+                sizes,
+                request.topology,
+                request.world,
+                budget=request.budget,
+                backends=list(self.backends),
+                shardable=self.allowed_text,
+                driver=me.text if me else None,
+                abandoned=abandoned,
+            ).id
         except KeyBusy as err:
             raise _busy(prog, request, [_busy_text(sizes, err.running, err.driver)]) from None
         return job, heartbeat(self.store, job)  # the service sees the key taken while this runs, and free if it dies
@@ -271,23 +337,42 @@ class _Key:
                 if other != c.backend:
                     runner.close()
         if c.backend not in self.runners:
-            self.runners[c.backend] = Runner(request.program, world=request.world, sizes=self.sizes,
-                                             backend=c.backend, protocol=request.protocol,
-                                             program_file=request.program_file, lowering=study.lowering,
-                                             placement=request.placement)
+            self.runners[c.backend] = Runner(
+                request.program,
+                world=request.world,
+                sizes=self.sizes,
+                backend=c.backend,
+                protocol=request.protocol,
+                program_file=request.program_file,
+                lowering=study.lowering,
+                placement=request.placement,
+            )
         return self.runners[c.backend].measure(c.schedule)
 
     def record(self, c: Candidate, res: RunResult, role: str) -> int:
         request = self.study.request
         s = summarize(res.samples) if res.samples else None
         err = res.max_rel_err if res.max_rel_err is not None and math.isfinite(res.max_rel_err) else None
-        return self.study.store.add_measurement(NewMeasurement.of(
-            c.schedule, sizes=self.sizes, topology=request.topology, world=request.world, backend=c.backend,
-            status=res.status, error=res.error, samples=list(res.samples), n=len(res.samples),
-            median_s=s.median if s else None, ci_lo_s=s.ci95[0] if s else None,
-            ci_hi_s=s.ci95[1] if s else None, max_rel_err=err, source="measured",
-            versions=versions(c.backend, request.protocol.kernels, self.placed(c.backend), self.ran_on(c.backend)),
-            job_id=self.job))
+        return self.study.store.add_measurement(
+            NewMeasurement.of(
+                c.schedule,
+                sizes=self.sizes,
+                topology=request.topology,
+                world=request.world,
+                backend=c.backend,
+                status=res.status,
+                error=res.error,
+                samples=list(res.samples),
+                n=len(res.samples),
+                median_s=s.median if s else None,
+                ci_lo_s=s.ci95[0] if s else None,
+                ci_hi_s=s.ci95[1] if s else None,
+                max_rel_err=err,
+                source="measured",
+                versions=versions(c.backend, request.protocol.kernels, self.placed(c.backend), self.ran_on(c.backend)),
+                job_id=self.job,
+            )
+        )
 
     def placed(self, backend: str) -> str | None:
         runner = self.runners.get(backend)
@@ -298,8 +383,10 @@ class _Key:
         return of_nodes(self.study.cluster, runner.nodes if runner is not None and runner.nodes else None)
 
     def progress(self, p: Progress) -> None:
-        self.study.store.update_job(self.job, progress=JobProgress(done=p.trials, total=p.budget, failed=p.failed,
-                                                                   best_s=p.best[1] if p.best else None))
+        self.study.store.update_job(
+            self.job,
+            progress=JobProgress(done=p.trials, total=p.budget, failed=p.failed, best_s=p.best[1] if p.best else None),
+        )
         if self.study.on_progress:
             self.study.on_progress(self.sizes, p)
 
@@ -309,17 +396,29 @@ class _Key:
         prog = request.program
         seeds = _neighbours(store, study.space, prog, sizes, request, done, study.allowed_text)
         if study.prior is not None:
-            seeds += list(study.prior(study.space, sizes, request.topology, request.world))[:request.top_k]
+            seeds += list(study.prior(study.space, sizes, request.topology, request.world))[: request.top_k]
         try:
-            outcome = search(study.space, sizes, storage=study.storage,
-                             study=study_name(prog, sizes, request.topology, request.world, study.allowed_text,
-                                              request.protocol.kernels),
-                             budget=request.budget, measure=self.measure, record=self.record, prior=seeds,
-                             seed=request.seed, on_progress=self.progress,
-                             recorded=_recorded(store, study.space, prog, sizes, request))
+            outcome = search(
+                study.space,
+                sizes,
+                storage=study.storage,
+                study=study_name(
+                    prog, sizes, request.topology, request.world, study.allowed_text, request.protocol.kernels
+                ),
+                budget=request.budget,
+                measure=self.measure,
+                record=self.record,
+                prior=seeds,
+                seed=request.seed,
+                on_progress=self.progress,
+                recorded=_recorded(store, study.space, prog, sizes, request),
+            )
         except BaseException as e:
-            store.update_job(self.job, state="interrupted" if isinstance(e, KeyboardInterrupt) else "failed",
-                             error=f"{type(e).__name__}: {e}"[:2000])
+            store.update_job(
+                self.job,
+                state="interrupted" if isinstance(e, KeyboardInterrupt) else "failed",
+                error=f"{type(e).__name__}: {e}"[:2000],
+            )
             raise
         finally:
             for r in self.runners.values():
@@ -327,18 +426,35 @@ class _Key:
         winner_id = None
         if outcome.winner is not None:
             base_id = _record_id(outcome.baseline, self.record)  # recorded first, where it is not yet
-            winner_id = store.add_winner(_record_id(outcome.winner, self.record),
-                                         runner_up_id=_record_id(outcome.runner_up, self.record),
-                                         baseline_id=base_id, job_id=self.job,
-                                         shardable=study.allowed_text, order_reversed=outcome.order_reversed)
-        tuned = Tuned(sizes, outcome, self.job, winner_id, shardable=study.allowed_text,
-                      left_out=dict(study.fit.left_out), machines=_machines(store, outcome.winner, self.record))
+            winner_id = store.add_winner(
+                _record_id(outcome.winner, self.record),
+                runner_up_id=_record_id(outcome.runner_up, self.record),
+                baseline_id=base_id,
+                job_id=self.job,
+                shardable=study.allowed_text,
+                order_reversed=outcome.order_reversed,
+            )
+        tuned = Tuned(
+            sizes,
+            outcome,
+            self.job,
+            winner_id,
+            shardable=study.allowed_text,
+            left_out=dict(study.fit.left_out),
+            machines=_machines(store, outcome.winner, self.record),
+        )
         store.update_job(self.job, state="done", result=tuned.to_json(prog, request.topology, request.world))
         return tuned
 
 
-def _free_keys(store: Any, prog: Program, sizes: Sequence[Mapping[str, int]], request: Request, allowed_text: str,
-               stale_s: float | None = None) -> None:
+def _free_keys(
+    store: Any,
+    prog: Program,
+    sizes: Sequence[Mapping[str, int]],
+    request: Request,
+    allowed_text: str,
+    stale_s: float | None = None,
+) -> None:
     """Refuses a key another tuner (the service's worker, another ``coconet tune``) is running right now: both
     would time their candidates on the same cores at once, each skewing the other's numbers, for one study.
     A running job nobody runs any more (its process gone, or its heartbeat stale) is marked interrupted
@@ -346,8 +462,11 @@ def _free_keys(store: Any, prog: Program, sizes: Sequence[Mapping[str, int]], re
     keys = {sizes_key(sz) for sz in sizes}
     busy = []
     for job in store.jobs("running", program_hash=prog.hash):
-        if (job.sizes_key not in keys or (job.topology, job.world, job.shardable)
-                != (request.topology, request.world, allowed_text)):
+        if job.sizes_key not in keys or (job.topology, job.world, job.shardable) != (
+            request.topology,
+            request.world,
+            allowed_text,
+        ):
             continue
         if abandoned(job, STALE_S if stale_s is None else stale_s):
             try:
@@ -366,10 +485,12 @@ def _busy_text(sizes: Mapping[str, int], job: int, driver: str | None) -> str:
 
 
 def _busy(prog: Program, request: Request, busy: list[str]) -> CoconetError:
-    return CoconetError(f"{prog.name} at {'; '.join(busy)} on {request.topology}, world {request.world} is being "
-                        f"tuned by another tuner sharing this store right now: its winner will be recorded here "
-                        f"(coconet run --schedule best, GET /api/v1/jobs/ID); tuning it here too would run a second "
-                        f"search of the same study beside it, on one machine timing both on the same cores")
+    return CoconetError(
+        f"{prog.name} at {'; '.join(busy)} on {request.topology}, world {request.world} is being "
+        f"tuned by another tuner sharing this store right now: its winner will be recorded here "
+        f"(coconet run --schedule best, GET /api/v1/jobs/ID); tuning it here too would run a second "
+        f"search of the same study beside it, on one machine timing both on the same cores"
+    )
 
 
 def cost_prior(space: SearchSpace, sizes: Mapping[str, int], topology: str, world: int) -> list[Candidate]:
@@ -379,8 +500,12 @@ def cost_prior(space: SearchSpace, sizes: Mapping[str, int], topology: str, worl
         return []
     topo = load_topology(topology)
     stages = 2 if space.program.is_pipeline else 1  # the model's world counts every stage's ranks
-    ranked = [(predict(s, sizes, topo, b, world=world * stages, stages=stages).seconds, i, Candidate(s, b))
-              for b in space.backends if b in topo.backends for i, s in enumerate(space.schedules)]
+    ranked = [
+        (predict(s, sizes, topo, b, world=world * stages, stages=stages).seconds, i, Candidate(s, b))
+        for b in space.backends
+        if b in topo.backends
+        for i, s in enumerate(space.schedules)
+    ]
     return [c for *_, c in sorted(ranked, key=lambda x: x[:2])]
 
 
@@ -419,8 +544,15 @@ def _recorded(store, space: SearchSpace, prog: Program, sizes, request: Request)
             c = Candidate(Schedule.from_json(m.schedule_json, prog), m.backend)
         except CoconetError:
             continue  # a schedule this coconet no longer offers: nothing to reuse
-        res = RunResult(m.schedule, m.schedule_hash, m.status, correct=m.status != "wrong_result",
-                        max_rel_err=m.max_rel_err, samples=list(m.samples), error=m.error)
+        res = RunResult(
+            m.schedule,
+            m.schedule_hash,
+            m.status,
+            correct=m.status != "wrong_result",
+            max_rel_err=m.max_rel_err,
+            samples=list(m.samples),
+            error=m.error,
+        )
         found.setdefault(c.key, []).append(Trial(c, res, m.id, reused=True))
     out: dict[str, Trial] = {}
     for key, results in found.items():
@@ -430,8 +562,9 @@ def _recorded(store, space: SearchSpace, prog: Program, sizes, request: Request)
     return out
 
 
-def _neighbours(store, space: SearchSpace, prog: Program, sizes, request: Request, done: list[Tuned],
-                shardable: str) -> list[Candidate]:
+def _neighbours(
+    store, space: SearchSpace, prog: Program, sizes, request: Request, done: list[Tuned], shardable: str
+) -> list[Candidate]:
     """Winners worth trying first: those of the sizes tuned in this call, then the store's nearest that answers
     this tuning's ``shardable``."""
     out: list[Candidate] = []

@@ -16,7 +16,7 @@ found = allreduce(overflowed, op="max")
 grad = allreduce(g) * inv_scale
 m1 = 0.9 * m + 0.1 * grad
 v1 = 0.999 * v + 0.001 * grad * grad
-step = lr * (m1 / (1 - 0.9 ** t)) / (sqrt(v1 / (1 - 0.999 ** t)) + 1e-8)
+step = lr * (m1 / (1 - 0.9**t)) / (sqrt(v1 / (1 - 0.999**t)) + 1e-8)
 ok = found < 0.5
 p.update(m, where(ok, m1, m))
 p.update(v, where(ok, v1, v))

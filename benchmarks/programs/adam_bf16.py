@@ -18,5 +18,5 @@ m1 = beta1 * m + (1 - beta1) * avg
 v1 = beta2 * v + (1 - beta2) * avg * avg
 p.update(m, m1)
 p.update(v, v1)
-p.update(w, w - lr * (m1 / (1 - beta1 ** t)) / (sqrt(v1 / (1 - beta2 ** t)) + eps))
+p.update(w, w - lr * (m1 / (1 - beta1**t)) / (sqrt(v1 / (1 - beta2**t)) + eps))
 program = p

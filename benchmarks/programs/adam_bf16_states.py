@@ -18,5 +18,5 @@ m1 = beta1 * cast(m, "float32") + (1 - beta1) * avg
 v1 = beta2 * cast(v, "float32") + (1 - beta2) * avg * avg
 p.update(m, cast(m1, "bfloat16"))
 p.update(v, cast(v1, "bfloat16"))
-p.update(w, w - lr * (m1 / (1 - beta1 ** t)) / (sqrt(v1 / (1 - beta2 ** t)) + eps))
+p.update(w, w - lr * (m1 / (1 - beta1**t)) / (sqrt(v1 / (1 - beta2**t)) + eps))
 program = p

@@ -17,7 +17,7 @@ lr, beta1, beta2, eps, t, inv_scale = p.scalars("lr beta1 beta2 eps t inv_scale"
 avg = allreduce(cast(g, "float32"), op="avg") * inv_scale
 m1 = beta1 * m + (1 - beta1) * avg
 v1 = beta2 * v + (1 - beta2) * avg * avg
-w1 = w - lr * (m1 / (1 - beta1 ** t)) / (sqrt(v1 / (1 - beta2 ** t)) + eps)
+w1 = w - lr * (m1 / (1 - beta1**t)) / (sqrt(v1 / (1 - beta2**t)) + eps)
 p.update(m, m1)
 p.update(v, v1)
 p.update(w, w1)

@@ -11,10 +11,10 @@ lr, beta1, beta2, eps, t = p.scalars("lr beta1 beta2 eps t")
 
 avg = allreduce(g)
 m1 = beta1 * m + (1 - beta1) * avg
-v1 = beta2 * v + (1 - beta2) * avg ** 2
-m_hat = m1 / (1 - beta1 ** t)
-v_hat = v1 / (1 - beta2 ** t)
+v1 = beta2 * v + (1 - beta2) * avg**2
+m_hat = m1 / (1 - beta1**t)
+v_hat = v1 / (1 - beta2**t)
 p.update(m, m1)
 p.update(v, v1)
-p.update(w, w - lr * m_hat / (v_hat ** 0.5 + eps))
+p.update(w, w - lr * m_hat / (v_hat**0.5 + eps))
 program = p

@@ -1,4 +1,5 @@
 """Adan (Xie et al. 2022) after the gradient's allreduce: three moments and the previous gradient."""
+
 from coconet import Local, Program, Replicated, allreduce, sqrt
 
 p = Program("adan", dims=("N",))

@@ -17,5 +17,5 @@ vmax1 = maximum(vmax, v1)
 p.update(m, m1)
 p.update(v, v1)
 p.update(vmax, vmax1)
-p.update(w, w - lr / (1 - beta1 ** t) * m1 / (sqrt(vmax1) / sqrt(1 - beta2 ** t) + eps))
+p.update(w, w - lr / (1 - beta1**t) * m1 / (sqrt(vmax1) / sqrt(1 - beta2**t) + eps))
 program = p

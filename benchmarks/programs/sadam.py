@@ -12,9 +12,9 @@ lr, beta1, beta2, smooth, t = p.scalars("lr beta1 beta2 smooth t")
 
 avg = allreduce(g)
 m1 = beta1 * m + (1 - beta1) * avg
-v1 = beta2 * v + (1 - beta2) * avg ** 2
-m_hat = m1 / (1 - beta1 ** t)
-v_hat = v1 / (1 - beta2 ** t)
+v1 = beta2 * v + (1 - beta2) * avg**2
+m_hat = m1 / (1 - beta1**t)
+v_hat = v1 / (1 - beta2**t)
 p.update(m, m1)
 p.update(v, v1)
 p.update(w, w - lr * m_hat / (log(1 + exp(smooth * sqrt(v_hat))) / smooth))

@@ -26,8 +26,19 @@ from coconet.cli.guard import PIPE_CLOSED, Command, guard, print_error, stdout_g
 
 # in the order `coconet --help` lists them
 COMMANDS: tuple[Callable[..., Any], ...] = (
-    program.check, program.export, program.schedules, run.run, tune.tune, tune.sweep, calibrate.calibrate,
-    bench.bench, server.serve, queries.best, queries.results, server.submit)
+    program.check,
+    program.export,
+    program.schedules,
+    run.run,
+    tune.tune,
+    tune.sweep,
+    calibrate.calibrate,
+    bench.bench,
+    server.serve,
+    queries.best,
+    queries.results,
+    server.submit,
+)
 
 
 def _version(value: bool) -> None:
@@ -38,8 +49,11 @@ def _version(value: bool) -> None:
         raise typer.Exit()
 
 
-def _root(version: bool = typer.Option(False, "--version", is_eager=True, callback=_version,
-                                       help="Print the version and exit.")) -> None:
+def _root(
+    version: bool = typer.Option(
+        False, "--version", is_eager=True, callback=_version, help="Print the version and exit."
+    ),
+) -> None:
     """Co-optimise computation and communication of distributed ML programs, and tune their schedules."""
 
 
@@ -102,4 +116,3 @@ def main() -> None:
         sys.stderr.flush()
         os._exit(code)
     sys.exit(code)
-

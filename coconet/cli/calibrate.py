@@ -18,20 +18,34 @@ from coconet.errors import CoconetError
 
 def calibrate(
     world: int = typer.Option(2, "--world", min=2, max=64, help="Ranks to time collectives among."),
-    output: Optional[Path] = typer.Option(None, "-o", "--output", help="Where to write the topology YAML. Default: "
-                                          "local.yaml in the user data dir's topologies/ ($COCONET_DATA_DIR, else "
-                                          "the platform's, e.g. ~/.local/share/coconet), where `--topology local` "
-                                          "reads it; never inside the installed package."),
-    max_log2: int = typer.Option(24, "--max-log2", min=6, max=30, hidden=True,
-                                 help="Largest collective timed: 2^K bytes."),
+    output: Optional[Path] = typer.Option(
+        None,
+        "-o",
+        "--output",
+        help="Where to write the topology YAML. Default: "
+        "local.yaml in the user data dir's topologies/ ($COCONET_DATA_DIR, else "
+        "the platform's, e.g. ~/.local/share/coconet), where `--topology local` "
+        "reads it; never inside the installed package.",
+    ),
+    max_log2: int = typer.Option(
+        24, "--max-log2", min=6, max=30, hidden=True, help="Largest collective timed: 2^K bytes."
+    ),
     repeats: int = typer.Option(10, "--repeats", min=1, hidden=True, help="Samples per size."),
     quick: bool = typer.Option(False, "--quick", hidden=True, help="Small buffers, no compiled kernels (tests)."),
-    ray_address: Optional[str] = typer.Option(None, "--ray-address", help="Measure this Ray cluster of alike nodes "
-                                              "instead: everything below within one node, plus the link between "
-                                              "two nodes (alpha and beta of a gloo allreduce across them)."),
-    name: Optional[str] = typer.Option(None, "--name", help="The topology's name: `local` (this machine, the "
-                                       "default), or the cluster's with --ray-address (needed there); written "
-                                       "as NAME.yaml in the user data dir's topologies/."),
+    ray_address: Optional[str] = typer.Option(
+        None,
+        "--ray-address",
+        help="Measure this Ray cluster of alike nodes "
+        "instead: everything below within one node, plus the link between "
+        "two nodes (alpha and beta of a gloo allreduce across them).",
+    ),
+    name: Optional[str] = typer.Option(
+        None,
+        "--name",
+        help="The topology's name: `local` (this machine, the "
+        "default), or the cluster's with --ray-address (needed there); written "
+        "as NAME.yaml in the user data dir's topologies/.",
+    ),
     as_json: bool = JSON_OPT,
 ) -> None:
     """Measure this machine for the cost model: alpha and beta of gloo's allreduce, reduce_scatter and
@@ -52,8 +66,12 @@ def calibrate(
         raise CoconetError(f"--name {name!r}: letters, digits, '.', '_' and '-', without .yaml")
     if name not in (None, LOCAL) and not ray_address:
         raise CoconetError(f"--name {name}: this machine is `local`; another name is a cluster's (--ray-address)")
-    settings = Settings(world=world, max_log2=max_log2, repeats=repeats,
-                        **({"memory_bytes": 2**22, "compiled": False, "min_log2": min(8, max_log2)} if quick else {}))
+    settings = Settings(
+        world=world,
+        max_log2=max_log2,
+        repeats=repeats,
+        **({"memory_bytes": 2**22, "compiled": False, "min_log2": min(8, max_log2)} if quick else {}),
+    )
     if ray_address:
         from coconet.tuner.calibrate_cluster import calibrate_cluster
         from coconet.tuner.cluster import connect
@@ -69,15 +87,23 @@ def calibrate(
         raise CoconetError(f"cannot write {path}: {e.strerror or e}") from None
     t = result.topology
     if as_json:
-        echo_json({"path": str(path), "seconds": result.seconds, "topology": to_dict(t),
-                   "shm_measured": result.extras,
-                   "samples": {b: {op: [[n, s] for n, s in pts] for op, pts in ops.items()}
-                               for b, ops in result.samples.items()}})
+        echo_json(
+            {
+                "path": str(path),
+                "seconds": result.seconds,
+                "topology": to_dict(t),
+                "shm_measured": result.extras,
+                "samples": {
+                    b: {op: [[n, s] for n, s in pts] for op, pts in ops.items()} for b, ops in result.samples.items()
+                },
+            }
+        )
         return
     rows = _figures(result)
     console = Console(highlight=False)
-    table = Table(title=f"{t.name} topology: {t.nodes} x {world} ranks, measured in {result.seconds:.0f} s",
-                  title_justify="left")
+    table = Table(
+        title=f"{t.name} topology: {t.nodes} x {world} ranks, measured in {result.seconds:.0f} s", title_justify="left"
+    )
     for col in ("figure", "latency / measured", "rate / model"):
         table.add_column(col, no_wrap=True)
     for r in rows:
@@ -92,25 +118,44 @@ def _figures(result: Any) -> list[tuple[str, str, str]]:
     t = result.topology
     rows = [("gloo link (ring step)", f"alpha {fmt_s(t.intra.alpha_s)}", f"{t.intra.bandwidth_GBps:.3g} GB/s")]
     if t.inter is not None:
-        rows.append(("gloo link between nodes", f"alpha {fmt_s(t.inter.alpha_s)}",
-                     f"{t.inter.bandwidth_GBps:.3g} GB/s"))
+        rows.append(
+            ("gloo link between nodes", f"alpha {fmt_s(t.inter.alpha_s)}", f"{t.inter.bandwidth_GBps:.3g} GB/s")
+        )
     for op, fit in t.measured.get("gloo", {}).items():
-        rows.append((f"gloo {op}", f"alpha {fmt_s(fit.alpha_s)}",
-                     f"{1e-9 / fit.beta_s_per_byte:.3g} GB/s" if fit.beta_s_per_byte else "-"))
+        rows.append(
+            (
+                f"gloo {op}",
+                f"alpha {fmt_s(fit.alpha_s)}",
+                f"{1e-9 / fit.beta_s_per_byte:.3g} GB/s" if fit.beta_s_per_byte else "-",
+            )
+        )
     for op in ("allreduce", "reduce_scatter", "all_gather"):
         x = result.extras
         if f"shm_{op}_bytes" in x:  # the model prices shm collectives as memory traffic: side by side
-            rows.append((f"shm {op}, 2^{int(x[f'shm_{op}_bytes']).bit_length() - 1} B",
-                         f"measured {fmt_s(x[f'shm_{op}_measured_s'])}", f"model {fmt_s(x[f'shm_{op}_model_s'])}"))
-    rows += [("shm barrier", fmt_s(t.shm_barrier_s), ""),
-             ("memory (per rank, all streaming)", "", f"{t.memory_bandwidth_GBps:.3g} GB/s"),
-             ("cache (per rank)", f"{t.cache_bytes / 2**20:.3g} MiB", f"{t.cache_bandwidth_GBps or 0:.3g} GB/s"),
-             ("fresh buffer (largest)", "", f"{1e-9 / t.fresh_cost[-1][1]:.3g} GB/s" if t.fresh_cost and
-              t.fresh_cost[-1][1] else "-"),
-             ("matmul float32", "", f"{t.matmul_TFLOPS['float32'] * 1e3:.3g} GFLOP/s"),
-             ("eager op dispatch", fmt_s(t.launch_s), ""),
-             ("compiled kernel call", fmt_s(t.compiled_launch_s), ""),
-             ("elementwise (compiled / eager)", "",
-              f"{t.elementwise_Gops or 0:.3g} / {t.eager_elementwise_Gops or 0:.3g} Gop/s"),
-             ("overlap of comm and compute", f"{t.overlap:.2f}", "")]
+            rows.append(
+                (
+                    f"shm {op}, 2^{int(x[f'shm_{op}_bytes']).bit_length() - 1} B",
+                    f"measured {fmt_s(x[f'shm_{op}_measured_s'])}",
+                    f"model {fmt_s(x[f'shm_{op}_model_s'])}",
+                )
+            )
+    rows += [
+        ("shm barrier", fmt_s(t.shm_barrier_s), ""),
+        ("memory (per rank, all streaming)", "", f"{t.memory_bandwidth_GBps:.3g} GB/s"),
+        ("cache (per rank)", f"{t.cache_bytes / 2**20:.3g} MiB", f"{t.cache_bandwidth_GBps or 0:.3g} GB/s"),
+        (
+            "fresh buffer (largest)",
+            "",
+            f"{1e-9 / t.fresh_cost[-1][1]:.3g} GB/s" if t.fresh_cost and t.fresh_cost[-1][1] else "-",
+        ),
+        ("matmul float32", "", f"{t.matmul_TFLOPS['float32'] * 1e3:.3g} GFLOP/s"),
+        ("eager op dispatch", fmt_s(t.launch_s), ""),
+        ("compiled kernel call", fmt_s(t.compiled_launch_s), ""),
+        (
+            "elementwise (compiled / eager)",
+            "",
+            f"{t.elementwise_Gops or 0:.3g} / {t.eager_elementwise_Gops or 0:.3g} Gop/s",
+        ),
+        ("overlap of comm and compute", f"{t.overlap:.2f}", ""),
+    ]
     return rows

@@ -27,9 +27,11 @@ def program_path(value: Path) -> Path:
     return Path(named_example(str(value)))
 
 
-SHARDABLE_HELP = ("State a schedule may leave sharded (as_slice, ZeRO-style: after the step each rank holds only "
-                  "its rows): names, repeatable or joined by commas; `all` for any. Default: what the program's "
-                  "baseline caller never reads (Adam: m, v), else none.")
+SHARDABLE_HELP = (
+    "State a schedule may leave sharded (as_slice, ZeRO-style: after the step each rank holds only "
+    "its rows): names, repeatable or joined by commas; `all` for any. Default: what the program's "
+    "baseline caller never reads (Adam: m, v), else none."
+)
 
 
 def echo_json(obj: Any) -> None:
@@ -43,8 +45,10 @@ def writable(path: Optional[Path], option: str, *, folder: bool = False) -> Opti
     if path is None:
         return None
     if path.exists() and path.is_dir() != folder:
-        raise CoconetError(f"{option} {path} is a {'file' if folder else 'folder'}: name "
-                           f"{'a folder' if folder else 'the file to write'}")
+        raise CoconetError(
+            f"{option} {path} is a {'file' if folder else 'folder'}: name "
+            f"{'a folder' if folder else 'the file to write'}"
+        )
     there = path.parent
     while not there.exists():
         there = there.parent
@@ -57,12 +61,16 @@ def writable(path: Optional[Path], option: str, *, folder: bool = False) -> Opti
 
 def require_sizes(prog: Any, size: Optional[List[str]]) -> None:
     if not size:
-        raise CoconetError(f"--size is required: bind {', '.join(prog.dims)} (e.g. --size {prog.dims[0]}=2^20)"
-                           if prog.dims else "--size is required")
+        raise CoconetError(
+            f"--size is required: bind {', '.join(prog.dims)} (e.g. --size {prog.dims[0]}=2^20)"
+            if prog.dims
+            else "--size is required"
+        )
 
 
-def pick_schedules(prog: Any, picks: List[str], depth: int, best: Optional[Callable[[], Any]] = None,
-                   space: Any = None) -> list:
+def pick_schedules(
+    prog: Any, picks: List[str], depth: int, best: Optional[Callable[[], Any]] = None, space: Any = None
+) -> list:
     """The schedules ``picks`` name, the baseline first; ``space``: the program's, where the caller made it
     already (else made here at the first `all` or id)."""
     chosen: list = [Schedule(prog)]  # the baseline runs first: every speed-up is against it

@@ -31,10 +31,12 @@ class Command(typer.core.TyperCommand):
                 if param.param_type_name != "option" or param.multiple or param.is_flag or param.count:
                     continue
                 if param.name in seen:
-                    raise typer.BadParameter(f"given more than once: {ctx.info_name} takes one value",
-                                             ctx=ctx, param=param)
+                    raise typer.BadParameter(
+                        f"given more than once: {ctx.info_name} takes one value", ctx=ctx, param=param
+                    )
                 seen.add(param.name)
         return super().parse_args(ctx, args)
+
 
 def print_error(message: str) -> None:
     Console(stderr=True, highlight=False, soft_wrap=True).print(f"error: {' '.join(message.split())}", markup=False)
@@ -96,4 +98,3 @@ def guard(fn: Callable[..., Any]) -> Callable[..., Any]:
             fail(f"internal error: {type(e).__name__}: {e} (set COCONET_DEBUG=1 for the traceback)")
 
     return wrapper
-

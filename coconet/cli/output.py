@@ -55,8 +55,17 @@ class Lines:
         self.tasks[len(self.tasks)] = {"description": description, "total": total, "completed": 0}
         return len(self.tasks) - 1
 
-    def update(self, task: int, *, advance: float | None = None, completed: float | None = None,
-               total: float | None = None, description: str | None = None, status: str = "", **_: Any) -> None:
+    def update(
+        self,
+        task: int,
+        *,
+        advance: float | None = None,
+        completed: float | None = None,
+        total: float | None = None,
+        description: str | None = None,
+        status: str = "",
+        **_: Any,
+    ) -> None:
         t = self.tasks[task]
         before = (t["completed"], t["description"])
         t["total"] = total if total is not None else t["total"]
@@ -78,17 +87,23 @@ def progress_bar(quiet: bool = False, transient: bool = False):
 
     if not Console(stderr=True).is_terminal:
         return Lines(quiet)
-    return Progress(TextColumn("{task.description}", table_column=Column(no_wrap=True)), BarColumn(bar_width=20),
-                    MofNCompleteColumn(), TimeElapsedColumn(),
-                    TextColumn("{task.fields[status]}",
-                               table_column=Column(ratio=1, no_wrap=True, overflow="ellipsis")),
-                    console=Console(stderr=True), disable=quiet, transient=transient)
+    return Progress(
+        TextColumn("{task.description}", table_column=Column(no_wrap=True)),
+        BarColumn(bar_width=20),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[status]}", table_column=Column(ratio=1, no_wrap=True, overflow="ellipsis")),
+        console=Console(stderr=True),
+        disable=quiet,
+        transient=transient,
+    )
 
 
 def result_status(backend: str, result: Any) -> str:
     """The last result, as a bar's status: where it ran, what it is, how long a step took or why not."""
     how = fmt_s(result.median_s) if result.status == "ok" else result.status
     return f"{how}  {backend} {result.schedule}"
+
 
 def machines_text(m: dict) -> str:
     """Where a measurement ran, from its record's fingerprint: ``ran on 2 ranks on 1 node of 1 node: …``."""
@@ -97,16 +112,21 @@ def machines_text(m: dict) -> str:
 
 
 def failure_text(f: dict) -> str:
-    many = f" (x{f['count']}, e.g. {f['backend']}: {f['schedule']})" if f["count"] > 1 else \
-        f" ({f['backend']}: {f['schedule']})"
+    many = (
+        f" (x{f['count']}, e.g. {f['backend']}: {f['schedule']})"
+        if f["count"] > 1
+        else f" ({f['backend']}: {f['schedule']})"
+    )
     return f"{f['status']}: {' '.join(f['error'].split()) or 'no reason given'}{many}"
+
 
 def sharded_note(names: List[str]) -> str:
     joined = ", ".join(names)
-    return (f"note: the winner leaves {joined} sharded (as_slice): after its step each rank holds only its rows of "
-            f"{joined}, which the program declares Replicated")
+    return (
+        f"note: the winner leaves {joined} sharded (as_slice): after its step each rank holds only its rows of "
+        f"{joined}, which the program declares Replicated"
+    )
 
 
 def ratio(x: float) -> str:
     return f"{x:.2f}" if x < 10 else f"{x:.1f}" if x < 100 else f"{x:.0f}"
-

@@ -86,10 +86,12 @@ def export(
 def schedules(
     file: Path = typer.Argument(..., callback=program_path, help=PROGRAM_HELP),
     depth: int = typer.Option(6, "--depth", min=0, max=12, help="Longest transform sequence to explore."),
-    show: Optional[str] = typer.Option(None, "--show",
-                                       help="Print one schedule (its id or text) statement by statement."),
-    verify: bool = typer.Option(False, "--verify", help="Check every schedule against the reference interpreter "
-                                "on 1-4 simulated ranks."),
+    show: Optional[str] = typer.Option(
+        None, "--show", help="Print one schedule (its id or text) statement by statement."
+    ),
+    verify: bool = typer.Option(
+        False, "--verify", help="Check every schedule against the reference interpreter on 1-4 simulated ranks."
+    ),
     size: Optional[List[str]] = SIZE_OPT,
     as_json: bool = JSON_OPT,
 ) -> None:
@@ -119,8 +121,9 @@ def schedules(
             for world in worlds:
                 bad = equivalence.check(sched, world, sizes)
                 if bad:
-                    raise CoconetError(f"schedule {i} ({sched.text}) is not equivalent at R={world}, "
-                                       f"sizes {sizes}: {bad[0]}")
+                    raise CoconetError(
+                        f"schedule {i} ({sched.text}) is not equivalent at R={world}, sizes {sizes}: {bad[0]}"
+                    )
     if as_json:
         out = space.to_json()
         if verify:

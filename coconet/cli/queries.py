@@ -22,17 +22,25 @@ def best(
     size: Optional[List[str]] = SIZE_OPT,
     world: Optional[int] = typer.Option(None, "--world", min=1, help="Only a winner at this world (default: any)."),
     topology: str = typer.Option("local", "--topology", help="The topology the winner was tuned or predicted on."),
-    backend: Optional[str] = typer.Option(None, "--backend", metavar="[gloo|nccl|shm]",
-                                          help="Only a winner on this backend (default: any)."),
-    source: Optional[str] = typer.Option(None, "--source", help="measured or predicted: only a winner of that kind "
-                                         "(default: a measured one where the key has one, else a predicted one)."),
-    shardable: List[str] = typer.Option([], "--shardable", help=f"The winner of a tuning that asked this. "
-                                        f"{SHARDABLE_HELP}"),
-    db: Optional[str] = typer.Option(None, "--db", help="Store URL (default $COCONET_DATABASE_URL, else SQLite in "
-                                     "the user data dir)."),
+    backend: Optional[str] = typer.Option(
+        None, "--backend", metavar="[gloo|nccl|shm]", help="Only a winner on this backend (default: any)."
+    ),
+    source: Optional[str] = typer.Option(
+        None,
+        "--source",
+        help="measured or predicted: only a winner of that kind "
+        "(default: a measured one where the key has one, else a predicted one).",
+    ),
+    shardable: List[str] = typer.Option(
+        [], "--shardable", help=f"The winner of a tuning that asked this. {SHARDABLE_HELP}"
+    ),
+    db: Optional[str] = typer.Option(
+        None, "--db", help="Store URL (default $COCONET_DATABASE_URL, else SQLite in the user data dir)."
+    ),
     server: Optional[str] = typer.Option(None, "--server", help="Ask a coconet server instead of a store."),
-    token: Optional[str] = typer.Option(None, "--token", help="The server's token, if it asks one for reads "
-                                        "(default $COCONET_API_TOKEN)."),
+    token: Optional[str] = typer.Option(
+        None, "--token", help="The server's token, if it asks one for reads (default $COCONET_API_TOKEN)."
+    ),
     as_json: bool = JSON_OPT,
 ) -> None:
     """The best schedule recorded for a program at one size: measured, or predicted by the cost model (said),
@@ -46,35 +54,51 @@ def best(
     require_sizes(prog, size)
     if len(size) != 1:
         raise CoconetError("coconet best answers one --size at a time")
-    found = find_best(prog, size[0], topology=topology, world=world, backend=backend, store=db, server=server,
-                      token=token or os.environ.get("COCONET_API_TOKEN"), shardable=shardable or None,
-                      source=source)
+    found = find_best(
+        prog,
+        size[0],
+        topology=topology,
+        world=world,
+        backend=backend,
+        store=db,
+        server=server,
+        token=token or os.environ.get("COCONET_API_TOKEN"),
+        shardable=shardable or None,
+        source=source,
+    )
     if as_json:
         echo_json(found)
         return
     console = Console(highlight=False, soft_wrap=True)
     stats = found["stats"]
-    head = (f"{prog.name}  world={found['world']}  {format_sizes(found['sizes'])}  topology={found['topology']}: "
-            f"{found['source']}")
+    head = (
+        f"{prog.name}  world={found['world']}  {format_sizes(found['sizes'])}  topology={found['topology']}: "
+        f"{found['source']}"
+    )
     if found["source"] != "measured" and found.get("prediction"):
         pred = found["prediction"]
         head += f" by {pred['model']} (calibration {pred.get('calibration') or 'unknown'})"
     console.print(head, markup=False)
-    console.print(f"{found['backend']}: {found['schedule']}  {fmt_s(stats['median_s'])}"
-                  + (f"  {ratio(found['speedup'])}x over the baseline" if found.get("speedup") else "")
-                  + f"  winner record {found['winner_id']}", markup=False)
+    console.print(
+        f"{found['backend']}: {found['schedule']}  {fmt_s(stats['median_s'])}"
+        + (f"  {ratio(found['speedup'])}x over the baseline" if found.get("speedup") else "")
+        + f"  winner record {found['winner_id']}",
+        markup=False,
+    )
     if found.get("machines"):
         console.print(machines_text(found["machines"]), markup=False)
     if not found["exact"]:
-        console.print(f"note: not tuned at these sizes; the winner of {format_sizes(found['tuned_sizes'])}",
-                      markup=False)
+        console.print(
+            f"note: not tuned at these sizes; the winner of {format_sizes(found['tuned_sizes'])}", markup=False
+        )
 
 
 def results(
     file: Path = typer.Argument(..., callback=program_path, help=PROGRAM_HELP),
     topology: Optional[str] = typer.Option(None, "--topology", help="Only this topology's (default: every one)."),
-    db: Optional[str] = typer.Option(None, "--db", help="Store URL (default $COCONET_DATABASE_URL, else SQLite in "
-                                     "the user data dir)."),
+    db: Optional[str] = typer.Option(
+        None, "--db", help="Store URL (default $COCONET_DATABASE_URL, else SQLite in the user data dir)."
+    ),
     as_json: bool = JSON_OPT,
 ) -> None:
     """Every key tuned or predicted for a program: one current winner per (sizes, topology, world, backend),
@@ -86,10 +110,21 @@ def results(
     prog = load(file)
     with Store.open(db, create=db is None) as store:  # the default store may not be made yet; a named one must be
         rows = store.results(prog.hash, topology)
-    docs = [{"sizes": b.winner.sizes, "topology": b.winner.topology, "world": b.winner.world,
-             "backend": b.winner.backend, "schedule": b.schedule, "median_s": b.median_s, "speedup": b.speedup,
-             "source": answer_source(b.source), "winner_id": b.winner.id, "machines": machines_of(b.measurement)}
-            for b in rows]
+    docs = [
+        {
+            "sizes": b.winner.sizes,
+            "topology": b.winner.topology,
+            "world": b.winner.world,
+            "backend": b.winner.backend,
+            "schedule": b.schedule,
+            "median_s": b.median_s,
+            "speedup": b.speedup,
+            "source": answer_source(b.source),
+            "winner_id": b.winner.id,
+            "machines": machines_of(b.measurement),
+        }
+        for b in rows
+    ]
     if as_json:
         echo_json({"program": prog.name, "program_hash": prog.hash, "results": docs})
         return
@@ -102,7 +137,15 @@ def results(
     table.add_column("machines", no_wrap=True, min_width=12)  # the fingerprint's hash: `best` says it in words
     table.add_column("schedule", ratio=1, overflow="fold")
     for d in docs:
-        table.add_row(format_sizes(d["sizes"]), d["topology"], str(d["world"]), d["backend"], d["source"],
-                      fmt_s(d["median_s"]), f"{ratio(d['speedup'])}x" if d["speedup"] else "",
-                      (d["machines"] or {}).get("fingerprint", ""), d["schedule"])
+        table.add_row(
+            format_sizes(d["sizes"]),
+            d["topology"],
+            str(d["world"]),
+            d["backend"],
+            d["source"],
+            fmt_s(d["median_s"]),
+            f"{ratio(d['speedup'])}x" if d["speedup"] else "",
+            (d["machines"] or {}).get("fingerprint", ""),
+            d["schedule"],
+        )
     Console(highlight=False).print(table)

@@ -46,17 +46,23 @@ def _tuned_best(prog: Any, sizes: dict, world: int, backend: str, db: Optional[s
     if found is None or found.measurement.schedule_json is None:
         size_text = format_sizes(sizes)
         flags = "".join(f" --shardable {n}" for n in shardable)
-        raise CoconetError(f"no tuned schedule of {prog.name} on {backend} at world {world} in {url} that leaves "
-                           f"at most {shard.words(allowed)} sharded: run `coconet tune FILE --world {world} "
-                           f"--size {size_text} --backend {backend}{flags}` first")
+        raise CoconetError(
+            f"no tuned schedule of {prog.name} on {backend} at world {world} in {url} that leaves "
+            f"at most {shard.words(allowed)} sharded: run `coconet tune FILE --world {world} "
+            f"--size {size_text} --backend {backend}{flags}` first"
+        )
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     if not found.exact:
-        err.print(f"note: {format_sizes(sizes)} was not tuned; using the winner of {found.winner.sizes_key}",
-                  markup=False)
+        err.print(
+            f"note: {format_sizes(sizes)} was not tuned; using the winner of {found.winner.sizes_key}", markup=False
+        )
     err.print(f"note: --schedule best is {_answer_text(found)}", markup=False)
     if found.source != "measured":
-        err.print(f"note: nothing measured answers here; `coconet tune FILE --world {world} --size "
-                  f"{format_sizes(sizes)} --backend {backend}` measures it", markup=False)
+        err.print(
+            f"note: nothing measured answers here; `coconet tune FILE --world {world} --size "
+            f"{format_sizes(sizes)} --backend {backend}` measures it",
+            markup=False,
+        )
     return Schedule.from_json(found.measurement.schedule_json, prog), found
 
 
@@ -68,49 +74,86 @@ def _answer_text(found: Any) -> str:
     if found.source == "measured":
         return f"measured: {fmt_s(m.median_s)} a step{speedup} (winner record {w.id})"
     v = m.versions or {}
-    return (f"predicted, not measured: {fmt_s(m.median_s)} a step{speedup} by the cost model "
-            f"({v.get('model', 'unnamed')}, topology {w.topology} calibration {v.get('topology', 'unknown')}; "
-            f"winner record {w.id})")
+    return (
+        f"predicted, not measured: {fmt_s(m.median_s)} a step{speedup} by the cost model "
+        f"({v.get('model', 'unnamed')}, topology {w.topology} calibration {v.get('topology', 'unknown')}; "
+        f"winner record {w.id})"
+    )
+
 
 def run(
     file: Path = typer.Argument(..., callback=program_path, help=PROGRAM_HELP),
-    world: Optional[int] = typer.Option(None, "--world", min=1, max=64, help="Ranks per pipeline stage (default 2; "
-                                        "under torchrun, WORLD_SIZE / stages, which it must match if given)."),
+    world: Optional[int] = typer.Option(
+        None,
+        "--world",
+        min=1,
+        max=64,
+        help="Ranks per pipeline stage (default 2; under torchrun, WORLD_SIZE / stages, which it must match if given).",
+    ),
     size: Optional[List[str]] = SIZE_OPT,
-    schedule: List[str] = typer.Option(["baseline"], "--schedule", help="A schedule's text, its id in "
-                                       "`coconet schedules`, `baseline` or `all` (repeatable). The baseline "
-                                       "always runs too."),
-    backend: str = typer.Option("gloo", "--backend", metavar="[gloo|nccl|shm]",
-                                help="gloo (CPU tensors), nccl (CUDA tensors) or shm (CPU "
-                                "tensors, collectives in shared memory)."),
-    kernels: str = typer.Option("compiled", "--kernels", metavar="[compiled|eager]",
-                                help="compiled: fused groups compiled by Inductor "
-                                "(the first call compiles; cached on disk); eager: plain torch statements."),
-    stages: Optional[int] = typer.Option(None, "--stages", min=1, max=16,
-                                         help="Pipeline stages for programs that send/recv (default 2)."),
+    schedule: List[str] = typer.Option(
+        ["baseline"],
+        "--schedule",
+        help="A schedule's text, its id in "
+        "`coconet schedules`, `baseline` or `all` (repeatable). The baseline "
+        "always runs too.",
+    ),
+    backend: str = typer.Option(
+        "gloo",
+        "--backend",
+        metavar="[gloo|nccl|shm]",
+        help="gloo (CPU tensors), nccl (CUDA tensors) or shm (CPU tensors, collectives in shared memory).",
+    ),
+    kernels: str = typer.Option(
+        "compiled",
+        "--kernels",
+        metavar="[compiled|eager]",
+        help="compiled: fused groups compiled by Inductor "
+        "(the first call compiles; cached on disk); eager: plain torch statements.",
+    ),
+    stages: Optional[int] = typer.Option(
+        None, "--stages", min=1, max=16, help="Pipeline stages for programs that send/recv (default 2)."
+    ),
     repeats: int = typer.Option(20, "--repeats", min=1, help="Timed steps per schedule."),
     warmup: int = typer.Option(3, "--warmup", min=0, help="Untimed steps first."),
     seed: int = typer.Option(0, "--seed", help="Seed of the inputs and of dropout."),
-    timeout: float = typer.Option(120.0, "--timeout", min=1.0, help="Seconds a schedule may take before "
-                                  "its ranks are stopped and reported."),
+    timeout: float = typer.Option(
+        120.0, "--timeout", min=1.0, help="Seconds a schedule may take before its ranks are stopped and reported."
+    ),
     no_check: bool = typer.Option(False, "--no-check", help="Skip the check against the reference interpreter."),
     depth: int = typer.Option(6, "--depth", min=0, max=12, help="Depth of the space for `all` and ids."),
     emit: Optional[Path] = typer.Option(None, "--emit", help="Also write each schedule's generated module here."),
-    standalone: bool = typer.Option(False, "--standalone", help="With --emit: copy the runtime (coconet.kernels) "
-                                    "the modules import into DIR/coconet_kernels/, so that they run with torch "
-                                    "alone."),
-    db: Optional[str] = typer.Option(None, "--db", help="Store that `--schedule best` reads (default "
-                                     "$COCONET_DATABASE_URL, else SQLite in the user data dir)."),
-    shardable: List[str] = typer.Option([], "--shardable", help=f"For `--schedule best`: the winner of a tuning "
-                                        f"that asked this. {SHARDABLE_HELP}"),
-    trace: Optional[Path] = typer.Option(None, "--trace", help="Profile one more step per rank and write its "
-                                         "Chrome trace here (chrome://tracing, Perfetto); `coconet.tuner.trace` "
-                                         "reads off how much communication ran under compute."),
-    launcher: str = typer.Option("auto", "--launcher", metavar="[auto|local|env]",
-                                 help="local: start the ranks on this machine; env: this "
-                                 "process is one rank of a job that torchrun started (or any launcher that sets "
-                                 "RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), joined through env://, rank 0 "
-                                 "printing the results; auto: env when those variables are set, else local."),
+    standalone: bool = typer.Option(
+        False,
+        "--standalone",
+        help="With --emit: copy the runtime (coconet.kernels) "
+        "the modules import into DIR/coconet_kernels/, so that they run with torch "
+        "alone.",
+    ),
+    db: Optional[str] = typer.Option(
+        None,
+        "--db",
+        help="Store that `--schedule best` reads (default $COCONET_DATABASE_URL, else SQLite in the user data dir).",
+    ),
+    shardable: List[str] = typer.Option(
+        [], "--shardable", help=f"For `--schedule best`: the winner of a tuning that asked this. {SHARDABLE_HELP}"
+    ),
+    trace: Optional[Path] = typer.Option(
+        None,
+        "--trace",
+        help="Profile one more step per rank and write its "
+        "Chrome trace here (chrome://tracing, Perfetto); `coconet.tuner.trace` "
+        "reads off how much communication ran under compute.",
+    ),
+    launcher: str = typer.Option(
+        "auto",
+        "--launcher",
+        metavar="[auto|local|env]",
+        help="local: start the ranks on this machine; env: this "
+        "process is one rank of a job that torchrun started (or any launcher that sets "
+        "RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), joined through env://, rank 0 "
+        "printing the results; auto: env when those variables are set, else local.",
+    ),
     as_json: bool = JSON_OPT,
 ) -> None:
     """Run schedules on R ranks of this machine, or as one rank of a torchrun job: check every output against
@@ -144,26 +187,46 @@ def run(
         _emit(prog.name, picked, backend, kernels, emit, standalone)
     from coconet.tuner.launch import Options  # torch: seconds to import, so after the checks
 
-    opts = Options(world=world, sizes=sizes, backend=backend, kernels=kernels, stages=stages or 2, seed=seed,
-                   warmup=warmup, repeats=repeats, check=not no_check, timeout_s=timeout,
-                   trace=str(trace.resolve()) if trace is not None else None)
+    opts = Options(
+        world=world,
+        sizes=sizes,
+        backend=backend,
+        kernels=kernels,
+        stages=stages or 2,
+        seed=seed,
+        warmup=warmup,
+        repeats=repeats,
+        check=not no_check,
+        timeout_s=timeout,
+        trace=str(trace.resolve()) if trace is not None else None,
+    )
     results = _launch(picked, opts, job, file, quiet=as_json or quiet)
     failed = [r for r in results if r.status != "ok"]
     if quiet:
         raise typer.Exit(1 if failed else 0)
     rows = _rows(results, space)
     if as_json:
-        echo_json({"program": prog.name, "program_hash": prog.hash, "world": world, "backend": backend,
-                   "stages": opts.stages if prog.is_pipeline else 1, "sizes": sizes, "results": rows,
-                   **({"best": stored[0]} if stored else {})})
+        echo_json(
+            {
+                "program": prog.name,
+                "program_hash": prog.hash,
+                "world": world,
+                "backend": backend,
+                "stages": opts.stages if prog.is_pipeline else 1,
+                "sizes": sizes,
+                "results": rows,
+                **({"best": stored[0]} if stored else {}),
+            }
+        )
     else:
         _print_run_table(prog, world, backend, sizes, rows)
     if failed:
         raise typer.Exit(1)
 
 
-def _store_pick(prog: Any, sizes: dict, world: int, backend: str, db: Optional[str], shardable: List[str],
-                stored: list) -> Callable[[], Any]:
+def _store_pick(
+    prog: Any, sizes: dict, world: int, backend: str, db: Optional[str], shardable: List[str], stored: list
+) -> Callable[[], Any]:
     """What `--schedule best` runs: the store's winner, looked up only when asked, its record kept in
     ``stored``."""
 
@@ -171,9 +234,18 @@ def _store_pick(prog: Any, sizes: dict, world: int, backend: str, db: Optional[s
         from coconet.server.records import answer_source
 
         sched, found = _tuned_best(prog, sizes, world, backend, db, shardable)
-        stored.append({"schedule": sched.text, "hash": sched.hash, "source": answer_source(found.source),
-                       "exact": found.exact, "tuned_sizes": found.winner.sizes, "winner_id": found.winner.id,
-                       "median_s": found.measurement.median_s, "speedup": found.winner.speedup})
+        stored.append(
+            {
+                "schedule": sched.text,
+                "hash": sched.hash,
+                "source": answer_source(found.source),
+                "exact": found.exact,
+                "tuned_sizes": found.winner.sizes,
+                "winner_id": found.winner.id,
+                "median_s": found.measurement.median_s,
+                "speedup": found.winner.speedup,
+            }
+        )
         return sched
 
     return tuned
@@ -192,13 +264,15 @@ def _launch(picked: list, opts: Any, job: Any, file: Path, quiet: bool) -> list:
     from coconet.tuner.launch import run_schedules
 
     with progress_bar(quiet=quiet, transient=True) as bar:
-        task = bar.add_task(f"{picked[0].program.name} on {opts.world} ranks ({opts.backend})", total=len(picked),
-                            status="")
+        task = bar.add_task(
+            f"{picked[0].program.name} on {opts.world} ranks ({opts.backend})", total=len(picked), status=""
+        )
         progress = lambda i, r: bar.update(task, advance=1, status=result_status(opts.backend, r))  # noqa: E731
         if job is not None:
             return run_in_job(picked, opts, job, on_result=progress)
-        return run_schedules(picked, opts, program_file=str(file) if str(file).endswith(".py") else None,
-                             on_result=progress)
+        return run_schedules(
+            picked, opts, program_file=str(file) if str(file).endswith(".py") else None, on_result=progress
+        )
 
 
 def _rows(results: list, space: Any) -> list[dict]:
@@ -218,8 +292,9 @@ def _rows(results: list, space: Any) -> list[dict]:
 def _print_run_table(prog: Any, world: int, backend: str, sizes: dict, rows: list) -> None:
     console = table_console()
     sizes_text = format_sizes(sizes)
-    table = Table(title=f"{prog.name}  world={world}  backend={backend}  {sizes_text}", title_justify="left",
-                  show_edge=False)
+    table = Table(
+        title=f"{prog.name}  world={world}  backend={backend}  {sizes_text}", title_justify="left", show_edge=False
+    )
     table.add_column("id", no_wrap=True, justify="right")  # --schedule ID runs it again
     for col in ("status", "max rel\nerr", "median", "95% CI", "vs baseline"):
         table.add_column(col, no_wrap=True, justify="left" if col == "status" else "right")
@@ -230,10 +305,15 @@ def _print_run_table(prog: Any, world: int, backend: str, sizes: dict, rows: lis
         table.add_row(
             "" if row.get("id") is None else str(row["id"]),
             row["status"] if row["status"] == "ok" else f"[red]{row['status']}[/red]",
-            "" if err is None else f"{err:.1e}", fmt_s(row["median_s"]),
-            fmt_ci(ci), f"{row['speedup']:.2f}x" if row["speedup"] else "", Text(row["schedule"]))
+            "" if err is None else f"{err:.1e}",
+            fmt_s(row["median_s"]),
+            fmt_ci(ci),
+            f"{row['speedup']:.2f}x" if row["speedup"] else "",
+            Text(row["schedule"]),
+        )
     console.print(table)
     for row in rows:
         if row["error"]:
             Console(stderr=True, highlight=False, soft_wrap=True).print(
-                f"{row['schedule']}: {row['status']}: {row['error']}", markup=False)
+                f"{row['schedule']}: {row['status']}: {row['error']}", markup=False
+            )

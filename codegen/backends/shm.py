@@ -6,9 +6,21 @@ from coconet.codegen.backends.base import Backend
 SHM = Backend(
     name="shm",
     doc="the shm backend (collectives in shared memory; a gloo group bootstraps it and carries send/recv)",
-    device="torch.device('cpu')", device_type="cpu", process_group="gloo", one_node=True,
-    notes=("The group's ranks must share this node's memory: its first step maps their segments",
-           "of /dev/shm (the files are gone once mapped). Its large copies compile a few lines of C",
-           "with the system's C compiler when there is one."),
-    runtime="shm", shared_memory=True, gathers_into_state=True, reads_in_place=True, sums_in_kernel=True,
-    writes_slots=True, native_chunks=True, transfers="gloo")
+    device="torch.device('cpu')",
+    device_type="cpu",
+    process_group="gloo",
+    one_node=True,
+    notes=(
+        "The group's ranks must share this node's memory: its first step maps their segments",
+        "of /dev/shm (the files are gone once mapped). Its large copies compile a few lines of C",
+        "with the system's C compiler when there is one.",
+    ),
+    runtime="shm",
+    shared_memory=True,
+    gathers_into_state=True,
+    reads_in_place=True,
+    sums_in_kernel=True,
+    writes_slots=True,
+    native_chunks=True,
+    transfers="gloo",
+)

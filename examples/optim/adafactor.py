@@ -22,13 +22,22 @@ clip = maximum(norm(update) * inv_sqrt_n / d, 1.0)
 p.update(var, var1)
 p.update(w, w * (1 - lr * weight_decay) - (alpha / clip) * update)
 
-defaults = {"lr": 1e-2, "beta2_decay": -0.8, "eps1": 1.1920928955078125e-07, "eps2": 1e-3, "d": 1.0,
-            "weight_decay": 0.0}
+defaults = {
+    "lr": 1e-2,
+    "beta2_decay": -0.8,
+    "eps1": 1.1920928955078125e-07,
+    "eps2": 1e-3,
+    "d": 1.0,
+    "weight_decay": 0.0,
+}
 
 
 def host_scalars(hyper, t, numel):
-    return {"decay": float(t) ** hyper["beta2_decay"], "rho": min(hyper["lr"], 1 / t ** 0.5),
-            "inv_sqrt_n": 1 / numel ** 0.5}
+    return {
+        "decay": float(t) ** hyper["beta2_decay"],
+        "rho": min(hyper["lr"], 1 / t**0.5),
+        "inv_sqrt_n": 1 / numel**0.5,
+    }
 
 
 program = p

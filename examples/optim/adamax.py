@@ -15,7 +15,7 @@ m1 = beta1 * m + (1 - beta1) * grad
 u1 = maximum(beta2 * u, abs(grad) + eps)
 p.update(m, m1)
 p.update(u, u1)
-p.update(w, w - (lr / (1 - beta1 ** t)) * m1 / u1)
+p.update(w, w - (lr / (1 - beta1**t)) * m1 / u1)
 
 defaults = {"lr": 2e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0}
 program = p

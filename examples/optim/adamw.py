@@ -15,7 +15,7 @@ m1 = beta1 * m + (1 - beta1) * grad
 v1 = beta2 * v + (1 - beta2) * grad * grad
 p.update(m, m1)
 p.update(v, v1)
-p.update(w, w * (1 - lr * weight_decay) - lr * (m1 / (1 - beta1 ** t)) / (sqrt(v1 / (1 - beta2 ** t)) + eps))
+p.update(w, w * (1 - lr * weight_decay) - lr * (m1 / (1 - beta1**t)) / (sqrt(v1 / (1 - beta2**t)) + eps))
 
 defaults = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 1e-2}
 program = p

@@ -16,7 +16,7 @@ lr, beta1, beta2, eps, weight_decay, t = p.scalars("lr beta1 beta2 eps weight_de
 grad = allreduce(g, op="avg")
 m1 = beta1 * m + (1 - beta1) * grad
 v1 = beta2 * v + (1 - beta2) * grad * grad
-u = (m1 / (1 - beta1 ** t)) / (sqrt(v1 / (1 - beta2 ** t)) + eps) + weight_decay * w
+u = (m1 / (1 - beta1**t)) / (sqrt(v1 / (1 - beta2**t)) + eps) + weight_decay * w
 p.update(m, m1)
 p.update(v, v1)
 p.update(w, w - lr * (norm(w) / norm(u)) * u)

@@ -18,7 +18,7 @@ beta1, beta2, eps, weight_decay, t, c_grad, c_avg = p.scalars("beta1 beta2 eps w
 grad = allreduce(g, op="avg") + weight_decay * w
 m1 = beta1 * m + (1 - beta1) * grad
 v1 = beta2 * v + (1 - beta2) * grad * grad
-denom = sqrt(v1 / (1 - beta2 ** t)) + eps
+denom = sqrt(v1 / (1 - beta2**t)) + eps
 p.update(m, m1)
 p.update(v, v1)
 p.update(w, w - c_grad * grad / denom - c_avg * m1 / denom)
@@ -32,8 +32,10 @@ def host_scalars(hyper, t, numel):
     mus = beta1 * (1.0 - 0.5 * 0.96 ** (np.arange(1, t + 2, dtype=np.float64) * decay))
     product = np.cumprod(mus[:t].astype(np.float32))[-1]
     mu, mu_next = float(mus[t - 1]), float(mus[t])
-    return {"c_grad": lr * (1.0 - mu) / (1.0 - float(product)),
-            "c_avg": lr * mu_next / (1.0 - float(product) * mu_next)}
+    return {
+        "c_grad": lr * (1.0 - mu) / (1.0 - float(product)),
+        "c_avg": lr * mu_next / (1.0 - float(product) * mu_next),
+    }
 
 
 program = p

@@ -12,9 +12,30 @@ from coconet.schedules.transforms.slice_send import SliceSend
 from coconet.schedules.transforms.split import Split
 
 # Rewrites first, then groupings: the order the space generator tries them in.
-TRANSFORMS: tuple[type[Transform], ...] = (Split, Reorder, AsSlice, SliceSend, SliceReduce, Fuse, FuseCollective,
-                                          Overlap, Bucket)
+TRANSFORMS: tuple[type[Transform], ...] = (
+    Split,
+    Reorder,
+    AsSlice,
+    SliceSend,
+    SliceReduce,
+    Fuse,
+    FuseCollective,
+    Overlap,
+    Bucket,
+)
 BY_NAME: dict[str, type[Transform]] = {t.name: t for t in TRANSFORMS}
 
-__all__ = ["AsSlice", "BY_NAME", "Bucket", "Fuse", "FuseCollective", "Overlap", "Reorder", "SliceReduce", "SliceSend",
-           "Split", "TRANSFORMS", "Transform"]
+__all__ = [
+    "AsSlice",
+    "BY_NAME",
+    "Bucket",
+    "Fuse",
+    "FuseCollective",
+    "Overlap",
+    "Reorder",
+    "SliceReduce",
+    "SliceSend",
+    "Split",
+    "TRANSFORMS",
+    "Transform",
+]

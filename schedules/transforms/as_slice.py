@@ -45,6 +45,7 @@ class AsSlice(Transform):
         """Optimizer state alone (ZeRO-1): state whose new value another update reads — moments, which the
         step reads into the parameters' update; not the parameters, whose new value nothing in the step
         reads, whatever their own update reads (weight decay reads the parameter into the moments)."""
+
         def computed(value: str) -> str:  # the new value itself, under the all_gather that replicates it
             s = program[value]
             return s.args[0] if s.op == "all_gather" else value
@@ -84,8 +85,11 @@ class AsSlice(Transform):
         except IllegalTransform:
             return None
         own_updates = {upd.name for upd, _ in gathered.values()}
-        if any(gathered.keys() & set(s.args) and not consumes_slices(program, s)
-               for s in program.stmts if s.name not in own_updates):
+        if any(
+            gathered.keys() & set(s.args) and not consumes_slices(program, s)
+            for s in program.stmts
+            if s.name not in own_updates
+        ):
             return None
         result = _slice(program, gathered, "; ".join(t.text() for t in transforms))
         if not {s.name for s in result.stmts} <= {s.name for s in program.stmts}:

@@ -124,8 +124,9 @@ def consumes_slices(program: Program, s: Stmt, products: bool = False) -> bool:
     and reductions can (reductions become partial sums + allreduce), unless a
     Local operand would meet the slice; with ``products``, a matmul may too (which
     operand is sliced decides: ``reorder.slices_align``)."""
-    if not (is_pointwise(program, s) or s.op in ("sum", "norm") or s.op in ROWWISE_OPS
-            or (products and s.op == "matmul")):
+    if not (
+        is_pointwise(program, s) or s.op in ("sum", "norm") or s.op in ROWWISE_OPS or (products and s.op == "matmul")
+    ):
         return False
     return not any(isinstance(program[a].type.layout, Local) for a in s.args)
 
@@ -219,8 +220,9 @@ def convex_with(program: Program, members: set[str], name: str, span: tuple[int,
 def with_group(program: Program, group: Group) -> Program:
     witness = convex(program, set(group.members))
     if witness is not None:
-        raise IllegalTransform(f"running {group} as one unit would create a cycle: a path leaves it and comes "
-                               f"back into {witness}")
+        raise IllegalTransform(
+            f"running {group} as one unit would create a cycle: a path leaves it and comes back into {witness}"
+        )
     return program.with_groups(program.groups + (group,))
 
 

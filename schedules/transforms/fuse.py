@@ -31,8 +31,9 @@ def rowwise_member(program: Program, name: str) -> bool:
 
 def fusable(program: Program, name: str) -> bool:
     s = program[name]
-    return ((is_pointwise(program, s) or rowwise_member(program, name)) and s.type.ndim > 0
-            and name not in program.group_of)
+    return (
+        (is_pointwise(program, s) or rowwise_member(program, name)) and s.type.ndim > 0 and name not in program.group_of
+    )
 
 
 def one_space(program: Program, members) -> str | None:
@@ -45,8 +46,10 @@ def one_space(program: Program, members) -> str | None:
     shapes = [shape for shape, _ in sigs]
     whole = broadcast_shapes(shapes)
     if len({layout for _, layout in sigs}) > 1 or len({len(x) for x in shapes}) > 1 or whole not in shapes:
-        return ("members along a dim share one layout and rank, and their shapes broadcast to the largest: "
-                "one kernel has one iteration space")
+        return (
+            "members along a dim share one layout and rank, and their shapes broadcast to the largest: "
+            "one kernel has one iteration space"
+        )
     return None
 
 
@@ -63,14 +66,22 @@ def regions(program: Program) -> list[tuple[str, ...]]:
             continue
         sig = _signature(program, s.name)
         if rowwise:  # shapes that broadcast to one another share a kernel beside a statement along a dim
-            cands = sorted({group_of[a] for a in s.args
-                            if a in group_of and one_space(program, groups[group_of[a]] | {s.name}) is None})
+            cands = sorted(
+                {
+                    group_of[a]
+                    for a in s.args
+                    if a in group_of and one_space(program, groups[group_of[a]] | {s.name}) is None
+                }
+            )
         else:
             cands = sorted({group_of[a] for a in s.args if a in group_of and _signature(program, a) == sig})
         options = ([cands] if len(cands) > 1 else []) + [[c] for c in cands]
         for option in options:
-            if rowwise and len(option) > 1 and one_space(program, set().union(
-                    *(groups[g] for g in option)) | {s.name}) is not None:
+            if (
+                rowwise
+                and len(option) > 1
+                and one_space(program, set().union(*(groups[g] for g in option)) | {s.name}) is not None
+            ):
                 continue
             if len(option) == 1:  # one group, convex already: only a path through s can close a cycle
                 why = convex_with(program, groups[option[0]], s.name, (option[0], pos[s.name]))
@@ -114,8 +125,10 @@ class Fuse(Transform):
             if m in program.group_of:
                 raise self.refuse(f"{m} already runs in {program.group_of[m]}")
             if not (is_pointwise(program, s) or rowwise_member(program, m)):
-                raise self.refuse(f"{m} is a {s.op}; only pointwise statements and reductions or softmaxes "
-                                  "along one dim fuse into one kernel")
+                raise self.refuse(
+                    f"{m} is a {s.op}; only pointwise statements and reductions or softmaxes "
+                    "along one dim fuse into one kernel"
+                )
             if s.type.ndim == 0:
                 raise self.refuse(f"{m} computes a scalar; scalars are kernel arguments, not kernel work")
         why = one_space(program, self.members)

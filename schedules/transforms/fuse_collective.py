@@ -48,8 +48,11 @@ def region(program: Program, rs: str) -> tuple[str, ...]:
             return False
         if any(a in members for a in s.args):
             # the slice's rows are a chunk's: work sliced along a dim of another extent is cut otherwise
-            ok = ((is_pointwise(program, s) and _rows(program, s.name, dim) == rows) or s.op == "all_gather"
-                  or (s.op == "partial_sum" and _rows(program, s.args[0], dim) == rows))
+            ok = (
+                (is_pointwise(program, s) and _rows(program, s.name, dim) == rows)
+                or s.op == "all_gather"
+                or (s.op == "partial_sum" and _rows(program, s.args[0], dim) == rows)
+            )
         else:  # rows of a replicated value that are the slice's rows: each chunk reads its own
             ok = s.op == "slice" and _rows(program, s.name, dim) == rows
         if ok and convex_with(program, members, s.name, (first, at)) is None:

@@ -32,8 +32,13 @@ class Overlap(Transform):
         for s in program.stmts:
             if s.op in COLLECTIVES and s.name not in program.group_of:
                 src = program[s.args[0]]
-                if (src.op in PRODUCERS and src.name not in program.group_of and src.type.ndim >= 2
-                        and program.users[src.name] == (s.name,) and _chunkable(program, src.name, s.name) is None):
+                if (
+                    src.op in PRODUCERS
+                    and src.name not in program.group_of
+                    and src.type.ndim >= 2
+                    and program.users[src.name] == (s.name,)
+                    and _chunkable(program, src.name, s.name) is None
+                ):
                     out.append(cls(src.name, s.name))
         return out
 
@@ -69,6 +74,8 @@ def _chunkable(program: Program, producer: str, collective: str) -> str | None:
         return f"{producer}'s input is sliced along the batch: its chunks are the ranks' already"
     coll = program[collective]
     if coll.op == "reduce_scatter" and coll.type.layout == Sliced(0) and s.attr("groups") != 1:
-        return (f"{collective} scatters the batch, so {producer} is chunked along its output channels, which "
-                f"would straddle its {s.attr('groups')} groups")
+        return (
+            f"{collective} scatters the batch, so {producer} is chunked along its output channels, which "
+            f"would straddle its {s.attr('groups')} groups"
+        )
     return None

@@ -139,8 +139,9 @@ class Reorder(Transform):
             if local:
                 raise self.refuse(f"{m} reads Local {local[0]}: a per-rank value cannot be combined with slices")
             if not (is_pointwise(program, s) or s.op in ("sum", "norm", "matmul") or s.op in ROWWISE_OPS):
-                raise self.refuse(f"{m} is a {s.op}; only pointwise work, reductions, softmaxes and products run "
-                                  "on slices")
+                raise self.refuse(
+                    f"{m} is a {s.op}; only pointwise work, reductions, softmaxes and products run on slices"
+                )
             if not any(a in members or a == ag.name for a in s.args) or m not in reachable:
                 raise self.refuse(f"{m} does not consume {ag.name} or the work moved with it")
         return members
@@ -202,8 +203,13 @@ def _rebuild(program: Program, regions: dict[Stmt, set[str]], text: str, step_of
             rw.copy(s)  # these take slices; an update gathers only into Replicated state
         elif any(a in member_of for a in s.args):
             # a member that was already sliced (it read other slices too) stays as its readers took it
-            rw.copy(s, [rw.whole(a) if a in member_of and not isinstance(program[a].type.layout, Sliced)
-                        else rw[a] for a in s.args])
+            rw.copy(
+                s,
+                [
+                    rw.whole(a) if a in member_of and not isinstance(program[a].type.layout, Sliced) else rw[a]
+                    for a in s.args
+                ],
+            )
         else:
             rw.copy(s)
         if step_of is None or made is None:
@@ -219,8 +225,9 @@ def _rebuild(program: Program, regions: dict[Stmt, set[str]], text: str, step_of
     return rw.finish(), made
 
 
-def _named_as_one_by_one(before: Program, after: Program, made: list, step_of: dict[str, int],
-                         steps: int) -> Program | None:
+def _named_as_one_by_one(
+    before: Program, after: Program, made: list, step_of: dict[str, int], steps: int
+) -> Program | None:
     """``after`` with what the batch made renamed as the reorders one after the other would have named it;
     None where that cannot be said."""
     kept = set(after.by_name)

@@ -33,17 +33,23 @@ class SliceReduce(Transform):
     def instances(cls, program: Program) -> list[Transform]:
         if program.groups:
             return []
-        return [cls(s.name) for s in program.stmts
-                if s.op in ("norm", "sum") and isinstance(program[s.args[0]].type.layout, Replicated)
-                and program[s.args[0]].type.ndim > 0 and _of_state(program, s)]
+        return [
+            cls(s.name)
+            for s in program.stmts
+            if s.op in ("norm", "sum")
+            and isinstance(program[s.args[0]].type.layout, Replicated)
+            and program[s.args[0]].type.ndim > 0
+            and _of_state(program, s)
+        ]
 
     def apply(self, program: Program) -> Program:
         self.no_groups(program)
         r = self.need(program, self.reduction, ("norm", "sum"), "a norm or sum")
         x = program[r.args[0]]
         if not isinstance(x.type.layout, Replicated):
-            raise self.refuse(f"{x.name} is {x.type.layout}: "
-                              "only a value every rank holds whole is sliced where it lies")
+            raise self.refuse(
+                f"{x.name} is {x.type.layout}: only a value every rank holds whole is sliced where it lies"
+            )
         if x.type.ndim == 0:
             raise self.refuse(f"{x.name} is a scalar: there is nothing to slice")
         if not -x.type.ndim <= self.dim < x.type.ndim:

@@ -32,8 +32,9 @@ class SliceSend(Transform):
         send = self.need(program, self.send, ("send",), "a send")
         ag = program[send.args[0]]
         if ag.op != "all_gather":
-            raise self.refuse(f"{send.name} sends {ag.name}, a {ag.op}: "
-                              "split and reorder so that it sends gathered slices")
+            raise self.refuse(
+                f"{send.name} sends {ag.name}, a {ag.op}: split and reorder so that it sends gathered slices"
+            )
         layout = program[ag.args[0]].type.layout
         tag = send.attr("tag")
         recvs = [s for s in program.stmts if s.op == "recv" and s.attr("tag") == tag]

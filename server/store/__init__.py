@@ -41,10 +41,29 @@ from coconet.server.store.programs import Programs
 from coconet.server.store.winners import Winners
 
 __all__ = [
-    "ACTIVE_STATES", "ENV_URL", "MIGRATIONS", "NEXT_STATES", "OPTUNA_CREATE_TRIES", "RETAKEN", "SCHEMA_HEAD",
-    "SQLITE_BUSY_S", "Best", "DoneKey", "JobRecord", "MeasurementDigest", "MeasurementRecord", "NewMeasurement",
-    "ProgramRecord", "ProgramSummary", "Progress", "Store", "TopologyRecord", "WinnerRecord", "alembic_config",
-    "default_url", "unavailable",
+    "ACTIVE_STATES",
+    "ENV_URL",
+    "MIGRATIONS",
+    "NEXT_STATES",
+    "OPTUNA_CREATE_TRIES",
+    "RETAKEN",
+    "SCHEMA_HEAD",
+    "SQLITE_BUSY_S",
+    "Best",
+    "DoneKey",
+    "JobRecord",
+    "MeasurementDigest",
+    "MeasurementRecord",
+    "NewMeasurement",
+    "ProgramRecord",
+    "ProgramSummary",
+    "Progress",
+    "Store",
+    "TopologyRecord",
+    "WinnerRecord",
+    "alembic_config",
+    "default_url",
+    "unavailable",
 ]
 
 

@@ -40,7 +40,6 @@ def default_url() -> str:
     return f"sqlite:///{data_dir() / 'coconet.db'}"
 
 
-
 _R = TypeVar("_R")
 _S = TypeVar("_S", bound="StoreBase")
 
@@ -285,13 +284,15 @@ class Rendered:
 
     def _execute(self, cursor: Any, values: Mapping[str, Any]) -> None:
         params = self._compiled.construct_params(values)
-        cursor.execute(self._sql, tuple(params[k] for k in self._compiled.positiontup)
-                       if self._compiled.positional else params)
+        cursor.execute(
+            self._sql, tuple(params[k] for k in self._compiled.positiontup) if self._compiled.positional else params
+        )
 
     def processed(self, cursor: Any, row: Sequence[Any]) -> list[Any]:
         if self._processors is None:
-            self._processors = [t.result_processor(self._dialect, d[1])
-                                for t, d in zip(self._types, cursor.description)]
+            self._processors = [
+                t.result_processor(self._dialect, d[1]) for t, d in zip(self._types, cursor.description)
+            ]
         return [f(v) if f else v for f, v in zip(self._processors, row)]
 
 
@@ -374,6 +375,6 @@ def _busy(err: Exception) -> bool:
     cause = getattr(err, "orig", None)
     if getattr(cause, "sqlstate", None) == "55P03":  # lock_not_available: lock_timeout ran out
         return True
-    return isinstance(err, OperationalError) and any(m in str(cause) for m in ("database is locked",
-                                                                               "database is busy"))
-
+    return isinstance(err, OperationalError) and any(
+        m in str(cause) for m in ("database is locked", "database is busy")
+    )

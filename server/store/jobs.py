@@ -35,7 +35,6 @@ _CLEARS_ERROR = frozenset({"running", "done"})
 RETAKEN = "left by the process that ran it; the key was tuned again (finished trials are kept)"
 
 
-
 class JobQueue(StoreBase):
     """The tuning jobs of a store."""
 
@@ -117,8 +116,14 @@ class JobQueue(StoreBase):
             row = s.get(JobRow, job_id)
             return _job(row) if row else None
 
-    def jobs(self, state: str | None = None, *, program_hash: str | None = None, newest_first: bool = False,
-             limit: int | None = None) -> list[JobRecord]:
+    def jobs(
+        self,
+        state: str | None = None,
+        *,
+        program_hash: str | None = None,
+        newest_first: bool = False,
+        limit: int | None = None,
+    ) -> list[JobRecord]:
         """Jobs in the order they were created (or newest first), of one state and/or one program if given."""
         with self._tx("jobs") as s:
             q = select(JobRow).order_by(JobRow.id.desc() if newest_first else JobRow.id).limit(limit)
@@ -128,16 +133,25 @@ class JobQueue(StoreBase):
                 q = q.where(JobRow.program_hash == program_hash)
             return [_job(r) for r in s.scalars(q)]
 
-    def active_job(self, program_hash: str, sizes: Mapping[str, int], topology: str, world: int, *,
-                   shardable: str = shard.EVERY) -> JobRecord | None:
+    def active_job(
+        self, program_hash: str, sizes: Mapping[str, int], topology: str, world: int, *, shardable: str = shard.EVERY
+    ) -> JobRecord | None:
         """The oldest queued or running job for this key, if any: a second request for it joins that job."""
         with self._tx("active_job") as s:
             row = _oldest_job(s, program_hash, sizes_key(sizes), topology, world, shardable, ACTIVE_STATES)
             return _job(row) if row is not None else None
 
-    def join_job(self, program_hash: str, sizes: Mapping[str, int], topology: str, world: int, *,
-                 budget: int | None = None, backends: Sequence[str] = (),
-                 shardable: str = shard.EVERY) -> tuple[JobRecord, bool]:
+    def join_job(
+        self,
+        program_hash: str,
+        sizes: Mapping[str, int],
+        topology: str,
+        world: int,
+        *,
+        budget: int | None = None,
+        backends: Sequence[str] = (),
+        shardable: str = shard.EVERY,
+    ) -> tuple[JobRecord, bool]:
         """The key's queued or running job, else a new queued one, in one transaction: requests for one key
         arriving together get one job. Returns the job and whether it is new."""
         key = sizes_key(sizes)
@@ -151,9 +165,19 @@ class JobQueue(StoreBase):
             s.flush()
             return _job(row), True
 
-    def take_job(self, program_hash: str, sizes: Mapping[str, int], topology: str, world: int, *,
-                 budget: int | None = None, backends: Sequence[str] = (), shardable: str = shard.EVERY,
-                 driver: str | None = None, abandoned: Callable[[JobRecord], bool] | None = None) -> JobRecord:
+    def take_job(
+        self,
+        program_hash: str,
+        sizes: Mapping[str, int],
+        topology: str,
+        world: int,
+        *,
+        budget: int | None = None,
+        backends: Sequence[str] = (),
+        shardable: str = shard.EVERY,
+        driver: str | None = None,
+        abandoned: Callable[[JobRecord], bool] | None = None,
+    ) -> JobRecord:
         """A running job for a tuner that tunes the key itself (``coconet tune``, ``driver`` its process): the
         key's queued job, claimed and given this run's budget and backends (the service's workers would only
         tune the key again), else a new one. A job already running elsewhere is left to run; with
@@ -184,8 +208,9 @@ class JobQueue(StoreBase):
             return _job(row)
 
     @contextmanager
-    def _key_tx(self, what: str, program_hash: str, key: str, topology: str, world: int,
-                shardable: str) -> Iterator[Session]:
+    def _key_tx(
+        self, what: str, program_hash: str, key: str, topology: str, world: int, shardable: str
+    ) -> Iterator[Session]:
         """A write transaction on the jobs of one key, of a program the store holds. Under READ COMMITTED two of
         them could both find no job and both add one: on PostgreSQL a lock per key, held to the commit, orders
         them (SQLite's write transactions run one at a time already)."""
@@ -193,9 +218,12 @@ class JobQueue(StoreBase):
         with self._tx(what, write=True) as s:
             require_programs(s, {program_hash})
             if s.get_bind().dialect.name == "postgresql":
-                s.execute(text("SELECT pg_advisory_xact_lock(:id)"),
-                          {"id": _lock_id("job", program_hash, key, topology, str(world), shardable)})
+                s.execute(
+                    text("SELECT pg_advisory_xact_lock(:id)"),
+                    {"id": _lock_id("job", program_hash, key, topology, str(world), shardable)},
+                )
             yield s
+
 
 def _job(row: JobRow) -> JobRecord:
     values = {f.name: utc(getattr(row, f.name)) for f in fields(JobRecord) if f.name != "progress"}
@@ -203,14 +231,35 @@ def _job(row: JobRow) -> JobRecord:
     return JobRecord(progress=progress, **values)
 
 
-def _new_job(program_hash: str, sizes: Mapping[str, int], key: str, topology: str, world: int, shardable: str,
-             budget: int | None, backends: Sequence[str], running: bool) -> JobRow:
+def _new_job(
+    program_hash: str,
+    sizes: Mapping[str, int],
+    key: str,
+    topology: str,
+    world: int,
+    shardable: str,
+    budget: int | None,
+    backends: Sequence[str],
+    running: bool,
+) -> JobRow:
     now = utcnow()
-    return JobRow(program_hash=program_hash, sizes=sorted_sizes(sizes), sizes_key=key, topology=topology, world=world,
-                  shardable=shardable, budget=budget, backends=list(backends),
-                  state="running" if running else "queued", trials_done=0, trials_total=budget, trials_failed=0,
-                  created_at=now, updated_at=now,
-                  heartbeat_at=now if running else None)
+    return JobRow(
+        program_hash=program_hash,
+        sizes=sorted_sizes(sizes),
+        sizes_key=key,
+        topology=topology,
+        world=world,
+        shardable=shardable,
+        budget=budget,
+        backends=list(backends),
+        state="running" if running else "queued",
+        trials_done=0,
+        trials_total=budget,
+        trials_failed=0,
+        created_at=now,
+        updated_at=now,
+        heartbeat_at=now if running else None,
+    )
 
 
 def _enter(row: JobRow, state: str) -> None:
@@ -220,8 +269,17 @@ def _enter(row: JobRow, state: str) -> None:
     row.state = state
 
 
-def _oldest_job(s: Session, program_hash: str, key: str, topology: str, world: int, shardable: str,
-                states: Sequence[str], *, lock: bool = False) -> JobRow | None:
+def _oldest_job(
+    s: Session,
+    program_hash: str,
+    key: str,
+    topology: str,
+    world: int,
+    shardable: str,
+    states: Sequence[str],
+    *,
+    lock: bool = False,
+) -> JobRow | None:
     """The key's oldest job in one of ``states``; ``lock``: its row locked for update, after any transaction
     holding it ends (a row it took out of ``states`` is then not returned)."""
     q = _key_jobs(program_hash, key, topology, world, shardable, states).limit(1)
@@ -230,13 +288,21 @@ def _oldest_job(s: Session, program_hash: str, key: str, topology: str, world: i
 
 def _key_jobs(program_hash: str, key: str, topology: str, world: int, shardable: str, states: Sequence[str]):
     """The key's jobs in one of ``states``, oldest first."""
-    return select(JobRow).where(JobRow.program_hash == program_hash, JobRow.sizes_key == key,
-                                JobRow.topology == topology, JobRow.world == world, JobRow.shardable == shardable,
-                                JobRow.state.in_(states)).order_by(JobRow.id)
+    return (
+        select(JobRow)
+        .where(
+            JobRow.program_hash == program_hash,
+            JobRow.sizes_key == key,
+            JobRow.topology == topology,
+            JobRow.world == world,
+            JobRow.shardable == shardable,
+            JobRow.state.in_(states),
+        )
+        .order_by(JobRow.id)
+    )
 
 
 def _lock_id(*parts: str) -> int:
     """A signed 64-bit PostgreSQL advisory-lock id for ``parts``."""
     digest = hashlib.sha256("\x00".join(parts).encode()).digest()
     return int.from_bytes(digest[:8], "big", signed=True)
-

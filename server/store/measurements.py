@@ -97,8 +97,15 @@ class Measurements(StoreBase):
         self, program_hash: str, sizes: Mapping[str, int] | None = None, topology: str | None = None
     ) -> int:
         with self._tx("measurement_count") as s:
-            q = key_filter(select(func.count()).select_from(MeasurementRow), MeasurementRow, program_hash, sizes,
-                            topology, None, None)
+            q = key_filter(
+                select(func.count()).select_from(MeasurementRow),
+                MeasurementRow,
+                program_hash,
+                sizes,
+                topology,
+                None,
+                None,
+            )
             return s.scalar(q) or 0
 
     def schedule_measurement(self, schedule_hash: str, program_hash: str | None = None) -> MeasurementRecord | None:
@@ -107,8 +114,9 @@ class Measurements(StoreBase):
         m = MeasurementRow
         with self._tx("schedule_measurement") as s:
             # Without the JSON a measurement holds JSON null, not SQL NULL (the column's type writes None so).
-            anyq = select(m).where(m.schedule_hash == schedule_hash, m.schedule_json.is_not(None),
-                                   cast(m.schedule_json, Text) != "null")
+            anyq = select(m).where(
+                m.schedule_hash == schedule_hash, m.schedule_json.is_not(None), cast(m.schedule_json, Text) != "null"
+            )
             if program_hash is not None:
                 anyq = anyq.where(m.program_hash == program_hash)
             won = anyq.join(WinnerRow, WinnerRow.measurement_id == m.id)
@@ -134,6 +142,7 @@ class Measurements(StoreBase):
             if source is not None:
                 q = q.where(m.source == source)
             return {DoneKey(*r) for r in s.execute(q)}
+
 
 def _optional_float(name: str, value: Any) -> float | None:
     if value is None:
@@ -183,4 +192,3 @@ def _measurement_values(m: NewMeasurement) -> dict[str, Any]:
         "versions": {"coconet": __version__, **m.versions},
         "created_at": utcnow(),
     }
-

@@ -43,8 +43,10 @@ class Programs(StoreBase):
         order = (p.created_at.desc(), p.hash.desc()) if newest_first else (p.created_at, p.hash)
         with self._tx("programs") as s:
             rows = s.execute(select(p.hash, p.name, p.ir, p.created_at).order_by(*order).limit(limit))
-            return [ProgramSummary(h, name, list(ir.get("dims", [])), len(ir.get("statements", [])), utc(created))
-                    for h, name, ir, created in rows]
+            return [
+                ProgramSummary(h, name, list(ir.get("dims", [])), len(ir.get("statements", [])), utc(created))
+                for h, name, ir, created in rows
+            ]
 
     def add_topology(self, name: str, fingerprint: Mapping[str, Any], source: str = "config") -> str:
         """Record a topology; the same name again must come with the same fingerprint (records are not overwritten)."""
@@ -63,13 +65,16 @@ class Programs(StoreBase):
                     f"are of other machines ({_fingerprint_text(recorded)}), not these "
                     f"({_fingerprint_text(values['fingerprint'])}); tune into another store (--db), or calibrate "
                     f"these machines under a name of their own (coconet calibrate --name NAME) and pass "
-                    f"--topology NAME", topology=name)
+                    f"--topology NAME",
+                    topology=name,
+                )
         return name
 
     def topology(self, name: str) -> TopologyRecord | None:
         with self._tx("topology") as s:
             row = s.get(TopologyRow, name)
             return record(TopologyRecord, row) if row else None
+
 
 def _fingerprint_text(fp: Mapping[str, Any]) -> str:
     return ", ".join(f"{k} {v}" for k, v in sorted(fp.items()) if k in ("machine", "cpu", "cpus", "gpus", "cores"))
@@ -84,4 +89,3 @@ def _insert_missing(s: Session, model: type[Base], values: dict[str, Any]) -> No
         s.execute(dialect.insert(model).values(**values).on_conflict_do_nothing())
     elif s.get(model, values[inspect(model).primary_key[0].name]) is None:
         s.add(model(**values))
-

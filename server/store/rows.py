@@ -70,15 +70,21 @@ def world_backend(q: Any, model: Any, world: int | None, backend: str | None) ->
     return q
 
 
-def key_filter(q: Any, model: Any, program_hash: str, sizes: Mapping[str, int] | None, topology: str | None,
-                world: int | None, backend: str | None) -> Any:
+def key_filter(
+    q: Any,
+    model: Any,
+    program_hash: str,
+    sizes: Mapping[str, int] | None,
+    topology: str | None,
+    world: int | None,
+    backend: str | None,
+) -> Any:
     q = q.where(model.program_hash == program_hash)
     if sizes is not None:
         q = q.where(model.sizes_key == sizes_key(sizes))
     if topology is not None:
         q = q.where(model.topology == topology)
     return world_backend(q, model, world, backend)
-
 
 
 def insert_rows(s: Session, table: Table, values: Sequence[dict[str, Any]]) -> list[int]:

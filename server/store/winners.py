@@ -46,8 +46,13 @@ class Winners(StoreBase):
 
         The key and source come from the measurement; ``speedup`` defaults to baseline median / winner median.
         """
-        return self.add_winners([(measurement_id, runner_up_id, baseline_id)], speedups=[speedup], job_id=job_id,
-                                shardable=shardable, order_reversed=[order_reversed])[0]
+        return self.add_winners(
+            [(measurement_id, runner_up_id, baseline_id)],
+            speedups=[speedup],
+            job_id=job_id,
+            shardable=shardable,
+            order_reversed=[order_reversed],
+        )[0]
 
     def add_winners(
         self,
@@ -71,8 +76,10 @@ class Winners(StoreBase):
             if job_id is not None:
                 require_jobs(s, {job_id})
             now = utcnow()
-            values = [{**_winner_values(by_id, *r, speedup, job_id, shardable, allowed, now), "order_reversed": flip}
-                      for r, speedup, flip in zip(rows, speedups, flips)]
+            values = [
+                {**_winner_values(by_id, *r, speedup, job_id, shardable, allowed, now), "order_reversed": flip}
+                for r, speedup, flip in zip(rows, speedups, flips)
+            ]
             return insert_rows(s, WinnerRow.__table__, values)
 
     def winners(
@@ -107,8 +114,13 @@ class Winners(StoreBase):
         answers with the fastest of those. Among the nearest sizes, those with a measured winner come first.
         ``source`` ("measured" or "model") takes only winners of that source."""
         # The API's hot path: statements rendered once, one round trip for an exact answer.
-        params = {"program": program_hash, "topology": topology, "key": sizes_key(sizes), "world": world,
-                  "backend": backend}
+        params = {
+            "program": program_hash,
+            "topology": topology,
+            "key": sizes_key(sizes),
+            "world": world,
+            "backend": backend,
+        }
         narrowed = (world is not None, backend is not None)
         if shardable is not None:
             check_shardable(shardable)
@@ -119,8 +131,9 @@ class Winners(StoreBase):
         newest = self._newest[narrowed + (one_pair and shardable is None and source is None,)]
 
         def answers(row: Sequence[Any]) -> bool:  # the columns are plain strings on every driver
-            return ((source is None or row[_W_SOURCE] == source) and
-                    (shardable is None or shard.answers(row[_W_SHARDABLE], shardable, sharded_by(row[_M_SCHEDULE]))))
+            return (source is None or row[_W_SOURCE] == source) and (
+                shardable is None or shard.answers(row[_W_SHARDABLE], shardable, sharded_by(row[_M_SCHEDULE]))
+            )
 
         def winner(cursor: Any, values: Mapping[str, Any]) -> list[Any] | None:
             if one_pair:
@@ -174,17 +187,36 @@ class Winners(StoreBase):
     def result_counts(self) -> dict[str, int]:
         """``len(results(h))`` for every program with a result, in one statement: the keys with a valid winner."""
         with self._tx("result_counts") as s:
-            q = _valid_winners().with_only_columns(WinnerRow.program_hash, WinnerRow.sizes_key, WinnerRow.topology,
-                                                   WinnerRow.world, WinnerRow.backend, WinnerRow.shardable).distinct()
+            q = (
+                _valid_winners()
+                .with_only_columns(
+                    WinnerRow.program_hash,
+                    WinnerRow.sizes_key,
+                    WinnerRow.topology,
+                    WinnerRow.world,
+                    WinnerRow.backend,
+                    WinnerRow.shardable,
+                )
+                .distinct()
+            )
             return dict(Counter(row[0] for row in s.execute(q)))
+
 
 def _problem(m: MeasurementRow) -> tuple:
     return (m.program_hash, m.sizes_key, m.topology, m.world)
 
 
-def _winner_values(by_id: Mapping[int, MeasurementRow], measurement_id: int, runner_up_id: int | None,
-                   baseline_id: int | None, speedup: float | None, job_id: int | None, shardable: str,
-                   allowed: frozenset[str] | None, now: datetime) -> dict:
+def _winner_values(
+    by_id: Mapping[int, MeasurementRow],
+    measurement_id: int,
+    runner_up_id: int | None,
+    baseline_id: int | None,
+    speedup: float | None,
+    job_id: int | None,
+    shardable: str,
+    allowed: frozenset[str] | None,
+    now: datetime,
+) -> dict:
     """``allowed``: ``shardable``'s names (None: any)."""
     win = by_id.get(measurement_id)
     if win is None:
@@ -196,8 +228,11 @@ def _winner_values(by_id: Mapping[int, MeasurementRow], measurement_id: int, run
         )
     outside = sorted(set(sharded_by(win.schedule)) - allowed) if allowed is not None else []
     if outside:
-        raise StoreError(f"measurement {measurement_id} leaves {', '.join(outside)} sharded, which shardable "
-                         f"{shardable!r} does not allow", measurement_id=measurement_id)
+        raise StoreError(
+            f"measurement {measurement_id} leaves {', '.join(outside)} sharded, which shardable "
+            f"{shardable!r} does not allow",
+            measurement_id=measurement_id,
+        )
     for role, other_id in (("runner-up", runner_up_id), ("baseline", baseline_id)):
         if other_id is None:
             continue
@@ -214,16 +249,28 @@ def _winner_values(by_id: Mapping[int, MeasurementRow], measurement_id: int, run
     if speedup is None and base is not None and base.median_s and win.median_s > 0:
         speedup = base.median_s / win.median_s
     return dict(
-        program_hash=win.program_hash, sizes=win.sizes, sizes_key=win.sizes_key, topology=win.topology,
-        world=win.world, shardable=shardable, backend=win.backend, measurement_id=win.id, runner_up_id=runner_up_id,
-        baseline_id=baseline_id, speedup=speedup, source=win.source,
-        job_id=job_id if job_id is not None else win.job_id, created_at=now,
+        program_hash=win.program_hash,
+        sizes=win.sizes,
+        sizes_key=win.sizes_key,
+        topology=win.topology,
+        world=win.world,
+        shardable=shardable,
+        backend=win.backend,
+        measurement_id=win.id,
+        runner_up_id=runner_up_id,
+        baseline_id=baseline_id,
+        speedup=speedup,
+        source=win.source,
+        job_id=job_id if job_id is not None else win.job_id,
+        created_at=now,
     )
 
 
 def _valid_winners() -> Any:
-    return select(WinnerRow).join(MeasurementRow, WinnerRow.measurement_id == MeasurementRow.id).where(
-        MeasurementRow.status == "ok", MeasurementRow.median_s.is_not(None)
+    return (
+        select(WinnerRow)
+        .join(MeasurementRow, WinnerRow.measurement_id == MeasurementRow.id)
+        .where(MeasurementRow.status == "ok", MeasurementRow.median_s.is_not(None))
     )
 
 
@@ -245,30 +292,39 @@ def _world_backend_params(q: Any, by_world: bool, by_backend: bool) -> Any:
 
 def _newest_statement(by_world: bool, by_backend: bool, first: bool) -> Any:
     columns = [_W.c[n].label(f"w_{n}") for n in _W_FIELDS] + [
-        t.c[n].label(f"{p}_{n}") for p, t in (("m", _M), ("r", _RUNNER_UP), ("b", _BASELINE)) for n in _M_FIELDS]
-    q = (select(*columns)
-         .join_from(_W, _M, _M.c.id == _W.c.measurement_id)
-         .outerjoin(_RUNNER_UP, _RUNNER_UP.c.id == _W.c.runner_up_id)
-         .outerjoin(_BASELINE, _BASELINE.c.id == _W.c.baseline_id)
-         .where(_W.c.program_hash == bindparam("program"), _W.c.topology == bindparam("topology"),
-                _W.c.sizes_key == bindparam("key"), _M.c.status == "ok", _M.c.median_s.is_not(None)))
-    q = _world_backend_params(q, by_world, by_backend).order_by(_MEASURED_FIRST, _W.c.created_at.desc(),
-                                                                 _W.c.id.desc())
+        t.c[n].label(f"{p}_{n}") for p, t in (("m", _M), ("r", _RUNNER_UP), ("b", _BASELINE)) for n in _M_FIELDS
+    ]
+    q = (
+        select(*columns)
+        .join_from(_W, _M, _M.c.id == _W.c.measurement_id)
+        .outerjoin(_RUNNER_UP, _RUNNER_UP.c.id == _W.c.runner_up_id)
+        .outerjoin(_BASELINE, _BASELINE.c.id == _W.c.baseline_id)
+        .where(
+            _W.c.program_hash == bindparam("program"),
+            _W.c.topology == bindparam("topology"),
+            _W.c.sizes_key == bindparam("key"),
+            _M.c.status == "ok",
+            _M.c.median_s.is_not(None),
+        )
+    )
+    q = _world_backend_params(q, by_world, by_backend).order_by(_MEASURED_FIRST, _W.c.created_at.desc(), _W.c.id.desc())
     return q.limit(1) if first else q
 
 
 def _tuned_keys_statement(by_world: bool, by_backend: bool) -> Any:
     """Each tuned key of a program and topology, with whether any of its winners was measured."""
     measured = func.max(case((_W.c.source == "measured", 1), else_=0))
-    q = (select(_W.c.sizes_key, measured)
-         .where(_W.c.program_hash == bindparam("program"), _W.c.topology == bindparam("topology")))
+    q = select(_W.c.sizes_key, measured).where(
+        _W.c.program_hash == bindparam("program"), _W.c.topology == bindparam("topology")
+    )
     return _world_backend_params(q, by_world, by_backend).group_by(_W.c.sizes_key)
 
 
 _NARROWED = [(w, b) for w in (False, True) for b in (False, True)]
 _NEWEST = {(*n, first): _newest_statement(*n, first) for n in _NARROWED for first in (False, True)}
-_W_SHARDABLE, _W_WORLD, _W_BACKEND, _W_SOURCE = (_W_FIELDS.index(n)
-                                                  for n in ("shardable", "world", "backend", "source"))
+_W_SHARDABLE, _W_WORLD, _W_BACKEND, _W_SOURCE = (
+    _W_FIELDS.index(n) for n in ("shardable", "world", "backend", "source")
+)
 _M_SCHEDULE, _M_MEDIAN = (len(_W_FIELDS) + _M_FIELDS.index(n) for n in ("schedule", "median_s"))
 _TUNED_KEYS = {n: _tuned_keys_statement(*n) for n in _NARROWED}
 
@@ -277,13 +333,19 @@ def _best_of_row(row: Sequence[Any], *, exact: bool, distance: float) -> Best:
     nw, nm = len(_W_FIELDS), len(_M_FIELDS)
 
     def measurement(start: int) -> MeasurementRecord | None:
-        values = row[start:start + nm]
+        values = row[start : start + nm]
         if values[0] is None:  # an outer join that found no runner-up or baseline
             return None
         return MeasurementRecord(*(utc(v) for v in values))
 
-    return Best(exact=exact, distance=distance, winner=WinnerRecord(*(utc(v) for v in row[:nw])),
-                measurement=measurement(nw), runner_up=measurement(nw + nm), baseline=measurement(nw + 2 * nm))
+    return Best(
+        exact=exact,
+        distance=distance,
+        winner=WinnerRecord(*(utc(v) for v in row[:nw])),
+        measurement=measurement(nw),
+        runner_up=measurement(nw + nm),
+        baseline=measurement(nw + 2 * nm),
+    )
 
 
 def _best(s: Session, rows: Sequence[WinnerRow], *, exact: bool, distance: float) -> list[Best]:

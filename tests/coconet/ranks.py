@@ -13,8 +13,15 @@ from datetime import timedelta
 
 from coconet.tuner.launch import free_port
 
-PRELOAD = ["torch", "torch.distributed", "coconet.step", "coconet.optim", "coconet.codegen.lower",
-           "coconet.kernels.compiled", "tests.coconet.ranks"]
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "coconet.step",
+    "coconet.optim",
+    "coconet.codegen.lower",
+    "coconet.kernels.compiled",
+    "tests.coconet.ranks",
+]
 
 
 def run(fn, world: int, *args, timeout_s: float = 120.0) -> list:
@@ -34,8 +41,10 @@ def run(fn, world: int, *args, timeout_s: float = 120.0) -> list:
                 dead = [r for r, p in enumerate(procs) if r not in got and p.exitcode is not None]
                 if dead or time.monotonic() > deadline:
                     late = sorted(set(range(world)) - set(got))
-                    raise AssertionError(f"ranks {late} gave no answer" + (f" (rank {dead[0]} exited with "
-                                         f"{procs[dead[0]].exitcode})" if dead else f" in {timeout_s} s")) from None
+                    raise AssertionError(
+                        f"ranks {late} gave no answer"
+                        + (f" (rank {dead[0]} exited with {procs[dead[0]].exitcode})" if dead else f" in {timeout_s} s")
+                    ) from None
                 continue
             if not ok:
                 raise AssertionError(f"rank {rank} failed:\n{value}")
@@ -55,8 +64,9 @@ def _rank(fn, rank: int, world: int, port: int, args: tuple, out) -> None:
 
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=60))
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+        )
         answer = (rank, True, fn(rank, world, *args))
     except BaseException:
         answer = (rank, False, traceback.format_exc())

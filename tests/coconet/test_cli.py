@@ -22,8 +22,14 @@ def quiet_env():
 
 
 def coconet(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "coconet", *map(str, args)], capture_output=True, text=True,
-                          cwd=cwd or ROOT, env=quiet_env(), timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "coconet", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=cwd or ROOT,
+        env=quiet_env(),
+        timeout=120,
+    )
 
 
 def assert_one_error(proc, *fragments):
@@ -74,15 +80,24 @@ def write(tmp_path, name, text):
 
 HEADER = "from coconet import *\np = Program('bad', dims=('N',))\n"
 BAD_PROGRAMS = {
-    "local_plus_sliced": (HEADER + "g = p.tensor('g', ('N',), layout=Local)\n"
-                          "x = p.tensor('x', ('N',), layout=Sliced(0))\n"
-                          "p.output('y', g + x)\nprogram = p\n", ["bad.py:5", "Local and Sliced"]),
-    "mismatched_shapes": ("from coconet import *\np = Program('bad', dims=('N', 'M'))\n"
-                          "a = p.tensor('a', ('N',), layout=Replicated)\nb = p.tensor('b', ('M',), layout=Replicated)\n"
-                          "p.output('y', a * b)\nprogram = p\n", ["bad.py:5", "do not broadcast"]),
-    "replicated_from_local": (HEADER + "w = p.tensor('w', ('N',), layout=Replicated)\n"
-                              "g = p.tensor('g', ('N',), layout=Local)\n"
-                              "p.update(w, w - g)\nprogram = p\n", ["bad.py:5", "w is Replicated", "Local"]),
+    "local_plus_sliced": (
+        HEADER + "g = p.tensor('g', ('N',), layout=Local)\n"
+        "x = p.tensor('x', ('N',), layout=Sliced(0))\n"
+        "p.output('y', g + x)\nprogram = p\n",
+        ["bad.py:5", "Local and Sliced"],
+    ),
+    "mismatched_shapes": (
+        "from coconet import *\np = Program('bad', dims=('N', 'M'))\n"
+        "a = p.tensor('a', ('N',), layout=Replicated)\nb = p.tensor('b', ('M',), layout=Replicated)\n"
+        "p.output('y', a * b)\nprogram = p\n",
+        ["bad.py:5", "do not broadcast"],
+    ),
+    "replicated_from_local": (
+        HEADER + "w = p.tensor('w', ('N',), layout=Replicated)\n"
+        "g = p.tensor('g', ('N',), layout=Local)\n"
+        "p.update(w, w - g)\nprogram = p\n",
+        ["bad.py:5", "w is Replicated", "Local"],
+    ),
     "no_program": (HEADER + "x = p.tensor('x', ('N',), layout=Local)\n", ["defines no `program`"]),
     "not_a_program": ("program = 3\n", ["not a coconet Program"]),
     "syntax": ("program = (\n", ["syntax error"]),
@@ -90,14 +105,19 @@ BAD_PROGRAMS = {
     "exits": ("import sys\nsys.exit(3)\n", ["bad.py:2", "the file called sys.exit(3) while being loaded"]),
     "raises_base_exception": ("x = 1\nraise BaseException('base')\n", ["bad.py:2", "BaseException: base"]),
     "raises_generator_exit": ("raise GeneratorExit\n", ["bad.py:1", "GeneratorExit"]),
-    "unreadable_message": ("class E(Exception):\n    def __str__(self):\n        raise RuntimeError('x')\nraise E()\n",
-                           ["bad.py:4", "E (its message could not be read: RuntimeError)"]),
+    "unreadable_message": (
+        "class E(Exception):\n    def __str__(self):\n        raise RuntimeError('x')\nraise E()\n",
+        ["bad.py:4", "E (its message could not be read: RuntimeError)"],
+    ),
     "nul_byte": ("x = 1\0\n", ["bad.py: syntax error", "null bytes"]),
     # a thread the file leaves running would hold the command at exit for ever: refused, and the command ends
-    "starts_a_thread": ("import threading, time\n"
-                        "threading.Thread(target=time.sleep, args=(3600,), name='poller').start()\n"
-                        + HEADER + "x = p.tensor('x', ('N',), layout=Local)\np.output('y', x)\nprogram = p\n",
-                        ["bad.py: started thread 'poller'", "a program file defines, it does not run"]),
+    "starts_a_thread": (
+        "import threading, time\n"
+        "threading.Thread(target=time.sleep, args=(3600,), name='poller').start()\n"
+        + HEADER
+        + "x = p.tensor('x', ('N',), layout=Local)\np.output('y', x)\nprogram = p\n",
+        ["bad.py: started thread 'poller'", "a program file defines, it does not run"],
+    ),
 }
 
 
@@ -117,68 +137,104 @@ def test_json_with_unknown_op(tmp_path):
     assert_one_error(coconet("check", path), "unknown op 'teleport'", d["statements"][5]["name"])
 
 
-@pytest.mark.parametrize("args,fragment", [
-    (["check", "nowhere.py"], "no such file"),
-    (["check", "README.md"], ".py"),
-    (["tune", "examples/adam.py"], "--size is required"),
-    (["tune", "examples/adam.py", "--size", "N=8", "--backend", "nccl"], "cannot run on local"),
-    (["tune", "examples/adam.py", "--size", "N=8", "--topology", "dgx-h100-8"], "needs its cluster"),
-    (["tune", "examples/adam.py", "--size", "N=8", "--shardable", "m,g"],
-     "shardable g: not replicated state adam updates (it can shard m, v, w; `all` for every one)"),
-    (["sweep", "no/such/sweep.yaml"], "cannot read sweep config"),
-    (["run", "examples/adam.py"], "--size is required"),
-    (["run", "examples/adam.py", "--size", "N=0"], "N"),
-    (["run", "examples/adam.py", "--size", "M=4"], "does not have"),
-    (["run", "examples/adam.py", "--size", "N=8", "--schedule", "best", "--db", "sqlite:///:memory:"],
-     "no tuned schedule of adam"),
-    (["run", "examples/adam.py", "--size", "N=8", "--schedule", "999"], "there is no schedule 999"),
-    (["run", "examples/adam.py", "--size", "N=8", "--schedule", "split(nope)"], "nope"),
-    (["run", "examples/adam.py", "--size", "N=8", "--backend", "mpi"], "unknown backend 'mpi'"),
-    (["bench", "adam", "--size", "N=8", "--backend", "mpi"], "unknown backend 'mpi'"),
-    (["bench", "adam", "--size", "N=8", "--backend", "nccl", "--backend", "shm"], "bench them in separate runs"),
-    (["run", "examples/adam.py", "--size", "N=8", "--kernels", "numba"], "unknown --kernels 'numba'"),
-    (["run", "examples/adam.py", "--size", "N=٣"], "value must be an integer or 2^k"),  # int() reads it as 3
-    (["run", "examples/adam.py", "--size", "N=+8"], "value must be an integer or 2^k"),
-    (["run", "examples/megatron_mlp.py", "--size", "B=1,S=2,H=4",
-      "--schedule", "overlap(mm0, ar0); chunks=" + "9" * 30],
-     "larger than 2^40"),
-    (["run", "examples/adam.py", "--size", "N=8", "--schedule", "split(ar0); reorder(ag0); fuse_collective(rs0); "
-      "fc_chunks=4; fc_chunks=8"], "knob fc_chunks given twice"),
-    (["tune", "examples/adam.py", "--size", "N=8", "--world", "10000"], "at most 64 ranks"),
-    (["tune", "examples/adam.py", "--size", "N=8", "--ray-address", "127.0.0.1:1"], "no Ray cluster answers there"),
-    (["submit", "examples/adam.py", "--size", "N=8", "--server", "http://[::1"], "is not a valid URL"),
-    # one value kept silently: the last backend alone ran
-    (["run", "examples/adam.py", "--size", "N=8", "--backend", "shm", "--backend", "gloo"],
-     "Invalid value for '--backend': given more than once: run takes one value"),
-    (["tune", "examples/adam.py", "--size", "N=8", "--world", "2", "--world=3"], "'--world': given more than once"),
-])
+@pytest.mark.parametrize(
+    "args,fragment",
+    [
+        (["check", "nowhere.py"], "no such file"),
+        (["check", "README.md"], ".py"),
+        (["tune", "examples/adam.py"], "--size is required"),
+        (["tune", "examples/adam.py", "--size", "N=8", "--backend", "nccl"], "cannot run on local"),
+        (["tune", "examples/adam.py", "--size", "N=8", "--topology", "dgx-h100-8"], "needs its cluster"),
+        (
+            ["tune", "examples/adam.py", "--size", "N=8", "--shardable", "m,g"],
+            "shardable g: not replicated state adam updates (it can shard m, v, w; `all` for every one)",
+        ),
+        (["sweep", "no/such/sweep.yaml"], "cannot read sweep config"),
+        (["run", "examples/adam.py"], "--size is required"),
+        (["run", "examples/adam.py", "--size", "N=0"], "N"),
+        (["run", "examples/adam.py", "--size", "M=4"], "does not have"),
+        (
+            ["run", "examples/adam.py", "--size", "N=8", "--schedule", "best", "--db", "sqlite:///:memory:"],
+            "no tuned schedule of adam",
+        ),
+        (["run", "examples/adam.py", "--size", "N=8", "--schedule", "999"], "there is no schedule 999"),
+        (["run", "examples/adam.py", "--size", "N=8", "--schedule", "split(nope)"], "nope"),
+        (["run", "examples/adam.py", "--size", "N=8", "--backend", "mpi"], "unknown backend 'mpi'"),
+        (["bench", "adam", "--size", "N=8", "--backend", "mpi"], "unknown backend 'mpi'"),
+        (["bench", "adam", "--size", "N=8", "--backend", "nccl", "--backend", "shm"], "bench them in separate runs"),
+        (["run", "examples/adam.py", "--size", "N=8", "--kernels", "numba"], "unknown --kernels 'numba'"),
+        (["run", "examples/adam.py", "--size", "N=٣"], "value must be an integer or 2^k"),  # int() reads it as 3
+        (["run", "examples/adam.py", "--size", "N=+8"], "value must be an integer or 2^k"),
+        (
+            [
+                "run",
+                "examples/megatron_mlp.py",
+                "--size",
+                "B=1,S=2,H=4",
+                "--schedule",
+                "overlap(mm0, ar0); chunks=" + "9" * 30,
+            ],
+            "larger than 2^40",
+        ),
+        (
+            [
+                "run",
+                "examples/adam.py",
+                "--size",
+                "N=8",
+                "--schedule",
+                "split(ar0); reorder(ag0); fuse_collective(rs0); fc_chunks=4; fc_chunks=8",
+            ],
+            "knob fc_chunks given twice",
+        ),
+        (["tune", "examples/adam.py", "--size", "N=8", "--world", "10000"], "at most 64 ranks"),
+        (["tune", "examples/adam.py", "--size", "N=8", "--ray-address", "127.0.0.1:1"], "no Ray cluster answers there"),
+        (["submit", "examples/adam.py", "--size", "N=8", "--server", "http://[::1"], "is not a valid URL"),
+        # one value kept silently: the last backend alone ran
+        (
+            ["run", "examples/adam.py", "--size", "N=8", "--backend", "shm", "--backend", "gloo"],
+            "Invalid value for '--backend': given more than once: run takes one value",
+        ),
+        (["tune", "examples/adam.py", "--size", "N=8", "--world", "2", "--world=3"], "'--world': given more than once"),
+    ],
+)
 def test_other_errors(args, fragment):
     assert_one_error(coconet(*args), fragment)
 
 
-@pytest.mark.parametrize("args", [
-    ["run", "examples/adam.py", "--size", "N=8", "--backend", "mpi"],
-    ["run", "examples/adam.py", "--size", "N=8", "--schedule", "split(nope)"],
-    ["bench", "adam", "--size", "N=8", "--backend", "nccl", "--backend", "shm"],
-    ["bench", "adam", "--size", "N=2^40"],
-    ["tune", "examples/adam.py", "--size", "N=8", "--world", "10000"],
-    ["tune", "examples/adam.py", "--size", "N=8", "--shardable", "g"],
-], ids=lambda a: " ".join(a[:1] + a[3:]))
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["run", "examples/adam.py", "--size", "N=8", "--backend", "mpi"],
+        ["run", "examples/adam.py", "--size", "N=8", "--schedule", "split(nope)"],
+        ["bench", "adam", "--size", "N=8", "--backend", "nccl", "--backend", "shm"],
+        ["bench", "adam", "--size", "N=2^40"],
+        ["tune", "examples/adam.py", "--size", "N=8", "--world", "10000"],
+        ["tune", "examples/adam.py", "--size", "N=8", "--shardable", "g"],
+    ],
+    ids=lambda a: " ".join(a[:1] + a[3:]),
+)
 def test_a_refused_option_is_answered_before_torch_is_imported(args):
     """Importing torch takes seconds: an option that cannot run is refused without it."""
-    probe = ("import runpy, sys\n"
-             f"sys.argv = ['coconet', *{args!r}]\n"
-             "try:\n    runpy.run_module('coconet', run_name='__main__')\n"
-             "except SystemExit as e:\n    print(e.code, 'torch' in sys.modules)\n")
-    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, env=quiet_env(),
-                          timeout=120)
+    probe = (
+        "import runpy, sys\n"
+        f"sys.argv = ['coconet', *{args!r}]\n"
+        "try:\n    runpy.run_module('coconet', run_name='__main__')\n"
+        "except SystemExit as e:\n    print(e.code, 'torch' in sys.modules)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, env=quiet_env(), timeout=120
+    )
     assert proc.stderr.startswith("error: ") and proc.stdout == "2 False\n", (proc.stdout, proc.stderr)
 
 
 def test_a_lookup_in_a_store_that_does_not_exist_makes_none(tmp_path):
     db = tmp_path / "typo" / "x.db"
-    assert_one_error(coconet("run", "examples/adam.py", "--size", "N=8", "--schedule", "best", "--db", f"sqlite:///{db}"),
-                     "no store at", "does not exist")
+    assert_one_error(
+        coconet("run", "examples/adam.py", "--size", "N=8", "--schedule", "best", "--db", f"sqlite:///{db}"),
+        "no store at",
+        "does not exist",
+    )
     assert not (tmp_path / "typo").exists()
 
 
@@ -241,7 +297,7 @@ def test_schedules_listing_and_json():
     assert first["id"] == 0 and first["text"] == "baseline" and first["transforms"] == [] and len(first["hash"]) == 16
     assert any(s["transforms"] == ["split", "reorder", "fuse_collective"] for s in out["schedules"])
     shallow = json.loads(coconet("schedules", "examples/adam.py", "--json", "--depth", "1").stdout)
-    assert [s["text"] for s in shallow["schedules"]] == [s["text"] for s in out["schedules"][:shallow["count"]]]
+    assert [s["text"] for s in shallow["schedules"]] == [s["text"] for s in out["schedules"][: shallow["count"]]]
     assert_one_error(coconet("schedules", "examples/adam.py", "--depth", "99"), "--depth")
 
 
@@ -256,14 +312,14 @@ def test_schedules_show_and_verify():
     assert out["verified"]["worlds"] == [1, 2, 3, 4]
 
 
-ROOTED = '''
+ROOTED = """
 from coconet import Local, Program, Replicated, allreduce, broadcast
 p = Program("rooted", dims=("N",))
 x = p.tensor("x", ("N",), layout=Local)
 w = p.tensor("w", ("N",), layout=Replicated)
 p.update(w, w + broadcast(x, 2) + allreduce(x))
 program = p
-'''
+"""
 
 
 def test_a_program_broadcasting_from_rank_2_needs_3_ranks(tmp_path):
@@ -279,8 +335,25 @@ def test_a_program_broadcasting_from_rank_2_needs_3_ranks(tmp_path):
 
 
 def test_run_json_answers_as_documented(tmp_path):
-    proc = coconet("run", "examples/sgd.py", "--world", "3", "--size", "N=100", "--schedule", "all",
-                   "--repeats", "2", "--warmup", "0", "--json", "--emit", tmp_path, "--kernels", "eager")
+    proc = coconet(
+        "run",
+        "examples/sgd.py",
+        "--world",
+        "3",
+        "--size",
+        "N=100",
+        "--schedule",
+        "all",
+        "--repeats",
+        "2",
+        "--warmup",
+        "0",
+        "--json",
+        "--emit",
+        tmp_path,
+        "--kernels",
+        "eager",
+    )
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert (out["world"], out["backend"], out["sizes"], out["program"]) == (3, "gloo", {"N": 100}, "sgd")
@@ -302,8 +375,14 @@ def test_run_table_and_failure_exit_code(tmp_path):
     program = tmp_path / "faulty_prog.py"
     program.write_text("from tests.codegen import faulty\nprogram = faulty.program(faulty.boom)\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "coconet", "run", str(program), "--size", "N=6", "--no-check"],
-                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "coconet", "run", str(program), "--size", "N=6", "--no-check"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=120,
+    )
     assert proc.returncode == 1
     assert "runtime_error" in proc.stdout
     assert "rank 1 in statement boom0 (boom): RuntimeError: boom on purpose" in proc.stderr
@@ -312,8 +391,27 @@ def test_run_table_and_failure_exit_code(tmp_path):
 
 def test_bench_compares_with_torch_and_the_floor(tmp_path):
     out, png = tmp_path / "adam.json", tmp_path / "adam.png"
-    proc = coconet("bench", "adam", "--world", "2", "--size", "N=2^10", "--size", "N=3000", "--kernels", "eager",
-                   "--repeats", "2", "--warmup", "1", "-o", out, "--plot", png, "--json")
+    proc = coconet(
+        "bench",
+        "adam",
+        "--world",
+        "2",
+        "--size",
+        "N=2^10",
+        "--size",
+        "N=3000",
+        "--kernels",
+        "eager",
+        "--repeats",
+        "2",
+        "--warmup",
+        "1",
+        "-o",
+        out,
+        "--plot",
+        png,
+        "--json",
+    )
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report == json.loads(out.read_text()) and report["complete"] is True
@@ -338,18 +436,23 @@ def test_bench_compares_with_torch_and_the_floor(tmp_path):
         bw = point["best"]["bandwidth_GBps"] * 1e9
         assert point["floor_rounds_s"] == pytest.approx([point["bytes_moved_once"] / bw])
         assert point["best_over_floor_rounds"] == pytest.approx(
-            [point["best"]["median_s"] * bw / point["bytes_moved_once"]])
+            [point["best"]["median_s"] * bw / point["bytes_moved_once"]]
+        )
         assert all(set(r["sharded"]) <= {"m", "v"} for r in point["results"])
         assert any(r["sharded"] == ["m", "v"] for r in point["results"])
         assert point["sizes"] == {"N": n}
         assert {r["backend"] for r in point["results"]} == {"gloo", "shm"}
         for b in ("gloo", "shm"):
-            assert point[f"best_{b}"] == min((r for r in point["results"] if r["backend"] == b),
-                                             key=lambda r: r["median_s"])
+            assert point[f"best_{b}"] == min(
+                (r for r in point["results"] if r["backend"] == b), key=lambda r: r["median_s"]
+            )
         # g on 2 ranks, w, m, v read; w written on both (it stays whole), the shardable m, v once
         assert point["bytes_moved_once"] == (2 * 4 + 3 * 4 + 2 * 4 + 2 * 4) * n
-        assert point["floor_s"] == point["memory_floor_s"] == pytest.approx(
-            point["bytes_moved_once"] / (report["memory_bandwidth_GBps"] * 1e9))
+        assert (
+            point["floor_s"]
+            == point["memory_floor_s"]
+            == pytest.approx(point["bytes_moved_once"] / (report["memory_bandwidth_GBps"] * 1e9))
+        )
         assert point["compute_floor_s"] == 0.0 and point["matmul_flops_per_rank"] == 0  # Adam has no matmul
         assert point["torch"]["status"] == "ok" and point["torch"]["correct"] is True
         assert all(r["status"] == "ok" for r in point["results"])
@@ -362,15 +465,43 @@ def test_bench_compares_with_torch_and_the_floor(tmp_path):
 def bench_killed_once_written(out, written, *args) -> dict:
     """``coconet bench sgd`` killed (as the OOM killer would) as soon as ``out`` holds a report that
     ``written`` accepts."""
-    proc = subprocess.Popen([sys.executable, "-m", "coconet", "bench", "sgd", "--world", "2", *args, "--kernels",
-                             "eager", "--backend", "shm", "--schedule", "split(ar0)", "--repeats", "2", "--warmup", "1",
-                             "-o", str(out)], cwd=ROOT, env=quiet_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "coconet",
+            "bench",
+            "sgd",
+            "--world",
+            "2",
+            *args,
+            "--kernels",
+            "eager",
+            "--backend",
+            "shm",
+            "--schedule",
+            "split(ar0)",
+            "--repeats",
+            "2",
+            "--warmup",
+            "1",
+            "-o",
+            str(out),
+        ],
+        cwd=ROOT,
+        env=quiet_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 120
         # replaced whole: never half a file
-        while (not out.exists() or not written(json.loads(out.read_text()))) and proc.poll() is None \
-                and time.monotonic() < deadline:
+        while (
+            (not out.exists() or not written(json.loads(out.read_text())))
+            and proc.poll() is None
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.02)
         proc.kill()
         _, err = proc.communicate(timeout=30)
@@ -383,8 +514,9 @@ def bench_killed_once_written(out, written, *args) -> dict:
 
 
 def test_bench_killed_between_points_keeps_the_points_it_made(tmp_path):
-    report = bench_killed_once_written(tmp_path / "sgd.json", lambda r: r["points"], "--size", "N=3000",
-                                       "--size", "N=5000")
+    report = bench_killed_once_written(
+        tmp_path / "sgd.json", lambda r: r["points"], "--size", "N=3000", "--size", "N=5000"
+    )
     (point,) = report["points"]
     assert point["sizes"] == {"N": 3000} and point["best"]["status"] == "ok" and point["rounds_done"] == 1
     assert point["floor_s"] == pytest.approx(point["bytes_moved_once"] / (report["memory_bandwidth_GBps"] * 1e9))
@@ -393,8 +525,9 @@ def test_bench_killed_between_points_keeps_the_points_it_made(tmp_path):
 def test_bench_killed_within_a_round_keeps_the_results_it_had(tmp_path):
     """Killed once the baseline and the program as written are timed, before split(ar0) is: those two are in
     the report, as the round in progress, which no point's statistics take."""
-    report = bench_killed_once_written(tmp_path / "sgd.json", lambda r: (r["round_in_progress"] or {}).get("results"),
-                                       "--size", "N=3000")
+    report = bench_killed_once_written(
+        tmp_path / "sgd.json", lambda r: (r["round_in_progress"] or {}).get("results"), "--size", "N=3000"
+    )
     assert report["points"] == []
     progress = report["round_in_progress"]
     assert progress["sizes"] == {"N": 3000} and progress["round"] == 1
@@ -406,8 +539,9 @@ def test_bench_killed_within_a_round_keeps_the_results_it_had(tmp_path):
 
 def test_bench_killed_between_rounds_keeps_the_rounds_it_made(tmp_path):
     """The one point of a run of three rounds, killed in its second: its first round, as a point of one."""
-    report = bench_killed_once_written(tmp_path / "sgd.json", lambda r: r["points"], "--size", "N=3000",
-                                       "--rounds", "3")
+    report = bench_killed_once_written(
+        tmp_path / "sgd.json", lambda r: r["points"], "--size", "N=3000", "--rounds", "3"
+    )
     (point,) = report["points"]
     assert report["rounds"] == 3 and point["rounds_done"] == 1
     assert point["best"]["status"] == "ok" and point["torch"]["status"] == "ok"
@@ -417,9 +551,29 @@ def test_bench_killed_between_rounds_keeps_the_rounds_it_made(tmp_path):
 
 def test_bench_of_a_program_without_a_hand_written_baseline_compares_with_it_as_eager_pytorch():
     FC = "split(ar0); reorder(ag0); fuse_collective(rs0)"
-    proc = coconet("bench", "sgd", "--world", "2", "--size", "N=3000", "--kernels", "eager", "--backend", "shm",
-                   "--schedule", "split(ar0)", "--schedule", f"{FC}; fc_chunks=2", "--knobs", "all",
-                   "--repeats", "2", "--warmup", "1", "--json")
+    proc = coconet(
+        "bench",
+        "sgd",
+        "--world",
+        "2",
+        "--size",
+        "N=3000",
+        "--kernels",
+        "eager",
+        "--backend",
+        "shm",
+        "--schedule",
+        "split(ar0)",
+        "--schedule",
+        f"{FC}; fc_chunks=2",
+        "--knobs",
+        "all",
+        "--repeats",
+        "2",
+        "--warmup",
+        "1",
+        "--json",
+    )
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report["torch_baseline"] == "eager PyTorch: a torch op per statement, torch.distributed collectives"
@@ -429,14 +583,34 @@ def test_bench_of_a_program_without_a_hand_written_baseline_compares_with_it_as_
     assert point["torch"]["status"] == "ok" and point["torch"]["correct"] is True
     # --knobs all: the schedule at every value of its knob, whatever its text gave
     assert [r["schedule"] for r in point["results"]] == ["baseline", "split(ar0)"] + [
-        f"{FC}; fc_chunks={c}" for c in (1, 2, 4, 8)]
+        f"{FC}; fc_chunks={c}" for c in (1, 2, 4, 8)
+    ]
     assert all(r["status"] == "ok" and r["correct"] for r in point["results"])
     assert point["best_speedup"] == point["torch"]["median_s"] / point["best"]["median_s"]
 
 
 def test_bench_rounds_take_the_median_of_each_schedules_rounds():
-    proc = coconet("bench", "sgd", "--world", "2", "--size", "N=3000", "--kernels", "eager", "--backend", "shm",
-                   "--schedule", "split(ar0)", "--repeats", "2", "--warmup", "1", "--rounds", "3", "--json")
+    proc = coconet(
+        "bench",
+        "sgd",
+        "--world",
+        "2",
+        "--size",
+        "N=3000",
+        "--kernels",
+        "eager",
+        "--backend",
+        "shm",
+        "--schedule",
+        "split(ar0)",
+        "--repeats",
+        "2",
+        "--warmup",
+        "1",
+        "--rounds",
+        "3",
+        "--json",
+    )
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report["rounds"] == 3 and len(report["memory_bandwidth_samples_GBps"]) == 4  # before each round, after
@@ -446,8 +620,9 @@ def test_bench_rounds_take_the_median_of_each_schedules_rounds():
         assert row["median_s"] == statistics.median(row["round_medians_s"])
     best, torch_row = point["best"], point["torch"]
     assert point["best_speedup"] == torch_row["median_s"] / best["median_s"]
-    assert point["best_speedup_rounds"] == [t / b for t, b in zip(torch_row["round_medians_s"],
-                                                                  best["round_medians_s"])]
+    assert point["best_speedup_rounds"] == [
+        t / b for t, b in zip(torch_row["round_medians_s"], best["round_medians_s"])
+    ]
     # each round against the floor at the bandwidth its ranks measured right after timing the best schedule
     assert len(best["round_bandwidth_GBps"]) == 3 and best["bandwidth_GBps"] == max(best["round_bandwidth_GBps"])
     floors = [point["bytes_moved_once"] / (bw * 1e9) for bw in best["round_bandwidth_GBps"]]
@@ -466,8 +641,13 @@ def test_bench_rounds_take_the_median_of_each_schedules_rounds():
     _print_bench(dict(report, points=[point, big]), Console(width=80, file=text, highlight=False))
     out = text.getvalue()
     assert all(len(line) <= 80 for line in out.splitlines()) and "…" not in out
-    figures = [fmt_s(torch_row["median_s"]), fmt_s(best["median_s"]), fmt_s(point["floor_s"]),
-               *_fmt_speedup(point).split("\n"), *_fmt_over_floor(point).split("\n")]
+    figures = [
+        fmt_s(torch_row["median_s"]),
+        fmt_s(best["median_s"]),
+        fmt_s(point["floor_s"]),
+        *_fmt_speedup(point).split("\n"),
+        *_fmt_over_floor(point).split("\n"),
+    ]
     assert len(figures) == 7
     assert all(out.count(f) >= 2 for f in figures), (figures, out)
     assert f"best at N=3000: shm  {best['schedule']}" in out
@@ -489,8 +669,9 @@ def test_a_schedule_that_failed_in_any_round_is_reported_failed():
 
 def test_bench_errors():
     assert_one_error(coconet("bench", "nosuch", "--size", "N=4"), "no workload 'nosuch'", "adam")
-    assert_one_error(coconet("bench", "adam", "--size", "N=4", "--shardable", "q"),
-                     "shardable q: not replicated state adam updates")
+    assert_one_error(
+        coconet("bench", "adam", "--size", "N=4", "--shardable", "q"), "shardable q: not replicated state adam updates"
+    )
     assert_one_error(coconet("bench", "adam", "--size", "M=4"), "does not have")
     assert_one_error(coconet("bench", "adam", "--size", "N=4", "--knobs", "some"), "--knobs 'some'", "default or all")
     # refused before its first point runs
@@ -511,9 +692,11 @@ def test_tune_says_why_its_trials_failed(capsys):
         s = Schedule.parse(text, prog) if text else Schedule(prog)
         return Trial(Candidate(s, "shm"), RunResult(s.text, s.hash, "runtime_error", error=error))
 
-    trials = [failed(None, "rank 0: MemoryError: Unable to allocate\n 8.00 TiB"),
-              failed("split(ar0)", "rank 0: MemoryError: Unable to allocate\n 8.00 TiB"),
-              failed("split(ar0); reorder(ag0)", "rank 1: RuntimeError: boom")]
+    trials = [
+        failed(None, "rank 0: MemoryError: Unable to allocate\n 8.00 TiB"),
+        failed("split(ar0)", "rank 0: MemoryError: Unable to allocate\n 8.00 TiB"),
+        failed("split(ar0); reorder(ag0)", "rank 1: RuntimeError: boom"),
+    ]
     tuned = Tuned({"N": 8}, Outcome("s", {"N": 8}, trials, None, None, None), 1, None)
     _print_tune_table(prog, tuned.to_json(prog, "local", 2), tuned)
     out, err = capsys.readouterr()
@@ -521,20 +704,31 @@ def test_tune_says_why_its_trials_failed(capsys):
     assert err.splitlines() == [
         "3 trial(s) failed:",
         "  runtime_error: rank 0: MemoryError: Unable to allocate 8.00 TiB (x2, e.g. shm: baseline)",
-        "  runtime_error: rank 1: RuntimeError: boom (shm: split(ar0); reorder(ag0))"]
+        "  runtime_error: rank 1: RuntimeError: boom (shm: split(ar0); reorder(ag0))",
+    ]
 
 
 def test_a_size_too_large_for_this_machine_is_one_error():
-    assert_one_error(coconet("run", "examples/adam.py", "--size", "N=2^40", "--world", "2"),
-                     "at N=1099511627776 the inputs of adam on 2 rank(s) take at least", "of memory")
-    assert_one_error(coconet("tune", "examples/adam.py", "--size", "N=2^40", "--world", "2", "--db", "sqlite://"),
-                     "take at least 32.0 TiB; this machine has")
+    assert_one_error(
+        coconet("run", "examples/adam.py", "--size", "N=2^40", "--world", "2"),
+        "at N=1099511627776 the inputs of adam on 2 rank(s) take at least",
+        "of memory",
+    )
+    assert_one_error(
+        coconet("tune", "examples/adam.py", "--size", "N=2^40", "--world", "2", "--db", "sqlite://"),
+        "take at least 32.0 TiB; this machine has",
+    )
 
 
 def test_a_reader_that_leaves_the_pipe_early_ends_the_command_quietly():
     env = quiet_env()
-    proc = subprocess.Popen([sys.executable, "-m", "coconet", "schedules", "examples/lamb.py", "--json"], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "coconet", "schedules", "examples/lamb.py", "--json"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
     proc.stdout.close()  # as `| head -c 0` would, before anything is written
     assert proc.wait(60) == 128 + signal.SIGPIPE
     assert proc.stderr.read() == b""
@@ -544,19 +738,48 @@ def test_a_reader_that_leaves_the_pipe_early_ends_the_command_quietly():
 def test_an_answer_stdout_cannot_take_is_one_error_and_a_closed_stdout_none():
     env = quiet_env()
     with open("/dev/full", "w") as full:
-        proc = subprocess.run([sys.executable, "-m", "coconet", "check", "examples/adam.py"], cwd=ROOT, env=env,
-                              stdout=full, stderr=subprocess.PIPE, text=True, timeout=60)
+        proc = subprocess.run(
+            [sys.executable, "-m", "coconet", "check", "examples/adam.py"],
+            cwd=ROOT,
+            env=env,
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+        )
     assert proc.returncode == 2 and proc.stderr.strip() == "error: cannot write the answer: No space left on device"
-    proc = subprocess.run([sys.executable, "-m", "coconet", "check", "examples/adam.py"], cwd=ROOT, env=env,
-                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=60,
-                          preexec_fn=lambda: os.close(1))
+    proc = subprocess.run(
+        [sys.executable, "-m", "coconet", "check", "examples/adam.py"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=60,
+        preexec_fn=lambda: os.close(1),
+    )
     assert proc.returncode == 0 and proc.stderr == ""
 
 
 def test_tune_json_then_run_the_best(tmp_path):
     db = f"sqlite:///{tmp_path / 'coconet.db'}"
-    proc = coconet("tune", "examples/adam.py", "--world", "2", "--size", "N=2^10", "--budget", "2",
-                   "--kernels", "eager", "--backend", "gloo", "--db", db, "--json")
+    proc = coconet(
+        "tune",
+        "examples/adam.py",
+        "--world",
+        "2",
+        "--size",
+        "N=2^10",
+        "--budget",
+        "2",
+        "--kernels",
+        "eager",
+        "--backend",
+        "gloo",
+        "--db",
+        db,
+        "--json",
+    )
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     assert doc["program"] == "adam" and doc["sizes"] == {"N": 1024} and doc["topology"] == "local"
@@ -567,15 +790,45 @@ def test_tune_json_then_run_the_best(tmp_path):
     # by default Adam's weights stay whole: only m and v (which torch.optim keeps to itself) may be sharded
     assert doc["shardable"] == ["m", "v"] and set(doc["best"]["sharded"]) <= {"m", "v"}
     # what tune recorded is what `run --schedule best` runs (the baseline always runs beside it)
-    proc = coconet("run", "examples/adam.py", "--world", "2", "--size", "N=2^10", "--schedule", "best",
-                   "--kernels", "eager", "--repeats", "3", "--db", db, "--json")
+    proc = coconet(
+        "run",
+        "examples/adam.py",
+        "--world",
+        "2",
+        "--size",
+        "N=2^10",
+        "--schedule",
+        "best",
+        "--kernels",
+        "eager",
+        "--repeats",
+        "3",
+        "--db",
+        db,
+        "--json",
+    )
     assert proc.returncode == 0, proc.stderr
     ran = [r["schedule"] for r in json.loads(proc.stdout)["results"]]
     assert ran[0] == "baseline" and ran[-1] == doc["best"]["schedule"]
     # a tuning that never tried sharding w does not answer a question allowing it
-    assert_one_error(coconet("run", "examples/adam.py", "--world", "2", "--size", "N=2^10", "--schedule", "best",
-                             "--shardable", "all", "--db", db), "leaves at most any state sharded",
-                     "--shardable all` first")
+    assert_one_error(
+        coconet(
+            "run",
+            "examples/adam.py",
+            "--world",
+            "2",
+            "--size",
+            "N=2^10",
+            "--schedule",
+            "best",
+            "--shardable",
+            "all",
+            "--db",
+            db,
+        ),
+        "leaves at most any state sharded",
+        "--shardable all` first",
+    )
 
 
 def test_tune_killed_mid_study_resumes_without_measuring_twice(tmp_path, ray_local):
@@ -586,12 +839,30 @@ def test_tune_killed_mid_study_resumes_without_measuring_twice(tmp_path, ray_loc
 
     prog = runpy.run_path(str(ROOT / "examples" / "adam.py"))["program"].ir
     db = f"sqlite:///{tmp_path / 'coconet.db'}"
-    args = ["tune", "examples/adam.py", "--world", "2", "--size", "N=2^10", "--budget", "6", "--kernels", "eager",
-            "--backend", "gloo", "--db", db, "--json", "--ray-address", ray_local.get_runtime_context().gcs_address]
+    args = [
+        "tune",
+        "examples/adam.py",
+        "--world",
+        "2",
+        "--size",
+        "N=2^10",
+        "--budget",
+        "6",
+        "--kernels",
+        "eager",
+        "--backend",
+        "gloo",
+        "--db",
+        db,
+        "--json",
+        "--ray-address",
+        ray_local.get_runtime_context().gcs_address,
+    ]
     env = quiet_env()
     with open(tmp_path / "first.log", "w") as log:
-        first = subprocess.Popen([sys.executable, "-m", "coconet", *args], cwd=ROOT, env=env, stdout=log,
-                                 stderr=log, start_new_session=True)
+        first = subprocess.Popen(
+            [sys.executable, "-m", "coconet", *args], cwd=ROOT, env=env, stdout=log, stderr=log, start_new_session=True
+        )
     try:
         deadline = time.monotonic() + 150
         while True:
@@ -620,7 +891,7 @@ def test_tune_killed_mid_study_resumes_without_measuring_twice(tmp_path, ray_loc
     assert doc["trials"] == 6 and doc["job_id"] != killed.id
     with Store.open(db) as store:
         after = [(m.schedule_hash, m.backend) for m in store.measurements(prog.hash, job_id=doc["job_id"])]
-    trials, retimed = after[:6 - len(before)], after[6 - len(before):]  # then the re-timing of the leaders
+    trials, retimed = after[: 6 - len(before)], after[6 - len(before) :]  # then the re-timing of the leaders
     assert 2 <= len(retimed) <= 3
     assert len(trials) == 6 - len(before) and not set(trials) & set(before)
     assert doc["best"]["hash"] in {h for h, _ in retimed}
@@ -636,14 +907,17 @@ def test_bench_on_nccl_without_cuda_names_the_cause():
 
 def test_a_sweep_says_which_keys_it_left_out(tmp_path):
     config = tmp_path / "sweep.yaml"
-    config.write_text('programs:\n  - example: adam\n    sizes: ["N=2^10", "N=2^12"]\n'
-                      "topologies: [dgx-a100-8]\nworlds: {dgx-a100-8: [2, 16]}\n")
+    config.write_text(
+        'programs:\n  - example: adam\n    sizes: ["N=2^10", "N=2^12"]\n'
+        "topologies: [dgx-a100-8]\nworlds: {dgx-a100-8: [2, 16]}\n"
+    )
     db = f"sqlite:///{tmp_path / 'c.db'}"
     proc = coconet("sweep", config, "--simulate", "--db", db)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("2 keys: 2 predicted")
-    assert proc.stderr.strip().splitlines()[-1] == ("note: 2 keys left out: "
-                                                    "their world needs more ranks than the topology has")
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "note: 2 keys left out: their world needs more ranks than the topology has"
+    )
     doc = json.loads(coconet("sweep", config, "--simulate", "--db", db, "--json").stdout)
     assert (doc["keys"], doc["skipped"], doc["unfit"]) == (2, 2, 2)
 
@@ -677,16 +951,26 @@ def test_run_schedule_best_says_whether_it_was_measured_or_predicted(tmp_path, c
     common = dict(sizes={"N": 8}, topology="local", world=2, backend="gloo")
     with Store.open(db) as store:
         store.add_program(prog)
-        ids = store.add_measurements([
-            NewMeasurement.of(base, median_s=3e-3, source="model", **common),
-            NewMeasurement.of(third, median_s=1e-3, source="model",
-                              versions={"model": "alpha-beta roofline", "topology": "d1g"}, **common)])
+        ids = store.add_measurements(
+            [
+                NewMeasurement.of(base, median_s=3e-3, source="model", **common),
+                NewMeasurement.of(
+                    third,
+                    median_s=1e-3,
+                    source="model",
+                    versions={"model": "alpha-beta roofline", "topology": "d1g"},
+                    **common,
+                ),
+            ]
+        )
         store.add_winner(ids[1], baseline_id=ids[0], shardable="m,v")
     sched, found = _tuned_best(prog, {"N": 8}, 2, "gloo", db, [])
     err = capsys.readouterr().err
     assert sched.hash == third.hash and found.source == "model"
-    assert ("--schedule best is predicted, not measured: 1 ms a step, 3.00x over the baseline by the cost model "
-            "(alpha-beta roofline, topology local calibration d1g; winner record 1)") in err
+    assert (
+        "--schedule best is predicted, not measured: 1 ms a step, 3.00x over the baseline by the cost model "
+        "(alpha-beta roofline, topology local calibration d1g; winner record 1)"
+    ) in err
     assert "coconet tune FILE --world 2 --size N=8 --backend gloo` measures it" in err
     with Store.open(db) as store:
         mid = store.add_measurement(NewMeasurement.of(other, median_s=2e-3, samples=[2e-3] * 3, **common))
@@ -713,13 +997,20 @@ def test_best_and_results_read_the_store(tmp_path):
     prog = load_file(ROOT / "examples" / "adam.py")
     db = f"sqlite:///{tmp_path / 'c.db'}"
     base, other = list(generate(prog, depth=1))[:2]
-    ran = {"fingerprint": "5e1f00d5e1f0", "machines": "1 node: AMD EPYC, 2 CPUs, 24 GiB, x86_64, no GPU",
-           "placement": "2 ranks on 1 node"}
+    ran = {
+        "fingerprint": "5e1f00d5e1f0",
+        "machines": "1 node: AMD EPYC, 2 CPUs, 24 GiB, x86_64, no GPU",
+        "placement": "2 ranks on 1 node",
+    }
     common = dict(sizes={"N": 4096}, topology="local", world=2, backend="gloo", versions=ran)
     with Store.open(db) as store:
         store.add_program(prog)
-        ids = store.add_measurements([NewMeasurement.of(base, median_s=3e-3, samples=[3e-3] * 3, **common),
-                                      NewMeasurement.of(other, median_s=1e-3, samples=[1e-3] * 3, **common)])
+        ids = store.add_measurements(
+            [
+                NewMeasurement.of(base, median_s=3e-3, samples=[3e-3] * 3, **common),
+                NewMeasurement.of(other, median_s=1e-3, samples=[1e-3] * 3, **common),
+            ]
+        )
         winner = store.add_winner(ids[1], baseline_id=ids[0], shardable="m,v")
     doc = json.loads(coconet("best", "examples/adam.py", "--size", "N=2^12", "--db", db, "--json").stdout)
     assert (doc["winner_id"], doc["source"], doc["schedule"]) == (winner, "measured", other.text)
@@ -729,18 +1020,35 @@ def test_best_and_results_read_the_store(tmp_path):
     assert f"gloo: {other.text}  1 ms  3.00x over the baseline  winner record {winner}" in proc.stdout
     assert f"ran on 2 ranks on 1 node of {ran['machines']} (fingerprint 5e1f00d5e1f0)" in proc.stdout
     assert "note: not tuned at these sizes; the winner of N=4096" in proc.stdout
-    assert_one_error(coconet("best", "examples/adam.py", "--size", "N=2^12", "--db", db, "--source", "predicted"),
-                     "nothing tuned for adam on local")
+    assert_one_error(
+        coconet("best", "examples/adam.py", "--size", "N=2^12", "--db", db, "--source", "predicted"),
+        "nothing tuned for adam on local",
+    )
     doc = json.loads(coconet("results", "examples/adam.py", "--db", db, "--json").stdout)
     assert [(r["winner_id"], r["source"], r["machines"]) for r in doc["results"]] == [(winner, "measured", ran)]
     assert "5e1f00d5e1f0" in coconet("results", "examples/adam.py", "--db", db).stdout
-    assert_one_error(coconet("results", "examples/adam.py", "--db", f"sqlite:///{tmp_path / 'none.db'}"),
-                     "no store at")
+    assert_one_error(coconet("results", "examples/adam.py", "--db", f"sqlite:///{tmp_path / 'none.db'}"), "no store at")
 
 
 def test_run_emit_standalone_writes_the_runtime_beside_the_modules(tmp_path):
-    proc = coconet("run", "examples/sgd.py", "--world", "1", "--size", "N=8", "--repeats", "1", "--warmup", "0",
-                   "--kernels", "eager", "--emit", tmp_path, "--standalone", "--json")
+    proc = coconet(
+        "run",
+        "examples/sgd.py",
+        "--world",
+        "1",
+        "--size",
+        "N=8",
+        "--repeats",
+        "1",
+        "--warmup",
+        "0",
+        "--kernels",
+        "eager",
+        "--emit",
+        tmp_path,
+        "--standalone",
+        "--json",
+    )
     assert proc.returncode == 0, proc.stderr
     (module,) = tmp_path.glob("sgd_*_gloo.py")
     assert "from coconet_kernels.context import Ctx as _Ctx" in module.read_text()

@@ -29,17 +29,21 @@ def test_a_module_is_named_with_its_extra_and_the_command():
     assert extra_for("torch") is None and extra_for(None) is None
     e = missing("psycopg.pq", "the store")
     assert e.extra == "postgres" and e.module == "psycopg"
-    assert str(e) == ("the store needs psycopg[binary], which coconet[postgres] installs: "
-                      "pip install 'coconet[postgres]'")
+    assert str(e) == (
+        "the store needs psycopg[binary], which coconet[postgres] installs: pip install 'coconet[postgres]'"
+    )
     again = pickle.loads(pickle.dumps(e))
     assert isinstance(again, CoconetError) and again.extra == "postgres" and str(again) == str(e)
 
 
-@pytest.mark.parametrize("blocked, call, extra", [
-    ("ray", lambda: coconet.tune("adam", "N=1024"), "tune"),
-    ("sqlalchemy", lambda: coconet.best("adam", "N=1024"), "tune"),
-    ("sqlalchemy", lambda: coconet.sweep("paper", simulate=True), "tune"),
-])
+@pytest.mark.parametrize(
+    "blocked, call, extra",
+    [
+        ("ray", lambda: coconet.tune("adam", "N=1024"), "tune"),
+        ("sqlalchemy", lambda: coconet.best("adam", "N=1024"), "tune"),
+        ("sqlalchemy", lambda: coconet.sweep("paper", simulate=True), "tune"),
+    ],
+)
 def test_the_python_api_names_the_extra_before_any_work(monkeypatch, blocked, call, extra):
     monkeypatch.setitem(__import__("sys").modules, blocked, None)
     with pytest.raises(MissingDependency, match=rf"needs {blocked}, which coconet\[{extra}\] installs"):

@@ -43,8 +43,16 @@ def _train_beside_torch(rank, world, schedule, backend, zeroing):
     import coconet
 
     model, twin = _models()
-    opt = coconet.optim.from_program("examples/optim/adamw.py", model.parameters(), lr=1e-2, betas=(0.8, 0.99),
-                                     schedule=schedule, backend=backend, kernels="eager", foreach=True)
+    opt = coconet.optim.from_program(
+        "examples/optim/adamw.py",
+        model.parameters(),
+        lr=1e-2,
+        betas=(0.8, 0.99),
+        schedule=schedule,
+        backend=backend,
+        kernels="eager",
+        foreach=True,
+    )
     ddp = DistributedDataParallel(twin)
     ref = torch.optim.AdamW(twin.parameters(), lr=1e-2, betas=(0.8, 0.99), foreach=True)
     gen = torch.Generator().manual_seed(rank)
@@ -67,9 +75,10 @@ def _train_beside_torch(rank, world, schedule, backend, zeroing):
     return _gap(model, twin), losses, opt.describe()
 
 
-@pytest.mark.parametrize("world, schedule, backend, zeroing", [
-    (2, ZERO1, "gloo", "optimizer"), (3, ZERO1, "shm", "model"), (3, "baseline", "gloo", "in place"),
-])
+@pytest.mark.parametrize(
+    "world, schedule, backend, zeroing",
+    [(2, ZERO1, "gloo", "optimizer"), (3, ZERO1, "shm", "model"), (3, "baseline", "gloo", "in place")],
+)
 def test_trains_as_torch_adamw_on_averaged_gradients(world, schedule, backend, zeroing):
     """The weights follow DDP + torch.optim.AdamW's to float32 rounding after 8 steps, however the gradients were
     zeroed (set to None by the optimizer or the model, or zeroed in place): a .grad autograd made anew is
@@ -90,8 +99,9 @@ def _checkpoint(rank, world, schedule, steps, saved, first):
     import coconet
 
     model, _ = _models()
-    opt = coconet.optim.from_program("examples/optim/adam.py", model.parameters(), lr=1e-2,
-                                     schedule=schedule, kernels="eager")
+    opt = coconet.optim.from_program(
+        "examples/optim/adam.py", model.parameters(), lr=1e-2, schedule=schedule, kernels="eager"
+    )
     if saved is not None:
         model.load_state_dict(saved["model"])
         opt.load_state_dict(saved["optim"])
@@ -101,7 +111,7 @@ def _checkpoint(rank, world, schedule, steps, saved, first):
     state = None
     for t in range(first, steps):
         opt.zero_grad()
-        model(xs[t, rank * per:(rank + 1) * per]).square().mean().backward()
+        model(xs[t, rank * per : (rank + 1) * per]).square().mean().backward()
         opt.step()
         if t == 2:
             state = {"model": {k: v.clone() for k, v in model.state_dict().items()}, "optim": opt.state_dict()}
@@ -138,10 +148,16 @@ def _groups_and_scheduler(rank, world):
     import coconet
 
     model, twin = _models()
-    split = lambda m: [{"params": [p for p in m.parameters() if p.dim() > 1]},  # noqa: E731
-                       {"params": [p for p in m.parameters() if p.dim() == 1], "weight_decay": 0.0}]
-    opt = coconet.optim.from_program("examples/optim/adamw.py", split(model), lr=1e-2, weight_decay=0.1,
-                                     schedule=ZERO1, kernels="eager")
+
+    def split(m):
+        return [
+            {"params": [p for p in m.parameters() if p.dim() > 1]},
+            {"params": [p for p in m.parameters() if p.dim() == 1], "weight_decay": 0.0},
+        ]
+
+    opt = coconet.optim.from_program(
+        "examples/optim/adamw.py", split(model), lr=1e-2, weight_decay=0.1, schedule=ZERO1, kernels="eager"
+    )
     ref = torch.optim.AdamW(split(twin), lr=1e-2, weight_decay=0.1)
     sched, ref_sched = (torch.optim.lr_scheduler.StepLR(o, 2, 0.5) for o in (opt, ref))
     gen = torch.Generator().manual_seed(rank)
@@ -188,8 +204,9 @@ def _moved_memory(rank, world):
     import coconet
 
     model, _ = _models()
-    opt = coconet.optim.from_program("examples/optim/adam.py", model.parameters(), lr=1e-2, schedule="baseline",
-                                     kernels="eager")
+    opt = coconet.optim.from_program(
+        "examples/optim/adam.py", model.parameters(), lr=1e-2, schedule="baseline", kernels="eager"
+    )
     x = torch.randn(4, 5)
     before = []
     for t in range(3):

@@ -17,8 +17,12 @@ OPTIMIZERS = {
     "nadam": ("nadam", "NAdam", dict(lr=1e-2, weight_decay=0.1, momentum_decay=4e-3), False),
     "radam": ("radam", "RAdam", dict(lr=1e-2, weight_decay=0.1), False),
     "adamax": ("adamax", "Adamax", dict(lr=1e-2, weight_decay=0.1), False),
-    "adagrad": ("adagrad", "Adagrad", dict(lr=1e-1, lr_decay=0.01, weight_decay=0.1, initial_accumulator_value=0.5),
-                False),
+    "adagrad": (
+        "adagrad",
+        "Adagrad",
+        dict(lr=1e-1, lr_decay=0.01, weight_decay=0.1, initial_accumulator_value=0.5),
+        False,
+    ),
     "rmsprop": ("rmsprop", "RMSprop", dict(lr=1e-2, momentum=0.9, weight_decay=0.1), False),
     "rmsprop_centered": ("rmsprop_centered", "RMSprop", dict(lr=1e-2, momentum=0.9, weight_decay=0.1), False),
     "sgd": ("sgd", "SGD", dict(lr=1e-1, momentum=0.9, dampening=0.5, weight_decay=0.1), False),
@@ -54,12 +58,12 @@ class _Paper:
         else:
             self.m = 0.9 * self.m + 0.1 * g
             self.v = 0.999 * self.v + 0.001 * g * g
-            u = (self.m / (1 - 0.9 ** self.t)) / ((self.v / (1 - 0.999 ** self.t)).sqrt() + 1e-6) + self.wd * w
+            u = (self.m / (1 - 0.9**self.t)) / ((self.v / (1 - 0.999**self.t)).sqrt() + 1e-6) + self.wd * w
             w = w - self.lr * (w.norm() / u.norm()) * u
         at = 0
         with torch.no_grad():
             for p in self.params:
-                p.copy_(w[at:at + p.numel()].view_as(p))
+                p.copy_(w[at : at + p.numel()].view_as(p))
                 at += p.numel()
 
 
@@ -80,8 +84,7 @@ def _one(name, schedule, rank, world):
 
     path, cls, hyper, vector = OPTIMIZERS[name]
     params, twin = _params(vector), _params(vector)
-    opt = coconet.optim.from_program(f"examples/optim/{path}.py", params, schedule=schedule, kernels="eager",
-                                     **hyper)
+    opt = coconet.optim.from_program(f"examples/optim/{path}.py", params, schedule=schedule, kernels="eager", **hyper)
     switches = TORCH_SWITCHES.get(name, {})
     ref = getattr(torch.optim, cls)(twin, **hyper, **switches) if cls else _Paper(name, twin, **hyper)
     gen = torch.Generator().manual_seed(100 + rank)

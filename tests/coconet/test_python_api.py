@@ -19,8 +19,9 @@ ADAM = ROOT / "examples" / "adam.py"
 
 
 def cli_json(*args: str) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "coconet", *args, "--json"], capture_output=True, text=True,
-                          cwd=ROOT, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "coconet", *args, "--json"], capture_output=True, text=True, cwd=ROOT, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
 
@@ -29,16 +30,22 @@ def test_load_takes_files_text_mappings_and_programs(tmp_path):
     prog = coconet.load(ADAM)
     assert coconet.load(str(ADAM)).hash == prog.hash
     (tmp_path / "adam.json").write_text(coconet.export(prog))
-    for source in (tmp_path / "adam.json", str(tmp_path / "adam.json"), coconet.export(prog),
-                   json.loads(coconet.export(prog)), prog):
+    for source in (
+        tmp_path / "adam.json",
+        str(tmp_path / "adam.json"),
+        coconet.export(prog),
+        json.loads(coconet.export(prog)),
+        prog,
+    ):
         assert coconet.load(source).hash == prog.hash
     with pytest.raises(CoconetError, match="no such file"):
         coconet.load("nowhere.py")
 
 
 def test_schedules_are_the_cli_s():
-    assert coconet.schedules(coconet.load(ADAM), depth=3) == cli_json("schedules", str(ADAM), "--depth", "3")[
-        "schedules"]
+    assert (
+        coconet.schedules(coconet.load(ADAM), depth=3) == cli_json("schedules", str(ADAM), "--depth", "3")["schedules"]
+    )
     import coconet.schedules.space as space  # the package stays a package under the function
 
     assert space.generate is not None
@@ -53,11 +60,15 @@ def test_best_says_measured_or_predicted_and_refuses_a_miss(tmp_path):
     common = dict(sizes={"N": 1024}, topology="local", world=2, backend="gloo")
     with Store.open(url) as store:
         store.add_program(prog)
-        ids = store.add_measurements([
-            NewMeasurement.of(base, median_s=2e-3, samples=[2e-3] * 3, **common),
-            NewMeasurement.of(other, median_s=1e-3, samples=[1e-3] * 3, **common),
-            NewMeasurement.of(other, median_s=1e-4, source="model", versions={"model": "alpha-beta roofline"},
-                              **common)])
+        ids = store.add_measurements(
+            [
+                NewMeasurement.of(base, median_s=2e-3, samples=[2e-3] * 3, **common),
+                NewMeasurement.of(other, median_s=1e-3, samples=[1e-3] * 3, **common),
+                NewMeasurement.of(
+                    other, median_s=1e-4, source="model", versions={"model": "alpha-beta roofline"}, **common
+                ),
+            ]
+        )
         measured = store.add_winner(ids[1], baseline_id=ids[0], shardable="m,v")
         predicted = store.add_winner(ids[2], shardable="m,v")
     got = coconet.best(ADAM, "N=2^10", world=2, store=url)
@@ -96,7 +107,7 @@ def test_tune_records_and_best_answers(ray_local, tmp_path):
 
 
 def test_an_examples_name_is_the_example_wherever_coconet_is_installed(tmp_path, monkeypatch):
-    """"adam" names examples/adam.py (coconet/examples in a wheel) for load, compile and optim alike; a file of
+    """ "adam" names examples/adam.py (coconet/examples in a wheel) for load, compile and optim alike; a file of
     that name in the working directory comes first; an unknown name lists the examples."""
     monkeypatch.chdir(tmp_path)
     assert coconet.load("adam").hash == coconet.load(ADAM).hash

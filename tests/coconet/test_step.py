@@ -35,8 +35,9 @@ def test_whole_state_given_to_a_schedule_that_slices_it_is_refused(name, backend
     assert schedules
     for sched in schedules:
         for rank in (0, 1, 2):
-            step = coconet.compile(prog, {"N": N}, schedule=sched.text, world=3, rank=rank, backend=backend,
-                                   kernels=kernels)
+            step = coconet.compile(
+                prog, {"N": N}, schedule=sched.text, world=3, rank=rank, backend=backend, kernels=kernels
+            )
             whole = {n: torch.empty(N, device="meta") for n in step.inputs}
             right = {n: torch.empty(s.shape, device="meta") for n, s in step.inputs.items()}
             scalars = {s: 1.0 for s in step.scalars}
@@ -74,8 +75,12 @@ def _step(**kw):
 
 def test_layouts_and_describe_say_what_is_whole_and_what_is_this_ranks_rows():
     step = _step()
-    assert {n: str(v) for n, v in step.layouts.items()} == {"g": "Local", "w": "Replicated", "m": "Sliced(0)",
-                                                           "v": "Sliced(0)"}
+    assert {n: str(v) for n, v in step.layouts.items()} == {
+        "g": "Local",
+        "w": "Replicated",
+        "m": "Sliced(0)",
+        "v": "Sliced(0)",
+    }
     assert step.sliced == ("m", "v") and step.inputs["m"].shape == (500,) and step.inputs["w"].shape == (N,)
     text = step.describe()
     assert "m: Sliced(0), float32[500]: this rank's rows 501:1001 of 1001" in text
@@ -137,8 +142,11 @@ def test_best_reads_the_stores_winner_and_says_where_it_came_from(tmp_path):
     db = f"sqlite:///{tmp_path / 'c.db'}"
     with Store.open(db) as store:
         store.add_program(prog)
-        mid = store.add_measurement(NewMeasurement.of(zero1, median_s=2e-3, samples=[2e-3] * 3, sizes={"N": 1024},
-                                                      topology="local", world=2, backend="shm"))
+        mid = store.add_measurement(
+            NewMeasurement.of(
+                zero1, median_s=2e-3, samples=[2e-3] * 3, sizes={"N": 1024}, topology="local", world=2, backend="shm"
+            )
+        )
         store.add_winner(mid)
     step = coconet.compile(prog, "N=1024", store=db, world=2, rank=0, kernels="eager")
     assert step.schedule.text == zero1.text and step.backend == "shm" and step.origin.how == "measured"
@@ -160,19 +168,39 @@ def test_tune_on_miss_tunes_the_key_into_the_store_then_reads_it(ray_local, tmp_
     prog = load_file(examples_dir() / "sgd.py")
     with Store.open(db) as store:  # a winner at other sizes: the nearest, which tune_on_miss does not settle for
         store.add_program(prog)
-        store.add_winner(store.add_measurement(NewMeasurement.of(
-            coconet.step.Schedule.parse("baseline", prog), median_s=1e-3, samples=[1e-3] * 3, sizes={"N": 4096},
-            topology="local", world=2, backend="gloo")))
-    step = coconet.compile("examples/sgd.py", {"N": 1024}, store=db, world=2, rank=0, backend="gloo",
-                           kernels="eager", tune_on_miss=True, budget=2)
+        store.add_winner(
+            store.add_measurement(
+                NewMeasurement.of(
+                    coconet.step.Schedule.parse("baseline", prog),
+                    median_s=1e-3,
+                    samples=[1e-3] * 3,
+                    sizes={"N": 4096},
+                    topology="local",
+                    world=2,
+                    backend="gloo",
+                )
+            )
+        )
+    step = coconet.compile(
+        "examples/sgd.py",
+        {"N": 1024},
+        store=db,
+        world=2,
+        rank=0,
+        backend="gloo",
+        kernels="eager",
+        tune_on_miss=True,
+        budget=2,
+    )
     assert "has no measured winner for N=1024, world 2, topology local: tuning it" in capsys.readouterr().err
     assert step.origin.how == "measured" and step.origin.exact and step.backend == "gloo"
     with Store.open(db) as store:
         best = store.best(prog.hash, {"N": 1024}, "local", 2)
         assert best is not None and best.exact and best.measurement.schedule == step.schedule.text
         tuned = len(store.measurements(prog.hash))
-    again = coconet.compile("examples/sgd.py", {"N": 1024}, store=db, world=2, rank=1, kernels="eager",
-                            tune_on_miss=True)
+    again = coconet.compile(
+        "examples/sgd.py", {"N": 1024}, store=db, world=2, rank=1, kernels="eager", tune_on_miss=True
+    )
     assert again.schedule.text == step.schedule.text and "tuning" not in capsys.readouterr().err
     with Store.open(db) as store:
         assert len(store.measurements(prog.hash)) == tuned
@@ -184,6 +212,8 @@ def test_import_coconet_does_not_import_torch():
     import subprocess
     import sys
 
-    code = ("import sys, coconet; coconet.compile; assert 'torch' not in sys.modules; coconet.optim; "
-            "assert 'torch' in sys.modules")
+    code = (
+        "import sys, coconet; coconet.compile; assert 'torch' not in sys.modules; coconet.optim; "
+        "assert 'torch' in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -64,21 +64,42 @@ class _FakeWorker(threading.Thread):
                     store.update_job(job.id, state="failed", error="synthetic failure: ranks timed out")
                     continue
                 if job.sizes == {"N": 16}:  # every trial failed: done, with nothing to serve
-                    store.update_job(job.id, state="done", result={"failures": failures(
-                        [_failed(s, "rank 1: synthetic crash") for s in schedules[:3]])})
+                    store.update_job(
+                        job.id,
+                        state="done",
+                        result={"failures": failures([_failed(s, "rank 1: synthetic crash") for s in schedules[:3]])},
+                    )
                     continue
                 ids = []
-                winner = (schedules[3] if job.sizes != {"N": 2**16}
-                          else next(s for s in schedules if set(s.sharded) == {"m", "v"}))
+                winner = (
+                    schedules[3]
+                    if job.sizes != {"N": 2**16}
+                    else next(s for s in schedules if set(s.sharded) == {"m", "v"})
+                )
                 runner_up = next(s for s in schedules[1:] if s is not winner and not s.sharded)
                 for i, (s, t) in enumerate(((schedules[0], 2e-3), (runner_up, 1.5e-3), (winner, 1e-3))):
-                    ids.append(store.add_measurement(NewMeasurement.of(
-                        s, sizes=job.sizes, topology=job.topology, world=job.world, backend="gloo",
-                        samples=[t] * 5, n=5, median_s=t, ci_lo_s=t * 0.9, ci_hi_s=t * 1.1, job_id=job.id)))
+                    ids.append(
+                        store.add_measurement(
+                            NewMeasurement.of(
+                                s,
+                                sizes=job.sizes,
+                                topology=job.topology,
+                                world=job.world,
+                                backend="gloo",
+                                samples=[t] * 5,
+                                n=5,
+                                median_s=t,
+                                ci_lo_s=t * 0.9,
+                                ci_hi_s=t * 1.1,
+                                job_id=job.id,
+                            )
+                        )
+                    )
                     store.update_job(job.id, progress=Progress(done=i + 1, total=3, best_s=t))
                     time.sleep(0.1)  # slow enough that the client sees progress
-                store.add_winner(ids[2], runner_up_id=ids[1], baseline_id=ids[0], job_id=job.id,
-                                 shardable=job.shardable)
+                store.add_winner(
+                    ids[2], runner_up_id=ids[1], baseline_id=ids[0], job_id=job.id, shardable=job.shardable
+                )
                 store.update_job(job.id, state="done", result={"synthetic": True})
         finally:
             store.close()
@@ -114,8 +135,14 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
 
 def coconet(*args: Any, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     base = {k: v for k, v in os.environ.items() if k not in ("COCONET_DEBUG", "COCONET_API_TOKEN")}
-    return subprocess.run([sys.executable, "-m", "coconet", *map(str, args)], capture_output=True, text=True,
-                          cwd=ROOT, env={**base, **(env or {})}, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "coconet", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**base, **(env or {})},
+        timeout=120,
+    )
 
 
 def assert_one_error(proc: subprocess.CompletedProcess, *fragments: str) -> None:
@@ -127,9 +154,25 @@ def assert_one_error(proc: subprocess.CompletedProcess, *fragments: str) -> None
 
 
 def test_submit_json(server: dict[str, Any]) -> None:
-    proc = coconet("submit", ADAM, "--server", server["url"], "--world", "2", "--size", "N=2^10",
-                   "--size", "N=2^12", "--budget", "2", "--poll", "0.05", "--json", "--code",
-                   env={"COCONET_API_TOKEN": TOKEN})
+    proc = coconet(
+        "submit",
+        ADAM,
+        "--server",
+        server["url"],
+        "--world",
+        "2",
+        "--size",
+        "N=2^10",
+        "--size",
+        "N=2^12",
+        "--budget",
+        "2",
+        "--poll",
+        "0.05",
+        "--json",
+        "--code",
+        env={"COCONET_API_TOKEN": TOKEN},
+    )
     assert proc.returncode == 0, proc.stderr
     docs = json.loads(proc.stdout)
     assert [d["sizes"] for d in docs] == [{"N": 1024}, {"N": 4096}]
@@ -147,16 +190,29 @@ def test_submit_json(server: dict[str, Any]) -> None:
 
 def test_submit_human_output(server: dict[str, Any], tmp_path: Path) -> None:
     """A summary per job; the generated module only when asked: printed (--code) or written (--emit)."""
-    proc = coconet("submit", ADAM, "--server", server["url"], "--size", "N=2^14", "--token", TOKEN, "--poll", "0.05",
-                   "--emit", tmp_path / "out")
+    proc = coconet(
+        "submit",
+        ADAM,
+        "--server",
+        server["url"],
+        "--size",
+        "N=2^14",
+        "--token",
+        TOKEN,
+        "--poll",
+        "0.05",
+        "--emit",
+        tmp_path / "out",
+    )
     assert proc.returncode == 0, proc.stderr
     assert f"winner (measured): gloo: {server['schedules'][3]}" in proc.stdout
     assert "2.00x over the baseline" in proc.stdout
     assert "def step(" not in proc.stdout and len(proc.stdout.splitlines()) < 10
     [module] = (tmp_path / "out").glob("adam_*_gloo.py")
     assert "def step(" in module.read_text() and f"wrote {module}" in proc.stderr
-    printed = coconet("submit", ADAM, "--server", server["url"], "--size", "N=2^14", "--token", TOKEN, "--poll",
-                      "0.05", "--code")
+    printed = coconet(
+        "submit", ADAM, "--server", server["url"], "--size", "N=2^14", "--token", TOKEN, "--poll", "0.05", "--code"
+    )
     assert printed.returncode == 0 and module.read_text().rstrip() in printed.stdout
     assert "runner-up, timed again in turns with the winner: gloo: " in proc.stdout
     assert "job" in proc.stderr and "N=16384" in proc.stderr  # the progress bar
@@ -164,13 +220,27 @@ def test_submit_human_output(server: dict[str, Any], tmp_path: Path) -> None:
 
 
 def test_submit_says_when_the_winner_leaves_state_sharded(server: dict[str, Any]) -> None:
-    proc = coconet("submit", ADAM, "--server", server["url"], "--size", "N=2^16", "--token", TOKEN, "--poll", "0.05",
-                   "--json")
+    proc = coconet(
+        "submit", ADAM, "--server", server["url"], "--size", "N=2^16", "--token", TOKEN, "--poll", "0.05", "--json"
+    )
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)  # one --size: one result, not a list
     assert doc["best"]["sharded"] == ["m", "v"] and doc["best"]["shardable"] == ["m", "v"]  # Adam's default
-    proc = coconet("submit", ADAM, "--server", server["url"], "--size", "N=2^12", "--token", TOKEN, "--poll", "0.05",
-                   "--shardable", "all", "--json")
+    proc = coconet(
+        "submit",
+        ADAM,
+        "--server",
+        server["url"],
+        "--size",
+        "N=2^12",
+        "--token",
+        TOKEN,
+        "--poll",
+        "0.05",
+        "--shardable",
+        "all",
+        "--json",
+    )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["best"]["shardable"] == "all"  # a job of its own, w allowed too
     proc = coconet("submit", ADAM, "--server", server["url"], "--size", "N=2^16", "--token", TOKEN, "--poll", "0.05")
@@ -187,30 +257,57 @@ def test_submit_says_when_the_servers_best_was_found_by_another_tuning(server: d
         store.add_program(prog)
         sched = next(s for s in generate(prog) if not s.sharded and s.text != "baseline")
         t = 0.5e-3
-        mid = store.add_measurement(NewMeasurement.of(sched, sizes=sizes, topology="local", world=2, backend="shm",
-                                                      samples=[t] * 5, n=5, median_s=t, ci_lo_s=t, ci_hi_s=t))
+        mid = store.add_measurement(
+            NewMeasurement.of(
+                sched,
+                sizes=sizes,
+                topology="local",
+                world=2,
+                backend="shm",
+                samples=[t] * 5,
+                n=5,
+                median_s=t,
+                ci_lo_s=t,
+                ci_hi_s=t,
+            )
+        )
         store.add_winner(mid)
-    proc = coconet("submit", ADAM, "--server", server["url"], "--size", "N=2^18", "--token", TOKEN, "--poll", "0.05",
-                   "--no-code")
+    proc = coconet(
+        "submit", ADAM, "--server", server["url"], "--size", "N=2^18", "--token", TOKEN, "--poll", "0.05", "--no-code"
+    )
     assert proc.returncode == 0, proc.stderr
     assert f"winner (measured): shm: {sched.text}" in proc.stdout
     assert "note: the server's best for this key, recorded outside a job: faster than the winner of job" in proc.stdout
-    proc = coconet("submit", ADAM, "--server", server["url"], "--size", "N=2^14", "--token", TOKEN, "--poll", "0.05",
-                   "--json", "--no-code")
+    proc = coconet(
+        "submit",
+        ADAM,
+        "--server",
+        server["url"],
+        "--size",
+        "N=2^14",
+        "--token",
+        TOKEN,
+        "--poll",
+        "0.05",
+        "--json",
+        "--no-code",
+    )
     doc = json.loads(proc.stdout)
     assert doc["best"]["job"] == doc["job"]  # a key only this job tuned: its own winner
 
 
 def test_failed_job_is_one_error(server: dict[str, Any]) -> None:
-    proc = coconet("submit", ADAM, "--server", server["url"], "--size", "N=8", "--token", TOKEN, "--poll", "0.05",
-                   "--json")
+    proc = coconet(
+        "submit", ADAM, "--server", server["url"], "--size", "N=8", "--token", TOKEN, "--poll", "0.05", "--json"
+    )
     assert_one_error(proc, "failed", "synthetic failure: ranks timed out")
     assert json.loads(proc.stdout)["state"] == "failed"  # the answer is still printed for scripts
 
 
 def test_a_job_without_a_winner_says_why_its_trials_failed(server: dict[str, Any]) -> None:
-    proc = coconet("submit", ADAM, "--server", server["url"], "--size", "N=16", "--token", TOKEN, "--poll", "0.05",
-                   "--json")
+    proc = coconet(
+        "submit", ADAM, "--server", server["url"], "--size", "N=16", "--token", TOKEN, "--poll", "0.05", "--json"
+    )
     assert_one_error(proc, "without a winner", "runtime_error: rank 1: synthetic crash (x3, e.g. gloo: baseline)")
 
 
@@ -252,8 +349,9 @@ def test_follow_waits_through_interrupted_and_stops_polling_finished_jobs() -> N
 def test_follow_timeout_names_the_jobs_still_running() -> None:
     from coconet.client import ServiceError, follow
 
-    with pytest.raises(ServiceError,
-                       match=r"job 7 not finished after 0.05 s \(queued or running: it goes on on the server\)"):
+    with pytest.raises(
+        ServiceError, match=r"job 7 not finished after 0.05 s \(queued or running: it goes on on the server\)"
+    ):
         follow(_Jobs({7: ["running"]}), [7], poll_s=0.01, timeout_s=0.05)  # type: ignore[arg-type]
 
 
@@ -269,8 +367,9 @@ def test_compile_reads_the_servers_winner_and_tunes_a_miss_there(server: dict[st
     with pytest.raises(CoconetError, match="coconet submit FILE --world 3 --size N=8192 --server") as err:
         coconet.compile(ADAM, sizes, server=server["url"], world=3, rank=0, kernels="eager")
     assert err.value.not_tuned
-    step = coconet.compile(ADAM, sizes, server=server["url"], token=TOKEN, world=3, rank=0, kernels="eager",
-                           tune_on_miss=True, budget=3)
+    step = coconet.compile(
+        ADAM, sizes, server=server["url"], token=TOKEN, world=3, rank=0, kernels="eager", tune_on_miss=True, budget=3
+    )
     assert f"tuning it on server {server['url']} (3 trials)" in capsys.readouterr().err
     assert step.schedule.text == server["schedules"][3] and step.backend == "gloo"
     assert step.origin.how == "measured" and step.origin.exact and step.origin.where == server["url"]

@@ -38,13 +38,17 @@ def main(rank: int, world: int, port: int, kernels: str) -> None:
     tensors = {k: v.clone() for k, v in start.items()}
     moved = {"g": tensors["g"], "acc": tensors["acc"]}
     buffer = torch.full((3 * N + 7,), -7.0)
-    views = {"acc": buffer[2:2 + N], "g": buffer[N + 5:2 * N + 5]}
+    views = {"acc": buffer[2 : 2 + N], "g": buffer[N + 5 : 2 * N + 5]}
     compiled = kernels == "compiled"
     # (what, the tensors passed as acc and g, how many this rank publishes compiled)
-    cases = [("the first step", ("acc", "g"), 0), ("the same tensors again", ("acc", "g"), 0),
-             ("acc a view that cannot move", ("acc",), 1), ("both views", (), 2),
-             ("g a view on rank 1 only", ("acc",) if rank == 1 else ("acc", "g"), int(rank == 1)),
-             ("the moved tensors once more", ("acc", "g"), 0)]
+    cases = [
+        ("the first step", ("acc", "g"), 0),
+        ("the same tensors again", ("acc", "g"), 0),
+        ("acc a view that cannot move", ("acc",), 1),
+        ("both views", (), 2),
+        ("g a view on rank 1 only", ("acc",) if rank == 1 else ("acc", "g"), int(rank == 1)),
+        ("the moved tensors once more", ("acc", "g"), 0),
+    ]
     held = None
     for k, (what, kept, publishes) in enumerate(cases):
         scale = 0.5 + 0.25 * k
@@ -58,23 +62,27 @@ def main(rank: int, world: int, port: int, kernels: str) -> None:
         g = tensors["g"].clone()
         published.clear()
         ns["step"](tensors, scalars, group=None, sizes={"N": N})
-        want = interp.run(sched.scheduled, world, {"N": N},
-                          inputs={"g": every["g"] * scale, "acc": every["acc"] * (1 + scale)}).observable()
-        w = interp.distribute(sched.scheduled["w"].type, want["stage0.state.w"], want["stage0.state.w"].shape,
-                              world)[rank]
+        want = interp.run(
+            sched.scheduled, world, {"N": N}, inputs={"g": every["g"] * scale, "acc": every["acc"] * (1 + scale)}
+        ).observable()
+        w = interp.distribute(sched.scheduled["w"].type, want["stage0.state.w"], want["stage0.state.w"].shape, world)[
+            rank
+        ]
         err = float(np.max(np.abs(tensors["w"].numpy() - w)) / np.max(np.abs(w)))
         assert err < 1e-5, f"rank {rank}, {what}: w differs from the reference (relative error {err:.3g})"
         assert not tensors["acc"].any(), f"rank {rank}, {what}: acc was not cleared"
         assert torch.equal(tensors["g"], g), f"rank {rank}, {what}: the step changed the gradient"
-        around = torch.cat([buffer[:2], buffer[2 + N:N + 5], buffer[2 * N + 5:]])
+        around = torch.cat([buffer[:2], buffer[2 + N : N + 5], buffer[2 * N + 5 :]])
         assert bool((around == -7).all()), f"rank {rank}, {what}: the buffer around the views was written"
         shm = next(iter(segments._GROUPS.values()))
         if compiled:
             assert len(published) == publishes, (
-                f"rank {rank}, {what}: published {len(published)} of acc and g, not {publishes}")
+                f"rank {rank}, {what}: published {len(published)} of acc and g, not {publishes}"
+            )
             for name in kept:
                 assert tensors[name].data_ptr() == shm.inputs[name][0].data_ptr(), (
-                    f"rank {rank}, {what}: {name} is not in its segment")
+                    f"rank {rank}, {what}: {name} is not in its segment"
+                )
             assert "add0" not in shm.kept, f"rank {rank}, {what}: acc + g was computed whole"
         else:
             assert not published, f"rank {rank}, {what}: acc + g was published into a slot"

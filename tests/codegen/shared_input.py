@@ -28,17 +28,19 @@ from coconet.schedules.schedule import Schedule
 from coconet.tuner.launch import Options
 from coconet.tuner.rank import inputs
 
-SCHEDULES = {"zero1": "split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse_collective(rs0); fc_chunks=3",
-             "sliced": "split(ar0); reorder(ag0); as_slice(w); as_slice(m); as_slice(v); fuse_collective(rs0); "
-                       "fc_chunks=3"}
+SCHEDULES = {
+    "zero1": "split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse_collective(rs0); fc_chunks=3",
+    "sliced": "split(ar0); reorder(ag0); as_slice(w); as_slice(m); as_slice(v); fuse_collective(rs0); fc_chunks=3",
+}
 N = 1001
 
 
 def counting_rank(sched, kernels: str, rank: int, world: int, port: int) -> tuple[dict, list]:
     """This rank in its gloo group, and the schedule's shm module run in a namespace of its own, with the
     runtime's ``_publish`` appending to the list returned with it."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
     ns: dict = {"__name__": "coconet_generated_counting"}
     exec(compile(lower(sched, "shm", kernels).source, "<counting_rank>", "exec"), ns)
     ns["_Shm"].PATIENCE_S = 20.0  # no launch watches these ranks: a failed rank ends the others soon
@@ -64,7 +66,7 @@ def main(rank: int, world: int, port: int, kernels: str, schedule: str = "zero1"
     buffer = torch.full((2 * N + 5,), -7.0)
     held = {"A": start["g"].clone()}
     flat = torch.empty(N)
-    views = [flat[:N // 3], flat[N // 3:].view(-1, 1)]
+    views = [flat[: N // 3], flat[N // 3 :].view(-1, 1)]
 
     def fresh(name):
         held[name] = torch.empty(N)
@@ -81,7 +83,7 @@ def main(rank: int, world: int, port: int, kernels: str, schedule: str = "zero1"
         ("the first step (g moves into a segment)", lambda: held["A"], False, True),
         ("a new gradient written into the same tensor", lambda: held["A"], False, True),
         ("a new tensor on rank 1 only", lambda: fresh("B") if rank == 1 else held["A"], rank == 1, True),
-        ("a view into a larger buffer (cannot move)", lambda: buffer[3:3 + N], True, True),
+        ("a view into a larger buffer (cannot move)", lambda: buffer[3 : 3 + N], True, True),
         ("the moved tensor again", lambda: held["A"], False, True),
         ("a new tensor once the moved one is gone", lambda: forget("A", "B") or fresh("C"), False, True),
         ("that tensor again", lambda: held["C"], False, True),
@@ -94,8 +96,12 @@ def main(rank: int, world: int, port: int, kernels: str, schedule: str = "zero1"
         # a flat gradient buffer whose views are the parameters' .grad, which backward writes through: were it
         # to move into F's segment, the next step's gradient would land in its old memory and go unread; its
         # memory is made shared where it is instead
-        ("a flat buffer that .grad views write into, once the moved one is gone", lambda: forget("F") or flat,
-         private, True),
+        (
+            "a flat buffer that .grad views write into, once the moved one is gone",
+            lambda: forget("F") or flat,
+            private,
+            True,
+        ),
         ("that buffer again, written through its views", lambda: flat, private, True),
     ]
     for k, (what, make, publishes, segment) in enumerate(cases):
@@ -103,8 +109,8 @@ def main(rank: int, world: int, port: int, kernels: str, schedule: str = "zero1"
         g = make()
         given = torch.from_numpy(grads[rank] * scale).float()
         if what.endswith("through its views"):
-            views[0].copy_(given[:N // 3])
-            views[1].copy_(given[N // 3:].view(-1, 1))
+            views[0].copy_(given[: N // 3])
+            views[1].copy_(given[N // 3 :].view(-1, 1))
         else:
             g.copy_(given)
         sent = g.clone()
@@ -118,7 +124,8 @@ def main(rank: int, world: int, port: int, kernels: str, schedule: str = "zero1"
         assert err < 1e-5, f"rank {rank}, {what}: w differs from the reference (relative error {err:.3g})"
         assert torch.equal(g, sent), f"rank {rank}, {what}: the step changed the gradient"
         assert bool(published) == publishes, (
-            f"rank {rank}, {what}: {'published' if published else 'did not publish'} its gradient")
+            f"rank {rank}, {what}: {'published' if published else 'did not publish'} its gradient"
+        )
         shm = next(iter(segments._GROUPS.values()))
         seg = shm.inputs["g"][0]
         assert (seg is not None) == segment, f"rank {rank}, {what}: {'no' if segment else 'a'} segment held for g"
@@ -130,7 +137,7 @@ def main(rank: int, world: int, port: int, kernels: str, schedule: str = "zero1"
             assert views[0].data_ptr() == g.data_ptr(), "a buffer other tensors view must stay where they see it"
         if what.startswith("a view"):
             assert g._base is buffer, "a view must stay in its buffer"
-            assert bool((buffer[:3] == -7).all() and (buffer[3 + N:] == -7).all()), "the buffer around g was written"
+            assert bool((buffer[:3] == -7).all() and (buffer[3 + N :] == -7).all()), "the buffer around g was written"
         del g, tensors  # what the next case forgets must be gone
     dist.barrier()
     dist.destroy_process_group()

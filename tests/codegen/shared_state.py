@@ -34,8 +34,9 @@ def main(rank: int, world: int, port: int, kernels: str, schedule: str = SCHEDUL
 
     adam = load_file(examples_dir() / "adam.py")
     sched = Schedule.parse(schedule, adam)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
     ns: dict = {"__name__": "coconet_generated_shared_state"}
     exec(compile(lower(sched, "shm", kernels).source, "<shared_state>", "exec"), ns)
     # no launch watches these ranks: a rank that fails ends the others at their next barrier, not in 300 s
@@ -51,14 +52,17 @@ def main(rank: int, world: int, port: int, kernels: str, schedule: str = SCHEDUL
     own = start["w"].clone()
     flat = torch.empty(N)
     # it cannot move (they would stay on its old memory): its memory is made shared where it is
-    params = [flat[:N // 3], flat[N // 3:].view(-1, 1)]
-    cases = [("the first step", lambda: own), ("the same tensor again", lambda: own),
-             ("a new tensor on rank 1 only", lambda: start["w"].clone() if rank == 1 else own),
-             ("a flat buffer a model's parameters are views of", lambda: flat),
-             ("that buffer again", lambda: flat),
-             ("a view into a larger buffer", lambda: buffer[3:3 + N]),
-             ("a strided column", lambda: matrix[:, 1]),
-             ("the moved tensor after those", lambda: own)]
+    params = [flat[: N // 3], flat[N // 3 :].view(-1, 1)]
+    cases = [
+        ("the first step", lambda: own),
+        ("the same tensor again", lambda: own),
+        ("a new tensor on rank 1 only", lambda: start["w"].clone() if rank == 1 else own),
+        ("a flat buffer a model's parameters are views of", lambda: flat),
+        ("that buffer again", lambda: flat),
+        ("a view into a larger buffer", lambda: buffer[3 : 3 + N]),
+        ("a strided column", lambda: matrix[:, 1]),
+        ("the moved tensor after those", lambda: own),
+    ]
     for what, make in cases:
         w = make()
         tensors = {k: (w if k == "w" else v.clone()) for k, v in start.items()}
@@ -70,7 +74,7 @@ def main(rank: int, world: int, port: int, kernels: str, schedule: str = SCHEDUL
         assert err < 1e-5, f"rank {rank}, {what}: w differs from the reference (relative error {err:.3g})"
         if what == "a view into a larger buffer":
             assert w.data_ptr() == before and w._base is buffer, "a view must stay in its buffer"
-            assert bool((buffer[:3] == -7).all() and (buffer[3 + N:] == -7).all()), "the buffer around w was written"
+            assert bool((buffer[:3] == -7).all() and (buffer[3 + N :] == -7).all()), "the buffer around w was written"
         if w is flat:
             assert params[0].data_ptr() == w.data_ptr(), "a buffer other tensors view must stay where they see it"
             assert torch.equal(torch.cat([params[0], params[1].flatten()]), w), "the views do not see the step"

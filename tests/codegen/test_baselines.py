@@ -20,18 +20,22 @@ def test_torch_adam_baseline_computes_the_program():
     """torch.optim.Adam(fused=True) after a summing all_reduce updates w, m, v as the program says."""
     prog = example("adam")
     for world in (2, 3):
-        torch_row, ours = run_schedules([Schedule(prog)], Options(world=world, sizes={"N": 7}, kernels="eager",
-                                                                  warmup=1, repeats=2),
-                                        baselines=[BASELINES["adam"]])
+        torch_row, ours = run_schedules(
+            [Schedule(prog)],
+            Options(world=world, sizes={"N": 7}, kernels="eager", warmup=1, repeats=2),
+            baselines=[BASELINES["adam"]],
+        )
         assert torch_row.schedule.startswith("torch: ") and torch_row.status == "ok" and torch_row.correct
         assert ours.status == "ok" and ours.correct and len(torch_row.samples) == 2
 
 
 def test_eager_megatron_baseline_runs_unchecked():
     prog = example("megatron_mlp")
-    torch_row, _ = run_schedules([Schedule(prog)], Options(world=2, sizes={"B": 2, "S": 3, "H": 5},
-                                                           kernels="eager", warmup=0, repeats=2),
-                                 baselines=[BASELINES["megatron_mlp"]])
+    torch_row, _ = run_schedules(
+        [Schedule(prog)],
+        Options(world=2, sizes={"B": 2, "S": 3, "H": 5}, kernels="eager", warmup=0, repeats=2),
+        baselines=[BASELINES["megatron_mlp"]],
+    )
     assert torch_row.status == "ok" and torch_row.correct is None  # torch's dropout mask is its own
     assert torch_row.median_s > 0
 
@@ -73,8 +77,11 @@ def test_eager_baseline_of_any_program_computes_it(backend):
         base = baseline_for(prog)
         assert base.name == "eager" and base.checked and "torch.distributed" in base.doc
         for world in (2, 3):
-            torch_row, ours = run_schedules([Schedule(prog)], Options(world=world, sizes=sizes, backend=backend,
-                                                                      warmup=1, repeats=2), baselines=[base])
+            torch_row, ours = run_schedules(
+                [Schedule(prog)],
+                Options(world=world, sizes=sizes, backend=backend, warmup=1, repeats=2),
+                baselines=[base],
+            )
             assert torch_row.schedule == f"torch: {base.doc}"
             assert torch_row.status == "ok" and torch_row.correct, torch_row.error
             assert ours.status == "ok" and ours.correct
@@ -89,8 +96,9 @@ def test_eager_baseline_with_dropout_calls_torchs_and_runs_unchecked():
     p.output("out", dropout(allreduce(matmul(x, w)), 0.5, seed) + r)
     base = baseline_for(p.ir)
     assert base.name == "eager" and not base.checked and base.doc.endswith("F.dropout")
-    torch_row, ours = run_schedules([Schedule(p.ir)], Options(world=2, sizes={"T": 4, "H": 6}, warmup=0, repeats=2),
-                                    baselines=[base])
+    torch_row, ours = run_schedules(
+        [Schedule(p.ir)], Options(world=2, sizes={"T": 4, "H": 6}, warmup=0, repeats=2), baselines=[base]
+    )
     assert torch_row.status == "ok" and torch_row.correct is None and torch_row.median_s > 0
     assert ours.status == "ok" and ours.correct
 
@@ -157,14 +165,14 @@ def test_sequence_parallel_baseline_computes_the_program_on_uneven_slices(tmp_pa
     assert baseline_for(example("gpt_layer_sp")) is BASELINES["gpt_layer_sp"]
     for world in (2, 3):
         store = tmp_path / f"store{world}"
-        mp.start_processes(_sp_rank, args=(world, store, {"S": 5, "B": 2, "H": 3}), nprocs=world,
-                           start_method="fork")
+        mp.start_processes(_sp_rank, args=(world, store, {"S": 5, "B": 2, "H": 3}), nprocs=world, start_method="fork")
 
 
 def test_sequence_parallel_baseline_runs_unchecked_in_a_launch():
-    torch_row, ours = run_schedules([Schedule(example("gpt_layer_sp"))],
-                                    Options(world=3, sizes={"S": 5, "B": 2, "H": 3}, kernels="eager", warmup=0,
-                                            repeats=2),
-                                    baselines=[BASELINES["gpt_layer_sp"]])
+    torch_row, ours = run_schedules(
+        [Schedule(example("gpt_layer_sp"))],
+        Options(world=3, sizes={"S": 5, "B": 2, "H": 3}, kernels="eager", warmup=0, repeats=2),
+        baselines=[BASELINES["gpt_layer_sp"]],
+    )
     assert torch_row.status == "ok" and torch_row.correct is None and torch_row.median_s > 0
     assert ours.status == "ok" and ours.correct

@@ -101,8 +101,10 @@ def test_overlap_code_chunks_the_batch_or_the_filters():
 @pytest.mark.parametrize("backend", ["gloo", "shm"])
 def test_scatters_along_the_channels_overlapped(backend):
     prog = example("conv_block")
-    picked = [Schedule.parse(t, prog) for t in ("split(ar0, dim=1); overlap(conv0, rs0)",
-                                                "split(ar0, dim=2); reorder(ag0); overlap(conv0, rs0)")]
+    picked = [
+        Schedule.parse(t, prog)
+        for t in ("split(ar0, dim=1); overlap(conv0, rs0)", "split(ar0, dim=2); reorder(ag0); overlap(conv0, rs0)")
+    ]
     assert_all_ok(run_schedules(picked, opts(2, backend, {"B": 3, "C": 5, "H": 3, "W": 2})))
 
 
@@ -124,8 +126,9 @@ def test_cost_model_prices_a_convolution_s_flops_as_a_matmul_s():
     topo = load_topology("cpu-25gbe")
     sizes = {"B": 8, "C": 256, "H": 16, "W": 16}  # compute-bound: many channels, a small image
     for world in (2, 4):
-        (unit,) = [d for name, _, d in cost.explain(Schedule(prog), sizes, topo, "gloo", world=world)
-                   if name == "conv0"]
+        (unit,) = [
+            d for name, _, d in cost.explain(Schedule(prog), sizes, topo, "gloo", world=world) if name == "conv0"
+        ]
         flops = 2 * 8 * 16 * 16 * 256 * math.ceil(256 / world) * 9  # each rank's input channels
         assert unit["compute"] == pytest.approx(flops / (topo.matmul_TFLOPS["float32"] * 1e12))
         assert roofline.matmul_flops_per_rank(prog, sizes, world) == flops
@@ -143,8 +146,10 @@ def test_hand_written_baseline_computes_the_block(world):
     prog = example("conv_block")
     assert baseline_for(prog) is BASELINES["conv_block"]
     for sizes in ({"B": 2, "C": 5, "H": 4, "W": 3}, {"B": 1, "C": 2, "H": 3, "W": 3}):
-        torch_row, ours = run_schedules([Schedule(prog)], Options(world=world, sizes=sizes, kernels="eager",
-                                                                  warmup=0, repeats=1),
-                                        baselines=[BASELINES["conv_block"]])
+        torch_row, ours = run_schedules(
+            [Schedule(prog)],
+            Options(world=world, sizes=sizes, kernels="eager", warmup=0, repeats=1),
+            baselines=[BASELINES["conv_block"]],
+        )
         assert torch_row.status == "ok" and torch_row.correct, torch_row.error
         assert ours.status == "ok" and ours.correct

@@ -52,8 +52,13 @@ def _rank_main(rank: int, path: str, world: int, stages: int, port: int, device:
     else:
         dev = torch.device("cpu")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world * stages,
-                            timeout=timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world * stages,
+        timeout=timedelta(seconds=120),
+    )
     groups = [dist.new_group(list(range(s * world, (s + 1) * world))) for s in range(stages)]
     stage = rank // world
     prog = _program(Path(path))
@@ -64,8 +69,9 @@ def _rank_main(rank: int, path: str, world: int, stages: int, port: int, device:
         ns = {"__name__": f"coconet_generated_cuda_gloo_{i}"}
         try:
             exec(compile(source, f"<{Path(path).stem} schedule {i}>", "exec"), ns)
-            kwargs = dict(group=groups[stage], stage=stage, stages=stages, sizes=dict(SIZES_OF(prog)),
-                          custom_ops=custom)
+            kwargs = dict(
+                group=groups[stage], stage=stage, stages=stages, sizes=dict(SIZES_OF(prog)), custom_ops=custom
+            )
             opts = _options(prog, world, stages)
             tensors, scalars = rank_process.inputs(sched, opts, stage, rank % world, dev)
             assert all(t.device.type == dev.type for t in tensors.values())
@@ -87,8 +93,9 @@ def _options(prog, world: int, stages: int):
     return launch.Options(world=world, sizes=SIZES_OF(prog), backend="gloo", stages=stages)
 
 
-def run_every_schedule(path: Path, world: int, device: str, kernels: str = KERNELS,
-                       limit: int | None = None) -> list[tuple[str, str]]:
+def run_every_schedule(
+    path: Path, world: int, device: str, kernels: str = KERNELS, limit: int | None = None
+) -> list[tuple[str, str]]:
     """(schedule, what went wrong) for each schedule of the program at ``path`` that failed its check with
     ``world`` ranks a stage, all on ``device``; [] when every one passed."""
     import torch.multiprocessing as mp
@@ -108,8 +115,10 @@ def run_every_schedule(path: Path, world: int, device: str, kernels: str = KERNE
     ctx = mp.get_context("spawn")  # a CUDA context does not survive fork
     out = ctx.Queue()
     port = launch.free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, str(path), world, stages, port, device, sources, out),
-                         daemon=True) for r in range(world * stages)]
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, str(path), world, stages, port, device, sources, out), daemon=True)
+        for r in range(world * stages)
+    ]
     for p in procs:
         p.start()
     reports: dict[int, dict[int, dict]] = {}
@@ -141,8 +150,9 @@ def run_every_schedule(path: Path, world: int, device: str, kernels: str = KERNE
             continue
         ranks = reports.get(i, {})
         if len(ranks) != world * stages:
-            bad.append((s.text, f"{world * stages - len(ranks)} ranks did not report "
-                                "(an earlier failure stopped them)"))
+            bad.append(
+                (s.text, f"{world * stages - len(ranks)} ranks did not report (an earlier failure stopped them)")
+            )
             continue
         _, wrong = launch.compare(s.scheduled, ranks, opts, reference, again=True)
         if wrong is not None:
@@ -167,7 +177,8 @@ def test_the_harness_catches_a_wrong_schedule(monkeypatch):
         # the update of w written as its negation on every rank: the interpreter's w differs
         src = gen.source.replace("def step(", "def _step(", 1) + (
             "\n\ndef step(tensors, scalars, **kw):\n    out = _step(tensors, scalars, **kw)\n"
-            "    tensors['w'].neg_()\n    return out\n")
+            "    tensors['w'].neg_()\n    return out\n"
+        )
         return type("G", (), {"source": src})()
 
     monkeypatch.setattr(lower_mod, "lower", broken)
@@ -187,8 +198,9 @@ def test_every_schedule_on_cuda_tensors_over_gloo(path, world):
     assert not bad, bad
 
 
-NCCL_ACROSS_GPUS = ("python -m pytest -m gpu tests/codegen/test_nccl.py tests/codegen/test_cuda_gloo.py "
-                    "-k 'on_nccl or across_gpus'")
+NCCL_ACROSS_GPUS = (
+    "python -m pytest -m gpu tests/codegen/test_nccl.py tests/codegen/test_cuda_gloo.py -k 'on_nccl or across_gpus'"
+)
 
 
 @pytest.mark.gpu

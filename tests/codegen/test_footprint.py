@@ -33,7 +33,10 @@ def test_each_rank_holds_its_pieces_and_the_check_its_float64_reference():
 def test_a_launch_that_cannot_fit_is_refused_naming_sizes_and_memory():
     adam = example("adam")
     require_fits(adam, {"N": 1000}, 2, check=True, available=10**6)
-    with pytest.raises(SizeError, match=r"at N=1000 the inputs of adam on 2 rank\(s\) take at least 70.3 KiB with "
-                                        r"the reference check's float64 copies; this machine has 48.8 KiB of memory"):
+    with pytest.raises(
+        SizeError,
+        match=r"at N=1000 the inputs of adam on 2 rank\(s\) take at least 70.3 KiB with "
+        r"the reference check's float64 copies; this machine has 48.8 KiB of memory",
+    ):
         require_fits(adam, {"N": 1000}, 2, check=True, available=50_000)
     assert machine_bytes() > 2**20

@@ -24,8 +24,12 @@ EXAMPLES = sorted(p.stem for p in (ROOT / "examples").glob("*.py"))
 
 def _names_imported(source):
     """The names a module binds by its imports of the runtime."""
-    return {a.asname for node in ast.parse(source).body if isinstance(node, ast.ImportFrom)
-            and (node.module or "").startswith("coconet.kernels.") for a in node.names}
+    return {
+        a.asname
+        for node in ast.parse(source).body
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("coconet.kernels.")
+        for a in node.names
+    }
 
 
 def example(name):
@@ -82,8 +86,7 @@ def test_line_map_points_at_statements():
 
 def test_fused_collective_chunks_knob():
     prog = example("adam")
-    base = Schedule.parse("split(ar0); reorder(ag0); as_slice(w); as_slice(m); as_slice(v); fuse_collective(rs0)",
-                          prog)
+    base = Schedule.parse("split(ar0); reorder(ag0); as_slice(w); as_slice(m); as_slice(v); fuse_collective(rs0)", prog)
     assert base.knob_values["fc_chunks"] == 4
     assert "_reduce_scatter_chunks(_rank, g, 0, d_N, 4, 'sum')" in lower(base).source
     one = lower(base.with_knobs(fc_chunks=1)).source
@@ -93,8 +96,9 @@ def test_fused_collective_chunks_knob():
 def test_fused_collective_kernel_absorbs_sharded_state_and_writes_it_in_place():
     """Adam on sharded state: beta1 * m joins the chunk kernel, which writes m, v, w in place; on shm the
     kernel also sums the chunk's rows of every rank (no reduced copy is written)."""
-    sched = Schedule.parse("split(ar0); reorder(ag0); as_slice(w); as_slice(m); as_slice(v); fuse_collective(rs0)",
-                           example("adam"))
+    sched = Schedule.parse(
+        "split(ar0); reorder(ag0); as_slice(w); as_slice(m); as_slice(v); fuse_collective(rs0)", example("adam")
+    )
     gloo = lower(sched, "gloo").source
     assert "def _chunk0(m_k, v_k, w_k, beta1, beta2, sub0, rs0," in gloo and "    mul0 = beta1 * m_k" in gloo
     assert "m_k.copy_(add0)" in gloo and "m.copy_(" not in gloo.split("def step")[1]
@@ -156,10 +160,10 @@ def test_fused_kernel_writes_state_in_place_and_compiles():
     fuse = next(s for s in generate(prog) if s.text.startswith("fuse("))
     src = lower(fuse).source
     assert "_fuse0 = _kernel(_fuse0)" in src
-    kernel = src[src.index("def _fuse0("):src.index("_fuse0 = _kernel")]
+    kernel = src[src.index("def _fuse0(") : src.index("_fuse0 = _kernel")]
     for state in ("w", "m", "v"):
         assert f"    {state}.copy_(" in kernel  # inside the kernel, not after it
-    step = src[src.index("def step("):]
+    step = src[src.index("def step(") :]
     assert ".copy_(" not in step and "_fuse0(_c, " in step
     eager = lower(fuse, kernels="eager").source
     assert "_kernel(" not in eager and "torch.compile" not in eager
@@ -174,9 +178,9 @@ def test_a_fuse_kernel_computes_the_sums_and_norms_of_its_members():
     prog = golden_program("benchmarks/programs/adam_amp_skip.py")
     sched = Schedule.parse("split(ar1); reorder(ag0); fuse(abs0, gt0, where0); fuse_collective(rs0)", prog)
     src = lower(sched, "shm").source
-    kernel = src[src.index("def _fuse0("):src.index("_fuse0 = _kernel")]
+    kernel = src[src.index("def _fuse0(") : src.index("_fuse0 = _kernel")]
     assert "    sum0 = where0.sum()\n    return sum0,\n" in kernel
-    step = src[src.index("def step("):]
+    step = src[src.index("def step(") :]
     assert "sum0, = _fuse0(_c, g, " in step and ".sum()" not in step
     assert "sum0 = where0.sum()" in lower(sched, "shm", kernels="eager").source.split("def step(")[1]
     import coconet as cc
@@ -222,36 +226,63 @@ GOLDENS = {  # name: (example, schedule, backend, lower's keywords)
     "adam_fused_collective_shm": ("adam", ADAM_FC, "shm", {}),
     "megatron_fused_collective_shm": ("megatron_mlp", "split(ar0); reorder(ag0); fuse_collective(rs0)", "shm", {}),
     # ZeRO-1: moments sharded, the updated w gathered straight into w
-    "adam_zero1_fused_collective_shm": ("adam", "split(ar0); reorder(ag0); as_slice(m); as_slice(v); "
-                                        "fuse_collective(rs0)", "shm", {}),
+    "adam_zero1_fused_collective_shm": (
+        "adam",
+        "split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse_collective(rs0)",
+        "shm",
+        {},
+    ),
     # ZeRO-1 without a fused collective: the updated w's all_gather written straight into every rank's w
     "adam_zero1_gather_into_shm": ("adam", "split(ar0); reorder(ag0); as_slice(m); as_slice(v)", "shm", {}),
     # LAMB around its trust ratio: the norm's partial sum inside the fused collective, and the update's kernel
     # writing its rows into every rank's w
-    "lamb_zero1_norm_shm": ("lamb", "split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse(mul7, sub4); "
-                            "fuse_collective(rs0)", "shm", {}),
+    "lamb_zero1_norm_shm": (
+        "lamb",
+        "split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse(mul7, sub4); fuse_collective(rs0)",
+        "shm",
+        {},
+    ),
     # the same with norm(w) from each rank's slice: its partial sum in the same chunk kernel, beside norm(u)'s
-    "lamb_zero1_sliced_norms_shm": ("lamb", "split(ar0); reorder(ag0); as_slice(m); as_slice(v); "
-                                    "slice_reduce(norm0); fuse(mul7, sub4); fuse_collective(rs0)", "shm", {}),
+    "lamb_zero1_sliced_norms_shm": (
+        "lamb",
+        "split(ar0); reorder(ag0); as_slice(m); as_slice(v); "
+        "slice_reduce(norm0); fuse(mul7, sub4); fuse_collective(rs0)",
+        "shm",
+        {},
+    ),
     # the eager PyTorch baseline of a program without a hand-written one
     "megatron_eager_torch_dropout": ("megatron_mlp", "baseline", "gloo", {"kernels": "eager", "dropout": "torch"}),
     # the gradient divided before its allreduce: each rank's rows divided in the chunk kernel as it sums them
-    "adam_predivide_zero1_shm": ("benchmarks/programs/adam_predivide.py",
-                                 ("split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse_collective(rs0)"),
-                                 "shm", {}),
+    "adam_predivide_zero1_shm": (
+        "benchmarks/programs/adam_predivide.py",
+        ("split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse_collective(rs0)"),
+        "shm",
+        {},
+    ),
     # each rank's gradient weighted by its own token count: every rank's count posted at the barrier, each
     # rank's rows weighted by its count in the chunk kernel as it sums them
-    "adam_token_weighted_zero1_shm": ("benchmarks/programs/adam_token_weighted.py",
-                                      ("split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse_collective(rs0)"),
-                                      "shm", {}),
+    "adam_token_weighted_zero1_shm": (
+        "benchmarks/programs/adam_token_weighted.py",
+        ("split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse_collective(rs0)"),
+        "shm",
+        {},
+    ),
     # float16 mixed precision, state whole: each rank's float16 gradient widened as the chunk kernel sums it,
     # and the float16 copy of the new weights rounded and streamed, 32 rows a line, into every rank's copy (C)
-    "adam_fp16_params_fused_collective_shm": ("benchmarks/programs/adam_fp16_params.py",
-                                              "split(ar0); reorder(ag0); fuse_collective(rs0)", "shm", {}),
+    "adam_fp16_params_fused_collective_shm": (
+        "benchmarks/programs/adam_fp16_params.py",
+        "split(ar0); reorder(ag0); fuse_collective(rs0)",
+        "shm",
+        {},
+    ),
     # Adafactor's sums on this rank's rows: the row sums a gemv of its rows, the column sums partial products of
     # its columns of the ones by its rows, scattered along the columns in chunks of rows as they are multiplied
-    "adafactor_row_products_overlap": ("benchmarks/programs/adafactor.py",
-                                       "split(ar0); reorder(ag0); split(ar0, dim=1); overlap(mm2, rs1)", "gloo", {}),
+    "adafactor_row_products_overlap": (
+        "benchmarks/programs/adafactor.py",
+        "split(ar0); reorder(ag0); split(ar0, dim=1); overlap(mm2, rs1)",
+        "gloo",
+        {},
+    ),
     # the channel-parallel convolution in chunks of the batch, each chunk's allreduce in flight
     "conv_block_overlap": ("conv_block", "overlap(conv0, ar0)", "gloo", {}),
     # scattered along the batch: chunks of the filters, the block's epilogue on each rank's batch rows
@@ -273,8 +304,9 @@ def test_generated_code_golden(golden):
     path = GOLDEN / f"{golden}.py"
     if os.environ.get("COCONET_UPDATE_GOLDEN"):
         path.write_text(source)
-    assert source == path.read_text(), (f"generated code for {golden} changed; "
-                                        "review and regenerate with COCONET_UPDATE_GOLDEN=1")
+    assert source == path.read_text(), (
+        f"generated code for {golden} changed; review and regenerate with COCONET_UPDATE_GOLDEN=1"
+    )
 
 
 def test_torch_dropout_only_in_eager_unfused_code():
@@ -417,12 +449,15 @@ def test_a_product_of_row_and_column_factors_read_on_a_slice_is_computed_on_that
     assert cost._value(k.write, elems, 2) == 4 * 32 * 32 and cost._value(k.read, elems, 2) == 4 * (32 + 32 + 32)
     # a member read whole elsewhere (an output) keeps the group whole
     whole = factored(output=True)
-    step = lower(Schedule.parse("split(ar0); reorder(ag0); fuse(mul1, add0, rsqrt0, mul2)", whole),
-                 "gloo", "eager").source.split("def _fuse0(")[1].split("\n\n\n")[0]
+    step = (
+        lower(Schedule.parse("split(ar0); reorder(ag0); fuse(mul1, add0, rsqrt0, mul2)", whole), "gloo", "eager")
+        .source.split("def _fuse0(")[1]
+        .split("\n\n\n")[0]
+    )
     assert "    mul1 = r * c\n" in step
 
 
-STANDALONE = r'''
+STANDALONE = r"""
 import importlib.util
 import sys
 
@@ -454,14 +489,18 @@ torch.testing.assert_close(mine["v"], v1[rows] if sliced else v1, rtol=1e-5, ato
 assert torch.equal(mine["g"], g[rank])
 dist.destroy_process_group()
 print("ok")
-'''
+"""
 
 
-@pytest.mark.parametrize("text,backend", [
-    ("", "gloo"),
-    ("split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse_collective(rs0); fc_chunks=4", "shm"),
-    ("split(ar0); reorder(ag0); fuse_collective(rs0)", "shm"),
-], ids=["baseline-gloo", "zero1-shm", "fused-collective-shm"])
+@pytest.mark.parametrize(
+    "text,backend",
+    [
+        ("", "gloo"),
+        ("split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse_collective(rs0); fc_chunks=4", "shm"),
+        ("split(ar0); reorder(ag0); fuse_collective(rs0)", "shm"),
+    ],
+    ids=["baseline-gloo", "zero1-shm", "fused-collective-shm"],
+)
 def test_generated_code_runs_where_coconet_cannot_be_imported(tmp_path, text, backend):
     prog = example("adam")
     sched = Schedule.parse(text, prog) if text else Schedule(prog)
@@ -478,8 +517,17 @@ def test_generated_code_runs_where_coconet_cannot_be_imported(tmp_path, text, ba
         port = s.getsockname()[1]
     sliced = "1" if sched.sharded else "0"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    ranks = [subprocess.Popen([sys.executable, str(driver), str(module), str(r), str(port), sliced], cwd=tmp_path,
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, str(driver), str(module), str(r), str(port), sliced],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
     outs = [p.communicate(timeout=120) for p in ranks]
     for p, (out, err) in zip(ranks, outs):
         assert p.returncode == 0 and out.strip() == "ok", err[-2000:]
@@ -522,8 +570,9 @@ def test_a_fuse_kernel_writes_into_the_peers_state_only_where_no_other_reader_ru
         step_units,
     )
 
-    p = Schedule.parse("split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse(mul7, sub4); fuse_collective(rs0)",
-                       example("lamb")).scheduled
+    p = Schedule.parse(
+        "split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse(mul7, sub4); fuse_collective(rs0)", example("lamb")
+    ).scheduled
     units = step_units(p)
     absorbed = absorbed_by_collective(p)
     into = gathers_into_state(p, units, absorbed)
@@ -553,9 +602,12 @@ def test_an_update_by_one_pointwise_statement_is_computed_into_the_state():
     p.update(c, c - s * 0.5)
     p.update(d, where(c > 0.5, d * 0.5, d))  # the mask from c before c is written
     src = lower(Schedule(p.ir), "gloo").source
-    body = src[src.index("def step("):]
-    assert body.index("    a.copy_(mul0)\n") < body.index("    b.copy_(add0)\n") < body.index(
-        "    torch.sub(c, mul1, out=c)\n    torch.where(gt0, mul2, d, out=d)\n")
+    body = src[src.index("def step(") :]
+    assert (
+        body.index("    a.copy_(mul0)\n")
+        < body.index("    b.copy_(add0)\n")
+        < body.index("    torch.sub(c, mul1, out=c)\n    torch.where(gt0, mul2, d, out=d)\n")
+    )
     assert "sub0 =" not in body and "where0 =" not in body
     acc = runpy.run_path(str(ROOT / "benchmarks/programs/adam_accumulate.py"))["program"].ir
     body = lower(Schedule(acc), "gloo").source
@@ -603,8 +655,8 @@ def test_a_kernel_writes_a_state_in_place_when_its_other_readers_ran_before_it()
     sched = Schedule.parse("fuse(add0, abs0, ge0); fuse(where0, sub0)", ef)
     for backend in ("gloo", "shm"):
         src = lower(sched, backend).source
-        kernel = src[src.index("def _fuse1("):src.index("_fuse1 = _kernel(_fuse1)")]
-        assert "    e.copy_(sub0)\n" in kernel and "e.copy_" not in src[src.index("def step("):]
+        kernel = src[src.index("def _fuse1(") : src.index("_fuse1 = _kernel(_fuse1)")]
+        assert "    e.copy_(sub0)\n" in kernel and "e.copy_" not in src[src.index("def step(") :]
 
     def program(late: bool, view: bool):
         p = Program("late_reader", dims=("N",))
@@ -624,7 +676,7 @@ def test_a_kernel_writes_a_state_in_place_when_its_other_readers_ran_before_it()
         v = p.updates["e"]
         sched = Schedule.parse(f"fuse(add0, mul0); fuse({p[v].args[0]}, {v})", p)
         src = lower(sched, "gloo").source
-        step = src[src.index("def step("):]
+        step = src[src.index("def step(") :]
         assert (f"    e.copy_({v})\n" in step) == (late or view), (late, view)
         for backend, kernels in (("gloo", "eager"), ("shm", "compiled")):
             opts = Options(world=2, sizes={"N": 101}, backend=backend, time=False, timeout_s=120, kernels=kernels)
@@ -697,7 +749,7 @@ def test_a_state_only_a_fused_collective_writes_is_bound_before_it():
     p.update(s2, r / s0)
     sched = Schedule.parse("split(ar0); reorder(ag0); fuse_collective(rs0)", p.ir)
     src = lower(sched, "shm", "eager").source
-    body = src[src.index("    g = tensors['g']"):]
+    body = src[src.index("    g = tensors['g']") :]
     assert body.index("_s2_before = s2.clone()") < body.index("_fused_collective0(_c")
     for backend in ("gloo", "shm"):
         opts = Options(world=2, sizes={"N": 11}, backend=backend, time=False, timeout_s=120, kernels="eager")

@@ -24,11 +24,64 @@ from tests.tuner.test_launch import example as example_program
 
 # names that are legal in a program and mean something in generated code, or look like what the lowering
 # derives from a name (v_<reserved>, <name>_k, _<name>, <name>_parts, d_<dim>); and plain ones
-POOL = ["torch", "v_torch", "v_torch_1", "class", "v_class", "lambda", "None", "m_k", "w_k", "x_k", "g_k", "row0_k",
-        "d_N", "v_d_N", "N", "step", "tensors", "scalars", "sizes", "group", "stage", "stages", "custom_ops", "dist",
-        "math", "os", "philox_words", "_x", "v__x", "_matmul", "v__matmul", "_dropout", "_Gather", "_c", "c", "_t",
-        "t", "rank", "custom", "outputs", "Gather", "chunk0", "fuse0", "fused_collective0", "int", "float", "len",
-        "max", "rank_parts", "parts", "k", "w", "m", "v", "g", "x"]
+POOL = [
+    "torch",
+    "v_torch",
+    "v_torch_1",
+    "class",
+    "v_class",
+    "lambda",
+    "None",
+    "m_k",
+    "w_k",
+    "x_k",
+    "g_k",
+    "row0_k",
+    "d_N",
+    "v_d_N",
+    "N",
+    "step",
+    "tensors",
+    "scalars",
+    "sizes",
+    "group",
+    "stage",
+    "stages",
+    "custom_ops",
+    "dist",
+    "math",
+    "os",
+    "philox_words",
+    "_x",
+    "v__x",
+    "_matmul",
+    "v__matmul",
+    "_dropout",
+    "_Gather",
+    "_c",
+    "c",
+    "_t",
+    "t",
+    "rank",
+    "custom",
+    "outputs",
+    "Gather",
+    "chunk0",
+    "fuse0",
+    "fused_collective0",
+    "int",
+    "float",
+    "len",
+    "max",
+    "rank_parts",
+    "parts",
+    "k",
+    "w",
+    "m",
+    "v",
+    "g",
+    "x",
+]
 DIM_POOL = ["N", "torch", "d_N", "_x", "step", "sizes", "x", "m_k", "w", "int", "H"]
 
 
@@ -41,7 +94,7 @@ def adamw(n, d):
     avg = allreduce(g).named(n[10])
     m1 = (beta1 * m + (1 - beta1) * avg).named(n[11])
     v1 = (beta2 * v + (1 - beta2) * avg * avg).named(n[12])
-    u = (m1 / (1 - beta1 ** t) / (sqrt(v1 / (1 - beta2 ** t)) + eps)).named(n[13])
+    u = (m1 / (1 - beta1**t) / (sqrt(v1 / (1 - beta2**t)) + eps)).named(n[13])
     p.update(m, m1)
     p.update(v, v1)
     p.update(w, (w - lr * (u + wd * w)).named(n[14]))
@@ -94,8 +147,9 @@ def _ours(node) -> bool:
     """The step and its kernels: what the lowering writes, not what the module imports of the runtime."""
     if isinstance(node, ast.FunctionDef):
         return node.name == "step" or bool(KERNEL_NAME.match(node.name))
-    return isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and KERNEL_NAME.match(t.id)
-                                                for t in node.targets)
+    return isinstance(node, ast.Assign) and any(
+        isinstance(t, ast.Name) and KERNEL_NAME.match(t.id) for t in node.targets
+    )
 
 
 def alpha(source: str) -> str:
@@ -109,8 +163,15 @@ def alpha(source: str) -> str:
     def number(node):
         if isinstance(node, ast.Delete):
             return  # in the order of the names' spellings; everything deleted was bound first
-        for name in ([node.id] if isinstance(node, ast.Name) else [node.arg] if isinstance(node, ast.arg)
-                     else [node.name] if isinstance(node, ast.FunctionDef) else []):
+        for name in (
+            [node.id]
+            if isinstance(node, ast.Name)
+            else [node.arg]
+            if isinstance(node, ast.arg)
+            else [node.name]
+            if isinstance(node, ast.FunctionDef)
+            else []
+        ):
             order.setdefault(name, len(order))
         for child in ast.iter_child_nodes(node):
             number(child)
@@ -177,11 +238,23 @@ def named(draw):
 # a Local tensor torch beside a Replicated v_torch: both were v_torch (the eager baseline read the wrong one)
 # (template, names of its statements, of its dims, which of its schedules: 0 the baseline, 11 its fused collective)
 @example(("adamw", ["torch", "v_torch"] + [f"n{i}" for i in range(13)], ["N"], {0, 2, 11, 15}))
-@example(("adamw", ["g", "w", "w_k", "m_k", "lr", "int", "b2", "eps", "wd", "t", "avg", "m1", "v1", "u", "w1"],
-          ["d_N"], {8, 11, 13}))
+@example(
+    (
+        "adamw",
+        ["g", "w", "w_k", "m_k", "lr", "int", "b2", "eps", "wd", "t", "avg", "m1", "v1", "u", "w1"],
+        ["d_N"],
+        {8, 11, 13},
+    )
+)
 @example(("zero", ["c", "_t", "lr", "rank", "Gather", "t", "custom", "chunk0", "rank_parts", "o"], ["N"], {3, 6, 8}))
-@example(("mlp", ["class", "v_class", "_dropout", "float", "max", "x_k", "_matmul", "len", "None", "g_k", "o"],
-          ["N", "d_N", "x_k"], {0, 3, 6, 9, 12}))
+@example(
+    (
+        "mlp",
+        ["class", "v_class", "_dropout", "float", "max", "x_k", "_matmul", "len", "None", "g_k", "o"],
+        ["N", "d_N", "x_k"],
+        {0, 3, 6, 9, 12},
+    )
+)
 def test_any_names_lower_to_the_code_plain_names_do(case):
     """Every schedule on gloo and shm, compiled and eager kernels: the module compiles, and it is the module
     the same program with plain names lowers to, up to a one-to-one renaming."""
@@ -226,8 +299,13 @@ def test_a_module_that_does_not_compile_is_a_compile_error_naming_the_schedule(m
 @pytest.mark.parametrize("backend", ["gloo", "shm"])
 def test_torch_beside_v_torch_runs_correctly(backend):
     """Was: both v_torch in the module, the eager baseline's update read the gradient for the state."""
-    prog = adamw(["torch", "v_torch", "w_k", "m_k", "lr", "int", "b2", "eps", "wd", "t", "avg", "m1", "v1", "u",
-                  "w1"], ["d_N"])
-    scheds = [Schedule(prog), Schedule.parse(
-        "split(avg); reorder(ag0); as_slice(v_torch); as_slice(w_k); as_slice(m_k); fuse_collective(rs0)", prog)]
+    prog = adamw(
+        ["torch", "v_torch", "w_k", "m_k", "lr", "int", "b2", "eps", "wd", "t", "avg", "m1", "v1", "u", "w1"], ["d_N"]
+    )
+    scheds = [
+        Schedule(prog),
+        Schedule.parse(
+            "split(avg); reorder(ag0); as_slice(v_torch); as_slice(w_k); as_slice(m_k); fuse_collective(rs0)", prog
+        ),
+    ]
     assert_all_ok(run_schedules(scheds, check_only(2, {"d_N": 7}, backend=backend)))

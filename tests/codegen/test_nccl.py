@@ -27,8 +27,10 @@ def assert_every_schedule_ok_on_nccl(path):
     else:
         stages = 2
     sizes = {d: SIZES[d] for d in prog.dims}
-    results = run_schedules(list(generate(prog)), Options(world=world, sizes=sizes, backend="nccl", stages=stages,
-                                                          warmup=2, repeats=5, timeout_s=120))
+    results = run_schedules(
+        list(generate(prog)),
+        Options(world=world, sizes=sizes, backend="nccl", stages=stages, warmup=2, repeats=5, timeout_s=120),
+    )
     bad = [(r.schedule, r.status, r.error) for r in results if r.status != "ok" or not r.correct]
     assert not bad, bad
     assert all(r.median_s > 0 for r in results)
@@ -50,16 +52,19 @@ def test_every_schedule_of_every_benchmark_program_on_nccl(path):
 
 def _only_the_device_differs(gloo: str, nccl: str) -> list[str]:
     """The lines of the NCCL module that are not the gloo module's, but for the backend's name and the device."""
-    expected = {("torch.distributed (gloo)", "torch.distributed (nccl)"),
-                ("torch.device('cpu')", "torch.device('cuda', torch.cuda.current_device())")}
+    expected = {
+        ("torch.distributed (gloo)", "torch.distributed (nccl)"),
+        ("torch.device('cpu')", "torch.device('cuda', torch.cuda.current_device())"),
+    }
     a, b = gloo.splitlines(), nccl.splitlines()
     if len(a) != len(b):
         return [f"{len(a)} lines against {len(b)}"]
     return [y for x, y in zip(a, b) if x != y and not any(x.replace(g, n) == y for g, n in expected)]
 
 
-@pytest.mark.parametrize("path", [*(ROOT / "examples" / f"{n}.py" for n in EXAMPLES), *BENCH_PROGRAMS],
-                         ids=lambda p: p.stem)
+@pytest.mark.parametrize(
+    "path", [*(ROOT / "examples" / f"{n}.py" for n in EXAMPLES), *BENCH_PROGRAMS], ids=lambda p: p.stem
+)
 def test_the_nccl_module_is_the_gloo_module_on_the_gpu(path):
     # what the CPU tests establish of a schedule on gloo holds of its NCCL module but for CUDA itself (its kernels,
     # its collectives), for every program, those never run on a GPU among them

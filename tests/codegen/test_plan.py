@@ -21,8 +21,11 @@ from coconet.schedules.transforms.fuse_collective import FuseCollective
 from coconet.tuner import cost
 
 ROOT = Path(__file__).parents[2]
-PROGRAMS = sorted(str(p.relative_to(ROOT)) for folder in ("examples", "examples/optim", "benchmarks/programs")
-                  for p in (ROOT / folder).glob("*.py"))
+PROGRAMS = sorted(
+    str(p.relative_to(ROOT))
+    for folder in ("examples", "examples/optim", "benchmarks/programs")
+    for p in (ROOT / folder).glob("*.py")
+)
 BACKENDS = ("gloo", "nccl", "shm")
 # what a statement run on its own calls: the runtime's collective, or nothing where it is a view, a binding or
 # written at the step's end
@@ -50,8 +53,12 @@ def _rendered_units(gen, plan: LoweringPlan) -> list:
     nested = {ln for f in _defs(step.body) for ln in range(f.lineno, f.end_lineno + 1)}
     ident = Names(plan.program)
     states = {ident(t) for t in plan.program.updates}
-    ends = {ln for st in step.body if isinstance(st, ast.Expr) and ast.unparse(st).split(".copy_(")[0] in states
-            for ln in range(st.lineno, st.end_lineno + 1)}
+    ends = {
+        ln
+        for st in step.body
+        if isinstance(st, ast.Expr) and ast.unparse(st).split(".copy_(")[0] in states
+        for ln in range(st.lineno, st.end_lineno + 1)
+    }
     out: list = []
     for line, name in sorted(gen.line_map.items()):
         if not step.lineno <= line <= step.end_lineno or line in nested:
@@ -68,24 +75,34 @@ def _check_code(s: Schedule, backend: str, plan: LoweringPlan) -> None:
     tree = ast.parse(gen.source)
     step = _step(tree)
     # the units run in the plan's order: each one that renders lines at all
-    silent = {u for u in plan.units if not isinstance(u, Group)
-              and (p[u].op == "update" or u in plan.fused_gathers)}
+    silent = {u for u in plan.units if not isinstance(u, Group) and (p[u].op == "update" or u in plan.fused_gathers)}
     expected = [u for u in plan.units if u not in silent]
     assert _rendered_units(gen, plan) == expected, s.text
     # one module-level function per fuse kernel, compiled where the plan compiles it
     top = {f.name for f in _defs(tree.body)}
     text = gen.source
     for g, k in plan.fuse_kernels.items():
-        (name,) = [gen.source.split("\n")[ln - 1].split("(")[0][4:] for ln, m in gen.line_map.items()
-                   if m == g.members[0] and gen.source.split("\n")[ln - 1].startswith("def _fuse")]
-        assert name in top and (f"{name} = _kernel({name})" in text or f"{name} = _native(_kernel({name})" in text) \
-            == k.compiled, (s.text, g)
+        (name,) = [
+            gen.source.split("\n")[ln - 1].split("(")[0][4:]
+            for ln, m in gen.line_map.items()
+            if m == g.members[0] and gen.source.split("\n")[ln - 1].startswith("def _fuse")
+        ]
+        assert (
+            name in top
+            and (f"{name} = _kernel({name})" in text or f"{name} = _native(_kernel({name})" in text) == k.compiled
+        ), (s.text, g)
     # one nested function per fused collective; a chunk kernel exactly where the plan compiles the chunk
     nested = [f.name for f in _defs(step.body)]
-    assert Counter(n.rstrip("0123456789") for n in nested) == Counter({"_fused_collective": len(plan.fused_collectives)}
-                                                                       if plan.fused_collectives else {})
-    chunk_of = {m: n for n in top if n.startswith("_chunk")
-                for ln, m in gen.line_map.items() if gen.source.split("\n")[ln - 1].startswith(f"def {n}(")}
+    assert Counter(n.rstrip("0123456789") for n in nested) == Counter(
+        {"_fused_collective": len(plan.fused_collectives)} if plan.fused_collectives else {}
+    )
+    chunk_of = {
+        m: n
+        for n in top
+        if n.startswith("_chunk")
+        for ln, m in gen.line_map.items()
+        if gen.source.split("\n")[ln - 1].startswith(f"def {n}(")
+    }
     for g, fc in plan.fused_collectives.items():
         assert (g.members[0] in chunk_of) == fc.compiles, (s.text, g)
     # the collectives the step calls itself: those of its statements run on their own and its overlaps'
@@ -105,11 +122,12 @@ def _check_code(s: Schedule, backend: str, plan: LoweringPlan) -> None:
     step_text = "\n".join(ast.unparse(st) for st in step.body if not isinstance(st, ast.FunctionDef))
     assert Counter(CALL.findall(step_text)) == calls, s.text
     # the end of the step: the plan's copies, then what is computed straight into its state
-    tail = [ast.unparse(st) for st in step.body[-(len(plan.copied_at_end) + len(plan.at_end) + 1):-1]]
+    tail = [ast.unparse(st) for st in step.body[-(len(plan.copied_at_end) + len(plan.at_end) + 1) : -1]]
     ident = Names(p)
-    assert [x.split(".copy_(")[0] for x in tail[:len(plan.copied_at_end)]] == \
-        [ident(t) for t, _ in plan.copied_at_end], s.text
-    assert all(f"out={ident(t)})" in x for x, t in zip(tail[len(plan.copied_at_end):], plan.at_end)), s.text
+    assert [x.split(".copy_(")[0] for x in tail[: len(plan.copied_at_end)]] == [
+        ident(t) for t, _ in plan.copied_at_end
+    ], s.text
+    assert all(f"out={ident(t)})" in x for x, t in zip(tail[len(plan.copied_at_end) :], plan.at_end)), s.text
 
 
 def _check_cost(s: Schedule, backend: str, plan: LoweringPlan) -> None:
@@ -123,8 +141,9 @@ def _check_cost(s: Schedule, backend: str, plan: LoweringPlan) -> None:
     assert not set(names) & set(plan.rows_only) - {str(u) for u in plan.units}
     ends = [k.what for u in priced.units if u.what == "updates" for k in u.kernels]
     assert [w for w in ends if w.startswith("clone ")] == [f"clone {v}" for v in plan.aliased], s.text
-    assert sorted(w[:-len(".copy_")] for w in ends if w.endswith(".copy_")) == \
-        sorted(t for t, _ in plan.copied_at_end), s.text
+    assert sorted(w[: -len(".copy_")] for w in ends if w.endswith(".copy_")) == sorted(
+        t for t, _ in plan.copied_at_end
+    ), s.text
     assert sorted(w for w in ends if " into " in w) == sorted(f"{v} into {t}" for t, v in plan.at_end.items())
     # an allreduce clones its operand where the plan copies it; a gather into state writes its rows itself
     by_name = {u.what: u for u in priced.units}

@@ -87,8 +87,14 @@ def sharded_state_norms():
 
 PROGRAMS = [normalised_state, every_reduction, tensor_parallel_layer, sharded_state_norms]
 # uneven rows at 2 and 3 ranks for the programs of the sequence-parallel kind; at 3 for the rest (time)
-WORLDS = [(normalised_state, 2), (normalised_state, 3), (every_reduction, 3), (tensor_parallel_layer, 2),
-          (tensor_parallel_layer, 3), (sharded_state_norms, 3)]
+WORLDS = [
+    (normalised_state, 2),
+    (normalised_state, 3),
+    (every_reduction, 3),
+    (tensor_parallel_layer, 2),
+    (tensor_parallel_layer, 3),
+    (sharded_state_norms, 3),
+]
 SIZES = {"S": 5, "H": 3, "B": 2}
 
 
@@ -215,11 +221,20 @@ def rowwise_programs(draw):
     return p
 
 
-@settings(max_examples=6, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate],
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
+@settings(
+    max_examples=6,
+    deadline=None,
+    derandomize=True,
+    phases=[Phase.explicit, Phase.generate],
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
+)
 @given(rowwise_programs(), st.sampled_from([2, 3]), st.sampled_from(["gloo", "shm"]))
 def test_unseen_rowwise_programs(p, world, backend):
     prog = p.ir
     picked = list(generate(prog, depth=4))[:24]
-    assert_all_ok(run_schedules(picked, Options(world=world, sizes={"N": 5, "M": 3}, backend=backend,
-                                                kernels="eager", time=False, timeout_s=120)))
+    assert_all_ok(
+        run_schedules(
+            picked,
+            Options(world=world, sizes={"N": 5, "M": 3}, backend=backend, kernels="eager", time=False, timeout_s=120),
+        )
+    )

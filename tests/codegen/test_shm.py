@@ -48,8 +48,11 @@ def shm_only(world, sizes, kernels="eager", **kw):
 def segments() -> list[Path]:
     """Segments left by this test run: a segment is named for the pid of the rank that made it, and one whose
     maker still lives outside this run belongs to a coconet job running beside the tests."""
-    return [p for p in Path("/dev/shm").glob("coconet-*")
-            if not Path(f"/proc/{p.name.split('-')[1]}").exists() or of_this_run(p.name.split("-")[1])]
+    return [
+        p
+        for p in Path("/dev/shm").glob("coconet-*")
+        if not Path(f"/proc/{p.name.split('-')[1]}").exists() or of_this_run(p.name.split("-")[1])
+    ]
 
 
 def bench_program(name: str):
@@ -61,8 +64,12 @@ def assert_right_on_shm(schedules, worlds=((2, 1001), (3, 37))):
     """Each schedule compiled at one chunk and four, on shm at each (world, N): every rank ends with the
     reference's state, and nothing is left in /dev/shm."""
     for world, n in worlds:
-        assert_all_ok(run_schedules([s.with_knobs(fc_chunks=k) for s in schedules for k in (1, 4)],
-                                    Options(world=world, sizes={"N": n}, backend="shm", warmup=1, repeats=2)))
+        assert_all_ok(
+            run_schedules(
+                [s.with_knobs(fc_chunks=k) for s in schedules for k in (1, 4)],
+                Options(world=world, sizes={"N": n}, backend="shm", warmup=1, repeats=2),
+            )
+        )
     assert not segments()
 
 
@@ -85,8 +92,13 @@ def test_four_ranks(name):
 def test_knob_values_on_shm():
     """More chunks than rows, bucket caps that split a bucket into several launches."""
     adam = example("adam")
-    scheds = [s.with_knobs(**{k: v}) for s in generate(adam) if s.knob_values
-              for k, (_, domain) in s.knob_domains.items() for v in domain]
+    scheds = [
+        s.with_knobs(**{k: v})
+        for s in generate(adam)
+        if s.knob_values
+        for k, (_, domain) in s.knob_domains.items()
+        for v in domain
+    ]
     assert_all_ok(run_schedules(scheds, shm_only(3, {"N": 7})))
     megatron = example("megatron_mlp")
     scheds = [s.with_knobs(chunks=c) for s in generate(megatron) if "chunks" in s.knob_values for c in (2, 16)]
@@ -116,23 +128,27 @@ def test_compiled_fused_collective_gathers_straight_into_the_state(monkeypatch, 
     monkeypatch.setenv("COCONET_CACHE_DIR", str(tmp_path))
     zero1 = Schedule.parse("split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse_collective(rs0)", example("adam"))
     source = lower(zero1, "shm").source
-    step = source[source.index("def step("):]
+    step = source[source.index("def step(") :]
     assert "_ag3 = _Gather(_rank, 0, d_N, w, 'w', 0)" in step and "_ag3.into(w)" in step
     assert "_chunk0(_ag3.peer_rows(_c), " in step and ".push(" not in step
     assert "    for _peer in w_peers:\n        _peer.copy_(sub4)\n" in source
-    assert "_chunk0 = _native(_kernel(_chunk0), 'ptttlssssssss', r\"\"\"" in source
+    assert '_chunk0 = _native(_kernel(_chunk0), \'ptttlssssssss\', r"""' in source
     assert "w.copy_(" not in step and "_ag3.add(" not in step
     eager = lower(zero1, "shm", kernels="eager").source
-    assert "_ag3.push(_c)" in eager and ".peer_rows(" not in eager[eager.index("def step("):]
+    assert "_ag3.push(_c)" in eager and ".peer_rows(" not in eager[eager.index("def step(") :]
     for world, n in ((2, 1001), (3, 7)):
-        results = run_schedules([zero1.with_knobs(fc_chunks=k) for k in (1, 2, 8)],
-                                Options(world=world, sizes={"N": n}, backend="shm", warmup=1, repeats=2))
+        results = run_schedules(
+            [zero1.with_knobs(fc_chunks=k) for k in (1, 2, 8)],
+            Options(world=world, sizes={"N": n}, backend="shm", warmup=1, repeats=2),
+        )
         assert_all_ok(results)
     assert len(list((tmp_path / "kernels").glob("chunk_*.so"))) == 1
 
 
-@pytest.mark.parametrize("name,tag,letters,worlds", [("adam_bf16_params", "bf16", "buh", ((2, 1001), (3, 37))),
-                                                      ("adam_fp16_params", "f16", "yxk", ((3, 37),))])
+@pytest.mark.parametrize(
+    "name,tag,letters,worlds",
+    [("adam_bf16_params", "bf16", "buh", ((2, 1001), (3, 37))), ("adam_fp16_params", "f16", "yxk", ((3, 37),))],
+)
 def test_the_half_precision_copy_of_the_weights_is_written_by_the_c_chunk(name, tag, letters, worlds):
     """Mixed-precision Adam (benchmarks/programs/adam_bf16_params.py, adam_fp16_params.py): the fused
     collective's chunk kernel rounds the new weights to the half dtype and stores them into this rank's rows
@@ -219,8 +235,11 @@ def test_a_reduced_gradient_kept_as_state_is_stored_by_the_c_chunk(monkeypatch, 
     writes has the Python chunk's bits (the new weights aside: they pass through a square root); every such
     schedule ends with the reference's state, R = 2 and 3, uneven rows, one chunk and several."""
     prog = bench_program("adan")
-    stored = [s for s in generate(prog) if "fuse_collective" in s.text
-              and "st(p_gp_k + i, ld(p_rs0 + i));" in lower(s, "shm").source]
+    stored = [
+        s
+        for s in generate(prog)
+        if "fuse_collective" in s.text and "st(p_gp_k + i, ld(p_rs0 + i));" in lower(s, "shm").source
+    ]
     assert len(stored) >= 2
     for s in stored:
         _, runs = c_chunk_and_python(lower(s, "shm").source, monkeypatch, tmp_path)
@@ -255,8 +274,9 @@ def test_a_gather_outside_a_fused_collective_writes_straight_into_the_state():
     scheds["adam"].append(zero1)
     for world, n in ((2, 1001), (3, 7)):
         for same_program in scheds.values():
-            assert_all_ok(run_schedules(same_program, Options(world=world, sizes={"N": n}, backend="shm", warmup=1,
-                                                              repeats=2)))
+            assert_all_ok(
+                run_schedules(same_program, Options(world=world, sizes={"N": n}, backend="shm", warmup=1, repeats=2))
+            )
 
 
 def test_a_fused_kernel_writes_its_rows_into_every_copy_of_the_state_it_gathers_into():
@@ -266,26 +286,35 @@ def test_a_fused_kernel_writes_its_rows_into_every_copy_of_the_state_it_gathers_
     Compiled, w gathered
     whole or m and v sharded too, R = 2 and 3, uneven rows, one chunk and more chunks than rows, the first step
     (state moved into shared memory) and a steady one. Eager, the kernel leaves the gather to _gather_into."""
-    texts = ["split(ar0); reorder(ag0); fuse(mul7, sub4); fuse_collective(rs0)",
-             "split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse(mul7, sub4); fuse_collective(rs0)"]
+    texts = [
+        "split(ar0); reorder(ag0); fuse(mul7, sub4); fuse_collective(rs0)",
+        "split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse(mul7, sub4); fuse_collective(rs0)",
+    ]
     scheds = [Schedule.parse(text, example("lamb")) for text in texts]
     for sched in scheds:
         src = lower(sched, "shm").source
         step = src.split("def step(")[1]
         assert "psum0 = torch.stack(_psum0).sum()" in step and "mul8" not in step
         # the rows it reads and writes cut at the call: C runs it, streaming its rows into the peers' copies
-        assert re.search(r"\(_ag3,\), \(w_peers,\) = _into_peers\(_c, \(0, d_N, w, 'w'\)\)\n"
-                         r"    _fuse(\d)\(w_peers, _c\.cut\(w, 0, d_N\), .*\)\n    _ag3.into\(w\)\n", step), step
+        assert re.search(
+            r"\(_ag3,\), \(w_peers,\) = _into_peers\(_c, \(0, d_N, w, 'w'\)\)\n"
+            r"    _fuse(\d)\(w_peers, _c\.cut\(w, 0, d_N\), .*\)\n    _ag3.into\(w\)\n",
+            step,
+        ), step
         assert "    for _peer in w_peers:\n        _peer.copy_(sub4)" in src and "_gather_into(" not in step
         assert re.search(r"_fuse\d = _native\(_kernel\(_fuse\d\), 'ptst', ", src)
         assert "_gather_into(_c, sub4, 0, d_N, w, 'w')" in lower(sched, "shm", kernels="eager").source
     # Adam with every state whole: m, v and w written by one kernel, their copies mapped at one barrier before
     # it and whole at one barrier after it
-    adam = Schedule.parse("split(ar0); reorder(ag0); fuse(mul1, add0, mul3, mul4, add1, div0, div1, mul5, sqrt0, add2, "
-                          "div2, sub4)", example("adam"))
+    adam = Schedule.parse(
+        "split(ar0); reorder(ag0); fuse(mul1, add0, mul3, mul4, add1, div0, div1, mul5, sqrt0, add2, div2, sub4)",
+        example("adam"),
+    )
     step = lower(adam, "shm").source.split("def step(")[1]
-    assert ("(_ag1, _ag2, _ag3), (m_peers, v_peers, w_peers) = _into_peers(_c, (0, d_N, m, 'm'), (0, d_N, v, 'v'), "
-            "(0, d_N, w, 'w'))") in step
+    assert (
+        "(_ag1, _ag2, _ag3), (m_peers, v_peers, w_peers) = _into_peers(_c, (0, d_N, m, 'm'), (0, d_N, v, 'v'), "
+        "(0, d_N, w, 'w'))"
+    ) in step
     assert "_ag1.into(m)\n    _ag2.into(v, end=False)\n    _ag3.into(w, end=False)" in step
     for world, n in ((2, 1001), (3, 7)):
         options = Options(world=world, sizes={"N": n}, backend="shm", warmup=1, repeats=2)
@@ -310,8 +339,9 @@ def test_a_c_chunk_kernel_returns_its_partial_sums():
     b1 = momentum * buf + grad
     p.update(buf, b1)
     p.update(w, w - lr * (grad + momentum * b1))
-    scheds = [Schedule.parse(f"split(ar0); reorder(ag0); {x}fuse_collective(rs0)", p.ir)
-              for x in ("", "as_slice(buf); ")]
+    scheds = [
+        Schedule.parse(f"split(ar0); reorder(ag0); {x}fuse_collective(rs0)", p.ir) for x in ("", "as_slice(buf); ")
+    ]
     for sched in scheds:
         src = lower(sched, "shm").source
         assert re.search(r"_chunk0 = _native\(_kernel\(_chunk0\), '\w+', r\"\"\"", src) and '""", sums=1)' in src
@@ -362,13 +392,13 @@ def test_the_chunk_kernel_computes_each_ranks_gradient_before_it_sums_them():
     adam = Schedule.parse("split(ar0); reorder(ag0); fuse_collective(rs0)", predivided_adam())
     sgd = Schedule.parse("split(ar0); reorder(ag0); fuse_collective(rs0)", bf16_unscaled_sgd())
     src = lower(adam, "shm").source
-    step = src[src.index("def step("):]
+    step = src[src.index("def step(") :]
     assert " / pre" not in step and "_reduce_scatter_parts(_rank, g, 0, d_N, 4, 'g', 3)" in step
     assert "    for g in rs0_parts:\n        div0 = g / pre\n" in src
     assert re.search(r"_chunk0 = _native\(_kernel\(_chunk0\), '\w+', r\"\"\"", src)
     assert "for (long r = 0; r < a->n_rs0_parts; r++) {" in src and "const v8 p_div0 = (p_g / p_pre);" in src
     src = lower(sgd, "shm").source
-    step = src[src.index("def step("):]
+    step = src[src.index("def step(") :]
     assert ".to(torch.bfloat16)" not in step and ".to(torch.float32)" not in step
     assert "_reduce_scatter_parts(_rank, g, 0, d_N, 4, 'g', 2)" in step
     assert "    for g in rs0_parts:\n        cast0 = _t(g).to(torch.float32)\n" in src
@@ -423,14 +453,14 @@ def test_numbers_each_rank_holds_its_own_of_are_posted_for_the_chunk_kernel():
     weighted = Schedule.parse("split(ar0); reorder(ag0); fuse_collective(rs0)", weighted_sgd())
     clipped = Schedule.parse("split(ar0); reorder(ag0); fuse_collective(rs0)", locally_clipped_momentum())
     src = lower(weighted, "shm").source
-    step = src[src.index("def step("):]
+    step = src[src.index("def step(") :]
     assert " * n" not in step
     assert "for _c, rs0_parts, n_ranks in _reduce_scatter_parts(_rank, g, 0, d_N, 4, 'g', 2, numbers=(n, )):" in step
     assert "    for g, n in zip(rs0_parts, n_ranks):\n        mul0 = g * n\n" in src
     assert re.search(r"_chunk0 = _native\(_kernel\(_chunk0\), 'p+t+lq[st]*', r\"\"\"", src)
     assert "const v8 p_n = splat(a->p_n_ranks[r]);" in src and "const float p_n = a->p_n_ranks[r];" in src
     src = lower(clipped, "shm").source
-    step = src[src.index("def step("):]
+    step = src[src.index("def step(") :]
     assert "numbers=(minimum0, )):" in step and " * minimum0" not in step
     for sched in (weighted, clipped):
         for world, n in ((2, 1001), (3, 7)):
@@ -459,18 +489,20 @@ def test_a_max_min_or_product_over_ranks_is_taken_as_the_kernel_reads_the_rows()
     gradients: the chunk kernel computes each rank's value from its rows of g, read where they lie, and
     reduces them as it reads them, as it sums them for a sum; nothing computes |g| whole or publishes it.
     R = 2 and 3, uneven rows, one chunk and more chunks than rows."""
-    amax = Schedule.parse("split(ar0); split(ar1); reorder(ag0); reorder(ag1); fuse_collective(rs0)",
-                          bench_program("amax_scale"))
+    amax = Schedule.parse(
+        "split(ar0); split(ar1); reorder(ag0); reorder(ag1); fuse_collective(rs0)", bench_program("amax_scale")
+    )
     src = lower(amax, "shm").source
-    step = src[src.index("def step("):]
+    step = src[src.index("def step(") :]
     assert "abs" not in step and "_reduce_scatter_parts(_rank, g, 0, d_N, 4, 'g', 0):" in step
     assert "    for g in rs0_parts:\n        abs0 = torch.abs(g)\n        _abs0.append(abs0)\n" in src
     assert "    rs0 = _reduce_all(_abs0, 'max')\n" in src
-    masks = Schedule.parse("split(ar0); split(ar1); reorder(ag0); reorder(ag1); fuse_collective(rs0); "
-                           "fuse_collective(rs1)", keep_masks())
+    masks = Schedule.parse(
+        "split(ar0); split(ar1); reorder(ag0); reorder(ag1); fuse_collective(rs0); fuse_collective(rs1)", keep_masks()
+    )
     src = lower(masks, "shm").source
     assert "_reduce_all(_where0, 'prod')" in src and "_reduce_all(_minimum0, 'min')" in src
-    step = src[src.index("def step("):]
+    step = src[src.index("def step(") :]
     assert "torch.where" not in step and "torch.minimum" not in step
     for sched in (amax, masks):
         for world, n in ((2, 1001), (3, 7)):
@@ -484,8 +516,10 @@ def test_factors_broadcast_to_the_rows_a_rank_computes():
     rows (test_lower's factored), and of the same step returning the factors' product whole: R = 2 and 3, rows
     uneven, compiled and eager (each program each way once, at the other world the other way)."""
     two, three = (2, {"M": 7, "K": 5}), (3, {"M": 8, "K": 3})
-    for p, ways in ((factored(), ((two, "compiled"), (three, "eager"))),
-                    (factored(output=True), ((three, "compiled"), (two, "eager")))):
+    for p, ways in (
+        (factored(), ((two, "compiled"), (three, "eager"))),
+        (factored(output=True), ((three, "compiled"), (two, "eager"))),
+    ):
         for (world, sizes), kernels in ways:
             assert_all_ok(run_schedules(list(generate(p)), shm_only(world, sizes, kernels)))
     assert not segments()
@@ -499,7 +533,7 @@ def test_without_a_chunk_kernel_the_gradient_is_computed_whole_and_published(mon
     monkeypatch.setattr(render_collective, "chunk_kernel", lambda *a, **k: None)
     adam = Schedule.parse("split(ar0); reorder(ag0); fuse_collective(rs0); fc_chunks=4", predivided_adam())
     src = lower(adam, "shm").source
-    fc = src[src.index("def _fused_collective0("):src.index("    g = tensors['g']")]
+    fc = src[src.index("def _fused_collective0(") : src.index("    g = tensors['g']")]
     assert "        div0 = g / pre\n" in fc and "_reduce_scatter_chunks(_rank, div0, 0, d_N, 4, 'sum'):" in fc
     assert "published once" in fc
     for world, n in ((2, 1001), (3, 7)):
@@ -525,8 +559,9 @@ def test_a_norm_of_state_from_its_rows_in_the_c_kernel_that_writes_the_state():
     p.update(v, v1)
     p.update(w, w - lr * m1 / (cc.sqrt(v1) + eps))
     p.output("wnorm", cc.norm(w))
-    sched = Schedule.parse("split(ar0); reorder(ag0); as_slice(m); as_slice(v); slice_reduce(norm0); "
-                           "fuse_collective(rs0)", p.ir)
+    sched = Schedule.parse(
+        "split(ar0); reorder(ag0); as_slice(m); as_slice(v); slice_reduce(norm0); fuse_collective(rs0)", p.ir
+    )
     assert "sl0" in sched.scheduled.groups[0].members
     src = lower(sched, "shm").source
     assert re.search(r"_chunk0 = _native\(_kernel\(_chunk0\), '\w+', r\"\"\"", src) and '""", sums=1)' in src
@@ -550,10 +585,10 @@ def test_powers_by_constants_in_the_c_kernel_that_writes_the_state():
         w, m, v = (p.tensor(x, ("N",), layout=cc.Replicated) for x in "wmv")
         lr, beta1, beta2, eps = p.scalars("lr beta1 beta2 eps")
         avg = cc.allreduce(g)
-        m1, v1 = beta1 * m + (1 - beta1) * avg, beta2 * v + (1 - beta2) * avg ** 2
+        m1, v1 = beta1 * m + (1 - beta1) * avg, beta2 * v + (1 - beta2) * avg**2
         p.update(m, m1)
         p.update(v, v1)
-        p.update(w, w - lr * m1 * (v1 ** power + eps) ** -1)
+        p.update(w, w - lr * m1 * (v1**power + eps) ** -1)
         return Schedule.parse("split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse_collective(rs0)", p.ir)
 
     src = lower(adam(1.5), "shm").source
@@ -561,8 +596,7 @@ def test_powers_by_constants_in_the_c_kernel_that_writes_the_state():
     sched = adam(0.5)
     src = lower(sched, "shm").source
     assert re.search(r"_chunk0 = _native\(_kernel\(_chunk0\), '\w+', r\"\"\"", src)
-    assert all(x in src for x in ("p_pow0 = (p_rs0 * p_rs0);", "p_pow1 = vsqrt(p_add1);",
-                                  "p_pow2 = (1.0f / p_add2);"))
+    assert all(x in src for x in ("p_pow0 = (p_rs0 * p_rs0);", "p_pow1 = vsqrt(p_add1);", "p_pow2 = (1.0f / p_add2);"))
     for world, n in ((2, 1001), (3, 7)):
         options = Options(world=world, sizes={"N": n}, backend="shm", warmup=1, repeats=2)
         assert_all_ok(run_schedules([sched.with_knobs(fc_chunks=k) for k in (1, 8)], options))
@@ -598,7 +632,7 @@ def c_chunk_and_python(source: str, monkeypatch, tmp_path) -> tuple[str, list[tu
     assert call, "the chunk has no C kernel"
     chunk, kinds, c = call.groups()
     python = {}
-    exec(compile(source[:call.start()], "chunk", "exec"), python)  # the module up to its kernel's C
+    exec(compile(source[: call.start()], "chunk", "exec"), python)  # the module up to its kernel's C
     params = list(inspect.signature(python[chunk]).parameters)
     numbers = dict(re.findall(r"^ +(c\d+) = (\S+)$", source, re.M))
     gen = torch.Generator().manual_seed(0)
@@ -626,8 +660,10 @@ def c_chunk_and_python(source: str, monkeypatch, tmp_path) -> tuple[str, list[tu
     runs = []
     for rows in (4096, 37):
         want = args(rows)
-        got = [[x.clone() for x in a] if isinstance(a, list) else a.clone() if isinstance(a, torch.Tensor) else a
-               for a in want]
+        got = [
+            [x.clone() for x in a] if isinstance(a, list) else a.clone() if isinstance(a, torch.Tensor) else a
+            for a in want
+        ]
         python[chunk](*want)
         kernel(*got)
         runs.append((dict(zip(params, got)), dict(zip(params, want))))
@@ -659,12 +695,16 @@ def test_a_gathered_output_is_written_into_its_slot_by_the_chunk_kernel(monkeypa
     p.update(w, w1)
     p.output("w16", cc.cast(w1, "bfloat16"))
     p.output("step", (w1 - w) * 3.0)
-    cases = [(s, f32) for f32, q in ((False, prog), (True, p.ir)) for s in generate(q)
-             if "fuse_collective" in s.text and "bucket" not in s.text]
+    cases = [
+        (s, f32)
+        for f32, q in ((False, prog), (True, p.ir))
+        for s in generate(q)
+        if "fuse_collective" in s.text and "bucket" not in s.text
+    ]
     assert any("as_slice(ema)" in s.text for s, _ in cases) and any("as_slice" not in s.text for s, _ in cases)
     for s, f32 in cases:
         source = lower(s, "shm").source
-        step = source[source.index("def step("):]
+        step = source[source.index("def step(") :]
         assert ".own(_c, torch.bfloat16, (d_N, ))" in step and ".add(_c" not in step, s.text
         assert "st_bf16(p_cast0_slot + i, " in source, s.text
         assert (".own(_c, torch.float32, (d_N, ))" in step) == f32, s.text
@@ -675,11 +715,15 @@ def test_a_gathered_output_is_written_into_its_slot_by_the_chunk_kernel(monkeypa
             for got, want in runs:  # the slot holds the new weights C wrote, rounded
                 assert torch.equal(got["cast0_slot"], got["w_k"].to(torch.bfloat16)), s.text
                 torch.testing.assert_close(got["w_k"], want["w_k"], rtol=1e-6, atol=0)  # an ulp, carried on
-                torch.testing.assert_close(got["cast0_slot"].float(), want["cast0_slot"].float(), rtol=2 ** -7, atol=0)
+                torch.testing.assert_close(got["cast0_slot"].float(), want["cast0_slot"].float(), rtol=2**-7, atol=0)
     for world, n in ((2, 1001), (3, 37)):
         for f32 in (False, True):
-            assert_all_ok(run_schedules([s.with_knobs(fc_chunks=k) for s, x in cases if x == f32 for k in (1, 4)],
-                                        Options(world=world, sizes={"N": n}, backend="shm", warmup=1, repeats=2)))
+            assert_all_ok(
+                run_schedules(
+                    [s.with_knobs(fc_chunks=k) for s, x in cases if x == f32 for k in (1, 4)],
+                    Options(world=world, sizes={"N": n}, backend="shm", warmup=1, repeats=2),
+                )
+            )
     assert not segments()
 
 
@@ -717,8 +761,21 @@ def test_a_step_whose_only_collective_gathers_into_state_maps_no_slot(kernels):
     assert "_Shm.of(group, 2, 64)" in step and "_gather_into(_c, mul0, 0, d_N, w, 'w')" in step
     before = set(segments())
     for world, n in ((2, 1001), (3, 7)):
-        assert_all_ok(run_schedules([sched], Options(world=world, sizes={"N": n}, backend="shm", kernels=kernels,
-                                                     time=False, timeout_s=60, warmup=1, repeats=1)))
+        assert_all_ok(
+            run_schedules(
+                [sched],
+                Options(
+                    world=world,
+                    sizes={"N": n},
+                    backend="shm",
+                    kernels=kernels,
+                    time=False,
+                    timeout_s=60,
+                    warmup=1,
+                    repeats=1,
+                ),
+            )
+        )
     assert set(segments()) <= before
 
 
@@ -733,16 +790,22 @@ def test_a_state_gathered_along_its_second_dim_is_written_column_by_column():
     p.update(w, w - p.scalar("lr") * cc.allreduce(g, op="avg"))
     sched = Schedule.parse("split(ar0, dim=1); reorder(ag0); fuse_collective(rs0)", p.ir)
     assert "_Gather(_rank, 1, d_N, w, 'w', 0)" in lower(sched, "shm").source
-    results = run_schedules([sched.with_knobs(fc_chunks=k) for k in (1, 2)],
-                            Options(world=3, sizes={"M": 5, "N": 7}, backend="shm", warmup=1, repeats=1))
+    results = run_schedules(
+        [sched.with_knobs(fc_chunks=k) for k in (1, 2)],
+        Options(world=3, sizes={"M": 5, "N": 7}, backend="shm", warmup=1, repeats=1),
+    )
     assert_all_ok(results)
 
 
-@pytest.mark.parametrize("world, kernels, schedule, sharing", [
-    (2, "compiled", ZERO1, "share"), (3, "eager", ZERO1, "share"),
-    (3, "compiled", "split(ar0); reorder(ag0); as_slice(m); as_slice(v)", "share"),  # w gathered outside one
-    (2, "eager", ZERO1, "private"),
-])
+@pytest.mark.parametrize(
+    "world, kernels, schedule, sharing",
+    [
+        (2, "compiled", ZERO1, "share"),
+        (3, "eager", ZERO1, "share"),
+        (3, "compiled", "split(ar0); reorder(ag0); as_slice(m); as_slice(v)", "share"),  # w gathered outside one
+        (2, "eager", ZERO1, "private"),
+    ],
+)
 def test_state_in_shared_memory_whatever_tensor_the_caller_passes(world, kernels, schedule, sharing):
     """Steps of ZeRO-1 Adam on shm where the caller passes the moved w again, a new w on one rank only, a flat
     buffer whose views stand for a model's parameters (made shared memory where it is, the views seeing every
@@ -761,8 +824,10 @@ def run_ranks(module: str, world: int, *args: str) -> None:
     port = free_port()
     with tempfile.TemporaryDirectory() as logs:
         paths = [os.path.join(logs, f"rank{r}.log") for r in range(world)]
-        procs = [ctx.Process(target=warm_rank.main, args=(module, [str(r), str(world), str(port), *args], path))
-                 for r, path in enumerate(paths)]
+        procs = [
+            ctx.Process(target=warm_rank.main, args=(module, [str(r), str(world), str(port), *args], path))
+            for r, path in enumerate(paths)
+        ]
         for p in procs:
             p.start()
         deadline = time.monotonic() + 300
@@ -774,8 +839,11 @@ def run_ranks(module: str, world: int, *args: str) -> None:
                 p.join()
         outs = [Path(path).read_text(errors="replace") for path in paths]
     # every failing rank's words: the one that failed first, and those left waiting for it at a barrier
-    failed = [f"rank {r} (exit {p.exitcode}):\n{out[-1500:]}" for r, (p, out) in enumerate(zip(procs, outs))
-              if p.exitcode != 0 or not out.rstrip().endswith("ok")]
+    failed = [
+        f"rank {r} (exit {p.exitcode}):\n{out[-1500:]}"
+        for r, (p, out) in enumerate(zip(procs, outs))
+        if p.exitcode != 0 or not out.rstrip().endswith("ok")
+    ]
     assert not failed, "\n".join(failed)
 
 
@@ -783,13 +851,17 @@ def run_ranks(module: str, world: int, *args: str) -> None:
 def test_compiled_fused_collective_computes_replicated_operands_on_its_chunks_rows(backend):
     """SGD's weight decay ``wd * w`` and Adam's ``beta1 * m`` on replicated state: computed per chunk on the
     chunk's rows inside the kernel, not as a full pass before it. R = 3, uneven rows, 1 and 8 chunks."""
-    cases = [("sgd", "split(ar0); reorder(ag0); as_slice(buf); fuse_collective(rs0)", "mul0 = weight_decay * w_k"),
-             ("adam", "split(ar0); reorder(ag0); fuse_collective(rs0)", "mul0 = beta1 * m_k")]
+    cases = [
+        ("sgd", "split(ar0); reorder(ag0); as_slice(buf); fuse_collective(rs0)", "mul0 = weight_decay * w_k"),
+        ("adam", "split(ar0); reorder(ag0); fuse_collective(rs0)", "mul0 = beta1 * m_k"),
+    ]
     for name, text, line in cases:
         sched = Schedule.parse(text, example(name))
         assert line in lower(sched, backend).source
-        results = run_schedules([sched.with_knobs(fc_chunks=k) for k in (1, 8)],
-                                Options(world=3, sizes={"N": 1001}, backend=backend, warmup=1, repeats=1))
+        results = run_schedules(
+            [sched.with_knobs(fc_chunks=k) for k in (1, 8)],
+            Options(world=3, sizes={"N": 1001}, backend=backend, warmup=1, repeats=1),
+        )
         assert_all_ok(results)
 
 
@@ -806,8 +878,12 @@ def test_compiled_fused_collective_writes_its_sliced_outputs_into_one_tensor(bac
     assert "psum0 = torch.stack(_psum0).sum()" in step
     eager = lower(sched, backend, kernels="eager").source
     assert "add3 = torch.cat(_add3, dim=0)" in eager and "_psum0.append(psum0)" in eager
-    assert_all_ok(run_schedules([sched.with_knobs(fc_chunks=k) for k in (1, 8)],
-                                Options(world=3, sizes={"N": 7}, backend=backend, warmup=1, repeats=1)))
+    assert_all_ok(
+        run_schedules(
+            [sched.with_knobs(fc_chunks=k) for k in (1, 8)],
+            Options(world=3, sizes={"N": 7}, backend=backend, warmup=1, repeats=1),
+        )
+    )
 
 
 @pytest.mark.parametrize("backend", ["shm", "gloo"])
@@ -816,8 +892,10 @@ def test_compiled_fused_collective_with_dropout(backend):
     reference interpreter at R = 3 with uneven rows, for one, two and more chunks than rows."""
     base = Schedule.parse("split(ar0); reorder(ag0); fuse_collective(rs0)", example("megatron_mlp"))
     schedules = [base.with_knobs(fc_chunks=k) for k in (1, 2, 8)]
-    results = run_schedules(schedules, Options(world=3, sizes={"B": 5, "S": 3, "H": 7}, backend=backend, warmup=1,
-                                               repeats=1, seed=2**64 - 5))
+    results = run_schedules(
+        schedules,
+        Options(world=3, sizes={"B": 5, "S": 3, "H": 7}, backend=backend, warmup=1, repeats=1, seed=2**64 - 5),
+    )
     assert_all_ok(results)
 
 
@@ -831,8 +909,10 @@ def test_compiled_chunk_kernel_takes_the_rows_of_another_collective(backend):
     g = p.tensor("g", ("N",), layout=cc.Local)
     w = p.tensor("w", ("N",), layout=cc.Replicated)
     p.update(w, w + (cc.allreduce(g, op="max") - cc.allreduce(g, op="min")) * 0.5)
-    texts = ["split(ar0); split(ar1); reorder(ag0); fuse_collective(rs1)",
-             "split(ar0); split(ar1); reorder(ag1); fuse_collective(rs0)"]
+    texts = [
+        "split(ar0); split(ar1); reorder(ag0); fuse_collective(rs1)",
+        "split(ar0); split(ar1); reorder(ag1); fuse_collective(rs0)",
+    ]
     schedules = [Schedule.parse(t, p.ir) for t in texts]
     assert re.search(r"def _chunk0\([^)]*\brs1\):", lower(schedules[0], backend).source)
     results = run_schedules(schedules, Options(world=3, sizes={"N": 1001}, backend=backend, warmup=1, repeats=1))
@@ -865,8 +945,11 @@ def test_every_schedule_with_streaming_copies(name, monkeypatch, tmp_path):
     prog = example(name)
     sizes = {"N": 1001} if name == "adam" else {"B": 5, "S": 3, "H": 7}
     assert_all_ok(run_schedules(list(generate(prog)), shm_only(3, sizes)))
-    assert [p.name for p in (tmp_path / "kernels").iterdir()] == [
-        p.name for p in (tmp_path / "kernels").glob("stream_copy_*.so")] != []
+    assert (
+        [p.name for p in (tmp_path / "kernels").iterdir()]
+        == [p.name for p in (tmp_path / "kernels").glob("stream_copy_*.so")]
+        != []
+    )
 
 
 def test_streaming_copy_matches_torch_at_every_alignment(monkeypatch, tmp_path):
@@ -878,7 +961,7 @@ def test_streaming_copy_matches_torch_at_every_alignment(monkeypatch, tmp_path):
             dst = torch.zeros(n + 40)
             copy(dst[offset:].data_ptr(), src[5:].data_ptr(), n * 4)
             expected = torch.zeros(n + 40)
-            expected[offset:offset + n] = src[5:5 + n]
+            expected[offset : offset + n] = src[5 : 5 + n]
             assert torch.equal(dst, expected), (n, offset)
 
 
@@ -906,13 +989,17 @@ def test_a_segment_dev_shm_cannot_hold_is_refused_when_made(monkeypatch, tmp_pat
     """tmpfs takes a page only at its first touch: unless a segment is known to fit when made, a rank whose
     /dev/shm is too small (docker's 64 MiB) dies of SIGBUS mid-step. Made, it fails with the sizes and leaves
     no file behind."""
+
     def full(fd, offset, length):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(shm_segments.os, "posix_fallocate", full)
     path = tmp_path / "coconet-segment"
-    with pytest.raises(RuntimeError, match=r"cannot hold a segment of 3\.0 MiB \(No space left on device; .* MiB "
-                                           r"free of .* MiB\)"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"cannot hold a segment of 3\.0 MiB \(No space left on device; .* MiB "
+        r"free of .* MiB\)",
+    ):
         shm_segments.segment(str(path), 3 << 20, new=True)
     assert not path.exists()
     monkeypatch.undo()
@@ -958,8 +1045,11 @@ def test_a_buffer_other_tensors_view_is_made_shared_where_it_is(monkeypatch):
 
     other = torch.zeros(1 << 16)
     monkeypatch.setattr(shm_segments.os, "statvfs", lambda folder: Full)
-    with pytest.raises(RuntimeError, match=r"cannot hold a segment of 0\.2 MiB \(for a buffer that other tensors "
-                                           r"view; 0\.0 MiB free of 0\.4 MiB\)"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"cannot hold a segment of 0\.2 MiB \(for a buffer that other tensors "
+        r"view; 0\.0 MiB free of 0\.4 MiB\)",
+    ):
         shm_segments._share_storage(other, path)
     assert not other.untyped_storage().is_shared() and not os.path.exists(path)
 
@@ -980,18 +1070,49 @@ def test_too_small_dev_shm_is_a_clear_error_not_sigbus():
     if prefix is None:
         pytest.skip("needs a mount namespace of its own (unshare -m, as root) to give the ranks a small /dev/shm")
     zero1 = "split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse_collective(rs0)"
-    proc = subprocess.run([*prefix, sys.executable, "-m", "coconet", "run", "examples/adam.py", "--world", "2",
-                           "--size", "N=2^20", "--backend", "shm", "--schedule", zero1, "--repeats", "1"],
-                          cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            *prefix,
+            sys.executable,
+            "-m",
+            "coconet",
+            "run",
+            "examples/adam.py",
+            "--world",
+            "2",
+            "--size",
+            "N=2^20",
+            "--backend",
+            "shm",
+            "--schedule",
+            zero1,
+            "--repeats",
+            "1",
+        ],
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     out = proc.stdout + proc.stderr
     assert "SIGBUS" not in out and "Traceback" not in out, out[-3000:]
-    assert re.search(r"shm backend: /dev/shm cannot hold a segment of [\d.]+ MiB \(one for each of 2 ranks; [\d.]+ "
-                     r"MiB free of 4\.0 MiB\)", out), out[-3000:]
+    assert re.search(
+        r"shm backend: /dev/shm cannot hold a segment of [\d.]+ MiB \(one for each of 2 ranks; [\d.]+ "
+        r"MiB free of 4\.0 MiB\)",
+        out,
+    ), out[-3000:]
 
 
-@pytest.mark.parametrize("world, kernels, schedule, sharing", [
-    (2, "compiled", "zero1", "share"), (3, "eager", "zero1", "share"), (3, "compiled", "sliced", "share"),
-    (2, "eager", "sliced", "share"), (2, "eager", "zero1", "private")])
+@pytest.mark.parametrize(
+    "world, kernels, schedule, sharing",
+    [
+        (2, "compiled", "zero1", "share"),
+        (3, "eager", "zero1", "share"),
+        (3, "compiled", "sliced", "share"),
+        (2, "eager", "sliced", "share"),
+        (2, "eager", "zero1", "private"),
+    ],
+)
 def test_a_gradient_is_read_where_it_lies_whatever_tensor_the_caller_passes(world, kernels, schedule, sharing):
     """Steps of Adam's fused collective on shm (ZeRO-1's, and one that leaves w sliced and so gathers nothing)
     where the caller writes each gradient into the same tensor, passes a new one on one rank, a view that
@@ -1033,8 +1154,11 @@ def test_a_gathered_value_read_again_after_the_fused_collective(backend):
     for world in (2, 3):
         gen = lower(fused[0], backend, "compiled")
         assert "_c.local(_add0, 0)" in gen.source  # the case at hand: the kernel fills a holder of h's rows
-        assert_all_ok(run_schedules(fused, Options(world=world, sizes={"B": 5, "H": 3}, backend=backend, time=False,
-                                                   timeout_s=120)))
+        assert_all_ok(
+            run_schedules(
+                fused, Options(world=world, sizes={"B": 5, "H": 3}, backend=backend, time=False, timeout_s=120)
+            )
+        )
 
 
 def test_a_fuse_kernel_that_sums_its_mask_steps_as_the_program_does():
@@ -1042,8 +1166,10 @@ def test_a_fuse_kernel_that_sums_its_mask_steps_as_the_program_does():
     Adam that skips the step where any rank overflowed (in C, the fused collective's chunk): correct on shm
     and gloo, R = 2 and 3, uneven rows, with the update fused into the collective or not."""
     prog = bench_program("adam_amp_skip")
-    scheds = [Schedule.parse(f"{x}fuse(abs0, gt0, where0)", prog)
-              for x in ("", "split(ar1); reorder(ag0); fuse_collective(rs0); ")]
+    scheds = [
+        Schedule.parse(f"{x}fuse(abs0, gt0, where0)", prog)
+        for x in ("", "split(ar1); reorder(ag0); fuse_collective(rs0); ")
+    ]
     # the skip a bool the step computed before the collective: the chunk still runs as C
     src = lower(scheds[1], "shm").source
     assert re.search(r"_chunk1 = _native\(_kernel\(_chunk1\), '\w+', r\"\"\"", src)
@@ -1070,12 +1196,13 @@ def test_a_kernel_computes_what_a_fused_collective_reduces_where_the_peers_read_
     writes the residual into its state; nothing is returned to be published. Correct at R = 2, 3, uneven
     rows, compiled and eager, on both steps the check runs; gloo has no buffer to store it into."""
     prog = bench_program("ef_sign")
-    sched = Schedule.parse("split(ar0); reorder(ag0); fuse_collective(rs0); fuse(add0, abs0, ge0); "
-                           "fuse(where0, sub0)", prog)
+    sched = Schedule.parse(
+        "split(ar0); reorder(ag0); fuse_collective(rs0); fuse(add0, abs0, ge0); fuse(where0, sub0)", prog
+    )
     for kernels in ("compiled", "eager"):
         src = lower(sched, "shm", kernels).source
-        kernel = src[src.index("def _fuse1("):]
-        kernel = kernel[:kernel.index("\n\n")]
+        kernel = src[src.index("def _fuse1(") :]
+        kernel = kernel[: kernel.index("\n\n")]
         assert kernel.endswith("    e.copy_(sub0)\n    _where0_held.copy_(where0)") and "return" not in kernel
         assert "    _where0_held = _c.shm.held('where0', (d_N, ), torch.float32)\n" in src
         assert re.search(r"in _reduce_scatter_(parts|chunks)\(_rank, where0, 0, d_N, 4, ('avg', )?'where0', \d\):", src)
@@ -1098,7 +1225,7 @@ def test_a_sum_of_values_of_each_ranks_own_is_reduced_where_the_peers_read_them(
     prog = bench_program("adam_accumulate")
     sched = Schedule.parse("split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse_collective(rs0)", prog)
     src = lower(sched, "shm", "compiled").source
-    step = src[src.index("def step("):]
+    step = src[src.index("def step(") :]
     assert "held" not in step and "add0" not in step
     assert "_reduce_scatter_parts(_rank, (g, acc), 0, d_N, 4, ('g', 'acc'), 1):" in step
     assert "_c.shm = _Shm.of(group, 2, max(4 * (d_N) + 64 + 4 * (d_N) + 64, 4 * (d_N)))" in step
@@ -1147,11 +1274,14 @@ def test_adafactors_update_reads_its_factors_in_the_c_kernel(monkeypatch, tmp_pa
     reference's state, R = 2 and 3, uneven rows."""
     prog = bench_program("adafactor")
     kinds_of = re.compile(r'\n(_fuse\d+) = _native\(_kernel\(\1\), \'(\w+)\', r"""(.*?)"""\)', re.S)
-    in_c = [s for s in generate(prog) if any(set(m.group(2)) & set("rc") for m in kinds_of.finditer(
-        lower(s, "shm").source))]
-    winner = Schedule.parse("split(ar0); reorder(ag0); split(ar0, dim=1); reorder(ag0); fuse_collective(rs0); "
-                            "fuse(mul2, mul3, add1); fuse(mul5, mul6, add2); fuse(mul7, div0, rsqrt0, mul10, sub1)",
-                            prog)
+    in_c = [
+        s for s in generate(prog) if any(set(m.group(2)) & set("rc") for m in kinds_of.finditer(lower(s, "shm").source))
+    ]
+    winner = Schedule.parse(
+        "split(ar0); reorder(ag0); split(ar0, dim=1); reorder(ag0); fuse_collective(rs0); "
+        "fuse(mul2, mul3, add1); fuse(mul5, mul6, add2); fuse(mul7, div0, rsqrt0, mul10, sub1)",
+        prog,
+    )
     assert winner in in_c and len(in_c) >= 20
     source = lower(winner, "shm").source
     call = kinds_of.search(source)
@@ -1159,7 +1289,7 @@ def test_adafactors_update_reads_its_factors_in_the_c_kernel(monkeypatch, tmp_pa
     # w's peers and rows, r's and c's new factors (each rank's rows of r), the mean, lr·g's rows
     assert kinds == "ptrcst" and "(splat(a->p_add1[a->q]) * ld(a->p_ag3 + (i - a->c0)))" in c
     python = {}
-    exec(compile(source[:call.start()], "fuse", "exec"), python)  # the module up to the kernel's C: eager torch
+    exec(compile(source[: call.start()], "fuse", "exec"), python)  # the module up to the kernel's C: eager torch
     monkeypatch.setenv("COCONET_CACHE_DIR", str(tmp_path))
 
     def fallback(*_):
@@ -1168,9 +1298,14 @@ def test_adafactors_update_reads_its_factors_in_the_c_kernel(monkeypatch, tmp_pa
     kernel = copier.native(fallback, kinds, c)
     gen = torch.Generator().manual_seed(0)
     for m, k in ((29, 37), (8, 4096), (3, 5)):
-        want = [[torch.zeros(m, k), torch.zeros(m, k)], torch.randn(m, k, generator=gen),
-                torch.rand(m, 1, generator=gen) + 0.5, torch.rand(1, k, generator=gen) + 0.5, torch.tensor(0.7),
-                torch.randn(m, k, generator=gen) * 1e-3]
+        want = [
+            [torch.zeros(m, k), torch.zeros(m, k)],
+            torch.randn(m, k, generator=gen),
+            torch.rand(m, 1, generator=gen) + 0.5,
+            torch.rand(1, k, generator=gen) + 0.5,
+            torch.tensor(0.7),
+            torch.randn(m, k, generator=gen) * 1e-3,
+        ]
         got = [[x.clone() for x in a] if isinstance(a, list) else a.clone() for a in want]
         python[fuse](*want)
         kernel(*got)

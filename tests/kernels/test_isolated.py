@@ -82,12 +82,34 @@ def test_every_schedule_runs_with_only_the_runtime_importable(tmp_path, name):
     for i, sched in enumerate(schedules):
         path = tree / f"step_{i}.py"
         path.write_text(lower(sched, "gloo", "eager").source)
-        jobs.append({"name": f"step_{i}", "path": str(path), "tensors": tensors, "scalars": scalars,
-                     "sizes": sizes, "updates": list(prog.updates)})
+        jobs.append(
+            {
+                "name": f"step_{i}",
+                "path": str(path),
+                "tensors": tensors,
+                "scalars": scalars,
+                "sizes": sizes,
+                "updates": list(prog.updates),
+            }
+        )
     torch.save(jobs, tmp_path / "jobs.pt")
     site = str(Path(torch.__file__).parents[1])
-    done = subprocess.run([sys.executable, "-S", "-c", CHILD, site, str(free_port()), str(tmp_path / "jobs.pt"),
-                           str(tmp_path / "got.pt")], cwd=tree, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-S",
+            "-c",
+            CHILD,
+            site,
+            str(free_port()),
+            str(tmp_path / "jobs.pt"),
+            str(tmp_path / "got.pt"),
+        ],
+        cwd=tree,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     loaded = set(done.stdout.split())
     assert {"coconet.kernels.shm", "coconet.kernels.compiled"} <= loaded
@@ -101,8 +123,9 @@ def test_every_schedule_runs_with_only_the_runtime_importable(tmp_path, name):
         seen |= {f"stage0.sent.{k}": v for k, v in mine["sent"].items()}
         assert set(seen) == set(want), sched.text
         for key, value in want.items():
-            np.testing.assert_allclose(seen[key].double().numpy(), value, rtol=1e-3, atol=1e-5,
-                                       err_msg=f"{sched.text}: {key}")
+            np.testing.assert_allclose(
+                seen[key].double().numpy(), value, rtol=1e-3, atol=1e-5, err_msg=f"{sched.text}: {key}"
+            )
 
 
 def test_the_runtime_imports_nothing_of_coconet_but_itself():

@@ -20,12 +20,15 @@ def test_torch_matches_numpy(seed, index):
     assert np.array_equal(got, rng.random_bits(seed, index).astype(np.int64))
 
 
-@pytest.mark.parametrize("shape,region", [((7, 5), (slice(2, 5), slice(0, 5))), ((1000,), None),
-                                          ((3, 4, 5), (slice(0, 3), slice(1, 2), slice(0, 5)))])
+@pytest.mark.parametrize(
+    "shape,region",
+    [((7, 5), (slice(2, 5), slice(0, 5))), ((1000,), None), ((3, 4, 5), (slice(0, 3), slice(1, 2), slice(0, 5)))],
+)
 def test_torch_mask_matches_numpy(shape, region):
     for seed in (0, 17, 2**63 + 5):
-        assert np.array_equal(trng.dropout_mask(seed, 0.3, shape, region).numpy(),
-                              rng.dropout_mask(seed, 0.3, shape, region))
+        assert np.array_equal(
+            trng.dropout_mask(seed, 0.3, shape, region).numpy(), rng.dropout_mask(seed, 0.3, shape, region)
+        )
 
 
 def test_cuda_source_compiles():
@@ -39,8 +42,9 @@ def test_cuda_source_compiles():
     with tempfile.TemporaryDirectory() as d:
         src = Path(d) / "rng.cu"
         src.write_text(trng.CUDA_SOURCE)
-        proc = subprocess.run([nvcc, "-c", str(src), "-o", str(Path(d) / "rng.o")], capture_output=True, text=True,
-                              timeout=300)
+        proc = subprocess.run(
+            [nvcc, "-c", str(src), "-o", str(Path(d) / "rng.o")], capture_output=True, text=True, timeout=300
+        )
         assert proc.returncode == 0, proc.stderr
 
 
@@ -49,8 +53,9 @@ def test_cuda_matches_numpy():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     pytest.importorskip("cupy")
-    index = np.concatenate([np.arange(10**6), np.arange(2**40, 2**40 + 1000),
-                            [2**32 - 1, 2**32, 2**62]]).astype(np.int64)
+    index = np.concatenate([np.arange(10**6), np.arange(2**40, 2**40 + 1000), [2**32 - 1, 2**32, 2**62]]).astype(
+        np.int64
+    )
     for seed in (0, 1234, 2**64 - 1):
         want = rng.random_bits(seed, index)
         assert np.array_equal(trng.cuda_random_bits(seed, index), want)

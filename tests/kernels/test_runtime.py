@@ -51,8 +51,9 @@ def test_chunk_rows_from_a_tensor_compiled():
     """A fused collective's chunk kernel: the first row arrives as a 0-d tensor, the shape as ints, and the
     compiled kernel (one call per block here: the last dim is 12) draws the specified mask."""
     shape, dim, p, seed = (6, 3, 12), 0, 0.25, 2**63 + 11
-    fn = torch.compile(lambda x, s, first: dropout.dropout_rows(x, p, s, shape, dim, first), dynamic=False,
-                       fullgraph=True)
+    fn = torch.compile(
+        lambda x, s, first: dropout.dropout_rows(x, p, s, shape, dim, first), dynamic=False, fullgraph=True
+    )
     x = torch.ones(2, 3, 12)
     for first in (0, 2, 4):
         got = fn(x, torch.tensor(seed - 2**64, dtype=torch.int64), torch.tensor(first, dtype=torch.int64))
@@ -92,8 +93,10 @@ def test_kernels_are_kept_out_of_aotautograds_cache(tmp_path):
         "assert torch._functorch.config.enable_autograd_cache  # only the kernel's compile is without it\n"
     )
     # (TORCHINDUCTOR_AUTOGRAD_CACHE, where set, overrides any setting made in code: left out)
-    env = {**{k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_AUTOGRAD_CACHE"},
-           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    env = {
+        **{k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_AUTOGRAD_CACHE"},
+        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path),
+    }
     run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     assert any((tmp_path / "fxgraph").rglob("*")), "the kernel was not stored in Inductor's cache"
@@ -103,6 +106,7 @@ def test_kernels_are_kept_out_of_aotautograds_cache(tmp_path):
 def _no_dynamo(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("torch.compile was called")
+
     monkeypatch.setattr(torch, "compile", refuse)
 
 
@@ -137,7 +141,8 @@ def test_dropout_in_a_kernel_traces_without_dynamo(monkeypatch):
     _no_dynamo(monkeypatch)
     x = torch.rand(3, 16)
     got = compiled.kernel(lambda x, seed, first: dropout.dropout_rows(x * 1.0, 0.5, seed, (8, 16), 0, first))(
-        x, ops.int64(5), ops.int64(2))
+        x, ops.int64(5), ops.int64(2)
+    )
     assert torch.equal(got, dropout.dropout_rows(x, 0.5, ops.int64(5), (8, 16), 0, ops.int64(2)))
 
 
@@ -256,8 +261,14 @@ def test_a_cuda_kernel_goes_through_torch_compile_with_host_scalars(monkeypatch)
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.integers(0, 6), min_size=0, max_size=3), st.integers(0, 7), st.integers(0, 5),
-       st.sampled_from(["float32", "float64", "bfloat16"]), st.booleans(), st.sampled_from(["", "t", "cols"]))
+@given(
+    st.lists(st.integers(0, 6), min_size=0, max_size=3),
+    st.integers(0, 7),
+    st.integers(0, 5),
+    st.sampled_from(["float32", "float64", "bfloat16"]),
+    st.booleans(),
+    st.sampled_from(["", "t", "cols"]),
+)
 def test_the_generated_gemm_is_a_matmul(lead, k, m, dtype, strided_a, b_view):
     """`_matmul` (oneDNN's linear for float32 on CPU, torch.matmul otherwise) equals a float64 product on
     any (..., K) x (K, M): empty dims (a rank holding none of the contraction dim), a strided a, a b that
@@ -268,7 +279,7 @@ def test_the_generated_gemm_is_a_matmul(lead, k, m, dtype, strided_a, b_view):
     if b_view == "t":
         b = torch.randn(m, k, generator=gen).to(a.dtype).t()
     else:
-        b = torch.randn(k, 3 * m + 1 if b_view == "cols" else m, generator=gen).to(a.dtype)[:, m:2 * m]
+        b = torch.randn(k, 3 * m + 1 if b_view == "cols" else m, generator=gen).to(a.dtype)[:, m : 2 * m]
     got = ops.matmul(a, b)
     want = torch.matmul(a.double(), b.double())
     assert got.dtype == a.dtype and got.shape == want.shape

@@ -85,14 +85,17 @@ def test_partial_sums_need_their_collective():
         part + x
 
 
-@pytest.mark.parametrize("shape,kernel,kw,want", [
-    (("B", "C", "H", "W"), (3, 3), {}, ("H - 2", "W - 2")),
-    (("B", "C", "H", "W"), (3, 3), {"padding": 1}, ("H", "W")),
-    (("B", "C", "H", "W"), (3, 1), {"padding": (1, 0), "dilation": (2, 1)}, ("H - 2", "W")),
-    (("B", "C", "2*H", "4*W"), (3, 3), {"stride": 2, "padding": 1}, ("H", "2*W")),
-    (("B", "C", "2*H", "4*W + 1"), (1, 2), {"stride": (2, 4)}, ("H", "W")),
-    (("B", "C", 9, 8), (3, 2), {"stride": (2, 3), "padding": (1, 2), "dilation": (2, 1)}, ("4", "4")),
-])
+@pytest.mark.parametrize(
+    "shape,kernel,kw,want",
+    [
+        (("B", "C", "H", "W"), (3, 3), {}, ("H - 2", "W - 2")),
+        (("B", "C", "H", "W"), (3, 3), {"padding": 1}, ("H", "W")),
+        (("B", "C", "H", "W"), (3, 1), {"padding": (1, 0), "dilation": (2, 1)}, ("H - 2", "W")),
+        (("B", "C", "2*H", "4*W"), (3, 3), {"stride": 2, "padding": 1}, ("H", "2*W")),
+        (("B", "C", "2*H", "4*W + 1"), (1, 2), {"stride": (2, 4)}, ("H", "W")),
+        (("B", "C", 9, 8), (3, 2), {"stride": (2, 3), "padding": (1, 2), "dilation": (2, 1)}, ("4", "4")),
+    ],
+)
 def test_output_sizes_follow_torch_on_symbolic_dims(shape, kernel, kw, want):
     p = cc.Program("t", dims=("B", "C", "H", "W"))
     x = p.tensor("x", shape, layout=Replicated)
@@ -105,23 +108,32 @@ def test_output_sizes_follow_torch_on_symbolic_dims(shape, kernel, kw, want):
     assert got == tuple(F.conv2d(torch.zeros(xs), torch.zeros((3, 3) + kernel), **kw).shape)
 
 
-@pytest.mark.parametrize("call,match", [
-    (lambda x, w: cc.conv2d(x, w, stride=2), r"spatial dim 0 of x is H with kernel 3 and stride 2: the output size "
-                                             r"\(H - 3\) // 2 \+ 1 is not a polynomial"),
-    (lambda x, w: cc.conv2d(x, w, padding="same"), r"padding 'same' is a string"),
-    (lambda x, w: cc.conv2d(x, w, stride=(1, 1, 1)), r"stride \(1, 1, 1\) is not an int or 2 ints"),
-    (lambda x, w: cc.conv2d(x, w, stride=0), r"stride 0 must be >= 1"),
-    (lambda x, w: cc.conv2d(x, w, padding=-1), r"padding -1 must be >= 0"),
-    (lambda x, w: cc.conv2d(x, w, padding=(1, 2**40)), r"padding \(1, 1099511627776\) is larger than 2\^20"),
-    (lambda x, w: cc.conv2d(x, w, dilation=True), r"dilation True is not an int"),
-    (lambda x, w: cc.conv2d(x, w, groups=0), r"groups 0 must be >= 1"),
-    (lambda x, w: cc.conv2d(x, w, groups=3), r"x has C channels but w\(C, C, 3, 3\) with groups=3 takes 3 x C"),
-    (lambda x, w: cc.conv1d(x, w), r"conv1d\(x: \(B, C, H, W\) Replicated, w: \(C, C, 3, 3\) Replicated\) takes "
-                                   r"x \(B, C, L\) and w \(K, C/groups, k\)"),
-    (lambda x, w: cc.conv2d(x, cc.cast(w, "float16")), r"conv2d of x \(float32\) by cast0 \(float16\); cast one"),
-    (lambda x, w: cc.conv2d(x > 0, w), r"conv2d operand gt0 is bool"),
-    (lambda x, w: cc.conv2d(cc.sum(x, 0), w), r"takes x \(B, C, H, W\)"),
-])
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (
+            lambda x, w: cc.conv2d(x, w, stride=2),
+            r"spatial dim 0 of x is H with kernel 3 and stride 2: the output size "
+            r"\(H - 3\) // 2 \+ 1 is not a polynomial",
+        ),
+        (lambda x, w: cc.conv2d(x, w, padding="same"), r"padding 'same' is a string"),
+        (lambda x, w: cc.conv2d(x, w, stride=(1, 1, 1)), r"stride \(1, 1, 1\) is not an int or 2 ints"),
+        (lambda x, w: cc.conv2d(x, w, stride=0), r"stride 0 must be >= 1"),
+        (lambda x, w: cc.conv2d(x, w, padding=-1), r"padding -1 must be >= 0"),
+        (lambda x, w: cc.conv2d(x, w, padding=(1, 2**40)), r"padding \(1, 1099511627776\) is larger than 2\^20"),
+        (lambda x, w: cc.conv2d(x, w, dilation=True), r"dilation True is not an int"),
+        (lambda x, w: cc.conv2d(x, w, groups=0), r"groups 0 must be >= 1"),
+        (lambda x, w: cc.conv2d(x, w, groups=3), r"x has C channels but w\(C, C, 3, 3\) with groups=3 takes 3 x C"),
+        (
+            lambda x, w: cc.conv1d(x, w),
+            r"conv1d\(x: \(B, C, H, W\) Replicated, w: \(C, C, 3, 3\) Replicated\) takes "
+            r"x \(B, C, L\) and w \(K, C/groups, k\)",
+        ),
+        (lambda x, w: cc.conv2d(x, cc.cast(w, "float16")), r"conv2d of x \(float32\) by cast0 \(float16\); cast one"),
+        (lambda x, w: cc.conv2d(x > 0, w), r"conv2d operand gt0 is bool"),
+        (lambda x, w: cc.conv2d(cc.sum(x, 0), w), r"takes x \(B, C, H, W\)"),
+    ],
+)
 def test_errors_name_the_rule(call, match):
     p = cc.Program("t", dims=("B", "C", "H", "W"))
     x = p.tensor("x", ("B", "C", "H", "W"), layout=Replicated)
@@ -136,8 +148,11 @@ def test_group_and_kernel_checks():
     x = p.tensor("x", ("B", "2*G", 4, 4), layout=Replicated)
     with pytest.raises(ProgramError, match="3 output channels do not divide into groups=2"):
         cc.conv2d(x, p.tensor("w1", (3, "G", 1, 1), layout=Replicated), groups=2)
-    with pytest.raises(ProgramError, match=r"G output channels are not a multiple of groups=2 for every size "
-                                           r"\(write them as 2\*G\)"):
+    with pytest.raises(
+        ProgramError,
+        match=r"G output channels are not a multiple of groups=2 for every size "
+        r"\(write them as 2\*G\)",
+    ):
         cc.conv2d(x, p.tensor("w2", ("G", "G", 1, 1), layout=Replicated), groups=2)
     grouped = cc.conv2d(x, p.tensor("w3", ("4*G", "G", 3, 3), layout=Replicated), padding=1, groups=2)
     assert tuple(map(str, grouped.shape)) == ("B", "4*G", "4", "4")
@@ -179,8 +194,13 @@ def test_json_round_trip_and_refusals():
 
 # --- the interpreter against torch ---
 
-RULES = {"RR": (Replicated(), Replicated()), "LR": (Local(), Replicated()), "S0R": (Sliced(0), Replicated()),
-         "RS0": (Replicated(), Sliced(0)), "S1S1": (Sliced(1), Sliced(1))}
+RULES = {
+    "RR": (Replicated(), Replicated()),
+    "LR": (Local(), Replicated()),
+    "S0R": (Sliced(0), Replicated()),
+    "RS0": (Replicated(), Sliced(0)),
+    "S1S1": (Sliced(1), Sliced(1)),
+}
 
 
 @st.composite
@@ -193,10 +213,21 @@ def convolutions(draw):
     stride = tuple(draw(st.integers(1, 2)) for _ in range(nd))
     padding = tuple(draw(st.integers(0, 2)) for _ in range(nd))
     dilation = tuple(draw(st.integers(1, 2)) for _ in range(nd))
-    spatial = tuple(max(1, d * (t - 1) + 1 - 2 * q) + draw(st.integers(0, 4))
-                    for t, q, d in zip(taps, padding, dilation))
-    return dict(nd=nd, rule=rule, groups=groups, c=c, k=k, taps=taps, stride=stride, padding=padding,
-                dilation=dilation, spatial=spatial)
+    spatial = tuple(
+        max(1, d * (t - 1) + 1 - 2 * q) + draw(st.integers(0, 4)) for t, q, d in zip(taps, padding, dilation)
+    )
+    return dict(
+        nd=nd,
+        rule=rule,
+        groups=groups,
+        c=c,
+        k=k,
+        taps=taps,
+        stride=stride,
+        padding=padding,
+        dilation=dilation,
+        spatial=spatial,
+    )
 
 
 @settings(max_examples=80, deadline=None)
@@ -214,8 +245,15 @@ def test_conv_matches_torch(case, world, batch, seed):
     fn = F.conv1d if case["nd"] == 1 else F.conv2d
 
     def ref(xv):
-        return fn(torch.from_numpy(xv), torch.from_numpy(inputs["w"]), None, case["stride"], case["padding"],
-                  case["dilation"], case["groups"]).numpy()
+        return fn(
+            torch.from_numpy(xv),
+            torch.from_numpy(inputs["w"]),
+            None,
+            case["stride"],
+            case["padding"],
+            case["dilation"],
+            case["groups"],
+        ).numpy()
 
     got = res.output("y")
     if lx == Local():  # every rank's own x convolved
@@ -245,11 +283,13 @@ def test_a_rank_without_channels_adds_nothing():
     torch_x = torch.from_numpy(inputs["x"])
     np.testing.assert_allclose(res.output("y"), F.conv2d(torch_x, torch.from_numpy(inputs["w"]), padding=1).numpy())
     assert [piece.shape[1] for piece in res.stages[0].outputs["z"]] == [1, 1, 0]
-    np.testing.assert_allclose(res.output("z"), F.conv2d(torch.from_numpy(inputs["xr"]),
-                                                         torch.from_numpy(inputs["wk"])).numpy())
+    np.testing.assert_allclose(
+        res.output("z"), F.conv2d(torch.from_numpy(inputs["xr"]), torch.from_numpy(inputs["wk"])).numpy()
+    )
 
 
 # --- transforms ---
+
 
 def channel_parallel(groups=1, local=False):
     p = cc.Program("cp", dims=("B", "C", "H"))
@@ -296,8 +336,9 @@ def test_overlap_needs_the_batch_whole():
         Overlap("conv0", "ag0").apply(p.ir)
 
 
-@pytest.mark.parametrize("make", [channel_parallel, lambda: channel_parallel(groups=2, local=True)],
-                         ids=["channels", "local_groups"])
+@pytest.mark.parametrize(
+    "make", [channel_parallel, lambda: channel_parallel(groups=2, local=True)], ids=["channels", "local_groups"]
+)
 def test_every_schedule_is_equivalent(make):
     prog = make()
     space = generate(prog)

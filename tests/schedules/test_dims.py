@@ -43,16 +43,19 @@ def test_parse_sizes():
     assert parse_sizes(["B=8,S=1024", "H=3072"], ("B", "S", "H")) == {"B": 8, "S": 1024, "H": 3072}
 
 
-@pytest.mark.parametrize("spec,dims,fragment", [
-    ("N", None, "NAME=VALUE"),
-    ("N=abc", None, r"integer or 2\^k"),
-    ("N=0", None, "positive"),
-    ("N=2^70", None, "too large"),
-    ("N=2^41", None, r"larger than 2\^40"),
-    ("N=1,N=2", None, "given twice"),
-    ("N=4", ("N", "M"), "no size given for M"),
-    ("N=4,K=2", ("N",), "does not have"),
-])
+@pytest.mark.parametrize(
+    "spec,dims,fragment",
+    [
+        ("N", None, "NAME=VALUE"),
+        ("N=abc", None, r"integer or 2\^k"),
+        ("N=0", None, "positive"),
+        ("N=2^70", None, "too large"),
+        ("N=2^41", None, r"larger than 2\^40"),
+        ("N=1,N=2", None, "given twice"),
+        ("N=4", ("N", "M"), "no size given for M"),
+        ("N=4,K=2", ("N",), "does not have"),
+    ],
+)
 def test_bad_sizes(spec, dims, fragment):
     with pytest.raises(SizeError, match=fragment):
         parse_sizes([spec], dims)

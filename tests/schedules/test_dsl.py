@@ -19,7 +19,7 @@ def adam():
     v1 = beta2 * v + (1 - beta2) * avg * avg
     p.update(m, m1)
     p.update(v, v1)
-    p.update(w, w - lr * (m1 / (1 - beta1 ** t)) / (cc.sqrt(v1 / (1 - beta2 ** t)) + eps))
+    p.update(w, w - lr * (m1 / (1 - beta1**t)) / (cc.sqrt(v1 / (1 - beta2**t)) + eps))
     return p
 
 
@@ -93,27 +93,34 @@ def test_errors_pickle_with_their_fields():
         cc.all_gather(g)
     again = pickle.loads(pickle.dumps(info.value))
     assert type(again) is ProgramError
-    assert (again.statement, again.op, again.rule, str(again)) == (info.value.statement, "all_gather",
-                                                                   "all_gather: S→R", str(info.value))
+    assert (again.statement, again.op, again.rule, str(again)) == (
+        info.value.statement,
+        "all_gather",
+        "all_gather: S→R",
+        str(info.value),
+    )
 
 
-@pytest.mark.parametrize("build,fragment", [
-    (lambda p: p.tensor("x", ("N",)), "needs a layout"),
-    (lambda p: p.tensor("x", ("N",), layout="Diagonal"), "not a layout"),
-    (lambda p: p.tensor("x", ("N",), layout=cc.Replicated, dtype="int8"), "int8"),
-    (lambda p: p.tensor("x", ("N",), layout=cc.Sliced(1)), "out of range"),
-    (lambda p: p.tensor("x", (), layout=cc.Sliced(0)), "scalar cannot be Sliced"),
-    (lambda p: p.tensor("x", ("Q",), layout=cc.Local), "not among the program's dims"),
-    (lambda p: p.tensor("1x", ("N",), layout=cc.Local), "identifier"),
-    (lambda p: p.scalar("s", dtype="bool"), "scalar dtype"),
-    (lambda p: cc.dropout(p.tensor("x", ("N",), layout=cc.Local), 1.0, 0), r"\[0, 1\)"),
-    (lambda p: cc.dropout(p.tensor("x", ("N",), layout=cc.Local), 0.1, p.scalar("s")), "int64 Replicated scalar"),
-    (lambda p: cc.dropout(p.tensor("x", ("N",), layout=cc.Local), 0.1, -1), "seed"),
-    (lambda p: cc.allreduce(p.tensor("x", ("N",), layout=cc.Local), op="median"), "median"),
-    (lambda p: cc.send(p.scalar("s")), "scalar"),
-    (lambda p: cc.send(p.tensor("x", ("N",), layout=cc.Local), to=cc.PREV_STAGE), "NEXT_STAGE"),
-    (lambda p: p.output("o", "text"), "neither an expression nor a number"),
-])
+@pytest.mark.parametrize(
+    "build,fragment",
+    [
+        (lambda p: p.tensor("x", ("N",)), "needs a layout"),
+        (lambda p: p.tensor("x", ("N",), layout="Diagonal"), "not a layout"),
+        (lambda p: p.tensor("x", ("N",), layout=cc.Replicated, dtype="int8"), "int8"),
+        (lambda p: p.tensor("x", ("N",), layout=cc.Sliced(1)), "out of range"),
+        (lambda p: p.tensor("x", (), layout=cc.Sliced(0)), "scalar cannot be Sliced"),
+        (lambda p: p.tensor("x", ("Q",), layout=cc.Local), "not among the program's dims"),
+        (lambda p: p.tensor("1x", ("N",), layout=cc.Local), "identifier"),
+        (lambda p: p.scalar("s", dtype="bool"), "scalar dtype"),
+        (lambda p: cc.dropout(p.tensor("x", ("N",), layout=cc.Local), 1.0, 0), r"\[0, 1\)"),
+        (lambda p: cc.dropout(p.tensor("x", ("N",), layout=cc.Local), 0.1, p.scalar("s")), "int64 Replicated scalar"),
+        (lambda p: cc.dropout(p.tensor("x", ("N",), layout=cc.Local), 0.1, -1), "seed"),
+        (lambda p: cc.allreduce(p.tensor("x", ("N",), layout=cc.Local), op="median"), "median"),
+        (lambda p: cc.send(p.scalar("s")), "scalar"),
+        (lambda p: cc.send(p.tensor("x", ("N",), layout=cc.Local), to=cc.PREV_STAGE), "NEXT_STAGE"),
+        (lambda p: p.output("o", "text"), "neither an expression nor a number"),
+    ],
+)
 def test_bad_statements(build, fragment):
     p = cc.Program("b", dims=("N",))
     with pytest.raises(ProgramError, match=fragment):
@@ -197,8 +204,9 @@ def test_custom_local_op():
         (t,) = types
         return t.shape[:-1] + (attrs["k"],), t.dtype
 
-    topk = cc.custom_op("topk_values", reference=lambda x, k: np.sort(x, axis=-1)[..., -k:], kind="local",
-                        attrs=("k",), infer=infer)
+    topk = cc.custom_op(
+        "topk_values", reference=lambda x, k: np.sort(x, axis=-1)[..., -k:], kind="local", attrs=("k",), infer=infer
+    )
     p = cc.Program("c", dims=("N", "M"))
     x = p.tensor("x", ("N", "M"), layout=cc.Replicated)
     y = topk(x, k=2)

@@ -21,11 +21,22 @@ def build(shape_a, la, shape_b=None, lb=None, dtype_a="float32", dtype_b="float3
 
 
 POINTWISE = {
-    (R, R): R, (R, L): L, (L, R): L, (L, L): L,
-    (R, S0): S0, (S0, R): S0, (R, S1): S1, (S1, R): S1,
-    (S0, S0): S0, (S1, S1): S1,
-    (L, S0): None, (S0, L): None, (L, S1): None, (S1, L): None,
-    (S0, S1): None, (S1, S0): None,
+    (R, R): R,
+    (R, L): L,
+    (L, R): L,
+    (L, L): L,
+    (R, S0): S0,
+    (S0, R): S0,
+    (R, S1): S1,
+    (S1, R): S1,
+    (S0, S0): S0,
+    (S1, S1): S1,
+    (L, S0): None,
+    (S0, L): None,
+    (L, S1): None,
+    (S1, L): None,
+    (S0, S1): None,
+    (S1, S0): None,
 }
 
 
@@ -81,12 +92,7 @@ def test_symbolic_dims_compare_in_normal_form():
     assert (a + b).shape == a.shape
 
 
-COLLECTIVES = {
-    "allreduce": {L: R},
-    "reduce_scatter": {L: S0},
-    "all_gather": {S0: R, S1: R},
-    "broadcast": {L: R},
-}
+COLLECTIVES = {"allreduce": {L: R}, "reduce_scatter": {L: S0}, "all_gather": {S0: R, S1: R}, "broadcast": {L: R}}
 
 
 @pytest.mark.parametrize("coll", sorted(COLLECTIVES))
@@ -114,8 +120,13 @@ def test_reduce_scatter_dim():
 A3 = ["Replicated", "Local", "Sliced(0)", "Sliced(1)", "Sliced(2)"]
 B2 = ["Replicated", "Local", "Sliced(0)", "Sliced(1)"]
 MATMUL = {
-    (R, R): R, (L, R): L, ("Sliced(0)", R): "Sliced(0)", ("Sliced(1)", R): "Sliced(1)",
-    (R, "Sliced(1)"): "Sliced(2)", ("Sliced(2)", "Sliced(0)"): L, (R, "Sliced(0)"): R,
+    (R, R): R,
+    (L, R): L,
+    ("Sliced(0)", R): "Sliced(0)",
+    ("Sliced(1)", R): "Sliced(1)",
+    (R, "Sliced(1)"): "Sliced(2)",
+    ("Sliced(2)", "Sliced(0)"): L,
+    (R, "Sliced(0)"): R,
 }
 
 
@@ -138,8 +149,7 @@ def test_a_replicated_matrix_times_rows_is_partial_products_and_an_allreduce():
     p.output("y", cc.matmul(a, b))
     prog = p.ir
     ops = [(s.op, tuple(prog[x].op for x in s.args), str(s.type.layout)) for s in prog.stmts[2:5]]
-    assert ops == [("slice", ("input",), "Sliced(1)"), ("matmul", ("slice", "input"), L),
-                       ("allreduce", ("matmul",), R)]
+    assert ops == [("slice", ("input",), "Sliced(1)"), ("matmul", ("slice", "input"), L), ("allreduce", ("matmul",), R)]
 
 
 def test_matmul_shapes():
@@ -200,12 +210,15 @@ def test_update_twice_and_update_of_expression():
         p.update(t + 1.0, e)
 
 
-@pytest.mark.parametrize("a,b,want", [
-    ("float16", "float32", "float32"),
-    ("bfloat16", "float16", "float32"),
-    ("float64", "bfloat16", "float64"),
-    ("float16", "float16", "float16"),
-])
+@pytest.mark.parametrize(
+    "a,b,want",
+    [
+        ("float16", "float32", "float32"),
+        ("bfloat16", "float16", "float32"),
+        ("float64", "bfloat16", "float64"),
+        ("float16", "float16", "float16"),
+    ],
+)
 def test_tensor_dtype_promotion(a, b, want):
     p, x, y = build(("N",), R, ("N",), R, dtype_a=a, dtype_b=b)
     assert (x + y).dtype == want
@@ -241,8 +254,12 @@ def test_promote_matches_torch():
         for shape_a, shape_b in [((), ()), ((3,), ()), ((), (3,)), ((3,), (3,))]:
             ta, tb = torch.ones(shape_a, dtype=tdt[a]), torch.ones(shape_b, dtype=tdt[b])
             want = str((ta + tb).dtype).replace("torch.", "")
-            got = promote([(TensorType((None,) * len(shape_a), a, Replicated()), None),
-                           (TensorType((None,) * len(shape_b), b, Replicated()), None)])
+            got = promote(
+                [
+                    (TensorType((None,) * len(shape_a), a, Replicated()), None),
+                    (TensorType((None,) * len(shape_b), b, Replicated()), None),
+                ]
+            )
             assert got == want, (a, b, shape_a, shape_b)
 
 

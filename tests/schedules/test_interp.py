@@ -109,7 +109,8 @@ def test_gpt_pipeline(world, stages):
         act = numpy_layer(x, x["h"], x["seed"]) + resid
         close(res.sent(stage=k), act)
     assert set(res.observable()) == {f"stage{k}.sent.activation" for k in range(stages)} | {
-        f"stage{k}.state.{n}" for k in range(stages) for n in prog.updates}
+        f"stage{k}.state.{n}" for k in range(stages) for n in prog.updates
+    }
 
 
 def test_dropout_mask_matches_the_rng_whatever_the_layout():
@@ -148,8 +149,9 @@ def test_replicated_operand_is_sliced_for_a_sliced_result():
         close(interp.run(p, world, {"N": 3, "M": 4}, inputs=xs).output("y"), xs["x"] * xs["b"] + xs["c"])
 
 
-@pytest.mark.parametrize("op,fn", [("sum", np.sum), ("max", np.max), ("min", np.min), ("prod", np.prod),
-                                   ("avg", np.mean)])
+@pytest.mark.parametrize(
+    "op,fn", [("sum", np.sum), ("max", np.max), ("min", np.min), ("prod", np.prod), ("avg", np.mean)]
+)
 def test_allreduce_ops(op, fn):
     p = cc.Program("a", dims=("N",))
     g = p.tensor("g", ("N",), layout=cc.Local)
@@ -266,11 +268,11 @@ def test_declared_precision_rounds_every_value_to_its_dtype():
     a float32 step holds it, and 2^-30 in float64; a float64 statement keeps its bits."""
     p = cc.Program("close", dims=("N",))
     x = p.tensor("x", ("N",), layout=cc.Replicated)
-    p.output("d", (x + 2.0 ** -30) - x)
-    p.output("d64", (cc.cast(x, "float64") + 2.0 ** -30) - cc.cast(x, "float64"))
+    p.output("d", (x + 2.0**-30) - x)
+    p.output("d64", (cc.cast(x, "float64") + 2.0**-30) - cc.cast(x, "float64"))
     exact = interp.run(p.ir, 2, {"N": 5}).observable()
     declared = interp.run(p.ir, 2, {"N": 5}, precision="declared").observable()
-    assert np.allclose(exact["stage0.output.d"], 2.0 ** -30, rtol=1e-6)
+    assert np.allclose(exact["stage0.output.d"], 2.0**-30, rtol=1e-6)
     assert np.all(declared["stage0.output.d"] == 0.0)
     assert np.array_equal(declared["stage0.output.d64"], exact["stage0.output.d64"])
     with pytest.raises(ValueError, match="precision"):

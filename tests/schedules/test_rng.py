@@ -10,8 +10,11 @@ from coconet.schedules.interp import slice_bounds
 KAT = [
     ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
     ((0xFFFFFFFF,) * 4, (0xFFFFFFFF, 0xFFFFFFFF), (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
-    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
-     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+    (
+        (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344),
+        (0xA4093822, 0x299F31D0),
+        (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1),
+    ),
 ]
 
 
@@ -26,8 +29,9 @@ def test_words_follow_the_counter_layout():
     words = rng.random_bits(seed, g)
     for gi, w in zip(g.tolist(), words.tolist()):
         b = gi // 4
-        block = rng.philox4x32_10(np.array([b & 0xFFFFFFFF, b >> 32, 0, 0], dtype=np.uint32),
-                                  (seed & 0xFFFFFFFF, seed >> 32))
+        block = rng.philox4x32_10(
+            np.array([b & 0xFFFFFFFF, b >> 32, 0, 0], dtype=np.uint32), (seed & 0xFFFFFFFF, seed >> 32)
+        )
         assert w == int(block[gi % 4])
 
 

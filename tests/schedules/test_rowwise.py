@@ -36,8 +36,9 @@ def expected_layout(layout, dims, keepdim):
     return Sliced(layout.dim - (0 if keepdim else sum(d < layout.dim for d in dims))), False
 
 
-@pytest.mark.parametrize("layout,kind,dim,keepdim",
-                         list(itertools.product(LAYOUTS, KINDS, [None, 0, 1, 2, -1, -3], [False, True])))
+@pytest.mark.parametrize(
+    "layout,kind,dim,keepdim", list(itertools.product(LAYOUTS, KINDS, [None, 0, 1, 2, -1, -3], [False, True]))
+)
 def test_reduction_table(layout, kind, dim, keepdim):
     p, x = program(layout)
     y = FN[kind](x, dim=dim, keepdim=keepdim)
@@ -76,7 +77,9 @@ def test_softmax_table(layout, dim, op):
         # along the sliced dim: the dim's max and sum of exponentials as partials + allreduces, the rest pointwise
         assert op not in ops
         assert [(s.attr("op"), p.ir[s.args[0]].op) for s in p.ir.stmts if s.op == "allreduce"] == [
-            ("max", "partial_reduce"), ("sum", "partial_reduce")]
+            ("max", "partial_reduce"),
+            ("sum", "partial_reduce"),
+        ]
     else:
         assert ops.count(op) == 1 and "allreduce" not in ops
 
@@ -87,15 +90,18 @@ def test_hash_consing_sees_negative_and_positive_dims_as_one():
     assert cc.softmax(x, -2).name == cc.softmax(x, 1).name
 
 
-@pytest.mark.parametrize("call,match", [
-    (lambda x: cc.sum(x, 3), r"sum over dim 3 of x with shape \(A, B, C\): dims are in \[-3, 2\]"),
-    (lambda x: cc.max(x, -4), r"max over dim -4 of x with shape \(A, B, C\)"),
-    (lambda x: cc.softmax(x, 5), r"softmax over dim 5 of x with shape \(A, B, C\)"),
-    (lambda x: cc.mean(x, 1.0), r"mean: dim must be an int or None, got 1.0"),
-    (lambda x: cc.min(x, 0, keepdim=1), r"min: keepdim must be True or False"),
-    (lambda x: cc.log_softmax(x, None), r"log_softmax: dim must be an int, got None"),
-    (lambda x: cc.sum(x > 0, 0), r"sum of a comparison result"),
-])
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda x: cc.sum(x, 3), r"sum over dim 3 of x with shape \(A, B, C\): dims are in \[-3, 2\]"),
+        (lambda x: cc.max(x, -4), r"max over dim -4 of x with shape \(A, B, C\)"),
+        (lambda x: cc.softmax(x, 5), r"softmax over dim 5 of x with shape \(A, B, C\)"),
+        (lambda x: cc.mean(x, 1.0), r"mean: dim must be an int or None, got 1.0"),
+        (lambda x: cc.min(x, 0, keepdim=1), r"min: keepdim must be True or False"),
+        (lambda x: cc.log_softmax(x, None), r"log_softmax: dim must be an int, got None"),
+        (lambda x: cc.sum(x > 0, 0), r"sum of a comparison result"),
+    ],
+)
 def test_errors_name_the_op_the_dim_and_the_shape(call, match):
     _, x = program(Replicated())
     with pytest.raises(ProgramError, match=match) as info:
@@ -128,6 +134,7 @@ def test_json_round_trip_and_refusals():
 
 # --- the interpreter against torch ---
 
+
 def torch_of(kind, t, dim, keepdim):
     if dim is None and not keepdim:
         return {"sum": t.sum, "mean": t.mean, "max": t.amax, "min": t.amin}[kind]()
@@ -136,9 +143,15 @@ def torch_of(kind, t, dim, keepdim):
 
 
 @settings(max_examples=60, deadline=None)
-@given(world=st.integers(1, 4), sizes=st.tuples(st.integers(1, 7), st.integers(1, 5), st.integers(1, 4)),
-       layout=st.sampled_from(LAYOUTS), kind=st.sampled_from(KINDS), dim=st.sampled_from([None, 0, 1, 2, -1]),
-       keepdim=st.booleans(), seed=st.integers(0, 2**16))
+@given(
+    world=st.integers(1, 4),
+    sizes=st.tuples(st.integers(1, 7), st.integers(1, 5), st.integers(1, 4)),
+    layout=st.sampled_from(LAYOUTS),
+    kind=st.sampled_from(KINDS),
+    dim=st.sampled_from([None, 0, 1, 2, -1]),
+    keepdim=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
 def test_reductions_match_torch(world, sizes, layout, kind, dim, keepdim, seed):
     p, x = program(layout)
     p.output("y", FN[kind](x, dim=dim, keepdim=keepdim))
@@ -153,9 +166,14 @@ def test_reductions_match_torch(world, sizes, layout, kind, dim, keepdim, seed):
 
 
 @settings(max_examples=40, deadline=None)
-@given(world=st.integers(1, 4), sizes=st.tuples(st.integers(1, 7), st.integers(1, 5), st.integers(1, 4)),
-       layout=st.sampled_from([Replicated(), Sliced(0), Sliced(1), Sliced(2)]),
-       dim=st.sampled_from([0, 1, 2, -1]), log=st.booleans(), seed=st.integers(0, 2**16))
+@given(
+    world=st.integers(1, 4),
+    sizes=st.tuples(st.integers(1, 7), st.integers(1, 5), st.integers(1, 4)),
+    layout=st.sampled_from([Replicated(), Sliced(0), Sliced(1), Sliced(2)]),
+    dim=st.sampled_from([0, 1, 2, -1]),
+    log=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
 def test_softmax_matches_torch(world, sizes, layout, dim, log, seed):
     p, x = program(layout)
     p.output("y", (cc.log_softmax if log else cc.softmax)(x * 4.0, dim))
@@ -166,8 +184,14 @@ def test_softmax_matches_torch(world, sizes, layout, dim, log, seed):
 
 
 @settings(max_examples=30, deadline=None)
-@given(world=st.integers(1, 4), rows=st.integers(1, 9), h=st.integers(1, 6),
-       layout=st.sampled_from([Replicated(), Sliced(0)]), affine=st.booleans(), seed=st.integers(0, 2**16))
+@given(
+    world=st.integers(1, 4),
+    rows=st.integers(1, 9),
+    h=st.integers(1, 6),
+    layout=st.sampled_from([Replicated(), Sliced(0)]),
+    affine=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
 def test_layer_norm_and_rms_norm_match_torch(world, rows, h, layout, affine, seed):
     p = cc.Program("t", dims=("S", "H"))
     x = p.tensor("x", ("S", "H"), layout=layout)
@@ -200,6 +224,7 @@ def test_an_empty_slice_reduces_to_the_identity_its_collective_ignores():
 
 
 # --- fuse ---
+
 
 def layer_norm_program():
     p = cc.Program("t", dims=("S", "H"))

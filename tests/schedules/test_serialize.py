@@ -97,20 +97,30 @@ def test_dangling_reference():
 
 
 def test_cyclic_reference():
-    d = {"version": 1, "name": "cyc", "dims": ["N"], "statements": [
-        {"name": "x", "op": "input", "attrs": {"shape": ["N"], "layout": "Replicated"}},
-        {"name": "a", "op": "add", "args": ["x", "b"]},
-        {"name": "b", "op": "mul", "args": ["a", "x"]},
-        {"name": "o", "op": "output", "args": ["b"], "attrs": {"name": "o"}},
-    ]}
+    d = {
+        "version": 1,
+        "name": "cyc",
+        "dims": ["N"],
+        "statements": [
+            {"name": "x", "op": "input", "attrs": {"shape": ["N"], "layout": "Replicated"}},
+            {"name": "a", "op": "add", "args": ["x", "b"]},
+            {"name": "b", "op": "mul", "args": ["a", "x"]},
+            {"name": "o", "op": "output", "args": ["b"], "attrs": {"name": "o"}},
+        ],
+    }
     _expect(d, "cyclic reference", "a -> b -> a")
 
 
 def test_self_reference_is_a_cycle():
-    d = {"version": 1, "name": "cyc", "dims": [], "statements": [
-        {"name": "a", "op": "neg", "args": ["a"]},
-        {"name": "o", "op": "output", "args": ["a"], "attrs": {"name": "o"}},
-    ]}
+    d = {
+        "version": 1,
+        "name": "cyc",
+        "dims": [],
+        "statements": [
+            {"name": "a", "op": "neg", "args": ["a"]},
+            {"name": "o", "op": "output", "args": ["a"], "attrs": {"name": "o"}},
+        ],
+    }
     _expect(d, "cyclic reference")
 
 
@@ -120,36 +130,47 @@ def test_forward_references_are_sorted():
     assert load(d).hash == example("adam").hash
 
 
-@pytest.mark.parametrize("dims,shape,fragment", [
-    (["N"], ["K"], "not among the program's dims"),
-    (["N"], [0], "must be positive"),
-    (["N"], ["N/2"], "only names, integers"),
-    (["N", "N"], ["N"], "repeat a name"),
-    (["1N"], ["N"], "must be an identifier"),
-    (["N"], ["N"] * 9, "at most 8"),
-    (["N"], "N", "must be a list"),
-])
+@pytest.mark.parametrize(
+    "dims,shape,fragment",
+    [
+        (["N"], ["K"], "not among the program's dims"),
+        (["N"], [0], "must be positive"),
+        (["N"], ["N/2"], "only names, integers"),
+        (["N", "N"], ["N"], "repeat a name"),
+        (["1N"], ["N"], "must be an identifier"),
+        (["N"], ["N"] * 9, "at most 8"),
+        (["N"], "N", "must be a list"),
+    ],
+)
 def test_bad_dims(dims, shape, fragment):
-    d = {"version": 1, "name": "p", "dims": dims, "statements": [
-        {"name": "x", "op": "input", "attrs": {"shape": shape, "layout": "Replicated"}},
-        {"name": "o", "op": "output", "args": ["x"], "attrs": {"name": "o"}},
-    ]}
+    d = {
+        "version": 1,
+        "name": "p",
+        "dims": dims,
+        "statements": [
+            {"name": "x", "op": "input", "attrs": {"shape": shape, "layout": "Replicated"}},
+            {"name": "o", "op": "output", "args": ["x"], "attrs": {"name": "o"}},
+        ],
+    }
     _expect(d, fragment)
 
 
-@pytest.mark.parametrize("mutate,fragment", [
-    (lambda d: d.update(extra=1), "unknown keys ['extra']"),
-    (lambda d: d.pop("dims"), "lacks ['dims']"),
-    (lambda d: d.update(version=99), "schema version 99"),
-    (lambda d: d["statements"][0].update(type="x"), "unknown keys ['type']"),
-    (lambda d: d["statements"][0]["attrs"].update(colour="red"), "unknown attributes ['colour']"),
-    (lambda d: d["statements"][0]["attrs"].update(layout="Diagonal"), "not a layout"),
-    (lambda d: d["statements"][0]["attrs"].update(dtype="int8"), "tensor dtype 'int8'"),
-    (lambda d: d["statements"][9].update(args="g"), "'args' must be a list"),
-    (lambda d: d["statements"].append(dict(d["statements"][0])), "defined twice"),
-    (lambda d: d["statements"][9].update(args=["g", "w"]), "allreduce takes 1 operands"),
-    (lambda d: d.update(statements={}), "statements must be a list"),
-])
+@pytest.mark.parametrize(
+    "mutate,fragment",
+    [
+        (lambda d: d.update(extra=1), "unknown keys ['extra']"),
+        (lambda d: d.pop("dims"), "lacks ['dims']"),
+        (lambda d: d.update(version=99), "schema version 99"),
+        (lambda d: d["statements"][0].update(type="x"), "unknown keys ['type']"),
+        (lambda d: d["statements"][0]["attrs"].update(colour="red"), "unknown attributes ['colour']"),
+        (lambda d: d["statements"][0]["attrs"].update(layout="Diagonal"), "not a layout"),
+        (lambda d: d["statements"][0]["attrs"].update(dtype="int8"), "tensor dtype 'int8'"),
+        (lambda d: d["statements"][9].update(args="g"), "'args' must be a list"),
+        (lambda d: d["statements"].append(dict(d["statements"][0])), "defined twice"),
+        (lambda d: d["statements"][9].update(args=["g", "w"]), "allreduce takes 1 operands"),
+        (lambda d: d.update(statements={}), "statements must be a list"),
+    ],
+)
 def test_malformed(mutate, fragment):
     d = _adam_dict()
     mutate(d)
@@ -167,9 +188,12 @@ def test_deep_nesting_is_refused_cleanly():
 
 def test_oversized_programs():
     _expect(b" " * (MAX_JSON_BYTES + 1), "at most")
-    d = {"version": 1, "name": "big", "dims": [], "statements": [
-        {"name": f"s{i}", "op": "scalar"} for i in range(10_001)
-    ]}
+    d = {
+        "version": 1,
+        "name": "big",
+        "dims": [],
+        "statements": [{"name": f"s{i}", "op": "scalar"} for i in range(10_001)],
+    }
     _expect(d, "10001 statements")
 
 

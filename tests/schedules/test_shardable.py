@@ -37,10 +37,13 @@ def test_names_round_trip_through_their_text():
         assert shard.to_text(ADAM, shard.resolve(ADAM, shard.spelled(text))) == text
 
 
-@pytest.mark.parametrize("names, why", [
-    (["g"], "shardable g: not replicated state adam updates (it can shard m, v, w"),
-    (["m", "beta1"], "shardable beta1: not replicated"),
-])
+@pytest.mark.parametrize(
+    "names, why",
+    [
+        (["g"], "shardable g: not replicated state adam updates (it can shard m, v, w"),
+        (["m", "beta1"], "shardable beta1: not replicated"),
+    ],
+)
 def test_names_outside_the_program_state_are_refused(names, why):
     with pytest.raises(CoconetError, match=why.replace("(", r"\(")):
         shard.resolve(ADAM, names)
@@ -52,8 +55,9 @@ def test_malformed_texts_are_refused(text):
         shard.names(text)
 
 
-questions = st.one_of(st.just(shard.EVERY), st.sets(st.sampled_from(["m", "v", "w"])).map(
-    lambda s: shard.to_text(ADAM, s)))
+questions = st.one_of(
+    st.just(shard.EVERY), st.sets(st.sampled_from(["m", "v", "w"])).map(lambda s: shard.to_text(ADAM, s))
+)
 
 
 def space_of(text):

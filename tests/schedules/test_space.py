@@ -20,8 +20,12 @@ from tests.strategies import adam_over, collective_programs, programs
 ROOT = Path(__file__).parents[2]
 GOLDEN = Path(__file__).parent / "golden"
 SIZES = {
-    "adam": {"N": 7}, "sgd": {"N": 5}, "lamb": {"N": 9}, "adam_multi": {"H": 3},
-    "megatron_mlp": {"B": 2, "S": 3, "H": 5}, "gpt_pipeline": {"B": 2, "S": 1, "H": 3},
+    "adam": {"N": 7},
+    "sgd": {"N": 5},
+    "lamb": {"N": 9},
+    "adam_multi": {"H": 3},
+    "megatron_mlp": {"B": 2, "S": 3, "H": 5},
+    "gpt_pipeline": {"B": 2, "S": 1, "H": 3},
     "conv_block": {"B": 3, "C": 5, "H": 4, "W": 3},
 }
 
@@ -108,8 +112,9 @@ def test_groups_that_would_need_each_other_first_are_never_offered():
     for sched in space:
         units(sched.scheduled)
     with pytest.raises(ScheduleError, match=r"bucket\(ag1, ag3\) as one unit would create a cycle"):
-        Schedule.parse("split(ar0); split(ar1); reorder(ag0); fuse(exp0, add0); fuse_collective(rs0); "
-                       "bucket(ag1, ag3)", prog)
+        Schedule.parse(
+            "split(ar0); split(ar1); reorder(ag0); fuse(exp0, add0); fuse_collective(rs0); bucket(ag1, ag3)", prog
+        )
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -168,12 +173,19 @@ def test_the_space_contains_the_papers_schedules():
     assert "bucket(ar0, ar1, ar2, ar3)" in multi
     assert any("bucket(rs0, rs1, rs2, rs3)" in t for t in multi)
     mega = texts("megatron_mlp")
-    assert {"overlap(mm0, ar0)", "split(ar0); reorder(ag0)", "fuse(add0, drop0, add1)",
-            "split(ar0); reorder(ag0); fuse_collective(rs0)", "split(ar0); reorder(ag0); overlap(mm0, rs0)",
-            "fuse(add0, drop0, add1); overlap(mm0, ar0)"} <= set(mega)
+    assert {
+        "overlap(mm0, ar0)",
+        "split(ar0); reorder(ag0)",
+        "fuse(add0, drop0, add1)",
+        "split(ar0); reorder(ag0); fuse_collective(rs0)",
+        "split(ar0); reorder(ag0); overlap(mm0, rs0)",
+        "fuse(add0, drop0, add1); overlap(mm0, ar0)",
+    } <= set(mega)
     pipe = texts("gpt_pipeline")
-    assert {"split(ar0); reorder(ag0); slice_send(send0)",
-            "split(ar0); reorder(ag0); slice_send(send0); overlap(mm0, rs0)"} <= set(pipe)
+    assert {
+        "split(ar0); reorder(ag0); slice_send(send0)",
+        "split(ar0); reorder(ag0); slice_send(send0); overlap(mm0, rs0)",
+    } <= set(pipe)
 
 
 def test_lamb_on_slices_computes_partial_norms():
@@ -221,8 +233,11 @@ def test_sharded_names_the_state_a_schedule_leaves_sliced():
     assert Schedule(prog).sharded == ()
     assert Schedule.parse("split(ar0)", prog).sharded == ()
     assert Schedule.parse(zero1, prog).sharded == ("m", "v")
-    assert set(Schedule.parse("split(ar0); reorder(ag0); as_slice(w); as_slice(m); as_slice(v)", prog).sharded) \
-        == {"w", "m", "v"}
+    assert set(Schedule.parse("split(ar0); reorder(ag0); as_slice(w); as_slice(m); as_slice(v)", prog).sharded) == {
+        "w",
+        "m",
+        "v",
+    }
     # a Sliced input the program declares so is not sharded by the schedule
     assert {s.sharded for s in generate(example("megatron_mlp"))} == {()}
 
@@ -291,6 +306,7 @@ def _counting(apply, calls):
     def counted(self, program):
         calls.append(self)
         return apply(self, program)
+
     return counted
 
 

@@ -403,17 +403,20 @@ def test_rewrites_come_before_groupings():
     assert Split.instances(fused) == []
 
 
-@pytest.mark.parametrize("text,fragment", [
-    ("teleport(ar0)", "unknown transform 'teleport'"),
-    ("split(ar0); chunks=4", "not a knob of this schedule"),
-    ("overlap(mm0, ar0); chunks=0", "positive integer"),
-    ("split(", "neither a transform"),
-    ("chunks=4; overlap(mm0, ar0)", "knobs come after"),
-    ("split(ar0, ar1)", "unexpected arguments"),
-    ("split(ar0, dim=x)", "must be an integer"),
-    ("split(add0)", "illegal schedule: split(add0): add0 is a add"),
-    ("x" * (8192 + 256 * 40), "at most"),  # the megatron layer has fewer than 40 statements
-])
+@pytest.mark.parametrize(
+    "text,fragment",
+    [
+        ("teleport(ar0)", "unknown transform 'teleport'"),
+        ("split(ar0); chunks=4", "not a knob of this schedule"),
+        ("overlap(mm0, ar0); chunks=0", "positive integer"),
+        ("split(", "neither a transform"),
+        ("chunks=4; overlap(mm0, ar0)", "knobs come after"),
+        ("split(ar0, ar1)", "unexpected arguments"),
+        ("split(ar0, dim=x)", "must be an integer"),
+        ("split(add0)", "illegal schedule: split(add0): add0 is a add"),
+        ("x" * (8192 + 256 * 40), "at most"),  # the megatron layer has fewer than 40 statements
+    ],
+)
 def test_schedule_text_errors(text, fragment):
     with pytest.raises(ScheduleError) as info:
         Schedule.parse(text, example("megatron_mlp"))
@@ -521,7 +524,7 @@ def _runs(prog, cls):
                 j += 1
             if j - i >= 2:
                 yield before, ts[i:j]
-            for t in ts[i:max(j, i + 1)]:
+            for t in ts[i : max(j, i + 1)]:
                 before = t.apply(before)
             i = max(j, i + 1)
 
@@ -537,8 +540,10 @@ def _same(batch, one_by_one) -> bool:
     return batch == one_by_one and batch.locations == one_by_one.locations
 
 
-@pytest.mark.parametrize("cls,name", [(AsSlice, "adam"), (AsSlice, "lamb"), (AsSlice, "adam_multi"),
-                                      (Split, "adam_multi"), (Reorder, "adam_multi")])
+@pytest.mark.parametrize(
+    "cls,name",
+    [(AsSlice, "adam"), (AsSlice, "lamb"), (AsSlice, "adam_multi"), (Split, "adam_multi"), (Reorder, "adam_multi")],
+)
 def test_a_step_applied_together_is_the_step_applied_one_by_one(cls, name):
     together = 0
     for before, run in _runs(example(name), cls):
@@ -623,8 +628,9 @@ def test_group_reach_widens_through_chains_of_groups():
         p.output(f"y{k}", (x * float(k + 2)).named(f"s{k}"))
     prog = p.ir
     at = {f"s{k}": prog.position[f"s{k}"] for k in range(12)}
-    spans = dataclasses.replace(prog, groups=(Group("fuse", ("s1", "s4")), Group("fuse", ("s3", "s9")),
-                                              Group("fuse", ("s10", "s11"))))
+    spans = dataclasses.replace(
+        prog, groups=(Group("fuse", ("s1", "s4")), Group("fuse", ("s3", "s9")), Group("fuse", ("s10", "s11")))
+    )
     # from s2: s1..s4 straddles it, then s3..s9 straddles s4; s10..s11 lies beyond, not reached
     assert spans.group_reach(at["s2"], at["s2"]) == (at["s1"], at["s9"])
     assert spans.group_reach(at["s6"], at["s6"]) == (at["s1"], at["s9"])

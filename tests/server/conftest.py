@@ -37,8 +37,9 @@ class PostgresServer:
         import psycopg
 
         name = f"t{next(self._names)}"
-        with psycopg.connect(host=str(self.sockets), port=self.port, user="postgres", dbname="postgres",
-                             autocommit=True) as conn:
+        with psycopg.connect(
+            host=str(self.sockets), port=self.port, user="postgres", dbname="postgres", autocommit=True
+        ) as conn:
             conn.execute(f"CREATE DATABASE {name}")
         return self.url(name)
 
@@ -67,12 +68,20 @@ def postgres() -> Iterator[PostgresServer]:
             shutil.chown(p, "postgres", "postgres")
     log = server.root / "server.log"
     try:
-        subprocess.run(_as_postgres([str(initdb), "-D", str(data), "-A", "trust", "-U", "postgres"]),
-                       check=True, capture_output=True)
-        options = (f"-k {server.sockets} -p {server.port} -c listen_addresses='' "
-                   "-c fsync=off -c synchronous_commit=off -c full_page_writes=off")
-        subprocess.run(_as_postgres([str(pg_ctl), "-D", str(data), "-o", options, "-l", str(log), "-w", "start"]),
-                       check=True, capture_output=True)
+        subprocess.run(
+            _as_postgres([str(initdb), "-D", str(data), "-A", "trust", "-U", "postgres"]),
+            check=True,
+            capture_output=True,
+        )
+        options = (
+            f"-k {server.sockets} -p {server.port} -c listen_addresses='' "
+            "-c fsync=off -c synchronous_commit=off -c full_page_writes=off"
+        )
+        subprocess.run(
+            _as_postgres([str(pg_ctl), "-D", str(data), "-o", options, "-l", str(log), "-w", "start"]),
+            check=True,
+            capture_output=True,
+        )
     except subprocess.CalledProcessError as err:
         detail = (err.stderr or b"").decode(errors="replace").strip()
         if log.exists():

@@ -28,10 +28,22 @@ def _winner(store: Store, prog: Any, n: int, median_s: float, source: str, **ext
     from coconet.schedules.space import generate
 
     base, other = list(generate(prog, depth=1))[:2]
-    common = dict(sizes={"N": n}, topology="local", world=2, backend="gloo", source=source,
-                  samples=[] if source == "model" else [median_s] * 5, n=0 if source == "model" else 5, **extra)
-    ids = store.add_measurements([NewMeasurement.of(base, median_s=3 * median_s, **common),
-                                  NewMeasurement.of(other, median_s=median_s, **common)])
+    common = dict(
+        sizes={"N": n},
+        topology="local",
+        world=2,
+        backend="gloo",
+        source=source,
+        samples=[] if source == "model" else [median_s] * 5,
+        n=0 if source == "model" else 5,
+        **extra,
+    )
+    ids = store.add_measurements(
+        [
+            NewMeasurement.of(base, median_s=3 * median_s, **common),
+            NewMeasurement.of(other, median_s=median_s, **common),
+        ]
+    )
     return store.add_winner(ids[1], baseline_id=ids[0])
 
 
@@ -48,8 +60,12 @@ def test_best_answers_the_measurement_and_says_so(served) -> None:
         assert body["order_reversed"] is False
     body = c.get(f"{query}&source=predicted").json()
     assert (body["winner_id"], body["source"]) == (predicted, "predicted")
-    assert body["prediction"] == {"model": "alpha-beta roofline", "topology": "local", "calibration": "abc123",
-                                  "coconet": "0.1.0"}
+    assert body["prediction"] == {
+        "model": "alpha-beta roofline",
+        "topology": "local",
+        "calibration": "abc123",
+        "coconet": "0.1.0",
+    }
     assert body["baseline"]["source"] == "predicted"
     assert c.get(f"{query}&source=guess").status_code == 422
     # the results list the measured winner of the key, not the prediction beside it
@@ -63,8 +79,7 @@ def test_a_key_only_predicted_answers_with_the_prediction_flagged(served) -> Non
     body = c.get(f"{API}/best?program={prog.hash}&sizes=N=1048576&topology=local").json()
     assert (body["winner_id"], body["source"], body["exact"]) == (predicted, "predicted", True)
     assert body["prediction"]["model"] == "alpha-beta roofline" and body["prediction"]["calibration"] is None
-    assert c.get(f"{API}/best?program={prog.hash}&sizes=N=1048576&topology=local&source=measured").status_code \
-        == 404
+    assert c.get(f"{API}/best?program={prog.hash}&sizes=N=1048576&topology=local&source=measured").status_code == 404
 
 
 def test_asking_to_tune_a_key_only_predicted_starts_a_job(served) -> None:
@@ -86,8 +101,11 @@ def test_asking_to_tune_a_key_only_predicted_starts_a_job(served) -> None:
 
 def test_every_answer_says_where_a_measurement_ran(served) -> None:
     c, store, prog = served
-    ran = {"fingerprint": "0154706922f8", "machines": "1 node: AMD EPYC, 2 CPUs, 24 GiB, x86_64, no GPU",
-           "placement": "2 ranks on 1 node"}
+    ran = {
+        "fingerprint": "0154706922f8",
+        "machines": "1 node: AMD EPYC, 2 CPUs, 24 GiB, x86_64, no GPU",
+        "placement": "2 ranks on 1 node",
+    }
     measured = _winner(store, prog, 2**14, 1e-3, "measured", versions={"torch": "2.13", **ran})
     older = _winner(store, prog, 2**18, 1e-3, "measured", versions={"torch": "2.13"})  # from before fingerprints
     query = f"{API}/best?program={prog.hash}&sizes=N=16384&topology=local"

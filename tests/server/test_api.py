@@ -58,10 +58,12 @@ def _seed_winner(store: Store, prog: Any, n: int) -> tuple[str, str]:
 
     base, other = list(generate(prog, depth=1))[:2]
     common = dict(sizes={"N": n}, topology="local", world=2, backend="gloo", samples=[1e-3] * 5, n=5)
-    ids = store.add_measurements([
-        NewMeasurement.of(base, median_s=2e-3, ci_lo_s=1.9e-3, ci_hi_s=2.1e-3, **common),
-        NewMeasurement.of(other, median_s=1e-3, ci_lo_s=0.9e-3, ci_hi_s=1.1e-3, **common),
-    ])
+    ids = store.add_measurements(
+        [
+            NewMeasurement.of(base, median_s=2e-3, ci_lo_s=1.9e-3, ci_hi_s=2.1e-3, **common),
+            NewMeasurement.of(other, median_s=1e-3, ci_lo_s=0.9e-3, ci_hi_s=1.1e-3, **common),
+        ]
+    )
     store.add_winner(ids[1], runner_up_id=ids[0], baseline_id=ids[0])
     return base.hash, other.hash
 
@@ -78,8 +80,18 @@ def test_a_posted_program_is_tuned_by_a_job_and_served(ray_local, tmp_path: Path
         assert r.status_code == 201, r.text
         h = r.json()["hash"]
         assert h == prog.hash
-        r = c.post(f"{API}/jobs", json={"program": h, "sizes": {"N": 2000}, "topology": "local", "world": 2,
-                                        "budget": 2, "backends": ["gloo"]}, headers=AUTH)
+        r = c.post(
+            f"{API}/jobs",
+            json={
+                "program": h,
+                "sizes": {"N": 2000},
+                "topology": "local",
+                "world": 2,
+                "budget": 2,
+                "backends": ["gloo"],
+            },
+            headers=AUTH,
+        )
         assert r.status_code == 202, r.text
         job_id = r.json()["id"]
         deadline = time.monotonic() + 240
@@ -109,8 +121,9 @@ def test_a_posted_program_is_tuned_by_a_job_and_served(ray_local, tmp_path: Path
         assert code.status_code == 200, code.text
         assert "def step(" in code.json()["source"]
 
-        assert [w["schedule_hash"] for w in c.get(f"{API}/results", params={"program": h}).json()["winners"]] \
-            == [b["schedule_hash"]]
+        assert [w["schedule_hash"] for w in c.get(f"{API}/results", params={"program": h}).json()["winners"]] == [
+            b["schedule_hash"]
+        ]
         assert len(c.get(f"{API}/measurements", params={"program": h}).json()) >= 2
         assert [j["id"] for j in c.get(f"{API}/jobs", params={"program": h}).json()] == [job_id]
 
@@ -130,8 +143,12 @@ def test_best_exact_nearest_and_code(client: TestClient) -> None:
     assert b["runner_up"]["schedule_hash"] == b["baseline"]["schedule_hash"] == base_hash
 
     near = client.get(f"{API}/best", params={"program": h, "sizes": "N=2^14", "world": 2}).json()
-    assert (near["exact"], near["distance"], near["sizes"], near["tuned_sizes"]) == (False, 4.0, {"N": 16384},
-                                                                                      {"N": 1024})
+    assert (near["exact"], near["distance"], near["sizes"], near["tuned_sizes"]) == (
+        False,
+        4.0,
+        {"N": 16384},
+        {"N": 1024},
+    )
     missing = client.get(f"{API}/best", params={"program": h, "sizes": "N=1024", "world": 4})
     assert missing.status_code == 404 and "nothing tuned" in missing.json()["detail"]
 
@@ -161,8 +178,9 @@ def test_best_answers_only_for_the_state_the_question_lets_stay_sharded(client: 
     base, zero = space[0], next(s for s in space if s.sharded)
     common = dict(sizes={"N": 512}, topology="local", world=2, backend="shm", samples=[1e-3] * 3, n=3)
     store = client.app.state.store
-    ids = store.add_measurements([NewMeasurement.of(base, median_s=2e-3, **common),
-                                  NewMeasurement.of(zero, median_s=1e-3, **common)])
+    ids = store.add_measurements(
+        [NewMeasurement.of(base, median_s=2e-3, **common), NewMeasurement.of(zero, median_s=1e-3, **common)]
+    )
     store.add_winner(ids[1], runner_up_id=ids[0], baseline_id=ids[0])  # a search over every schedule
     ask = {"program": h, "sizes": "N=512", "world": 2}
     # ema_sgd has no hand-written baseline: by default nothing may stay sharded
@@ -263,8 +281,9 @@ def test_a_new_winner_is_served_at_once(db_url: str, monkeypatch) -> None:
         store.add_winner(store.add_measurement(NewMeasurement.of(base, median_s=1e-3, **common)))
         ask = f"{API}/best?program={prog.hash}&sizes=N=1024&world=2"
         assert c.get(ask).json()["schedule_hash"] == base.hash
-        job = c.post(f"{API}/jobs", json={"program": prog.hash, "sizes": {"N": 1024}, "world": 2, "budget": 1},
-                     headers=AUTH).json()["id"]
+        job = c.post(
+            f"{API}/jobs", json={"program": prog.hash, "sizes": {"N": 1024}, "world": 2, "budget": 1}, headers=AUTH
+        ).json()["id"]
         assert _wait_for(store, job, "done").state == "done"
         assert c.get(ask).json()["schedule_hash"] == other.hash
         with Store.open(db_url) as elsewhere:
@@ -303,8 +322,13 @@ def _corpus(h: str) -> list[tuple[str, str, str, dict[str, Any], int]]:
         ("basic auth", post, "/programs", dict(json=good_ir, headers={"Authorization": f"Basic {TOKEN}"}), 401),
         ("no token for a job", post, "/jobs", dict(json=job), 401),
         ("no token to tune", post, "/best", dict(json={**best, "sizes": {"N": 4096}}), 401),
-        ("tune by GET", get, "/best", dict(params={"program": h, "sizes": "N=4096", "world": 2, "tune": "true"},
-                                           headers=AUTH), 400),
+        (
+            "tune by GET",
+            get,
+            "/best",
+            dict(params={"program": h, "sizes": "N=4096", "world": 2, "tune": "true"}, headers=AUTH),
+            400,
+        ),
         ("tune by GET, even false", get, "/best", dict(params={"program": h, "sizes": "N=4", "tune": "false"}), 400),
         ("POST best without world", post, "/best", dict(json={"program": h, "sizes": {"N": 4}}, headers=AUTH), 422),
         ("POST best sizes as text", post, "/best", dict(json={**best, "sizes": "N=4"}, headers=AUTH), 422),
@@ -328,8 +352,13 @@ def _corpus(h: str) -> list[tuple[str, str, str, dict[str, Any], int]]:
         ("job world as text", post, "/jobs", dict(json={**job, "world": "2"}, headers=AUTH), 422),
         ("extra key", post, "/programs", dict(json={**good_ir, "exec": "rm -rf /"}, headers=AUTH), 422),
         ("huge name", post, "/programs", dict(json={**good_ir, "name": "a" * 5000}, headers=AUTH), 422),
-        ("too many statements", post, "/programs",
-         dict(json={**good_ir, "statements": good_ir["statements"] * 200}, headers=AUTH), 422),
+        (
+            "too many statements",
+            post,
+            "/programs",
+            dict(json={**good_ir, "statements": good_ir["statements"] * 200}, headers=AUTH),
+            422,
+        ),
         ("64 MiB body", post, "/programs", dict(content=big, headers=AUTH), 413),
         ("10,000 levels", post, "/programs", dict(content=deep.encode(), headers=AUTH), 400),
         ("deep attrs", post, "/programs", dict(content=deep_text.encode(), headers=AUTH), 400),
@@ -369,14 +398,18 @@ def _corpus(h: str) -> list[tuple[str, str, str, dict[str, Any], int]]:
         ("best sizes 000", get, "/best", dict(params={"program": h, "sizes": "000"}), 422),
         ("measurements after 2^63", get, "/measurements", dict(params={"program": h, "after": 2**63}), 422),
         # a 500 (OverflowError in the database driver) before ids were bounded
-        ("dashboard measurement 2^63", get, f"/dashboard/programs/{h}/code", dict(params={"measurement": 2**63}),
-         422),
+        ("dashboard measurement 2^63", get, f"/dashboard/programs/{h}/code", dict(params={"measurement": 2**63}), 422),
         ("dashboard not a hash", get, "/dashboard/programs/DROP%20TABLE", {}, 422),
         # the largest ids the schema allows reach the database, and are not there
         ("job id 2^31-1", get, f"/jobs/{2**31 - 1}", {}, 404),
         ("job id 2^31", get, f"/jobs/{2**31}", {}, 422),
-        ("dashboard measurement 2^31-1", get, f"/dashboard/programs/{h}/code",
-         dict(params={"measurement": 2**31 - 1}), 404),
+        (
+            "dashboard measurement 2^31-1",
+            get,
+            f"/dashboard/programs/{h}/code",
+            dict(params={"measurement": 2**31 - 1}),
+            404,
+        ),
         ("results of an unknown program", get, "/results", dict(params={"program": "c" * 16}), 404),
     ]
 
@@ -402,8 +435,11 @@ def test_refusals_are_documented_and_say_why_in_one_line(client: TestClient) -> 
         for method, op in item.items():
             for status, response in op["responses"].items():
                 if int(status) >= 400:
-                    assert response["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorOut"), \
-                        (method, path, status)
+                    assert response["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorOut"), (
+                        method,
+                        path,
+                        status,
+                    )
     r = client.options(f"{API}/programs")
     assert r.status_code == 405 and r.headers["allow"] == "GET, POST" and "GET, POST" in r.json()["detail"]
     assert client.put(f"{API}/jobs/1").headers["allow"] == "GET"
@@ -535,8 +571,15 @@ def _schemathesis(app: Any, headers: dict[str, str], examples: int) -> tuple[int
     from schemathesis.engine import events, from_schema
 
     settings = tomllib.loads(SCHEMATHESIS_TOML.read_text())
-    config = schemathesis.Config.from_dict({**settings, "headers": headers, "seed": 1, "suppress-health-check": ["all"],
-                                            "generation": {"max-examples": examples, "deterministic": True}})
+    config = schemathesis.Config.from_dict(
+        {
+            **settings,
+            "headers": headers,
+            "seed": 1,
+            "suppress-health-check": ["all"],
+            "generation": {"max-examples": examples, "deterministic": True},
+        }
+    )
     schema = schemathesis.openapi.from_asgi("/openapi.json", app, config=config)
     cases, labels, failures = 0, set(), {}
     for event in from_schema(schema).execute():
@@ -570,8 +613,12 @@ def test_schemathesis_finds_no_failure(db_url: str) -> None:
     for name, served, headers in ways if db_url.startswith("sqlite") else ways[:1]:
         cases, labels, failures = _schemathesis(served, headers, examples=20)
         found += [f"{name}: {title}\n{sample}" for title, sample in failures.items()]
-        assert {"POST /api/v1/programs", "POST /api/v1/jobs", "GET /api/v1/best",
-                "GET /api/v1/dashboard/programs/{program_hash}/code"} <= labels
+        assert {
+            "POST /api/v1/programs",
+            "POST /api/v1/jobs",
+            "GET /api/v1/best",
+            "GET /api/v1/dashboard/programs/{program_hash}/code",
+        } <= labels
         assert cases > 1000
     assert not found, "\n\n".join(found)
 
@@ -592,8 +639,11 @@ def _fake_tune(behaviour: str):
                 on_progress(dict(request.sizes[0]), None)
                 time.sleep(0.01)
         except BaseException as e:  # as tune does: the job is recorded interrupted, then re-raised
-            store.update_job(job_id, state="interrupted" if isinstance(e, KeyboardInterrupt) else "failed",
-                             error=f"{type(e).__name__}: {e}")
+            store.update_job(
+                job_id,
+                state="interrupted" if isinstance(e, KeyboardInterrupt) else "failed",
+                error=f"{type(e).__name__}: {e}",
+            )
             raise
         return []
 

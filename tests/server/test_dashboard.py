@@ -57,18 +57,44 @@ def filled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
         ids = []
         for k, s in enumerate(schedules):
             median = 1e-4 * (1 + i) * (1.0 - 0.15 * k)  # synthetic: later schedules faster
-            ids.append(store.add_measurement(NewMeasurement.of(
-                s, sizes=sizes, topology="local", world=2, backend="gloo", samples=[median] * 5, n=5,
-                median_s=median, ci_lo_s=median * 0.97, ci_hi_s=median * 1.03, job_id=job)))
-        store.add_measurement(NewMeasurement.of(
-            schedules[1], sizes=sizes, topology="local", world=2, backend="shm", status="runtime_error",
-            error="synthetic failure", job_id=job))
+            ids.append(
+                store.add_measurement(
+                    NewMeasurement.of(
+                        s,
+                        sizes=sizes,
+                        topology="local",
+                        world=2,
+                        backend="gloo",
+                        samples=[median] * 5,
+                        n=5,
+                        median_s=median,
+                        ci_lo_s=median * 0.97,
+                        ci_hi_s=median * 1.03,
+                        job_id=job,
+                    )
+                )
+            )
+        store.add_measurement(
+            NewMeasurement.of(
+                schedules[1],
+                sizes=sizes,
+                topology="local",
+                world=2,
+                backend="shm",
+                status="runtime_error",
+                error="synthetic failure",
+                job_id=job,
+            )
+        )
         store.add_winner(ids[-1], runner_up_id=ids[-2], baseline_id=ids[0], job_id=job)
         store.update_job(job, state="done", progress=Progress(done=5, total=5, failed=1))
         # A model's prediction of another topology: a winner without a job.
-        base, best = (store.add_measurement(NewMeasurement.of(
-            s, sizes=sizes, topology="dgx2", world=16, backend="nccl", median_s=t, source="model"))
-            for s, t in ((schedules[0], 2e-4), (schedules[2], 1e-4)))
+        base, best = (
+            store.add_measurement(
+                NewMeasurement.of(s, sizes=sizes, topology="dgx2", world=16, backend="nccl", median_s=t, source="model")
+            )
+            for s, t in ((schedules[0], 2e-4), (schedules[2], 1e-4))
+        )
         store.add_winner(best, baseline_id=base)
     try:
         yield {"store": store, "url": url, "hash": h, "schedules": [s.text for s in schedules]}
@@ -108,8 +134,12 @@ def test_program_summary_and_winners_page(client: TestClient, filled: dict[str, 
     programs = client.get(f"{PREFIX}/programs").json()
     assert [(p["hash"], p["name"], p["results"]) for p in programs] == [(h, "adam", 6)]
     summary = client.get(f"{PREFIX}/programs/{h}").json()
-    assert summary["facets"] == {"topology": ["dgx2", "local"], "world": [2, 16], "backend": ["gloo", "nccl", "shm"],
-                                 "source": ["measured", "predicted"]}
+    assert summary["facets"] == {
+        "topology": ["dgx2", "local"],
+        "world": [2, 16],
+        "backend": ["gloo", "nccl", "shm"],
+        "source": ["measured", "predicted"],
+    }
     page = client.get(f"{PREFIX}/programs/{h}/winners").json()
     assert page["total"] == 6 and page["offset"] == 0 and len(page["rows"]) == 6
     assert [r["topology"] for r in page["rows"]] == ["dgx2"] * 3 + ["local"] * 3  # as Store.results orders them
@@ -124,9 +154,16 @@ def test_program_summary_and_winners_page(client: TestClient, filled: dict[str, 
     assert both.json()["total"] == 3
     second = client.get(f"{PREFIX}/programs/{h}/winners", params={"limit": 2, "offset": 2}).json()
     assert second["total"] == 6 and [r["winner_id"] for r in second["rows"]] == [
-        r["winner_id"] for r in page["rows"][2:4]]
-    for bad in ({"world": 0}, {"source": "guessed"}, {"backend": "mpi"}, {"limit": 0}, {"offset": -1},
-                {"topology": "a b"}):
+        r["winner_id"] for r in page["rows"][2:4]
+    ]
+    for bad in (
+        {"world": 0},
+        {"source": "guessed"},
+        {"backend": "mpi"},
+        {"limit": 0},
+        {"offset": -1},
+        {"topology": "a b"},
+    ):
         assert client.get(f"{PREFIX}/programs/{h}/winners", params=bad).status_code == 422, bad
     assert client.get(f"{PREFIX}/programs/feedface/winners").status_code == 404
 
@@ -138,28 +175,45 @@ def test_plots_per_family_with_measured_and_predicted_apart(client: TestClient, 
     assert plots["timings_total"] == 2 and set(timing) == {"local · 2 ranks", "dgx2 · 16 ranks"}
     # the baseline, the winner, then the fastest others; the failed shm trial draws no line
     assert [s["name"] for s in timing["local · 2 ranks"]["series"]] == [
-        f"measured · gloo: {s}" for s in (schedules[0], schedules[-1], schedules[2], schedules[1])]
+        f"measured · gloo: {s}" for s in (schedules[0], schedules[-1], schedules[2], schedules[1])
+    ]
     assert all(s["x"] == [1 << 10, 1 << 12, 1 << 14] for s in timing["local · 2 ranks"]["series"])
     assert timing["local · 2 ranks"]["axis"] == {"type": "log", "title": "N"}
     assert {s["source"] for s in timing["dgx2 · 16 ranks"]["series"]} == {"predicted"}
     [speedups] = plots["speedups"]
     assert speedups["family"] == "N varies"
     assert sorted(s["name"] for s in speedups["series"]) == [
-        "measured · local · 2 ranks · gloo", "predicted · dgx2 · 16 ranks · nccl"]
+        "measured · local · 2 ranks · gloo",
+        "predicted · dgx2 · 16 ranks · nccl",
+    ]
     narrowed = client.get(f"{PREFIX}/programs/{h}/plots", params={"source": "measured"}).json()
     assert [t["context"] for t in narrowed["timings"]] == ["local · 2 ranks"]
 
 
 def test_shape_families_put_one_varying_dim_on_an_axis() -> None:
-    keys = {k: parse_sizes_key(k) for k in (
-        "B=4,H=1024,S=512", "B=4,H=1024,S=1024", "B=4,H=1024,S=2048", "B=4,H=1024,S=4096",  # S varies
-        "B=8,H=1024,S=512", "B=16,H=1024,S=512",  # B varies, and B=4,S=512 above: on the longer line, S's
-        "B=2,H=4096,S=256", "N=8", "N=2")}
+    keys = {
+        k: parse_sizes_key(k)
+        for k in (
+            "B=4,H=1024,S=512",
+            "B=4,H=1024,S=1024",
+            "B=4,H=1024,S=2048",
+            "B=4,H=1024,S=4096",  # S varies
+            "B=8,H=1024,S=512",
+            "B=16,H=1024,S=512",  # B varies, and B=4,S=512 above: on the longer line, S's
+            "B=2,H=4096,S=256",
+            "N=8",
+            "N=2",
+        )
+    }
     fams = families(keys)
     lines = {(f.dim, tuple(sorted(f.fixed.items()))): f.keys for f in fams}
     assert lines == {
-        ("S", (("B", 4), ("H", 1024))): ("B=4,H=1024,S=512", "B=4,H=1024,S=1024", "B=4,H=1024,S=2048",
-                                         "B=4,H=1024,S=4096"),
+        ("S", (("B", 4), ("H", 1024))): (
+            "B=4,H=1024,S=512",
+            "B=4,H=1024,S=1024",
+            "B=4,H=1024,S=2048",
+            "B=4,H=1024,S=4096",
+        ),
         ("B", (("H", 1024), ("S", 512))): ("B=8,H=1024,S=512", "B=16,H=1024,S=512"),
         (None, ()): ("B=2,H=4096,S=256",),
         ("N", ()): ("N=2", "N=8"),
@@ -174,15 +228,19 @@ def test_a_key_measured_and_predicted_answers_with_the_measured_unless_asked(tmp
     with Store.open(f"sqlite:///{tmp_path / 'store.db'}") as store:
         h = store.add_program(program)
         common = dict(sizes={"N": 4096}, topology="local", world=2, backend="gloo")
-        measured = store.add_measurements([NewMeasurement.of(s, median_s=t, **common)
-                                           for s, t in ((s0, 2e-3), (s1, 1e-3))])
+        measured = store.add_measurements(
+            [NewMeasurement.of(s, median_s=t, **common) for s, t in ((s0, 2e-3), (s1, 1e-3))]
+        )
         store.add_winner(measured[1], baseline_id=measured[0])
-        predicted = store.add_measurements([NewMeasurement.of(s, median_s=t, source="model", **common)
-                                            for s, t in ((s0, 2e-3), (s2, 5e-4))])
+        predicted = store.add_measurements(
+            [NewMeasurement.of(s, median_s=t, source="model", **common) for s, t in ((s0, 2e-3), (s2, 5e-4))]
+        )
         store.add_winner(predicted[1], baseline_id=predicted[0])  # newer, faster, but predicted
         c = TestClient(_app(store))
-        rows = {src: c.get(f"{PREFIX}/programs/{h}/winners", params={"source": src} if src else {}).json()["rows"]
-                for src in (None, "measured", "predicted")}
+        rows = {
+            src: c.get(f"{PREFIX}/programs/{h}/winners", params={"source": src} if src else {}).json()["rows"]
+            for src in (None, "measured", "predicted")
+        }
         assert [(r["schedule"], r["source"]) for r in rows[None]] == [(s1.text, "measured")]
         assert [(r["schedule"], r["source"]) for r in rows["measured"]] == [(s1.text, "measured")]
         assert [(r["schedule"], r["source"]) for r in rows["predicted"]] == [(s2.text, "predicted")]
@@ -190,7 +248,11 @@ def test_a_key_measured_and_predicted_answers_with_the_measured_unless_asked(tmp
         assert [(s["source"], s["speedup"]) for s in series] == [("measured", [2.0])]
         timing = c.get(f"{PREFIX}/programs/{h}/plots").json()["timings"][0]["series"]
         assert {(s["schedule"], s["source"]) for s in timing} == {
-            (s0.text, "measured"), (s1.text, "measured"), (s0.text, "predicted"), (s2.text, "predicted")}
+            (s0.text, "measured"),
+            (s1.text, "measured"),
+            (s0.text, "predicted"),
+            (s2.text, "predicted"),
+        }
         before = c.get(f"{PREFIX}/version").json()
         assert c.get(f"{PREFIX}/version").json() == before  # nothing changed, nothing to fetch again
         job = store.create_job(h, {"N": 8192}, "local", 2, budget=2, backends=["gloo"])
@@ -199,8 +261,11 @@ def test_a_key_measured_and_predicted_answers_with_the_measured_unless_asked(tmp
         store.claim_job(job)
         running = c.get(f"{PREFIX}/version").json()
         assert running["running"] == 1 and running["queued"] == 0
-        store.add_measurement(NewMeasurement.of(s0, sizes={"N": 8192}, topology="local", world=2, backend="gloo",
-                                                median_s=1e-3, job_id=job))
+        store.add_measurement(
+            NewMeasurement.of(
+                s0, sizes={"N": 8192}, topology="local", world=2, backend="gloo", median_s=1e-3, job_id=job
+            )
+        )
         assert c.get(f"{PREFIX}/version").json()["version"] != running["version"]
 
 
@@ -302,8 +367,14 @@ def browser() -> Iterator[Any]:
 
     options = webdriver.ChromeOptions()
     options.binary_location = found[0]
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-dev-shm-usage", "--window-size=1400,2600"):
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-background-networking",
+        "--disable-dev-shm-usage",
+        "--window-size=1400,2600",
+    ):
         options.add_argument(flag)
     driver = webdriver.Chrome(service=Service(executable_path=found[1]), options=options)
     driver.set_page_load_timeout(30)
@@ -321,29 +392,39 @@ def _wait(driver: Any, script: str, *args: Any, timeout: float = 15.0) -> Any:
 
 def _names(driver: Any, selector: str) -> list[list[str]]:
     return driver.execute_script(
-        "return [...document.querySelectorAll(arguments[0])].map(d => d.data.map(t => t.name))", selector)
+        "return [...document.querySelectorAll(arguments[0])].map(d => d.data.map(t => t.name))", selector
+    )
 
 
 def _timing(driver: Any, what: str, count: int = 1) -> dict[str, float]:
     """The page's own record of its ``count``-th load of kind ``what``: when its data had arrived and when it was
     rendered and painted (performance.now(), ms from navigation start)."""
-    return _wait(driver, "const t = window.coconetTimings.filter(t => t.what === arguments[0]);"
-                         "return t.length >= arguments[1] && t[arguments[1] - 1]", what, count)
+    return _wait(
+        driver,
+        "const t = window.coconetTimings.filter(t => t.what === arguments[0]);"
+        "return t.length >= arguments[1] && t[arguments[1] - 1]",
+        what,
+        count,
+    )
 
 
 def _render(driver: Any, url: str) -> None:
     driver.get(url)
     _timing(driver, "first")
     # The code block fills last: when it holds code, every fetch before it has answered.
-    _wait(driver, "const c = document.querySelector('#code code').textContent;"
-                  "return c.includes('def step(') || !document.querySelector('#error').hidden")
+    _wait(
+        driver,
+        "const c = document.querySelector('#code code').textContent;"
+        "return c.includes('def step(') || !document.querySelector('#error').hidden",
+    )
 
 
 def _draw_all(driver: Any) -> None:
     """Scroll every plot into view, so that each is drawn (the page draws a plot as it comes near the viewport)."""
     driver.execute_async_script(
         "const done = arguments[0]; (async () => { for (const d of document.querySelectorAll('.plot')) {"
-        "d.scrollIntoView(); await new Promise(r => setTimeout(r, 30)); } done(); })()")
+        "d.scrollIntoView(); await new Promise(r => setTimeout(r, 30)); } done(); })()"
+    )
     _wait(driver, "return [...document.querySelectorAll('.plot')].every(d => d.classList.contains('js-plotly-plot'))")
 
 
@@ -352,8 +433,11 @@ def _error(driver: Any) -> str:
 
 
 def _select(driver: Any, selector: str, value: str) -> None:
-    driver.execute_script("const s = document.querySelector(arguments[0]); s.value = arguments[1];"
-                          "s.dispatchEvent(new Event('change'))", selector, value)
+    driver.execute_script(
+        "const s = document.querySelector(arguments[0]); s.value = arguments[1];s.dispatchEvent(new Event('change'))",
+        selector,
+        value,
+    )
 
 
 def test_page_renders_plots(filled: dict[str, Any], browser: Any) -> None:
@@ -362,29 +446,38 @@ def test_page_renders_plots(filled: dict[str, Any], browser: Any) -> None:
         assert _error(browser) == ""
         _draw_all(browser)
         schedules = filled["schedules"]
-        timing = {d["context"]: d["traces"] for d in browser.execute_script(
-            "return [...document.querySelectorAll('.timing-plot.js-plotly-plot')].map(d => ("
-            "{context: d.dataset.context, traces: d.data.map(t => [t.name, t.line.dash, t.marker.symbol])}))")}
+        timing = {
+            d["context"]: d["traces"]
+            for d in browser.execute_script(
+                "return [...document.querySelectorAll('.timing-plot.js-plotly-plot')].map(d => ("
+                "{context: d.dataset.context, traces: d.data.map(t => [t.name, t.line.dash, t.marker.symbol])}))"
+            )
+        }
         assert sorted(t[0] for t in timing["local · 2 ranks"]) == sorted(f"measured · gloo: {s}" for s in schedules)
         assert sorted(t[0] for t in timing["dgx2 · 16 ranks"]) == sorted(
-            f"predicted · nccl: {s}" for s in (schedules[0], schedules[2]))
+            f"predicted · nccl: {s}" for s in (schedules[0], schedules[2])
+        )
         # measured solid with filled markers, predicted dashed with hollow ones
         assert {tuple(t[1:]) for t in timing["local · 2 ranks"]} == {("solid", "circle")}
         assert {tuple(t[1:]) for t in timing["dgx2 · 16 ranks"]} == {("dash", "circle-open")}
         # every timing trace drew its three sizes as SVG points
         points = browser.execute_script(
             "return [...document.querySelectorAll('.timing-plot .scatterlayer .trace')]"
-            ".map(t => t.querySelectorAll('.point').length)")
+            ".map(t => t.querySelectorAll('.point').length)"
+        )
         assert points and set(points) == {3}
         assert sorted(_names(browser, "#speedup-plot.js-plotly-plot")[0]) == [
-            "measured · local · 2 ranks · gloo", "predicted · dgx2 · 16 ranks · nccl"]
+            "measured · local · 2 ranks · gloo",
+            "predicted · dgx2 · 16 ranks · nccl",
+        ]
         assert _names(browser, "#history-plot.js-plotly-plot") == [["trial", "best so far", "failed"]]
         best = browser.execute_script("return document.querySelector('#history-plot').data[1].y")
         assert best == sorted(best, reverse=True) and len(best) == 5
         assert browser.execute_script("return document.querySelectorAll('#results tbody tr').length") == 6
         # each winner says what its search let stay sharded, beside what it leaves sharded
         allowed = browser.execute_script(
-            "return [...document.querySelectorAll('#results td.shardable')].map(c => c.textContent)")
+            "return [...document.querySelectorAll('#results td.shardable')].map(c => c.textContent)"
+        )
         assert allowed == ["any state"] * 6
         assert "def step(" in browser.find_element("css selector", "#code code").text
         # another study from the select re-draws the history
@@ -411,8 +504,9 @@ def large(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """10,000 keys of adam (4 topologies, 5 worlds, 2 backends, 250 sizes), each a baseline and a winner, two of
     the topologies predicted: SYNTHETIC timings (made-up medians), recorded in bulk through the store's API."""
     program = load_file(ROOT / "examples" / "adam.py")
-    schedules = [NewMeasurement.of(s, sizes={"N": 1}, topology="-", world=1, backend="gloo")
-                 for s in list(generate(program))[:3]]
+    schedules = [
+        NewMeasurement.of(s, sizes={"N": 1}, topology="-", world=1, backend="gloo") for s in list(generate(program))[:3]
+    ]
     store = Store.open(f"sqlite:///{tmp_path_factory.mktemp('large') / 'store.db'}")
     rows = []
     for topology, source in TOPOLOGIES.items():
@@ -422,10 +516,21 @@ def large(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
                     base = 1e-5 * n / 1024 * (1 + world / 8)  # synthetic
                     for s, f in ((schedules[0], 1.0), (schedules[1 + i % 2], 0.6)):
                         # the IR only where a first page shows its code: JSON of 20,000 would slow the inserts
-                        rows.append(dataclasses.replace(
-                            s, schedule_json=s.schedule_json if i < 30 else None, sizes={"N": n},
-                            topology=topology, world=world, backend=backend, median_s=base * f, n=5,
-                            ci_lo_s=base * f * 0.97, ci_hi_s=base * f * 1.03, source=source))
+                        rows.append(
+                            dataclasses.replace(
+                                s,
+                                schedule_json=s.schedule_json if i < 30 else None,
+                                sizes={"N": n},
+                                topology=topology,
+                                world=world,
+                                backend=backend,
+                                median_s=base * f,
+                                n=5,
+                                ci_lo_s=base * f * 0.97,
+                                ci_hi_s=base * f * 1.03,
+                                source=source,
+                            )
+                        )
     h = store.add_program(program)
     ids = store.add_measurements(rows)
     store.add_winners([(ids[j + 1], None, ids[j]) for j in range(0, len(ids), 2)])
@@ -446,19 +551,22 @@ def test_ten_thousand_keys_paint_and_filter_within_a_second(large: dict[str, Any
         info = browser.execute_script("return document.querySelector('#page-info').textContent")
         assert info == "1–25 of 10,000"
         assert browser.execute_script("return document.querySelectorAll('#results tbody tr').length") == 25
-        drawn, plots = browser.execute_script("return [document.querySelectorAll('.js-plotly-plot').length,"
-                                              "document.querySelectorAll('.plot').length]")
+        drawn, plots = browser.execute_script(
+            "return [document.querySelectorAll('.js-plotly-plot').length,document.querySelectorAll('.plot').length]"
+        )
         assert 0 < drawn < plots  # the plots off screen wait until scrolled to
         wire = browser.execute_script(
             "const e = performance.getEntriesByType('resource').find(e => e.name.endsWith('/plotly.min.js'));"
-            "return [e.encodedBodySize, e.decodedBodySize]")
+            "return [e.encodedBodySize, e.decodedBodySize]"
+        )
         assert wire[0] < wire[1] / 2  # gzip on the wire
 
         _select(browser, "#filter-topology", "local")
         filtered = _timing(browser, "filter")
         _wait(browser, "return document.querySelector('#page-info').textContent === '1–25 of 2,500'")
         topologies = browser.execute_script(
-            "return [...document.querySelectorAll('#results tbody tr')].map(r => r.children[1].textContent)")
+            "return [...document.querySelectorAll('#results tbody tr')].map(r => r.children[1].textContent)"
+        )
         assert topologies == ["local"] * 25 and "topology=local" in browser.current_url
         browser.find_element("css selector", "#next").click()
         _timing(browser, "page")
@@ -466,11 +574,13 @@ def test_ten_thousand_keys_paint_and_filter_within_a_second(large: dict[str, Any
         _select(browser, "#filter-source", "predicted")
         _timing(browser, "filter", 2)
         _wait(browser, "return document.querySelector('#page-info').textContent === 'no winner'")
-        print(f"\n10,000 keys: table painted {first['table']:.0f} ms after navigation start, plots "
-              f"{first['rendered']:.0f} ms (their data and plotly in at {first['fetched']:.0f} ms; rendering "
-              f"{first['render_ms']:.0f} ms in all); topology filter "
-              f"{filtered['total_ms']:.0f} ms (rendered in {filtered['render_ms']:.0f} ms); plotly.min.js "
-              f"{wire[0]:,} bytes on the wire for {wire[1]:,}; {drawn} of {plots} plots drawn at first paint")
+        print(
+            f"\n10,000 keys: table painted {first['table']:.0f} ms after navigation start, plots "
+            f"{first['rendered']:.0f} ms (their data and plotly in at {first['fetched']:.0f} ms; rendering "
+            f"{first['render_ms']:.0f} ms in all); topology filter "
+            f"{filtered['total_ms']:.0f} ms (rendered in {filtered['render_ms']:.0f} ms); plotly.min.js "
+            f"{wire[0]:,} bytes on the wire for {wire[1]:,}; {drawn} of {plots} plots drawn at first paint"
+        )
         assert first["render_ms"] < 1000 and filtered["render_ms"] < 1000
     browser.set_window_size(1400, 2600)
 
@@ -483,8 +593,9 @@ def test_page_refreshes_while_jobs_run(tmp_path: Path, browser: Any) -> None:
 
         def tuned(n: int, job: int | None = None) -> None:
             common = dict(sizes={"N": n}, topology="local", world=2, backend="gloo", job_id=job)
-            ids = store.add_measurements([NewMeasurement.of(s, median_s=t, **common) for s, t in ((s0, 2e-3),
-                                                                                               (s1, 1e-3))])
+            ids = store.add_measurements(
+                [NewMeasurement.of(s, median_s=t, **common) for s, t in ((s0, 2e-3), (s1, 1e-3))]
+            )
             store.add_winner(ids[1], baseline_id=ids[0], job_id=job)
 
         tuned(1024)
@@ -519,8 +630,10 @@ def test_docs_and_redoc_render_with_local_assets_only(filled: dict[str, Any], br
             assert all(u.startswith(url + "/") or (size, start) == (0, 0) for u, size, start in loaded), loaded
 
 
-@pytest.mark.skipif(not os.environ.get("COCONET_UPDATE_SCREENSHOT"),
-                    reason="set COCONET_UPDATE_SCREENSHOT=1 to redraw docs/dashboard.png")
+@pytest.mark.skipif(
+    not os.environ.get("COCONET_UPDATE_SCREENSHOT"),
+    reason="set COCONET_UPDATE_SCREENSHOT=1 to redraw docs/dashboard.png",
+)
 def test_screenshot(filled: dict[str, Any], browser: Any) -> None:
     """Redraw docs/dashboard.png, from the store at $COCONET_SCREENSHOT_DB (a real tuned one: coconet tune
     examples/adam.py --world 2 --size N=2^10 --size N=2^12 --size N=2^14 --budget 4 --db URL), else the
@@ -552,11 +665,14 @@ def test_winners_of_searches_allowing_different_state_are_apart_in_the_speedup_p
         h = store.add_program(program)
         for sizes in SIZES:
             common = dict(sizes=sizes, topology="local", world=2, backend="shm", samples=[1e-3] * 3, n=3)
-            ids = store.add_measurements([NewMeasurement.of(s, median_s=t, **common)
-                                          for s, t in ((base, 3e-3), (zero3, 1e-3), (zero1, 2e-3))])
+            ids = store.add_measurements(
+                [NewMeasurement.of(s, median_s=t, **common) for s, t in ((base, 3e-3), (zero3, 1e-3), (zero1, 2e-3))]
+            )
             store.add_winner(ids[1], baseline_id=ids[0])  # a search over every schedule
             store.add_winner(ids[2], baseline_id=ids[0], shardable="m,v")
         [plot] = TestClient(_app(store)).get(f"{PREFIX}/programs/{h}/plots").json()["speedups"]
         speedups = {s["context"]: s["speedup"] for s in plot["series"]}
-    assert speedups == {"local · 2 ranks · shm · any state sharded": [3.0] * 3,
-                        "local · 2 ranks · shm · m, v sharded": [1.5] * 3}
+    assert speedups == {
+        "local · 2 ranks · shm · any state sharded": [3.0] * 3,
+        "local · 2 ranks · shm · m, v sharded": [1.5] * 3,
+    }

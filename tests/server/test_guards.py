@@ -55,8 +55,9 @@ class Served:
         import uvicorn
 
         self.port = _free_port()
-        self.server = uvicorn.Server(server_config(app, port=self.port, limits=limits or HeadLimits(),
-                                                   log_level="critical"))
+        self.server = uvicorn.Server(
+            server_config(app, port=self.port, limits=limits or HeadLimits(), log_level="critical")
+        )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> Served:
@@ -219,8 +220,11 @@ def test_a_cross_origin_get_with_tune_queues_no_job(seeded: dict[str, Any]) -> N
     for token, open_writes in ((TOKEN, False), (None, True)):
         app = create_app(seeded["url"], token=token, open_writes=open_writes, start_workers=False, hosts=HOSTS)
         with TestClient(app) as c:
-            r = c.get(f"{API}/best", params={"program": h, "sizes": "N=4096", "world": 2, "tune": "true"},
-                      headers={"Origin": "http://evil.example", **AUTH})
+            r = c.get(
+                f"{API}/best",
+                params={"program": h, "sizes": "N=4096", "world": 2, "tune": "true"},
+                headers={"Origin": "http://evil.example", **AUTH},
+            )
             assert r.status_code == 400 and "POST /api/v1/best" in r.json()["detail"]
             assert c.get(f"{API}/jobs", params={"program": h}).json() == []
 
@@ -251,8 +255,9 @@ def test_the_client_asks_for_the_best_or_a_tuning_by_post(seeded: dict[str, Any]
         client = Client(http)
         best, started = client.best_or_tune(seeded["hash"], {"N": 1024}, topology="local", world=2)
         assert started is None and best["exact"] is True
-        best, started = client.best_or_tune(seeded["hash"], {"N": 4096}, topology="local", world=2, budget=2,
-                                            backend="gloo", shardable="all")
+        best, started = client.best_or_tune(
+            seeded["hash"], {"N": 4096}, topology="local", world=2, budget=2, backend="gloo", shardable="all"
+        )
         assert best is None and started["state"] == "queued" and started["nearest"]["tuned_sizes"] == {"N": 1024}
         job = client.job(started["job"])
         assert (job["backends"], job["budget"], job["shardable"]) == (["gloo"], 2, "all")
@@ -278,8 +283,9 @@ def test_only_allowed_hosts_are_answered(seeded: dict[str, Any]) -> None:
                 r = c.get(path)
                 assert (r.status_code, r.text) == (400, "Invalid host header"), (base, path)
             assert c.post(f"{API}/programs", json=ir_of(held_out_program()), headers=AUTH).status_code == 400
-    with TestClient(create_app(seeded["url"], token=TOKEN, start_workers=False, hosts=["*"]),
-                    base_url="http://anything.example") as c:
+    with TestClient(
+        create_app(seeded["url"], token=TOKEN, start_workers=False, hosts=["*"]), base_url="http://anything.example"
+    ) as c:
         assert c.get(best).status_code == 200
 
 
@@ -291,16 +297,20 @@ def test_a_write_from_a_page_of_another_site_is_refused(seeded: dict[str, Any]) 
         for origin in ("http://evil.example", "null", "https://localhost.evil.example", "file://"):
             r = c.post(f"{API}/best", json=ask, headers={"Origin": origin})
             assert r.status_code == 403 and "another site" in r.json()["detail"], origin
-            r = c.post(f"{API}/programs", content=b"name=x", headers={"Origin": origin,
-                                                                      "Content-Type": "text/plain"})
+            r = c.post(f"{API}/programs", content=b"name=x", headers={"Origin": origin, "Content-Type": "text/plain"})
             assert r.status_code == 403, origin
         assert c.get(f"{API}/jobs", params={"program": h}).json() == []
         # reads carry no risk (the browser keeps their answers from the page): answered
-        assert c.get(f"{API}/best", params={"program": h, "sizes": "N=1024"},
-                     headers={"Origin": "http://evil.example"}).status_code == 200
+        assert (
+            c.get(
+                f"{API}/best", params={"program": h, "sizes": "N=1024"}, headers={"Origin": "http://evil.example"}
+            ).status_code
+            == 200
+        )
         for origin in ("http://localhost:5173", "http://127.0.0.1:8000", "https://[::1]", "http://testserver"):
-            assert c.post(f"{API}/programs", json=ir_of(held_out_program()),
-                          headers={"Origin": origin}).status_code == 201, origin
+            assert (
+                c.post(f"{API}/programs", json=ir_of(held_out_program()), headers={"Origin": origin}).status_code == 201
+            ), origin
 
 
 # -- what anonymous clients are told
@@ -415,8 +425,12 @@ def test_writers_waiting_for_the_lock_starve_neither_health_nor_reads(tmp_path: 
                 w.start()
             time.sleep(1.0)
             for _ in range(3):
-                for path in (f"{API}/health", f"{API}/best?program={prog.hash}&sizes=N=1024",
-                             f"{API}/programs/{prog.hash}", f"{API}/dashboard/programs"):
+                for path in (
+                    f"{API}/health",
+                    f"{API}/best?program={prog.hash}&sizes=N=1024",
+                    f"{API}/programs/{prog.hash}",
+                    f"{API}/dashboard/programs",
+                ):
                     t = time.perf_counter()
                     status, _ = served.get(path)
                     assert status == 200 and time.perf_counter() - t < 1.0, (path, time.perf_counter() - t)
@@ -448,8 +462,14 @@ def test_serve_opens_writes_only_on_loopback_and_without_a_token(tmp_path: Path)
         ({"COCONET_API_TOKEN": "t"}, ["--open", "--host", "10.0.0.1"], "only on a loopback --host, not 10.0.0.1"),
         ({"COCONET_API_TOKEN": "t"}, ["--open"], "--open and COCONET_API_TOKEN together"),
     ):
-        proc = subprocess.run([sys.executable, "-m", "coconet", "serve", "--db", db, *args], capture_output=True,
-                              text=True, env={**env, **extra}, timeout=60, check=False)
+        proc = subprocess.run(
+            [sys.executable, "-m", "coconet", "serve", "--db", db, *args],
+            capture_output=True,
+            text=True,
+            env={**env, **extra},
+            timeout=60,
+            check=False,
+        )
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr
     assert _served_names("10.1.2.3") == ["10.1.2.3"]
     assert socket.gethostname() in _served_names("0.0.0.0")

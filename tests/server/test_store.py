@@ -55,11 +55,13 @@ def store(db_url):
         yield s
 
 
-def measure(program_hash: str, sizes: dict, schedule: str = "baseline", median_s: float | None = 1e-3,
-            **fields) -> NewMeasurement:
+def measure(
+    program_hash: str, sizes: dict, schedule: str = "baseline", median_s: float | None = 1e-3, **fields
+) -> NewMeasurement:
     defaults = dict(topology="local", world=2, backend="gloo", schedule_hash=f"h-{schedule}", samples=[median_s] * 3)
-    return NewMeasurement(program_hash=program_hash, sizes=sizes, schedule=schedule, median_s=median_s,
-                          **{**defaults, **fields})
+    return NewMeasurement(
+        program_hash=program_hash, sizes=sizes, schedule=schedule, median_s=median_s, **{**defaults, **fields}
+    )
 
 
 def win(store: Store, program_hash: str, sizes: dict, median_s: float, **fields) -> int:
@@ -206,10 +208,22 @@ def test_measurement_json_round_trips(store, adam):
     schedule = max(generate(adam, depth=2), key=lambda s: len(s.transforms))
     samples = [1.2345678901234567e-05, 0.1 + 0.2, 3e-300]
     job = store.create_job(h, {"N": 2**20}, "local", 4)
-    mid = store.add_measurement(NewMeasurement.of(
-        schedule, sizes={"N": 2**20}, topology="local", world=4, backend="shm", samples=samples,
-        median_s=samples[0], ci_lo_s=1e-5, ci_hi_s=1.3e-5, max_rel_err=2e-7, versions={"torch": "2.4.0"}, job_id=job,
-    ))
+    mid = store.add_measurement(
+        NewMeasurement.of(
+            schedule,
+            sizes={"N": 2**20},
+            topology="local",
+            world=4,
+            backend="shm",
+            samples=samples,
+            median_s=samples[0],
+            ci_lo_s=1e-5,
+            ci_hi_s=1.3e-5,
+            max_rel_err=2e-7,
+            versions={"torch": "2.4.0"},
+            job_id=job,
+        )
+    )
     m = store.measurement(mid)
     assert m.samples == samples and m.n == 3
     assert m.sizes == {"N": 2**20} and m.sizes_key == "N=1048576"
@@ -220,8 +234,9 @@ def test_measurement_json_round_trips(store, adam):
     assert (m.source, m.status, m.job_id) == ("measured", "ok", job)
     assert m.created_at.tzinfo is not None
 
-    failed = store.add_measurement(measure(h, {"N": 2**20}, "x", median_s=None, status="compile_error",
-                                           error="no kernel", samples=[]))
+    failed = store.add_measurement(
+        measure(h, {"N": 2**20}, "x", median_s=None, status="compile_error", error="no kernel", samples=[])
+    )
     assert store.measurement(failed).error == "no kernel"
     assert [x.id for x in store.measurements(h, job_id=job)] == [mid]
     assert [x.id for x in store.measurements(h, {"N": 2**20}, "local")] == [mid, failed]
@@ -231,8 +246,17 @@ def test_measurement_json_round_trips(store, adam):
 def test_bulk_insert_of_ten_thousand_rows(store, mlp):
     h = store.add_program(mlp)
     rows = [
-        measure(h, {"B": 2 ** (i % 4), "S": 512, "H": 2 ** (10 + i % 5)}, f"s{i}", 1e-4 * (1 + i % 97),
-                source="model", samples=[], topology="dgx-a100", world=8, backend="nccl")
+        measure(
+            h,
+            {"B": 2 ** (i % 4), "S": 512, "H": 2 ** (10 + i % 5)},
+            f"s{i}",
+            1e-4 * (1 + i % 97),
+            source="model",
+            samples=[],
+            topology="dgx-a100",
+            world=8,
+            backend="nccl",
+        )
         for i in range(10_000)
     ]
     ids = store.add_measurements(rows)
@@ -257,8 +281,11 @@ def test_done_keys_let_a_sweep_resume(store, adam):
         DoneKey(h, "N=1024", "local", 2, "gloo", "h-b", "measured"),
         DoneKey(h, "N=1024", "local", 2, "gloo", "h-a", "model"),
     }
-    todo = [s for s in ("a", "b", "c", "d") if f"h-{s}" not in {k.schedule_hash for k in store.done_keys(
-        h, {"N": 1024}, "local", source="measured")}]
+    todo = [
+        s
+        for s in ("a", "b", "c", "d")
+        if f"h-{s}" not in {k.schedule_hash for k in store.done_keys(h, {"N": 1024}, "local", source="measured")}
+    ]
     assert todo == ["c", "d"]
     assert len(store.done_keys(h)) == 5
     assert store.done_keys(h, world=8) == set()
@@ -357,7 +384,9 @@ def test_results_list_the_current_winner_per_key(store, adam):
     model = win(store, h, {"N": 2**20}, 3e-3, topology="dgx", source="model", samples=[])
     results = store.results(h)
     assert [(r.winner.topology, r.sizes["N"], r.winner.id) for r in results][:3] == [
-        ("dgx", 2**20, model), ("local", 2**20, new), ("local", 2**22, results[2].winner.id)
+        ("dgx", 2**20, model),
+        ("local", 2**20, new),
+        ("local", 2**22, results[2].winner.id),
     ]
     assert old not in {r.winner.id for r in results}
     assert results[0].source == "model"
@@ -390,8 +419,15 @@ def test_a_prediction_never_displaces_a_measured_winner(store, adam):
         store.best(h, {"N": 2**16}, "local", source="guess")
 
 
-def reference_best(store: Store, h: str, sizes: dict, topology: str, world: int | None, backend: str | None,
-                   shardable: str | None = None):
+def reference_best(
+    store: Store,
+    h: str,
+    sizes: dict,
+    topology: str,
+    world: int | None,
+    backend: str | None,
+    shardable: str | None = None,
+):
     """Store.best's rule spelled out over every winner recorded: of those answering ``shardable``, per key and
     (world, backend) pair the newest (created_at, id) measured one, else the newest predicted one; per key the
     fastest of its pairs (of equals, the newest), of its measured pairs where it has any; then the asked key,
@@ -403,18 +439,21 @@ def reference_best(store: Store, h: str, sizes: dict, topology: str, world: int 
             continue
         if w.source == "measured":
             measured_keys.add(w.sizes_key)
-        if shardable is not None and not answers(w.shardable, shardable,
-                                                 sharded_by(store.measurement(w.measurement_id).schedule)):
+        if shardable is not None and not answers(
+            w.shardable, shardable, sharded_by(store.measurement(w.measurement_id).schedule)
+        ):
             continue
         current[(w.sizes_key, w.world, w.backend)] = w
     fastest = {}
     for (key, _, _), w in current.items():
-        rank = (w.source != "measured", store.measurement(w.measurement_id).median_s, -w.created_at.timestamp(),
-                -w.id)
+        rank = (w.source != "measured", store.measurement(w.measurement_id).median_s, -w.created_at.timestamp(), -w.id)
         if key not in fastest or rank < fastest[key][0]:
             fastest[key] = (rank, w)
-    near = sorted((key not in measured_keys, d, key) for key, (_, w) in fastest.items()
-                  if (d := size_distance(sizes, w.sizes)) is not None)
+    near = sorted(
+        (key not in measured_keys, d, key)
+        for key, (_, w) in fastest.items()
+        if (d := size_distance(sizes, w.sizes)) is not None
+    )
     if any(d == 0 for _, d, _ in near):  # the asked key first, measured or not
         near = [n for n in near if n[1] == 0]
     return (fastest[near[0][2]][1].id, near[0][1]) if near else None
@@ -433,8 +472,9 @@ def test_best_follows_its_rule_on_random_stores(store, mlp):
         # a third predicted, often faster than what was measured, as an offline sweep's model tends to be
         source = rng.choice(["measured", "measured", "model"])
         fast = fast / 4 if source == "model" else fast
-        ids = store.add_measurements([measure(h, sizes, f"s{i}-{j}", fast * (j + 1), source=source, **key)
-                                      for j in range(3)])
+        ids = store.add_measurements(
+            [measure(h, sizes, f"s{i}-{j}", fast * (j + 1), source=source, **key) for j in range(3)]
+        )
         roles = rng.choice([(None, None), (ids[1], None), (None, ids[2]), (ids[1], ids[2])])
         store.add_winner(ids[0], runner_up_id=roles[0], baseline_id=roles[1])
     asked = tuned[:3] + [{"B": 3, "S": 700, "H": 1024}, {"B": 1, "S": 1 << 14, "H": 4096}, {"B": 1, "S": 256}]
@@ -467,8 +507,12 @@ def test_best_reads_again_when_the_database_dropped_its_connection(postgres, ada
         other = create_engine(url, isolation_level="AUTOCOMMIT")
         try:
             with other.connect() as conn:
-                dropped = conn.execute(text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                                            "WHERE datname = current_database() AND pid <> pg_backend_pid()")).all()
+                dropped = conn.execute(
+                    text(
+                        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                        "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+                    )
+                ).all()
         finally:
             other.dispose()
         assert dropped and all(ok for (ok,) in dropped)
@@ -485,7 +529,8 @@ def test_programs_are_listed(store, adam, mlp):
     listed = store.programs()
     assert [(p.hash, p.name, p.dims, p.statements) for p in listed] == [
         (a, "adam", list(adam.dims), len(to_dict(adam)["statements"])),
-        (m, mlp.name, list(mlp.dims), len(to_dict(mlp)["statements"]))]
+        (m, mlp.name, list(mlp.dims), len(to_dict(mlp)["statements"])),
+    ]
     assert listed[0].created_at <= listed[1].created_at and listed[0].created_at.tzinfo is not None
     assert [p.hash for p in store.programs(newest_first=True)] == [m, a]
     assert [p.hash for p in store.programs(1)] == [a]
@@ -520,16 +565,21 @@ def test_best_answers_a_question_on_sharding_with_a_winner_that_answers_it(store
     rng = random.Random(11)
     h = store.add_program(adam)
     # a winner shards what its schedule's as_slice names, within what its search allowed
-    texts = {"baseline": (), "split(ar0)": (), "as_slice(m); as_slice(v)": ("m", "v"),
-             "as_slice(w); as_slice(m); as_slice(v)": ("m", "v", "w"), "as_slice(w)": ("w",)}
+    texts = {
+        "baseline": (),
+        "split(ar0)": (),
+        "as_slice(m); as_slice(v)": ("m", "v"),
+        "as_slice(w); as_slice(m); as_slice(v)": ("m", "v", "w"),
+        "as_slice(w)": ("w",),
+    }
     searches = ["*", "", "m,v", "w", "m,v,w"]
-    tuned = [{"N": 2 ** k} for k in (10, 12, 14)]
+    tuned = [{"N": 2**k} for k in (10, 12, 14)]
     for i in range(60):
         text, sizes, world = rng.choice(list(texts)), rng.choice(tuned), rng.choice([2, 4])
         allowed = rng.choice([t for t in searches if t == "*" or set(texts[text]) <= set(t.split(","))])
         ids = store.add_measurements([measure(h, sizes, text, 1e-3, world=world, schedule_hash=f"h{i}")])
         store.add_winner(ids[0], shardable=allowed)
-    for sizes in tuned + [{"N": 2 ** 11}, {"N": 2 ** 20}]:
+    for sizes in tuned + [{"N": 2**11}, {"N": 2**20}]:
         for world in (None, 2, 4):
             for asked in (None, *searches):
                 got = store.best(h, sizes, "local", world, shardable=asked)
@@ -639,8 +689,10 @@ def test_a_tuner_refuses_a_key_run_by_a_live_process_in_the_same_take(store, ada
 
 def test_measurement_digests_are_the_records_without_their_heavy_columns(store, adam, mlp):
     a, m = store.add_program(adam), store.add_program(mlp)
-    store.add_measurements([measure(a, {"N": 2 ** (10 + i % 3)}, f"s{i}", topology=("local", "dgx")[i % 2])
-                            for i in range(7)] + [measure(m, {"B": 1, "S": 2, "H": 4}, "t")])
+    store.add_measurements(
+        [measure(a, {"N": 2 ** (10 + i % 3)}, f"s{i}", topology=("local", "dgx")[i % 2]) for i in range(7)]
+        + [measure(m, {"B": 1, "S": 2, "H": 4}, "t")]
+    )
     full = store.measurements(a)
     digests = store.measurement_digests(a)
     assert len(digests) == 7 and [d.id for d in digests] == [r.id for r in full]
@@ -662,8 +714,9 @@ def test_result_counts_are_the_lengths_of_results(store, adam, mlp):
 
 def test_measurements_page_and_count(store, adam):
     h = store.add_program(adam)
-    ids = store.add_measurements([measure(h, {"N": 2 ** (10 + i % 3)}, f"s{i}", topology=("local", "dgx")[i % 2])
-                                  for i in range(25)])
+    ids = store.add_measurements(
+        [measure(h, {"N": 2 ** (10 + i % 3)}, f"s{i}", topology=("local", "dgx")[i % 2]) for i in range(25)]
+    )
     assert store.measurement_count(h) == 25
     assert store.measurement_count(h, {"N": 1024}) == 9
     assert store.measurement_count(h, {"N": 1024}, "dgx") == 4
@@ -795,8 +848,15 @@ def test_processes_making_optunas_tables_at_once_all_get_the_storage(db_url):
     # first optuna_storage(), which four processes then ask for at the same moment.
     Store.open(db_url).close()
     start = time.time() + 6
-    procs = [subprocess.Popen([sys.executable, "-c", STUDIER, db_url, f"s{i}", str(start)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(4)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", STUDIER, db_url, f"s{i}", str(start)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(4)
+    ]
     outs = [p.communicate(timeout=120) for p in procs]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0 and out.split() == ["3"], err[-2000:]
@@ -825,8 +885,12 @@ print(json.dumps(claimed))
 def test_two_processes_write_one_database(db_url):
     # Both open a fresh database at once, so they race on creating the schema too.
     procs = [
-        subprocess.Popen([sys.executable, "-c", WRITER, db_url, tag, str(EXAMPLES / "adam.py")],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", WRITER, db_url, tag, str(EXAMPLES / "adam.py")],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for tag in ("a", "b")
     ]
     outs = [p.communicate(timeout=120) for p in procs]
@@ -921,16 +985,16 @@ def test_lookups_use_indexes(tmp_path):
     with Store.open(f"sqlite:///{tmp_path / 'plan.db'}") as store, store._engine.connect() as conn:
         plans = {
             "measurements": "SELECT * FROM coconet_measurements "
-                            "WHERE program_hash='a' AND sizes_key='N=1' AND topology='t'",
+            "WHERE program_hash='a' AND sizes_key='N=1' AND topology='t'",
             "done_keys": "SELECT DISTINCT schedule_hash FROM coconet_measurements "
-                         "WHERE program_hash='a' AND sizes_key='N=1'",
+            "WHERE program_hash='a' AND sizes_key='N=1'",
             "job": "SELECT * FROM coconet_measurements WHERE job_id=1",
             "nearest": "SELECT DISTINCT sizes_key FROM coconet_winners WHERE program_hash='a' AND topology='t'",
             "best": "SELECT * FROM coconet_winners WHERE program_hash='a' AND topology='t' AND sizes_key='N=1' "
-                    "ORDER BY created_at DESC",
+            "ORDER BY created_at DESC",
             "schedule": "SELECT * FROM coconet_measurements WHERE schedule_hash='s' AND schedule_json IS NOT NULL",
             "schedule_won": "SELECT m.* FROM coconet_measurements m JOIN coconet_winners w ON w.measurement_id = m.id "
-                            "WHERE m.schedule_hash='s' AND m.schedule_json IS NOT NULL",
+            "WHERE m.schedule_hash='s' AND m.schedule_json IS NOT NULL",
         }
         for name, sql in plans.items():
             plan = " ".join(r[-1] for r in conn.exec_driver_sql("EXPLAIN QUERY PLAN " + sql))
@@ -974,17 +1038,27 @@ def test_a_tuner_taking_a_key_waits_for_a_worker_claiming_its_job(postgres, adam
         try:
             with Session(worker) as claiming, claiming.begin():
                 # claim_job's statements, its transaction held open
-                row = claiming.scalars(select(JobRow).where(JobRow.state == "queued")
-                                       .with_for_update(skip_locked=True)).one()
-                claiming.execute(update(JobRow).where(JobRow.id == row.id)
-                                 .values(state="running", driver="7@worker boot/ns 123"))
+                row = claiming.scalars(
+                    select(JobRow).where(JobRow.state == "queued").with_for_update(skip_locked=True)
+                ).one()
+                claiming.execute(
+                    update(JobRow).where(JobRow.id == row.id).values(state="running", driver="7@worker boot/ns 123")
+                )
                 with ThreadPoolExecutor(1) as pool:
-                    took = pool.submit(store.take_job, a, {"N": 1024}, "local", 2, driver="8@laptop boot/ns 456",
-                                       abandoned=lambda job: False)
+                    took = pool.submit(
+                        store.take_job,
+                        a,
+                        {"N": 1024},
+                        "local",
+                        2,
+                        driver="8@laptop boot/ns 456",
+                        abandoned=lambda job: False,
+                    )
                     with worker.connect() as watch:
                         for _ in range(200):  # until the take waits on the row's lock (or has gone on without it)
-                            waiting = watch.execute(text("SELECT count(*) FROM pg_stat_activity "
-                                                         "WHERE wait_event_type = 'Lock'")).scalar()
+                            waiting = watch.execute(
+                                text("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'")
+                            ).scalar()
                             if waiting or took.done():
                                 break
                             time.sleep(0.05)

@@ -13,11 +13,16 @@ from coconet.tuner.topology import load_topology
 ROOT = Path(__file__).parents[2]
 FIXTURE = Path(__file__).parents[1] / "data" / "cost_predictions.json"
 # program -> the sizes it is predicted at
-PROGRAMS = {"adam": ({"N": 2**16}, {"N": 2**26}),
-            "megatron_mlp": ({"B": 4, "S": 512, "H": 1024}, {"B": 8, "S": 2048, "H": 8192})}
+PROGRAMS = {
+    "adam": ({"N": 2**16}, {"N": 2**26}),
+    "megatron_mlp": ({"B": 4, "S": 512, "H": 1024}, {"B": 8, "S": 2048, "H": 8192}),
+}
 # topology -> (backend, worlds)
-TOPOLOGIES = {"cpu-25gbe": ("gloo", (2, 8)), "dgx-h100-8": ("nccl", (2, 8)),
-              str(ROOT / "tests" / "data" / "local-topology.yaml"): ("shm", (2, 4))}
+TOPOLOGIES = {
+    "cpu-25gbe": ("gloo", (2, 8)),
+    "dgx-h100-8": ("nccl", (2, 8)),
+    str(ROOT / "tests" / "data" / "local-topology.yaml"): ("shm", (2, 4)),
+}
 
 
 def predictions() -> dict[str, float]:

@@ -7,12 +7,15 @@ from coconet.errors import CoconetError
 from coconet.tuner.bench import BenchSettings
 
 
-@pytest.mark.parametrize("kwargs, words", [
-    ({"backends": ("gloo", "tcp")}, "unknown backend 'tcp' (use gloo, nccl, shm)"),
-    ({"backends": ()}, "no backend to bench on"),
-    ({"knobs": "some"}, "--knobs 'some': use default or all"),
-    ({"backends": ("nccl", "shm", "gloo")}, "--backend nccl runs on CUDA tensors and shm, gloo on CPU tensors"),
-])
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"backends": ("gloo", "tcp")}, "unknown backend 'tcp' (use gloo, nccl, shm)"),
+        ({"backends": ()}, "no backend to bench on"),
+        ({"knobs": "some"}, "--knobs 'some': use default or all"),
+        ({"backends": ("nccl", "shm", "gloo")}, "--backend nccl runs on CUDA tensors and shm, gloo on CPU tensors"),
+    ],
+)
 def test_settings_refuse_what_cannot_be_benched(kwargs, words):
     with pytest.raises(CoconetError) as caught:
         BenchSettings(**kwargs)

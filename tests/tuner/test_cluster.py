@@ -109,8 +109,11 @@ class TwoNodes:
     env: dict
 
     def worker_raylet(self) -> int:
-        [raylet] = [p for p in _ours(f"--node_manager_port={self.worker_port}")
-                    if (Path("/proc") / str(p) / "exe").resolve().name == "raylet"]
+        [raylet] = [
+            p
+            for p in _ours(f"--node_manager_port={self.worker_port}")
+            if (Path("/proc") / str(p) / "exe").resolve().name == "raylet"
+        ]
         return raylet
 
 
@@ -123,13 +126,43 @@ def two_nodes() -> Iterator[TwoNodes]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env["RAY_USAGE_STATS_ENABLED"] = "0"
     try:
-        subprocess.run([str(RAY), "start", "--head", "--port", str(port), "--num-cpus", "1", "--temp-dir",
-                        str(temp), "--include-dashboard=false", "--node-manager-port", str(head_nm)],
-                       env=env, check=True, capture_output=True, timeout=120)
+        subprocess.run(
+            [
+                str(RAY),
+                "start",
+                "--head",
+                "--port",
+                str(port),
+                "--num-cpus",
+                "1",
+                "--temp-dir",
+                str(temp),
+                "--include-dashboard=false",
+                "--node-manager-port",
+                str(head_nm),
+            ],
+            env=env,
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
         # as Ray documents it for a head with token authentication: every node speaks token
-        subprocess.run([str(RAY), "start", "--address", f"127.0.0.1:{port}", "--num-cpus", "1",
-                        "--node-manager-port", str(worker_nm)], env={**env, "RAY_AUTH_MODE": "token"},
-                       check=True, capture_output=True, timeout=120)
+        subprocess.run(
+            [
+                str(RAY),
+                "start",
+                "--address",
+                f"127.0.0.1:{port}",
+                "--num-cpus",
+                "1",
+                "--node-manager-port",
+                str(worker_nm),
+            ],
+            env={**env, "RAY_AUTH_MODE": "token"},
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
         yield TwoNodes(f"127.0.0.1:{port}", temp, worker_nm, env)
     finally:
         pids = _tree(_ours(str(temp)) | _ours(f"--node_manager_port={worker_nm}"))
@@ -142,14 +175,36 @@ def two_nodes() -> Iterator[TwoNodes]:
 
 
 def coconet(nodes: TwoNodes, *args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "coconet", *args], capture_output=True, text=True, cwd=ROOT,
-                          env={**nodes.env, **(env or {})}, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "coconet", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**nodes.env, **(env or {})},
+        timeout=timeout,
+    )
 
 
 def test_a_study_spans_the_nodes_and_records_where_its_ranks_ran(two_nodes, tmp_path):
     db = f"sqlite:///{tmp_path / 'c.db'}"
-    proc = coconet(two_nodes, "tune", "examples/sgd.py", "--world", "2", "--size", "N=2^12", "--budget", "3",
-                   "--kernels", "eager", "--ray-address", two_nodes.address, "--db", db, "--json")
+    proc = coconet(
+        two_nodes,
+        "tune",
+        "examples/sgd.py",
+        "--world",
+        "2",
+        "--size",
+        "N=2^12",
+        "--budget",
+        "3",
+        "--kernels",
+        "eager",
+        "--ray-address",
+        two_nodes.address,
+        "--db",
+        db,
+        "--json",
+    )
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     assert doc["best"] is not None and {doc["best"]["backend"]} == {"gloo"}
@@ -163,35 +218,77 @@ def test_a_study_spans_the_nodes_and_records_where_its_ranks_ran(two_nodes, tmp_
 def test_a_study_the_cluster_cannot_hold_is_refused_before_any_trial(two_nodes, tmp_path):
     db = f"sqlite:///{tmp_path / 'c.db'}"
     t0 = time.monotonic()
-    proc = coconet(two_nodes, "tune", "examples/sgd.py", "--world", "3", "--size", "N=2^12", "--ray-address",
-                   two_nodes.address, "--db", db)
+    proc = coconet(
+        two_nodes,
+        "tune",
+        "examples/sgd.py",
+        "--world",
+        "3",
+        "--size",
+        "N=2^12",
+        "--ray-address",
+        two_nodes.address,
+        "--db",
+        db,
+    )
     assert time.monotonic() - t0 < 60
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
         "error: the Ray cluster cannot hold one candidate: it needs 3 ranks of 1 CPU, and offers 2 nodes "
-        "(1 CPU, 1 CPU); add nodes or lower --world")
+        "(1 CPU, 1 CPU); add nodes or lower --world"
+    )
     with Store.open(db) as store:
         assert store.jobs() == []  # refused before a job was taken
 
 
 def test_a_cluster_refusing_the_token_is_one_error_line(two_nodes, tmp_path):
-    proc = coconet(two_nodes, "tune", "examples/sgd.py", "--world", "2", "--size", "N=2^12", "--ray-address",
-                   two_nodes.address, "--db", f"sqlite:///{tmp_path / 'c.db'}", env={"RAY_AUTH_TOKEN": "wrong"},
-                   timeout=120)
+    proc = coconet(
+        two_nodes,
+        "tune",
+        "examples/sgd.py",
+        "--world",
+        "2",
+        "--size",
+        "N=2^12",
+        "--ray-address",
+        two_nodes.address,
+        "--db",
+        f"sqlite:///{tmp_path / 'c.db'}",
+        env={"RAY_AUTH_TOKEN": "wrong"},
+        timeout=120,
+    )
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
-    assert re.match(r"error: --ray-address \S+: the Ray cluster asks for its token and refused this one: copy it "
-                    r"from the head \(`ray get-auth-token` there\)", lines[0]), lines[0]
+    assert re.match(
+        r"error: --ray-address \S+: the Ray cluster asks for its token and refused this one: copy it "
+        r"from the head \(`ray get-auth-token` there\)",
+        lines[0],
+    ), lines[0]
 
 
 def test_every_node_is_read_and_a_topology_the_cluster_is_not_is_refused(two_nodes, tmp_path):
     here = detect_local().nodes[0]  # both nodes run on this machine: each reads as it
     db = f"sqlite:///{tmp_path / 'c.db'}"
-    proc = coconet(two_nodes, "tune", "examples/sgd.py", "--world", "2", "--size", "N=2^12", "--topology",
-                   "dgx-h100-8", "--ray-address", two_nodes.address, "--db", db)
+    proc = coconet(
+        two_nodes,
+        "tune",
+        "examples/sgd.py",
+        "--world",
+        "2",
+        "--size",
+        "N=2^12",
+        "--topology",
+        "dgx-h100-8",
+        "--ray-address",
+        two_nodes.address,
+        "--db",
+        db,
+    )
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
-    assert lines[0].startswith("error: --topology dgx-h100-8 does not describe the machines that would run the "
-                               "ranks (1 nodes declared, 2 found;")
+    assert lines[0].startswith(
+        "error: --topology dgx-h100-8 does not describe the machines that would run the "
+        "ranks (1 nodes declared, 2 found;"
+    )
     assert "topology dgx-h100-8: 1 node, device cuda, 8 x H100-SXM5-80GB" in lines[0]
     assert f"found {Fingerprint((here, here)).text()}." in lines[0]
     with Store.open(db) as store:
@@ -200,8 +297,21 @@ def test_every_node_is_read_and_a_topology_the_cluster_is_not_is_refused(two_nod
 
 def test_calibrate_measures_the_cluster_within_and_between_nodes(two_nodes, tmp_path):
     """Short figures (tiny buffers, few samples): what is checked is where they come from and go, not their values."""
-    proc = coconet(two_nodes, "calibrate", "--ray-address", two_nodes.address, "--name", "two", "--quick",
-                   "--max-log2", "12", "--repeats", "3", "--json", env={"COCONET_DATA_DIR": str(tmp_path)})
+    proc = coconet(
+        two_nodes,
+        "calibrate",
+        "--ray-address",
+        two_nodes.address,
+        "--name",
+        "two",
+        "--quick",
+        "--max-log2",
+        "12",
+        "--repeats",
+        "3",
+        "--json",
+        env={"COCONET_DATA_DIR": str(tmp_path)},
+    )
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     path = tmp_path / "topologies" / "two.yaml"
@@ -223,10 +333,32 @@ def test_a_node_lost_mid_study_stops_it_with_nothing_left_placed(two_nodes, tmp_
     node, and the next candidate finds a cluster that cannot hold it: the study stops with that message, its
     job failed, and no placement group of it is left on the cluster. (Runs last: the node stays dead.)"""
     db = f"sqlite:///{tmp_path / 'c.db'}"
-    proc = subprocess.Popen([sys.executable, "-m", "coconet", "tune", "examples/sgd.py", "--world", "2", "--size",
-                             "N=2^18", "--budget", "8", "--kernels", "eager", "--ray-address", two_nodes.address,
-                             "--db", db], cwd=ROOT, env=two_nodes.env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "coconet",
+            "tune",
+            "examples/sgd.py",
+            "--world",
+            "2",
+            "--size",
+            "N=2^18",
+            "--budget",
+            "8",
+            "--kernels",
+            "eager",
+            "--ray-address",
+            two_nodes.address,
+            "--db",
+            db,
+        ],
+        cwd=ROOT,
+        env=two_nodes.env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:  # the first trial recorded: the ranks are placed across the nodes
@@ -241,18 +373,32 @@ def test_a_node_lost_mid_study_stops_it_with_nothing_left_placed(two_nodes, tmp_
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 2, err
-    assert err.strip().splitlines()[-1].startswith(
-        "error: the Ray cluster cannot hold one candidate: it needs 2 ranks of 1 CPU, and offers 1 node (1 CPU)")
+    assert (
+        err.strip()
+        .splitlines()[-1]
+        .startswith(
+            "error: the Ray cluster cannot hold one candidate: it needs 2 ranks of 1 CPU, and offers 1 node (1 CPU)"
+        )
+    )
     with Store.open(db) as store:
         [job] = store.jobs()
         assert job.state == "failed" and "cannot hold one candidate" in job.error
         killed = [m for m in store.measurements(job.program_hash) if m.status == "killed"]
         assert killed and all(re.match(r"rank [01] \(node \w+ at [^)]+\) died", m.error) for m in killed)
-    check = subprocess.run([sys.executable, "-c", "import ray, json; ray.init(address=__import__('sys').argv[1], "
-                            "logging_level='ERROR'); print(json.dumps([g['state'] for g in "
-                            "ray.util.placement_group_table().values()]))", two_nodes.address],
-                           capture_output=True, text=True, env={**two_nodes.env, "RAY_AUTH_MODE": "token"},
-                           timeout=120)
+    check = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import ray, json; ray.init(address=__import__('sys').argv[1], "
+            "logging_level='ERROR'); print(json.dumps([g['state'] for g in "
+            "ray.util.placement_group_table().values()]))",
+            two_nodes.address,
+        ],
+        capture_output=True,
+        text=True,
+        env={**two_nodes.env, "RAY_AUTH_MODE": "token"},
+        timeout=120,
+    )
     assert check.returncode == 0, check.stderr
     assert set(json.loads(check.stdout.strip().splitlines()[-1])) <= {"REMOVED"}
 
@@ -269,9 +415,13 @@ def test_the_cluster_recipe_runs_as_written(tmp_path):
     `ray start` (token authentication on, as Ray starts it), then `coconet tune` across them."""
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    env.update(HEAD="127.0.0.1", PORT=str(port), RAY_USAGE_STATS_ENABLED="0",
-               PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
-               COCONET_DATABASE_URL=f"sqlite:///{tmp_path / 'c.db'}")
+    env.update(
+        HEAD="127.0.0.1",
+        PORT=str(port),
+        RAY_USAGE_STATS_ENABLED="0",
+        PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
+        COCONET_DATABASE_URL=f"sqlite:///{tmp_path / 'c.db'}",
+    )
     *starts, tune = _recipe()
     assert tune.startswith("coconet tune ")
     try:

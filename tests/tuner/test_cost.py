@@ -53,7 +53,7 @@ def _without_last_fuse(s):
     if i is None:
         return None
     try:
-        other = Schedule(s.program, s.transforms[:i] + s.transforms[i + 1:])
+        other = Schedule(s.program, s.transforms[:i] + s.transforms[i + 1 :])
         _ = other.scheduled
     except IllegalTransform:
         return None
@@ -116,8 +116,10 @@ def test_multi_node_is_slower_than_one_node(op):
     dgx = load_topology("dgx-h100-8")
     assert cost.collective_time(op, 2.0**24, multi, "nccl", 8) == cost.collective_time(op, 2.0**24, dgx, "nccl", 8)
     s = space("adam")[0]
-    assert cost.predict(s, {"N": 2**26}, multi, "nccl").communication_s > \
-        cost.predict(s, {"N": 2**26}, joined, "nccl").communication_s
+    assert (
+        cost.predict(s, {"N": 2**26}, multi, "nccl").communication_s
+        > cost.predict(s, {"N": 2**26}, joined, "nccl").communication_s
+    )
 
 
 def test_more_nodes_cost_more_at_large_sizes():
@@ -139,8 +141,10 @@ def test_chunks_pay_alpha_per_chunk():
     s = next(s for s in space("megatron_mlp") if s.names == ["overlap"])
     topo = load_topology("dgx-h100-8")
     tiny = {"B": 1, "S": 8, "H": 64}  # latency-bound: more chunks, more α
-    assert cost.predict(s.with_knobs(chunks=8), tiny, topo, "nccl").communication_s > \
-        cost.predict(s.with_knobs(chunks=2), tiny, topo, "nccl").communication_s
+    assert (
+        cost.predict(s.with_knobs(chunks=8), tiny, topo, "nccl").communication_s
+        > cost.predict(s.with_knobs(chunks=2), tiny, topo, "nccl").communication_s
+    )
 
 
 def test_overlap_hides_time_on_gpus():
@@ -200,8 +204,9 @@ def test_zero1_fused_collective_on_shm_moves_the_floors_bytes(chunks):
     from coconet.tuner.roofline import bytes_moved_once
 
     prog = space("adam")[0].program
-    s = Schedule.parse(f"split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse_collective(rs0); "
-                       f"fc_chunks={chunks}", prog)
+    s = Schedule.parse(
+        f"split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse_collective(rs0); fc_chunks={chunks}", prog
+    )
     topo = dataclasses.replace(load_topology("local"), ranks_per_node=4)
     sizes = {"N": 2**24}
     for world in (2, 3, 4):
@@ -240,8 +245,9 @@ def test_lamb_in_two_passes_on_shm_moves_what_its_kernels_touch():
     # returns its share of sum(u * u); norm(w) reads all of w; the update's kernel reads u's and w's rows and
     # writes w's into every rank's copy: 3N + 8N/R floats per rank, no u * u, no gathered temporary
     prog = space("lamb")[0].program
-    s = Schedule.parse("split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse(mul7, sub4); "
-                       "fuse_collective(rs0); fc_chunks=1", prog)
+    s = Schedule.parse(
+        "split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse(mul7, sub4); fuse_collective(rs0); fc_chunks=1", prog
+    )
     topo = dataclasses.replace(load_topology("local"), ranks_per_node=4)
     n = 2**24
     for world in (2, 3, 4):
@@ -310,8 +316,9 @@ def test_a_kernel_storing_into_state_and_into_a_held_buffer_makes_no_new_tensor(
     # and the compressed gradient into the buffer the fused collective reads (codegen.analysis.in_place_outputs,
     # held_source): no fresh tensor, no copy into e, no publish; on gloo the compressed gradient is a new one
     prog = runpy.run_path(str(Path(__file__).parents[2] / "benchmarks/programs/ef_sign.py"))["program"].ir
-    s = Schedule.parse("split(ar0); reorder(ag0); fuse_collective(rs0); fuse(add0, abs0, ge0); fuse(where0, sub0)",
-                       prog)
+    s = Schedule.parse(
+        "split(ar0); reorder(ag0); fuse_collective(rs0); fuse(add0, abs0, ge0); fuse(where0, sub0)", prog
+    )
     n, world = 2**20, 2
     for backend, fresh in (("shm", 0), ("gloo", 4 * n)):
         p = cost.plan(s, backend)

@@ -9,15 +9,7 @@ import yaml
 from coconet.errors import CoconetError, TopologyError
 from coconet.server.store import Store
 from coconet.tuner import calibrate as cal
-from coconet.tuner.fingerprint import (
-    Fingerprint,
-    Node,
-    check_topology,
-    detect_local,
-    gpu_family,
-    mismatches,
-    of_nodes,
-)
+from coconet.tuner.fingerprint import Fingerprint, Node, check_topology, detect_local, gpu_family, mismatches, of_nodes
 from coconet.tuner.topology import load_topology
 
 EPYC = Node("AMD EPYC 7763 64-Core Processor", 128, 512, "x86_64")
@@ -28,12 +20,22 @@ def test_text_and_hash_are_stable_and_tell_machines_apart():
     a = Fingerprint((EPYC, dataclasses.replace(EPYC, memory_gib=256)))
     b = Fingerprint((dataclasses.replace(EPYC, memory_gib=256), EPYC))  # another order of the same nodes
     assert a == b and a.digest == b.digest and a.text() == b.text()
-    assert a.text() == ("2 nodes: AMD EPYC 7763 64-Core Processor, 128 CPUs, 256 GiB, x86_64, no GPU; "
-                        "AMD EPYC 7763 64-Core Processor, 128 CPUs, 512 GiB, x86_64, no GPU")
-    assert Fingerprint((DGX, DGX)).text() == ("2 nodes: 2 x (Intel(R) Xeon(R) Platinum 8480C, 224 CPUs, 2016 GiB, "
-                                              "x86_64, 8 x NVIDIA H100 80GB HBM3)")
-    digests = {f.digest for f in (a, Fingerprint((EPYC,)), Fingerprint((DGX,)),
-                                  Fingerprint((dataclasses.replace(DGX, gpus=DGX.gpus[:4]),)))}
+    assert a.text() == (
+        "2 nodes: AMD EPYC 7763 64-Core Processor, 128 CPUs, 256 GiB, x86_64, no GPU; "
+        "AMD EPYC 7763 64-Core Processor, 128 CPUs, 512 GiB, x86_64, no GPU"
+    )
+    assert Fingerprint((DGX, DGX)).text() == (
+        "2 nodes: 2 x (Intel(R) Xeon(R) Platinum 8480C, 224 CPUs, 2016 GiB, x86_64, 8 x NVIDIA H100 80GB HBM3)"
+    )
+    digests = {
+        f.digest
+        for f in (
+            a,
+            Fingerprint((EPYC,)),
+            Fingerprint((DGX,)),
+            Fingerprint((dataclasses.replace(DGX, gpus=DGX.gpus[:4]),)),
+        )
+    }
     assert len(digests) == 4 and all(len(d) == 12 for d in digests)
     assert Fingerprint.from_dict(a.to_dict()) == a
     with pytest.raises(TopologyError, match="cpus"):
@@ -54,8 +56,15 @@ def test_a_measurement_is_fingerprinted_with_the_nodes_its_ranks_ran_on():
     assert of_nodes(cluster) == Fingerprint((EPYC, DGX))
 
 
-@pytest.mark.parametrize("name, family", [("H100-SXM5-80GB", "h100"), ("NVIDIA H100 80GB HBM3", "h100"),
-                                          ("Tesla V100-SXM3-32GB", "v100"), ("NVIDIA A100-SXM4-80GB", "a100")])
+@pytest.mark.parametrize(
+    "name, family",
+    [
+        ("H100-SXM5-80GB", "h100"),
+        ("NVIDIA H100 80GB HBM3", "h100"),
+        ("Tesla V100-SXM3-32GB", "v100"),
+        ("NVIDIA A100-SXM4-80GB", "a100"),
+    ],
+)
 def test_gpu_models_compare_by_model_number(name, family):
     assert gpu_family(name) == family
 
@@ -84,8 +93,7 @@ def test_a_calibrated_topology_declares_its_cpu_count():
     here = detect_local()
     check_topology(local, here)
     more = Fingerprint((dataclasses.replace(here.nodes[0], cpus=here.nodes[0].cpus + 2),))
-    assert mismatches(local, more) == [f"{here.nodes[0].cpus} CPUs per node declared, "
-                                       f"[{here.nodes[0].cpus + 2}] found"]
+    assert mismatches(local, more) == [f"{here.nodes[0].cpus} CPUs per node declared, [{here.nodes[0].cpus + 2}] found"]
 
 
 def test_local_on_a_cluster_is_checked_node_by_node():
@@ -102,6 +110,7 @@ def test_local_on_a_cluster_is_checked_node_by_node():
 
 
 # --- `local` on first use ---
+
 
 @pytest.fixture
 def fresh_data_dir(tmp_path, monkeypatch):

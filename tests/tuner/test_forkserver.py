@@ -79,8 +79,10 @@ def test_one_server_per_environment_and_an_idle_one_goes_when_the_environment_ch
 
 
 def test_the_server_goes_with_its_caller(tmp_path):
-    code = ("import os, sys\nfrom coconet.tuner.forkserver import Servers\n"
-            "print(Servers().get().proc.pid, flush=True)\nos._exit(0)\n")
+    code = (
+        "import os, sys\nfrom coconet.tuner.forkserver import Servers\n"
+        "print(Servers().get().proc.pid, flush=True)\nos._exit(0)\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     pid = int(out.stdout.split()[0])
     deadline = time.monotonic() + 30
@@ -113,6 +115,7 @@ def test_without_the_server_ranks_are_fresh_interpreters(tmp_path, monkeypatch):
 def test_a_server_warmed_for_compiled_kernels_stays_single_threaded_and_forks_ranks(tmp_path):
     """Warming Inductor in the server (its imports, the ISA probe, the pattern tables) must leave it with
     no thread more than a cold one: a fork copies only the forking thread, and another one's locks with it."""
+
     def tasks(server):
         return len(os.listdir(f"/proc/{server.proc.pid}/task"))
 

@@ -101,9 +101,13 @@ def test_every_schedule_of_every_benchmark_program_on_gloo(path):
 def test_knob_values_run_correctly():
     """Other chunk counts and bucket caps than the defaults: more chunks than rows, one-row chunks."""
     adam, megatron = example("adam"), example("megatron_mlp")
-    scheds = [s.with_knobs(**{k: v})
-              for s in generate(adam) if s.knob_values
-              for k, (_, domain) in s.knob_domains.items() for v in domain]
+    scheds = [
+        s.with_knobs(**{k: v})
+        for s in generate(adam)
+        if s.knob_values
+        for k, (_, domain) in s.knob_domains.items()
+        for v in domain
+    ]
     results = run_schedules(scheds, check_only(3, {"N": 7}))
     assert_all_ok(results)
     scheds = [s.with_knobs(chunks=c) for s in generate(megatron) if "chunks" in s.knob_values for c in (2, 16)]
@@ -112,8 +116,7 @@ def test_knob_values_run_correctly():
 
 HEALTH = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
 # each example launches ranks (seconds): no shrinking, and the same examples on every run
-RANKS = dict(deadline=None, suppress_health_check=HEALTH, derandomize=True,
-             phases=[Phase.explicit, Phase.generate])
+RANKS = dict(deadline=None, suppress_health_check=HEALTH, derandomize=True, phases=[Phase.explicit, Phase.generate])
 
 
 @settings(max_examples=4, **RANKS)
@@ -143,7 +146,7 @@ def test_int_scalars_reach_torch_functions_and_outputs_as_tensors(backend):
     lr_eff = cc.where(step < warm, lr * step / warm, lr) * cc.exp(-step / warm) * cc.sqrt(step + 1)
     p.update(w, w - lr_eff * cc.allreduce(g))
     p.output("ratio", (1 + step) / (warm + step))
-    p.output("power", step ** 2 - warm)
+    p.output("power", step**2 - warm)
     prog = p.ir
     picked = [Schedule(prog)] + [s for s in generate(prog) if "fuse_collective" in s.text][:1]
     assert len(picked) == 2
@@ -159,8 +162,9 @@ def test_compiled_kernels_are_correct_and_write_state_in_place():
     results = run_schedules(fused, Options(world=2, sizes={"N": 1001}, warmup=1, repeats=2))
     assert_all_ok(results)
     fused = [s for s in generate(megatron) if s.text.startswith("fuse(")]
-    assert_all_ok(run_schedules(fused, Options(world=3, sizes={"B": 2, "S": 5, "H": 7}, warmup=1, repeats=2,
-                                               seed=2**64 - 5)))
+    assert_all_ok(
+        run_schedules(fused, Options(world=3, sizes={"B": 2, "S": 5, "H": 7}, warmup=1, repeats=2, seed=2**64 - 5))
+    )
 
 
 def test_timing_samples_and_statistics():
@@ -311,8 +315,15 @@ def _default_sigint():
 def _cli(tmp_path, *args):
     # a killed parent cannot remove its work directory: keep it in the test's
     env = {**os.environ, "TMPDIR": str(tmp_path)}
-    return subprocess.Popen([sys.executable, "-m", "coconet", "run", *args], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, preexec_fn=_default_sigint)
+    return subprocess.Popen(
+        [sys.executable, "-m", "coconet", "run", *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        preexec_fn=_default_sigint,
+    )
 
 
 def test_ctrl_c_stops_every_rank(tmp_path):
@@ -374,8 +385,9 @@ def test_a_second_step_is_checked_as_the_first():
     wrong = reports()
     wrong[1]["stage0.state.w" + AGAIN][3] += 1.0
     err, bad = compare(prog, wrong, opts, observable, again=True)
-    assert err > 0.1 and bad.startswith("stage0.state.w on rank 1 after a second step on the same inputs "
-                                        "(relative error"), bad
+    assert err > 0.1 and bad.startswith(
+        "stage0.state.w on rank 1 after a second step on the same inputs (relative error"
+    ), bad
     lacking = reports()
     for r in lacking:
         del lacking[r]["stage0.state.m" + AGAIN]
@@ -448,8 +460,10 @@ def test_a_float16_overflow_is_named_as_the_cause():
     reports[1]["stage0.output.y"][2:4] = np.inf
     err, bad = compare(p.ir, reports, opts, observable)
     assert err == float("inf")
-    assert "2 elements inf or NaN where the reference's are finite: computed in float16, whose largest finite " \
-           "value is 65504" in bad, bad
+    assert (
+        "2 elements inf or NaN where the reference's are finite: computed in float16, whose largest finite "
+        "value is 65504" in bad
+    ), bad
     reports[1]["stage0.output.y"][2:4] = 1.0  # wrong but finite: no word of overflow
     assert "inf or NaN" not in compare(p.ir, reports, opts, observable)[1]
 
@@ -498,8 +512,10 @@ def test_an_ill_conditioned_program_is_held_to_its_own_error_in_its_dtype():
     bad[1]["stage0.state.w"][i] += 2 * CONDITIONING * own
     err, why = compare(prog, bad, opts, reference)
     assert why.startswith("stage0.state.w on rank 1 (relative error"), why
-    assert f"{CONDITIONING:g}x the {own:.3g} of the program itself computed in float32 statement by statement: " \
-           "ill-conditioned on these inputs" in why, why
+    assert (
+        f"{CONDITIONING:g}x the {own:.3g} of the program itself computed in float32 statement by statement: "
+        "ill-conditioned on these inputs" in why
+    ), why
 
 
 def test_a_group_whose_port_was_taken_is_launched_again_on_another(monkeypatch):

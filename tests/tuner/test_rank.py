@@ -40,7 +40,7 @@ def _faults(mode: str) -> int:
 
 @glibc
 def test_ranks_keep_freed_memory_so_steady_steps_fault_no_temporaries_in():
-    pages = 2 ** 26 // 4096  # of one temporary
+    pages = 2**26 // 4096  # of one temporary
     assert _faults("default") >= 5 * pages  # glibc unmaps each at its free: every page faults again, every step
     # (the fewest faults of the last three steps: by default not one of them goes without)
     assert _faults("keep") < pages // 10

@@ -26,9 +26,12 @@ def example(name):
 
 def wrapped(prelude: str, body: str):
     """A lowering whose step runs ``body`` around the generated one (``out = _generated(...)``)."""
+
     def lowering(schedule, backend, kernels):
         gen = lower(schedule, backend, kernels)
-        source = gen.source.replace("\ndef step(", "\ndef _generated(", 1) + f"""
+        source = (
+            gen.source.replace("\ndef step(", "\ndef _generated(", 1)
+            + f"""
 
 {prelude}
 
@@ -39,7 +42,9 @@ def step(tensors, scalars, **kw):
 {body}
     return out
 """
+        )
         return dataclasses.replace(gen, source=source)
+
     return lowering
 
 
@@ -66,11 +71,15 @@ BAD = {
     "compile_error": wrapped(
         "import torch\n\ndef _broken(gm, example_inputs):\n    raise RuntimeError('this kernel does not compile')\n\n"
         "_kernel = torch.compile(lambda x: x * 2, backend=_broken)",
-        "    _kernel(tensors['w'])\n    out = _generated(tensors, scalars, **kw)"),
+        "    _kernel(tensors['w'])\n    out = _generated(tensors, scalars, **kw)",
+    ),
     # the count: what the rank keeps out of its garbage collections (what it imported, torch's included)
-    "runtime_error": wrapped("import gc", "    if rank == 1:\n        raise RuntimeError("
-                                          "f'boom on purpose, {gc.get_freeze_count()} objects frozen')\n"
-                                          "    out = _generated(tensors, scalars, **kw)"),
+    "runtime_error": wrapped(
+        "import gc",
+        "    if rank == 1:\n        raise RuntimeError("
+        "f'boom on purpose, {gc.get_freeze_count()} objects frozen')\n"
+        "    out = _generated(tensors, scalars, **kw)",
+    ),
     "wrong_result": wrapped("", "    out = _generated(tensors, scalars, **kw)\n    tensors['w'].add_(1.0)"),
     "timeout": wrapped("", "    if rank == 1:\n        time.sleep(3600)\n    out = _generated(tensors, scalars, **kw)"),
 }
@@ -97,10 +106,12 @@ def test_bad_candidates_are_classified_and_the_next_one_runs(ray_local):
     assert int(re.search(r"(\d+) objects frozen", got["runtime_error"].error).group(1)) > 100_000
     assert "state.w" in got["wrong_result"].error and got["wrong_result"].correct is False
     assert got["writes_its_input"].correct is False
-    assert re.match(r"rank [01]: the step wrote into input g, which the program does not update",
-                    got["writes_its_input"].error)
-    with Runner(prog, world=2, sizes={"N": 1000}, protocol=dataclasses.replace(FAST, timeout_s=8.0),
-                lowering=BAD["timeout"]) as bad:
+    assert re.match(
+        r"rank [01]: the step wrote into input g, which the program does not update", got["writes_its_input"].error
+    )
+    with Runner(
+        prog, world=2, sizes={"N": 1000}, protocol=dataclasses.replace(FAST, timeout_s=8.0), lowering=BAD["timeout"]
+    ) as bad:
         res = bad.measure(Schedule(prog))
     assert res.status == "timeout" and res.error and res.samples == []
     # each rank's stack says where it was: rank 1 asleep, rank 0 waiting for it

@@ -39,8 +39,12 @@ class Fake:
     def time_of(self, c: Candidate) -> float:
         # a smooth landscape: more transforms and bigger fc_chunks are faster, shm a little faster
         k = c.schedule.knob_values
-        return (1.0 / (1 + len(c.schedule.transforms)) + 0.01 * math.log2(k.get("fc_chunks", 1))
-                + (0.0 if c.backend == "shm" else 0.05) + 1e-3 * (int(c.schedule.hash, 16) % 97) / 97)
+        return (
+            1.0 / (1 + len(c.schedule.transforms))
+            + 0.01 * math.log2(k.get("fc_chunks", 1))
+            + (0.0 if c.backend == "shm" else 0.05)
+            + 1e-3 * (int(c.schedule.hash, 16) % 97) / 97
+        )
 
     def __call__(self, c: Candidate) -> RunResult:
         if self.interrupt_after is not None and len(self.calls) >= self.interrupt_after:
@@ -66,7 +70,7 @@ def retimes(out) -> int:
 
 def searched(fake: Fake, out) -> list[str]:
     """The candidates the search measured, before the final re-timing."""
-    return fake.calls[:len(fake.calls) - retimes(out)]
+    return fake.calls[: len(fake.calls) - retimes(out)]
 
 
 def exhaustive_best(space: SearchSpace, fake: Fake) -> float:
@@ -89,7 +93,7 @@ def test_exhaustive_when_the_space_fits_the_budget(storage):
     assert out.winner.result.median_s == pytest.approx(exhaustive_best(space, fake))
     # then the two fastest and the baseline in turns, the order reversed in the second round
     turn = [out.winner.candidate.key, out.runner_up.candidate.key, out.baseline.candidate.key]
-    assert fake.calls[len(trial_calls):] == turn + turn[::-1]
+    assert fake.calls[len(trial_calls) :] == turn + turn[::-1]
     assert out.baseline.result.samples == out.retimed[2].result.samples and len(out.baseline.result.samples) == 16
     assert out.speedup == pytest.approx(out.baseline.result.median_s / out.winner.result.median_s)
     assert out.baseline.candidate.schedule.transforms == () and out.speedup > 1
@@ -104,8 +108,9 @@ def test_the_re_timing_is_the_one_account_of_the_winner(storage):
     finds the search's runner-up faster, it wins and the outcome says the order was reversed."""
     prog = example("adam")
     space = SearchSpace.of(prog, ["gloo"], depth=1)
-    first, second = sorted((Candidate(v, "gloo") for s in space.schedules for v in knob_variants(s)),
-                           key=Fake().time_of)[:2]
+    first, second = sorted(
+        (Candidate(v, "gloo") for s in space.schedules for v in knob_variants(s)), key=Fake().time_of
+    )[:2]
 
     class Drifting(Fake):
         def __call__(self, c):
@@ -145,8 +150,11 @@ def test_tpe_within_budget_starts_from_the_baseline_and_the_prior(storage):
     prog = example("adam")
     space = SearchSpace.of(prog, ["gloo", "shm"])
     fake = Fake()
-    prior = [Candidate(space.schedules[-1].with_knobs(fc_chunks=8), "shm")] \
-        if "fc_chunks" in space.schedules[-1].knob_domains else [Candidate(space.schedules[-1], "shm")]
+    prior = (
+        [Candidate(space.schedules[-1].with_knobs(fc_chunks=8), "shm")]
+        if "fc_chunks" in space.schedules[-1].knob_domains
+        else [Candidate(space.schedules[-1], "shm")]
+    )
     out = search(space, {"N": 1024}, storage=storage, study="t", budget=20, measure=fake, prior=prior)
     assert space.size > 20
     assert len(set(searched(fake, out))) == len(searched(fake, out)) == 20  # the budget counts candidates
@@ -204,8 +212,9 @@ def test_a_result_recorded_but_not_told_is_not_measured_again(storage):
         search(space, {"N": 1024}, storage=storage, study=name, budget=space.size, measure=first, record=record)
     assert len(first.calls) == 5
     second = Fake()
-    out = search(space, {"N": 1024}, storage=storage, study=name, budget=space.size, measure=second,
-                 recorded=dict(stored))
+    out = search(
+        space, {"N": 1024}, storage=storage, study=name, budget=space.size, measure=second, recorded=dict(stored)
+    )
     assert not set(searched(second, out)) & set(first.calls)
     assert len(set(searched(second, out))) + len(first.calls) == space.size == len(out.trials)
     fifth = next(t for t in out.trials if t.candidate.key == first.calls[-1])
@@ -258,10 +267,14 @@ def _sqlite(tmp_path):
 def _waiting(storage, prog, backend):
     import optuna
 
-    return [t for name in optuna.get_all_study_names(storage)
-            for t in optuna.load_study(study_name=name, storage=storage).get_trials(
-                states=(optuna.trial.TrialState.WAITING,)) if t.params.get("backend", t.system_attrs.get(
-                    "fixed_params", {}).get("backend")) == backend]
+    return [
+        t
+        for name in optuna.get_all_study_names(storage)
+        for t in optuna.load_study(study_name=name, storage=storage).get_trials(
+            states=(optuna.trial.TrialState.WAITING,)
+        )
+        if t.params.get("backend", t.system_attrs.get("fixed_params", {}).get("backend")) == backend
+    ]
 
 
 def test_a_key_tuned_again_on_fewer_backends(tmp_path):
@@ -277,8 +290,10 @@ def test_a_key_tuned_again_on_fewer_backends(tmp_path):
     prior = [Candidate(wide.schedules[-1], "shm"), Candidate(wide.schedules[-2], "shm")]
     before = search(wide, {"N": 1024}, storage=storage, study=name, budget=2, measure=first, prior=prior)
     assert before.winner.candidate.backend == "shm" and _waiting(storage, prog, "shm")  # left queued
-    kept = {n: [(t.params, t.value) for t in optuna.load_study(study_name=n, storage=storage).trials]
-            for n in optuna.get_all_study_names(storage)}
+    kept = {
+        n: [(t.params, t.value) for t in optuna.load_study(study_name=n, storage=storage).trials]
+        for n in optuna.get_all_study_names(storage)
+    }
     narrow = SearchSpace.of(prog, ["gloo"])
     second = Fake()
     out = search(narrow, {"N": 1024}, storage=storage, study=name, budget=4, measure=second)
@@ -287,8 +302,9 @@ def test_a_key_tuned_again_on_fewer_backends(tmp_path):
     assert first.calls[0] == out.baseline.candidate.key not in searched(second, out)  # searched once, on gloo
     assert len(second.calls) == 3 + retimes(out) and all(k.startswith("gloo:") for k in second.calls)
     for n, trials in kept.items():  # the first run's study as it was
-        assert [(t.params, t.value) for t in optuna.load_study(study_name=n, storage=storage).trials][:len(trials)] \
-            == trials
+        assert [(t.params, t.value) for t in optuna.load_study(study_name=n, storage=storage).trials][
+            : len(trials)
+        ] == trials
 
 
 def test_a_key_tuned_again_at_a_smaller_depth(storage):
@@ -297,14 +313,22 @@ def test_a_key_tuned_again_at_a_smaller_depth(storage):
     deep = SearchSpace.of(prog, ["gloo", "shm"])
     first = Fake()
     deepest = max(deep.schedules, key=lambda s: len(s.transforms))
-    before = search(deep, {"N": 1024}, storage=storage, study=name, budget=2, measure=first,
-                    prior=[Candidate(deepest, "shm"), Candidate(deep.schedules[-3], "gloo")])
+    before = search(
+        deep,
+        {"N": 1024},
+        storage=storage,
+        study=name,
+        budget=2,
+        measure=first,
+        prior=[Candidate(deepest, "shm"), Candidate(deep.schedules[-3], "gloo")],
+    )
     assert len(before.winner.candidate.schedule.transforms) > 1
     shallow = SearchSpace.of(prog, ["gloo", "shm"], depth=1)
     second = Fake()
     out = search(shallow, {"N": 1024}, storage=storage, study=name, budget=4, measure=second)
-    assert len(out.trials) == 4 and all(structure_text(t.candidate.schedule) in shallow.by_structure
-                                        for t in out.trials)
+    assert len(out.trials) == 4 and all(
+        structure_text(t.candidate.schedule) in shallow.by_structure for t in out.trials
+    )
     assert structure_text(out.winner.candidate.schedule) in shallow.by_structure
     assert first.calls[0] not in searched(second, out) and len(second.calls) == 3 + retimes(out)
 
@@ -316,8 +340,9 @@ def test_a_result_outside_the_space_asked_for_is_never_its_winner(storage):
     name = study_name(prog, {"N": 1024}, "local", 2)
     wide = SearchSpace.of(prog, ["gloo", "shm"])
     fake = Fake()
-    fastest = min((Candidate(v, b) for s in wide.schedules for v in knob_variants(s) for b in wide.backends),
-                  key=fake.time_of)
+    fastest = min(
+        (Candidate(v, b) for s in wide.schedules for v in knob_variants(s) for b in wide.backends), key=fake.time_of
+    )
     assert fastest.backend == "shm"
     stored: dict[str, Trial] = {}
 
@@ -326,12 +351,14 @@ def test_a_result_outside_the_space_asked_for_is_never_its_winner(storage):
             stored[c.key] = Trial(c, res, len(stored) + 1, reused=True)
         return len(stored)
 
-    first = search(wide, {"N": 1024}, storage=storage, study=name, budget=3, measure=fake, record=record,
-                   prior=[fastest])
+    first = search(
+        wide, {"N": 1024}, storage=storage, study=name, budget=3, measure=fake, record=record, prior=[fastest]
+    )
     assert first.winner.candidate.key == fastest.key
     narrow = SearchSpace.of(prog, ["gloo"])
-    second = search(narrow, {"N": 1024}, storage=storage, study=name, budget=4, measure=Fake(), record=record,
-                    recorded=dict(stored))
+    second = search(
+        narrow, {"N": 1024}, storage=storage, study=name, budget=4, measure=Fake(), record=record, recorded=dict(stored)
+    )
     assert fastest.key not in {t.candidate.key for t in second.trials}
     assert second.winner.candidate.backend == "gloo"
     assert second.winner.result.median_s == min(t.result.median_s for t in second.trials)
@@ -347,12 +374,23 @@ def test_a_prior_the_space_cannot_express_is_left_out(storage):
     deeper = next(s for s in SearchSpace.of(prog, ["gloo"]).schedules if structure_text(s) not in space.by_structure)
     chunked = next(s for s in space.schedules if "fc_chunks" in s.knob_domains)
     fake = Fake()
-    out = search(space, {"N": 1024}, storage=storage, study="p", budget=3, measure=fake,
-                 prior=[Candidate(deeper, "gloo"), Candidate(chunked.with_knobs(fc_chunks=3), "gloo"),
-                        Candidate(chunked, "shm")])
+    out = search(
+        space,
+        {"N": 1024},
+        storage=storage,
+        study="p",
+        budget=3,
+        measure=fake,
+        prior=[
+            Candidate(deeper, "gloo"),
+            Candidate(chunked.with_knobs(fc_chunks=3), "gloo"),
+            Candidate(chunked, "shm"),
+        ],
+    )
     assert len(out.trials) == 3 and len(set(searched(fake, out))) == 3
-    assert all(structure_text(t.candidate.schedule) in space.by_structure and t.candidate.backend == "gloo"
-               for t in out.trials)
+    assert all(
+        structure_text(t.candidate.schedule) in space.by_structure and t.candidate.backend == "gloo" for t in out.trials
+    )
     assert all(t.candidate.schedule.knob_values.get("fc_chunks", 1) in (1, 2, 4, 8) for t in out.trials)
 
 
@@ -362,9 +400,16 @@ def test_results_timed_with_eager_kernels_are_no_answer_for_compiled_ones(storag
     prog = example("adam")
     space = SearchSpace.of(prog, ["gloo"], depth=1)
     eager, compiled = Fake(), Fake()
-    search(space, {"N": 1024}, storage=storage, study=study_name(prog, {"N": 1024}, "local", 2, kernels="eager"),
-           budget=3, measure=eager)
-    out = search(space, {"N": 1024}, storage=storage, study=study_name(prog, {"N": 1024}, "local", 2),
-                 budget=3, measure=compiled)
+    search(
+        space,
+        {"N": 1024},
+        storage=storage,
+        study=study_name(prog, {"N": 1024}, "local", 2, kernels="eager"),
+        budget=3,
+        measure=eager,
+    )
+    out = search(
+        space, {"N": 1024}, storage=storage, study=study_name(prog, {"N": 1024}, "local", 2), budget=3, measure=compiled
+    )
     assert len(eager.calls) >= 3 and set(eager.calls[:3]) <= set(compiled.calls)
     assert not any(t.reused for t in out.trials)

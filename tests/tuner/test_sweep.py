@@ -12,8 +12,12 @@ def test_expand_sizes():
     assert expand_sizes("N=2^10..2^12", ("N",)) == [{"N": 1024}, {"N": 2048}, {"N": 4096}]
     assert [s["N"] for s in expand_sizes("N=1024..2048:2", ("N",))] == [1024, 1448, 2048]
     got = expand_sizes("B=2,S=4..8,H=16..32", ("B", "S", "H"))
-    assert got == [{"B": 2, "S": 4, "H": 16}, {"B": 2, "S": 4, "H": 32}, {"B": 2, "S": 8, "H": 16},
-                   {"B": 2, "S": 8, "H": 32}]
+    assert got == [
+        {"B": 2, "S": 4, "H": 16},
+        {"B": 2, "S": 4, "H": 32},
+        {"B": 2, "S": 8, "H": 16},
+        {"B": 2, "S": 8, "H": 32},
+    ]
     with pytest.raises(CoconetError, match="must go up"):
         expand_sizes("N=2^12..2^10", ("N",))
 
@@ -25,7 +29,10 @@ def write(tmp_path, text):
 
 
 def test_a_simulated_sweep_lands_in_the_store_and_resumes(tmp_path):
-    cfg = SweepConfig.load(write(tmp_path, """
+    cfg = SweepConfig.load(
+        write(
+            tmp_path,
+            """
 programs:
   - example: adam
     sizes: ["N=2^10..2^14"]
@@ -33,7 +40,9 @@ programs:
     sizes: ["B=2,S=64,H=64..128"]
 topologies: [dgx-h100-8, cpu-25gbe, local]
 worlds: {dgx-h100-8: [2, 8], local: [2]}
-"""))
+""",
+        )
+    )
     with Store.open(f"sqlite:///{tmp_path / 'c.db'}") as store:
         report = sweep(cfg, store, simulate=True)
         # adam: 5 sizes, megatron: 2; dgx-h100-8 at 2 worlds, cpu-25gbe at its full world, local at 2
@@ -54,7 +63,10 @@ worlds: {dgx-h100-8: [2, 8], local: [2]}
 
 
 def test_a_sweep_entry_says_what_may_stay_sharded(tmp_path):
-    cfg = SweepConfig.load(write(tmp_path, """
+    cfg = SweepConfig.load(
+        write(
+            tmp_path,
+            """
 programs:
   - example: adam
     sizes: ["N=2^12"]
@@ -64,7 +76,9 @@ programs:
     shardable: []
 topologies: [dgx-h100-8]
 worlds: {dgx-h100-8: [8]}
-"""))
+""",
+        )
+    )
     assert [e.shardable for e in cfg.entries] == ["*", ""]
     with Store.open(f"sqlite:///{tmp_path / 'c.db'}") as store:
         report = sweep(cfg, store, simulate=True)
@@ -75,22 +89,31 @@ worlds: {dgx-h100-8: [8]}
         assert store.best(h, {"N": 4096}, "dgx-h100-8", 8, shardable="*").winner.shardable == "*"
 
 
-@pytest.mark.parametrize("text, message", [
-    ("programs: []\ntopologies: [local]\n", "programs: List should have at least 1 item"),
-    ("programs:\n  - example: nope\n    sizes: [N=4]\ntopologies: [local]\n", "no example 'nope'"),
-    ("programs:\n  - example: adam\n    sizes: [N=4]\ntopologies: [local]\nbudget: 0\n", "budget"),
-    ("programs:\n  - example: adam\n    sizes: [N=4]\ntopologies: [local]\ncolour: red\n", "unknown key 'colour'"),
-    ("programs:\n  - example: adam\n    sizes: [Q=4]\ntopologies: [local]\n", "Q"),
-    ("programs:\n  - example: adam\n    sizes: [N=4]\n    shardable: [g]\ntopologies: [local]\n",
-     r"programs\[0\]: shardable g: not replicated state adam updates"),
-    ("programs:\n  - example: adam\n    sizes: [N=4]\n    shardable: [1]\ntopologies: [local]\n",
-     r"programs\[0\].shardable\[0\]: Input should be a valid string"),
-    ("programs:\n  - sizes: [N=4]\ntopologies: [local]\n", r"programs\[0\]: Value error, give `example: NAME`"),
-    ("programs:\n  - example: adam\n    sizes: []\ntopologies: [local]\n", r"programs\[0\].sizes: List should"),
-    ("programs:\n  - example: adam\n    sizes: [N=4]\ntopologies: [local]\nworlds: {local: [0]}\n",
-     r"worlds.local\[0\]: Input should be greater than 0"),
-    ("- 1\n", "Input should be a valid dictionary"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("programs: []\ntopologies: [local]\n", "programs: List should have at least 1 item"),
+        ("programs:\n  - example: nope\n    sizes: [N=4]\ntopologies: [local]\n", "no example 'nope'"),
+        ("programs:\n  - example: adam\n    sizes: [N=4]\ntopologies: [local]\nbudget: 0\n", "budget"),
+        ("programs:\n  - example: adam\n    sizes: [N=4]\ntopologies: [local]\ncolour: red\n", "unknown key 'colour'"),
+        ("programs:\n  - example: adam\n    sizes: [Q=4]\ntopologies: [local]\n", "Q"),
+        (
+            "programs:\n  - example: adam\n    sizes: [N=4]\n    shardable: [g]\ntopologies: [local]\n",
+            r"programs\[0\]: shardable g: not replicated state adam updates",
+        ),
+        (
+            "programs:\n  - example: adam\n    sizes: [N=4]\n    shardable: [1]\ntopologies: [local]\n",
+            r"programs\[0\].shardable\[0\]: Input should be a valid string",
+        ),
+        ("programs:\n  - sizes: [N=4]\ntopologies: [local]\n", r"programs\[0\]: Value error, give `example: NAME`"),
+        ("programs:\n  - example: adam\n    sizes: []\ntopologies: [local]\n", r"programs\[0\].sizes: List should"),
+        (
+            "programs:\n  - example: adam\n    sizes: [N=4]\ntopologies: [local]\nworlds: {local: [0]}\n",
+            r"worlds.local\[0\]: Input should be greater than 0",
+        ),
+        ("- 1\n", "Input should be a valid dictionary"),
+    ],
+)
 def test_bad_configs_name_the_cause(tmp_path, text, message):
     with pytest.raises(CoconetError, match=message):
         SweepConfig.load(write(tmp_path, text))
@@ -99,13 +122,18 @@ def test_bad_configs_name_the_cause(tmp_path, text, message):
 def test_a_measured_sweep_leaves_out_the_local_keys_this_machine_cannot_hold(tmp_path):
     from coconet.tuner.tune import Request, check
 
-    cfg = SweepConfig.load(write(tmp_path, """
+    cfg = SweepConfig.load(
+        write(
+            tmp_path,
+            """
 programs:
   - example: sgd
     sizes: ["N=2^10", "N=2^38", "N=2^12", "N=2^40"]
 topologies: [local]
 worlds: {local: [2]}
-"""))
+""",
+        )
+    )
     tuned = []
 
     def tune_key(entry, sizes, world):
@@ -125,19 +153,34 @@ def test_a_simulated_sweep_leaves_measured_keys_alone(tmp_path):
     the key is still the measurement."""
     from coconet.server.records import NewMeasurement
 
-    cfg = SweepConfig.load(write(tmp_path, """
+    cfg = SweepConfig.load(
+        write(
+            tmp_path,
+            """
 programs:
   - example: adam
     sizes: ["N=2^16", "N=2^18"]
 topologies: [local]
 worlds: {local: [2]}
-"""))
+""",
+        )
+    )
     prog = cfg.entries[0].program
     with Store.open(f"sqlite:///{tmp_path / 'c.db'}") as store:
         store.add_program(prog)
-        mid = store.add_measurement(NewMeasurement(
-            program_hash=prog.hash, sizes={"N": 2**16}, topology="local", world=2, backend="gloo",
-            schedule="baseline", schedule_hash="b", median_s=1.89e-3, samples=[1.89e-3] * 3))
+        mid = store.add_measurement(
+            NewMeasurement(
+                program_hash=prog.hash,
+                sizes={"N": 2**16},
+                topology="local",
+                world=2,
+                backend="gloo",
+                schedule="baseline",
+                schedule_hash="b",
+                median_s=1.89e-3,
+                samples=[1.89e-3] * 3,
+            )
+        )
         measured = store.add_winner(mid, shardable=cfg.entries[0].shardable)
         report = sweep(cfg, store, simulate=True)
         assert (report.keys, report.kept_measured, report.predicted) == (2, 1, 1)

@@ -26,9 +26,16 @@ SHIPPED = ("dgx2-v100-16", "dgx-a100-8", "dgx-h100-8", "h100-4node-ib", "h100-16
 
 
 def minimal(**over):
-    d = {"name": "t", "device": "cpu", "nodes": 1, "ranks_per_node": 2, "backends": ["gloo", "shm"],
-         "links": {"intra": {"alpha_s": 1e-5, "bandwidth_GBps": 2}}, "memory_bandwidth_GBps": 10,
-         "matmul_TFLOPS": {"float32": 0.1}}
+    d = {
+        "name": "t",
+        "device": "cpu",
+        "nodes": 1,
+        "ranks_per_node": 2,
+        "backends": ["gloo", "shm"],
+        "links": {"intra": {"alpha_s": 1e-5, "bandwidth_GBps": 2}},
+        "memory_bandwidth_GBps": 10,
+        "matmul_TFLOPS": {"float32": 0.1},
+    }
     d.update(over)
     return d
 
@@ -62,9 +69,13 @@ def test_local_is_read_from_the_data_dir_only(tmp_path, monkeypatch):
 
 
 def test_round_trip_through_a_file(tmp_path):
-    t = from_dict(minimal(fresh_cost=[[2**20, 1e-10], [2**24, 5e-10]],
-                          measured={"gloo": {"allreduce": {"alpha_s": 3e-4, "beta_s_per_byte": 1e-9}}},
-                          fingerprint={"cpu": "x", "cores": 2}))
+    t = from_dict(
+        minimal(
+            fresh_cost=[[2**20, 1e-10], [2**24, 5e-10]],
+            measured={"gloo": {"allreduce": {"alpha_s": 3e-4, "beta_s_per_byte": 1e-9}}},
+            fingerprint={"cpu": "x", "cores": 2},
+        )
+    )
     path = save_topology(t, tmp_path / "t.yaml", header="# a header")
     assert load_topology(path) == t
     assert t.fresh_s_per_byte(2**19) == 0 and t.fresh_s_per_byte(2**30) == 5e-10
@@ -76,27 +87,34 @@ def test_beta_may_be_given_instead_of_bandwidth():
     assert math.isclose(t.intra.bandwidth_GBps, 1.0) and math.isclose(t.intra.beta, 1e-9)
 
 
-@pytest.mark.parametrize("change, field", [
-    ({"links": {"intra": {"alpha_s": 1e-5, "bandwidth_GBps": -2}}}, "links.intra.bandwidth_GBps"),
-    ({"links": {"intra": {"alpha_s": 1e-5}}}, "links.intra.bandwidth_GBps"),
-    ({"links": {"intra": {"alpha_s": "fast", "bandwidth_GBps": 1}}}, "links.intra.alpha_s"),
-    ({"links": {}}, "links.intra"),
-    ({"device": "tpu"}, "device"),
-    ({"nodes": 0}, "nodes"),
-    ({"nodes": 1.5}, "nodes"),
-    ({"backends": ["mpi"]}, "backends[0]"),
-    ({"nodes": 2, "links": {"intra": {"alpha_s": 0, "bandwidth_GBps": 1},
-                            "inter": {"alpha_s": 0, "bandwidth_GBps": 1}}},
-     "backends"),  # shm across nodes
-    ({"nodes": 2, "backends": ["gloo"]}, "links.inter"),
-    ({"matmul_TFLOPS": {"float16": 1}}, "matmul_TFLOPS.float32"),
-    ({"overlap": 1.5}, "overlap"),
-    ({"algorithms": {"gloo": {"allreduce": ["butterfly"]}}}, "algorithms.gloo.allreduce"),
-    ({"measured": {"gloo": {"allreduce": {"alpha_s": 1}}}}, "measured.gloo.allreduce.beta_s_per_byte"),
-    ({"fresh_cost": [[4, 1e-9], [2, 1e-9]]}, "fresh_cost[1]"),
-    ({"memory_bandwidth": 10}, "memory_bandwidth"),  # unknown key (a typo)
-    ({"fingerprint": {"cpu": [1, 2]}}, "fingerprint.cpu"),
-])
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        ({"links": {"intra": {"alpha_s": 1e-5, "bandwidth_GBps": -2}}}, "links.intra.bandwidth_GBps"),
+        ({"links": {"intra": {"alpha_s": 1e-5}}}, "links.intra.bandwidth_GBps"),
+        ({"links": {"intra": {"alpha_s": "fast", "bandwidth_GBps": 1}}}, "links.intra.alpha_s"),
+        ({"links": {}}, "links.intra"),
+        ({"device": "tpu"}, "device"),
+        ({"nodes": 0}, "nodes"),
+        ({"nodes": 1.5}, "nodes"),
+        ({"backends": ["mpi"]}, "backends[0]"),
+        (
+            {
+                "nodes": 2,
+                "links": {"intra": {"alpha_s": 0, "bandwidth_GBps": 1}, "inter": {"alpha_s": 0, "bandwidth_GBps": 1}},
+            },
+            "backends",
+        ),  # shm across nodes
+        ({"nodes": 2, "backends": ["gloo"]}, "links.inter"),
+        ({"matmul_TFLOPS": {"float16": 1}}, "matmul_TFLOPS.float32"),
+        ({"overlap": 1.5}, "overlap"),
+        ({"algorithms": {"gloo": {"allreduce": ["butterfly"]}}}, "algorithms.gloo.allreduce"),
+        ({"measured": {"gloo": {"allreduce": {"alpha_s": 1}}}}, "measured.gloo.allreduce.beta_s_per_byte"),
+        ({"fresh_cost": [[4, 1e-9], [2, 1e-9]]}, "fresh_cost[1]"),
+        ({"memory_bandwidth": 10}, "memory_bandwidth"),  # unknown key (a typo)
+        ({"fingerprint": {"cpu": [1, 2]}}, "fingerprint.cpu"),
+    ],
+)
 def test_malformed_topology_names_the_field(change, field):
     data = minimal()
     data.update(change)
@@ -152,8 +170,26 @@ def test_fit_recovers_alpha_beta_despite_an_outlier():
 
 def test_calibrate_writes_local_into_the_data_dir_with_the_fingerprint(tmp_path):
     env = {**os.environ, "COCONET_DATA_DIR": str(tmp_path)}
-    proc = subprocess.run([sys.executable, "-m", "coconet", "calibrate", "--world", "2", "--quick", "--max-log2", "12",
-                           "--repeats", "3", "--json"], capture_output=True, text=True, timeout=120, env=env)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "coconet",
+            "calibrate",
+            "--world",
+            "2",
+            "--quick",
+            "--max-log2",
+            "12",
+            "--repeats",
+            "3",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr
     out = tmp_path / "topologies" / "local.yaml"
     assert json.loads(proc.stdout)["path"] == str(out)

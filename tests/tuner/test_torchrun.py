@@ -34,10 +34,18 @@ def _free_port() -> int:
 
 
 def _env(tmp_path: Path, **extra: str) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(COCONET_CACHE_DIR=str(tmp_path / "cache"), COCONET_DATABASE_URL=f"sqlite:///{tmp_path / 'c.db'}",
-               PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}", OMP_NUM_THREADS="1", **extra)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
+    env.update(
+        COCONET_CACHE_DIR=str(tmp_path / "cache"),
+        COCONET_DATABASE_URL=f"sqlite:///{tmp_path / 'c.db'}",
+        PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}",
+        OMP_NUM_THREADS="1",
+        **extra,
+    )
     return env
 
 
@@ -46,8 +54,12 @@ def _together(commands: list[list[str]], env: dict | list[dict]) -> list[subproc
     ``env`` is a list), waited for together; any still running after LIMIT_S is killed with its whole session,
     and the test fails."""
     envs = env if isinstance(env, list) else [env] * len(commands)
-    procs = [subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              start_new_session=True) for cmd, e in zip(commands, envs)]
+    procs = [
+        subprocess.Popen(
+            cmd, cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        )
+        for cmd, e in zip(commands, envs)
+    ]
     deadline = time.monotonic() + LIMIT_S
     done = []
     try:
@@ -68,8 +80,21 @@ def _together(commands: list[list[str]], env: dict | list[dict]) -> list[subproc
 def _two_nodes(args: list[str], env: dict) -> list[subprocess.CompletedProcess]:
     """``torchrun --nnodes=2 --node-rank=i --nproc-per-node=1`` for i = 0, 1, as two launcher processes."""
     port = _free_port()
-    return _together([[str(BIN / "torchrun"), "--nnodes=2", f"--node-rank={i}", "--nproc-per-node=1",
-                       "--master-addr=127.0.0.1", f"--master-port={port}", *args] for i in range(2)], env)
+    return _together(
+        [
+            [
+                str(BIN / "torchrun"),
+                "--nnodes=2",
+                f"--node-rank={i}",
+                "--nproc-per-node=1",
+                "--master-addr=127.0.0.1",
+                f"--master-port={port}",
+                *args,
+            ]
+            for i in range(2)
+        ],
+        env,
+    )
 
 
 def _coconet(*args: str) -> list[str]:
@@ -80,8 +105,14 @@ def _coconet(*args: str) -> list[str]:
 
 
 def test_the_launcher_is_the_job_when_its_variables_are_set():
-    env = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "h",
-           "MASTER_PORT": "29500"}
+    env = {
+        "RANK": "1",
+        "WORLD_SIZE": "4",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "h",
+        "MASTER_PORT": "29500",
+    }
     assert choose("auto", env) == JobEnv(1, 4, 1, 2, "h:29500")
     assert choose("auto", {}) is None and choose("local", env) is None
     with pytest.raises(CoconetError, match="--launcher env: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT not set"):
@@ -113,8 +144,24 @@ def run_on_two_nodes(tmp_path_factory):
     """``coconet run`` of SGD (as written and a ZeRO-style schedule) across the two nodes, its modules emitted."""
     tmp = tmp_path_factory.mktemp("torchrun")
     env = _env(tmp)
-    nodes = _two_nodes(_coconet("run", "examples/sgd.py", "--size", "N=2^10", "--schedule", SLICED, "--kernels",
-                                "eager", "--repeats", "3", "--emit", str(tmp / "emit"), "--json"), env)
+    nodes = _two_nodes(
+        _coconet(
+            "run",
+            "examples/sgd.py",
+            "--size",
+            "N=2^10",
+            "--schedule",
+            SLICED,
+            "--kernels",
+            "eager",
+            "--repeats",
+            "3",
+            "--emit",
+            str(tmp / "emit"),
+            "--json",
+        ),
+        env,
+    )
     return nodes, tmp / "emit", env
 
 
@@ -152,11 +199,19 @@ def _error_lines(node: subprocess.CompletedProcess) -> list[str]:
 
 def test_a_world_that_disagrees_and_shm_across_nodes_are_one_error_line_per_rank(tmp_path):
     env = _env(tmp_path)
-    for args, said in ((["--world", "3"], "error: --world 3 disagrees with the job's WORLD_SIZE=2: leave --world out "
-                                          "under torchrun, or start as many ranks as it says"),
-                       (["--backend", "shm"], "error: the shm backend shares memory between ranks on one node, and "
-                                              "this job runs 1 of its 2 ranks per node (LOCAL_WORLD_SIZE=1): use "
-                                              "gloo or nccl across nodes")):
+    for args, said in (
+        (
+            ["--world", "3"],
+            "error: --world 3 disagrees with the job's WORLD_SIZE=2: leave --world out "
+            "under torchrun, or start as many ranks as it says",
+        ),
+        (
+            ["--backend", "shm"],
+            "error: the shm backend shares memory between ranks on one node, and "
+            "this job runs 1 of its 2 ranks per node (LOCAL_WORLD_SIZE=1): use "
+            "gloo or nccl across nodes",
+        ),
+    ):
         nodes = _two_nodes(_coconet("run", "examples/sgd.py", "--size", "N=2^10", "--kernels", "eager", *args), env)
         for node in nodes:
             assert node.returncode != 0 and node.stdout == ""
@@ -169,14 +224,27 @@ def test_ranks_started_with_other_sizes_are_one_error_line_each(tmp_path):
     """Node 1 asks for other sizes than node 0: every rank says so, instead of waiting in collectives that
     never match."""
     port = _free_port()
-    zero, one = _together([[str(BIN / "torchrun"), "--nnodes=2", f"--node-rank={i}", "--nproc-per-node=1",
-                            "--master-addr=127.0.0.1", f"--master-port={port}",
-                            *_coconet("run", "examples/sgd.py", "--size", f"N={n}", "--kernels", "eager")]
-                           for i, n in enumerate((1024, 2048))], _env(tmp_path))
+    zero, one = _together(
+        [
+            [
+                str(BIN / "torchrun"),
+                "--nnodes=2",
+                f"--node-rank={i}",
+                "--nproc-per-node=1",
+                "--master-addr=127.0.0.1",
+                f"--master-port={port}",
+                *_coconet("run", "examples/sgd.py", "--size", f"N={n}", "--kernels", "eager"),
+            ]
+            for i, n in enumerate((1024, 2048))
+        ],
+        _env(tmp_path),
+    )
     for node in (zero, one):
         assert node.returncode != 0 and node.stdout == ""
-        assert _error_lines(node) == ["error: rank 1 runs sizes N=2048 where rank 0 runs N=1024: start every rank "
-                                      "with the same command and program file"], node.stderr[-3000:]
+        assert _error_lines(node) == [
+            "error: rank 1 runs sizes N=2048 where rank 0 runs N=1024: start every rank "
+            "with the same command and program file"
+        ], node.stderr[-3000:]
 
 
 def test_any_launcher_setting_the_variables_will_do_and_shm_runs_on_one_host(tmp_path):
@@ -184,17 +252,39 @@ def test_any_launcher_setting_the_variables_will_do_and_shm_runs_on_one_host(tmp
     the ranks compare hostnames instead) run shm's fused collective, rank 0 reporting."""
     port = _free_port()
     env = _env(tmp_path, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2")
-    zero, one = _together([[sys.executable, "-m", "coconet", "run", "examples/sgd.py", "--size", "N=2^10",
-                            "--backend", "shm", "--launcher", "env", "--schedule", "split(ar0); reorder(ag0); "
-                            "fuse_collective(rs0)", "--kernels", "eager", "--repeats", "2", "--json"]] * 2,
-                          [{**env, "RANK": str(r)} for r in range(2)])
+    zero, one = _together(
+        [
+            [
+                sys.executable,
+                "-m",
+                "coconet",
+                "run",
+                "examples/sgd.py",
+                "--size",
+                "N=2^10",
+                "--backend",
+                "shm",
+                "--launcher",
+                "env",
+                "--schedule",
+                "split(ar0); reorder(ag0); fuse_collective(rs0)",
+                "--kernels",
+                "eager",
+                "--repeats",
+                "2",
+                "--json",
+            ]
+        ]
+        * 2,
+        [{**env, "RANK": str(r)} for r in range(2)],
+    )
     assert zero.returncode == 0 and one.returncode == 0, zero.stderr[-3000:] + one.stderr[-3000:]
     assert one.stdout == ""
     doc = json.loads(zero.stdout)
     assert doc["backend"] == "shm" and [(r["status"], r["correct"]) for r in doc["results"]] == [("ok", True)] * 2
 
 
-BOOM = '''
+BOOM = """
 import os
 
 from coconet import Local, Program, Replicated, allreduce
@@ -213,7 +303,7 @@ g = p.tensor("g", ("N",), layout=Local)
 w = p.tensor("w", ("N",), layout=Replicated)
 p.update(w, w + allreduce(boom(g)))
 program = p
-'''
+"""
 
 
 ONCE = """marker = os.environ["BOOM_ONCE"]
@@ -227,9 +317,24 @@ def test_a_rank_that_fails_is_reported_and_leaves_no_rank_waiting(tmp_path):
     up at the timeout, the result names rank 1's error, and the next schedule runs on a fresh group."""
     (tmp_path / "boom.py").write_text(BOOM.replace("FAIL", ONCE))
     t0 = time.monotonic()
-    zero, one = _two_nodes(_coconet("run", str(tmp_path / "boom.py"), "--size", "N=64", "--schedule", "split(ar0)",
-                                    "--kernels", "eager", "--timeout", "5", "--repeats", "2", "--json"),
-                           _env(tmp_path, BOOM_ONCE=str(tmp_path / "once")))
+    zero, one = _two_nodes(
+        _coconet(
+            "run",
+            str(tmp_path / "boom.py"),
+            "--size",
+            "N=64",
+            "--schedule",
+            "split(ar0)",
+            "--kernels",
+            "eager",
+            "--timeout",
+            "5",
+            "--repeats",
+            "2",
+            "--json",
+        ),
+        _env(tmp_path, BOOM_ONCE=str(tmp_path / "once")),
+    )
     assert time.monotonic() - t0 < 120
     assert zero.returncode == 1 and one.returncode == 1, zero.stderr[-3000:]
     failed, split = json.loads(zero.stdout)["results"]
@@ -241,21 +346,26 @@ def test_a_rank_that_fails_is_reported_and_leaves_no_rank_waiting(tmp_path):
 def test_a_rank_computing_otherwise_is_a_wrong_result_still_timed(tmp_path):
     """Rank 1's op computes 3x where the reference says 2x: rank 0 finds the allreduced state wrong."""
     (tmp_path / "boom.py").write_text(BOOM.replace("FAIL", "return x * 3"))
-    zero, one = _two_nodes(_coconet("run", str(tmp_path / "boom.py"), "--size", "N=64", "--kernels", "eager",
-                                    "--repeats", "2", "--json"), _env(tmp_path))
+    zero, one = _two_nodes(
+        _coconet("run", str(tmp_path / "boom.py"), "--size", "N=64", "--kernels", "eager", "--repeats", "2", "--json"),
+        _env(tmp_path),
+    )
     assert zero.returncode == 1 and one.returncode == 1, zero.stderr[-3000:]
     [result] = json.loads(zero.stdout)["results"]
     assert result["status"] == "wrong_result" and result["correct"] is False and result["samples"] == 2
-    assert re.match(r"stage0\.state\.w on rank 0 \(relative error \S+ > \S+\) differs from the reference",
-                    result["error"]), result
+    assert re.match(
+        r"stage0\.state\.w on rank 0 \(relative error \S+ > \S+\) differs from the reference", result["error"]
+    ), result
 
 
 def test_a_rank_that_dies_stops_the_others_with_one_error_line(tmp_path):
     """Rank 1's process exits in the middle of a step: rank 0 does not wait for it, and says what it lost."""
     (tmp_path / "boom.py").write_text(BOOM.replace("FAIL", "os._exit(3)"))
     t0 = time.monotonic()
-    zero, one = _two_nodes(_coconet("run", str(tmp_path / "boom.py"), "--size", "N=64", "--kernels", "eager",
-                                    "--timeout", "5"), _env(tmp_path))
+    zero, one = _two_nodes(
+        _coconet("run", str(tmp_path / "boom.py"), "--size", "N=64", "--kernels", "eager", "--timeout", "5"),
+        _env(tmp_path),
+    )
     assert time.monotonic() - t0 < 120
     assert zero.returncode != 0 and one.returncode != 0 and zero.stdout == ""
     [line] = _error_lines(zero)

@@ -57,10 +57,17 @@ def test_tune_records_the_winner_the_store_serves(ray_local, tmp_path):
         assert o.baseline.record_id in {t.record_id for t in o.retimed} and best.baseline.id == o.baseline.record_id
         assert {r.source for r in rows} == {"measured"} and all(r.versions["torch"] for r in rows)
         here = detect_local()  # the local Ray cluster is this machine: each trial says so, with its placement
-        assert all(r.versions["fingerprint"] == here.digest and r.versions["machines"] == here.text()
-                   and r.versions["placement"] == "2 ranks on 1 node" for r in rows)
-        assert tuned.to_json(prog, "local", 2)["machines"] == {"fingerprint": here.digest, "machines": here.text(),
-                                                               "placement": "2 ranks on 1 node"}
+        assert all(
+            r.versions["fingerprint"] == here.digest
+            and r.versions["machines"] == here.text()
+            and r.versions["placement"] == "2 ranks on 1 node"
+            for r in rows
+        )
+        assert tuned.to_json(prog, "local", 2)["machines"] == {
+            "fingerprint": here.digest,
+            "machines": here.text(),
+            "placement": "2 ranks on 1 node",
+        }
         job = store.job(tuned.job_id)
         assert job.state == "done" and job.result["best"]["hash"] == best.measurement.schedule_hash
         assert job.progress.done == 5
@@ -76,7 +83,8 @@ def test_tune_records_the_winner_the_store_serves(ray_local, tmp_path):
         fastest = min(current, key=lambda b: b.measurement.median_s)
         assert store.best(prog.hash, sizes, "local", 2).winner.id == fastest.winner.id
         assert {b.winner.id for b in current} == {again.record_id} | (
-            {tuned.record_id} if backend != o.winner.candidate.backend else set())
+            {tuned.record_id} if backend != o.winner.candidate.backend else set()
+        )
         assert len(store.winners(prog.hash, sizes, "local")) == 2
 
 
@@ -107,7 +115,7 @@ def test_an_interrupted_tuning_resumes_where_it_stopped(ray_local, tmp_path):
 
     with Store.open(url) as store:
         [tuned] = tune(request, store, lowering=counting)
-        trials = measured_again[:len(measured_again) - RETIME_ROUNDS * len(tuned.outcome.retimed)]
+        trials = measured_again[: len(measured_again) - RETIME_ROUNDS * len(tuned.outcome.retimed)]
         assert not {(m.schedule_hash, m.backend) for m in first} & set(trials)
         assert len(trials) == 6 - 3
         assert len(tuned.outcome.trials) == 6
@@ -128,8 +136,12 @@ def test_the_tuners_winner_is_the_exhaustive_winner_within_its_ci(ray_local, tmp
     prog = example("sgd")
     sizes = {"N": 2**22}
     with Store.open(f"sqlite:///{tmp_path / 'all.db'}") as store:
-        [every] = tune(Request(prog, (sizes,), world=2, budget=10_000, backends=("gloo",), protocol=FAST, depth=3,
-                               shardable=("all",)), store)
+        [every] = tune(
+            Request(
+                prog, (sizes,), world=2, budget=10_000, backends=("gloo",), protocol=FAST, depth=3, shardable=("all",)
+            ),
+            store,
+        )
     assert len(every.outcome.trials) == 16
     results = {t.candidate.key: t.result for t in every.outcome.trials}
     space = SearchSpace.of(prog, ("gloo",), 3)
@@ -139,8 +151,15 @@ def test_the_tuners_winner_is_the_exhaustive_winner_within_its_ci(ray_local, tmp
         replayed.append(c.key)
         return results[c.key]
 
-    out = search(space, sizes, storage=optuna.storages.InMemoryStorage(), study=study_name(prog, sizes, "local", 2),
-                 budget=8, measure=replay, prior=cost_prior(space, sizes, "local", 2)[:3])
+    out = search(
+        space,
+        sizes,
+        storage=optuna.storages.InMemoryStorage(),
+        study=study_name(prog, sizes, "local", 2),
+        budget=8,
+        measure=replay,
+        prior=cost_prior(space, sizes, "local", 2)[:3],
+    )
     assert len(out.trials) == 8 and out.winner is not None
     # each once, then the two fastest and the baseline again, in turns
     assert len(replayed) == 8 + RETIME_ROUNDS * len(out.retimed) and len(set(replayed[:8])) == 8
@@ -183,19 +202,30 @@ def test_the_tuned_json_says_why_its_trials_failed():
 
     def trial(text, status="ok", error=None, backend="shm"):
         s = Schedule.parse(text, prog)
-        return Trial(Candidate(s, backend), RunResult(s.text, s.hash, status, error=error,
-                                                      samples=[0.01] * 3 if status == "ok" else []))
+        return Trial(
+            Candidate(s, backend),
+            RunResult(s.text, s.hash, status, error=error, samples=[0.01] * 3 if status == "ok" else []),
+        )
 
     oom = "rank 0: MemoryError: Unable to allocate 8.00 TiB"
-    trials = [trial(texts[0], "timeout", "rank 1 did not answer within 60 s"),
-              trial(texts[1], "runtime_error", oom), trial(texts[2], "runtime_error", oom, backend="gloo"),
-              trial(texts[2])]
+    trials = [
+        trial(texts[0], "timeout", "rank 1 did not answer within 60 s"),
+        trial(texts[1], "runtime_error", oom),
+        trial(texts[2], "runtime_error", oom, backend="gloo"),
+        trial(texts[2]),
+    ]
     doc = Tuned({"N": 8}, Outcome("s", {"N": 8}, trials, trials[3], None, None), 1, 2).to_json(prog, "local", 2)
     assert doc["failed"] == 3
     assert doc["failures"] == [  # the commonest first, each with one of its candidates
         {"status": "runtime_error", "error": oom, "count": 2, "schedule": texts[1], "backend": "shm"},
-        {"status": "timeout", "error": "rank 1 did not answer within 60 s", "count": 1, "schedule": texts[0],
-         "backend": "shm"}]
+        {
+            "status": "timeout",
+            "error": "rank 1 did not answer within 60 s",
+            "count": 1,
+            "schedule": texts[0],
+            "backend": "shm",
+        },
+    ]
 
 
 def test_tune_refuses_sizes_whose_inputs_cannot_fit_this_machine():
@@ -218,8 +248,11 @@ def test_tune_leaves_a_key_another_tuner_is_running(tmp_path):
         other = store.take_job(prog.hash, {"N": 3000}, "local", 2, budget=5, shardable="m,v", driver=me.text)
         request = Request(prog, ({"N": 2000}, {"N": 3000}), world=2, budget=5, backends=("gloo",), protocol=FAST)
         # refused before Ray starts or anything is recorded, naming the size, the job and its process
-        with pytest.raises(CoconetError, match=rf"adam at N=3000 \(job {other.id}, pid {me.pid} on {me.host}\) on "
-                                               rf"local, world 2 is being tuned"):
+        with pytest.raises(
+            CoconetError,
+            match=rf"adam at N=3000 \(job {other.id}, pid {me.pid} on {me.host}\) on "
+            rf"local, world 2 is being tuned",
+        ):
             tune(request, store)
         assert [j.id for j in store.jobs()] == [other.id] and store.job(other.id).state == "running"
         # another choice of shardable state is another key
@@ -245,8 +278,11 @@ def test_tune_refuses_a_key_another_tuner_took_after_the_check(tmp_path, monkeyp
         monkeypatch.setattr(tune_module, "_free_keys", late)
         monkeypatch.setattr(tune_module, "connect", lambda *a, **k: None)  # refused before any rank is needed
         monkeypatch.setattr(tune_module, "offer", lambda: Offer((Node("n0", "127.0.0.1", 8.0, 0.0),)))
-        with pytest.raises(CoconetError, match=rf"N=3000 \(job \d+, pid {me.pid} on {me.host}\) on local, world 2 "
-                                               rf"is being tuned"):
+        with pytest.raises(
+            CoconetError,
+            match=rf"N=3000 \(job \d+, pid {me.pid} on {me.host}\) on local, world 2 "
+            rf"is being tuned",
+        ):
             tune(request, store)
         assert [(j.id, j.state) for j in store.jobs()] == [(late.job.id, "running")]
 
@@ -263,8 +299,14 @@ def test_tune_takes_a_key_whose_tuner_is_gone(tmp_path):
         job = store.job(killed.id)
         assert job.state == "interrupted" and "left by the process that ran it" in job.error
         # a process elsewhere that stopped beating holds nothing either
-        elsewhere = store.take_job(prog.hash, {"N": 3000}, "local", 2, shardable="m,v",
-                                   driver=Driver("another-host", me.machine, me.pid, me.start).text)
+        elsewhere = store.take_job(
+            prog.hash,
+            {"N": 3000},
+            "local",
+            2,
+            shardable="m,v",
+            driver=Driver("another-host", me.machine, me.pid, me.start).text,
+        )
         with pytest.raises(CoconetError, match="is being tuned"):
             _free_keys(store, prog, [{"N": 3000}], request, "m,v")
         _free_keys(store, prog, [{"N": 3000}], request, "m,v", stale_s=0)
@@ -286,12 +328,19 @@ def test_a_killed_result_in_the_store_is_measured_again_once(tmp_path):
     with Store.open(f"sqlite:///{tmp_path / 'c.db'}") as store:
         store.add_program(prog)
         job = store.create_job(prog.hash, sizes, "local", 2, budget=3)
-        common = dict(sizes=sizes, topology="local", world=2, backend="gloo", job_id=job,
-                      versions={"kernels": FAST.kernels})
+        common = dict(
+            sizes=sizes, topology="local", world=2, backend="gloo", job_id=job, versions={"kernels": FAST.kernels}
+        )
         killed = dict(status="killed", error="rank 1 died", **common)
-        store.add_measurements([NewMeasurement.of(once, **killed), NewMeasurement.of(twice, **killed),
-                                NewMeasurement.of(twice, **killed), NewMeasurement.of(lived, **killed),
-                                NewMeasurement.of(lived, median_s=1e-3, samples=[1e-3] * 3, **common)])
+        store.add_measurements(
+            [
+                NewMeasurement.of(once, **killed),
+                NewMeasurement.of(twice, **killed),
+                NewMeasurement.of(twice, **killed),
+                NewMeasurement.of(lived, **killed),
+                NewMeasurement.of(lived, median_s=1e-3, samples=[1e-3] * 3, **common),
+            ]
+        )
         got = _recorded(store, space, prog, sizes, request)
     assert Candidate(once, "gloo").key not in got
     assert got[Candidate(twice, "gloo").key].result.status == "killed"
@@ -305,10 +354,13 @@ def test_a_candidate_killed_from_outside_is_tried_again_on_the_next_run(ray_loca
     from tests.tuner.test_runner import wrapped
 
     marker = tmp_path / "killed-once"
-    killing = wrapped("", f"    if rank == 1 and not os.path.exists({str(marker)!r}):\n"
-                          f"        open({str(marker)!r}, 'w').close()\n"
-                          "        os.kill(os.getpid(), 9)\n"
-                          "    out = _generated(tensors, scalars, **kw)")
+    killing = wrapped(
+        "",
+        f"    if rank == 1 and not os.path.exists({str(marker)!r}):\n"
+        f"        open({str(marker)!r}, 'w').close()\n"
+        "        os.kill(os.getpid(), 9)\n"
+        "    out = _generated(tensors, scalars, **kw)",
+    )
 
     def lowering(schedule, backend, kernels):
         return (killing if schedule.transforms == () else lower)(schedule, backend, kernels)
@@ -325,6 +377,7 @@ def test_a_candidate_killed_from_outside_is_tried_again_on_the_next_run(ray_loca
         rows = [m for m in store.measurements(prog.hash, sizes, "local") if m.schedule == "baseline"]
         assert [m.status for m in rows][:2] == ["killed", "ok"] and rows[1].job_id == second.job_id
         # the other two trials were not measured again: their only rows are the first run's (and re-timings)
-        searched = [m for m in store.measurements(prog.hash, sizes, "local", job_id=second.job_id)
-                    if m.schedule != "baseline"]
+        searched = [
+            m for m in store.measurements(prog.hash, sizes, "local", job_id=second.job_id) if m.schedule != "baseline"
+        ]
         assert len(searched) == len(second.outcome.retimed) - 1

@@ -29,8 +29,9 @@ def optim_gap() -> float:
     make = lambda: torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))  # noqa: E731
     model, twin = make(), make()
     twin.load_state_dict(model.state_dict())
-    opt = coconet.optim.from_program("examples/optim/adamw.py", model.parameters(), lr=1e-2, schedule="baseline",
-                                     kernels="eager")
+    opt = coconet.optim.from_program(
+        "examples/optim/adamw.py", model.parameters(), lr=1e-2, schedule="baseline", kernels="eager"
+    )
     ddp = torch.nn.parallel.DistributedDataParallel(twin)
     ref = torch.optim.AdamW(twin.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(dist.get_rank())
@@ -83,8 +84,11 @@ def emitted_err(path: str) -> float:
     spec.loader.exec_module(module)
     grads, w, buf = sgd_inputs()
     want_w, want_buf = sgd_expected()
-    module.step({"g": grads[dist.get_rank()], "w": w, "buf": buf},
-                {"lr": LR, "momentum": MOMENTUM, "weight_decay": WD}, group=None)
+    module.step(
+        {"g": grads[dist.get_rank()], "w": w, "buf": buf},
+        {"lr": LR, "momentum": MOMENTUM, "weight_decay": WD},
+        group=None,
+    )
     return max(rel(w, want_w), rel(buf, want_buf))
 
 
@@ -94,8 +98,10 @@ def main() -> None:
     if len(sys.argv) > 1:
         found["emitted_err"] = emitted_err(sys.argv[1])
     answer = coconet.run("examples/sgd.py", "N=2^8", schedules=[SLICED], kernels="eager", repeats=2)
-    found["run"] = {"world": answer["world"], "results": [(r["schedule"], r["status"], r["correct"], r["samples"])
-                                                          for r in answer["results"]]}
+    found["run"] = {
+        "world": answer["world"],
+        "results": [(r["schedule"], r["status"], r["correct"], r["samples"]) for r in answer["results"]],
+    }
     dist.barrier()  # the script's group is still there
     if dist.get_rank() == 0:
         print(json.dumps(found), flush=True)

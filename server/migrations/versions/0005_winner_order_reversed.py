@@ -19,8 +19,9 @@ depends_on = None
 
 
 def upgrade() -> None:
-    op.add_column("coconet_winners", sa.Column("order_reversed", sa.Boolean(), nullable=False,
-                                               server_default=sa.false()))
+    op.add_column(
+        "coconet_winners", sa.Column("order_reversed", sa.Boolean(), nullable=False, server_default=sa.false())
+    )
 
 
 def downgrade() -> None:
