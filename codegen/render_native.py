@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from coconet.codegen.emitter import Emitter
 from coconet.codegen.names import CUT, holder_rows
-from coconet.kernels.native import FACTORS, HALF, ChunkKernel, Untranslatable, c_source
+from coconet.kernels.chunk import FACTORS, HALF, ChunkKernel, Untranslatable
+from coconet.kernels.native import c_source
 from coconet.schedules.dims import Dim
 from coconet.schedules.ir import COMPARE, ROWWISE_OPS, Stmt
 

@@ -36,147 +36,25 @@ Inductor's kernel otherwise (a broadcast operand but a row or column factor's, a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from .c_helpers import F16, HALF_LINE, PRELUDE
-
-# op -> C over operand texts (each a name or a load: free to repeat), per element and per 8-wide vector.
-# maximum and minimum propagate NaN as torch's do.
-OPS = {
-    "add": ("({0} + {1})", "({0} + {1})"),
-    "sub": ("({0} - {1})", "({0} - {1})"),
-    "mul": ("({0} * {1})", "({0} * {1})"),
-    "div": ("({0} / {1})", "({0} / {1})"),
-    "neg": ("(-{0})", "(-{0})"),
-    "sqrt": ("sqrtf({0})", "vsqrt({0})"),
-    "rsqrt": ("(1.0f / sqrtf({0}))", "(1.0f / vsqrt({0}))"),
-    "abs": ("fabsf({0})", "vabs({0})"),
-    "maximum": ("(({0} > {1} || {0} != {0}) ? {0} : {1})", "vmax({0}, {1})"),
-    "minimum": ("(({0} < {1} || {0} != {0}) ? {0} : {1})", "vmin({0}, {1})"),
-    "slice": ("{0}", "{0}"),  # a chunk's rows of a replicated value are its rows of the slice
-}
-# a host number divided by a tensor: torch's Tensor.__rtruediv__ multiplies the number by the tensor's
-# reciprocal (eager and compiled alike), an ulp from the quotient at times
-RDIV = ("((1.0f / {1}) * {0})", "((1.0f / {1}) * {0})")
-# x ** c for a constant c: what torch computes for these (ATen's pow of a tensor and a number multiplies,
-# divides or takes a square root), on one operand text. Any other exponent keeps Inductor's kernel.
-POWERS = {
-    0.0: ("1.0f", "((v8){{0}} + 1.0f)"),
-    1.0: ("{0}", "{0}"),
-    2.0: ("({0} * {0})", "({0} * {0})"),
-    3.0: ("(({0} * {0}) * {0})", "(({0} * {0}) * {0})"),
-    -1.0: ("(1.0f / {0})", "(1.0f / {0})"),
-    -2.0: ("(1.0f / ({0} * {0}))", "(1.0f / ({0} * {0}))"),
-    0.5: OPS["sqrt"],
-    -0.5: OPS["rsqrt"],
-}
-# comparisons: a mask, an int per element (0 or 1) and a v8i per vector (0 or -1), as GCC's vector compares give
-COMPARE = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
-# host-number arithmetic (constants and int scalars), in double as Python computes it: the per-element forms
-NUMBER_OPS = {op: OPS[op][0] for op in ("add", "sub", "mul", "div", "neg")}
-# a reduction over ranks -> the op combining a running total with the next rank's rows (avg: a sum, divided after)
-REDUCE = {"sum": OPS["add"], "avg": OPS["add"], "prod": OPS["mul"], "max": OPS["maximum"], "min": OPS["minimum"]}
-
-LINE = 16  # float32 values per 64-byte cache line
-
-# the half-precision dtypes, by the name their C helpers take (ld_bf16, round_f16, …): a value of one is held as
-# the float32 it widens to
-HALF = {"bfloat16": "bf16", "float16": "f16"}
-DTYPE = {tag: dtype for dtype, tag in HALF.items()}
-
-KINDS = {
-    "dim": "d",
-    "scalar": "s",
-    "rows": "t",
-    "parts": "l",
-    "bf16 parts": "h",
-    "peers": "p",
-    "rank numbers": "q",
-    "bf16 rows": "u",
-    "bf16 peers": "b",
-    "f16 parts": "k",
-    "f16 rows": "x",
-    "f16 peers": "y",
-    "row factor": "r",
-    "column factor": "c",
-}
-FACTORS = ("row factor", "column factor")
-
-
-def half(kind: str | None) -> str | None:
-    """The half-precision tag of a kind (``bf16 rows`` -> ``bf16``); None for a float32 one."""
-    tag = (kind or "").split(" ")[0]
-    return tag if tag in DTYPE else None
-
-
-def unhalved(kind: str | None) -> str | None:
-    """A kind without its half-precision tag (``f16 peers`` -> ``peers``); a float32 kind as it is."""
-    return kind.split(" ", 1)[1] if half(kind) else kind
-
-
-def _rounded(tag: str, x: str, vector: bool) -> str:
-    """C text of ``x`` rounded to the half dtype ``tag`` (``bf16``, ``f16``) as torch casts it, kept as float32."""
-    return f"{'vround' if vector else 'round'}_{tag}({x})"
-
-
-@dataclass(frozen=True)
-class ChunkKernel:
-    """What a chunk computes, by the names of the Python kernel it stands in for.
-
-    ``params``: (name, kind) in the Python kernel's order; kind is ``dim`` (unused here), ``scalar`` (a number or a
-    one-element tensor), ``rows`` (the chunk's rows of a tensor), ``parts`` (the chunk's rows on every rank, summed;
-    ``bf16 parts`` or ``f16 parts`` where they are bfloat16 or float16, which only casts to float32 read), ``rank
-    numbers`` (see ``ranked``) or ``peers`` (the chunk's rows of every peer's copy of a state); ``bf16 rows`` and
-    ``bf16 peers`` (``f16 …``) the same of a bfloat16 (float16) state, which only the values of casts to its dtype
-    are stored into; ``row factor`` and ``column factor`` an (m, 1) and a (1, w) float32 tensor broadcast to the
-    chunk's (m, w) rows (Adafactor's second moment, factored), which the chunk then takes a row at a time, w given
-    after the lists' counts. ``parts``: (the value they sum to, their parameter, ``sum`` or ``avg``). ``stmts``:
-    (name, op, operands, constant) in order. ``numbers``: the statements that are host numbers. ``writes``: (rows
-    parameter, value stored into it). ``streams``: (peers parameter, value stored into each). ``sums``: (name,
-    value): the chunk's sum of each value over its rows (a partial sum), returned in order. ``constants``: (scalar
-    parameter, value) for the scalars that are the program's constants (a power's exponent is compiled in).
-    ``host``: the scalar parameters that the Python kernel is given as Python numbers, not tensors (a constant,
-    arithmetic of constants), which torch divides by a tensor otherwise (see RDIV). A comparison is a mask that only
-    ``where`` and a ``cast`` to float32 (its constant the dtype) read; a scalar may be a mask that ``where`` reads
-    (a bool passed in, as 1 or 0: whether a loss scaler found an overflow). ``pre``: statements computed on each
-    rank's rows before they are summed, the rows named ``part``; the last is the value summed. ``also``: (name,
-    parts parameter) for rows of other inputs ``pre`` reads alongside, rank by rank (a gradient and the sum of the
-    earlier micro-batches' gradients).
-    ``ranked``: (number, its ``rank numbers`` parameter: every rank's, a float32 each in the order of the
-    parts) for the numbers ``pre`` reads that each rank holds its own of."""
-
-    params: tuple[tuple[str, str], ...]
-    parts: tuple[str, str, str] | None
-    stmts: tuple[tuple[str, str, tuple[str, ...], object], ...]
-    numbers: frozenset[str]
-    writes: tuple[tuple[str, str], ...]
-    streams: tuple[tuple[str, str], ...]
-    sums: tuple[tuple[str, str], ...] = ()
-    constants: tuple[tuple[str, float], ...] = ()
-    host: frozenset[str] = frozenset()
-    pre: tuple[tuple[str, str, tuple[str, ...], object], ...] = ()
-    part: str | None = None
-    ranked: tuple[tuple[str, str], ...] = ()
-    also: tuple[tuple[str, str], ...] = ()
-
-    @property
-    def kinds(self) -> str:
-        return "".join(KINDS[k] for _, k in self.params)
-
-
-class Untranslatable(ValueError):
-    """The chunk has a statement the C kernel does not translate; Inductor's kernel serves."""
-
-
-def _literal(value) -> str:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise Untranslatable(f"constant {value!r}")
-    value = float(value)
-    if value != value:
-        return "NAN"
-    if abs(value) == float("inf"):
-        return "INFINITY" if value > 0 else "-INFINITY"
-    return value.hex()
+from .c_loop import IND, Loop
+from .chunk import (
+    COMPARE,
+    DTYPE,
+    FACTORS,
+    HALF,
+    NUMBER_OPS,
+    OPS,
+    POWERS,
+    RDIV,
+    REDUCE,
+    ChunkKernel,
+    Untranslatable,
+    half,
+    literal,
+    rounded,
+    unhalved,
+)
 
 
 def c_source(k: ChunkKernel) -> str:
@@ -185,9 +63,6 @@ def c_source(k: ChunkKernel) -> str:
     length of each list, ``scal`` the scalars in order, ``sums`` where the chunk's sums go. Program names
     become ``p_<name>`` (a program may name a value ``n``). Raises Untranslatable."""
     return _Source(k).text()
-
-
-IND = "    "
 
 
 class _Source:
@@ -283,7 +158,7 @@ class _Source:
             if name not in self.k.numbers:
                 continue
             if op == "const":
-                numbers.append(f"const double p_{name} = {_literal(value)};")
+                numbers.append(f"const double p_{name} = {literal(value)};")
             elif op in NUMBER_OPS:
                 numbers.append(f"const double p_{name} = {NUMBER_OPS[op].format(*map(self.number_ref, args))};")
             else:
@@ -308,7 +183,7 @@ class _Source:
     def _expression(self, op: str, args: tuple[str, ...], value: object, vector: bool) -> str:
         k, ref = self.k, self.ref
         if op == "const":
-            lit = f"(float){_literal(value)}"
+            lit = f"(float){literal(value)}"
             return f"splat({lit})" if vector else lit
         if op == "pow" and self.constants.get(args[1]) in POWERS and args[0] not in k.numbers:
             return POWERS[self.constants[args[1]]][vector].format(ref(args[0], vector))
@@ -328,7 +203,7 @@ class _Source:
         if op == "cast" and value == "float32" and args[0] not in k.numbers:
             return ref(args[0], vector)  # float32 already, or a half widened exactly as it was loaded
         if op == "cast" and value in HALF and args[0] not in k.numbers:
-            return _rounded(HALF[value], ref(args[0], vector), vector)
+            return rounded(HALF[value], ref(args[0], vector), vector)
         raise Untranslatable(op)
 
     def body(self, vector: bool) -> list[str]:
@@ -354,7 +229,7 @@ class _Source:
     def _rounded_sum(self, x: str, vector: bool) -> str:
         # torch's half-precision add (mul, div) rounds each result to its dtype: so does the sum here,
         # computed in float32 first (exact, or rounded twice to the same value: 24 >= 2 * 11 + 2 bits)
-        return _rounded(self.summed_half, x, vector) if self.summed_half else x
+        return rounded(self.summed_half, x, vector) if self.summed_half else x
 
     def _combine(self, x: str, vector: bool) -> str:
         """p_total <- p_total (op) x, in the order torch reduces them."""
@@ -453,10 +328,10 @@ class _Source:
     # --- the whole kernel ---
 
     def text(self) -> str:
-        loop = _Loop(self)  # refuses what it cannot store before a row's code is made
+        loop = Loop(self)  # refuses what it cannot store before a row's code is made
         return "\n".join(self._functions(loop) + loop.lines()) + "\n"
 
-    def _functions(self, loop: _Loop) -> list[str]:
+    def _functions(self, loop: Loop) -> list[str]:
         """The helpers, the arguments' struct, and a row's and eight rows' computation."""
         f16 = "float16" in self.halves.values() or any(half(what) == "f16" for _, what in self.k.params)
         return [
@@ -479,172 +354,3 @@ class _Source:
             "}",
             "",
         ]
-
-
-class _Loop:
-    """``coconet_chunk`` itself: rows one at a time up to where the peers' lines start, then a line at a time
-    (two or four vectors of 8) streamed whole into every peer's copy, then the tail a row at a time; with a row
-    or column factor, that per row of the factor."""
-
-    def __init__(self, src: _Source) -> None:
-        k = src.k
-        self.src, self.k = src, k
-        self.ns, self.nout = len(k.streams), max(1, len(k.streams) + len(k.sums))
-        self.peers = [target for target, _ in k.streams]
-        self.halved = {p: half(src.kind[p]) for p in self.peers if half(src.kind[p])}
-        self.factored = any(what in FACTORS for _, what in k.params)
-        if self.factored and self.halved:
-            raise Untranslatable("a row or column factor beside half-precision peers")
-        self.end = "e" if self.factored else "n"  # where the rows stop: the chunk's, or (factored) the row's
-        self.streamed = [p for p in self.peers if p not in self.halved]
-        self.parts = ("x", "y", "z", "u") if self.halved else ("x", "y")
-        self.summed = [f"tot[{j}] += (double)o[{self.ns + j}];" for j in range(len(k.sums))]
-        self.plain = [
-            f"for (long r = 0; r < a.n_{p}; r++) a.p_{p}[r][i] = "
-            + (f"bits_{self.halved[p]}(o[{s}]);" if p in self.halved else f"o[{s}];")
-            for s, p in enumerate(self.peers)
-        ]
-
-    def lines(self) -> list[str]:
-        return self._entry() + self._head() + self._factor_rows() + self._line_loop() + self._exit()
-
-    def one_by_one(self, until: str) -> list[str]:
-        """Rows i .. until, one at a time (a head or the tail)."""
-        return [
-            IND + f"for (; {until}; i++) {{",
-            IND * 2 + "row(&a, i, o);",
-            *(IND * 2 + x for x in self.plain + self.summed),
-            IND + "}",
-        ]
-
-    @staticmethod
-    def same_offset(flag: str, off: str, group: list[str]) -> list[str]:
-        return [
-            IND + f"for (long r = 0; r < a.n_{p}; r++) {flag} = {flag} && ((uintptr_t)a.p_{p}[r] & 63) == {off};"
-            for p in group
-        ]
-
-    def _entry(self) -> list[str]:
-        k, nout = self.k, self.nout
-        out = [
-            "void coconet_chunk(long n, void **ptr, const long *count, const float *scal, double *sums) {",
-            IND + "args_t a;",
-            IND + "long at = 0;",
-            IND + "(void)at; (void)count; (void)scal; (void)sums;",
-            *(IND + x for x in self.src.unpack),
-            IND + f"float o[{nout}];",
-            IND + f"v8 x[{nout}], y[{nout}];",
-        ]
-        if k.sums:
-            out.append(IND + f"double tot[{len(k.sums)}] = {{0}};")
-            out.append(IND + f"v4d acc[{len(k.sums)}] = {{{{0}}}};")
-        return out
-
-    def _head(self) -> list[str]:
-        """The rows before the first whole line of the peers' copies, and whether to stream (``nt``, ``nt16``)."""
-        halved, streamed = self.halved, self.streamed
-        if halved:
-            # a half-precision line holds 32 rows: the loop takes 32 a step so that each line is streamed whole
-            # (half a line a step went out as partial writes), from the row where the half copies' lines start;
-            # the float32 copies are streamed too where their lines start on that row
-            first = sorted(halved)[0]
-            out = [
-                IND + f"uintptr_t off16 = a.n_{first} ? (uintptr_t)a.p_{first}[0] & 63 : 0;",
-                IND + "int nt16 = (off16 & 1) == 0;",
-                *self.same_offset("nt16", "off16", sorted(halved)),
-                IND + "long head = nt16 ? (long)((64 - off16) & 63) / 2 : 0, i = 0;",
-            ]
-            if streamed:
-                out += [
-                    IND + f"uintptr_t off = a.n_{streamed[0]} ? (uintptr_t)a.p_{streamed[0]}[0] & 63 : 0;",
-                    IND + "int nt = (off & 3) == 0 && ((off + 4 * (uintptr_t)head) & 63) == 0;",
-                    *self.same_offset("nt", "off", streamed),
-                ]
-            return out + self.one_by_one("i < head && i < n") + [IND + f"v8 z[{self.nout}], u[{self.nout}];"]
-        if streamed:
-            out = [
-                IND + "/* streamed where every destination has the same offset in its line, on a float */",
-                IND + f"uintptr_t off = a.n_{streamed[0]} ? (uintptr_t)a.p_{streamed[0]}[0] & 63 : 0;",
-                IND + "int nt = (off & 3) == 0;",
-                *self.same_offset("nt", "off", streamed),
-            ]
-            if not self.factored:
-                out += [
-                    IND + "long head = nt ? (long)((64 - off) & 63) / 4 : 0, i = 0;",
-                    *self.one_by_one("i < head && i < n"),
-                ]
-            return out
-        return [] if self.factored else [IND + "long i = 0;"]
-
-    def _factor_rows(self) -> list[str]:
-        """With a factor, a row at a time, its factor's value and its columns' start set before its first: every
-        row's lines begin at their own offset, so each has a head of its own."""
-        if not self.factored:
-            return []
-        out = [
-            IND + f"const long width = count[{self.src.lists}];",
-            IND + "for (long q0 = 0; width > 0 && q0 < n; q0 += width) {",
-            IND + "a.q = q0 / width; a.c0 = q0;",
-            IND + "const long e = q0 + width;",
-            IND + "long i = q0;",
-        ]
-        if self.streamed:
-            out += [
-                IND + "const long head = nt ? (long)((64 - ((off + 4 * (uintptr_t)q0) & 63)) & 63) / 4 : 0;",
-                *self.one_by_one("i < q0 + head && i < e"),
-            ]
-        return out
-
-    def _line_loop(self) -> list[str]:
-        parts, end = self.parts, self.end
-        step = LINE * len(parts) // 2  # two vectors of 8 a float32 line
-        out = [
-            IND + f"for (; i + {step} <= {end}; i += {step}) {{",
-            *(IND * 2 + f"rows8(&a, {'i' if j == 0 else f'i + {8 * j}'}, {v});" for j, v in enumerate(parts)),
-        ]
-        for s, p in enumerate(self.peers):
-            out += [
-                IND * 2 + f"for (long r = 0; r < a.n_{p}; r++) {{",
-                IND * 3 + f"{'uint16_t' if p in self.halved else 'float'} *d = a.p_{p}[r] + i;",
-                IND * 3 + self._store(s, p),
-                IND * 2 + "}",
-            ]
-        out += [
-            IND * 2 + f"acc[{j}] += " + " + ".join(f"widen({v}[{self.ns + j}])" for v in parts) + ";"
-            for j in range(len(self.k.sums))
-        ]
-        out += [IND + "}", *self.one_by_one(f"i < {end}")]
-        return out + ([IND + "}"] if self.factored else [])
-
-    def _store(self, s: int, p: str) -> str:
-        """Peer ``p``'s line at ``d``: streamed whole where its lines line up, else stored vector by vector."""
-        parts = self.parts
-
-        def at(j: int, width: int) -> str:
-            return f"d + {width * j}" if j else "d"
-
-        def branch(flag: str, fast: list[str], slow: list[str]) -> str:
-            streamed_text = fast[0] if len(fast) == 1 else "{ " + " ".join(fast) + " }"
-            return f"if ({flag}) {streamed_text} else {{ {' '.join(slow)} }}"
-
-        if p in self.halved:
-            tag = self.halved[p]
-            return branch(
-                "nt16",
-                [f"stream_line_{tag}(d, {', '.join(f'{v}[{s}]' for v in parts)});"],
-                [f"st_{tag}({at(j, 8)}, {v}[{s}]);" for j, v in enumerate(parts)],
-            )
-        return branch(
-            "nt",
-            [
-                f"stream_line({at(j, 16)}, {parts[2 * j]}[{s}], {parts[2 * j + 1]}[{s}]);"
-                for j in range(len(parts) // 2)
-            ],
-            [f"st({at(j, 8)}, {v}[{s}]);" for j, v in enumerate(parts)],
-        )
-
-    def _exit(self) -> list[str]:
-        out = [IND + f"sums[{j}] = tot[{j}] + hsum4(acc[{j}]);" for j in range(len(self.k.sums))]
-        if self.peers:
-            out.append(IND + "_mm_sfence();  /* the streamed stores are visible before the barrier's flag after */")
-        return out + ["}"]

@@ -19,7 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coconet.codegen.lower import lower
-from coconet.kernels import copier, native
+from coconet.kernels import chunk as chunk_table
+from coconet.kernels import copier
 from coconet.kernels import segments as shm_segments
 from coconet.schedules.schedule import Schedule
 from coconet.schedules.space import generate
@@ -640,13 +641,15 @@ def c_chunk_and_python(source: str, monkeypatch, tmp_path) -> tuple[str, list[tu
     def args(rows):
         out = []
         for name, letter in zip(params, kinds, strict=True):
-            kind = next(k for k, x in native.KINDS.items() if x == letter)
-            dtype = getattr(torch, native.DTYPE[native.half(kind)]) if native.half(kind) else torch.float32
-            if native.unhalved(kind) == "peers":
+            kind = next(k for k, x in chunk_table.KINDS.items() if x == letter)
+            dtype = (
+                getattr(torch, chunk_table.DTYPE[chunk_table.half(kind)]) if chunk_table.half(kind) else torch.float32
+            )
+            if chunk_table.unhalved(kind) == "peers":
                 out.append([torch.zeros(rows, dtype=dtype) for _ in range(2)])
-            elif native.unhalved(kind) == "parts":
+            elif chunk_table.unhalved(kind) == "parts":
                 out.append([torch.randn(rows, generator=gen).to(dtype) for _ in range(3)])
-            elif native.unhalved(kind) == "rows":  # magnitudes: a second moment's square root is a number
+            elif chunk_table.unhalved(kind) == "rows":  # magnitudes: a second moment's square root is a number
                 out.append(torch.randn(rows, generator=gen).abs().to(dtype))
             else:
                 out.append(float(numbers[name]) if name in numbers else torch.tensor(0.01))
@@ -1246,22 +1249,22 @@ def test_a_sum_of_values_of_each_ranks_own_is_reduced_where_the_peers_read_them(
 
 
 def test_the_runtime_reads_each_chunk_parameter_as_the_kind_native_gives_it():
-    """The runtime's native (coconet.kernels.copier) does not import native.KINDS, the C writer's table: its letters
+    """The runtime's native (coconet.kernels.copier) does not import chunk.KINDS, the C writer's table: its letters
     for lists and for half precision are kept by hand, and a letter missed there would pass a half tensor to C as
     float32."""
     source = inspect.getsource(copier.native)
     lists = re.search(r'xs = x if kind in "(\w+)"', source).group(1)
     assert f'if kind in "{lists}":' in source
     widths = dict(re.findall(r'torch\.(bfloat16|float16) if kind in "(\w+)"', source))
-    letters = native.KINDS
-    assert set(lists) == {letters[k] for k in letters if native.unhalved(k) in ("parts", "peers")}
-    for dtype, tag in native.HALF.items():
-        assert set(widths[dtype]) == {letters[k] for k in letters if native.half(k) == tag}
-    single = {letters[k] for k in letters if native.unhalved(k) == "rows"}
-    factors = re.search(r'if kind in "(\w+)":\n +if \(x\.dtype != torch\.float32', source).group(1)
-    assert set(factors) == {letters[k] for k in native.FACTORS}
+    letters = chunk_table.KINDS
+    assert set(lists) == {letters[k] for k in letters if chunk_table.unhalved(k) in ("parts", "peers")}
+    for dtype, tag in chunk_table.HALF.items():
+        assert set(widths[dtype]) == {letters[k] for k in letters if chunk_table.half(k) == tag}
+    single = {letters[k] for k in letters if chunk_table.unhalved(k) == "rows"}
+    factors = re.search(r'if kind in "(\w+)":\n\s+if \(\s*x\.dtype != torch\.float32', source).group(1)
+    assert set(factors) == {letters[k] for k in chunk_table.FACTORS}
     # beside factors, every tensor of the rows must be as wide as the column factor
-    rows = re.search(r'tensors = \[t for kind, x in zip\(kinds, args\) if kind in "(\w+)"', source).group(1)
+    rows = re.search(r"tensors = \[\s*t for kind, x in zip\(kinds, args\) if kind in \"(\w+)\"", source).group(1)
     assert set(rows) == set(lists) | single
     assert set(letters.values()) == {"d", "s", "q"} | set(lists) | single | set(factors)
 

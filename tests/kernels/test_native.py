@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coconet.kernels import copier
-from coconet.kernels.native import COMPARE, DTYPE, HALF, OPS, POWERS, ChunkKernel, Untranslatable, c_source, half
+from coconet.kernels.chunk import COMPARE, DTYPE, HALF, OPS, POWERS, ChunkKernel, Untranslatable, half
+from coconet.kernels.native import c_source
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
 
