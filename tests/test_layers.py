@@ -52,6 +52,7 @@ LAYER_OF = {
     "coconet.client": "client",
     "coconet.api": "api",
     "coconet.step": "api",
+    "coconet.lookup": "api",
     "coconet.optim": "api",
     "coconet.cli": "cli",
     "coconet.__main__": "cli",
