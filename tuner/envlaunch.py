@@ -31,7 +31,8 @@ from coconet.errors import BackendError, CoconetError
 from coconet.schedules.dims import format_sizes
 from coconet.schedules.equivalence import Reference
 from coconet.schedules.schedule import Schedule
-from coconet.tuner.launch import Check, Options, RunResult, describe_error
+from coconet.tuner.check import Check
+from coconet.tuner.launch import Options, RunResult, describe_error
 from coconet.tuner.rank import checked_steps, error_report, inputs, time_steps
 
 VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from coconet.tuner import launch
+from coconet.tuner import check, launch
 from coconet.tuner import rank as rank_process
 
 ROOT = Path(__file__).parents[2]
@@ -154,7 +154,7 @@ def run_every_schedule(
                 (s.text, f"{world * stages - len(ranks)} ranks did not report (an earlier failure stopped them)")
             )
             continue
-        _, wrong = launch.compare(s.scheduled, ranks, opts, reference, again=True)
+        _, wrong = check.compare(s.scheduled, ranks, opts, reference, again=True)
         if wrong is not None:
             bad.append((s.text, wrong))
     return bad

@@ -270,7 +270,7 @@ def test_a_value_computed_in_bfloat16_is_held_to_bfloat16s_tolerance():
     once failed float32's 1e-4. A float32 program keeps float32's."""
     import coconet as cc
     from coconet.schedules.equivalence import TOLERANCE
-    from coconet.tuner.launch import Check
+    from coconet.tuner.check import Check
 
     p = cc.Program("bf16_sgd", dims=("N",))
     g = p.tensor("g", ("N",), layout=cc.Local, dtype="bfloat16")
@@ -352,7 +352,7 @@ def test_every_rank_s_copy_of_a_replicated_result_is_checked():
     import numpy as np
 
     from coconet.schedules import interp
-    from coconet.tuner.launch import compare
+    from coconet.tuner.check import compare
 
     prog = example("adam")
     opts = Options(world=3, sizes={"N": 10})
@@ -371,7 +371,7 @@ def test_a_second_step_is_checked_as_the_first():
     import numpy as np
 
     from coconet.schedules import interp
-    from coconet.tuner.launch import compare
+    from coconet.tuner.check import compare
     from coconet.tuner.rank import AGAIN
 
     prog = example("adam")
@@ -408,7 +408,7 @@ def test_reports_are_checked_as_they_come_whatever_their_order():
     import numpy as np
 
     from coconet.schedules import interp
-    from coconet.tuner.launch import Check
+    from coconet.tuner.check import Check
 
     prog = Schedule.parse("split(ar0); reorder(ag0); as_slice(m); as_slice(v)", example("adam")).scheduled
     opts = Options(world=3, sizes={"N": 10})
@@ -447,7 +447,7 @@ def test_a_float16_overflow_is_named_as_the_cause():
 
     import coconet as cc
     from coconet.schedules import interp
-    from coconet.tuner.launch import compare
+    from coconet.tuner.check import compare
 
     p = cc.Program("fp16", dims=("N",))
     x = p.tensor("x", ("N",), layout=cc.Replicated, dtype="float16")
@@ -494,7 +494,7 @@ def test_an_ill_conditioned_program_is_held_to_its_own_error_in_its_dtype():
 
     from coconet.schedules import interp
     from coconet.schedules.equivalence import CONDITIONING, TOLERANCE, Reference, rel_err
-    from coconet.tuner.launch import compare
+    from coconet.tuner.check import compare
 
     prog = centered_rmsprop()
     opts = Options(world=3, sizes={"N": 2000})
