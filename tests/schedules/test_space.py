@@ -22,7 +22,7 @@ GOLDEN = Path(__file__).parent / "golden"
 SIZES = {
     "adam": {"N": 7}, "sgd": {"N": 5}, "lamb": {"N": 9}, "adam_multi": {"H": 3},
     "megatron_mlp": {"B": 2, "S": 3, "H": 5}, "gpt_pipeline": {"B": 2, "S": 1, "H": 3},
-    "conv_block": {"B": 3, "C": 5, "H": 4, "W": 3},
+    "conv_block": {"B": 3, "C": 5, "H": 4, "W": 3}, "gpt_layer_sp": {"S": 5, "B": 2, "H": 3},
 }
 
 
