@@ -11,7 +11,7 @@ from typing import Mapping, Sequence
 
 from coconet.codegen.analysis import ELEMENTWISE, OUT, custom_group, group_io, readers_of, ungrouped_pointwise
 from coconet.codegen.backends import Backend
-from coconet.schedules.ir import Group, Program, Stmt
+from coconet.schedules.ir import ROWWISE_OPS, Group, Program, Stmt
 from coconet.schedules.types import Local, Replicated, Sliced
 
 
@@ -233,17 +233,23 @@ def held_source(p: Program, backend: Backend, rs: Stmt) -> bool:
 
 def chunk_compiles(p: Program, g: Group, compute: Sequence[str]) -> bool:
     """Whether a fused collective's chunk computes in one compiled kernel: pointwise statements, partial sums
-    (the kernel returns the chunk's), slices of replicated values (the chunk's rows of them), and dropout on
+    (the kernel returns the chunk's), slices of replicated values (the chunk's rows of them), dropout on
     values sliced as the chunks are (its mask's counters are global element indices, which the kernel gets
-    from the chunk's first row)."""
+    from the chunk's first row), and reductions or softmaxes along another dim of such values (a LayerNorm's
+    means: every row they reduce is whole in the chunk, and Inductor reduces it inside the kernel)."""
     rs = p[g.members[0]]
     d = rs.type.layout.dim
     n = rs.type.shape[d]
 
     def ok(s: Stmt) -> bool:
-        if s.op == "dropout":
+        if s.op == "dropout" or s.op in ROWWISE_OPS:
             t = s.type
-            return isinstance(t.layout, Sliced) and t.layout.dim == d and t.shape[d] == n
+            return (
+                isinstance(t.layout, Sliced)
+                and t.layout.dim == d
+                and t.shape[d] == n
+                and (s.op == "dropout" or s.attr("dim") is not None)
+            )
         return s.op in ELEMENTWISE or s.op in ("partial_sum", "slice")  # the chunk's share of the sum; its rows
 
     return bool(compute) and all(ok(p[m]) for m in compute)

@@ -12,13 +12,20 @@ back. What the total feeds waits for the allreduce of the partials, outside.
 So does the work on a ``slice`` of replicated state with the slice's rows
 (``slice_reduce``: LAMB's norm of its weights), which reads each chunk's
 rows of the state as the update does.
+
+Reductions and softmaxes along a dim other than the scattered one join as
+pointwise work does (a LayerNorm after Megatron's sequence-parallel
+reduce_scatter): a chunk holds whole rows along every other dim, so it
+computes their means and normalises them in the same kernel. Along the
+scattered dim a chunk holds part of each row (a ``partial_reduce``, which an
+allreduce completes): that stays out, and ``left_out`` says why.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from coconet.schedules.ir import Group, Program, Stmt
+from coconet.schedules.ir import DIM_REDUCTIONS, ROWWISE_OPS, Group, Program, Stmt
 from coconet.schedules.transforms.base import (
     Transform,
     convex_with,
@@ -28,6 +35,7 @@ from coconet.schedules.transforms.base import (
     sliced_dim,
     with_group,
 )
+from coconet.schedules.transforms.fuse import rowwise_member
 
 
 def _rows(program: Program, name: str, dim: int):
@@ -48,8 +56,10 @@ def region(program: Program, rs: str) -> tuple[str, ...]:
             return False
         if any(a in members for a in s.args):
             # the slice's rows are a chunk's: work sliced along a dim of another extent is cut otherwise
+            # a reduction or softmax along another dim (a LayerNorm's means) has its rows whole in every chunk
+            work = is_pointwise(program, s) or rowwise_member(program, s.name)
             ok = (
-                (is_pointwise(program, s) and _rows(program, s.name, dim) == rows)
+                (work and _rows(program, s.name, dim) == rows)
                 or s.op == "all_gather"
                 or (s.op == "partial_sum" and _rows(program, s.args[0], dim) == rows)
             )
@@ -71,6 +81,33 @@ def region(program: Program, rs: str) -> tuple[str, ...]:
     # a slice that nothing in the unit reads would only be copied out of it
     idle = {m for m in members if program[m].op == "slice" and not members & set(program.users[m])}
     return ordered(program, members - idle)
+
+
+def left_out(program: Program, rs: str) -> dict[str, str]:
+    """Why the statements along a dim that read the fused collective's slices stay out of it: a chunk holds
+    whole rows along every dim but the scattered one, so it reduces (or normalises) along another dim alone."""
+    dim = sliced_dim(program, rs)
+    rows = program[rs].type.shape[dim]
+    members = set(region(program, rs))
+    why = {}
+    for m in ordered(program, members):
+        for u in program.users[m]:
+            s = program[u]
+            if u in members or u in why or s.op not in DIM_REDUCTIONS | ROWWISE_OPS:
+                continue
+            if s.op == "partial_reduce" or s.attr("dim") is None:
+                why[u] = (
+                    f"{u} reduces along dim {dim}, the one {rs} scatters: a chunk holds part of each row "
+                    "it reduces, which an allreduce completes after the collective"
+                )
+            elif _rows(program, u, dim) != rows:
+                why[u] = (
+                    f"{u}'s result is not sliced along dim {dim}, along which {rs}'s chunks are cut: "
+                    "the chunk's rows of it are not the chunk's rows of what it reads"
+                )
+            elif u in program.group_of:
+                why[u] = f"{u} already runs in {program.group_of[u]}"
+    return why
 
 
 @dataclass(frozen=True)
@@ -100,7 +137,8 @@ class FuseCollective(Transform):
             raise self.refuse(f"{rs.name} already runs in {program.group_of[rs.name]}")
         members = region(program, rs.name)
         if not any(program[m].op not in ("reduce_scatter", "all_gather") for m in members):
-            raise self.refuse(f"no pointwise work runs on the slices of {rs.name}: reorder first")
+            why = "; ".join(left_out(program, rs.name).values())
+            raise self.refuse(f"no pointwise work runs on the slices of {rs.name}: " + (why or "reorder first"))
         return with_group(program, Group("fused_collective", members, ("fc_chunks",)))
 
     @classmethod
@@ -117,4 +155,6 @@ class FuseCollective(Transform):
         text = f"{self.reduce_scatter} fused with {work} statement{'s' * (work != 1)}"
         if partials:
             text += f", {partials} partial sum{'s' * (partials != 1)}"
-        return text + f" and {gathers} all_gather{'s' * (gathers != 1)}"
+        text += f" and {gathers} all_gather{'s' * (gathers != 1)}"
+        out = left_out(program, self.reduce_scatter)
+        return text + (f"; {', '.join(out)} outside it" if out else "")

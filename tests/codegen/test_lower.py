@@ -287,6 +287,11 @@ GOLDENS = {  # name: (example, schedule, backend, lower's keywords)
     "conv_block_overlap": ("conv_block", "overlap(conv0, ar0)", "gloo", {}),
     # scattered along the batch: chunks of the filters, the block's epilogue on each rank's batch rows
     "conv_block_overlap_scatter_shm": ("conv_block", "split(ar0); reorder(ag0); overlap(conv0, rs0)", "shm", {}),
+    # Megatron's sequence-parallel epilogue: dropout, the residual and the LayerNorm's means on each chunk of
+    # the scattered rows in one compiled kernel, the normalised rows gathered as the next chunk computes
+    "gpt_layer_sp_fused_collective": ("gpt_layer_sp", "fuse_collective(rs0)", "gloo", {}),
+    # on shm: the kernel sums every rank's rows of the chunk, then normalises them into this rank's slot
+    "gpt_layer_sp_fused_collective_shm": ("gpt_layer_sp", "fuse_collective(rs0)", "shm", {}),
 }
 
 

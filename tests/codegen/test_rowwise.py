@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 import coconet as cc
 from coconet import Local, Replicated, Sliced
 from coconet.codegen.lower import lower
+from coconet.codegen.plan import LoweringPlan
 from coconet.schedules.schedule import Schedule
 from coconet.schedules.space import generate
 from coconet.tuner import cost
@@ -85,7 +86,12 @@ def sharded_state_norms():
     return p.ir
 
 
-PROGRAMS = [normalised_state, every_reduction, tensor_parallel_layer, sharded_state_norms]
+def gpt_layer_sp():
+    """examples/gpt_layer_sp.py: Megatron's sequence-parallel epilogue, its LayerNorm inside the fused collective."""
+    return runpy.run_path(str(ROOT / "examples" / "gpt_layer_sp.py"))["program"].ir
+
+
+PROGRAMS = [normalised_state, every_reduction, tensor_parallel_layer, sharded_state_norms, gpt_layer_sp]
 # uneven rows at 2 and 3 ranks for the programs of the sequence-parallel kind; at 3 for the rest (time)
 WORLDS = [
     (normalised_state, 2),
@@ -94,6 +100,8 @@ WORLDS = [
     (tensor_parallel_layer, 2),
     (tensor_parallel_layer, 3),
     (sharded_state_norms, 3),
+    (gpt_layer_sp, 2),
+    (gpt_layer_sp, 3),
 ]
 SIZES = {"S": 5, "H": 3, "B": 2}
 
@@ -177,12 +185,13 @@ def test_cost_model_prices_every_schedule():
 
 
 def test_fused_row_kernels_compiled():
-    """Inductor's kernels on shm: the sequence-parallel LayerNorm fused with dropout and the residual, and a
+    """Inductor's kernels on shm: the sequence-parallel LayerNorm fused with dropout and the residual (in a fuse
+    kernel, and in the fused collective's chunk kernel), and a
     LayerNorm written into every peer's copy of the state beside a softmax's exponentials. (gloo runs the same
     function of the group; test_a_layer_norm_fuses_into_one_kernel_that_c_leaves_to_inductor reads both.)"""
-    gpt = runpy.run_path(str(ROOT / "examples" / "gpt_layer_sp.py"))["program"].ir
-    fused = [s for s in generate(gpt) if s.text.startswith("fuse(") and "overlap" not in s.text]
-    assert len(fused) == 1 and "mean0" in fused[0].text
+    gpt = gpt_layer_sp()
+    fused = [s for s in generate(gpt) if s.text.startswith(("fuse(", "fuse_collective(")) and "overlap" not in s.text]
+    assert len(fused) == 2 and all("mean0" in s.text or s.text.startswith("fuse_collective(") for s in fused)
     assert_all_ok(run_schedules(fused, opts(3, "shm", "compiled", gpt)))
     picked = [Schedule.parse(f"{LN}; fuse(sub1, exp0)", normalised_state())]
     assert_all_ok(run_schedules(picked, opts(3, "shm", "compiled")))
@@ -238,3 +247,22 @@ def test_unseen_rowwise_programs(p, world, backend):
             Options(world=world, sizes={"N": 5, "M": 3}, backend=backend, kernels="eager", time=False, timeout_s=120),
         )
     )
+
+
+def test_the_fused_collective_computes_the_layer_norm_in_its_chunk_kernel():
+    """The plan takes the LayerNorm's means into each chunk's compiled kernel; C computes flat elements, so on
+    shm Inductor's kernel serves; the cost model prices the one kernel per chunk the plan decided."""
+    sched = Schedule.parse("fuse_collective(rs0)", gpt_layer_sp())
+    for backend in ("gloo", "shm"):
+        (fc,) = LoweringPlan.of(sched, backend).fused_collectives.values()
+        assert fc.compiles and {"mean0", "mean1", "add3"} <= set(fc.compute) and fc.gathers == ("ag0",)
+        src = lower(sched, backend).source
+        chunk = src.split("def _chunk0(")[1].split("\ndef ")[0]
+        assert "mean0 = add1.mean(2, keepdim=True)" in chunk and "mean1 = mul0.mean(2, keepdim=True)" in chunk
+        assert "_native(" not in src and "def _fuse0(" not in src  # no LayerNorm kernel of its own after the collective
+        priced = cost.plan(sched, backend)
+        (unit,) = [u for u in priced.units if u.what.startswith("fused_collective(")]
+        assert [k.what for k in unit.kernels].count(f"{unit.what} kernel") == 1
+        assert not [u for u in priced.units if u.what.startswith("fuse(")]
+    eager = lower(sched, "gloo", "eager").source
+    assert "mean0 = add1.mean(2, keepdim=True)" in eager.split("def _fused_collective0(")[1]

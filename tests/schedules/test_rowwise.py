@@ -1,7 +1,10 @@
 """Reductions along a dim, softmax and the norms built on them: the layout table over every layout, dim and
-keepdim, the errors, the JSON IR, and the interpreter against torch on 1-4 ranks with uneven slices."""
+keepdim, the errors, the JSON IR, the interpreter against torch on 1-4 ranks with uneven slices, and what fuse
+and fuse_collective take of them."""
 
 import itertools
+import runpy
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,6 +17,7 @@ from coconet.errors import IllegalTransform, ProgramError
 from coconet.schedules import interp
 from coconet.schedules.serialize import export, load
 from coconet.schedules.transforms.fuse import Fuse, fusable
+from coconet.schedules.transforms.fuse_collective import FuseCollective, left_out
 from coconet.schedules.types import Local, Replicated, Sliced
 
 LAYOUTS = [Replicated(), Local(), Sliced(0), Sliced(1), Sliced(2)]
@@ -258,3 +262,52 @@ def test_fuse_refuses_what_one_iteration_space_cannot_hold():
     x = p.tensor("x", ("S", "H"), layout=Sliced(0))
     p.output("m", cc.max(x) * x)  # a max over every element is a partial and an allreduce: no kernel's
     assert not any(fusable(p.ir, s.name) for s in p.ir.stmts if s.op in ("partial_reduce", "allreduce"))
+
+
+# --- fuse_collective ---
+
+
+def example_program(name):
+    return runpy.run_path(str(Path(__file__).parents[2] / "examples" / f"{name}.py"))["program"].ir
+
+
+def test_fuse_collective_takes_the_layer_norm_after_a_reduce_scatter_along_rows():
+    """Megatron's sequence-parallel epilogue: the LayerNorm over H of rows scattered along S is whole in every
+    chunk of the rows, so its means join the fused collective with the pointwise work and the all_gather."""
+    prog = example_program("gpt_layer_sp")
+    fc = FuseCollective("rs0")
+    ln = ["mean0", "sub0", "mul0", "mean1", "add2", "rsqrt0", "mul1", "mul2", "add3"]
+    assert fc.members(prog) == ("rs0", "add0", "drop0", "add1", *ln, "ag0")
+    assert [g.kind for g in fc.apply(prog).groups] == ["fused_collective"]
+    assert fc.describe(prog) == "rs0 fused with 12 statements and 1 all_gather"
+    assert not left_out(prog, "rs0")
+    # a LayerNorm fused first stays its own kernel: the collective takes the pointwise work before it
+    fused = Fuse(tuple(ln)).apply(prog)
+    assert fc.members(fused) == ("rs0", "add0", "drop0", "add1")
+
+
+def test_fuse_collective_leaves_reductions_along_the_scattered_dim_and_says_why():
+    p = cc.Program("t", dims=("S", "H"))
+    x = p.tensor("x", ("S", "H"), layout=Local)
+    h = cc.reduce_scatter(x)
+    p.output("m", cc.mean(h, 0))  # over the scattered S: each rank's share, completed by an allreduce
+    prog = p.ir
+    with pytest.raises(IllegalTransform, match="pmean0 reduces along dim 0, the one rs0 scatters"):
+        FuseCollective("rs0").apply(prog)
+    p = cc.Program("t", dims=("S", "H"))
+    x = p.tensor("x", ("S", "H"), layout=Local)
+    h = cc.reduce_scatter(x) * 2.0
+    p.output("m", cc.mean(h, 0))
+    p.output("n", cc.all_gather(cc.softmax(h, 1)))  # along H: whole in every chunk of S
+    prog = p.ir
+    assert FuseCollective("rs0").members(prog) == ("rs0", "mul0", "softmax0", "ag0")
+    assert set(left_out(prog, "rs0")) == {"pmean0"}
+    assert FuseCollective("rs0").describe(prog).endswith("; pmean0 outside it")
+    # scattered along the columns, a sum over the rows is sliced along dim 0 of its own: not the chunks' rows
+    p = cc.Program("t", dims=("S", "H"))
+    x = p.tensor("x", ("H", "S"), layout=Local)
+    h = cc.reduce_scatter(x, dim=1) * 2.0
+    p.output("m", cc.all_gather(cc.sum(h, 0)))
+    prog = p.ir
+    assert FuseCollective("rs0").members(prog) == ("rs0", "mul0")
+    assert "sum0's result is not sliced along dim 1" in left_out(prog, "rs0")["sum0"]

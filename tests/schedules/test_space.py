@@ -27,6 +27,7 @@ SIZES = {
     "megatron_mlp": {"B": 2, "S": 3, "H": 5},
     "gpt_pipeline": {"B": 2, "S": 1, "H": 3},
     "conv_block": {"B": 3, "C": 5, "H": 4, "W": 3},
+    "gpt_layer_sp": {"S": 5, "B": 2, "H": 3},
 }
 
 
