@@ -229,6 +229,62 @@ def _after_chunks(e: Emitter, fc: FusedCollective, tmp: dict[str, str], kernel: 
     return lines
 
 
+def _summed_parts(
+    e: Emitter,
+    parts: Stmt,
+    parts_names: tuple[str, ...],
+    pre: tuple[str, ...],
+    sources: tuple[str, ...],
+    ranked: dict,
+    scope: set,
+) -> list[tuple[str, str]]:
+    """The chunk kernel's statements that sum every rank's unreduced rows of a fused reduce_scatter (each rank's
+    computed first from its rows of ``sources`` by ``pre``, where there are such)."""
+    p = e.p
+    body: list[tuple[str, str]] = []
+    summed = parts_names[0]
+    if pre:  # each rank's rows of the value it reduces, from its rows of the inputs it is computed from
+        summed = e.ident.fresh(f"_{e.ident(parts.args[0])}", scope)
+        each = ", ".join([*map(e.ident, sources), *map(e.ident, ranked)])
+        lists = [*parts_names, *ranked.values()]
+        rows = f"zip({', '.join(lists)})" if len(lists) > 1 else lists[0]
+        body += [(f"    {summed} = []", parts.name), (f"    for {each} in {rows}:", parts.name)]
+        body += [("        " + x, m) for m in pre for x in e.stmt(p[m])]
+        body.append((f"        {summed}.append({e.ident(parts.args[0])})", parts.name))
+    body.append(
+        (
+            f"    {e.ident(parts.name)} = _reduce_all({summed}, {parts.attr('op')!r})"
+            + (f" / len({parts_names[0]})" if parts.attr("op") == "avg" else ""),
+            parts.name,
+        )
+    )
+    return body
+
+
+def _written_rows(
+    e: Emitter, inplace: dict[str, str], into: dict, peers, buffers: dict, slots: dict, args: dict[str, str], scope: set
+) -> list[tuple[str, str]]:
+    """The chunk kernel's statements that write its results in place: into state, into every peer's copy of
+    gathered state, into ``buffers`` and into gather ``slots`` (the parameters for peers' rows and slots go
+    into ``args``)."""
+    p = e.p
+    body: list[tuple[str, str]] = []
+    for o, t in inplace.items():
+        body.append((f"    {e.operand(p[o], t)}.copy_({e.ident(o)})", o))
+    for m, t in into.items():  # this rank's rows of the gathered state, in place and in every peer's copy
+        src = p[m].args[0]
+        body.append((f"    {e.operand(p[src], t)}.copy_({e.ident(src)})", m))
+        rows, peer = e.ident.fresh(f"{e.ident(t)}_peers", scope), e.ident.fresh("_peer", scope)
+        args[peers[m]] = rows
+        body += [(f"    for {peer} in {rows}:", m), (f"        {peer}.copy_({e.ident(src)})", m)]
+    for o, buf in buffers.items():
+        body.append((f"    {holder_rows(p, o, buf)}.copy_({e.ident(o)})", o))
+    for o, rows in slots.items():
+        args[rows] = e.ident.fresh(f"{e.ident(o)}_slot", scope)
+        body.append((f"    {args[rows]}.copy_({e.ident(o)})", o))
+    return body
+
+
 def chunk_kernel(
     e: Emitter,
     g: Group,
@@ -265,22 +321,7 @@ def chunk_kernel(
     # the kernel's parameters but the program's values
     scope = (set(parts_names) | set(ranked.values())) if parts is not None else set()
     if parts is not None:  # the reduce_scatter's sum, fused: its rows on every rank come in unreduced
-        summed = parts_names[0]
-        if pre:  # each rank's rows of the value it reduces, from its rows of the inputs it is computed from
-            summed = e.ident.fresh(f"_{e.ident(parts.args[0])}", scope)
-            each = ", ".join([*map(e.ident, sources), *map(e.ident, ranked)])
-            lists = [*parts_names, *ranked.values()]
-            rows = f"zip({', '.join(lists)})" if len(lists) > 1 else lists[0]
-            body += [(f"    {summed} = []", parts.name), (f"    for {each} in {rows}:", parts.name)]
-            body += [("        " + x, m) for m in pre for x in e.stmt(p[m])]
-            body.append((f"        {summed}.append({e.ident(parts.args[0])})", parts.name))
-        body.append(
-            (
-                f"    {e.ident(parts.name)} = _reduce_all({summed}, {parts.attr('op')!r})"
-                + (f" / len({parts_names[0]})" if parts.attr("op") == "avg" else ""),
-                parts.name,
-            )
-        )
+        body += _summed_parts(e, parts, parts_names, pre, sources, ranked, scope)
     args: dict[str, str] = {}  # argument at the call -> parameter of the kernel
     for m in compute:
         s = p[m]
@@ -293,21 +334,8 @@ def chunk_kernel(
         body.append(
             (f"    {e.ident(m)} = _dropout_rows({e.operand(s, s.args[0])}, {e.dropout_args(s)}, {d}, {args[row0]})", m)
         )
-    for o, t in inplace.items():
-        body.append((f"    {e.operand(p[o], t)}.copy_({e.ident(o)})", o))
-    for m, t in (into or {}).items():  # this rank's rows of the gathered state, in place and in every peer's copy
-        src = p[m].args[0]
-        body.append((f"    {e.operand(p[src], t)}.copy_({e.ident(src)})", m))
-        rows, peer = e.ident.fresh(f"{e.ident(t)}_peers", scope), e.ident.fresh("_peer", scope)
-        args[peers[m]] = rows
-        body += [(f"    for {peer} in {rows}:", m), (f"        {peer}.copy_({e.ident(src)})", m)]
-    buffers = buffers or {}
-    for o, buf in buffers.items():
-        body.append((f"    {holder_rows(p, o, buf)}.copy_({e.ident(o)})", o))
-    slots = slots or {}
-    for o, rows in slots.items():
-        args[rows] = e.ident.fresh(f"{e.ident(o)}_slot", scope)
-        body.append((f"    {args[rows]}.copy_({e.ident(o)})", o))
+    buffers, slots = buffers or {}, slots or {}
+    body += _written_rows(e, inplace, into or {}, peers, buffers, slots, args, scope)
 
     defined = {e.ident(m) for m in compute} | ({e.ident(parts.name)} if parts is not None else set())
     results = [m for m in compute if m in needed and m not in buffers and m not in slots]

@@ -97,6 +97,42 @@ def native_library(source, name, flags, what):
     return ctypes.CDLL(path)
 
 
+# IEEE operations as written: no fused multiply-adds, no reassociation (not -ffast-math)
+CHUNK_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off")
+
+
+def _chunk_function(source):
+    """``source``'s coconet_chunk compiled (once per machine, compiler and CPU) and loaded with its C signature;
+    None without a C compiler."""
+    lib = native_library(source, "chunk", list(CHUNK_FLAGS), "a chunk kernel")
+    if lib is None:
+        return None
+    fn = lib.coconet_chunk
+    fn.argtypes = (ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
+    fn.restype = None
+    return fn
+
+
+def _factor_width(kinds, args, rows, cols, n):
+    """The width w of the rows (m, w) that a call's row factors (m the lengths in ``rows``) and column factors
+    (w those in ``cols``) broadcast to, its tensors of ``n`` numbers each with w its last dim; None where they
+    do not agree (or w would be 0)."""
+    if len(rows) > 1 or len(cols) > 1 or n is None:
+        return None
+    m, width = next(iter(rows), None), next(iter(cols), None)
+    if width is None:
+        width = n // m if m else 0
+    tensors = [t for kind, x in zip(kinds, args) if kind in "tuxlhpbky" for t in (x if kind in "lhpbky" else (x,))]
+    if (
+        not width
+        or n % width
+        or (m is not None and m * width != n)
+        or any(t.dim() == 0 or t.shape[-1] != width for t in tensors)
+    ):
+        return None
+    return width
+
+
 def native(fn, kinds, source, sums=0):
     """Kernel ``fn`` (a fused collective's chunk, or a fuse group's rows that it writes into the peers'
     copies) run by ``source``'s C function (coconet.kernels.native) where the call's tensors allow it: every
@@ -109,27 +145,18 @@ def native(fn, kinds, source, sums=0):
     follows the lists' counts).
     ``sums``: how many partial sums fn returns (as float32 scalars, in order); C returns them alike."""
     lib = []  # the C function, or None: fn serves every call
+    # each tensor's element type, by its kind
+    dtypes = [torch.bfloat16 if kind in "hub" else torch.float16 if kind in "kxy" else torch.float32 for kind in kinds]
 
     def kernel(*args):
         if not lib:
-            # IEEE operations as written: no fused multiply-adds, no reassociation (not -ffast-math)
-            built = native_library(
-                source,
-                "chunk",
-                ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off"],
-                "a chunk kernel",
-            )
-            if built is not None:
-                built = built.coconet_chunk
-                built.argtypes = (ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
-                built.restype = None
-            lib.append(built)
+            lib.append(_chunk_function(source))
         if lib[0] is None:
             return fn(*args)
         grad = torch.is_grad_enabled()
         ptrs, counts, scalars, n = [], [], [], None
         rows, cols = set(), set()  # the lengths of the row factors and of the column factors passed
-        for kind, x in zip(kinds, args):
+        for kind, dtype, x in zip(kinds, dtypes, args):
             if kind == "d":
                 continue
             if kind in "rc":
@@ -163,7 +190,6 @@ def native(fn, kinds, source, sums=0):
             xs = x if kind in "lhpbky" else (x,)
             if kind in "lhpbky":
                 counts.append(len(xs))
-            dtype = torch.bfloat16 if kind in "hub" else torch.float16 if kind in "kxy" else torch.float32
             for t in xs:
                 if (
                     t.dtype != dtype
@@ -175,32 +201,14 @@ def native(fn, kinds, source, sums=0):
                     return fn(*args)
                 n = t.numel()
                 ptrs.append(t.data_ptr())
-        if rows or cols:
-            # the rows (m, w): m the row factor's length, w the column factor's, every tensor's last dim
-            if len(rows) > 1 or len(cols) > 1 or n is None:
-                return fn(*args)
-            m, width = next(iter(rows), None), next(iter(cols), None)
+        if rows or cols:  # the rows (m, w) the factors broadcast to: C is told w
+            width = _factor_width(kinds, args, rows, cols, n)
             if width is None:
-                width = n // m if m else 0
-            tensors = [
-                t for kind, x in zip(kinds, args) if kind in "tuxlhpbky" for t in (x if kind in "lhpbky" else (x,))
-            ]
-            if (
-                not width
-                or n % width
-                or (m is not None and m * width != n)
-                or any(t.dim() == 0 or t.shape[-1] != width for t in tensors)
-            ):
                 return fn(*args)
             counts.append(width)
         out = (ctypes.c_double * max(1, sums))()
-        lib[0](
-            n,
-            (ctypes.c_void_p * len(ptrs))(*ptrs),
-            (ctypes.c_long * max(1, len(counts)))(*counts),
-            (ctypes.c_float * max(1, len(scalars)))(*scalars),
-            out,
-        )
+        pointers, lengths = (ctypes.c_void_p * len(ptrs))(*ptrs), (ctypes.c_long * max(1, len(counts)))(*counts)
+        lib[0](n, pointers, lengths, (ctypes.c_float * max(1, len(scalars)))(*scalars), out)
         return tuple(torch.tensor(x, dtype=torch.float32) for x in out[:sums]) if sums else None
 
     return kernel

@@ -205,6 +205,11 @@ def _job_routes(router: APIRouter, writes: dict[str, Any], trusted: Trusted) -> 
 
 
 def _best_routes(router: APIRouter, writes: dict[str, Any]) -> None:
+    _best_read_route(router)
+    _best_or_tune_route(router, writes)
+
+
+def _best_read_route(router: APIRouter) -> None:
     @router.get("/best", tags=["results"], response_model=BestOut, responses=error_responses(400, 404, 422))
     def best(
         request: Request,
@@ -246,6 +251,8 @@ def _best_routes(router: APIRouter, writes: dict[str, Any]) -> None:
             + f" at these or comparable sizes (POST {PREFIX}/best starts a job)",
         )
 
+
+def _best_or_tune_route(router: APIRouter, writes: dict[str, Any]) -> None:
     @router.post(
         "/best",
         tags=["results"],

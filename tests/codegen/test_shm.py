@@ -1252,7 +1252,7 @@ def test_the_runtime_reads_each_chunk_parameter_as_the_kind_native_gives_it():
     """The runtime's native (coconet.kernels.copier) does not import chunk.KINDS, the C writer's table: its letters
     for lists and for half precision are kept by hand, and a letter missed there would pass a half tensor to C as
     float32."""
-    source = inspect.getsource(copier.native)
+    source = inspect.getsource(copier)
     lists = re.search(r'xs = x if kind in "(\w+)"', source).group(1)
     assert f'if kind in "{lists}":' in source
     widths = dict(re.findall(r'torch\.(bfloat16|float16) if kind in "(\w+)"', source))
