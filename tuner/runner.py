@@ -37,13 +37,13 @@ from coconet.errors import BackendError, ClusterError, CoconetError
 from coconet.schedules.equivalence import Reference
 from coconet.schedules.ir import Program
 from coconet.schedules.schedule import Schedule
+from coconet.tuner.check import compare
 from coconet.tuner.cluster import ONE_NODE, PLACEMENTS, Need, describe, offer, plan
 from coconet.tuner.launch import (
     HANG_DUMP_S,
     PORT_TRIES,
     Options,
     RunResult,
-    compare,
     custom_payload,
     describe_error,
     free_port,
