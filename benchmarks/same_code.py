@@ -113,7 +113,10 @@ def package_of(tree: Path, scratch: Path) -> Path:
     dirs = config.get("package-dir", {})
     site = Path(tempfile.mkdtemp(prefix="site_", dir=scratch))
     for pkg in sorted(config["packages"], key=lambda p: p.count(".")):
-        src = tree / dirs.get(pkg, pkg.replace(".", "/"))
+        # as setuptools finds it: under the folder of its longest mapped prefix (coconet.server.store in server/)
+        mapped = max((p for p in dirs if pkg == p or pkg.startswith(p + ".")), key=len, default=None)
+        rest = pkg[len(mapped) + 1 :].replace(".", "/") if mapped and pkg != mapped else ""
+        src = tree / (dirs[mapped] if mapped else pkg.replace(".", "/")) / rest
         dest = site.joinpath(*pkg.split("."))
         dest.mkdir(parents=True, exist_ok=True)
         for f in src.iterdir():
