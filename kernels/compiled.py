@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import torch
-from torch._functorch import config
 
 
 def kernel(fn):
@@ -20,13 +19,16 @@ def kernel(fn):
     AOTAutograd's cache: given views of one buffer that the kernel writes (the rows of several gathers in
     one segment), it has handed later processes a kernel traced for other sizes, which failed or wrote
     wrong rows."""
+    # here, not at the module's import: an eager step imports this module too, and never needs it
+    from torch._functorch import config
+
     dynamo = []  # torch.compile's wrapper of fn, made on the first call that needs it
     built = {}  # signature of the inputs -> Inductor's kernel for them (None: through torch.compile)
 
     def through_dynamo(*args):
         if not dynamo:
             dynamo.append(torch.compile(fn, dynamic=False, fullgraph=True))
-        return _no_autograd_cache(dynamo[0], *args)
+        return _no_autograd_cache(config, dynamo[0], *args)
 
     def dispatch(*args):
         for a in args:
@@ -65,7 +67,9 @@ def kernel(fn):
                 and all(x.device.type == "cpu" for x in tensors)
                 and not (grad and any(x.requires_grad for x in tensors))
             )
-            hit = built[key] = _no_autograd_cache(_standalone, fn, leaves, tuple(layout), tensors) if plain else None
+            hit = built[key] = (
+                _no_autograd_cache(config, _standalone, fn, leaves, tuple(layout), tensors) if plain else None
+            )
         if hit is None or not separate:  # inputs that share memory: the kernel was traced for separate ones
             return through_dynamo(*args)
         return hit(*tensors)
@@ -73,7 +77,8 @@ def kernel(fn):
     return dispatch
 
 
-def _no_autograd_cache(call, *args):
+def _no_autograd_cache(config, call, *args):
+    """``call(*args)`` with AOTAutograd's cache off (``config`` is torch._functorch's)."""
     # set around every call, as any call may compile; the caller's setting comes back after.
     # (config.patch would do, at twice a small kernel's cost per call)
     was = config.enable_autograd_cache
