@@ -15,17 +15,18 @@ from typing import Mapping
 
 from coconet.errors import MissingDependency
 
+STORE = ("sqlalchemy", "alembic")  # what reading or writing the results store imports
 # extra -> the top-level modules it installs that coconet imports
 EXTRAS: Mapping[str, tuple[str, ...]] = MappingProxyType(
     {
-        "tune": ("ray", "optuna", "sqlalchemy", "alembic", "scipy"),  # Ray workers, the search, the store, calibration
+        "tune": ("ray", "optuna", *STORE, "scipy"),  # Ray workers, the search, the store, calibration
         # the REST API, the store, the dashboard, /docs and /redoc
-        "server": ("fastapi", "uvicorn", "sqlalchemy", "alembic", "plotly", "fastapi_offline"),
+        "server": ("fastapi", "uvicorn", *STORE, "plotly", "fastapi_offline"),
         "postgres": ("psycopg",),
     }
 )
 # the package pip knows a module by, where the names differ
-_DISTRIBUTION = MappingProxyType({"psycopg": "psycopg[binary]"})
+_DISTRIBUTION = MappingProxyType({"psycopg": "psycopg[binary]", "fastapi_offline": "fastapi-offline"})
 
 
 def extra_for(module: str | None) -> str | None:
@@ -47,9 +48,6 @@ def missing(module: str, why: str = "this") -> MissingDependency:
         module=top,
         extra=extra,
     )
-
-
-STORE = ("sqlalchemy", "alembic")  # what reading or writing the results store imports
 
 
 def require(modules: tuple[str, ...], why: str) -> None:
