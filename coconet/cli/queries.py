@@ -9,10 +9,12 @@ from typing import List, Optional
 
 import typer
 from rich.console import Console
+from rich.padding import Padding
 from rich.table import Table
+from rich.text import Text
 
 from coconet.cli.common import JSON_OPT, PROGRAM_HELP, SHARDABLE_HELP, SIZE_OPT, echo_json, program_path, require_sizes
-from coconet.cli.output import fmt_s, machines_text, ratio
+from coconet.cli.output import fmt_s, machines_text, ratio, table_console
 from coconet.errors import CoconetError
 from coconet.schedules.dims import format_sizes
 
@@ -131,13 +133,16 @@ def results(
     if not docs:
         Console(highlight=False).print(f"nothing tuned or predicted for {prog.name} in this store", markup=False)
         return
-    table = Table(title=f"{prog.name}: {len(docs)} keys", title_justify="left", show_edge=False)
-    for col in ("sizes", "topology", "world", "backend", "source", "median", "speed-up"):
-        table.add_column(col, no_wrap=True, justify="right" if col in ("world", "median", "speed-up") else "left")
-    table.add_column("machines", no_wrap=True, min_width=12)  # the fingerprint's hash: `best` says it in words
-    table.add_column("schedule", ratio=1, overflow="fold")
-    for d in docs:
-        table.add_row(
+    print_results(prog.name, docs, table_console())
+
+
+def print_results(name: str, docs: list[dict], console: Console) -> None:
+    """The keys as a table, or on a terminal too narrow for one, a key a line with its schedule under it."""
+    prints = {(d["machines"] or {}).get("fingerprint", "") for d in docs}
+    heads = ("sizes", "topology", "world", "backend", "source", "median", "speed-up")
+    heads += ("machines",) if len(prints) > 1 else ()  # one machine is said once, under the table
+    rows = [
+        (
             format_sizes(d["sizes"]),
             d["topology"],
             str(d["world"]),
@@ -145,7 +150,28 @@ def results(
             d["source"],
             fmt_s(d["median_s"]),
             f"{ratio(d['speedup'])}x" if d["speedup"] else "",
-            (d["machines"] or {}).get("fingerprint", ""),
-            d["schedule"],
-        )
-    Console(highlight=False).print(table)
+            (d["machines"] or {}).get("fingerprint", ""),  # the fingerprint's hash: `best` says it in words
+        )[: len(heads)]
+        for d in docs
+    ]
+    widths = [max(len(col), *(len(r[i]) for r in rows)) for i, col in enumerate(heads)]
+    caption = f"machines: fingerprint {next(iter(prints))}" if len(prints) == 1 and "" not in prints else None
+    if sum(widths) + 3 * len(heads) + 30 > console.width:
+        # a terminal too narrow for the table: a key a line, its schedule under it, nothing cut
+        console.print(f"{name}: {len(docs)} keys", markup=False)
+        for row, d in zip(rows, docs):
+            named = [f"world {v}" if h == "world" else v for h, v in zip(heads, row)]
+            console.print("  ".join(v for v in named if v), markup=False)
+            console.print(Padding(Text(d["schedule"], overflow="fold"), (0, 0, 0, 4)))
+        if caption:
+            console.print(caption, markup=False)
+        return
+    table = Table(title=f"{name}: {len(docs)} keys", title_justify="left", show_edge=False, caption=caption)
+    table.caption_justify = "left"
+    for col in heads:
+        justify = "right" if col in ("world", "median", "speed-up") else "left"
+        table.add_column(col, no_wrap=True, justify=justify)
+    table.add_column("schedule", ratio=1, overflow="fold")
+    for row, d in zip(rows, docs):
+        table.add_row(*row, d["schedule"])
+    console.print(table)

@@ -1026,7 +1026,8 @@ def test_best_and_results_read_the_store(tmp_path):
     )
     doc = json.loads(coconet("results", "examples/adam.py", "--db", db, "--json").stdout)
     assert [(r["winner_id"], r["source"], r["machines"]) for r in doc["results"]] == [(winner, "measured", ran)]
-    assert "5e1f00d5e1f0" in coconet("results", "examples/adam.py", "--db", db).stdout
+    shown = coconet("results", "examples/adam.py", "--db", db).stdout
+    assert "machines: fingerprint 5e1f00d5e1f0" in shown and other.text in shown and "N=4096" in shown
     assert_one_error(coconet("results", "examples/adam.py", "--db", f"sqlite:///{tmp_path / 'none.db'}"), "no store at")
 
 
@@ -1057,3 +1058,26 @@ def test_run_emit_standalone_writes_the_runtime_beside_the_modules(tmp_path):
     assert (copied / "collectives.py").read_text() == (ROOT / "kernels" / "collectives.py").read_text()
     assert not (copied / "shm.py").exists()  # a gloo module imports none of the shm backend's runtime
     assert_one_error(coconet("run", "examples/sgd.py", "--size", "N=8", "--standalone"), "give --emit DIR too")
+
+
+def test_results_on_a_narrow_terminal_cut_nothing():
+    """Where the table would not fit, each key is a line and its schedule folds under it: sizes, the answer's
+    source, time and speed-up, and the schedule are all there, whole, on a 40-column terminal."""
+    import io
+
+    from rich.console import Console
+
+    from coconet.cli.queries import print_results
+
+    schedule = "split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse_collective(rs0); fc_chunks=4"
+    doc = {"sizes": {"N": 4194304}, "topology": "local", "world": 2, "backend": "shm", "schedule": schedule}
+    doc |= {"median_s": 1.09e-3, "speedup": 1.94, "source": "measured", "machines": {"fingerprint": "5e1f00d5e1f0"}}
+    for width, table in ((40, False), (200, True)):
+        out = io.StringIO()
+        print_results("adam", [doc], Console(file=out, width=width, highlight=False))
+        text = out.getvalue()
+        assert ("┃" in text) == table
+        assert max(map(len, text.splitlines())) <= width
+        assert "N=4194304" in text and "measured" in text and "1.09 ms" in text and "1.94x" in text
+        assert schedule.replace(" ", "") in "".join(text.split())
+        assert "fingerprint 5e1f00d5e1f0" in text
