@@ -27,6 +27,21 @@ class ServiceError(CoconetError):
 
 @dataclass
 class Client:
+    """A connection to a coconet server's REST API (``/api/v1``, docs/service.md). Every method is one request
+    and returns its JSON answer; every failure (unreachable, a 4xx or 5xx, an answer that is not JSON) raises
+    ``ServiceError`` naming the request and the server's reason, with ``status`` the HTTP status.
+
+    ::
+
+        from coconet.client import Client, follow
+
+        with Client.open("http://tuner:8000", token=os.environ["COCONET_API_TOKEN"]) as c:
+            prog = c.send_program(coconet.load("examples/adam.py"))          # its hash
+            job = c.post_job(prog, {"N": 2**22}, topology="local", world=2, budget=32)
+            follow(c, [job["id"]])                                           # until done or failed
+            c.best(prog, {"N": 2**22}, topology="local", world=2)            # the winner
+    """
+
     http: httpx.Client
 
     @classmethod
@@ -38,6 +53,7 @@ class Client:
         timeout_s: float = 30.0,
         transport: httpx.BaseTransport | None = None,
     ) -> Client:
+        """A client of ``server`` (an http:// or https:// URL); ``token`` authorises writes (POST)."""
         if not server.startswith(("http://", "https://")):
             raise ServiceError(f"--server {server!r} is not an http:// or https:// URL")
         headers = {"Accept": "application/json"}
@@ -60,6 +76,7 @@ class Client:
         self.close()
 
     def post_program(self, ir_json: str) -> dict[str, Any]:
+        """POST /programs with a program's JSON IR (``coconet export``): ``{"hash": ..., ...}``."""
         return self._call("POST", "/programs", content=ir_json, headers={"Content-Type": "application/json"})
 
     def send_program(self, prog: Program) -> str:
@@ -82,6 +99,8 @@ class Client:
         budget: int,
         shardable: list[str] | str | None = None,
     ) -> dict[str, Any]:
+        """POST /jobs: a tuning job for ``program`` (its hash) at ``sizes``, queued on the server: the job's
+        record (``id``, ``state``)."""
         body: dict[str, Any] = {
             "program": program,
             "sizes": dict(sizes),
@@ -94,6 +113,7 @@ class Client:
         return self._call("POST", "/jobs", json=body)
 
     def job(self, job_id: int) -> dict[str, Any]:
+        """GET /jobs/{id}: its state (queued, running, done, failed, interrupted), progress and result."""
         return self._call("GET", f"/jobs/{job_id}")
 
     def best(
@@ -143,6 +163,7 @@ class Client:
         return (None, _json(resp)) if resp.status_code == 202 else (_json(resp), None)
 
     def code(self, schedule_hash: str, *, program: str, backend: str) -> dict[str, Any]:
+        """GET /schedules/{hash}/code: the module generated for a schedule of ``program`` on ``backend``."""
         params = {"program": program, "backend": backend}
         return self._call("GET", f"/schedules/{schedule_hash}/code", params=params)
 

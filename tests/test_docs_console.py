@@ -55,6 +55,12 @@ def _commands(page: Path) -> list[list[str]]:
     return out
 
 
+def _files(page: Path) -> dict[str, str]:
+    """The files a page has the reader write: its ``python`` blocks whose first line names one (``# NAME.py``)."""
+    blocks = re.findall(r"^```python\n# ([\w.-]+\.py)\n(.*?)^```", page.read_text(), flags=re.M | re.S)
+    return {name: body for name, body in blocks}
+
+
 ALL = [(p.name, args) for p in PAGES for args in _commands(p)]
 
 
@@ -94,6 +100,8 @@ def test_every_example_parses(page, args):
 def test_the_quick_examples_run(page, tmp_path):
     for name in ("examples", "configs"):
         (tmp_path / name).symlink_to(ROOT / name)
+    for name, body in _files(page).items():
+        (tmp_path / name).write_text(body)
     env = {**os.environ, "COCONET_DATA_DIR": os.environ.get("COCONET_DATA_DIR", str(tmp_path / "data"))}
     for args in _commands(page):
         if args[0] not in RUN:
@@ -106,3 +114,26 @@ def test_the_quick_examples_run(page, tmp_path):
         assert (tmp_path / written).stat().st_size if written else proc.stdout.strip(), (
             f"{page.name}: coconet {' '.join(args)} gave nothing"
         )
+
+
+def test_the_tutorial_writes_its_program_and_runs_it():
+    """The tutorial's program is a file the reader saves; its console lines run on that file."""
+    page = ROOT / "docs" / "tutorial.md"
+    assert "sgd_clip.py" in _files(page)
+    ran = [a for a in _commands(page) if a[0] in RUN]
+    assert ["check", "sgd_clip.py"] in ran and ["schedules", "sgd_clip.py"] in ran
+
+
+def test_the_python_api_page_covers_the_public_api():
+    """Every function of the Python API, and every public method of the REST client, is on its page."""
+    import coconet
+    from coconet.client import Client
+
+    text = (ROOT / "docs" / "python-api.md").read_text()
+    for name in ("load", "export", "schedules", "run", "tune", "best", "sweep", "compile"):
+        assert callable(getattr(coconet, name)) and f"coconet.{name}(" in text, name
+    assert "coconet.optim.from_program(" in text
+    methods = [m for m in vars(Client) if not m.startswith("_") and callable(getattr(Client, m))]
+    assert len(methods) >= 7
+    for m in methods:
+        assert f"{m}(" in text, m
