@@ -11,6 +11,10 @@ one result file becomes rows:
   several rounds (each round's median).
 - ``training``: ``benchmarks/training_loop.py``: the step of DDP + ``Adam(fused=True)`` against coconet's, per
   round, and how far the losses drifted apart.
+- ``time``: where a ``coconet bench`` step's time goes: the program as written, the fastest schedule that uses
+  each transformation, the fastest of all, and the floor the matmuls (or convolutions) alone need at the
+  matmul rate measured in the same run, with its share of the fastest step; the rest of that step is
+  communication, pointwise work and the framework's overheads.
 - ``cost_model``: ``benchmarks/cost_model.py``: Kendall τ between predicted and measured times per program and
   backend, and between the rounds themselves (how much the measurement alone reorders).
 
@@ -125,10 +129,53 @@ def cost_model_rows(name: str, data: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+FAMILIES = (("fuse", "fuse("), ("overlap", "overlap("), ("fuse_collective", "fuse_collective("))
+
+
+def time_rows(name: str, data: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for p in data["points"]:
+        ok = [r for r in p["results"] if r["status"] == "ok" and r.get("median_s")]
+        if not ok or not p.get("best"):
+            continue
+
+        def fastest(rs: list[dict[str, Any]]) -> str:
+            return _ms([min(r["median_s"] for r in rs)]) if rs else "—"
+
+        torch = p.get("torch") or {}
+        families = [fastest([r for r in ok if mark in r["schedule"]]) for _, mark in FAMILIES]
+        best = min(r["median_s"] for r in ok)
+        compute = p.get("compute_floor_s") or 0.0
+        rows.append(
+            [
+                f"{data['workload']}, {_sizes(p['sizes'])}",
+                str(data["world"]),
+                _ms([torch["median_s"]]) if torch.get("status") == "ok" else "—",
+                fastest([r for r in ok if r["schedule"] == "baseline"]),
+                *families,
+                _ms([best]),
+                _ms([compute]) if compute else "—",
+                f"{100 * compute / best:.0f}%" if compute else "—",
+            ]
+        )
+    return rows
+
+
+TIME_HEAD = [
+    "workload",
+    "world",
+    "torch",
+    "as written",
+    *(f for f, _ in FAMILIES),
+    "best",
+    "matmul/conv floor",
+    "floor share",
+]
 COST_HEAD = ["program", "backend", "schedules", "τ predicted vs measured", "τ between rounds"]
 KINDS: dict[str, tuple[list[str], Callable[[str, dict[str, Any]], list[list[str]]]]] = {
     "bench": (BENCH_HEAD, bench_rows),
     "training": (TRAINING_HEAD, training_rows),
+    "time": (TIME_HEAD, time_rows),
     "cost_model": (COST_HEAD, cost_model_rows),
 }
 

@@ -395,3 +395,21 @@ def test_a_table_block_is_rewritten_from_its_json(tmp_path):
     assert f"{speedups[0]:.2f}–{speedups[-1]:.2f}x" in new
     with pytest.raises(ValueError, match="KIND one of"):
         tables.render("nonsense training_loop_w2.json")
+
+
+def test_where_the_time_goes_takes_each_transformations_fastest_and_the_floor():
+    tables = _script("tables")
+    data = json.loads((ROOT / "benchmarks" / "results" / "bench_gpt_layer_sp_w2.json").read_text())
+    (row,) = tables.time_rows("bench_gpt_layer_sp_w2.json", data)
+    point = data["points"][0]
+    ok = [r for r in point["results"] if r["status"] == "ok"]
+    head = tables.TIME_HEAD
+    fc = min(r["median_s"] for r in ok if "fuse_collective(" in r["schedule"])
+    best = min(r["median_s"] for r in ok)
+    assert row[head.index("fuse_collective")] == f"{fc * 1e3:.3g} ms"
+    assert row[head.index("best")] == f"{best * 1e3:.3g} ms"
+    assert row[head.index("floor share")] == f"{100 * point['compute_floor_s'] / best:.0f}%"
+    # a transformation no schedule used is said, not left blank
+    data["points"][0]["results"] = [r for r in ok if "overlap(" not in r["schedule"]]
+    (row,) = tables.time_rows("x.json", data)
+    assert row[head.index("overlap")] == "—"
