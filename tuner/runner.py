@@ -32,6 +32,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from coconet.codegen import backends
+from coconet.codegen.backends import DEFAULT
 from coconet.codegen.lower import BACKENDS, Generated, lower
 from coconet.errors import BackendError, ClusterError, CoconetError
 from coconet.schedules.equivalence import Reference
@@ -215,7 +216,7 @@ class Runner:
         *,
         world: int,
         sizes: Mapping[str, int],
-        backend: str = "gloo",
+        backend: str = DEFAULT,
         protocol: Protocol = Protocol(),
         stages: int = 2,
         program_file: str | None = None,

@@ -11,7 +11,16 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from coconet.cli.common import JSON_OPT, PROGRAM_HELP, SHARDABLE_HELP, SIZE_OPT, echo_json, program_path, require_sizes
+from coconet.cli.common import (
+    BACKEND_METAVAR,
+    JSON_OPT,
+    PROGRAM_HELP,
+    SHARDABLE_HELP,
+    SIZE_OPT,
+    echo_json,
+    program_path,
+    require_sizes,
+)
 from coconet.cli.output import fmt_s, machines_text, ratio
 from coconet.errors import CoconetError
 from coconet.schedules.dims import format_sizes
@@ -23,7 +32,7 @@ def best(
     world: Optional[int] = typer.Option(None, "--world", min=1, help="Only a winner at this world (default: any)."),
     topology: str = typer.Option("local", "--topology", help="The topology the winner was tuned or predicted on."),
     backend: Optional[str] = typer.Option(
-        None, "--backend", metavar="[gloo|nccl|shm]", help="Only a winner on this backend (default: any)."
+        None, "--backend", metavar=BACKEND_METAVAR, help="Only a winner on this backend (default: any)."
     ),
     source: Optional[str] = typer.Option(
         None,
