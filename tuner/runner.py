@@ -362,8 +362,8 @@ class Runner:
                     pass
         time.sleep(HANG_DUMP_S if asked else 0)
         found = []
-        for r, path in asked:
-            where = stuck_at(path.read_text(errors="replace") if path.exists() else "", gen, filename)
+        for r, dump in asked:
+            where = stuck_at(dump.read_text(errors="replace") if dump.exists() else "", gen, filename)
             if where:
                 found.append(f"rank {r} {where}")
         return f": {'; '.join(found)}" if found else ""

@@ -74,13 +74,15 @@ def writable(path: Optional[Path], option: str, *, folder: bool = False) -> Opti
     return path
 
 
-def require_sizes(prog: Any, size: Optional[List[str]]) -> None:
+def require_sizes(prog: Any, size: Optional[List[str]]) -> List[str]:
+    """The --size values given; an error naming the program's dims where there are none."""
     if not size:
         raise CoconetError(
             f"--size is required: bind {', '.join(prog.dims)} (e.g. --size {prog.dims[0]}=2^20)"
             if prog.dims
             else "--size is required"
         )
+    return size
 
 
 def pick_schedules(

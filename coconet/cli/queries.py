@@ -60,7 +60,7 @@ def best(
     if source not in (None, "measured", "predicted"):
         raise CoconetError(f"--source {source!r}: measured or predicted")
     prog = load(file)
-    require_sizes(prog, size)
+    size = require_sizes(prog, size)
     if len(size) != 1:
         raise CoconetError("coconet best answers one --size at a time")
     found = find_best(

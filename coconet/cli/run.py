@@ -168,7 +168,7 @@ def run(
         raise CoconetError("--standalone says how --emit writes the modules: give --emit DIR too")
     writable(trace, "--trace", folder=True)
     prog = load_file(file)
-    require_sizes(prog, size)
+    size = require_sizes(prog, size)
     sizes = parse_sizes(size, prog.dims)
     if job is not None:
         from coconet.tuner.envlaunch import require_one_node, world_of

@@ -109,7 +109,7 @@ def tune(
     if kernels not in KERNELS:
         raise CoconetError(f"unknown --kernels {kernels!r} (use {' or '.join(KERNELS)})")
     prog = load_file(file)
-    require_sizes(prog, size)
+    size = require_sizes(prog, size)
     points = [parse_sizes(spec, prog.dims) for spec in size]
     request = Request(
         prog,
