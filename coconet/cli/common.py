@@ -30,7 +30,7 @@ def spoken(words: Iterable[str], last: str = "or") -> str:
 
 
 # each backend with what it runs on: "gloo (CPU tensors), nccl (CUDA tensors) or shm (...)"
-BACKENDS_HELP = spoken(f"{b.name} ({b.summary})" for b in REGISTRY.backends) + "."
+BACKENDS_HELP = spoken(f"{b.name} ({b.summary})" if b.summary else b.name for b in REGISTRY.backends) + "."
 # the backends a tuning tries where none is named, by device: "gloo and shm on CPU, nccl on GPUs"
 LOCAL_BACKENDS_HELP = f"{spoken(REGISTRY.on('cpu'), 'and')} on CPU, {spoken(REGISTRY.on('cuda'), 'and')} on GPUs"
 
