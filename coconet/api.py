@@ -23,6 +23,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
+from coconet.codegen.backends import DEFAULT
 from coconet.codegen.baselines import shardable_text
 from coconet.codegen.lower import BACKENDS, KERNELS
 from coconet.errors import CoconetError
@@ -55,7 +56,7 @@ def run(
     *,
     world: int | None = None,
     schedules: Sequence[str] = ("baseline",),
-    backend: str = "gloo",
+    backend: str = DEFAULT,
     kernels: str = "compiled",
     stages: int | None = None,
     repeats: int = 20,

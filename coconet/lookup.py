@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from coconet import api
+from coconet.codegen.backends import REGISTRY
 from coconet.errors import CoconetError, StoreError
 from coconet.extras import STORE, require
 from coconet.schedules import shardable
@@ -103,7 +104,9 @@ class Lookup:
     def _tune_backends(self) -> tuple[str, ...]:
         if self.backend is not None:
             return (self.backend,)
-        return ("nccl",) if self.device_type == "cuda" else ()
+        # a step on CUDA tensors needs a winner on them: left to itself, a tuning on a machine with fewer GPUs
+        # than ranks would try the CPU backends
+        return REGISTRY.on(self.device_type) if self.device_type == "cuda" else ()
 
     def _shardable_names(self) -> list[str] | None:
         if self.shardable is None:
@@ -157,7 +160,10 @@ class Lookup:
     def _wanted_backends(self) -> list[str | None]:
         if self.backend is not None:
             return [self.backend]
-        return ["nccl"] if self.device_type == "cuda" else [None, "shm", "gloo"]
+        if self.device_type == "cuda":
+            return list(REGISTRY.on(self.device_type))
+        # any backend first: the store answers with the fastest; where that runs on another device, each of ours
+        return [None, *REGISTRY.on(self.device_type)]
 
     def _from_store(self) -> tuple[str, dict[str, int], str, Origin]:
         require(STORE, "coconet.compile without a schedule (it reads the tuned one from the store)")
@@ -185,7 +191,7 @@ class Lookup:
                     backend=backend,
                     shardable=self.shardable_text(),
                 )
-                if best is not None and (self.device_type == "cuda") == (best.winner.backend == "nccl"):
+                if best is not None and best.winner.backend in REGISTRY.on(self.device_type):
                     m = best.measurement
                     origin = Origin(best.source, store.url, best.exact, dict(best.sizes), m.median_s, self.topology)
                     return m.schedule, dict((m.schedule_json or {}).get("knobs") or {}), best.winner.backend, origin

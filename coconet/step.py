@@ -27,6 +27,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+from coconet.codegen.backends import REGISTRY
+from coconet.codegen.backends import get as backend_of
 from coconet.codegen.cache import module_path
 from coconet.codegen.lower import lower
 from coconet.errors import CoconetError, InputError
@@ -268,8 +270,11 @@ def _place(group: Any, world: int | None, rank: int | None, backend: str | None)
             "no process group is initialised: call torch.distributed.init_process_group first, "
             "or pass world= and rank= to compile a step you will only read"
         )
-    nccl = backend == "nccl" or (backend is None and up and dist.get_backend(group) == "nccl")
-    return world, rank or 0, "cuda" if nccl else "cpu", up
+    if backend is not None:
+        device_type = backend_of(backend).device_type
+    else:  # the device of the backends that form such a group: nccl's, cuda
+        device_type = REGISTRY.device_of_group(dist.get_backend(group)) if up else "cpu"
+    return world, rank or 0, device_type, up
 
 
 def compile(
@@ -341,7 +346,7 @@ def compile(
     else:
         raise CoconetError(f"schedule: 'best', a schedule's text or a Schedule, not {schedule!r}")
     if backend is None:
-        backend = "nccl" if device_type == "cuda" else "gloo"
+        backend = REGISTRY.default(device_type)
     prog.require_world(world)
     return Step(
         chosen,

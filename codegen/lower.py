@@ -27,7 +27,7 @@ from typing import Sequence
 
 from coconet import __version__
 from coconet.codegen import backends, runtime
-from coconet.codegen.backends import BACKENDS, Backend
+from coconet.codegen.backends import BACKENDS, DEFAULT, Backend
 from coconet.codegen.cache import cache_dir
 from coconet.codegen.emitter import Emitter
 from coconet.codegen.names import RESERVED, Names, dim_expr, free_names, names_in
@@ -84,7 +84,7 @@ KERNELS = ("compiled", "eager")
 DROPOUTS = ("counter", "torch")
 
 
-def lower(schedule: Schedule, backend: str = "gloo", kernels: str = "compiled", dropout: str = "counter") -> Generated:
+def lower(schedule: Schedule, backend: str = DEFAULT, kernels: str = "compiled", dropout: str = "counter") -> Generated:
     """The Python module for ``schedule`` on ``backend`` (gloo: CPU tensors, nccl: CUDA tensors, shm: CPU
     tensors, the collectives computed in shared memory by the ranks of one node).
     ``kernels``: fused pointwise groups compiled by Inductor on first call (``compiled``) or run as

@@ -20,7 +20,7 @@ class Loop:
         self.src, self.k = src, k
         self.ns, self.nout = len(k.streams), max(1, len(k.streams) + len(k.sums))
         self.peers = [target for target, _ in k.streams]
-        self.halved = {p: half(src.kind[p]) for p in self.peers if half(src.kind[p])}
+        self.halved = {p: tag for p in self.peers if (tag := half(src.kind[p]))}
         self.factored = any(what in FACTORS for _, what in k.params)
         if self.factored and self.halved:
             raise Untranslatable("a row or column factor beside half-precision peers")

@@ -48,7 +48,8 @@ LINE = 16  # float32 values per 64-byte cache line
 # the half-precision dtypes, by the name their C helpers take (ld_bf16, round_f16, …): a value of one is held as
 # the float32 it widens to
 HALF = {"bfloat16": "bf16", "float16": "f16"}
-DTYPE = {tag: dtype for dtype, tag in HALF.items()}
+# by half tag; a float32 kind has none (half() gives None), which a lookup with a default takes
+DTYPE: dict[str | None, str] = {tag: dtype for dtype, tag in HALF.items()}
 
 KINDS = {
     "dim": "d",
@@ -77,7 +78,7 @@ def half(kind: str | None) -> str | None:
 
 def unhalved(kind: str | None) -> str | None:
     """A kind without its half-precision tag (``f16 peers`` -> ``peers``); a float32 kind as it is."""
-    return kind.split(" ", 1)[1] if half(kind) else kind
+    return kind.split(" ", 1)[1] if kind is not None and half(kind) else kind
 
 
 def rounded(tag: str, x: str, vector: bool) -> str:

@@ -80,7 +80,7 @@ class _Source:
         # once.)
         self.halves = {name: value for name, op, _, value in k.stmts if op == "cast" and value in HALF}
         self.summed_half = half(kind.get(k.parts[1])) if k.parts and not k.pre else None
-        if self.summed_half:  # half-precision rows summed as they are: the total is a value of that dtype too
+        if self.summed_half and k.parts:  # half-precision rows summed as they are: the total is of that dtype too
             self.halves[k.parts[0]] = DTYPE[self.summed_half]
         values = {name for name, *_ in (*k.pre, *k.stmts)} | ({k.parts[0]} if k.parts else set())
         self.values = values | ({k.part} if k.part else set()) | {name for name, _ in (*k.ranked, *k.also)}

@@ -16,6 +16,7 @@ import time
 import uuid
 import weakref
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,7 +26,7 @@ from .copier import last_level_cache, stream_copier
 # process group -> its Shm, made on the group's first step. Module state on purpose: step() is called
 # with the group alone, every iteration, and the mapped segments (and state moved into them) must outlive
 # it, as torch.distributed keeps its groups; a ProcessGroup takes no attributes to hang them on.
-_GROUPS = {}
+_GROUPS: dict[Any, Shm] = {}  # keyed by a ProcessGroup, or None: the default group
 
 
 class Shm:

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from coconet import __version__
+from coconet.codegen.backends import DEFAULT
 from coconet.codegen.lower import BACKENDS, lower
 from coconet.schedules import shardable as shard
 from coconet.schedules.schedule import Schedule
@@ -302,7 +303,7 @@ def _result_routes(router: APIRouter) -> None:
     def code(
         request: Request,
         schedule_hash: Annotated[str, _hash_path()],
-        backend: Annotated[str, Query(pattern=f"^({'|'.join(_backends())})$")] = "gloo",
+        backend: Annotated[str, Query(pattern=f"^({'|'.join(_backends())})$")] = DEFAULT,
         kernels: str = Query("compiled", pattern="^(compiled|eager)$"),
         program: MaybeHash = None,
     ) -> CodeOut:

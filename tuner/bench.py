@@ -19,9 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+from coconet.codegen.backends import BACKENDS, REGISTRY
+from coconet.codegen.backends import get as backend_of
 from coconet.codegen.baselines import Baseline, baseline_for
 from coconet.codegen.footprint import require_fits
-from coconet.codegen.lower import BACKENDS
 from coconet.errors import CoconetError
 from coconet.schedules import shardable as shard
 from coconet.schedules.ir import Program
@@ -43,7 +44,7 @@ class BenchSettings:
     baseline caller never reads. Schedules sharding other state are left out: the baseline leaves it whole."""
 
     world: int = 2
-    backends: tuple[str, ...] = ("gloo", "shm")
+    backends: tuple[str, ...] = REGISTRY.on("cpu")
     kernels: str = "compiled"
     repeats: int = 10
     rounds: int = 1
@@ -61,18 +62,19 @@ class BenchSettings:
         if self.knobs not in KNOBS:
             raise CoconetError(f"--knobs {self.knobs!r}: use default or all")
         object.__setattr__(self, "backends", tuple(dict.fromkeys(self.backends)))
-        others = [b for b in self.backends if b != "nccl"]
         # one floor per point: the memory and matmul rates of the device the ranks' tensors live on
-        if self.device == "cuda" and others:
+        gpu = [b for b in self.backends if backend_of(b).device_type == "cuda"]
+        others = [b for b in self.backends if b not in gpu]
+        if gpu and others:
             raise CoconetError(
-                f"--backend nccl runs on CUDA tensors and {', '.join(others)} on CPU tensors: their "
+                f"--backend {', '.join(gpu)} runs on CUDA tensors and {', '.join(others)} on CPU tensors: their "
                 "floors differ, bench them in separate runs"
             )
 
     @property
     def device(self) -> str:
         """Where the ranks' tensors live, whose memory and matmul rates make the floor."""
-        return "cuda" if "nccl" in self.backends else "cpu"
+        return backend_of(self.backends[0]).device_type
 
 
 OnPoint = Callable[[Mapping[str, int], int], None]  # a point starts: its sizes, the results it will give

@@ -49,6 +49,7 @@ try:
 except ImportError:  # not on Windows
     fcntl = None  # type: ignore[assignment]
 
+from coconet.codegen.backends import get as backend_of
 from coconet.errors import CoconetError
 from coconet.tuner.cost import shm_collective
 from coconet.tuner.fingerprint import detect_local
@@ -282,6 +283,8 @@ def _build(settings: Settings, res: dict[str, Any], seconds: float) -> Calibrati
         inter=None,
         memory_bandwidth_GBps=mem / 1e9,
         matmul_TFLOPS={"float32": res["matmul_flops"] / 1e12},
+        # the two transports a calibration measures, each in its own way (calibrate_rank): gloo's collectives
+        # over loopback, fitted α-β, and shm's in shared memory, priced as memory traffic and barriers
         backends=("gloo", "shm"),
         launch_s=res["launch_s"],
         compiled_launch_s=res.get("compiled_launch_s"),
@@ -293,15 +296,7 @@ def _build(settings: Settings, res: dict[str, Any], seconds: float) -> Calibrati
         overlap=res["overlap"],
         overlap_memory=res["overlap_memory"],
         shm_barrier_s=res["shm_barrier_s"],
-        algorithms={
-            "gloo": {
-                "allreduce": ("ring",),
-                "reduce_scatter": ("allreduce",),
-                "all_gather": ("ring",),
-                "broadcast": ("direct",),
-                "send": ("direct",),
-            }
-        },
+        algorithms={"gloo": backend_of("gloo").algorithms},  # written out: the file says what the fits ran as
         measured={"gloo": fits["gloo"]},
         fingerprint=fingerprint,
     )

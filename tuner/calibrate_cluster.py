@@ -71,6 +71,7 @@ def calibrate_cluster(settings: Settings, name: str) -> Calibration:
         name=name,
         nodes=len(nodes),
         inter=inter,
+        # gloo is the transport measured between nodes (_Peer); shm's ranks cannot span them
         backends=("gloo",),
         # the collectives' fits are of one node's ranks: across nodes the model composes the two links
         measured={},

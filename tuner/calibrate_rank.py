@@ -92,6 +92,7 @@ def _reps(nbytes: int, repeats: int) -> int:
 
 def _measure_all(s: Settings, R: int, rank: int, threads: int, dist, torch) -> dict[str, Any]:
     timer = _Timer(dist, torch)
+    # the transports a calibration measures, by name: each has its own measurement (_collectives)
     out: dict[str, Any] = {"torch": str(torch.__version__), "threads": threads, "collectives": {"gloo": {}, "shm": {}}}
     _collectives(s, R, timer, dist, torch, out)
     _memory(s, timer, torch, out)

@@ -157,4 +157,9 @@ class Check:
 
 
 # numpy's float for each dtype with the same largest finite value (bfloat16 shares float32's range)
-_NUMPY_FLOAT = {"float16": np.float16, "bfloat16": np.float32, "float32": np.float32, "float64": np.float64}
+_NUMPY_FLOAT: dict[str, type[np.floating[Any]]] = {
+    "float16": np.float16,
+    "bfloat16": np.float32,
+    "float32": np.float32,
+    "float64": np.float64,
+}

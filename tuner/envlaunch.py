@@ -176,7 +176,8 @@ class _Job:
                 f"{dist.get_world_size()}, and the launcher says RANK={self.env.rank} of "
                 f"WORLD_SIZE={self.env.world_size}"
             )
-        # values and verdicts travel here, apart from the steps' group, which a failed step may leave unusable
+        # values and verdicts travel here, apart from the steps' group, which a failed step may leave unusable; a
+        # torch.distributed gloo group whatever the step's backend: what travels are Python objects on the CPU
         self.exchange = dist.new_group(backend="gloo", timeout=self.exchange_timeout)
         if backends.get(self.opts.backend).one_node and self.env.local_world_size is None:
             hosts: list[Any] = [None] * self.env.world_size

@@ -36,6 +36,7 @@ reports its exit code to the launcher, which polls ranks as ``subprocess.Popen``
 from __future__ import annotations
 
 import ctypes
+import functools
 import importlib
 import os
 import pickle
@@ -47,6 +48,7 @@ import sys
 import threading
 import time
 import traceback
+from typing import Callable
 
 from coconet.tuner import rank as rank_module
 from coconet.tuner.rank import freeze_imports
@@ -99,6 +101,7 @@ class Forked:
         while self.returncode is None:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
+                assert timeout is not None  # a deadline is set only with one
                 raise subprocess.TimeoutExpired(f"{RANK_NAME} {self.pid}", timeout)
             self.server.drain(left)
         return self.returncode
@@ -298,7 +301,8 @@ def _serve(sock: socket.socket) -> None:
     signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so that SIGCHLD writes to the wakeup fd
     sock.send(pickle.dumps(("ready",)))
     while True:
-        ready = select.select([sock, wake_r], [], [])[0]
+        watched: list[socket.socket | int] = [sock, wake_r]
+        ready = select.select(watched, [], [])[0]
         if wake_r in ready:
             os.read(wake_r, 4096)
         _reap(sock)
@@ -352,7 +356,9 @@ def _warm_compiler() -> list[str]:
         joint_graph.lazy_init(torch.device("cpu"))
         post_grad.lazy_init()
 
-    steps = [(n, lambda n=n: importlib.import_module(n)) for n in COMPILER]
+    steps: list[tuple[str, Callable[[], object]]] = [
+        (n, functools.partial(importlib.import_module, n)) for n in COMPILER
+    ]
     steps += [("the ISA probe", probe_isa), ("the pattern tables", trace_patterns)]
     failed = []
     for name, step in steps:

@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence, cast
 
 from coconet.codegen import backends
 from coconet.codegen.baselines import Baseline, TorchTask
@@ -99,7 +99,7 @@ class RunResult:
 class Options:
     world: int
     sizes: Mapping[str, int]
-    backend: str = "gloo"
+    backend: str = backends.DEFAULT
     kernels: str = "compiled"  # or "eager": see coconet.codegen.lower.lower
     stages: int = 1
     seed: int = 0
@@ -245,7 +245,8 @@ def _launch(tasks, opts: Options, reference, results, custom, retry_port: bool =
                 results[current] = _result(by_id[current], "runtime_error", "every rank exited before reporting")
                 done.add(current)
                 return done
-            ready = wait(list(conns), timeout=max(0.0, deadline - time.monotonic()))
+            # wait hands back the connections it was given
+            ready = cast(list[Connection], wait(list(conns), timeout=max(0.0, deadline - time.monotonic())))
             if not ready:
                 gen = by_id[current]
                 results[current] = _result(
@@ -425,11 +426,11 @@ def _died(code: int) -> str:
         name = signal.Signals(-code).name
     except ValueError:
         name = f"signal {-code}"
-    why = {
+    causes: dict[int, str] = {
         signal.SIGKILL: " (the kernel's OOM killer sends it when memory runs out: see dmesg)",
         signal.SIGBUS: " (a store into shared memory past what /dev/shm can hold is the usual cause: see df /dev/shm)",
-    }.get(-code, "")
-    return f"was killed by {name}{why}"
+    }
+    return f"was killed by {name}{causes.get(-code, '')}"
 
 
 def describe_error(rank: int, data: dict, gen: Generated) -> str:

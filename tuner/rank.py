@@ -276,7 +276,9 @@ def _trace(step, tensors, scalars, kwargs, out: Path) -> None:
     # the profiler records only the threads it was started on unless told otherwise; the shm communication
     # thread exists before it starts
     try:
-        extra = {"experimental_config": torch._C._profiler._ExperimentalConfig(profile_all_threads=True)}
+        extra: dict[str, Any] = {
+            "experimental_config": torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+        }
     except TypeError:  # a torch without it: the shm thread stays out of the trace
         extra = {}
     with profile(activities=[ProfilerActivity.CPU], **extra) as prof:

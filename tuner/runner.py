@@ -32,6 +32,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from coconet.codegen import backends
+from coconet.codegen.backends import DEFAULT
 from coconet.codegen.lower import BACKENDS, Generated, lower
 from coconet.errors import BackendError, ClusterError, CoconetError
 from coconet.schedules.equivalence import Reference
@@ -215,7 +216,7 @@ class Runner:
         *,
         world: int,
         sizes: Mapping[str, int],
-        backend: str = "gloo",
+        backend: str = DEFAULT,
         protocol: Protocol = Protocol(),
         stages: int = 2,
         program_file: str | None = None,
@@ -361,8 +362,8 @@ class Runner:
                     pass
         time.sleep(HANG_DUMP_S if asked else 0)
         found = []
-        for r, path in asked:
-            where = stuck_at(path.read_text(errors="replace") if path.exists() else "", gen, filename)
+        for r, dump in asked:
+            where = stuck_at(dump.read_text(errors="replace") if dump.exists() else "", gen, filename)
             if where:
                 found.append(f"rank {r} {where}")
         return f": {'; '.join(found)}" if found else ""

@@ -44,6 +44,7 @@ from pydantic import (
 )
 
 import coconet
+from coconet.codegen.backends import get as backend_of
 from coconet.codegen.baselines import shardable_text
 from coconet.errors import CoconetError, SizeError
 from coconet.loader import examples_dir, load_file
@@ -251,6 +252,15 @@ class SweepReport:
         }
 
 
+def _backends_for(prog: Program, backends: Sequence[str]) -> list[str]:
+    """The backends a program is predicted on. A pipeline's stages hand their values on over the backend's
+    transport; where another backend carries them (shm's over gloo), the pipeline is left to that backend's
+    prediction, unless the topology has no other."""
+    if not prog.is_pipeline:
+        return list(backends)
+    return [b for b in backends if backend_of(b).transport == b] or list(backends)
+
+
 def _candidates(program: Program, depth: int, shardable: str) -> list[Schedule]:
     """Every schedule of the space that shards at most ``shardable``, with every value of its knobs."""
     allowed = shard.names(shardable)
@@ -288,7 +298,7 @@ def sweep(
             done = {(w.sizes_key, w.world) for w in winners if w.source == ("model" if model else "measured")}
             # a prediction would never answer for a measured key (Store.best): not worth computing
             measured = {(w.sizes_key, w.world) for w in winners if w.source == "measured"} if model else set()
-            backends = [b for b in topo.backends if not (prog.is_pipeline and b == "shm")] or list(topo.backends)
+            backends = _backends_for(prog, topo.backends)
             pending = []
             for world in worlds:
                 if world * stages > topo.world and name != LOCAL:  # a pipeline's stages need more ranks

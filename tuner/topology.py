@@ -33,12 +33,14 @@ from typing import Any, Mapping
 
 import yaml
 
+from coconet.codegen.backends import REGISTRY, Registry
+from coconet.codegen.backends import get as backend_of
 from coconet.errors import TopologyError
 from coconet.paths import data_dir
 from coconet.tuner.topology_file import LinkFile, TopologyFile, validate
 
 DEVICES = ("cpu", "cuda")
-BACKENDS = ("gloo", "nccl", "shm")
+BACKENDS = REGISTRY.names  # what a file may list (coconet.codegen.backends)
 # The collectives the model prices, and the algorithms each may run as (see coconet.tuner.cost).
 ALGORITHMS: Mapping[str, tuple[str, ...]] = MappingProxyType(
     {
@@ -47,41 +49,6 @@ ALGORITHMS: Mapping[str, tuple[str, ...]] = MappingProxyType(
         "all_gather": ("ring", "direct"),
         "broadcast": ("ring", "tree", "direct"),
         "send": ("direct",),
-    }
-)
-# What a backend runs when a topology does not say: NCCL picks the faster of ring and tree for an
-# allreduce (its tuner models both); gloo runs rings, broadcasts from the root to each peer, and runs
-# reduce_scatter_tensor as an allreduce of the whole buffer of which each rank keeps its rows (a
-# profile of a gloo reduce_scatter shows one gloo:all_reduce).
-DEFAULT_ALGORITHMS: Mapping[str, Mapping[str, tuple[str, ...]]] = MappingProxyType(
-    {
-        "nccl": MappingProxyType(
-            {
-                "allreduce": ("ring", "tree"),
-                "reduce_scatter": ("ring",),
-                "all_gather": ("ring",),
-                "broadcast": ("ring",),
-                "send": ("direct",),
-            }
-        ),
-        "gloo": MappingProxyType(
-            {
-                "allreduce": ("ring",),
-                "reduce_scatter": ("allreduce",),
-                "all_gather": ("ring",),
-                "broadcast": ("direct",),
-                "send": ("direct",),
-            }
-        ),
-        "shm": MappingProxyType(
-            {
-                "allreduce": ("direct",),
-                "reduce_scatter": ("direct",),
-                "all_gather": ("direct",),
-                "broadcast": ("direct",),
-                "send": ("direct",),
-            }
-        ),
     }
 )
 LOCAL = "local"  # this machine, as `coconet calibrate` measured it here
@@ -196,8 +163,9 @@ class Topology:
         return tf * 1e12
 
     def algorithms_for(self, backend: str, op: str) -> tuple[str, ...]:
+        """What ``backend`` runs ``op`` as on this topology: as its file says, else as the backend does."""
         got = self.algorithms.get(backend, {}).get(op)
-        return got if got else DEFAULT_ALGORITHMS[backend][op]
+        return got if got else backend_of(backend).algorithms[op]
 
     def shared_by(self, k: float) -> "Topology":
         """This topology with every rate measured per rank divided among ``k`` times as many ranks, which share
@@ -299,15 +267,10 @@ def _link(f: LinkFile, path: str, source: str) -> Link:
     return Link(f.alpha_s, bw, f.kind)
 
 
-def _check(f: TopologyFile, source: str) -> None:
+def _check(f: TopologyFile, source: str, registry: Registry) -> None:
     """What no one field says alone: which backends run where, the links a node count needs, float32's
     figure, sizes that increase, the algorithms each collective may run and the fingerprint's values."""
-    if "shm" in f.backends and f.nodes != 1:
-        raise _fail(source, "backends", "shm runs within one node only (nodes must be 1)")
-    if "nccl" in f.backends and f.device != "cuda":
-        raise _fail(source, "backends", "nccl needs device cuda")
-    if f.device == "cuda" and ("gloo" in f.backends or "shm" in f.backends):
-        raise _fail(source, "backends", "gloo and shm run on CPU tensors (device cpu)")
+    _check_backends(f, source, registry)
     if f.nodes > 1 and f.links.inter is None:
         raise _fail(source, "links.inter", "is required when nodes > 1")
     if "float32" not in f.matmul_TFLOPS:
@@ -326,11 +289,31 @@ def _check(f: TopologyFile, source: str) -> None:
             raise _fail(source, f"fingerprint.{k}", f"must be a string or a number, got {type(v).__name__}")
 
 
-def from_dict(data: Any, source: str = "<dict>") -> Topology:
-    """A topology from a parsed YAML document, every field validated (``TopologyFile``); an error names the
-    field's path and the file."""
+def _check_backends(f: TopologyFile, source: str, registry: Registry) -> None:
+    """Every backend named is one of ``registry``'s, and runs on this topology's device and node count."""
+    named = [(f"backends[{i}]", b) for i, b in enumerate(f.backends)]
+    named += [(f"{part}.{b}", b) for part in ("algorithms", "measured") for b in getattr(f, part)]
+    for path, name in named:
+        if name not in registry.names:
+            *most, last = [repr(n) for n in registry.names]
+            known = f"{', '.join(most)} or {last}" if most else last
+            raise _fail(source, path, f"must be {known}, got {name!r}")
+    for name in f.backends:
+        b = registry.get(name)
+        if b.one_node and f.nodes != 1:
+            raise _fail(source, "backends", f"{name} runs within one node only (nodes must be 1)")
+    wrong = [name for name in f.backends if registry.get(name).device_type != f.device]
+    if wrong:
+        on = registry.get(wrong[0]).device_type
+        verb = "runs" if len(wrong) == 1 else "run"
+        raise _fail(source, "backends", f"{' and '.join(wrong)} {verb} on {on} tensors (device {on}), not {f.device}")
+
+
+def from_dict(data: Any, source: str = "<dict>", registry: Registry = REGISTRY) -> Topology:
+    """A topology from a parsed YAML document, every field validated (``TopologyFile``), its backends
+    ``registry``'s; an error names the field's path and the file."""
     f = validate(data, source)
-    _check(f, source)
+    _check(f, source, registry)
     return Topology(
         name=f.name,
         device=f.device,

@@ -2,20 +2,24 @@
 
 ``TopologyFile`` checks each field's type and range and refuses unknown keys, so that an error names the field's
 path (``links.intra.bandwidth_GBps: must be greater than 0, got -2``). What pydantic cannot say of one field
-alone (shm across nodes, an inter-node link when there are several nodes, sizes that must increase, the
-algorithms each collective may run) is checked after it, with the same kind of path. ``docs/topology.schema.json``
-is ``TopologyFile.model_json_schema()``, for an editor to check a file as it is written.
+alone (a backend the registry lacks, shm across nodes, an inter-node link when there are several nodes, sizes
+that must increase, the algorithms each collective may run) is checked after it, with the same kind of path.
+``docs/topology.schema.json`` is ``TopologyFile.model_json_schema()``, for an editor to check a file as it is
+written.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Mapping
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, WithJsonSchema
 
+from coconet.codegen.backends import BACKENDS
 from coconet.errors import TopologyError
 
-Backend = Literal["gloo", "nccl", "shm"]
+# a backend's name: the registry's (coconet.codegen.backends), which coconet.tuner.topology checks a file's
+# against, so that a registry with another backend reads files naming it; the schema lists the shipped ones
+Backend = Annotated[str, WithJsonSchema({"enum": list(BACKENDS), "type": "string"})]
 Collective = Literal["allreduce", "reduce_scatter", "all_gather", "broadcast", "send"]
 Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 NonNegative = Annotated[float, Field(ge=0, allow_inf_nan=False)]

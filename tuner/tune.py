@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 import coconet
+from coconet.codegen.backends import REGISTRY, Machine, Registry
+from coconet.codegen.backends import get as backend_of
 from coconet.codegen.baselines import shardable_text
 from coconet.codegen.footprint import require_fits
 from coconet.codegen.lower import Generated, lower
@@ -138,14 +140,17 @@ def failures(failed: Sequence[Trial], most: int = 5) -> list[dict[str, Any]]:
     return sorted(seen.values(), key=lambda f: -f["count"])[:most]
 
 
-def local_backends(world: int) -> tuple[str, ...]:
-    """What this machine can run ``world`` ranks on: NCCL with a GPU per rank, else gloo, and shm on
-    x86-64 (its barriers rely on the x86 memory order)."""
+def this_machine() -> Machine:
+    """This machine as the backends ask about it: its architecture and CUDA devices."""
     import torch
 
-    if torch.cuda.is_available() and torch.cuda.device_count() >= world:
-        return ("nccl",)
-    return ("gloo", "shm") if platform.machine() in ("x86_64", "AMD64") else ("gloo",)
+    return Machine(platform.machine(), torch.cuda.device_count() if torch.cuda.is_available() else 0)
+
+
+def local_backends(world: int, machine: Machine | None = None, among: Registry = REGISTRY) -> tuple[str, ...]:
+    """What this machine (or ``machine``) can run ``world`` ranks on (``Registry.runnable``): NCCL with a GPU
+    per rank, else gloo, and shm on x86-64 (its barriers rely on the x86 memory order)."""
+    return among.runnable(machine or this_machine(), world)
 
 
 def versions(
@@ -164,8 +169,10 @@ def versions(
         out["placement"] = placed
     if machines is not None:  # what they ran on: coconet.tuner.fingerprint
         out |= machines.versions()
-    if backend == "nccl" and torch.cuda.is_available():
-        out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    on = backend_of(backend)
+    if on.device_type == "cuda" and torch.cuda.is_available():
+        if on.version is not None:  # its library's: "nccl": "2.21.5"
+            out[on.name] = on.version()
         out["driver"] = f"cuda {torch.version.cuda}; {torch.cuda.get_device_name(0)}"
     else:
         out["driver"] = platform.processor() or platform.machine()
@@ -210,7 +217,7 @@ def check(request: Request) -> tuple[str, ...]:
         allowed = local_backends(request.world)
     else:  # a cluster that is this topology: its backends, shm only where every rank shares one node
         topo = load_topology(request.topology)
-        allowed = tuple(b for b in topo.backends if b != "shm" or topo.nodes == 1)
+        allowed = tuple(b for b in topo.backends if not backend_of(b).one_node or topo.nodes == 1)
     backends = tuple(request.backends) or allowed
     unusable = [b for b in backends if b not in allowed]
     if unusable:
@@ -277,7 +284,7 @@ class _Study:
         # which a cluster joined by --ray-address may have several of (each measurement records how many it used)
         check_topology(topo, of_nodes(cluster), per_node=request.topology == LOCAL)
         fit = plan(
-            Need(request.world * stages, gpu="nccl" in backends),
+            Need(request.world * stages, gpu=any(backend_of(b).device_type == "cuda" for b in backends)),
             backends,
             offer(),
             asked=bool(request.backends),

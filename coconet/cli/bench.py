@@ -11,8 +11,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from coconet.cli.common import JSON_OPT, SHARDABLE_HELP, echo_json, pick_schedules, writable
+from coconet.cli.common import BACKEND_METAVAR, JSON_OPT, SHARDABLE_HELP, echo_json, pick_schedules, spoken, writable
 from coconet.cli.output import fmt_s, progress_bar, ratio, result_status
+from coconet.codegen.backends import BACKENDS, REGISTRY
 from coconet.errors import CoconetError
 from coconet.loader import example_names, examples_dir, load_file
 from coconet.schedules.dims import format_sizes, parse_sizes
@@ -23,10 +24,10 @@ def bench(
     world: int = typer.Option(2, "--world", min=1, max=64),
     size: List[str] = typer.Option(..., "--size", help="One point per --size, e.g. --size N=2^20 --size N=2^22."),
     backend: List[str] = typer.Option(
-        ["gloo", "shm"],
+        list(REGISTRY.on("cpu")),
         "--backend",
-        metavar="[gloo|nccl|shm]",
-        help="gloo, shm or nccl (repeatable: every schedule runs on each).",
+        metavar=BACKEND_METAVAR,
+        help=f"{spoken(BACKENDS)} (repeatable: every schedule runs on each).",
     ),
     kernels: str = typer.Option("compiled", "--kernels", metavar="[compiled|eager]", help="compiled or eager."),
     repeats: int = typer.Option(10, "--repeats", min=1, help="Timed steps per schedule and point."),

@@ -121,7 +121,7 @@ def _figures(result: Any) -> list[tuple[str, str, str]]:
         rows.append(
             ("gloo link between nodes", f"alpha {fmt_s(t.inter.alpha_s)}", f"{t.inter.bandwidth_GBps:.3g} GB/s")
         )
-    for op, fit in t.measured.get("gloo", {}).items():
+    for op, fit in t.measured.get("gloo", {}).items():  # the one backend whose collectives a calibration fits
         rows.append(
             (
                 f"gloo {op}",

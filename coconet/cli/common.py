@@ -7,10 +7,11 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Iterable, List, Optional
 
 import typer
 
+from coconet.codegen.backends import BACKENDS, REGISTRY
 from coconet.errors import CoconetError
 from coconet.loader import named_example
 from coconet.schedules.schedule import Schedule
@@ -18,6 +19,20 @@ from coconet.schedules.space import generate
 
 JSON_OPT = typer.Option(False, "--json", help="Answer in JSON on stdout.")
 SIZE_OPT = typer.Option(None, "--size", help="Size bindings, e.g. N=2^20 or B=8,S=1024,H=3072 (repeatable).")
+
+BACKEND_METAVAR = f"[{'|'.join(BACKENDS)}]"
+
+
+def spoken(words: Iterable[str], last: str = "or") -> str:
+    """``a, b or c``."""
+    said = list(words)
+    return said[0] if len(said) == 1 else f"{', '.join(said[:-1])} {last} {said[-1]}"
+
+
+# each backend with what it runs on: "gloo (CPU tensors), nccl (CUDA tensors) or shm (...)"
+BACKENDS_HELP = spoken(f"{b.name} ({b.summary})" if b.summary else b.name for b in REGISTRY.backends) + "."
+# the backends a tuning tries where none is named, by device: "gloo and shm on CPU, nccl on GPUs"
+LOCAL_BACKENDS_HELP = f"{spoken(REGISTRY.on('cpu'), 'and')} on CPU, {spoken(REGISTRY.on('cuda'), 'and')} on GPUs"
 
 PROGRAM_HELP = "The program: a .py file defining `program`, its JSON IR, or the name of an example (adam, sgd, ...)."
 
@@ -59,13 +74,15 @@ def writable(path: Optional[Path], option: str, *, folder: bool = False) -> Opti
     return path
 
 
-def require_sizes(prog: Any, size: Optional[List[str]]) -> None:
+def require_sizes(prog: Any, size: Optional[List[str]]) -> List[str]:
+    """The --size values given; an error naming the program's dims where there are none."""
     if not size:
         raise CoconetError(
             f"--size is required: bind {', '.join(prog.dims)} (e.g. --size {prog.dims[0]}=2^20)"
             if prog.dims
             else "--size is required"
         )
+    return size
 
 
 def pick_schedules(

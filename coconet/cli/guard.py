@@ -28,7 +28,8 @@ class Command(typer.core.TyperCommand):
             _, _, order = self.make_parser(ctx).parse_args(args=list(args))
             seen: set[str] = set()
             for param in order:
-                if param.param_type_name != "option" or param.multiple or param.is_flag or param.count:
+                # an option of one value: typer's options are TyperOptions
+                if not isinstance(param, typer.core.TyperOption) or param.multiple or param.is_flag or param.count:
                     continue
                 if param.name in seen:
                     raise typer.BadParameter(

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any, List, Optional
+from typing import TYPE_CHECKING, Any, List, Optional, cast
 
 from rich.console import Console
+
+if TYPE_CHECKING:  # rich.progress is imported where a bar is shown (progress_bar)
+    from rich.progress import TaskID
 
 
 def fmt_s(x: Optional[float]) -> str:
@@ -51,13 +54,13 @@ class Lines:
     def __exit__(self, *exc: object) -> None:
         return None
 
-    def add_task(self, description: str, total: float | None = None, **fields: Any) -> int:
+    def add_task(self, description: str, total: float | None = None, **fields: Any) -> TaskID:
         self.tasks[len(self.tasks)] = {"description": description, "total": total, "completed": 0}
-        return len(self.tasks) - 1
+        return cast("TaskID", len(self.tasks) - 1)  # an int, as Progress's are
 
     def update(
         self,
-        task: int,
+        task: TaskID,
         *,
         advance: float | None = None,
         completed: float | None = None,

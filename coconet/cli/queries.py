@@ -13,7 +13,16 @@ from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
-from coconet.cli.common import JSON_OPT, PROGRAM_HELP, SHARDABLE_HELP, SIZE_OPT, echo_json, program_path, require_sizes
+from coconet.cli.common import (
+    BACKEND_METAVAR,
+    JSON_OPT,
+    PROGRAM_HELP,
+    SHARDABLE_HELP,
+    SIZE_OPT,
+    echo_json,
+    program_path,
+    require_sizes,
+)
 from coconet.cli.output import fmt_s, machines_text, ratio, table_console
 from coconet.errors import CoconetError
 from coconet.schedules.dims import format_sizes
@@ -25,7 +34,7 @@ def best(
     world: Optional[int] = typer.Option(None, "--world", min=1, help="Only a winner at this world (default: any)."),
     topology: str = typer.Option("local", "--topology", help="The topology the winner was tuned or predicted on."),
     backend: Optional[str] = typer.Option(
-        None, "--backend", metavar="[gloo|nccl|shm]", help="Only a winner on this backend (default: any)."
+        None, "--backend", metavar=BACKEND_METAVAR, help="Only a winner on this backend (default: any)."
     ),
     source: Optional[str] = typer.Option(
         None,
@@ -53,7 +62,7 @@ def best(
     if source not in (None, "measured", "predicted"):
         raise CoconetError(f"--source {source!r}: measured or predicted")
     prog = load(file)
-    require_sizes(prog, size)
+    size = require_sizes(prog, size)
     if len(size) != 1:
         raise CoconetError("coconet best answers one --size at a time")
     found = find_best(

@@ -12,6 +12,8 @@ from rich.table import Table
 from rich.text import Text
 
 from coconet.cli.common import (
+    BACKEND_METAVAR,
+    BACKENDS_HELP,
     JSON_OPT,
     PROGRAM_HELP,
     SHARDABLE_HELP,
@@ -23,6 +25,7 @@ from coconet.cli.common import (
     writable,
 )
 from coconet.cli.output import fmt_ci, fmt_s, progress_bar, ratio, result_status, table_console
+from coconet.codegen.backends import DEFAULT
 from coconet.codegen.baselines import shardable_text
 from coconet.codegen.lower import BACKENDS, KERNELS, lower
 from coconet.codegen.runtime import write as write_module
@@ -98,12 +101,7 @@ def run(
         "`coconet schedules`, `baseline` or `all` (repeatable). The baseline "
         "always runs too.",
     ),
-    backend: str = typer.Option(
-        "gloo",
-        "--backend",
-        metavar="[gloo|nccl|shm]",
-        help="gloo (CPU tensors), nccl (CUDA tensors) or shm (CPU tensors, collectives in shared memory).",
-    ),
+    backend: str = typer.Option(DEFAULT, "--backend", metavar=BACKEND_METAVAR, help=BACKENDS_HELP),
     kernels: str = typer.Option(
         "compiled",
         "--kernels",
@@ -170,7 +168,7 @@ def run(
         raise CoconetError("--standalone says how --emit writes the modules: give --emit DIR too")
     writable(trace, "--trace", folder=True)
     prog = load_file(file)
-    require_sizes(prog, size)
+    size = require_sizes(prog, size)
     sizes = parse_sizes(size, prog.dims)
     if job is not None:
         from coconet.tuner.envlaunch import require_one_node, world_of

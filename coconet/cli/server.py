@@ -176,7 +176,7 @@ def submit(
 
     writable(emit, "--emit", folder=True)
     prog = load_file(file)
-    require_sizes(prog, size)
+    size = require_sizes(prog, size)
     points = [parse_sizes(spec, prog.dims) for spec in size]
     with Client.open(server, token or os.environ.get(ENV_TOKEN) or None) as client:
         program = client.send_program(prog)

@@ -12,7 +12,17 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from coconet.cli.common import JSON_OPT, PROGRAM_HELP, SHARDABLE_HELP, SIZE_OPT, echo_json, program_path, require_sizes
+from coconet.cli.common import (
+    BACKEND_METAVAR,
+    JSON_OPT,
+    LOCAL_BACKENDS_HELP,
+    PROGRAM_HELP,
+    SHARDABLE_HELP,
+    SIZE_OPT,
+    echo_json,
+    program_path,
+    require_sizes,
+)
 from coconet.cli.output import (
     Lines,
     failure_text,
@@ -52,9 +62,8 @@ def tune(
     backend: List[str] = typer.Option(
         [],
         "--backend",
-        metavar="[gloo|nccl|shm]",
-        help="Restrict the backends tried (repeatable); default: "
-        "every one this machine runs (gloo and shm on CPU, nccl on GPUs).",
+        metavar=BACKEND_METAVAR,
+        help=f"Restrict the backends tried (repeatable); default: every one this machine runs ({LOCAL_BACKENDS_HELP}).",
     ),
     db: Optional[str] = typer.Option(
         None, "--db", help="Store URL (default $COCONET_DATABASE_URL, else SQLite in the user data dir)."
@@ -100,7 +109,7 @@ def tune(
     if kernels not in KERNELS:
         raise CoconetError(f"unknown --kernels {kernels!r} (use {' or '.join(KERNELS)})")
     prog = load_file(file)
-    require_sizes(prog, size)
+    size = require_sizes(prog, size)
     points = [parse_sizes(spec, prog.dims) for spec in size]
     request = Request(
         prog,

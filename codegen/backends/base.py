@@ -1,11 +1,22 @@
-"""What a backend is to the lowering and the cost model (``Backend``): where a step's tensors live, which
-runtime its collectives come from, which of the lowering's placements it can make, how its collectives
-are priced, and what it needs of the machine. A new backend is one module of this package with one
-``Backend`` and a line in its registry (``coconet.codegen.backends``)."""
+"""What a backend is to the lowering, the cost model and the tuner (``Backend``): where a step's tensors live,
+which runtime its collectives come from, which of the lowering's placements it can make, how its collectives
+are priced, and what it needs of the machine (``Machine``). A new backend is one module of this package with
+one ``Backend`` and a line in the registry (``coconet.codegen.backends``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Callable, Mapping
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What a backend asks of the machine it would run on: its architecture (``platform.machine()``) and its
+    CUDA devices. The tuner reads them off this machine; a test may describe any other."""
+
+    architecture: str
+    gpus: int = 0
 
 
 @dataclass(frozen=True)
@@ -18,6 +29,12 @@ class Backend:
     process_group: str  # the torch.distributed backend the ranks' group is made with
     one_node: bool  # its ranks must share one node's memory
     notes: tuple[str, ...] = ()  # what a module's header adds about running it
+    summary: str = ""  # the CLI's word on it after its name: "CPU tensors"
+    # the architectures (platform.machine()) it runs on; empty: any
+    architectures: frozenset[str] = frozenset()
+    # the version of the library its collectives run in, recorded with a measurement made on its device;
+    # a function, so that only a measurement imports what reads it (torch)
+    version: Callable[[], str] | None = None
     # --- how its collectives are lowered ---
     runtime: str = "torch"  # which of coconet.kernels' tables its modules import (coconet.codegen.runtime)
     # collectives computed by the ranks of one node in shared segments the step maps (_Shm.of): a fused
@@ -33,8 +50,22 @@ class Backend:
     per_element_dropout: bool = False  # a Philox call per element (CUDA), not per block of four (CPU)
     flattens_buckets: bool = False  # a bucket's coalesced collectives copy its buffers into one and back
     transfers: str = ""  # the backend that carries send/recv between pipeline stages: its own where empty
+    # per collective, the algorithms it runs where a topology does not say (coconet.tuner.topology.ALGORITHMS
+    # names them): a property of the library, which the cost model prices; a topology file may override them
+    algorithms: Mapping[str, tuple[str, ...]] = field(default_factory=dict, hash=False)
+
+    def __post_init__(self) -> None:
+        # read-only: a backend is a value every lowering and prediction shares
+        object.__setattr__(self, "algorithms", MappingProxyType({op: tuple(a) for op, a in self.algorithms.items()}))
 
     @property
     def transport(self) -> str:
         """The backend whose point-to-point transfers this one's pipeline stages use."""
         return self.transfers or self.name
+
+    def runs_on(self, machine: Machine, world: int) -> bool:
+        """Whether ``machine`` can run ``world`` of its ranks: its architecture, and a CUDA device per rank
+        where its tensors live on one."""
+        if self.architectures and machine.architecture not in self.architectures:
+            return False
+        return self.device_type != "cuda" or machine.gpus >= world

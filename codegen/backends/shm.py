@@ -15,6 +15,9 @@ SHM = Backend(
         "of /dev/shm (the files are gone once mapped). Its large copies compile a few lines of C",
         "with the system's C compiler when there is one.",
     ),
+    summary="CPU tensors, collectives in shared memory",
+    # its barriers rely on the x86 memory order (coconet.kernels.segments)
+    architectures=frozenset({"x86_64", "AMD64"}),
     runtime="shm",
     shared_memory=True,
     gathers_into_state=True,
@@ -23,4 +26,12 @@ SHM = Backend(
     writes_slots=True,
     native_chunks=True,
     transfers="gloo",
+    # every rank reads and writes the segments itself: no rings, no trees
+    algorithms={
+        "allreduce": ("direct",),
+        "reduce_scatter": ("direct",),
+        "all_gather": ("direct",),
+        "broadcast": ("direct",),
+        "send": ("direct",),
+    },
 )
