@@ -148,7 +148,7 @@ def results(
 def print_results(name: str, docs: list[dict], console: Console) -> None:
     """The keys as a table, or on a terminal too narrow for one, a key a line with its schedule under it."""
     prints = {(d["machines"] or {}).get("fingerprint", "") for d in docs}
-    heads = ("sizes", "topology", "world", "backend", "source", "median", "speed-up")
+    heads: tuple[str, ...] = ("sizes", "topology", "world", "backend", "source", "median", "speed-up")
     heads += ("machines",) if len(prints) > 1 else ()  # one machine is said once, under the table
     rows = [
         (
@@ -178,8 +178,7 @@ def print_results(name: str, docs: list[dict], console: Console) -> None:
     table = Table(title=f"{name}: {len(docs)} keys", title_justify="left", show_edge=False, caption=caption)
     table.caption_justify = "left"
     for col in heads:
-        justify = "right" if col in ("world", "median", "speed-up") else "left"
-        table.add_column(col, no_wrap=True, justify=justify)
+        table.add_column(col, no_wrap=True, justify="right" if col in ("world", "median", "speed-up") else "left")
     table.add_column("schedule", ratio=1, overflow="fold")
     for row, d in zip(rows, docs):
         table.add_row(*row, d["schedule"])
