@@ -248,6 +248,7 @@ def test_an_output_path_that_cannot_be_written_is_refused_before_the_work(tmp_pa
         (["run", "examples/adam.py", "--size", "N=8", "--emit", tmp_path / "afile"], "is a file: name a folder"),
         (["bench", "adam", "--size", "N=8", "--plot", tmp_path / "afile" / "x.png"], "afile is a file, not a folder"),
         (["bench", "adam", "--size", "N=8", "-o", tmp_path / "adir"], "is a folder"),
+        (["bench", "adam", "--size", "N=8", "--plot", tmp_path / "x.txt"], "a plot is written as .html or as an image"),
         (["calibrate", "-o", tmp_path / "afile" / "t.yaml"], "afile is a file, not a folder"),
         (["calibrate", "--ray-address", "127.0.0.1:1"], "--ray-address measures a cluster: name its topology"),
         (["calibrate", "--name", "mine"], "this machine is `local`; another name is a cluster's (--ray-address)"),
@@ -390,7 +391,7 @@ def test_run_table_and_failure_exit_code(tmp_path):
 
 
 def test_bench_compares_with_torch_and_the_floor(tmp_path):
-    out, png = tmp_path / "adam.json", tmp_path / "adam.png"
+    out, page = tmp_path / "adam.json", tmp_path / "adam.html"
     proc = coconet(
         "bench",
         "adam",
@@ -409,7 +410,7 @@ def test_bench_compares_with_torch_and_the_floor(tmp_path):
         "-o",
         out,
         "--plot",
-        png,
+        page,
         "--json",
     )
     assert proc.returncode == 0, proc.stderr
@@ -459,7 +460,7 @@ def test_bench_compares_with_torch_and_the_floor(tmp_path):
         best = min(point["results"], key=lambda r: r["median_s"])
         assert point["best"] == best
         assert point["best_speedup"] == point["torch"]["median_s"] / best["median_s"]
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "Plotly.newPlot" in page.read_text() and "best schedule, shm" in page.read_text()
 
 
 def bench_killed_once_written(out, written, *args) -> dict:
