@@ -940,7 +940,8 @@ def test_a_confidence_interval_says_its_unit_once_where_its_ends_share_it():
 def test_run_schedule_best_says_whether_it_was_measured_or_predicted(tmp_path, capsys):
     """`coconet run --schedule best` takes the store's answer: the measured winner where the key has one, and
     it says which it took; a key only predicted runs the prediction, saying so and how to measure it."""
-    from coconet.cli.run import _tuned_best
+    from coconet.api import stored_schedule
+    from coconet.cli.run import _say_best
     from coconet.loader import load_file
     from coconet.schedules.space import generate
     from coconet.server.records import NewMeasurement
@@ -965,7 +966,13 @@ def test_run_schedule_best_says_whether_it_was_measured_or_predicted(tmp_path, c
             ]
         )
         store.add_winner(ids[1], baseline_id=ids[0], shardable="m,v")
-    sched, found = _tuned_best(prog, {"N": 8}, 2, "gloo", db, [])
+
+    def tuned_best() -> tuple:  # what `coconet run --schedule best` runs, and what it says of it
+        sched, found = stored_schedule(prog, {"N": 8}, world=2, backend="gloo", store=db)
+        _say_best(found, {"N": 8}, "gloo")
+        return sched, found
+
+    sched, found = tuned_best()
     err = capsys.readouterr().err
     assert sched.hash == third.hash and found.source == "model"
     assert (
@@ -976,7 +983,7 @@ def test_run_schedule_best_says_whether_it_was_measured_or_predicted(tmp_path, c
     with Store.open(db) as store:
         mid = store.add_measurement(NewMeasurement.of(other, median_s=2e-3, samples=[2e-3] * 3, **common))
         measured = store.add_winner(mid, shardable="m,v")
-    sched, found = _tuned_best(prog, {"N": 8}, 2, "gloo", db, [])
+    sched, found = tuned_best()
     err = capsys.readouterr().err
     assert sched.hash == other.hash and found.winner.id == measured
     assert f"--schedule best is measured: 2 ms a step (winner record {measured})" in err and "predicted" not in err
