@@ -66,7 +66,7 @@ def run(
     check: bool = True,
     depth: int = 6,
     store: Any = None,
-    shardable: Sequence[str] | None = None,
+    shardable: Sequence[str] | str | None = None,
     launcher: str = "auto",
     emit: str | os.PathLike | None = None,
     standalone: bool = False,
@@ -159,7 +159,7 @@ def stored_schedule(
 
     prog = load(program)
     sizes = _sizes(sizes, prog)
-    names = list(shardable) if shardable else []
+    names = [shardable] if isinstance(shardable, str) else list(shardable or ())
     allowed = shardable_text(prog, names or None)
     with _opened(store, Store, create=False) as opened:
         found = opened.best(prog.hash, sizes, "local", world, backend=backend, shardable=allowed)
