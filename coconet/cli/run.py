@@ -24,6 +24,7 @@ from coconet.cli.common import (
 from coconet.cli.output import fmt_ci, fmt_s, progress_bar, ratio, result_status, table_console
 from coconet.codegen.lower import BACKENDS, KERNELS
 from coconet.errors import CoconetError
+from coconet.extras import STORE, require
 from coconet.loader import load_file
 from coconet.schedules.dims import format_sizes, parse_sizes
 
@@ -153,6 +154,8 @@ def run(
     prog = load_file(file)
     require_sizes(prog, size)
     sizes = parse_sizes(size, prog.dims)
+    if "best" in (s.strip() for s in schedule):
+        require(STORE, "`coconet run`")  # the command, not the function it calls, named in the error
     quiet = job is not None and job.rank != 0  # one rank speaks for the job
     with progress_bar(quiet=as_json or quiet, transient=True) as bar:
         tasks: list = []

@@ -26,7 +26,7 @@ from coconet.cli.output import (
 )
 from coconet.codegen.lower import KERNELS
 from coconet.errors import CoconetError
-from coconet.extras import EXTRAS, require
+from coconet.extras import EXTRAS, STORE, require
 from coconet.loader import load_file
 from coconet.schedules.dims import format_sizes, parse_sizes
 
@@ -96,7 +96,7 @@ def tune(
     store. With one --size the JSON is one result; with several, a list (smallest sizes first)."""
     from coconet.api import tune as run_tune  # numpy and the tuner: after the checks
 
-    require(EXTRAS["tune"], "`coconet tune`")
+    require((*STORE, *EXTRAS["tune"]), "`coconet tune`")  # the store named first, as the command always has
     if kernels not in KERNELS:
         raise CoconetError(f"unknown --kernels {kernels!r} (use {' or '.join(KERNELS)})")
     prog = load_file(file)
