@@ -20,6 +20,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from coconet.tuner.plots import COLOURS, can_write, figure, write_figure
+
 
 def run_one(tree: Path, args: list[str], out: Path) -> None:
     done = subprocess.run(
@@ -64,36 +66,39 @@ def summarize(runs: Path, workload: str) -> dict:
 
 
 def plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import plotly.graph_objects as go  # plotly: only when plotting
 
     keys = sorted(report["schedules"])
-    fig, ax = plt.subplots(figsize=(9, 0.5 * len(keys) + 1.5))
+    fig = figure()
     for i, key in enumerate(keys):
         row = report["schedules"][key]
-        ax.scatter(
-            row["after_over_before"],
-            [i] * len(row["after_over_before"]),
-            color="C0",
-            marker="o",
-            label="raw" if i == 0 else None,
-        )
-        ax.scatter(
-            row["after_over_before_vs_torch"],
-            [i + 0.2] * len(row["after_over_before"]),
-            color="C1",
-            marker="x",
-            label="over torch's time in the same run" if i == 0 else None,
-        )
-    ax.axvline(1.0, color="grey", lw=0.8)
-    ax.set_yticks(range(len(keys)), [k if len(k) <= 70 else k[:48] + "…" + k[-21:] for k in keys], fontsize=7)
-    ax.set_xlabel("step time after / before, per round")
-    ax.set_title(f"{report['workload']}: {report.get('args', '')}"[:110], fontsize=8)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+        n = len(row["after_over_before"])
+        for ys, shift, name, symbol, colour in (
+            ("after_over_before", 0.0, "raw", "circle", COLOURS[0]),
+            ("after_over_before_vs_torch", 0.2, "over torch's time in the same run", "x", COLOURS[1]),
+        ):
+            fig.add_trace(
+                go.Scatter(
+                    x=row[ys],
+                    y=[i + shift] * n,
+                    mode="markers",
+                    marker={"symbol": symbol, "color": colour, "size": 8},
+                    name=name,
+                    legendgroup=name,
+                    showlegend=i == 0,
+                )
+            )
+    fig.add_vline(x=1.0, line={"color": "grey", "width": 1})
+    fig.update_yaxes(
+        tickvals=list(range(len(keys))),
+        ticktext=[k if len(k) <= 70 else k[:48] + "…" + k[-21:] for k in keys],
+        tickfont={"size": 9},
+    )
+    fig.update_layout(
+        title={"text": f"{report['workload']}: {report.get('args', '')}"[:110], "font": {"size": 11}},
+        xaxis_title="step time after / before, per round",
+    )
+    write_figure(fig, path, width=900, height=int(50 * len(keys) + 150))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -112,6 +117,8 @@ def main(argv: list[str] | None = None) -> dict:
     if not bench:
         ap.error("give coconet bench's arguments after --")
     workload = bench[0]
+    if args.plot:
+        can_write(args.plot)  # before the rounds whose figure it is
     args.runs.mkdir(parents=True, exist_ok=True)
     if not args.summarize:
         for k in range(1, args.rounds + 1):

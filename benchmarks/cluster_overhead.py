@@ -42,6 +42,8 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from coconet.tuner.plots import COLOURS, figure, write_figure
+
 ROOT = Path(__file__).resolve().parents[1]
 RAY = Path(sys.executable).parent / "ray"
 WAYS = ("cluster", "local")
@@ -200,31 +202,42 @@ def _seconds(stamp: datetime) -> float:
 
 
 def _plot(report: dict, path: Path) -> None:
-    import matplotlib
+    import plotly.graph_objects as go  # plotly: only when plotting
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
-    for ax, key, title in (
-        (axes[0], "ray_joined_s", "launch to Ray joined"),
-        (axes[1], "first_trial_s", "launch to first trial"),
-        (axes[2], "per_trial_overhead_s", "per-trial overhead"),
-    ):
-        data = [[r[way][key] for r in report["rounds"] if r[way][key] is not None] for way in WAYS]
-        ax.boxplot(data, tick_labels=[f"{w}\n({'--ray-address' if w == 'cluster' else 'own Ray'})" for w in WAYS])
-        for j, ys in enumerate(data, start=1):
-            ax.scatter([j] * len(ys), ys, s=12, color="k", zorder=3)
-        ax.set_title(title)
-        ax.set_ylabel("seconds")
-        ax.set_ylim(bottom=0)
-    fig.suptitle(
-        f"coconet tune {report['program']} --world {report['world']} --size {report['size']} "
-        f"--budget {report['budget']}, {len(report['rounds'])} rounds",
-        fontsize=9,
+    panels = (
+        ("ray_joined_s", "launch to Ray joined"),
+        ("first_trial_s", "launch to first trial"),
+        ("per_trial_overhead_s", "per-trial overhead"),
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig = figure(1, 3, subplot_titles=[title for _, title in panels])
+    names = {w: f"{w} ({'--ray-address' if w == 'cluster' else 'own Ray'})" for w in WAYS}
+    for col, (key, _) in enumerate(panels, start=1):
+        for way in WAYS:
+            ys = [r[way][key] for r in report["rounds"] if r[way][key] is not None]
+            fig.add_trace(
+                go.Box(
+                    x=[names[way]] * len(ys),
+                    y=ys,
+                    name=names[way],
+                    boxpoints="all",  # every round's point beside its box, as few as there are
+                    pointpos=0,
+                    marker={"color": "black", "size": 5},
+                    line={"color": COLOURS[0]},
+                    fillcolor="rgba(0,0,0,0)",
+                    showlegend=False,
+                ),
+                row=1,
+                col=col,
+            )
+        fig.update_yaxes(title_text="seconds", rangemode="tozero", row=1, col=col)
+    fig.update_layout(
+        title={
+            "text": f"coconet tune {report['program']} --world {report['world']} --size {report['size']} "
+            f"--budget {report['budget']}, {len(report['rounds'])} rounds",
+            "font": {"size": 12},
+        }
+    )
+    write_figure(fig, path, width=1200, height=380)
 
 
 def main(argv: list[str] | None = None) -> dict:

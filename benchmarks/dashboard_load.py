@@ -8,7 +8,7 @@ Each key is adam's, with a baseline and a winner (SYNTHETIC timings: this measur
 topologies, 5 worlds, 2 backends and sizes N. Timed, each on its own: the first page of the winners table read
 afresh (``winners_page`` over ``current_winners``), the next page (the cache's), the plots of every key and of one
 topology, and ``Store.results``. Bytes: the first page's JSON against every winner's row as JSON. Writes
-benchmarks/results/dashboard_load.json and, with matplotlib, dashboard_load.png.
+benchmarks/results/dashboard_load.json and, with coconet[bench] and a Chromium, dashboard_load.png.
 """
 
 from __future__ import annotations
@@ -22,6 +22,9 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
+
+from coconet.errors import CoconetError
+from coconet.tuner.plots import COLOURS, can_write, figure, write_figure
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "results" / "dashboard_load.json"
@@ -143,26 +146,31 @@ def main() -> None:
 
 
 def _plot(points: list[dict[str, Any]]) -> None:
+    path = OUT.with_suffix(".png")
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+        can_write(path)
+    except CoconetError as e:  # the figure is optional here: the JSON is the result
+        print(f"no figure: {e}")
         return
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for way in points[0]["median_s"]:
-        ax.plot([p["keys"] for p in points], [p["median_s"][way] * 1e3 for p in points], marker="o", label=way)
-    ax.set(
-        xscale="log",
-        yscale="log",
-        xlabel="tuned keys of the program",
-        ylabel="median time (ms)",
+    import plotly.graph_objects as go  # plotly: only when plotting
+
+    fig = figure()
+    for i, way in enumerate(points[0]["median_s"]):
+        fig.add_trace(
+            go.Scatter(
+                x=[p["keys"] for p in points],
+                y=[p["median_s"][way] * 1e3 for p in points],
+                mode="lines+markers",
+                name=way,
+                line={"color": COLOURS[i % len(COLOURS)]},
+            )
+        )
+    fig.update_layout(
         title="dashboard data: the server's time per request",
+        xaxis={"type": "log", "title": "tuned keys of the program"},
+        yaxis={"type": "log", "title": "median time (ms)"},
     )
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(OUT.with_suffix(".png"), dpi=100)
+    write_figure(fig, path, width=700, height=400)
 
 
 if __name__ == "__main__":

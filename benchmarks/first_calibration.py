@@ -22,6 +22,7 @@ from pathlib import Path
 
 from coconet.tuner.calibrate import Settings, calibrate
 from coconet.tuner.fingerprint import detect_local
+from coconet.tuner.plots import COLOURS, figure, write_figure
 
 SHORT = Settings(repeats=5, max_log2=22, memory_bytes=2**26)
 
@@ -78,43 +79,45 @@ def main() -> None:
 
 
 def plot(report: dict, out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import plotly.graph_objects as go  # plotly: only when plotting
 
     names = list(report["figures"])
     rows = [report["figures"][n] for n in names]
-    fig, ax = plt.subplots(figsize=(9, 4.5))
-    y = range(len(names))
-    ax.scatter(
-        [r["ratio_short_over_full"] for r in rows],
-        list(y),
-        color="tab:orange",
-        zorder=3,
-        label="short / full (medians)",
-    )
+    fig = figure()
     for i, r in enumerate(rows):  # the full run's own spread over its rounds, around 1
-        ax.plot(
-            [1 / r["full_spread"], r["full_spread"]],
-            [i, i],
-            color="black",
-            lw=3,
-            alpha=0.5,
-            label="full run's spread (max/min)" if i == 0 else None,
+        fig.add_trace(
+            go.Scatter(
+                x=[1 / r["full_spread"], r["full_spread"]],
+                y=[names[i], names[i]],
+                mode="lines",
+                line={"color": "black", "width": 4},
+                opacity=0.5,
+                name="full run's spread (max/min)",
+                legendgroup="spread",
+                showlegend=i == 0,
+            )
         )
-    ax.axvline(1.0, color="grey", lw=0.8)
-    ax.set_xscale("log")
-    ax.set_yticks(list(y), names, fontsize=8)
-    s = report["seconds_median"]
-    ax.set_title(
-        f"calibration: short run {s['short']:.0f} s vs full {s['full']:.0f} s (medians of "
-        f"{report['rounds']} rounds)\n{report['machine']}",
-        fontsize=9,
+    fig.add_trace(
+        go.Scatter(
+            x=[r["ratio_short_over_full"] for r in rows],
+            y=names,
+            mode="markers",
+            marker={"color": COLOURS[1], "size": 8},
+            name="short / full (medians)",
+        )
     )
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    fig.add_vline(x=1.0, line={"color": "grey", "width": 1})
+    s = report["seconds_median"]
+    fig.update_layout(
+        title={
+            "text": f"calibration: short run {s['short']:.0f} s vs full {s['full']:.0f} s (medians of "
+            f"{report['rounds']} rounds)<br>{report['machine']}",
+            "font": {"size": 11},
+        },
+        xaxis={"type": "log"},
+        yaxis={"tickfont": {"size": 9}, "categoryorder": "array", "categoryarray": names},
+    )
+    write_figure(fig, out, width=900, height=450)
 
 
 if __name__ == "__main__":

@@ -9,11 +9,12 @@
 # SECONDS (default 540) bounds the whole run, so that it ends inside a 10-minute command limit with time
 # to spare; a step gets at most its own limit and never more than the run has left, and one with under
 # 20 s left is skipped and named. coconet must be importable (`pip install -e .`; where only torch is
-# installed, `pip install --no-deps .` does: the checks need numpy, typer, rich, matplotlib and pytest
+# installed, `pip install --no-deps .` does: the checks need numpy, typer, rich, plotly and pytest
 # beside it, not Ray, Optuna, SQLAlchemy or the server's packages). Results: OUTDIR/gpu_kernels.json,
-# bench_{adam,megatron}_nccl_w1.{json,png}, gpu_tests.xml, cuda_gloo_w{2,3}.xml,
-# kernel_call_cuda_host_scalars.json, every_schedule_nccl_{eager,compiled}.jsonl, targets.json (each
-# target met or not, from those files); the log on stdout. OUTDIR is meant to be benchmarks/results/<gpu>/.
+# bench_{adam,megatron}_nccl_w1.{json,html} (the figures as pages: a PNG would need a Chromium there),
+# gpu_tests.xml, cuda_gloo_w{2,3}.xml, kernel_call_cuda_host_scalars.json,
+# every_schedule_nccl_{eager,compiled}.jsonl, targets.json (each target met or not, from those files); the
+# log on stdout. OUTDIR is meant to be benchmarks/results/<gpu>/.
 # NCCL with more than one rank needs a GPU per rank: tests/codegen/test_cuda_gloo.py's skip reason gives
 # the command for a multi-GPU machine.
 set -u
@@ -51,10 +52,10 @@ step kernels 100 "$py" benchmarks/gpu_kernels.py --out "$out/gpu_kernels.json"
 # the whole step against all_reduce + Adam(fused=True) at the two target sizes (>= 1.5x at 2^24, 1.0x at 2^20)
 step bench-adam 120 "$py" -m coconet bench examples/adam.py --world 1 --backend nccl --size N=2^24 --size N=2^20 \
     --schedule all --repeats 20 --warmup 3 --timeout 120 -o "$out/bench_adam_nccl_w1.json" \
-    --plot "$out/bench_adam_nccl_w1.png"
+    --plot "$out/bench_adam_nccl_w1.html"
 step bench-megatron 80 "$py" -m coconet bench examples/megatron_mlp.py --world 1 --backend nccl \
     --size B=8,S=1024,H=3072 --schedule all --repeats 20 --warmup 3 --timeout 120 \
-    -o "$out/bench_megatron_nccl_w1.json" --plot "$out/bench_megatron_nccl_w1.png"
+    -o "$out/bench_megatron_nccl_w1.json" --plot "$out/bench_megatron_nccl_w1.html"
 # the CUDA tests that are not the breadth runs below; the NCCL tests across GPUs skip here, saying why
 step gpu-tests 60 "$py" -m pytest -q -m gpu --import-mode=append -p no:cacheprovider -rs \
     --junitxml="$out/gpu_tests.xml" tests/kernels/test_runtime.py tests/kernels/test_rng.py \

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from coconet.schedules.space import generate
 from coconet.tuner import cost
+from coconet.tuner.plots import COLOURS, figure, write_figure
 from coconet.tuner.topology import Topology, load_topology
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -269,45 +270,55 @@ def table(result: dict) -> list[str]:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import plotly.graph_objects as go  # plotly: only when plotting
 
     names = list(result["topologies"])
-    fig, axes = plt.subplots(1, len(names), figsize=(6.5 * len(names), 4.5), squeeze=False)
-    for ax, name in zip(axes[0], names):
+    fig = figure(1, len(names), subplot_titles=[f"Adam, {n}, world {result['topologies'][n]['world']}" for n in names])
+    dash = {"-": "solid", "--": "dash", ":": "dot"}
+    for col, name in enumerate(names, start=1):
         t = result["topologies"][name]
         xs = [r["N"] for r in t["rows"]]
-        series = [("baseline: allreduce + Adam(fused)", lambda r: r["baseline"]["seconds"], "k-")]
+        series = [("baseline: allreduce + Adam(fused)", lambda r: r["baseline"]["seconds"], "black", "-")]
         if t["nodes"] == 1:
             series += [
-                ("baseline with NVLS allreduce", lambda r: r["baseline_nvls"]["seconds"], "k:"),
-                ("fused, sequential", lambda r: r["fused"]["sequential"]["seconds"], "C0-"),
-                ("fused, pipelined", lambda r: r["fused"]["pipelined"]["seconds"], "C0--"),
-                ("fused, NVLS (multimem)", lambda r: r["fused"]["nvls"]["seconds"], "C0:"),
+                ("baseline with NVLS allreduce", lambda r: r["baseline_nvls"]["seconds"], "black", ":"),
+                ("fused, sequential", lambda r: r["fused"]["sequential"]["seconds"], COLOURS[0], "-"),
+                ("fused, pipelined", lambda r: r["fused"]["pipelined"]["seconds"], COLOURS[0], "--"),
+                ("fused, NVLS (multimem)", lambda r: r["fused"]["nvls"]["seconds"], COLOURS[0], ":"),
             ]
         else:
             series += [
-                ("baseline, hierarchical on rails", lambda r: r["baseline_rails"]["seconds"], "k--"),
-                ("fused, hierarchical", lambda r: r["fused"]["hierarchical"]["seconds"], "C0-"),
+                ("baseline, hierarchical on rails", lambda r: r["baseline_rails"]["seconds"], "black", "--"),
+                ("fused, hierarchical", lambda r: r["fused"]["hierarchical"]["seconds"], COLOURS[0], "-"),
             ]
         series += [
-            ("best schedule today (any)", lambda r: r["best"]["seconds"], "C1-"),
-            ("best schedule today, w replicated", lambda r: r["best_replicated_w"]["seconds"], "C1--"),
+            ("best schedule today (any)", lambda r: r["best"]["seconds"], COLOURS[1], "-"),
+            ("best schedule today, w replicated", lambda r: r["best_replicated_w"]["seconds"], COLOURS[1], "--"),
         ]
-        for label, f, style in series:
-            ax.plot(xs, [f(r) * 1e6 for r in t["rows"]], style, marker=".", label=label)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("N (float32 elements)")
-        ax.set_ylabel("predicted µs per step (model, not measured)")
-        ax.set_title(f"Adam, {name}, world {t['world']}")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+        for label, f, colour, style in series:
+            fig.add_trace(
+                go.Scatter(
+                    x=xs,
+                    y=[f(r) * 1e6 for r in t["rows"]],
+                    name=f"{label} ({name})" if len(names) > 1 else label,
+                    mode="lines+markers",
+                    marker={"size": 4},
+                    line={"color": colour, "dash": dash[style]},
+                ),
+                row=1,
+                col=col,
+            )
+        ticks = xs[:: max(1, len(xs) // 8)]  # N is a power of two: ticks say which
+        fig.update_xaxes(
+            type="log",
+            title_text="N (float32 elements)",
+            tickvals=ticks,
+            ticktext=[f"2<sup>{round(math.log2(n))}</sup>" for n in ticks],
+            row=1,
+            col=col,
+        )
+        fig.update_yaxes(type="log", title_text="predicted µs per step (model, not measured)", row=1, col=col)
+    write_figure(fig, path, width=int(650 * len(names)) + 250, height=450)
 
 
 def main(argv: list[str] | None = None) -> None:

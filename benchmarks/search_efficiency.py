@@ -24,6 +24,7 @@ from coconet.loader import load_file
 from coconet.schedules.dims import format_sizes, parse_sizes
 from coconet.server.store import Store
 from coconet.tuner.launch import RunResult
+from coconet.tuner.plots import COLOURS, figure, write_figure
 from coconet.tuner.runner import Protocol
 from coconet.tuner.search import Candidate, SearchSpace, search
 from coconet.tuner.tune import Request, local_backends, tune
@@ -156,28 +157,30 @@ def _cost_prior(space, sizes, world):
 
 
 def _plot(report, path: Path) -> None:
-    import matplotlib
+    import plotly.graph_objects as go  # plotly: only when plotting
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name, arm in report["arms"].items():
+    fig = figure()
+    for i, (name, arm) in enumerate(report["arms"].items()):
         xs = sorted(arm["trials"])
-        ax.step(
-            xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=f"{name} (median {arm['median']:g})"
+        fig.add_trace(
+            go.Scatter(
+                x=xs,
+                y=[(k + 1) / len(xs) for k in range(len(xs))],
+                mode="lines",
+                line={"shape": "hv", "color": COLOURS[i % len(COLOURS)]},  # a step after each seed's count
+                name=f"{name} (median {arm['median']:g})",
+            )
         )
-    ax.set_xlabel("trials (distinct candidates measured)")
-    ax.set_ylabel("fraction of seeds within 5% of the best")
-    ax.set_title(
-        f"{report['program']} {format_sizes(report['sizes'])}, world {report['world']}: "
-        f"{report['space']} candidates, {report['candidates_within_5pct']} within 5%"
+    fig.update_layout(
+        title={
+            "text": f"{report['program']} {format_sizes(report['sizes'])}, world {report['world']}: "
+            f"{report['space']} candidates, {report['candidates_within_5pct']} within 5%",
+            "font": {"size": 12},
+        },
+        xaxis_title="trials (distinct candidates measured)",
+        yaxis_title="fraction of seeds within 5% of the best",
     )
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    write_figure(fig, path, width=800, height=420)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import runpy
@@ -26,6 +27,7 @@ from pathlib import Path
 from coconet.schedules.dims import parse_sizes
 from coconet.schedules.schedule import Schedule
 from coconet.tuner.launch import Options, run_schedules
+from coconet.tuner.plots import can_write, figure, write_figure
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEDULE = "split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse_collective(rs0)"
@@ -61,6 +63,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/shm_copies_adam_w2.json")
     ap.add_argument("--plot", type=Path, default=None)
     args = ap.parse_args()
+    if args.plot:
+        can_write(args.plot)  # before the launches whose figure it is
     prog = runpy.run_path(str(ROOT / "examples/adam.py"))["program"].ir
     sched = Schedule.parse(SCHEDULE, prog).with_knobs(fc_chunks=4)
     report = {
@@ -105,37 +109,37 @@ def main() -> None:
 
 
 def plot(report: dict, path: Path) -> None:
-    import matplotlib
+    import plotly.graph_objects as go  # plotly: only when plotting
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig = figure()
+    labels = [",".join(f"{n}={v}" for n, v in p["sizes"].items()) for p in report["points"]]
     for k, p in enumerate(report["points"]):
         for j, pair in enumerate(p["pairs"]):
-            ax.plot(
-                [k - 0.1, k + 0.1],
-                [pair["ordinary_s"] * 1e3, pair["streaming_s"] * 1e3],
-                "o-",
-                color="gray",
-                alpha=0.6,
-                label="one pair: ordinary -> streaming" if k == j == 0 else None,
+            fig.add_trace(
+                go.Scatter(
+                    x=[k - 0.1, k + 0.1],
+                    y=[pair["ordinary_s"] * 1e3, pair["streaming_s"] * 1e3],
+                    mode="lines+markers",
+                    line={"color": "gray"},
+                    opacity=0.6,
+                    name="one pair: ordinary -> streaming",
+                    legendgroup="pairs",
+                    showlegend=k == j == 0,
+                )
             )
-        ax.annotate(
-            f"{p['ordinary_over_streaming']:.2f}x",
-            (k, max(q["ordinary_s"] for q in p["pairs"]) * 1e3),
-            textcoords="offset points",
-            xytext=(0, 6),
-            ha="center",
+        fig.add_annotation(
+            x=k,
+            y=math.log10(max(q["ordinary_s"] for q in p["pairs"]) * 1e3),  # a log axis places text by its log
+            text=f"{p['ordinary_over_streaming']:.2f}x",
+            showarrow=False,
+            yshift=12,
         )
-    ax.set_xticks(range(len(report["points"])))
-    ax.set_xticklabels([",".join(f"{n}={v}" for n, v in p["sizes"].items()) for p in report["points"]])
-    ax.set_yscale("log")
-    ax.set_ylabel("step time (ms), median of a launch")
-    ax.set_title(f"{report['workload']} ZeRO-1 on shm, world {report['world']}: large copies")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.update_xaxes(tickvals=list(range(len(labels))), ticktext=labels)
+    fig.update_layout(
+        title=f"{report['workload']} ZeRO-1 on shm, world {report['world']}: large copies",
+        yaxis={"type": "log", "title": "step time (ms), median of a launch"},
+    )
+    write_figure(fig, path, width=600, height=400)
 
 
 if __name__ == "__main__":

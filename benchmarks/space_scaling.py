@@ -22,6 +22,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from coconet.tuner.plots import COLOURS, figure, write_figure
+
 ROOT = Path(__file__).resolve().parents[1]
 WAYS = ("together", "one by one")
 
@@ -124,29 +126,30 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def _plot(report, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import plotly.graph_objects as go  # plotly: only when plotting
 
     ks = [p["tensors"] for p in report["points"]]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, metric, title in zip(
-        axes, ("generate_s", "read_back_s"), ("generate the space", "read every schedule back")
-    ):
-        for way, style in zip(WAYS, ("o-", "s--")):
-            ax.plot(ks, [p[way][metric] for p in report["points"]], style, label=way)
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("tensors (one allreduce each)")
-        ax.set_ylabel("seconds (median)")
-        ax.set_title(title)
-        ax.grid(alpha=0.3, which="both")
-        ax.legend()
-    fig.suptitle(report["program"])
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    fig = figure(1, 2, subplot_titles=("generate the space", "read every schedule back"))
+    for col, metric in enumerate(("generate_s", "read_back_s"), start=1):
+        for i, (way, symbol, dash) in enumerate(zip(WAYS, ("circle", "square"), ("solid", "dash"))):
+            fig.add_trace(
+                go.Scatter(
+                    x=ks,
+                    y=[p[way][metric] for p in report["points"]],
+                    name=way,
+                    legendgroup=way,
+                    showlegend=col == 1,
+                    mode="lines+markers",
+                    marker={"symbol": symbol, "size": 8},
+                    line={"color": COLOURS[i], "dash": dash},
+                ),
+                row=1,
+                col=col,
+            )
+        fig.update_xaxes(type="log", title_text="tensors (one allreduce each)", row=1, col=col)
+        fig.update_yaxes(type="log", title_text="seconds (median)", row=1, col=col)
+    fig.update_layout(title=report["program"])
+    write_figure(fig, path, width=1000, height=420)
 
 
 if __name__ == "__main__":

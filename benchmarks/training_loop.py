@@ -36,6 +36,8 @@ import sys
 import time
 from pathlib import Path
 
+from coconet.tuner.plots import COLOURS, can_write, figure, write_figure
+
 ZERO1 = "split(ar0); reorder(ag0); as_slice(m); as_slice(v); fuse_collective(rs0)"
 # Adam as torch.optim.Adam computes it, the gradients averaged over the ranks as DDP averages them
 PROGRAM = Path(__file__).resolve().parents[1] / "examples" / "optim" / "adam.py"
@@ -266,8 +268,15 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--kernels", default="compiled")
     ap.add_argument("--schedule", default=ZERO1)
     ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--plot", type=Path, default=None, help="PNG: the losses step by step, the step times per round")
+    ap.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        help="the losses step by step, the step times per round: .html a page, .png an image",
+    )
     args = ap.parse_args(argv)
+    if args.plot is not None:
+        can_write(args.plot)  # before the training whose figure it is
     args.dims = [int(d) for d in args.dims.split(",")]
     if args.steps <= WARMUP:
         ap.error(f"--steps must exceed the {WARMUP} steps left out of the times")
@@ -353,36 +362,51 @@ def _report(args, got: dict) -> dict:
 
 
 def plot(report: dict, path: Path) -> None:
-    import matplotlib
+    import plotly.graph_objects as go  # plotly: only when plotting
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_l, ax_t) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for way, label, style in (
-        ("ddp", "DDP + Adam(fused)", "-"),
-        ("coconet", "coconet step", "--"),
-        ("formula", "the program's update in eager torch", ":"),
+    fig = figure(1, 2)
+    for i, (way, label, dash) in enumerate(
+        (
+            ("ddp", "DDP + Adam(fused)", "solid"),
+            ("coconet", "coconet step", "dash"),
+            ("formula", "the program's update in eager torch", "dot"),
+        )
     ):
-        ax_l.plot(range(1, len(report["losses"][way]) + 1), report["losses"][way], style, label=label)
-    ax_l.set_xlabel("step")
-    ax_l.set_ylabel("loss, mean over ranks")
-    ax_l.legend()
+        losses = report["losses"][way]
+        fig.add_trace(
+            go.Scatter(
+                x=list(range(1, len(losses) + 1)),
+                y=losses,
+                mode="lines",
+                name=label,
+                line={"color": COLOURS[i], "dash": dash},
+            ),
+            row=1,
+            col=1,
+        )
     rounds = report["rounds"]
-    x = range(len(rounds))
-    ax_t.bar([i - 0.27 for i in x], [r["ddp_step_s"] * 1e3 for r in rounds], 0.27, label="DDP + Adam(fused)")
-    ax_t.bar(list(x), [r["allreduce_adam_step_s"] * 1e3 for r in rounds], 0.27, label="all_reduce + Adam(fused)")
-    ax_t.bar([i + 0.27 for i in x], [r["coconet_step_s"] * 1e3 for r in rounds], 0.27, label="coconet step")
-    ax_t.set_xticks(list(x), [f"round {i}: {r['speedup']:.2f}x" for i, r in enumerate(rounds)])
-    ax_t.set_ylabel("training step (ms), median, slowest rank")
-    ax_t.legend()
-    fig.suptitle(
-        f"{report['parameters'] / 1e6:.1f}M-parameter MLP, world {report['world']}, "
-        f"{report['backend']}, batch {report['batch']} per rank"
+    labels = [f"round {i}: {r['speedup']:.2f}x" for i, r in enumerate(rounds)]
+    for i, (key, label) in enumerate(
+        (
+            ("ddp_step_s", "DDP + Adam(fused)"),
+            ("allreduce_adam_step_s", "all_reduce + Adam(fused)"),
+            ("coconet_step_s", "coconet step"),
+        )
+    ):
+        fig.add_trace(
+            go.Bar(x=labels, y=[r[key] * 1e3 for r in rounds], name=label, marker_color=COLOURS[(i + 3) % 8]),
+            row=1,
+            col=2,
+        )
+    fig.update_xaxes(title_text="step", row=1, col=1)
+    fig.update_yaxes(title_text="loss, mean over ranks", row=1, col=1)
+    fig.update_yaxes(title_text="training step (ms), median, slowest rank", row=1, col=2)
+    fig.update_layout(
+        barmode="group",
+        title=f"{report['parameters'] / 1e6:.1f}M-parameter MLP, world {report['world']}, "
+        f"{report['backend']}, batch {report['batch']} per rank",
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    write_figure(fig, path, width=1200, height=450)
 
 
 if __name__ == "__main__":

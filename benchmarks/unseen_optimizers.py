@@ -29,6 +29,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from coconet.tuner.plots import COLOURS, figure, write_figure
+
 ROOT = Path(__file__).resolve().parents[1]
 PROGRAMS = ROOT / "benchmarks" / "programs"
 
@@ -211,24 +213,23 @@ def time_coconet(name: str, world: int, size: str, repeats: int, shardable: tupl
 
 
 def plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import plotly.graph_objects as go  # plotly: only when plotting
 
     rows = report["rows"]
-    labels = [f"{r['program']}\n{r['sizes']}" for r in rows]
-    x = range(len(rows))
-    fig, ax = plt.subplots(figsize=(1.6 * len(rows) + 2, 4))
-    ax.bar([i - 0.2 for i in x], [r["speedup_over_torch_optim"] for r in rows], 0.4, label="over torch.optim")
-    ax.bar([i + 0.2 for i in x], [r["speedup_over_eager_program"] for r in rows], 0.4, label="over the program, eager")
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xticks(list(x), labels, fontsize=8)
-    ax.set_ylabel("speed-up of coconet's best schedule")
-    ax.set_title(f"optimizers without a hand-written baseline, world {report['world']} ({report['cpus']} cores)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    labels = [f"{r['program']}<br>{r['sizes']}" for r in rows]
+    fig = figure()
+    for key, name, colour in (
+        ("speedup_over_torch_optim", "over torch.optim", COLOURS[0]),
+        ("speedup_over_eager_program", "over the program, eager", COLOURS[1]),
+    ):
+        fig.add_trace(go.Bar(x=labels, y=[r[key] for r in rows], name=name, marker_color=colour))
+    fig.add_hline(y=1.0, line={"color": "black", "width": 1})
+    fig.update_layout(
+        barmode="group",
+        title=f"optimizers without a hand-written baseline, world {report['world']} ({report['cpus']} cores)",
+        yaxis_title="speed-up of coconet's best schedule",
+    )
+    write_figure(fig, path, width=int(150 * len(rows) + 200), height=400)
 
 
 def main() -> None:

@@ -25,14 +25,15 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from coconet.codegen.backends import DEFAULT
 from coconet.codegen.baselines import shardable_text
-from coconet.codegen.lower import BACKENDS, KERNELS
+from coconet.codegen.lower import BACKENDS, KERNELS, lower
+from coconet.codegen.runtime import write as write_module
 from coconet.errors import CoconetError
 from coconet.extras import EXTRAS, STORE, require
 from coconet.loader import load
 from coconet.schedules import shardable as shard
-from coconet.schedules.dims import parse_sizes
+from coconet.schedules.dims import format_sizes, parse_sizes
 from coconet.schedules.schedule import Schedule
-from coconet.schedules.space import generate
+from coconet.schedules.space import generate, pick
 from coconet.server.records import STORED_SOURCE, answer_source, machines_of, prediction_of
 from coconet.tuner.envlaunch import choose, require_one_node, run_in_job, world_of
 from coconet.tuner.launch import Options, run_schedules
@@ -66,43 +67,57 @@ def run(
     check: bool = True,
     depth: int = 6,
     store: Any = None,
+    shardable: Sequence[str] | str | None = None,
     launcher: str = "auto",
+    emit: str | os.PathLike | None = None,
+    standalone: bool = False,
+    trace: str | os.PathLike | None = None,
+    on_start: Callable[[list[Schedule], int], None] | None = None,
+    on_result: Callable[[int, Any], None] | None = None,
+    on_best: Callable[[Any], None] | None = None,
 ) -> dict[str, Any]:
     """Check and time schedules on ``world`` ranks of this machine (default 2), as ``coconet run --json``: the
     baseline first, then each of ``schedules`` (a schedule's text, its id in ``schedules(program)``, ``"all"``,
-    ``"baseline"``, or ``"best"``: the store's winner for these sizes, said in ``best``). Under torchrun
-    (``launcher``: as ``coconet run --launcher`` says), every rank calls it and is one rank of the run, in the
-    process group it already formed or one joined from the environment; every rank gets the answer."""
+    ``"baseline"``, or ``"best"``: the store's winner for these sizes on this machine and backend, of a tuning
+    that let ``shardable`` stay sharded, said in ``best``). Under torchrun (``launcher``: as ``coconet run
+    --launcher`` says), every rank calls it and is one rank of the run, in the process group it already formed
+    or one joined from the environment; every rank gets the answer.
+
+    ``emit``: a folder where each schedule's generated module is written too (with ``standalone``, beside a
+    copy of the runtime they import); ``trace``: a folder for a Chrome trace of one more step per rank.
+    For a progress display: ``on_start(schedules, world)`` hears of the schedules picked and the ranks per stage
+    before the first runs, ``on_result(i, result)`` of each schedule's result (``coconet.tuner.launch.RunResult``)
+    as it lands, ``on_best(found)`` of the store's answer behind ``"best"`` (``coconet.server.records.Best``)
+    when it is read."""
     job = choose(launcher)
     if backend not in BACKENDS:
         raise CoconetError(f"unknown backend {backend!r} (use {', '.join(BACKENDS)})")
     if kernels not in KERNELS:
         raise CoconetError(f"unknown kernels {kernels!r} (use {' or '.join(KERNELS)})")
-    if isinstance(schedules, str):
-        schedules = [schedules]
+    if standalone and emit is None:
+        raise CoconetError("standalone says how emit writes the modules: give emit (a folder) too")
     prog, source = load(program), program
     sizes = _sizes(sizes, prog)
     if job is not None:
         world = world_of(world, job, (stages or 2) if prog.is_pipeline else 1)
         require_one_node(backend, job)
     world = world or 2
-    chosen: dict[str, Any] = {}
-    stored: dict[str, Any] | None = None
-    space = None
-    for pick in ["baseline", *schedules]:
-        if pick == "best":
-            found = best(prog, sizes, world=world, backend=backend, store=store)
-            stored = found
-            picked = [Schedule.from_json(found["schedule_json"], prog)]
-        elif pick == "all" or str(pick).isdigit():
-            space = space if space is not None else generate(prog, depth=depth)
-            if pick != "all" and int(pick) >= len(space):
-                raise CoconetError(f"there is no schedule {pick}; the space has {len(space)} (0-{len(space) - 1})")
-            picked = list(space) if pick == "all" else [space[int(pick)]]
-        else:
-            picked = [Schedule(prog) if pick == "baseline" else Schedule.parse(pick, prog)]
-        for s in picked:
-            chosen.setdefault(s.hash, s)
+    stored: list[dict[str, Any]] = []  # the store's answer behind "best", said beside the results
+
+    def tuned() -> Schedule:
+        sched, found = stored_schedule(prog, sizes, world=world, backend=backend, store=store, shardable=shardable)
+        if on_best is not None:
+            on_best(found)
+        stored.append(_best_record(sched, found))
+        return sched
+
+    space = generate(prog, depth=depth)  # "all" and ids pick from it; each result gets its id in it
+    picks = [schedules] if isinstance(schedules, str) else list(schedules)
+    picked = pick(prog, picks, depth, best=tuned, space=space)
+    if emit is not None and (job is None or job.rank == 0):  # one rank writes for the job
+        _emit(prog.name, picked, backend, kernels, Path(emit), standalone)
+    if on_start is not None:
+        on_start(picked, world)
     opts = Options(
         world=world,
         sizes=sizes,
@@ -114,15 +129,14 @@ def run(
         repeats=repeats,
         check=check,
         timeout_s=timeout_s,
+        trace=str(Path(trace).resolve()) if trace is not None else None,
     )
     file = str(source) if isinstance(source, (str, os.PathLike)) and str(source).endswith(".py") else None
     results = (
-        run_in_job(list(chosen.values()), opts, job)
+        run_in_job(picked, opts, job, on_result=on_result)
         if job is not None
-        else run_schedules(list(chosen.values()), opts, program_file=file)
+        else run_schedules(picked, opts, program_file=file, on_result=on_result)
     )
-    base = results[0].median_s
-    rows = [dict(r.to_json(), speedup=base / r.median_s if base and r.median_s else None) for r in results]
     out = {
         "program": prog.name,
         "program_hash": prog.hash,
@@ -130,9 +144,70 @@ def run(
         "backend": backend,
         "stages": opts.stages if prog.is_pipeline else 1,
         "sizes": sizes,
-        "results": rows,
+        "results": _rows(results, space),
     }
-    return {**out, "best": stored} if stored is not None else out
+    return {**out, "best": stored[0]} if stored else out
+
+
+def stored_schedule(
+    program: Any, sizes: Any, *, world: int, backend: str, store: Any = None, shardable: Sequence[str] | None = None
+) -> tuple[Schedule, Any]:
+    """What ``run``'s ``"best"`` runs: the store's winner for ``program`` at ``sizes`` (or the nearest tuned
+    sizes') on this machine (``local``) with ``backend`` at ``world``, of a tuning that let ``shardable`` stay
+    sharded; with the store's answer (``coconet.server.records.Best``: measured or predicted, exact or not)."""
+    require(STORE, "the store's winner (schedule best)")
+    from coconet.server.store import Store
+
+    prog = load(program)
+    sizes = _sizes(sizes, prog)
+    names = [shardable] if isinstance(shardable, str) else list(shardable or ())
+    allowed = shardable_text(prog, names or None)
+    with _opened(store, Store, create=False) as opened:
+        found = opened.best(prog.hash, sizes, "local", world, backend=backend, shardable=allowed)
+        where = opened.url
+    if found is None or found.measurement.schedule_json is None:
+        flags = "".join(f" --shardable {n}" for n in names)
+        raise CoconetError(
+            f"no tuned schedule of {prog.name} on {backend} at world {world} in {where} that leaves "
+            f"at most {shard.words(allowed)} sharded: run `coconet tune FILE --world {world} "
+            f"--size {format_sizes(sizes)} --backend {backend}{flags}` first"
+        )
+    return Schedule.from_json(found.measurement.schedule_json, prog), found
+
+
+def _best_record(sched: Schedule, found: Any) -> dict[str, Any]:
+    """The store's answer behind ``"best"`` as ``run``'s record says it."""
+    return {
+        "schedule": sched.text,
+        "hash": sched.hash,
+        "source": answer_source(found.source),
+        "exact": found.exact,
+        "tuned_sizes": found.winner.sizes,
+        "winner_id": found.winner.id,
+        "median_s": found.measurement.median_s,
+        "speedup": found.winner.speedup,
+    }
+
+
+def _emit(name: str, picked: list[Schedule], backend: str, kernels: str, folder: Path, standalone: bool) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    for sched in picked:
+        gen = lower(sched, backend, kernels)
+        write_module(gen.source, backend, folder / f"{name}_{sched.hash}_{backend}.py", standalone)
+
+
+def _rows(results: list, space: Any) -> list[dict[str, Any]]:
+    """The results as ``run`` answers them: each with its id in ``schedules(program)`` (None where the space
+    lacks it) and its speed-up over the baseline, the first."""
+    base = results[0].median_s
+    ids = {sched.hash: i for i, sched in enumerate(space)}
+    rows = []
+    for r in results:
+        row = r.to_json()
+        row["id"] = ids.get(r.hash)
+        row["speedup"] = base / r.median_s if base and r.median_s else None
+        rows.append(row)
+    return rows
 
 
 def tune(
@@ -151,9 +226,14 @@ def tune(
     timeout_s: float = 300.0,
     shardable: Sequence[str] | None = None,
     placement: str = "pack",
+    on_progress: Callable[[dict[str, int], Any], None] | None = None,
+    on_tuned: Callable[[Any, dict[str, Any]], None] | None = None,
 ) -> dict[str, Any] | list[dict[str, Any]]:
     """Tune ``program`` at ``sizes`` (one binding, or a list of them) on Ray and record the winners, as
-    ``coconet tune --json``: one result for one binding, a list (smallest first) for several."""
+    ``coconet tune --json``: one result for one binding, a list (smallest first) for several.
+    ``on_progress(sizes, progress)`` hears of each trial as it ends (``coconet.tuner.tune.Progress``: trials,
+    failed, budget, the best so far); ``on_tuned(tuned, result)`` of each binding's outcome at the end, its
+    every trial with it (``coconet.tuner.tune.Tuned``), beside the result returned for it."""
     require(EXTRAS["tune"], "coconet.tune")
     from coconet.server.store import Store
     from coconet.tuner.tune import Request, check, cost_prior
@@ -180,8 +260,11 @@ def tune(
     )
     check(request)
     with _opened(store, Store) as opened:
-        results = run_tune(request, opened, prior=cost_prior)
+        results = run_tune(request, opened, on_progress=on_progress, prior=cost_prior)
     docs = [r.to_json(prog, topology, world) for r in results]
+    for r, doc in zip(results, docs):
+        if on_tuned is not None:
+            on_tuned(r, doc)
     return docs[0] if len(docs) == 1 else docs
 
 

@@ -23,6 +23,8 @@ EXTRAS: Mapping[str, tuple[str, ...]] = MappingProxyType(
         # the REST API, the store, the dashboard, /docs and /redoc
         "server": ("fastapi", "uvicorn", *STORE, "plotly", "fastapi_offline"),
         "postgres": ("psycopg",),
+        # figures (``coconet bench --plot``, the benchmark scripts): plotly draws, kaleido writes images
+        "bench": ("plotly", "kaleido"),
     }
 )
 # the package pip knows a module by, where the names differ
@@ -30,14 +32,16 @@ _DISTRIBUTION = MappingProxyType({"psycopg": "psycopg[binary]", "fastapi_offline
 
 
 def extra_for(module: str | None) -> str | None:
-    """The extra that installs ``module`` (a dotted name: its top level counts), or None if none does."""
+    """The extra that installs ``module`` (a dotted name: its top level counts), or None if none does: the first
+    that names it, where several do (plotly: the server's dashboard and the bench's figures)."""
     top = (module or "").split(".")[0]
     return next((extra for extra, mods in EXTRAS.items() if top in mods), None)
 
 
-def missing(module: str, why: str = "this") -> MissingDependency:
-    """The error for an import of ``module`` that failed: which extra installs it, and the pip command."""
-    extra = extra_for(module)
+def missing(module: str, why: str = "this", extra: str | None = None) -> MissingDependency:
+    """The error for an import of ``module`` that failed: which extra installs it (``extra``, where the caller
+    knows which of those that install it fits what it was doing), and the pip command."""
+    extra = extra or extra_for(module)
     top = module.split(".")[0]
     if extra is None:
         return MissingDependency(
@@ -50,11 +54,12 @@ def missing(module: str, why: str = "this") -> MissingDependency:
     )
 
 
-def require(modules: tuple[str, ...], why: str) -> None:
-    """Raise ``MissingDependency`` for the first of ``modules`` that cannot be imported, naming its extra."""
+def require(modules: tuple[str, ...], why: str, extra: str | None = None) -> None:
+    """Raise ``MissingDependency`` for the first of ``modules`` that cannot be imported, naming its extra (or
+    ``extra``)."""
     for module in modules:
         if not _importable(module):
-            raise missing(module, why)
+            raise missing(module, why, extra)
 
 
 def _importable(module: str) -> bool:

@@ -11,9 +11,9 @@ the shorter (then earlier) path. The order is deterministic: transforms in
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator, Sequence
 
-from coconet.errors import IllegalTransform
+from coconet.errors import CoconetError, IllegalTransform
 from coconet.schedules.dsl import as_ir
 from coconet.schedules.schedule import Schedule
 from coconet.schedules.transforms import TRANSFORMS
@@ -152,3 +152,36 @@ def _steps(cls, program) -> list[tuple]:
     subsets = getattr(cls, "subsets", None)
     extra = [tuple(s) for s in subsets(program, insts)] if subsets else []
     return [tuple(insts)] + [s for s in extra if s and len(s) < len(insts)]
+
+
+def pick(
+    program,
+    picks: Sequence[str],
+    depth: int = DEFAULT_DEPTH,
+    *,
+    best: Callable[[], Schedule],
+    space: Space | None = None,
+) -> list[Schedule]:
+    """The schedules ``picks`` name, the baseline first (every speed-up is against it), each once: a schedule's
+    text, ``baseline``, ``all`` (the space at ``depth``), an id in that space, or ``best`` (what ``best()``
+    answers: the store's winner, looked up only when asked). ``space``: the program's, where the caller made
+    it already (else made here at the first ``all`` or id)."""
+    chosen: list[Schedule] = [Schedule(program)]
+    for name in (p.strip() for p in picks):
+        if name == "best":
+            chosen.append(best())
+            continue
+        if name == "all" or name.isdigit():
+            space = space if space is not None else generate(program, depth=depth)
+            if name == "all":
+                chosen.extend(space)
+                continue
+            if int(name) >= len(space):
+                raise CoconetError(f"there is no schedule {name}; the space has {len(space)} (0-{len(space) - 1})")
+            chosen.append(space[int(name)])
+            continue
+        chosen.append(Schedule.parse(name, program))
+    unique: dict[str, Schedule] = {}
+    for sched in chosen:
+        unique.setdefault(sched.hash, sched)
+    return list(unique.values())

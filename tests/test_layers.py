@@ -83,8 +83,9 @@ HEAVY = {
     "uvicorn",
     "httpx",
     "scipy",
-    "matplotlib",
     "plotly",
+    "kaleido",
+    "choreographer",  # kaleido's browser driver
     "cupy",
     "triton",
     "tqdm",

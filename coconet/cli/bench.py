@@ -61,7 +61,10 @@ def bench(
     ),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="Write the JSON here too."),
     plot: Optional[Path] = typer.Option(
-        None, "--plot", help="Write a PNG: time vs size, speed-up, distance to the floor."
+        None,
+        "--plot",
+        help="Write the figure (time vs size, speed-up, distance to the floor): PATH.html as an interactive page, "
+        "PATH.png (or .svg, .pdf) as an image, which needs Chromium.",
     ),
     as_json: bool = JSON_OPT,
 ) -> None:
@@ -84,6 +87,10 @@ def bench(
     )
     writable(output, "-o")
     writable(plot, "--plot")
+    if plot is not None:
+        from coconet.tuner.plots import can_write  # plotly, when it is there: only with --plot
+
+        can_write(plot)  # before the minutes of measuring whose figure it is
     file = _workload_file(workload)
     prog = load_file(file)
     points = [parse_sizes(spec, prog.dims) for spec in size]

@@ -7,15 +7,14 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable, Iterable, List, Optional
+from typing import Any, Iterable, List, Optional
 
 import typer
 
 from coconet.codegen.backends import BACKENDS, REGISTRY
 from coconet.errors import CoconetError
 from coconet.loader import named_example
-from coconet.schedules.schedule import Schedule
-from coconet.schedules.space import generate
+from coconet.schedules.space import pick
 
 JSON_OPT = typer.Option(False, "--json", help="Answer in JSON on stdout.")
 SIZE_OPT = typer.Option(None, "--size", help="Size bindings, e.g. N=2^20 or B=8,S=1024,H=3072 (repeatable).")
@@ -85,30 +84,11 @@ def require_sizes(prog: Any, size: Optional[List[str]]) -> List[str]:
     return size
 
 
-def pick_schedules(
-    prog: Any, picks: List[str], depth: int, best: Optional[Callable[[], Any]] = None, space: Any = None
-) -> list:
-    """The schedules ``picks`` name, the baseline first; ``space``: the program's, where the caller made it
-    already (else made here at the first `all` or id)."""
-    chosen: list = [Schedule(prog)]  # the baseline runs first: every speed-up is against it
-    for pick in picks:
-        pick = pick.strip()
-        if pick == "best":
-            if best is None:
-                raise CoconetError("--schedule best is for coconet run (it reads the results store)")
-            chosen.append(best())
-            continue
-        if pick == "all" or pick.isdigit():
-            space = space if space is not None else generate(prog, depth=depth)
-            if pick == "all":
-                chosen.extend(space)
-                continue
-            if int(pick) >= len(space):
-                raise CoconetError(f"there is no schedule {pick}; the space has {len(space)} (0-{len(space) - 1})")
-            chosen.append(space[int(pick)])
-            continue
-        chosen.append(Schedule.parse(pick, prog))
-    unique: dict[str, Any] = {}
-    for sched in chosen:
-        unique.setdefault(sched.hash, sched)
-    return list(unique.values())
+def pick_schedules(prog: Any, picks: List[str], depth: int) -> list:
+    """The schedules ``picks`` name, the baseline first (``coconet.schedules.space.pick``), for a command that
+    reads no store: ``best`` is refused."""
+    return pick(prog, picks, depth, best=_no_store)
+
+
+def _no_store() -> Any:
+    raise CoconetError("--schedule best is for coconet run (it reads the results store)")

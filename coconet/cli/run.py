@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, List, Optional
+from typing import Any, List, Optional
 
 import typer
 from rich.console import Console
@@ -19,41 +19,23 @@ from coconet.cli.common import (
     SHARDABLE_HELP,
     SIZE_OPT,
     echo_json,
-    pick_schedules,
     program_path,
     require_sizes,
     writable,
 )
 from coconet.cli.output import fmt_ci, fmt_s, progress_bar, ratio, result_status, table_console
 from coconet.codegen.backends import DEFAULT
-from coconet.codegen.baselines import shardable_text
-from coconet.codegen.lower import BACKENDS, KERNELS, lower
-from coconet.codegen.runtime import write as write_module
+from coconet.codegen.lower import BACKENDS, KERNELS
 from coconet.errors import CoconetError
+from coconet.extras import STORE, require
 from coconet.loader import load_file
-from coconet.schedules import shardable as shard
 from coconet.schedules.dims import format_sizes, parse_sizes
-from coconet.schedules.schedule import Schedule
-from coconet.schedules.space import generate
 
 
-def _tuned_best(prog: Any, sizes: dict, world: int, backend: str, db: Optional[str], shardable: List[str]) -> Any:
-    """The store's winner for this program, sizes and world on this machine with this backend (or of the
-    nearest tuned sizes, said on stderr)."""
-    from coconet.server.store import Store
-
-    allowed = shardable_text(prog, shardable or None)
-    with Store.open(db, create=db is None) as store:  # the default store may not be made yet; a named one must be
-        found = store.best(prog.hash, sizes, "local", world, backend=backend, shardable=allowed)
-        url = store.url
-    if found is None or found.measurement.schedule_json is None:
-        size_text = format_sizes(sizes)
-        flags = "".join(f" --shardable {n}" for n in shardable)
-        raise CoconetError(
-            f"no tuned schedule of {prog.name} on {backend} at world {world} in {url} that leaves "
-            f"at most {shard.words(allowed)} sharded: run `coconet tune FILE --world {world} "
-            f"--size {size_text} --backend {backend}{flags}` first"
-        )
+def _say_best(found: Any, sizes: dict, backend: str) -> None:
+    """On stderr, what `--schedule best` runs: the store's winner (of the nearest tuned sizes where these were
+    not tuned; at the world asked), measured or predicted."""
+    world = found.winner.world
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     if not found.exact:
         err.print(
@@ -66,7 +48,6 @@ def _tuned_best(prog: Any, sizes: dict, world: int, backend: str, db: Optional[s
             f"{format_sizes(sizes)} --backend {backend}` measures it",
             markup=False,
         )
-    return Schedule.from_json(found.measurement.schedule_json, prog), found
 
 
 def _answer_text(found: Any) -> str:
@@ -156,6 +137,7 @@ def run(
 ) -> None:
     """Run schedules on R ranks of this machine, or as one rank of a torchrun job: check every output against
     the reference interpreter and time the step (median and 95% CI of the slowest rank per step)."""
+    from coconet.api import run as run_schedules  # numpy and the tuner: after the checks
     from coconet.tuner.envlaunch import choose
 
     job = choose(launcher)
@@ -170,121 +152,48 @@ def run(
     prog = load_file(file)
     size = require_sizes(prog, size)
     sizes = parse_sizes(size, prog.dims)
-    if job is not None:
-        from coconet.tuner.envlaunch import require_one_node, world_of
-
-        world = world_of(world, job, (stages or 2) if prog.is_pipeline else 1)
-        require_one_node(backend, job)
-    world = world or 2
+    if "best" in (s.strip() for s in schedule):
+        require(STORE, "`coconet run`")  # the command, not the function it calls, named in the error
     quiet = job is not None and job.rank != 0  # one rank speaks for the job
-    stored: list = []  # the store's answer behind --schedule best, said beside the results
-    space = generate(prog, depth=depth)  # `all` and ids pick from it; the table gives each schedule's id in it
-    best = _store_pick(prog, sizes, world, backend, db, shardable, stored)
-    picked = pick_schedules(prog, schedule, depth, best=best, space=space)
-    if emit is not None and not quiet:
-        _emit(prog.name, picked, backend, kernels, emit, standalone)
-    from coconet.tuner.launch import Options  # torch: seconds to import, so after the checks
+    with progress_bar(quiet=as_json or quiet, transient=True) as bar:
+        tasks: list = []
 
-    opts = Options(
-        world=world,
-        sizes=sizes,
-        backend=backend,
-        kernels=kernels,
-        stages=stages or 2,
-        seed=seed,
-        warmup=warmup,
-        repeats=repeats,
-        check=not no_check,
-        timeout_s=timeout,
-        trace=str(trace.resolve()) if trace is not None else None,
-    )
-    results = _launch(picked, opts, job, file, quiet=as_json or quiet)
-    failed = [r for r in results if r.status != "ok"]
+        def started(picked: list, ranks: int) -> None:
+            tasks.append(bar.add_task(f"{prog.name} on {ranks} ranks ({backend})", total=len(picked), status=""))
+
+        answer = run_schedules(
+            file,
+            sizes,
+            world=world,
+            schedules=schedule,
+            backend=backend,
+            kernels=kernels,
+            stages=stages,
+            repeats=repeats,
+            warmup=warmup,
+            seed=seed,
+            timeout_s=timeout,
+            check=not no_check,
+            depth=depth,
+            store=db,
+            shardable=shardable,
+            launcher=launcher,
+            emit=emit,
+            standalone=standalone,
+            trace=trace,
+            on_start=started,
+            on_result=lambda i, r: bar.update(tasks[0], advance=1, status=result_status(backend, r)),
+            on_best=lambda found: _say_best(found, sizes, backend),
+        )
+    failed = [r for r in answer["results"] if r["status"] != "ok"]
     if quiet:
         raise typer.Exit(1 if failed else 0)
-    rows = _rows(results, space)
     if as_json:
-        echo_json(
-            {
-                "program": prog.name,
-                "program_hash": prog.hash,
-                "world": world,
-                "backend": backend,
-                "stages": opts.stages if prog.is_pipeline else 1,
-                "sizes": sizes,
-                "results": rows,
-                **({"best": stored[0]} if stored else {}),
-            }
-        )
+        echo_json(answer)
     else:
-        _print_run_table(prog, world, backend, sizes, rows)
+        _print_run_table(prog, answer["world"], backend, sizes, answer["results"])
     if failed:
         raise typer.Exit(1)
-
-
-def _store_pick(
-    prog: Any, sizes: dict, world: int, backend: str, db: Optional[str], shardable: List[str], stored: list
-) -> Callable[[], Any]:
-    """What `--schedule best` runs: the store's winner, looked up only when asked, its record kept in
-    ``stored``."""
-
-    def tuned() -> Any:
-        from coconet.server.records import answer_source
-
-        sched, found = _tuned_best(prog, sizes, world, backend, db, shardable)
-        stored.append(
-            {
-                "schedule": sched.text,
-                "hash": sched.hash,
-                "source": answer_source(found.source),
-                "exact": found.exact,
-                "tuned_sizes": found.winner.sizes,
-                "winner_id": found.winner.id,
-                "median_s": found.measurement.median_s,
-                "speedup": found.winner.speedup,
-            }
-        )
-        return sched
-
-    return tuned
-
-
-def _emit(name: str, picked: list, backend: str, kernels: str, emit: Path, standalone: bool) -> None:
-    emit.mkdir(parents=True, exist_ok=True)
-    for sched in picked:
-        gen = lower(sched, backend, kernels)
-        write_module(gen.source, backend, emit / f"{name}_{sched.hash}_{backend}.py", standalone)
-
-
-def _launch(picked: list, opts: Any, job: Any, file: Path, quiet: bool) -> list:
-    """The schedules' results, run here or as this rank of the job, a bar on stderr following them."""
-    from coconet.tuner.envlaunch import run_in_job
-    from coconet.tuner.launch import run_schedules
-
-    with progress_bar(quiet=quiet, transient=True) as bar:
-        task = bar.add_task(
-            f"{picked[0].program.name} on {opts.world} ranks ({opts.backend})", total=len(picked), status=""
-        )
-        progress = lambda i, r: bar.update(task, advance=1, status=result_status(opts.backend, r))  # noqa: E731
-        if job is not None:
-            return run_in_job(picked, opts, job, on_result=progress)
-        return run_schedules(
-            picked, opts, program_file=str(file) if str(file).endswith(".py") else None, on_result=progress
-        )
-
-
-def _rows(results: list, space: Any) -> list[dict]:
-    """The results as the table and the JSON give them: each with its id in `coconet schedules` (for
-    --schedule ID) and its speed-up over the baseline, the first."""
-    base = results[0].median_s
-    ids = {sched.hash: i for i, sched in enumerate(space)}
-    rows = []
-    for r in results:
-        row = r.to_json()
-        row["id"] = ids.get(r.hash)
-        row["speedup"] = base / r.median_s if base and r.median_s else None
-        rows.append(row)
-    return rows
 
 
 def _print_run_table(prog: Any, world: int, backend: str, sizes: dict, rows: list) -> None:

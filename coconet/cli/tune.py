@@ -36,6 +36,7 @@ from coconet.cli.output import (
 )
 from coconet.codegen.lower import KERNELS
 from coconet.errors import CoconetError
+from coconet.extras import EXTRAS, STORE, require
 from coconet.loader import load_file
 from coconet.schedules.dims import format_sizes, parse_sizes
 
@@ -102,50 +103,16 @@ def tune(
 ) -> None:
     """Find the fastest schedule per size on this topology: measured on Ray, searched by Optuna, recorded in the
     store. With one --size the JSON is one result; with several, a list (smallest sizes first)."""
-    from coconet.server.store import Store
-    from coconet.tuner.runner import Protocol
-    from coconet.tuner.tune import Request, check
+    from coconet.api import tune as run_tune  # numpy and the tuner: after the checks
 
+    require((*STORE, *EXTRAS["tune"]), "`coconet tune`")  # the store named first, as the command always has
     if kernels not in KERNELS:
         raise CoconetError(f"unknown --kernels {kernels!r} (use {' or '.join(KERNELS)})")
     prog = load_file(file)
     size = require_sizes(prog, size)
     points = [parse_sizes(spec, prog.dims) for spec in size]
-    request = Request(
-        prog,
-        tuple(points),
-        world,
-        topology,
-        budget,
-        tuple(dict.fromkeys(backend)),
-        Protocol(timeout_s=timeout, kernels=kernels),
-        depth,
-        seed=seed,
-        ray_address=ray_address,
-        program_file=str(file) if file.suffix == ".py" else None,
-        shardable=tuple(shardable) if shardable else None,
-        placement=placement,
-    )
-    check(request)
-    with Store.open(db) as store:
-        results = _tune_with_progress(request, store, quiet=as_json)
-    docs = [r.to_json(prog, topology, world) for r in results]
-    if as_json:
-        echo_json(docs[0] if len(docs) == 1 else docs)
-    else:
-        for r, doc in zip(results, docs):
-            _print_tune_table(prog, doc, r)
-    if any(d["best"] is None for d in docs):  # as `run` when a schedule fails: the answer is printed, and partial
-        raise typer.Exit(1)
-
-
-def _tune_with_progress(request: Any, store: Any, quiet: bool) -> list:
-    from coconet.tuner.tune import cost_prior
-    from coconet.tuner.tune import tune as run_tune
-
-    if quiet:
-        return run_tune(request, store, prior=cost_prior)
-    with progress_bar() as bar:
+    tuned: list[tuple[Any, dict]] = []  # each size's outcome (its trials, for the table) and its record
+    with progress_bar(quiet=as_json) as bar:
         tasks: dict[str, Any] = {}
 
         def show(sizes: dict, p: Any) -> None:
@@ -155,7 +122,32 @@ def _tune_with_progress(request: Any, store: Any, quiet: bool) -> list:
             best = f"best {fmt_s(p.best[1])} {p.best[0]}" if p.best else "no result yet"
             bar.update(tasks[key], completed=p.trials, total=p.budget, status=f"failed {p.failed}  {best}"[:100])
 
-        return run_tune(request, store, on_progress=show, prior=cost_prior)
+        run_tune(
+            file,
+            points,
+            world=world,
+            budget=budget,
+            topology=topology,
+            backends=backend,
+            store=db,
+            ray_address=ray_address,
+            kernels=kernels,
+            depth=depth,
+            seed=seed,
+            timeout_s=timeout,
+            shardable=shardable or None,
+            placement=placement,
+            on_progress=None if as_json else show,
+            on_tuned=lambda t, doc: tuned.append((t, doc)),
+        )
+    docs = [doc for _, doc in tuned]
+    if as_json:
+        echo_json(docs[0] if len(docs) == 1 else docs)
+    else:
+        for t, doc in tuned:
+            _print_tune_table(prog, doc, t)
+    if any(d["best"] is None for d in docs):  # as `run` when a schedule fails: the answer is printed, and partial
+        raise typer.Exit(1)
 
 
 def _print_tune_table(prog: Any, doc: dict, tuned: Any) -> None:

@@ -248,6 +248,7 @@ def test_an_output_path_that_cannot_be_written_is_refused_before_the_work(tmp_pa
         (["run", "examples/adam.py", "--size", "N=8", "--emit", tmp_path / "afile"], "is a file: name a folder"),
         (["bench", "adam", "--size", "N=8", "--plot", tmp_path / "afile" / "x.png"], "afile is a file, not a folder"),
         (["bench", "adam", "--size", "N=8", "-o", tmp_path / "adir"], "is a folder"),
+        (["bench", "adam", "--size", "N=8", "--plot", tmp_path / "x.txt"], "a plot is written as .html or as an image"),
         (["calibrate", "-o", tmp_path / "afile" / "t.yaml"], "afile is a file, not a folder"),
         (["calibrate", "--ray-address", "127.0.0.1:1"], "--ray-address measures a cluster: name its topology"),
         (["calibrate", "--name", "mine"], "this machine is `local`; another name is a cluster's (--ray-address)"),
@@ -390,7 +391,7 @@ def test_run_table_and_failure_exit_code(tmp_path):
 
 
 def test_bench_compares_with_torch_and_the_floor(tmp_path):
-    out, png = tmp_path / "adam.json", tmp_path / "adam.png"
+    out, page = tmp_path / "adam.json", tmp_path / "adam.html"
     proc = coconet(
         "bench",
         "adam",
@@ -409,7 +410,7 @@ def test_bench_compares_with_torch_and_the_floor(tmp_path):
         "-o",
         out,
         "--plot",
-        png,
+        page,
         "--json",
     )
     assert proc.returncode == 0, proc.stderr
@@ -459,7 +460,7 @@ def test_bench_compares_with_torch_and_the_floor(tmp_path):
         best = min(point["results"], key=lambda r: r["median_s"])
         assert point["best"] == best
         assert point["best_speedup"] == point["torch"]["median_s"] / best["median_s"]
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "Plotly.newPlot" in page.read_text() and "best schedule, shm" in page.read_text()
 
 
 def bench_killed_once_written(out, written, *args) -> dict:
@@ -939,7 +940,8 @@ def test_a_confidence_interval_says_its_unit_once_where_its_ends_share_it():
 def test_run_schedule_best_says_whether_it_was_measured_or_predicted(tmp_path, capsys):
     """`coconet run --schedule best` takes the store's answer: the measured winner where the key has one, and
     it says which it took; a key only predicted runs the prediction, saying so and how to measure it."""
-    from coconet.cli.run import _tuned_best
+    from coconet.api import stored_schedule
+    from coconet.cli.run import _say_best
     from coconet.loader import load_file
     from coconet.schedules.space import generate
     from coconet.server.records import NewMeasurement
@@ -964,7 +966,13 @@ def test_run_schedule_best_says_whether_it_was_measured_or_predicted(tmp_path, c
             ]
         )
         store.add_winner(ids[1], baseline_id=ids[0], shardable="m,v")
-    sched, found = _tuned_best(prog, {"N": 8}, 2, "gloo", db, [])
+
+    def tuned_best() -> tuple:  # what `coconet run --schedule best` runs, and what it says of it
+        sched, found = stored_schedule(prog, {"N": 8}, world=2, backend="gloo", store=db)
+        _say_best(found, {"N": 8}, "gloo")
+        return sched, found
+
+    sched, found = tuned_best()
     err = capsys.readouterr().err
     assert sched.hash == third.hash and found.source == "model"
     assert (
@@ -975,7 +983,7 @@ def test_run_schedule_best_says_whether_it_was_measured_or_predicted(tmp_path, c
     with Store.open(db) as store:
         mid = store.add_measurement(NewMeasurement.of(other, median_s=2e-3, samples=[2e-3] * 3, **common))
         measured = store.add_winner(mid, shardable="m,v")
-    sched, found = _tuned_best(prog, {"N": 8}, 2, "gloo", db, [])
+    sched, found = tuned_best()
     err = capsys.readouterr().err
     assert sched.hash == other.hash and found.winner.id == measured
     assert f"--schedule best is measured: 2 ms a step (winner record {measured})" in err and "predicted" not in err

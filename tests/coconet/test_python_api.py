@@ -81,11 +81,52 @@ def test_best_says_measured_or_predicted_and_refuses_a_miss(tmp_path):
         coconet.best(prog, {"N": 1024}, topology="dgx", store=url)
 
 
-def test_run_is_the_cli_s(tmp_path):
-    got = coconet.run(ADAM, "N=64", world=2, schedules=["split(ar0)"], kernels="eager", repeats=3, warmup=1)
-    assert [r["schedule"] for r in got["results"]] == ["baseline", "split(ar0)"]
+MEASURED = ("median_s", "ci95_s", "speedup")  # what differs from one launch to the next
+
+
+def test_run_gives_the_cli_s_record(tmp_path):
+    """`coconet run --json` is `coconet.run` printed: for one request, the same record, the store's answer behind
+    `best` included, but for the times each launch measures anew."""
+    prog = coconet.load(ADAM)
+    url = f"sqlite:///{tmp_path / 'c.db'}"
+    from coconet.schedules.space import generate
+
+    base, other = list(generate(prog, depth=1))[:2]
+    common = dict(sizes={"N": 64}, topology="local", world=2, backend="gloo")
+    with Store.open(url) as store:
+        store.add_program(prog)
+        ids = store.add_measurements(
+            [
+                NewMeasurement.of(base, median_s=2e-3, samples=[2e-3] * 3, **common),
+                NewMeasurement.of(other, median_s=1e-3, samples=[1e-3] * 3, **common),
+            ]
+        )
+        winner = store.add_winner(ids[1], baseline_id=ids[0], shardable="m,v")
+    args = dict(world=2, schedules=["best", "3"], kernels="eager", repeats=2, warmup=0, store=url)
+    got = coconet.run(ADAM, "N=64", **args)
+    want = cli_json(
+        "run", str(ADAM), "--size", "N=64", "--world", "2", "--schedule", "best", "--schedule", "3",
+        "--kernels", "eager", "--repeats", "2", "--warmup", "0", "--db", url,
+    )  # fmt: skip
+    assert [r["schedule"] for r in got["results"]] == ["baseline", other.text, list(generate(prog))[3].text]
     assert all(r["status"] == "ok" and r["correct"] for r in got["results"])
-    assert set(got) == set(cli_json("run", str(ADAM), "--size", "N=64", "--kernels", "eager", "--repeats", "3"))
+    assert [r["id"] for r in got["results"]] == [0, 1, 3]
+    assert got["best"] == {
+        "schedule": other.text,
+        "hash": other.hash,
+        "source": "measured",
+        "exact": True,
+        "tuned_sizes": {"N": 64},
+        "winner_id": winner,
+        "median_s": 1e-3,
+        "speedup": pytest.approx(2.0),
+    }
+
+    def unmeasured(doc: dict) -> dict:
+        return {**doc, "results": [{k: v for k, v in r.items() if k not in MEASURED} for r in doc["results"]]}
+
+    assert unmeasured(got) == unmeasured(want)
+    assert [list(r) for r in got["results"]] == [list(r) for r in want["results"]]  # the same keys, in order
 
 
 def test_sweep_is_the_cli_s(tmp_path):
