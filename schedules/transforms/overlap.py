@@ -64,10 +64,13 @@ class Overlap(Transform):
 
 
 def _chunkable(program: Program, producer: str, collective: str) -> str | None:
-    """None where the producer's chunks are independent pieces of its result, else why not. A convolution is
+    """None where the producer's chunks are independent pieces of its result, else why not. A matmul's chunks
+    are a's rows by b whole: a batch of products is not chunked. A convolution is
     chunked along the batch (its input whole along it: a rank's batch slice would be another layout), or, for
     a reduce_scatter along the batch, along its weight's output channels, which must not straddle groups."""
     s = program[producer]
+    if s.op == "matmul" and program[s.args[1]].type.ndim > 2:
+        return f"{producer} is a batch of products: its chunks are a's rows, which a batch of b does not follow"
     if s.op not in CONVS:
         return None
     if program[s.args[0]].type.layout == Sliced(0):
