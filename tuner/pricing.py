@@ -207,9 +207,10 @@ class Builder:
             cold += again if self.is_cold(arg) else ()
         return Kernel(s.name, chunks, reads, out, out, flops=flops, dtype=s.type.dtype or "float32", cold=cold)
 
-    def tensordot(self, s: Stmt) -> Kernel:
+    def tensordot(self, s: Stmt, chunks: int = 1) -> Kernel:
         """A contraction: 2 flops per multiply-add, each element of this rank's piece of the result taking one
-        per element of the contracted dims (this rank's share of them where both operands are sliced there)."""
+        per element of the contracted dims (this rank's share of them where both operands are sliced there); in
+        ``chunks`` launches (an overlap's bands of a's rows), each reading all of b."""
         a = self.p[s.args[0]].type
         contracted = s.attr("dims")[0]
         sliced = a.layout.dim if isinstance(a.layout, Sliced) and a.layout.dim in contracted else None
@@ -521,7 +522,10 @@ class Builder:
         # chunks of a's rows times all of b (allreduce), or all of a times chunks of b's columns; a convolution's
         # chunks of the batch by all of w, or (scattered along the batch) all of x by chunks of w
         by_rows = coll.op == "allreduce" or (mm.op in CONVS and coll.type.layout != Sliced(0))
-        k = (self.conv if mm.op in CONVS else self.matmul)(mm, chunks, whole_each_chunk=1 if by_rows else 0)
+        if mm.op == "tensordot":  # bands of a's rows by all of b, against an allreduce
+            k = self.tensordot(mm, chunks)
+        else:
+            k = (self.conv if mm.op in CONVS else self.matmul)(mm, chunks, whole_each_chunk=1 if by_rows else 0)
         out = self.nbytes(coll.type, self.local(coll.type))
         cat = Kernel(f"cat {coll.name}", 1, out, out, out)
         t = mm.type

@@ -58,7 +58,7 @@ def test_a_rank_without_heads(backend):
     """2 heads over 3 ranks: the last holds none, its context is empty and its share of the projection zeros."""
     prog = example("attention_out")
     picked = [s for s in generate(prog) if s.text in ("baseline", "split(ar0); reorder(ag0)")]
-    assert len(picked) == 2
+    picked += [Schedule.parse(f"overlap(td0, ar0); chunks={n}", prog) for n in (4, 16)]  # 16: more than S's rows
     assert_all_ok(run_schedules(picked, opts(3, backend, {"A": 2, "S": 4, "D": 2, "H": 3})))
 
 
@@ -79,6 +79,13 @@ def test_a_product_reads_its_replicated_operand_whole():
     src = lower(Schedule(square()), "gloo", "eager").source.split("def step")[1]
     assert "mm0 = torch.matmul(x, w)" in src and "mm1 = torch.matmul(xr, wc)" in src
     assert_all_ok(run_schedules([Schedule(square())], opts(2, "gloo", {"H": 3})))
+
+
+def test_overlap_code_contracts_bands_of_the_sequence():
+    src = lower(Schedule.parse("overlap(td0, ar0)", example("attention_out")), "gloo", "eager").source
+    assert "for _ak in torch.tensor_split(mm1, 4, dim=1):" in src
+    assert "_yk = torch.tensordot(_ak, w, dims=([0, 2], [0, 1]))" in src
+    assert "_works.append(_allreduce(_c, _yk, 'sum', async_op=True))" in src and "ar0 = torch.cat(_parts)" in src
 
 
 def test_runtime_matmul_takes_a_batch():
@@ -102,6 +109,9 @@ def test_cost_model_prices_the_products_flops():
         }
         for name, f in flops.items():
             assert units[name]["compute"] == pytest.approx(f / (topo.matmul_TFLOPS["float32"] * 1e12)), name
+        overlapped = Schedule.parse("overlap(td0, ar0)", prog)
+        (unit,) = [d for name, _, d in cost.explain(overlapped, sizes, topo, "gloo", world=world) if "td0" in name]
+        assert unit["compute"] == pytest.approx(flops["td0"] / (topo.matmul_TFLOPS["float32"] * 1e12))
         assert roofline.matmul_flops_per_rank(prog, sizes, world) == sum(flops.values())
     for topo in (load_topology(n) for n in list_topologies()):
         for backend in topo.backends:

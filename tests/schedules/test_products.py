@@ -328,9 +328,17 @@ def test_overlap_refuses_a_batch_of_products():
     assert Overlap.instances(p.ir) == []
     with pytest.raises(IllegalTransform, match="mm0 is a batch of products"):
         Overlap("mm0", "ar0").apply(p.ir)
-    assert Overlap.instances(heads()) == []
-    with pytest.raises(IllegalTransform, match="td0 is a tensordot, not a matmul or a convolution"):
-        Overlap("td0", "ar0").apply(heads())
+
+
+def test_overlap_chunks_a_tensordot_against_its_allreduce_only():
+    prog = heads()
+    assert Overlap.instances(prog) == [Overlap("td0", "ar0")]
+    split = Schedule.parse("split(ar0)", prog).scheduled
+    assert Overlap.instances(split) == []
+    with pytest.raises(IllegalTransform, match="td0 is a tensordot: its chunks are rows of the result, overlapped"):
+        Overlap("td0", "rs0").apply(split)
+    with pytest.raises(IllegalTransform, match="tr0 is a transpose, not a matmul, a tensordot or a convolution"):
+        Overlap("tr0", "ar0").apply(prog)
 
 
 def test_reorder_runs_a_batch_of_products_on_the_slices():
