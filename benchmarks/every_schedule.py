@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).parents[1]
-SIZES = {"N": 1000003, "B": 2, "S": 33, "H": 257, "M": 37, "K": 29, "F": 7, "C": 19, "W": 31}
+SIZES = {"N": 1000003, "B": 2, "S": 33, "H": 257, "M": 37, "K": 29, "F": 7, "C": 19, "W": 31, "A": 7, "D": 16}
 
 
 def programs(named: list[str]) -> list[Path]:

@@ -45,6 +45,8 @@ from coconet.schedules.dsl import (
     softmax,
     sqrt,
     sum,
+    tensordot,
+    transpose,
     where,
 )
 from coconet.schedules.ir import NEXT_STAGE, PREV_STAGE
@@ -122,6 +124,8 @@ __all__ = [
     "sqrt",
     "sum",
     "sweep",
+    "tensordot",
+    "transpose",
     "tune",
     "where",
 ]

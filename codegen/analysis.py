@@ -176,14 +176,14 @@ def row_dim(out_shape, d: int, shape) -> int | None:
 
 
 def readers_of(p: Program, t: str) -> list[str]:
-    """The statements that read state ``t`` before the step's end, bar its own update; a slice of it is a view,
-    read where its own readers run, so they count too (the slice with them)."""
+    """The statements that read state ``t`` before the step's end, bar its own update; a slice or a transpose of
+    it is a view, read where its own readers run, so they count too (the view with them)."""
     out = []
     for u in p.users[t]:
         if p[u].op == "update" and p[u].args[0] == t:
             continue
         out.append(u)
-        if p[u].op == "slice":
+        if p[u].op in VIEWS:
             out += readers_of(p, u)
     return out
 

@@ -122,6 +122,31 @@ class ConvBlockStep:
         return {"outputs": {"out": F.relu(y + tensors["b"] + tensors["r"])}, "sent": {}}
 
 
+class AttentionOutStep:
+    """Megatron-LM's tensor-parallel attention on this rank's heads as eager PyTorch (its ``CoreAttention`` and
+    ``RowParallelLinear``): ``torch.matmul(q, k.transpose(1, 2)) * scale``, ``torch.softmax``, ``F.dropout``,
+    ``torch.matmul(probs, v)``, the context laid out ``[s, heads * head dim]`` (a permute and a copy) times the
+    weight's rows as one GEMM, ``dist.all_reduce``, ``F.dropout(y + b) + r``. A rank without heads contributes
+    zeros (a product over no columns)."""
+
+    def __init__(self, p: float = 0.1) -> None:
+        self.p = p  # the example's dropout probability, both dropouts'
+
+    def __call__(self, tensors, scalars, *, group=None, **_):
+        import torch
+        import torch.distributed as dist
+        import torch.nn.functional as F
+
+        q, k, v, w = tensors["q"], tensors["k"], tensors["v"], tensors["w"]
+        scores = torch.matmul(q, k.transpose(1, 2)) * float(scalars["scale"])
+        probs = F.dropout(torch.softmax(scores, -1), p=self.p, training=True)
+        ctx = torch.matmul(probs, v)
+        heads, s, d = ctx.shape
+        y = torch.matmul(ctx.permute(1, 0, 2).reshape(s, heads * d), w.reshape(heads * d, w.shape[-1]))
+        dist.all_reduce(y, group=group)
+        return {"outputs": {"out": F.dropout(y + tensors["b"], p=self.p, training=True) + tensors["r"]}, "sent": {}}
+
+
 @dataclass(frozen=True)
 class Baseline:
     name: str
@@ -162,6 +187,14 @@ BASELINES = {
     ),
     "conv_block": Baseline(
         "conv_block", "conv_block", ConvBlockStep, True, "eager PyTorch: F.conv2d, dist.all_reduce, F.relu(y + b + r)"
+    ),
+    "attention_out": Baseline(
+        "attention_out",
+        "attention_out",
+        AttentionOutStep,
+        False,
+        "eager PyTorch as Megatron-LM's tensor-parallel attention: matmul, softmax, F.dropout, matmul, "
+        "the context's [s, h] GEMM, dist.all_reduce, F.dropout(y + b) + r",
     ),
 }
 

@@ -10,7 +10,7 @@ from coconet.codegen.names import BINARY, TORCH_DTYPE, UNARY, Names, dim_expr, p
 from coconet.codegen.plan import LoweringPlan
 from coconet.codegen.rowwise import normalize_text, reduce_text
 from coconet.errors import BackendError
-from coconet.schedules.ir import CONVS, Program, Stmt
+from coconet.schedules.ir import CONVS, VIEWS, Program, Stmt
 from coconet.schedules.types import Replicated, Sliced
 
 # what ``Emitter.collective`` renders: the runtime's collectives and the pipeline's transfers
@@ -102,7 +102,7 @@ class Emitter:
         """``text``, the value ``name`` that the step returns, as a copy where it is (a view of) state the step
         updates: what it returns is the value before the update, which the state's end of step overwrites."""
         s = self.p[name]
-        while s.op == "slice":
+        while s.op in VIEWS:
             s = self.p[s.args[0]]
         return f"{text}.clone()" if s.op == "input" and s.name in self.p.updates else text
 
@@ -125,6 +125,7 @@ class Emitter:
     def stmt(self, s: Stmt) -> list[str]:
         n, op = self.ident(s.name), s.op
         args = [self.operand(s, a) for a in s.args]
+        names = [self.ident(a) for a in s.args]  # the operands as they lie
         if s.name in self.plan.held and s.name not in self.p.group_of:
             dtype = TORCH_DTYPE[s.type.dtype or "float32"]
             return [f"{n} = {self.into(s, f'_c.shm.held({s.name!r}, {self.local_shape_expr(s.type)}, {dtype})')}"]
@@ -169,7 +170,15 @@ class Emitter:
         if op in ("softmax", "log_softmax"):
             return [f"{n} = {normalize_text(s, self.tensor(s.args[0], args[0]))}"]
         if op == "matmul":
-            return [f"{n} = {self.matmul}({args[0]}, {args[1]})"]
+            # a Replicated operand as it lies: no layout rule multiplies a cut of one (S(M)×R reads b whole,
+            # R×S(N) a whole), where a pointwise operand's cut would take b's rows when K is M's extent
+            mm = [x if isinstance(self.p[a].type.layout, Replicated) else y for a, x, y in zip(s.args, names, args)]
+            return [f"{n} = {self.matmul}({mm[0]}, {mm[1]})"]
+        if op == "tensordot":
+            dims = tuple(list(d) for d in s.attr("dims"))
+            return [f"{n} = torch.tensordot({names[0]}, {names[1]}, dims={dims})"]
+        if op == "transpose":
+            return [f"{n} = {names[0]}.transpose({s.attr('dim0')}, {s.attr('dim1')})"]
         if op in CONVS:
             # the operands as they lie: a batch, channel or whole piece is what the layout rule convolves (a
             # Replicated weight is never cut to a Sliced result's rows, as a pointwise operand is)

@@ -1,6 +1,6 @@
-"""The units that run no kernel of their own making: an overlap (the matmul in chunks, each chunk's collective in
-flight while the next multiplies) and a bucket (its collectives issued together, at most a cap of bytes per
-launch).
+"""The units that run no kernel of their own making: an overlap (the matmul, tensordot or convolution in chunks,
+each chunk's collective in flight while the next multiplies) and a bucket (its collectives issued together, at most
+a cap of bytes per launch).
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ def lower_overlap(e: Emitter, g: Group, chunks: int) -> list[str]:
     mm, coll = p[g.members[0]], p[g.members[1]]
     if mm.op in CONVS:
         return _lower_conv_overlap(e, mm, coll, chunks)
+    if mm.op == "tensordot":
+        return _lower_tensordot_overlap(e, mm, coll, chunks)
     a, b = e.ident(mm.args[0]), e.ident(mm.args[1])
     out = e.ident(coll.name)
     lines = [f"# overlap({mm.name}, {coll.name}): {chunks} chunks, chunk k's collective in flight while k+1 multiplies"]
@@ -54,6 +56,26 @@ def lower_overlap(e: Emitter, g: Group, chunks: int) -> list[str]:
             f"{out} = torch.cat([_finish() for _finish in _pending], dim=-1)",
         ]
     return lines
+
+
+def _lower_tensordot_overlap(e: Emitter, td: Stmt, coll: Stmt, chunks: int) -> list[str]:
+    """A tensordot in chunks of a's first free dim (bands of the result's rows), each band's allreduce in flight
+    while the next is contracted."""
+    a, b = e.ident(td.args[0]), e.ident(td.args[1])
+    dims = tuple(list(d) for d in td.attr("dims"))
+    free = next(i for i in range(e.p[td.args[0]].type.ndim) if i not in dims[0])
+    return [
+        f"# overlap({td.name}, {coll.name}): {chunks} chunks, chunk k's allreduce in flight while k+1 contracts",
+        "_parts, _works = [], []",
+        f"for _ak in torch.tensor_split({a}, {chunks}, dim={free}):",
+        f"    _yk = torch.tensordot(_ak, {b}, dims={dims})",
+        f"    _works.append(_allreduce(_c, _yk, {coll.attr('op')!r}, async_op=True))",
+        "    _parts.append(_yk)",
+        "for _w in _works:",
+        "    if _w is not None:",
+        "        _w.wait()",
+        f"{e.ident(coll.name)} = torch.cat(_parts)",
+    ]
 
 
 def _lower_conv_overlap(e: Emitter, conv: Stmt, coll: Stmt, chunks: int) -> list[str]:

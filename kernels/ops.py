@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 
 def matmul(a, b):
-    """a (..., K) @ b (K, M). float32 on CPU goes through oneDNN's linear, as Inductor's CPU lowering does:
+    """a (..., K) @ b (K, M), or a batch of products (torch.matmul's, as it stands). float32 on CPU by a matrix
+    goes through oneDNN's linear, as Inductor's CPU lowering does:
     on the Megatron layer's shapes it ran 1.07-1.25x torch.matmul's MKL sgemm where first measured, two
     ranks at once included, and 0.85-0.99x on an Intel Xeon (benchmarks/cpu_matmul.py). A product with
     one row or one column (a matrix's row or column sums as a product with ones) is torch.matmul: MKL's
@@ -20,6 +21,7 @@ def matmul(a, b):
         a.device.type == "cpu"
         and a.dtype == b.dtype == torch.float32
         and a.dim() >= 2
+        and b.dim() == 2
         and a.numel()
         and b.numel()
         and a.numel() > a.shape[-1]

@@ -151,6 +151,21 @@ def _conv_schema(nd: int) -> Schema:
     }
 
 
+def _contracted(v: Any) -> int | tuple[tuple[int, ...], tuple[int, ...]]:
+    """tensordot's ``dims`` as torch takes them: n (the last n dims of a with the first n of b), or a pair of
+    lists of dims, a's and b's, contracted in pairs; the builder makes either a pair of tuples of dims."""
+    if isinstance(v, int) and not isinstance(v, bool):
+        if not 0 <= v <= MAX_RANK:
+            raise ValueError(f"dims {v} must be in [0, {MAX_RANK}]")
+        return v
+    if not (isinstance(v, (list, tuple)) and len(v) == 2 and all(isinstance(x, (list, tuple)) for x in v)):
+        raise ValueError(f"dims {v!r} is not an int nor a pair of lists of dims ([a's], [b's])")
+    da, db = (tuple(_int(d) for d in x) for x in v)
+    if len(da) != len(db):
+        raise ValueError(f"dims {v!r} pairs {len(da)} of a's dims with {len(db)} of b's")
+    return da, db
+
+
 def _to(v: Any) -> str:
     if v != NEXT_STAGE:
         raise ValueError(f"send goes to NEXT_STAGE ({NEXT_STAGE!r}), not {v!r}")
@@ -187,6 +202,8 @@ SCHEMAS: dict[str, Schema] = {
     "softmax": {"dim": (_int, REQ)},
     "log_softmax": {"dim": (_int, REQ)},
     **{op: _conv_schema(nd) for op, nd in CONVS.items()},
+    "transpose": {"dim0": (_int, REQ), "dim1": (_int, REQ)},
+    "tensordot": {"dims": (_contracted, REQ)},
     "output": {"name": (_identifier, REQ)},
     "send": {"tag": (_identifier, "activation"), "to": (_to, NEXT_STAGE)},
 }
@@ -204,6 +221,8 @@ ARITY: dict[str, tuple[int, int]] = {
     "softmax": (1, 1),
     "log_softmax": (1, 1),
     "matmul": (2, 2),
+    "tensordot": (2, 2),
+    "transpose": (1, 1),
     **{op: (2, 2) for op in CONVS},
     "allreduce": (1, 1),
     "reduce_scatter": (1, 1),

@@ -8,7 +8,10 @@ both front ends: ``norm``/``sum`` of a Sliced value become a per-rank
 Sliced value goes through an ``all_gather``; a ``slice`` of a value a rewrite
 has sliced along the same dim is that value; ``matmul`` of Replicated ``a`` by
 ``b`` Sliced along its rows is this rank's columns of ``a`` times those rows, a
-partial product, and an ``allreduce``.
+partial product, and an ``allreduce`` (and so is a ``tensordot`` with one operand
+sliced along a contracted dim and the other whole); a batch of products with one
+operand sliced along a batch dim and the other whole is the whole one's rows
+along that dim (a ``slice``) by the sliced one.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Protocol
 
 from coconet.errors import ProgramError
-from coconet.schedules import infer
+from coconet.schedules import infer, linalg
 from coconet.schedules.attrs import ARITY, REQ, SCHEMAS
 from coconet.schedules.dims import IDENT, parse_dim
 from coconet.schedules.ir import (
@@ -65,6 +68,8 @@ PREFIX = {
     "all_gather": "ag",
     "broadcast": "bc",
     "matmul": "mm",
+    "tensordot": "td",
+    "transpose": "tr",
     "conv1d": "conv",
     "conv2d": "conv",
     "dropout": "drop",
@@ -258,6 +263,8 @@ class Builder:
         canon = self._check_attrs(op, attrs, custom)
         if op in ("reduce", "partial_reduce") or op in NORMALIZERS:
             canon = self._canonical_dim(op, args, canon)
+        if op in ("transpose", "tensordot"):
+            canon = self._canonical_dims(op, args, canon)
 
         # Semantics made explicit (see module docstring).
         if op == "slice" and isinstance(self.type_of(args[0]).layout, Sliced):
@@ -279,10 +286,21 @@ class Builder:
         if op in NORMALIZERS and self._over_slices(args[0], dict(canon)["dim"]):
             return self._normalize_slices(op, args[0], dict(canon)["dim"], name, location)
         if op == "matmul" and self._partial_product(args):
-            # R×S(0): each rank multiplies its columns of a by its rows of b, and the partial products add up
+            # R×S(K): each rank multiplies its columns of a by its rows of b, and the partial products add up
             a = self.add("slice", (args[0],), {"dim": -1}, location=location)
             part = self.add("matmul", (a, args[1]), location=location)
             return self.add("allreduce", (part,), {"op": "sum"}, location=location)
+        if op in ("matmul", "tensordot"):
+            cut = linalg.whole_operand_cut(op, self.type_of(args[0]), self.type_of(args[1]), dict(canon))
+            if cut is not None:
+                # the whole operand's rows that pair with the slice: a batch dim's (the result stays sliced), a
+                # contracted dim's (partial sums, which an allreduce adds up)
+                whole, dim = cut
+                part = self.add("slice", (args[whole],), {"dim": dim}, location=location)
+                args = (part, args[1]) if whole == 0 else (args[0], part)
+                if op == "tensordot":
+                    part = self.add(op, args, dict(canon), location=location)
+                    return self.add("allreduce", (part,), {"op": "sum"}, location=location, name=name)
         if op == "update":
             self._check_update_target(args[0])
             t, v = self.type_of(args[0]), self.type_of(args[1])
@@ -391,12 +409,17 @@ class Builder:
         return (
             isinstance(a.layout, Replicated)
             and a.ndim >= 1
-            and b.ndim == 2
-            and isinstance(b.layout, Sliced)
-            and b.layout.dim == 0
-            and a.shape[-1] == b.shape[0]
+            and (b.ndim == 2 or (b.ndim == a.ndim and a.shape[:-2] == b.shape[:-2]))
+            and b.layout == Sliced(b.ndim - 2)
+            and a.shape[-1] == b.shape[-2]
             and "bool" not in (a.dtype, b.dtype)
         )
+
+    def _canonical_dims(self, op: str, args: tuple[int, ...], canon: tuple) -> tuple:
+        attrs = linalg.canonical_dims(
+            op, [self.type_of(a) for a in args], dict(canon), [self.nodes[a].name for a in args]
+        )
+        return tuple(sorted(attrs.items()))
 
     def _check_update_target(self, target: int) -> None:
         node = self.nodes[target]
@@ -449,8 +472,14 @@ class Builder:
             )
         if op in NORMALIZERS:
             return infer.normalize(types[0], op, attrs["dim"], names)
+        if op == "matmul" and types[1].ndim >= 3:
+            return linalg.batched_matmul(types[0], types[1], names)
         if op == "matmul":
             return infer.matmul(types[0], types[1], names)
+        if op == "tensordot":
+            return linalg.tensordot(types[0], types[1], attrs["dims"], names)
+        if op == "transpose":
+            return linalg.transpose(types[0], attrs["dim0"], attrs["dim1"])
         if op in CONVS:
             return infer.conv(types[0], types[1], op, attrs, names)
         if op == "allreduce":

@@ -398,7 +398,22 @@ def rms_norm(x: Expr, weight: Any = None, eps: float = 1e-6) -> Expr:
 
 
 def matmul(a: Expr, b: Expr) -> Expr:
+    """``torch.matmul``: a (..., K) by a matrix b (K, N), or a batch of products a (..., M, K) by b (..., K, N)
+    with the same batch dims (attention's ``q @ k^T`` per head). Layout rules: docs/dsl.md, "Layouts"."""
     return _apply("matmul", (a, b))
+
+
+def transpose(x: Expr, dim0: int, dim1: int) -> Expr:
+    """``torch.transpose``: ``x`` with dims ``dim0`` and ``dim1`` swapped (a view); a Sliced dim moves with them."""
+    return _apply("transpose", (x,), {"dim0": dim0, "dim1": dim1})
+
+
+def tensordot(a: Expr, b: Expr, dims: Any) -> Expr:
+    """``torch.tensordot``: a and b contracted over ``dims`` (n: a's last n dims with b's first n; or a pair of
+    lists, a's dims and b's, contracted in pairs), the result's dims a's others then b's others. Both sliced
+    along a pair of contracted dims give partial sums (Local) for an allreduce: Megatron's row-parallel output
+    projection over each rank's heads, ``tensordot(ctx, w_o, ([0, 2], [0, 1]))``, with no reshape."""
+    return _apply("tensordot", (a, b), {"dims": dims})
 
 
 def conv2d(x: Expr, w: Expr, stride: Any = 1, padding: Any = 0, dilation: Any = 1, groups: int = 1) -> Expr:

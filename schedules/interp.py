@@ -356,6 +356,18 @@ def _matmul(ctx: _Ctx, s: Stmt) -> Pieces:
     return [np.matmul(np.asarray(a[r], np.float64), np.asarray(b[r], np.float64)) for r in range(ctx.world)]
 
 
+def _tensordot(ctx: _Ctx, s: Stmt) -> Pieces:
+    """Each rank's pieces as they lie: its rows of a free dim by the other operand whole, or its share of a
+    contracted pair of both (a partial sum, zeros where it holds none)."""
+    a, b = ctx.vals[s.args[0]], ctx.vals[s.args[1]]
+    dims = [list(d) for d in s.attr("dims")]
+    return [np.tensordot(np.asarray(a[r], np.float64), np.asarray(b[r], np.float64), dims) for r in range(ctx.world)]
+
+
+def _transpose(ctx: _Ctx, s: Stmt) -> Pieces:
+    return [np.swapaxes(np.asarray(x), s.attr("dim0"), s.attr("dim1")) for x in ctx.vals[s.args[0]]]
+
+
 def conv_reference(
     x: np.ndarray,
     w: np.ndarray,
@@ -528,6 +540,8 @@ EVAL: dict[str, Callable[[_Ctx, Stmt], Pieces]] = {
     "softmax": _softmax(log=False),
     "log_softmax": _softmax(log=True),
     "matmul": _matmul,
+    "tensordot": _tensordot,
+    "transpose": _transpose,
     "conv1d": _conv,
     "conv2d": _conv,
     "allreduce": _allreduce,

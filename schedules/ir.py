@@ -41,8 +41,11 @@ PARTIAL_COLLECTIVE = {"sum": "sum", "mean": "sum", "max": "max", "min": "min"}
 CONVS = {"conv1d": 1, "conv2d": 2}
 COLLECTIVES = frozenset({"allreduce", "reduce_scatter", "all_gather", "broadcast"})
 EFFECTS = frozenset({"update", "output", "send"})
-# R→S with no communication: each rank's rows of its own copy (slice_reduce makes it)
-VIEWS = frozenset({"slice"})
+# views of their operand, no copy: ``slice`` (R→S with no communication, each rank's rows of its own copy;
+# slice_reduce makes it) and ``transpose``
+VIEWS = frozenset({"slice", "transpose"})
+# products: a (batched) matmul, and a contraction over any dims (``tensordot``)
+PRODUCTS = frozenset({"matmul", "tensordot"})
 BUILTIN_OPS = (
     SOURCES
     | POINTWISE
@@ -52,7 +55,7 @@ BUILTIN_OPS = (
     | COLLECTIVES
     | EFFECTS
     | VIEWS
-    | {"matmul"}
+    | PRODUCTS
     | frozenset(CONVS)
 )
 

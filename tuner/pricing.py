@@ -14,7 +14,7 @@ from coconet.codegen.analysis import row_dim
 from coconet.codegen.fused import FusedCollective
 from coconet.codegen.plan import LoweringPlan
 from coconet.schedules.dims import Dim
-from coconet.schedules.ir import CONVS, Group, Stmt
+from coconet.schedules.ir import CONVS, PRODUCTS, VIEWS, Group, Stmt
 from coconet.schedules.types import ITEMSIZE, Replicated, Sliced, TensorType
 from coconet.tuner.priced import Comm, Kernel, PerWorld, Plan, Term, Unit, scaled
 
@@ -87,6 +87,8 @@ class Builder:
         t, out = self.p[a].type, s.type
         if t is None or t.is_scalar:
             return None
+        if s.op in PRODUCTS:
+            return self.local(t)  # a product reads its operands as they lie (Emitter.stmt)
         if s.name in self.rows:
             d = row_dim(out.shape, self.rows[s.name], t.shape)
             return self.local(t) if d is None else self.extent(t.shape, d)
@@ -98,7 +100,7 @@ class Builder:
 
     def is_cold(self, a: str) -> bool:
         s = self.p[a]
-        return s.op in ("input", "recv") or (s.op == "slice" and self.is_cold(s.args[0]))  # a slice is a view
+        return s.op in ("input", "recv") or (s.op in VIEWS and self.is_cold(s.args[0]))
 
     def reads(self, s: Stmt, skip: AbstractSet[str] = frozenset(), cold: bool = False) -> tuple[Term, ...]:
         out: list[Term] = []
@@ -205,6 +207,28 @@ class Builder:
             cold += again if self.is_cold(arg) else ()
         return Kernel(s.name, chunks, reads, out, out, flops=flops, dtype=s.type.dtype or "float32", cold=cold)
 
+    def tensordot(self, s: Stmt, chunks: int = 1) -> Kernel:
+        """A contraction: 2 flops per multiply-add, each element of this rank's piece of the result taking one
+        per element of the contracted dims (this rank's share of them where both operands are sliced there); in
+        ``chunks`` launches (an overlap's bands of a's rows), each reading all of b."""
+        a = self.p[s.args[0]].type
+        contracted = s.attr("dims")[0]
+        sliced = a.layout.dim if isinstance(a.layout, Sliced) and a.layout.dim in contracted else None
+        k_ext = self.extent(tuple(a.shape[d] for d in contracted), None if sliced is None else contracted.index(sliced))
+        out_ext = self.local(s.type)
+        flops = ((2.0, (out_ext, k_ext)),) if out_ext is not None else ()
+        out = self.nbytes(s.type, out_ext)
+        return Kernel(
+            s.name,
+            1,
+            self.reads(s),
+            out,
+            out,
+            flops=flops,
+            dtype=s.type.dtype or "float32",
+            cold=self.reads(s, cold=True),
+        )
+
     def conv(self, s: Stmt, chunks: int = 1, whole_each_chunk: int | None = None) -> Kernel:
         """A convolution priced as a matmul: 2 flops per multiply-add, of which each output element of this
         rank's batch rows takes one per element of the weight's row (its piece's input channels by the taps),
@@ -231,13 +255,15 @@ class Builder:
 
     def stmt(self, s: Stmt) -> list[Unit]:
         p, op = self.p, s.op
-        if op in ("input", "scalar", "const", "update", "output", "recv", "slice"):
-            return []  # recv: the stage before pays the transfer, as its send; a slice is a view
+        if op in ("input", "scalar", "const", "update", "output", "recv") or op in VIEWS:
+            return []  # recv: the stage before pays the transfer, as its send; a slice or a transpose is a view
         if op == "send":
             t = p[s.args[0]].type
             return [Unit(s.name, (), (Comm("send", self.nbytes(t, self.local(t)), between_stages=True),))]
         if op == "matmul":
             return [Unit(s.name, (self.matmul(s),))]
+        if op == "tensordot":
+            return [Unit(s.name, (self.tensordot(s),))]
         if op in CONVS:
             return [Unit(s.name, (self.conv(s),))]
         if op in ("allreduce", "broadcast"):
@@ -496,7 +522,10 @@ class Builder:
         # chunks of a's rows times all of b (allreduce), or all of a times chunks of b's columns; a convolution's
         # chunks of the batch by all of w, or (scattered along the batch) all of x by chunks of w
         by_rows = coll.op == "allreduce" or (mm.op in CONVS and coll.type.layout != Sliced(0))
-        k = (self.conv if mm.op in CONVS else self.matmul)(mm, chunks, whole_each_chunk=1 if by_rows else 0)
+        if mm.op == "tensordot":  # bands of a's rows by all of b, against an allreduce
+            k = self.tensordot(mm, chunks)
+        else:
+            k = (self.conv if mm.op in CONVS else self.matmul)(mm, chunks, whole_each_chunk=1 if by_rows else 0)
         out = self.nbytes(coll.type, self.local(coll.type))
         cat = Kernel(f"cat {coll.name}", 1, out, out, out)
         t = mm.type

@@ -46,7 +46,8 @@ def bytes_moved_once(program: Program, sizes: Mapping[str, int], world: int, sha
 
 
 def matmul_flops_per_rank(program: Program, sizes: Mapping[str, int], world: int) -> float:
-    """2·M·N·K of every matmul, on the pieces rank 0 holds (a Sliced dim: its first, largest, share), and of
+    """2·M·N·K of every matmul (and of every tensordot: its result's elements by its contracted extents), on
+    the pieces rank 0 holds (a Sliced dim: its first, largest, share), and of
     every convolution taken as the matmul of its output by the weight's rows (input channels by taps): its
     floor is then as if it ran at the matmul rate, as a convolution lowered to a GEMM would."""
 
@@ -60,6 +61,9 @@ def matmul_flops_per_rank(program: Program, sizes: Mapping[str, int], world: int
             # the rank's own rows and columns of the product: a column-parallel one (a weight Sliced(1))
             # holds 1/R of the columns, a row-parallel one its partial sum of every element over 1/R of K
             total += 2.0 * math.prod(local(s.type)) * local(program[s.args[0]].type)[-1]
+        elif s.op == "tensordot":  # each element of the result's piece, by the operand's piece of the pairs
+            a = local(program[s.args[0]].type)
+            total += 2.0 * math.prod(local(s.type)) * math.prod(a[d] for d in s.attr("dims")[0])
         elif s.op in CONVS:
             total += 2.0 * math.prod(local(s.type)) * math.prod(local(program[s.args[1]].type)[1:])
     return total

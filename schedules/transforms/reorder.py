@@ -66,15 +66,19 @@ def _rowwise_slices(s: Stmt, d: int | None) -> int | None:
 
 
 def _product_slices(program: Program, s: Stmt, sliced: dict[str, int]) -> tuple[bool, int | None]:
-    """A product with one operand sliced: a's non-contracted rows give the result's; b's columns give its last
-    dim; b's rows (the contracted dim) give partial products that an allreduce sums, so the result is whole."""
+    """A product with one operand sliced: a's non-contracted rows (or a batch dim) give the result's; b's
+    columns give its last dim, a batch dim of b the same dim of the result (the builder slices a there); b's
+    rows (the contracted dim) give partial products that an allreduce sums, so the result is whole."""
     (a, da), (b, db) = ((x, sliced.get(x, sliced_dim(program, x))) for x in s.args)
     if da is not None and db is not None:
         return False, None
     if da is not None:
         return (da != program[a].type.ndim - 1), da
     if db is not None:
-        return True, (s.type.ndim - 1 if db == 1 else None)
+        nb = program[b].type.ndim
+        if db == nb - 1:
+            return True, s.type.ndim - 1
+        return True, (None if db == nb - 2 else db)
     return True, None
 
 

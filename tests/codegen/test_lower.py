@@ -292,6 +292,15 @@ GOLDENS = {  # name: (example, schedule, backend, lower's keywords)
     "gpt_layer_sp_fused_collective": ("gpt_layer_sp", "fuse_collective(rs0)", "gloo", {}),
     # on shm: the kernel sums every rank's rows of the chunk, then normalises them into this rank's slot
     "gpt_layer_sp_fused_collective_shm": ("gpt_layer_sp", "fuse_collective(rs0)", "shm", {}),
+    # Megatron's tensor-parallel attention on each rank's heads: the scaled scores, softmax and dropout in one
+    # compiled kernel, the heads' context contracted with the projection's rows as one GEMM, then the
+    # epilogue on each rank's rows of the scattered sum, the output gathered
+    "attention_out_fused_collective": (
+        "attention_out",
+        "split(ar0); reorder(ag0); fuse(mul0, softmax0, drop0); fuse_collective(rs0)",
+        "gloo",
+        {},
+    ),
 }
 
 

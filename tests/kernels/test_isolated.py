@@ -24,7 +24,7 @@ from coconet.tuner.rank import inputs
 
 ROOT = Path(__file__).parents[2]
 EXAMPLES = sorted(p.stem for p in (ROOT / "examples").glob("*.py"))
-SIZES = {"N": 37, "H": 8, "B": 2, "S": 3, "C": 3, "W": 5}
+SIZES = {"N": 37, "H": 8, "B": 2, "S": 3, "C": 3, "W": 5, "A": 3, "D": 4}
 
 # run with python -S (no site: no .pth, so no editable install's finder) from the folder holding the copy
 CHILD = r"""

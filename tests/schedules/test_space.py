@@ -28,6 +28,7 @@ SIZES = {
     "gpt_pipeline": {"B": 2, "S": 1, "H": 3},
     "conv_block": {"B": 3, "C": 5, "H": 4, "W": 3},
     "gpt_layer_sp": {"S": 5, "B": 2, "H": 3},
+    "attention_out": {"A": 5, "S": 3, "D": 2, "H": 4},
 }
 
 

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.usefixtures("temp_code_cache")  # generated modules in 
 ROOT = Path(__file__).parents[2]
 EXAMPLES = sorted(p.stem for p in (ROOT / "examples").glob("*.py"))
 # not divisible by 2 or 3: every slice of every rank is uneven somewhere
-SIZES = {"N": 7, "M": 5, "B": 2, "S": 3, "H": 5, "K": 3, "C": 5, "W": 7}
+SIZES = {"N": 7, "M": 5, "B": 2, "S": 3, "H": 5, "K": 3, "C": 5, "W": 7, "A": 5, "D": 3}
 
 
 def example(name):
