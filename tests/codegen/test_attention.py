@@ -160,14 +160,15 @@ def _rank(rank, world, store, sizes):
 def test_hand_written_baseline_computes_the_program(tmp_path):
     """Megatron-LM's attention by hand, against the interpreter where dropout keeps every element: 5 heads over
     2 ranks, 2 over 3 (the last rank holds none)."""
-    import torch.multiprocessing as mp
+    import torch.multiprocessing as mp  # forkserver: ranks forked from a fresh process, never from this one, whose
+    # OpenMP workers (left by any earlier test's parallel region) a forked child would wait on for ever
 
     assert attention_out(0.1).hash == example("attention_out").hash  # the example, as the test writes it
     assert baseline_for(example("attention_out")) is BASELINES["attention_out"]
     for world, heads in ((2, 5), (3, 2)):
         store = tmp_path / f"store{world}"
         sizes = {"A": heads, "S": 3, "D": 2, "H": 4}
-        mp.start_processes(_rank, args=(world, store, sizes), nprocs=world, start_method="fork")
+        mp.start_processes(_rank, args=(world, store, sizes), nprocs=world, start_method="forkserver")
 
 
 def test_baseline_runs_unchecked_in_a_launch():

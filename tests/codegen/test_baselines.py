@@ -159,13 +159,16 @@ def _sp_rank(rank, world, store, sizes):
 def test_sequence_parallel_baseline_computes_the_program_on_uneven_slices(tmp_path):
     """Megatron-LM's sequence-parallel epilogue by hand, against the interpreter where dropout keeps every
     element: 5 sequence rows over 2 and 3 ranks (padded for the collectives, the last rank's slice short)."""
-    import torch.multiprocessing as mp
+    import torch.multiprocessing as mp  # forkserver: ranks forked from a fresh process, never from this one, whose
+    # OpenMP workers (left by any earlier test's parallel region) a forked child would wait on for ever
 
     assert gpt_layer_sp(0.1).hash == example("gpt_layer_sp").hash  # the example, as the test writes it
     assert baseline_for(example("gpt_layer_sp")) is BASELINES["gpt_layer_sp"]
     for world in (2, 3):
         store = tmp_path / f"store{world}"
-        mp.start_processes(_sp_rank, args=(world, store, {"S": 5, "B": 2, "H": 3}), nprocs=world, start_method="fork")
+        mp.start_processes(
+            _sp_rank, args=(world, store, {"S": 5, "B": 2, "H": 3}), nprocs=world, start_method="forkserver"
+        )
 
 
 def test_sequence_parallel_baseline_runs_unchecked_in_a_launch():
