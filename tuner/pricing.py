@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import AbstractSet
+from typing import AbstractSet, Callable
 
 from coconet.codegen.analysis import row_dim
 from coconet.codegen.fused import FusedCollective
@@ -199,13 +199,20 @@ class Builder:
         out_ext = self.local(s.type)
         flops = ((2.0, (out_ext, k_ext)),) if out_ext is not None else ()
         out = self.nbytes(s.type, out_ext)
-        reads, cold = self.reads(s), self.reads(s, cold=True)
-        if whole_each_chunk is not None and chunks > 1:
-            arg = s.args[whole_each_chunk]
-            again = self.nbytes(p[arg].type, self.consumed(s, arg), chunks - 1)
-            reads += again
-            cold += again if self.is_cold(arg) else ()
+        again, cold_again = self.read_again(s, chunks, whole_each_chunk, lambda arg: self.consumed(s, arg))
+        reads, cold = self.reads(s) + again, self.reads(s, cold=True) + cold_again
         return Kernel(s.name, chunks, reads, out, out, flops=flops, dtype=s.type.dtype or "float32", cold=cold)
+
+    def read_again(
+        self, s: Stmt, chunks: int, whole_each_chunk: int | None, piece: Callable[[str], int | None]
+    ) -> tuple[tuple[Term, ...], tuple[Term, ...]]:
+        """What ``chunks`` launches of ``s`` read beyond one pass over its operands: operand ``whole_each_chunk``
+        (0 or 1; None: none) again by each launch after the first, its ``piece``; and of those, the cold bytes."""
+        if whole_each_chunk is None or chunks <= 1:
+            return (), ()
+        arg = s.args[whole_each_chunk]
+        again = self.nbytes(self.p[arg].type, piece(arg), chunks - 1)
+        return again, (again if self.is_cold(arg) else ())
 
     def tensordot(self, s: Stmt, chunks: int = 1) -> Kernel:
         """A contraction: 2 flops per multiply-add, each element of this rank's piece of the result taking one
@@ -218,16 +225,9 @@ class Builder:
         out_ext = self.local(s.type)
         flops = ((2.0, (out_ext, k_ext)),) if out_ext is not None else ()
         out = self.nbytes(s.type, out_ext)
-        return Kernel(
-            s.name,
-            1,
-            self.reads(s),
-            out,
-            out,
-            flops=flops,
-            dtype=s.type.dtype or "float32",
-            cold=self.reads(s, cold=True),
-        )
+        again, cold_again = self.read_again(s, chunks, 1, lambda arg: self.consumed(s, arg))
+        reads, cold = self.reads(s) + again, self.reads(s, cold=True) + cold_again
+        return Kernel(s.name, chunks, reads, out, out, flops=flops, dtype=s.type.dtype or "float32", cold=cold)
 
     def conv(self, s: Stmt, chunks: int = 1, whole_each_chunk: int | None = None) -> Kernel:
         """A convolution priced as a matmul: 2 flops per multiply-add, of which each output element of this
@@ -241,11 +241,8 @@ class Builder:
         out = self.nbytes(s.type, self.local(s.type))
         reads = tuple(t for a in s.args for t in self.nbytes(p[a].type, self.local(p[a].type)))
         cold = tuple(t for a in s.args if self.is_cold(a) for t in self.nbytes(p[a].type, self.local(p[a].type)))
-        if whole_each_chunk is not None and chunks > 1:
-            arg = s.args[whole_each_chunk]
-            again = self.nbytes(p[arg].type, self.local(p[arg].type), chunks - 1)
-            reads += again
-            cold += again if self.is_cold(arg) else ()
+        again, cold_again = self.read_again(s, chunks, whole_each_chunk, lambda arg: self.local(p[arg].type))
+        reads, cold = reads + again, cold + cold_again
         return Kernel(s.name, chunks, reads, out, out, flops=flops, dtype=s.type.dtype or "float32", cold=cold)
 
     def collective(self, s: Stmt) -> Comm:

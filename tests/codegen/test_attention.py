@@ -112,6 +112,14 @@ def test_cost_model_prices_the_products_flops():
         overlapped = Schedule.parse("overlap(td0, ar0)", prog)
         (unit,) = [d for name, _, d in cost.explain(overlapped, sizes, topo, "gloo", world=world) if "td0" in name]
         assert unit["compute"] == pytest.approx(flops["td0"] / (topo.matmul_TFLOPS["float32"] * 1e12))
+        # in bands of a's rows: a launch a band, each reading all of w again, as the overlap's loop does
+        bands = {}
+        for chunks in (1, 4):
+            plan = cost.plan(overlapped.with_knobs(chunks=chunks), "gloo")
+            (k,) = [k for u in plan.units for k in u.kernels if k.what == "td0"]
+            bands[chunks] = k
+        assert (bands[1].launches, bands[4].launches) == (1, 4)
+        assert len(bands[4].read) == len(bands[1].read) + 1
         assert roofline.matmul_flops_per_rank(prog, sizes, world) == sum(flops.values())
     for topo in (load_topology(n) for n in list_topologies()):
         for backend in topo.backends:
