@@ -17,8 +17,16 @@ ONE = Dim.const(1)
 SCALAR_SHAPE: tuple[Dim, ...] = ()
 
 
-def _fmt(names: Sequence[str], types: Sequence[TensorType]) -> str:
+def operands_text(names: Sequence[str], types: Sequence[TensorType]) -> str:
+    """Operands as an error names them: ``a: (N, M) Sliced(0), b: ...``."""
     return ", ".join(f"{n}: {t.shape_text()} {t.layout}" for n, t in zip(names, types))
+
+
+def need_numbers(op: str, types: Sequence[TensorType], names: Sequence[str]) -> None:
+    """A product's operands are numbers: a comparison's result (bool) is refused, naming the operand."""
+    for n, t in zip(names, types):
+        if t.dtype == "bool":
+            raise ProgramError(f"{op} operand {n} is bool", rule=f"{op} needs numbers")
 
 
 def broadcast_shapes(shapes: Sequence[tuple[Dim, ...]]) -> tuple[Dim, ...] | None:
@@ -51,19 +59,19 @@ def pointwise_layout(types: Sequence[TensorType], out_shape: tuple[Dim, ...], na
             d = t.layout.dim + (ndim - t.ndim)
             if t.shape[t.layout.dim] != out_shape[d]:
                 raise ProgramError(
-                    f"a Sliced operand cannot be broadcast along its sliced dim ({_fmt(names, types)})",
+                    f"a Sliced operand cannot be broadcast along its sliced dim ({operands_text(names, types)})",
                     rule="pointwise: a sliced dim keeps its extent",
                 )
             sliced_dims.add(d)
     if sliced_dims and has_local:
         raise ProgramError(
-            f"cannot combine Local and Sliced operands ({_fmt(names, types)}); "
+            f"cannot combine Local and Sliced operands ({operands_text(names, types)}); "
             "reduce the Local value first (reduce_scatter or allreduce)",
             rule="pointwise L⊕S is an error",
         )
     if len(sliced_dims) > 1:
         raise ProgramError(
-            f"operands are Sliced along different dims ({_fmt(names, types)})",
+            f"operands are Sliced along different dims ({operands_text(names, types)})",
             rule="pointwise S⊕S needs the same sliced dim",
         )
     if sliced_dims:
@@ -141,16 +149,15 @@ def matmul(a: TensorType, b: TensorType, names: Sequence[str]) -> TensorType:
     never arrives here: the builder makes it S(last)×S(0) partials and an allreduce.)"""
     if b.ndim != 2 or a.ndim < 1:
         raise ProgramError(
-            f"matmul({_fmt(names, (a, b))}) needs a (..., K) and b (K, M)", rule="matmul shapes (..., K) x (K, M)"
+            f"matmul({operands_text(names, (a, b))}) needs a (..., K) and b (K, M)",
+            rule="matmul shapes (..., K) x (K, M)",
         )
     if a.shape[-1] != b.shape[0]:
         raise ProgramError(
             f"contracted dims differ: {names[0]}{a.shape_text()} and {names[1]}{b.shape_text()}",
             rule="matmul shapes (..., K) x (K, M)",
         )
-    for n, t in zip(names, (a, b)):
-        if t.dtype == "bool":
-            raise ProgramError(f"matmul operand {n} is bool", rule="matmul needs numbers")
+    need_numbers("matmul", (a, b), names)
     shape = a.shape[:-1] + (b.shape[1],)
     dtype = promote([(a, None), (b, None)])
     la, lb = a.layout, b.layout
@@ -168,7 +175,7 @@ def matmul(a: TensorType, b: TensorType, names: Sequence[str]) -> TensorType:
         layout = Local()
     if layout is None:
         raise ProgramError(
-            f"no matmul rule for {la} x {lb} ({_fmt(names, (a, b))}); allowed: R×R→R, L×R→L, "
+            f"no matmul rule for {la} x {lb} ({operands_text(names, (a, b))}); allowed: R×R→R, L×R→L, "
             "S(d)×R→S(d) for d not contracted, R×S(last)→S(last), S(last)×S(0)→L, R×S(0)→R (partials + allreduce)",
             rule="matmul layouts",
         )
@@ -342,7 +349,8 @@ def conv(x: TensorType, w: TensorType, op: str, attrs: dict, names: Sequence[str
     spatial, taps = ("L", "k") if nd == 1 else ("H, W", "kh, kw")
     if x.ndim != nd + 2 or w.ndim != nd + 2:
         raise ProgramError(
-            f"{op}({_fmt(names, (x, w))}) takes x (B, C, {spatial}) and w (K, C/groups, {taps})", rule=f"{op} shapes"
+            f"{op}({operands_text(names, (x, w))}) takes x (B, C, {spatial}) and w (K, C/groups, {taps})",
+            rule=f"{op} shapes",
         )
     for n, t in zip(names, (x, w)):
         if t.dtype not in FLOAT_DTYPES:
@@ -390,7 +398,8 @@ def _conv_layout(
     channels = (isinstance(lx, Replicated) and lw == Sliced(0)) or (lx == Sliced(1) and lw == Sliced(1))
     if channels and groups != 1:
         raise ProgramError(
-            f"{op} of {lx} x {lw} ({_fmt(names, types)}) with groups={groups}: slicing channels needs groups=1 "
+            f"{op} of {lx} x {lw} ({operands_text(names, types)}) with groups={groups}: "
+            "slicing channels needs groups=1 "
             "(a rank's channels may straddle groups)",
             rule=rule,
         )
@@ -402,7 +411,7 @@ def _conv_layout(
     elif lx == Sliced(1) or lw == Sliced(1):
         hint = "; partial sums slice both x and w along their input channels (dim 1)"
     raise ProgramError(
-        f"no {op} rule for {lx} x {lw} ({_fmt(names, types)}); allowed: R×R→R, L×R→L, S(0)×R→S(0), "
+        f"no {op} rule for {lx} x {lw} ({operands_text(names, types)}); allowed: R×R→R, L×R→L, S(0)×R→S(0), "
         f"R×S(0)→S(1), S(1)×S(1)→L (partial sums)" + hint,
         rule=rule,
     )

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from coconet.errors import ProgramError
-from coconet.schedules.infer import dim_index
+from coconet.schedules.infer import dim_index, need_numbers, operands_text
 from coconet.schedules.types import Layout, Local, Replicated, Sliced, TensorType, promote
 
 BATCHED_RULES = "R×R→R, L×R→L, S(i)×S(i)→S(i) for a batch dim i, S(M)×R→S(M), R×S(N)→S(N), S(K)×S(K)→L"
@@ -20,16 +20,6 @@ TENSORDOT_RULES = (
     "R×R→R, L×R→L, R×L→L, S(a free dim)×R and R×S(a free dim)→S(its place in the result), "
     "S(c)×S(c') for a contracted pair (c, c')→L"
 )
-
-
-def _fmt(names: Sequence[str], types: Sequence[TensorType]) -> str:
-    return ", ".join(f"{n}: {t.shape_text()} {t.layout}" for n, t in zip(names, types))
-
-
-def _numbers(op: str, types: Sequence[TensorType], names: Sequence[str]) -> None:
-    for n, t in zip(names, types):
-        if t.dtype == "bool":
-            raise ProgramError(f"{op} operand {n} is bool", rule=f"{op} needs numbers")
 
 
 def batched_matmul(a: TensorType, b: TensorType, names: Sequence[str]) -> TensorType:
@@ -41,7 +31,7 @@ def batched_matmul(a: TensorType, b: TensorType, names: Sequence[str]) -> Tensor
     rule = "matmul shapes (..., M, K) x (..., K, N), equal batch dims"
     if a.ndim != b.ndim:
         raise ProgramError(
-            f"matmul({_fmt(names, (a, b))}): a batch of products needs a and b with the same dims; b has "
+            f"matmul({operands_text(names, (a, b))}): a batch of products needs a and b with the same dims; b has "
             f"{b.ndim}, a {a.ndim} (a matrix b (K, N) multiplies any a)",
             rule=rule,
         )
@@ -53,7 +43,7 @@ def batched_matmul(a: TensorType, b: TensorType, names: Sequence[str]) -> Tensor
         raise ProgramError(
             f"contracted dims differ: {names[0]}{a.shape_text()} and {names[1]}{b.shape_text()}", rule=rule
         )
-    _numbers("matmul", (a, b), names)
+    need_numbers("matmul", (a, b), names)
     n = a.ndim
     la, lb = a.layout, b.layout
     layout: Layout | None = None
@@ -69,7 +59,7 @@ def batched_matmul(a: TensorType, b: TensorType, names: Sequence[str]) -> Tensor
         layout = Local()
     if layout is None:
         raise ProgramError(
-            f"no batched matmul rule for {la} x {lb} ({_fmt(names, (a, b))}); allowed: {BATCHED_RULES}, and "
+            f"no batched matmul rule for {la} x {lb} ({operands_text(names, (a, b))}); allowed: {BATCHED_RULES}, and "
             "S(i)×R, R×S(i) for a batch dim i and R×S(K) (the builder slices the whole operand)",
             rule="matmul layouts (batched)",
         )
@@ -105,7 +95,7 @@ def tensordot(a: TensorType, b: TensorType, dims: tuple[tuple[int, ...], tuple[i
                 f"{names[1]}{b.shape_text()} ({b.shape[j]})",
                 rule=rule,
             )
-    _numbers("tensordot", (a, b), names)
+    need_numbers("tensordot", (a, b), names)
     free_a = [i for i in range(a.ndim) if i not in da]
     free_b = [j for j in range(b.ndim) if j not in db]
     shape = tuple(a.shape[i] for i in free_a) + tuple(b.shape[j] for j in free_b)
@@ -115,7 +105,8 @@ def tensordot(a: TensorType, b: TensorType, dims: tuple[tuple[int, ...], tuple[i
         if isinstance(a.layout, Sliced) and isinstance(b.layout, Sliced):
             hint = "; partial sums slice a and b along the same contracted pair"
         raise ProgramError(
-            f"no tensordot rule for {a.layout} x {b.layout} over {list(da)}, {list(db)} ({_fmt(names, (a, b))}); "
+            f"no tensordot rule for {a.layout} x {b.layout} over {list(da)}, {list(db)} "
+            f"({operands_text(names, (a, b))}); "
             f"allowed: {TENSORDOT_RULES}" + hint,
             rule="tensordot layouts",
         )
